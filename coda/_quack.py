@@ -1,0 +1,146 @@
+"""The one module that imports quack-kernels (pinned 0.6.5, with nvidia-cutlass-dsl 4.8.1).
+
+coda builds on quack's SM90 GEMM (TMA, WGMMA, warp-specialized, persistent) and on its
+epilogue-op machinery (``quack.epilogue``). Every quack symbol coda uses is reached through
+this file, so a quack upgrade that moves a path touches only here. Imports are lazy: importing
+coda (the CPU reference path) does not load cutlass.
+
+What is used, and why:
+- ``gemm_epilogue`` and the EpiOps (RowVecLoad, ColVecLoad, TileLoad, TileStore,
+  ColVecReduce, RowVecReduce, OnlineLSEReduce, ColVecSelect): the GPU lowering target of a
+  ``coda.primitives`` program (``coda/primitives/lowering.py``);
+- ``pack`` / ``unpack`` / ``pexp`` / ``sigmoid``: trace-time math on accumulator values;
+- ``identity_epi``: the same mainloop with an empty epilogue, the "raw GEMM" ceiling;
+- ``_compile_gemm_epi``'s jit cache: proof that a compile happened on a GPU-less machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+QUACK_VERSION = "0.6.5"
+CUTLASS_DSL_VERSION = "4.8.1"
+
+
+@functools.lru_cache(maxsize=1)
+def _modules():
+    import quack
+    import quack.activation as activation
+    import quack.cache as cache
+    import quack.epilogue.library as library
+    import quack.epilogue.math as math
+    import quack.epilogue.ops as ops
+    import quack.gemm_runtime.host as host
+    from quack.epilogue.frontend import gemm_epilogue
+
+    # Edits to coda's epilogue programs must invalidate quack's on-disk .o cache.
+    coda_dir = os.path.dirname(os.path.abspath(__file__))
+    if coda_dir not in cache.EXTRA_SOURCE_DIRS:
+        cache.EXTRA_SOURCE_DIRS.append(coda_dir)
+    return {
+        "quack": quack,
+        "activation": activation,
+        "library": library,
+        "math": math,
+        "ops": ops,
+        "host": host,
+        "gemm_epilogue": gemm_epilogue,
+    }
+
+
+def versions() -> dict:
+    """Versions of the GPU-side stack, for result records and ``python -m coda.env``."""
+    out = {}
+    for mod, key in (("quack", "quack"), ("cutlass", "cutlass_dsl")):
+        try:
+            out[key] = __import__(mod).__version__
+        except Exception as e:  # reported, not hidden: the record says what is missing
+            out[key] = f"unavailable ({type(e).__name__})"
+    return out
+
+
+# -- trace-time math on accumulator values ------------------------------------------------------
+def unpack(value):
+    return _modules()["math"].unpack(value)
+
+
+def pack(a, b):
+    return _modules()["math"].pack(a, b)
+
+
+def exp(value):
+    return _modules()["math"].pexp(value)
+
+
+def sigmoid(value):
+    return _modules()["activation"].sigmoid(value)
+
+
+# -- lowering targets ---------------------------------------------------------------------------
+def op_classes():
+    """The quack EpiOp classes a primitive lowers onto, by coda primitive family."""
+    ops = _modules()["ops"]
+    return {
+        "RowLoad": ops.RowVecLoad,
+        "ColLoad": ops.ColVecLoad,
+        "TileLoad": ops.TileLoad,
+        "TileStore": ops.TileStore,
+        "RowPartials": ops.ColVecReduce,  # quack names reductions by the vector they produce
+        "ColPartials": ops.RowVecReduce,
+        "OnlineLSE": ops.OnlineLSEReduce,
+        "ColSelect": ops.ColVecSelect,
+    }
+
+
+def make_epi_mod(fn, **declarations):
+    """quack's ``@gemm_epilogue(**declarations)(fn)``: a launchable, cached epilogue GEMM."""
+    return _modules()["gemm_epilogue"](**declarations)(fn)
+
+
+def identity_mod():
+    return _modules()["library"].identity_epi
+
+
+def run_epi_gemm(mod, A, B, D, C, epi_args, config, *, launch=True):
+    """Run (or, with ``launch=False``, only compile and plan) ``mod`` on the quack SM90 GEMM.
+
+    ``A`` is (M, K); ``B`` is (K, N) in either major order; ``config`` a ``GemmConfig``."""
+    return mod.gemm(
+        A,
+        B,
+        D,
+        C,
+        epi_args=epi_args,
+        b_kn=True,
+        tile_M=config.tile_m,
+        tile_N=config.tile_n,
+        cluster_M=config.cluster_m,
+        cluster_N=config.cluster_n,
+        pingpong=config.pingpong,
+        persistent=True,
+        max_swizzle_size=config.max_swizzle_size,
+        _launch=launch,
+    )
+
+
+def compile_only(mod, A, B, D, C, epi_args, config) -> int:
+    """Compile ``mod`` for sm_90a on a machine with no GPU; returns the number of kernel
+    compiles this call performed (0 when the jit cache already held it).
+
+    quack compiles inside plan building and then asks the CUDA driver for occupancy, which
+    fails without a driver. That failure is accepted only when the compile step ran and
+    returned (the jit cache counted the lookup); any compile error propagates."""
+    compile_fn = _modules()["host"]._compile_gemm_epi
+    before = compile_fn.cache_info()
+    try:
+        run_epi_gemm(mod, A, B, D, C, epi_args, config, launch=False)
+    except Exception as e:
+        after = compile_fn.cache_info()
+        looked_up = (after.hits + after.misses) > (before.hits + before.misses)
+        if not (looked_up and "cuda" in str(e).lower()):
+            raise
+    after = compile_fn.cache_info()
+    if after.hits + after.misses == before.hits + before.misses:
+        raise RuntimeError("compile_only: quack's compile step was not reached")
+    return after.misses - before.misses

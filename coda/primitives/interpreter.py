@@ -1,0 +1,148 @@
+"""The tile interpreter: runs an epilogue program over a tile grid with torch.
+
+This is the CPU lowering of a ``coda.primitives`` program and the oracle the GPU lowering is
+tested against. It walks the (ceil(M/tile_m), ceil(N/tile_n)) grid of output tiles, hands
+``fn`` the tile's slice of the accumulator and of every declared operand (vectors broadcast as
+on the GPU), and scatters what ``fn`` returns: tiles into full outputs, reductions into
+partial arrays with exactly the GPU's shapes (M x T_N for RED_m and LSE, T_M x N for RED_n).
+Ragged last tiles are cut to the valid rows and columns, which is what the GPU's predicated
+accumulator (zeros for sums, -inf for LSE) amounts to.
+
+Arithmetic runs in ``acc.dtype``: float64 for algebra proofs, float32 to mirror the kernel.
+Outputs are rounded once to ``out_dtype`` when it is given, as the kernel's stores are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from coda.primitives.vocabulary import (
+    ColLoad,
+    ColPartials,
+    ColSelect,
+    EpilogueProgram,
+    OnlineLSE,
+    RowLoad,
+    RowPartials,
+    TileC,
+    TileLoad,
+)
+
+
+def _tiles(extent: int, tile: int):
+    for i in range(math.ceil(extent / tile)):
+        yield i, slice(i * tile, min((i + 1) * tile, extent))
+
+
+def _as_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(..., w) -> (..., w/2, 2): adjacent columns (2j, 2j+1) become one pair."""
+    return x.unflatten(-1, (x.shape[-1] // 2, 2))
+
+
+def interpret(
+    program: EpilogueProgram,
+    acc: torch.Tensor,
+    operands: dict,
+    *,
+    tile_m: int,
+    tile_n: int,
+    out_dtype: torch.dtype | None = None,
+) -> dict:
+    """Run ``program`` on accumulator ``acc`` (M x N); returns every output it declares.
+
+    ``operands`` maps each declared input (and each ColSelect's index) to its full tensor:
+    RowLoad (N,), ColLoad (M,), TileC / TileLoad (M, N) -- (M, 2N) for TileC in "widen" mode.
+    """
+    M, N = acc.shape
+    dt = acc.dtype
+    mode = program.mode
+    if mode == "pair" and (N % 2 or tile_n % 2):
+        raise ValueError(f"pair mode needs even N and tile_n, got N={N}, tile_n={tile_n}")
+    t_m, t_n = math.ceil(M / tile_m), math.ceil(N / tile_n)
+    store_w = N // 2 if mode == "pair" else N
+    d_w = 2 * N if mode == "widen" else N
+    ops = {name: v.to(dt) if v.is_floating_point() else v for name, v in operands.items()}
+
+    out: dict = {}
+    if program.writes_d:
+        out["D"] = torch.empty(M, d_w, dtype=dt)
+    for p in program.stores:
+        out[p.name] = torch.empty(M, store_w, dtype=dt)
+    for p in program.sinks:
+        if isinstance(p, (RowPartials, OnlineLSE)):
+            out[p.name] = torch.zeros(M, t_n, dtype=dt)
+        elif isinstance(p, ColPartials):
+            out[p.name] = torch.zeros(t_m, N, dtype=dt)
+        elif isinstance(p, ColSelect):
+            out[p.name] = torch.full((M,), float("nan"), dtype=dt)
+
+    for i, rows in _tiles(M, tile_m):
+        for j, cols in _tiles(N, tile_n):
+            tile_acc = acc[rows, cols]
+            args = {}
+            for p in program.inputs:
+                v = ops[p.name]
+                if isinstance(p, RowLoad):
+                    a = v[cols][None, :]
+                elif isinstance(p, ColLoad):
+                    a = v[rows][:, None]
+                elif isinstance(p, TileC) and mode == "widen":
+                    a = _as_pairs(v[rows, 2 * cols.start : 2 * cols.stop])
+                else:  # TileC, TileLoad
+                    a = v[rows, cols]
+                if mode == "pair":
+                    a = a.unsqueeze(-1) if isinstance(p, ColLoad) else _as_pairs(a)
+                elif mode == "widen" and isinstance(p, ColLoad):
+                    a = a  # (tm, 1) broadcasts against (tm, w) values
+                args[p.name] = a
+            acc_view = _as_pairs(tile_acc) if mode == "pair" else tile_acc
+            result = program.fn(acc_view, **args)
+            _scatter(program, result, acc_view, out, rows, cols, i, j, ops)
+
+    if out_dtype is not None:
+        for name in ("D", *(p.name for p in program.stores)):
+            if name in out:
+                out[name] = out[name].to(out_dtype)
+    return out
+
+
+def _scatter(program, result, acc_view, out, rows, cols, i, j, ops):
+    mode = program.mode
+    unknown = set(result) - {"D"} - {p.name for p in (*program.stores, *program.sinks)}
+    if unknown:
+        raise KeyError(f"{program.name} returned undeclared names {sorted(unknown)}")
+    if program.writes_d:
+        d = result.get("D", acc_view)
+        if mode == "widen":
+            out["D"][rows, 2 * cols.start : 2 * cols.stop] = d.flatten(-2)
+        else:
+            out["D"][rows, cols] = d.flatten(-2) if mode == "pair" else d
+    for p in program.stores:
+        v = result[p.name]
+        if mode == "pair":
+            out[p.name][rows, cols.start // 2 : cols.stop // 2] = v
+        else:
+            out[p.name][rows, cols] = v
+    for p in program.sinks:
+        v = result[p.name]
+        if isinstance(v, tuple):  # scaled reduction: fold x*y
+            v = v[0] * v[1]
+        v = torch.broadcast_to(v, acc_view.shape[: v.dim()]) if v.dim() else v
+        flat = v.reshape(v.shape[0], -1)
+        if isinstance(p, RowPartials):
+            out[p.name][rows, j] = flat.sum(dim=1)
+        elif isinstance(p, OnlineLSE):
+            out[p.name][rows, j] = torch.logsumexp(flat, dim=1)
+        elif isinstance(p, ColPartials):
+            if mode != "element":
+                raise NotImplementedError("ColPartials is defined for element mode only")
+            out[p.name][i, cols] = v.sum(dim=0)
+        elif isinstance(p, ColSelect):
+            idx = ops[p.index][rows].long()
+            hit = (idx >= cols.start) & (idx < cols.stop)
+            local = (idx - cols.start).clamp(0, flat.shape[1] - 1)
+            picked = flat.gather(1, local[:, None])[:, 0]
+            sel = out[p.name][rows]
+            out[p.name][rows] = torch.where(hit, picked, sel)

@@ -1,0 +1,70 @@
+"""Pure-torch references for cross-entropy fused into the LM head (KERNELS.md section 4).
+
+logits l = r_f * (a_f @ W_lm); lse[m] = log sum_n exp l[m, n]; loss_m = lse[m] - l[m, y_m];
+L = sum_m w[m] loss_m with w = 1/M_valid on rows whose target is not ``ignore_index``
+(PyTorch "mean"), or w = 1 ("sum").
+
+- F6 epilogue: per-(row, N-tile) log-sum-exp partials and the target logit (VEC-ST COL)
+- A3 combine:  lse = logsumexp over tiles [I4.2]; loss as above [I4.3]
+- backward:    dl = g * w * (softmax(l) - onehot(y)) [I4.4]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from coda.reference.rmsnorm import ref_dtype
+
+
+def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean"):
+    """Canonical CE in the logits' reference precision."""
+    return torch.nn.functional.cross_entropy(
+        logits.to(ref_dtype(logits)), target, ignore_index=ignore_index, reduction=reduction
+    )
+
+
+def lse_partials_ref(logits: torch.Tensor, tile_n: int) -> torch.Tensor:
+    """F6 LSE partials: part[m, t] = logsumexp over the columns of N-tile t."""
+    M, V = logits.shape
+    pad = (-V) % tile_n
+    lp = torch.nn.functional.pad(logits, (0, pad), value=-math.inf)
+    return torch.logsumexp(lp.view(M, -1, tile_n), dim=-1)
+
+
+def lse_combine_ref(partials: torch.Tensor) -> torch.Tensor:
+    """A3: lse = logsumexp_t part[m, t] (associative, commutative)."""
+    return torch.logsumexp(partials, dim=-1)
+
+
+def row_weights_ref(target, ignore_index: int = -100, reduction: str = "mean"):
+    valid = target != ignore_index
+    w = valid.to(torch.float64)
+    if reduction == "mean":
+        w = w / valid.sum().clamp(min=1)
+    return w
+
+
+def ce_from_stats_ref(lse, target_logit, target, ignore_index=-100, reduction="mean"):
+    """A3: L = sum_m w[m] (lse[m] - l[m, y_m]); ignored rows contribute 0."""
+    w = row_weights_ref(target, ignore_index, reduction).to(lse.dtype)
+    per_row = torch.where(target != ignore_index, lse - target_logit, torch.zeros_like(lse))
+    return (w * per_row).sum()
+
+
+def linear_cross_entropy_ref(a, w_lm, r, target, ignore_index=-100, reduction="mean"):
+    """Reference of the fused LM head + CE: l = r * (a @ w_lm), then canonical CE."""
+    dt = ref_dtype(a, w_lm)
+    logits = r.to(dt)[:, None] * (a.to(dt) @ w_lm.to(dt))
+    return cross_entropy_ref(logits, target, ignore_index, reduction)
+
+
+def dlogits_ref(logits, lse, target, ignore_index=-100, reduction="mean", grad=1.0):
+    """[I4.4] dl = g * w * (exp(l - lse) - onehot(y))."""
+    w = row_weights_ref(target, ignore_index, reduction).to(logits.dtype)
+    p = torch.exp(logits - lse[:, None])
+    onehot = torch.zeros_like(p)
+    valid = target != ignore_index
+    onehot[valid.nonzero()[:, 0], target[valid]] = 1
+    return grad * w[:, None] * (p - onehot)

@@ -1,0 +1,186 @@
+"""A Llama-style layer plus LM head and loss, twice: canonical (HF conventions, differentiated
+by torch autograd) and as CODA's kernel sequence F0..F6, B1..B13 (KERNELS.md section 6) built
+only from this package's reparameterized references, with a hand-written backward.
+
+The second form is the specification coda's kernels implement; the float64 tests prove it
+equals the first, loss and every gradient, on weights converted from the HF layout.
+
+Weights are a dict of (in, out) matrices in HF column order: wq (d, H*hd), wk and wv
+(d, Hkv*hd), wo (H*hd, d), wg and wu (d, f), wd (f, d), w_lm (d, V), and gammas g1, g2, gf.
+Tokens are rows: x0 is (B*S, d), batch-major; positions restart at 0 in every sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from coda.reference.cross_entropy import (
+    ce_from_stats_ref,
+    cross_entropy_ref,
+    dlogits_ref,
+    lse_combine_ref,
+    lse_partials_ref,
+)
+from coda.reference.rmsnorm import (
+    gemm_residual_rms_ref,
+    norm_bwd_apply_ref,
+    norm_corr_ref,
+    norm_stat_ref,
+    rmsnorm_ref,
+    rstd_ref,
+    wgrad_gamma_rows_ref,
+)
+from coda.reference.rope import (
+    adjacent_to_hf_columns,
+    gemm_rope_ref,
+    hf_to_adjacent_columns,
+    rope_adjacent_bwd_ref,
+    rope_angles,
+    rope_hf_ref,
+    rope_table,
+)
+from coda.reference.swiglu import dswiglu_ref, gemm_swiglu_ref, interleave_gate_up, split_gate_up
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    batch: int
+    seq: int
+    d: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    eps: float = 1e-5
+    rope_base: float = 10000.0
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+def random_layer_weights(s: LayerShape, dtype=torch.float64, generator=None) -> dict:
+    def mat(i, o):
+        return torch.randn(i, o, dtype=dtype, generator=generator) / i**0.5
+
+    def gamma(n):
+        return 1 + 0.1 * torch.randn(n, dtype=dtype, generator=generator)
+
+    hd = s.head_dim
+    return {
+        "wq": mat(s.d, s.heads * hd), "wk": mat(s.d, s.kv_heads * hd),
+        "wv": mat(s.d, s.kv_heads * hd), "wo": mat(s.heads * hd, s.d),
+        "wg": mat(s.d, s.ffn), "wu": mat(s.d, s.ffn), "wd": mat(s.ffn, s.d),
+        "w_lm": mat(s.d, s.vocab), "g1": gamma(s.d), "g2": gamma(s.d), "gf": gamma(s.d),
+    }  # fmt: skip
+
+
+def positions_of(s: LayerShape) -> torch.Tensor:
+    return torch.arange(s.seq).repeat(s.batch)
+
+
+def attention_ref(q, k, v, s: LayerShape):
+    """Causal GQA attention on token rows: q (M, H*hd), k and v (M, Hkv*hd) -> (M, H*hd)."""
+    B, S, hd = s.batch, s.seq, s.head_dim
+
+    def heads(t, n):
+        return t.view(B, S, n, hd).transpose(1, 2)
+
+    rep = s.heads // s.kv_heads
+    kk = heads(k, s.kv_heads).repeat_interleave(rep, dim=1)
+    vv = heads(v, s.kv_heads).repeat_interleave(rep, dim=1)
+    o = torch.nn.functional.scaled_dot_product_attention(heads(q, s.heads), kk, vv, is_causal=True)
+    return o.transpose(1, 2).reshape(B * S, s.heads * hd)
+
+
+def llama_layer_ref(x0, w: dict, s: LayerShape):
+    """Canonical layer forward in HF conventions; returns x2."""
+    M, hd = x0.shape[0], s.head_dim
+    theta = rope_angles(positions_of(s), hd, s.rope_base)
+    y1 = rmsnorm_ref(x0, w["g1"], s.eps)
+    q = rope_hf_ref((y1 @ w["wq"]).view(M, s.heads, hd), theta).flatten(1)
+    k = rope_hf_ref((y1 @ w["wk"]).view(M, s.kv_heads, hd), theta).flatten(1)
+    x1 = x0 + attention_ref(q, k, y1 @ w["wv"], s) @ w["wo"]
+    y2 = rmsnorm_ref(x1, w["g2"], s.eps)
+    sw = torch.nn.functional.silu(y2 @ w["wg"]) * (y2 @ w["wu"])
+    return x1 + sw @ w["wd"]
+
+
+def lm_head_loss_ref(x2, w: dict, target, s: LayerShape, ignore_index=-100):
+    logits = rmsnorm_ref(x2, w["gf"], s.eps) @ w["w_lm"]
+    return cross_entropy_ref(logits, target, ignore_index)
+
+
+def to_coda_layout(w: dict, s: LayerShape) -> dict:
+    """HF (in, out) weights -> coda's: W_qkv with q, k in adjacent-pair order; W_il."""
+    hd = s.head_dim
+    wqkv = torch.cat(
+        [
+            hf_to_adjacent_columns(w["wq"], s.heads, hd),
+            hf_to_adjacent_columns(w["wk"], s.kv_heads, hd),
+            w["wv"],
+        ],
+        dim=1,
+    )
+    out = {k: v for k, v in w.items() if k not in ("wq", "wk", "wv", "wg", "wu")}
+    return {**out, "wqkv": wqkv, "w_il": interleave_gate_up(w["wg"], w["wu"])}
+
+
+def from_coda_grads(g: dict, s: LayerShape) -> dict:
+    """coda-layout weight gradients -> HF layout (exact permutations)."""
+    hd, nq, nkv = s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    out = {k: v for k, v in g.items() if k not in ("wqkv", "w_il")}
+    out["wq"] = adjacent_to_hf_columns(g["wqkv"][:, :nq], s.heads, hd)
+    out["wk"] = adjacent_to_hf_columns(g["wqkv"][:, nq : nq + nkv], s.kv_heads, hd)
+    out["wv"] = g["wqkv"][:, nq + nkv :]
+    out["wg"], out["wu"] = split_gate_up(g["w_il"])
+    return out
+
+
+def coda_layer_sequence_ref(x0, w: dict, target, s: LayerShape, tile_n: int = 128):
+    """CODA's sequence, forward and hand-written backward, on coda-layout weights ``w``.
+    Returns (loss, dx0, weight grads in coda layout)."""
+    M, d, hd = x0.shape[0], s.d, s.head_dim
+    nq, nkv = s.heads * hd, s.kv_heads * hd
+    cs = rope_table(positions_of(s), hd, s.rope_base).to(x0.dtype)
+    # -- forward ----------------------------------------------------------------------------
+    r0 = rstd_ref(x0, s.eps)  # F0
+    a0 = x0 * w["g1"]
+    z = gemm_rope_ref(a0, w["wqkv"], r0, cs, s.heads, s.kv_heads, hd)  # F1
+    qkv = z.detach().requires_grad_(True)
+    o = attention_ref(qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :], s)  # F2
+    x1, a1, r1 = gemm_residual_rms_ref(o.detach(), w["wo"], x0, w["g2"], s.eps)  # F3 + A1
+    sw, u1 = gemm_swiglu_ref(a1, w["w_il"], r1)  # F4
+    x2, a2, r2 = gemm_residual_rms_ref(sw, w["wd"], x1, w["gf"], s.eps)  # F5 + A2
+    acc_lm = a2 @ w["w_lm"]  # F6 (never stored by the kernel)
+    logits = r2[:, None] * acc_lm
+    lse = lse_combine_ref(lse_partials_ref(logits, tile_n))  # A3
+    tl = logits.gather(1, target.clamp(min=0)[:, None])[:, 0]
+    loss = ce_from_stats_ref(lse, tl, target)
+    # -- backward ---------------------------------------------------------------------------
+    g = {}
+    dl = dlogits_ref(logits, lse, target)  # B1
+    dz_lm = r2[:, None] * dl
+    corr2 = norm_corr_ref(r2, norm_stat_ref(dl, acc_lm), d)  # A4
+    dx2, g["gf"] = norm_bwd_apply_ref(dz_lm @ w["w_lm"].T, x2, w["gf"], corr2)  # B2 + A5
+    g["w_lm"] = a2.T @ dz_lm  # B3
+    ds = dx2 @ w["wd"].T  # B4
+    s_re, dz1, S1 = dswiglu_ref(ds, u1, r1)
+    g["wd"] = s_re.T @ dx2  # B5
+    corr1 = norm_corr_ref(r1, S1, d)  # A6
+    dx1, g["g2"] = norm_bwd_apply_ref(dz1 @ w["w_il"].T, x1, w["g2"], corr1, dres=dx2)  # B6, A7
+    g["w_il"] = wgrad_gamma_rows_ref(x1, dz1, w["g2"])  # B7
+    do = dx1 @ w["wo"].T  # B8
+    g["wo"] = o.detach().T @ dx1  # B9
+    (dqkv,) = torch.autograd.grad(o, qkv, do)  # B10, attention backward (external)
+    dq = rope_adjacent_bwd_ref(dqkv[:, :nq].view(M, s.heads, hd), cs).flatten(1)  # B11
+    dk = rope_adjacent_bwd_ref(dqkv[:, nq : nq + nkv].view(M, s.kv_heads, hd), cs).flatten(1)
+    S0 = (dqkv * z).sum(-1) / r0  # rotation invariance: sum over rotated = sum over pre-rotation
+    dz0 = r0[:, None] * torch.cat([dq, dk, dqkv[:, nq + nkv :]], dim=1)
+    corr0 = norm_corr_ref(r0, S0, d)
+    dx0, g["g1"] = norm_bwd_apply_ref(dz0 @ w["wqkv"].T, x0, w["g1"], corr0, dres=dx1)  # B12
+    g["wqkv"] = wgrad_gamma_rows_ref(x0, dz0, w["g1"])  # B13
+    return loss, dx0, g

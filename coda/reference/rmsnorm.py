@@ -1,0 +1,104 @@
+"""Pure-torch references for RMSNorm around GEMMs: canonical and CODA-reparameterized.
+
+Canonical (HF ``LlamaRMSNorm``): ``r = ((1/d) sum_j h_j^2 + eps)^-1/2``, ``y = r * h * gamma``.
+
+Reparameterized (KERNELS.md section 2, 5.3, 5.4); weights are stored (in, out), ``Y = X @ W``:
+
+- GEMM1 epilogue (F3/F5): ``h = c + x @ w``; ``a = h * gamma``; ``P[m, t] = sum_{n in t} h^2``
+- AUX (A1/A2):            ``r = (sum_t P / d + eps)^-1/2``
+- GEMM2 epilogue:         ``z = r * (a @ w2)``                          (row scale after GEMM2)
+- dz producer epilogue:   ``S = sum_n dz * u`` with ``u = a @ w2``     (statistic one GEMM early)
+- AUX:                    ``corr = -(r^3 / d) * S``
+- dgrad epilogue:         ``dh = gamma * acc + corr * h + dres``, ``acc = (r * dz) @ w2^T``;
+                          ``dgamma = sum_m acc * h``                    (RED_n + AUX)
+- wgrad epilogue:         ``dw2 = gamma (rows) * (h^T @ (r * dz))``
+
+Every function computes in the dtype it is given (float64 for proofs, float32 as the fp32
+reference of CODA's error protocol); ``ref_dtype`` upcasts half inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def ref_dtype(*tensors) -> torch.dtype:
+    """float64 if any input is float64, else float32: the precision references compute in."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def rstd_ref(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """r[m] = (mean_j h[m, j]^2 + eps)^-1/2."""
+    return torch.rsqrt(h.pow(2).mean(dim=-1) + eps)
+
+
+def rmsnorm_ref(h: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """Canonical RMSNorm y = r * h * gamma."""
+    return h * rstd_ref(h, eps)[..., None] * gamma
+
+
+def sumsq_partials_ref(h: torch.Tensor, tile_n: int) -> torch.Tensor:
+    """RED_m of h^2: P[m, t] = sum over the columns of N-tile t (ragged last tile)."""
+    M, N = h.shape
+    pad = (-N) % tile_n
+    hp = torch.nn.functional.pad(h, (0, pad))
+    return hp.pow(2).view(M, math.ceil(N / tile_n), tile_n).sum(-1)
+
+
+def rstd_from_partials_ref(partials: torch.Tensor, d: int, eps: float) -> torch.Tensor:
+    """AUX A1/A2: r = (sum_t P[m, t] / d + eps)^-1/2."""
+    return torch.rsqrt(partials.sum(dim=-1) / d + eps)
+
+
+def gemm_residual_rms_ref(x, w, residual, gamma=None, eps: float = 1e-5):
+    """Reference of ``coda.gemm_residual_rms``: h = residual + x @ w, a = h * gamma (or None),
+    r = rstd(h). Computed in ``ref_dtype`` (fp32 for bf16 inputs); returns (h, a, r)."""
+    dt = ref_dtype(x, w, residual)
+    h = residual.to(dt) + x.to(dt) @ w.to(dt)
+    a = h * gamma.to(dt) if gamma is not None else None
+    return h, a, rstd_ref(h, eps)
+
+
+def gemm_residual_rms_torch(x, w, residual, gamma=None, eps: float = 1e-5):
+    """The plain PyTorch path in the inputs' own dtype (bf16 peer of the error protocol):
+    ``mm`` + add + RMS statistic, each rounded as eager PyTorch rounds it."""
+    h = residual + x @ w
+    a = h * gamma if gamma is not None else None
+    return h, a, rstd_ref(h.float(), eps)
+
+
+# -- backward --------------------------------------------------------------------------------
+def rmsnorm_bwd_ref(h, gamma, r, dy):
+    """Canonical RMSNorm backward [I5.4, I5.5]: returns (dh, dgamma).
+    dh = r*(gamma*dy) - h*(r^3/d)*S with S = sum_j h*gamma*dy; dgamma = sum_m dy*h*r."""
+    d = h.shape[-1]
+    S = (h * gamma * dy).sum(-1)
+    dh = r[:, None] * (gamma * dy) - h * (r.pow(3) / d * S)[:, None]
+    dgamma = (dy * h * r[:, None]).sum(0)
+    return dh, dgamma
+
+
+def norm_stat_ref(dz: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The RMSNorm-backward row statistic, taken on GEMM2's output [I5.6]: S = sum_n dz * u."""
+    return (dz * u).sum(-1)
+
+
+def norm_corr_ref(r: torch.Tensor, S: torch.Tensor, d: int) -> torch.Tensor:
+    """AUX: corr = -(r^3 / d) * S."""
+    return -(r.pow(3) / d) * S
+
+
+def norm_bwd_apply_ref(acc, h, gamma, corr, dres=None):
+    """dgrad epilogue (B2/B6/B12) + AUX dgamma: acc = (r*dz) @ w2^T.
+    Returns (dh, dgamma) with dh = gamma*acc + corr*h (+ dres), dgamma = sum_m acc*h."""
+    dh = gamma * acc + corr[:, None] * h
+    if dres is not None:
+        dh = dh + dres
+    return dh, (acc * h).sum(0)
+
+
+def wgrad_gamma_rows_ref(h, dz_tilde, gamma):
+    """wgrad epilogue: dW2 = gamma (as a per-row scale) * (h^T @ dz_tilde) [I5.8]."""
+    return gamma[:, None] * (h.transpose(-1, -2) @ dz_tilde)
