@@ -27,7 +27,6 @@ from coda.primitives.vocabulary import (
     RowLoad,
     RowPartials,
     TileC,
-    TileLoad,
 )
 
 

@@ -34,9 +34,7 @@ def lower(program: EpilogueProgram):
             ops[p.name] = cls[type(p).__name__](p.name)
         elif not isinstance(p, TileC):
             raise TypeError(f"no lowering for input {p!r}")
-    stores = tuple(
-        cls["TileStore"](p.name, gated=program.mode == "pair") for p in program.stores
-    )
+    stores = tuple(cls["TileStore"](p.name, gated=program.mode == "pair") for p in program.stores)
     for p in program.sinks:
         kind = type(p).__name__
         if isinstance(p, ColSelect):

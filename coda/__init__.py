@@ -1,0 +1,16 @@
+"""coda: Transformer training ops as GEMM-epilogue programs on Hopper.
+
+Every memory-bound op around a matmul (RMSNorm, residual adds, SwiGLU, RoPE, cross-entropy,
+and their backward) runs in the epilogue of quack's SM90 GEMM while the output tile is still
+on chip, plus small auxiliary reductions over per-tile partials. On the CPU and non-SM90 GPUs
+the same calls run pure-torch references (``coda.env`` says which path ran and why).
+
+Layers, bottom up (imports only go down): ``coda.reference`` and ``coda.primitives`` ->
+``coda.kernels`` -> ``coda.ops``.
+"""
+
+from coda._validate import CodaInputError  # noqa: F401
+from coda.env import CodaReferencePathWarning, UnsupportedDeviceError, last_path  # noqa: F401
+from coda.ops import ResidualRMS, gemm_residual_rms  # noqa: F401
+
+__version__ = "0.1.0"

@@ -1,0 +1,90 @@
+"""Which path an op runs, and why: the kernel path (an SM90 GPU) or the reference path.
+
+coda's kernels run on Hopper (SM90) only. On the CPU and on other GPUs every op runs its
+pure-torch reference through the same public call. The choice is never silent: the first
+reference-path call of each op emits a ``CodaReferencePathWarning`` naming the reason, and
+``last_path(op)`` tells what the latest call of an op ran. ``backend="kernel"`` forces the
+kernel path and raises ``UnsupportedDeviceError`` where it cannot run.
+
+``python -m coda.env`` prints the stack (torch, cutlass-dsl, quack, GPU, SM).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+BACKENDS = ("auto", "kernel", "reference")
+
+
+class CodaReferencePathWarning(UserWarning):
+    """An op ran its pure-torch reference because the kernel path is unavailable."""
+
+
+class UnsupportedDeviceError(RuntimeError):
+    """``backend="kernel"`` was asked for where coda's kernels cannot run."""
+
+
+_LAST: dict = {}
+_WARNED: set = set()
+
+
+def kernel_support(device: torch.device) -> tuple[bool, str]:
+    """(True, "") when coda's kernels can run on ``device``, else (False, the reason)."""
+    if device.type != "cuda":
+        return False, f"tensors are on {device.type}; coda's kernels need an SM90 CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device)
+        return False, f"{name} is sm_{major}{minor}; coda's kernels need SM90 (H100/H200)"
+    return True, ""
+
+
+def resolve_backend(op: str, backend: str, device: torch.device) -> str:
+    """'kernel' or 'reference' for one call of ``op``; records and reports the choice."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        path, reason = "reference", "backend='reference' was asked for"
+    else:
+        ok, reason = kernel_support(device)
+        if ok:
+            path, reason = "kernel", "SM90 GPU"
+        elif backend == "kernel":
+            raise UnsupportedDeviceError(f"{op}: backend='kernel' cannot run: {reason}")
+        else:
+            path = "reference"
+            if (op, reason) not in _WARNED:
+                _WARNED.add((op, reason))
+                warnings.warn(
+                    f"coda.{op} runs its pure-torch reference path: {reason}",
+                    CodaReferencePathWarning,
+                    stacklevel=3,
+                )
+    _LAST[op] = (path, reason)
+    return path
+
+
+def last_path(op: str) -> tuple[str, str] | None:
+    """(path, reason) of the latest call of ``op``, or None if it has not run."""
+    return _LAST.get(op)
+
+
+def describe() -> dict:
+    from coda import _quack
+
+    info = {"torch": torch.__version__, **_quack.versions(), "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        info["gpu"] = torch.cuda.get_device_name(dev)
+        info["sm"] = "sm_%d%d" % torch.cuda.get_device_capability(dev)
+        info["kernel_path"] = kernel_support(dev)[0]
+    else:
+        info["kernel_path"] = False
+    return info
+
+
+if __name__ == "__main__":
+    for k, v in describe().items():
+        print(f"{k:12s} {v}")

@@ -1,0 +1,103 @@
+"""GEMM1 of the GEMM-Residual-RMSNorm-GEMM block (KERNELS.md F3/F5 + A1/A2).
+
+    acc = x @ w                                   quack SM90 mainloop, fp32 accumulator
+    h   = residual + acc                          TileC (residual as the GEMM's C); EW
+    D   = h                      (bf16)           TILE-ST: the new residual stream
+    a   = h * gamma              (bf16, optional) VEC-LD ROW gamma; EW; TILE-ST
+    P[m, t] = sum_{n in t} h^2   (fp32)           RED_m from the fp32 h, before rounding
+    r[m] = (sum_t P[m, t] / d + eps)^-1/2         AUX (``coda.primitives.aux``)
+
+``a`` is GEMM2's A operand (the norm's gamma applied, its row scale r deferred to GEMM2's
+epilogue); without gamma the kernel is the plain "D = residual + A B plus sum-of-squares
+partials". Saved for backward: h and r.
+
+Supported: bf16 x (M, K) row-major, w (K, N) either major, residual (M, N) row-major,
+gamma (N,); K and N multiples of 8 (16-byte TMA rows); any M and any N-tile raggedness.
+Compile key: the program (fn source + declarations, keyed by quack), dtypes and majors, the
+``GemmConfig``; M, N, K are dynamic, so one compile serves every token count.
+Tests: tests/test_gemm_residual_rms.py (interpreter == reference on CPU; sm_90a compile;
+H200 error protocol). Measured: see benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coda import _quack
+from coda.kernels.config import DEFAULT, GemmConfig
+from coda.primitives import RowLoad, RowPartials, TileC, TileStore, epilogue_program
+from coda.primitives.aux import rstd_from_sumsq
+from coda.primitives.interpreter import interpret
+from coda.primitives.lowering import epi_args, lower
+from coda.reference.rmsnorm import gemm_residual_rms_ref  # noqa: F401  (the op's reference)
+
+
+@epilogue_program(inputs=[TileC()], sinks=[RowPartials("sumsq", scaled=True)])
+def residual_sumsq(acc, c):
+    h = acc + c
+    return {"D": h, "sumsq": (h, h)}
+
+
+@epilogue_program(
+    inputs=[TileC(), RowLoad("gamma")],
+    stores=[TileStore("normed")],
+    sinks=[RowPartials("sumsq", scaled=True)],
+)
+def residual_norm_sumsq(acc, c, gamma):
+    h = acc + c
+    return {"D": h, "normed": h * gamma, "sumsq": (h, h)}
+
+
+def program_for(gamma) -> object:
+    return residual_sumsq if gamma is None else residual_norm_sumsq
+
+
+def _buffers(x, w, gamma, config):
+    M, N = x.shape[0], w.shape[1]
+    h = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    outputs = {"sumsq": torch.empty(M, config.grid(M, N)[1], dtype=torch.float32, device=x.device)}
+    if gamma is not None:
+        outputs["normed"] = torch.empty_like(h)
+    return h, outputs
+
+
+def gemm_residual_rms_kernel(x, w, residual, gamma=None, eps=1e-5, config: GemmConfig = DEFAULT):
+    """The SM90 kernel + AUX. Inputs must already be validated (``coda.ops``).
+    Returns (h, a or None, r)."""
+    program = program_for(gamma)
+    h, outputs = _buffers(x, w, gamma, config)
+    operands = {} if gamma is None else {"gamma": gamma}
+    args = epi_args(program, operands, outputs)
+    _quack.run_epi_gemm(lower(program), x, w, h, residual, args, config)
+    return h, outputs.get("normed"), rstd_from_sumsq(outputs["sumsq"], w.shape[1], eps)
+
+
+def gemm_residual_rms_interpreted(x, w, residual, gamma=None, eps=1e-5, config=DEFAULT):
+    """The same program through the tile interpreter (CPU): GEMM in ``x``'s precision
+    (fp32 for half inputs), epilogue tile by tile, the same AUX. Returns (h, a, r, partials)."""
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    program = program_for(gamma)
+    acc = x.to(dt) @ w.to(dt)
+    operands = {"c": residual} if gamma is None else {"c": residual, "gamma": gamma}
+    out = interpret(program, acc, operands, tile_m=config.tile_m, tile_n=config.tile_n)
+    r = torch.rsqrt(out["sumsq"].sum(-1) / w.shape[1] + eps)
+    return out["D"], out.get("normed"), r, out["sumsq"]
+
+
+def compile_gemm_residual_rms(
+    k: int, n: int, *, gamma: bool, w_major: str = "n", config: GemmConfig = DEFAULT, m: int = 256
+) -> int:
+    """Compile the kernel for sm_90a without a GPU (fake-free: small CPU tensors carry the
+    dtypes and majors; M, N, K are dynamic in the compiled kernel). Returns compiles done."""
+    x = torch.empty(m, k, dtype=torch.bfloat16)
+    w = (
+        torch.empty(k, n, dtype=torch.bfloat16)
+        if w_major == "n"
+        else (torch.empty(n, k, dtype=torch.bfloat16).t())
+    )
+    residual = torch.empty(m, n, dtype=torch.bfloat16)
+    g = torch.empty(n, dtype=torch.bfloat16) if gamma else None
+    program = program_for(g)
+    h, outputs = _buffers(x, w, g, config)
+    args = epi_args(program, {} if g is None else {"gamma": g}, outputs)
+    return _quack.compile_only(lower(program), x, w, h, residual, args, config)

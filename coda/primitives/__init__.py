@@ -1,0 +1,23 @@
+"""CODA's five epilogue primitive families, the vocabulary coda's kernels are written in.
+
+- ``vocabulary``: the declarations (VEC / TILE / RED / LSE) and ``@epilogue_program``;
+- ``math``: the EW vocabulary (pairs, transcendentals) with one meaning in both lowerings;
+- ``interpreter``: the torch lowering (CPU path, test oracle);
+- ``lowering``: the quack SM90 lowering (GPU path);
+- ``aux``: the fixed-order reductions over partials.
+"""
+
+from coda.primitives.math import exp, pack, sigmoid, silu, unpack  # noqa: F401
+from coda.primitives.vocabulary import (  # noqa: F401
+    ColLoad,
+    ColPartials,
+    ColSelect,
+    EpilogueProgram,
+    OnlineLSE,
+    RowLoad,
+    RowPartials,
+    TileC,
+    TileLoad,
+    TileStore,
+    epilogue_program,
+)

@@ -1,0 +1,54 @@
+"""Test setup. Without a GPU, kernels are compiled for sm_90a (CUTE_DSL_ARCH / QUACK_ARCH) with
+quack's on-disk cache off, so every compile test really compiles. ``gpu`` tests skip cleanly
+without an SM90 GPU."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    os.environ.setdefault("QUACK_ARCH", "90")
+    os.environ.setdefault("QUACK_CACHE_ENABLED", "0")
+
+from coda.env import CodaReferencePathWarning  # noqa: E402
+
+
+def sm90_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if sm90_available():
+        return
+    skip = pytest.mark.skip(reason="needs an SM90 CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_reference_path():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CodaReferencePathWarning)
+        yield
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref| (the float64 verifier's metric)."""
+    got, ref = got.detach().double(), ref.detach().double()
+    return float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-300))
+
+
+def fro_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """||got - ref||_F / ||ref||_F (CODA's error protocol)."""
+    got, ref = got.detach().double(), ref.detach().double()
+    return float((got - ref).norm() / ref.norm().clamp(min=1e-300))
+
+
+def random_dims(seed: int, **ranges) -> dict:
+    """One random instantiation of named dimensions, each drawn from [lo, hi]."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: int(torch.randint(lo, hi + 1, (1,), generator=g)) for k, (lo, hi) in ranges.items()}

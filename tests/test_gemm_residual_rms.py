@@ -1,0 +1,191 @@
+"""GEMM1 of the GEMM-Residual-RMSNorm-GEMM block at all three levels of proof:
+the program through the tile interpreter == the reference (CPU, float64, ragged tiles); the
+kernel compiles for sm_90a (CPU, ``compile`` tests); the kernel on an SM90 GPU meets CODA's
+error protocol (``gpu`` tests). Bad input raises a clear error."""
+
+import pytest
+import torch
+from conftest import fro_err, random_dims, rel_err
+
+import coda
+from coda import env
+from coda.kernels import gemm_residual_rms as kern
+from coda.kernels.config import DEFAULT, GemmConfig
+from coda.reference.rmsnorm import (
+    gemm_residual_rms_ref,
+    gemm_residual_rms_torch,
+    sumsq_partials_ref,
+)
+
+SMALL = GemmConfig(tile_m=64, tile_n=32)
+
+
+def inputs(M, K, N, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, K, dtype=dtype, device=device, generator=g)
+    w = torch.randn(K, N, dtype=dtype, device=device, generator=g) / K**0.5
+    res = torch.randn(M, N, dtype=dtype, device=device, generator=g)
+    gamma = 1 + 0.1 * torch.randn(N, dtype=dtype, device=device, generator=g)
+    return x, w, res, gamma
+
+
+# -- level 1: the program equals the reference -------------------------------------------------
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("with_gamma", [False, True])
+@pytest.mark.parametrize("config", [SMALL, DEFAULT], ids=["64x32", "default"])
+def test_interpreted_program_equals_reference(seed, with_gamma, config):
+    d = random_dims(seed, M=(1, 300), K=(1, 40), N=(1, 420))
+    x, w, res, gamma = inputs(d["M"], d["K"], d["N"], seed=seed)
+    gamma = gamma if with_gamma else None
+    h, a, r, parts = kern.gemm_residual_rms_interpreted(x, w, res, gamma, 1e-5, config)
+    h_ref, a_ref, r_ref = gemm_residual_rms_ref(x, w, res, gamma, 1e-5)
+    assert rel_err(h, h_ref) < 1e-14 and rel_err(r, r_ref) < 1e-13
+    assert parts.shape == (d["M"], config.grid(d["M"], d["N"])[1])
+    assert rel_err(parts, sumsq_partials_ref(h_ref, config.tile_n)) < 1e-13
+    assert (a is None) == (gamma is None)
+    if gamma is not None:
+        assert rel_err(a, a_ref) < 1e-14
+
+
+def test_public_op_reference_path_on_cpu():
+    x, w, res, gamma = inputs(37, 24, 56, dtype=torch.bfloat16)
+    out = coda.gemm_residual_rms(x, w, res, gamma, eps=1e-6)
+    h, a, r = gemm_residual_rms_ref(x, w, res, gamma, eps=1e-6)
+    assert coda.last_path("gemm_residual_rms")[0] == "reference"
+    assert out.h.dtype == torch.bfloat16 and out.rstd.dtype == torch.float32
+    assert torch.equal(out.h, h.bfloat16()) and torch.equal(out.normed, a.bfloat16())
+    assert torch.equal(out.rstd, r)
+    # the deferred scale identity, through the public op
+    w2 = torch.randn(56, 40, dtype=torch.float64)
+    y = out.rstd.double()[:, None] * (out.normed.double() @ w2)
+    canon = torch.nn.functional.rms_norm(out.h.double(), (56,), gamma.double(), 1e-6) @ w2
+    assert rel_err(y, canon) < 2e-2  # the bf16 roundings of h and h*gamma differ; bound 2^-6
+
+
+def test_reference_path_is_reported_once():
+    import warnings
+
+    env._WARNED.clear()
+    x, w, res, _ = inputs(8, 8, 8, dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        coda.gemm_residual_rms(x, w, res)
+        coda.gemm_residual_rms(x, w, res)
+    msgs = [str(r.message) for r in rec if issubclass(r.category, coda.CodaReferencePathWarning)]
+    assert len(msgs) == 1 and "reference path" in msgs[0] and "cpu" in msgs[0]
+
+
+# -- level 2: the kernel compiles for sm_90a ---------------------------------------------------
+@pytest.mark.compile
+@pytest.mark.parametrize("with_gamma", [False, True])
+@pytest.mark.parametrize("w_major", ["n", "k"])
+def test_compiles_for_sm90(with_gamma, w_major):
+    done = kern.compile_gemm_residual_rms(256, 520, gamma=with_gamma, w_major=w_major)
+    assert done in (0, 1)
+    # M, N and K are dynamic: another problem size reuses the same compiled kernel
+    assert kern.compile_gemm_residual_rms(512, 1032, gamma=with_gamma, w_major=w_major,
+                                          m=1000) == 0  # fmt: skip
+
+
+# -- bad input ------------------------------------------------------------------------------
+def test_bad_shapes_and_devices():
+    x, w, res, gamma = inputs(16, 24, 32, dtype=torch.float32)
+    with pytest.raises(coda.CodaInputError, match=r"w: dim 0 must equal x.shape\[1\] = 24"):
+        coda.gemm_residual_rms(x, w[:20], res)
+    with pytest.raises(coda.CodaInputError, match=r"residual: dim 1 must equal w.shape\[1\]"):
+        coda.gemm_residual_rms(x, w, res[:, :30])
+    with pytest.raises(coda.CodaInputError, match=r"gamma: expected shape \(w.shape\[1\],\)"):
+        coda.gemm_residual_rms(x, w, res, gamma[:5])
+    with pytest.raises(coda.CodaInputError, match="x: expected a 2-D tensor"):
+        coda.gemm_residual_rms(x[None], w, res)
+    with pytest.raises(coda.CodaInputError, match="one device; got x on cpu, w on meta"):
+        coda.gemm_residual_rms(x, w.to("meta"), res)
+    with pytest.raises(coda.CodaInputError, match="one dtype"):
+        coda.gemm_residual_rms(x, w.double(), res)
+    with pytest.raises(coda.CodaInputError, match="x: dtype must be one of"):
+        coda.gemm_residual_rms(x.int(), w.int(), res.int())
+    with pytest.raises(ValueError, match="backend must be one of"):
+        coda.gemm_residual_rms(x, w, res, backend="fast")
+
+
+def test_kernel_backend_refuses_cpu():
+    x, w, res, _ = inputs(16, 24, 32, dtype=torch.bfloat16)
+    with pytest.raises(coda.UnsupportedDeviceError, match="tensors are on cpu"):
+        coda.gemm_residual_rms(x, w, res, backend="kernel")
+
+
+def test_unsupported_gpu_is_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")
+    ok, reason = env.kernel_support(torch.device("cuda", 0))
+    assert not ok and "NVIDIA A100 is sm_80" in reason and "SM90" in reason
+    with pytest.raises(coda.UnsupportedDeviceError, match="sm_80"):
+        env.resolve_backend("gemm_residual_rms", "kernel", torch.device("cuda", 0))
+
+
+@pytest.fixture
+def pretend_sm90(monkeypatch):
+    """Route the CPU call to the kernel path and stop at the kernel: what reaches it passed
+    every kernel-path check."""
+    import coda.ops
+
+    monkeypatch.setattr(env, "kernel_support", lambda device: (True, ""))
+    reached = []
+    monkeypatch.setattr(
+        coda.ops, "gemm_residual_rms_kernel", lambda *a: reached.append(a) or (None,) * 3
+    )
+    return reached
+
+
+def test_kernel_path_rejects_dtype_and_tma_alignment(pretend_sm90):
+    x, w, res, gamma = inputs(16, 24, 32, dtype=torch.bfloat16)
+    with pytest.raises(coda.CodaInputError, match=r"x: dtype must be one of \[torch.bfloat16\]"):
+        coda.gemm_residual_rms(x.float(), w.float(), res.float())
+    xk, wk = torch.randn(16, 20).bfloat16(), torch.randn(20, 32).bfloat16()
+    with pytest.raises(coda.CodaInputError, match="x: rows must be 16-byte aligned.*multiple of 8"):
+        coda.gemm_residual_rms(xk, wk, res)
+    wn, rn_ = torch.randn(24, 36).bfloat16(), torch.randn(16, 36).bfloat16()
+    with pytest.raises(coda.CodaInputError, match="w: rows must be 16-byte aligned"):
+        coda.gemm_residual_rms(x, wn, rn_)
+    with pytest.raises(coda.CodaInputError, match="residual: the TMA needs a unit stride"):
+        coda.gemm_residual_rms(x, w, res.t().contiguous().t())
+    assert not pretend_sm90
+    coda.gemm_residual_rms(x, w, res, gamma)  # a k-major weight view is also fine:
+    coda.gemm_residual_rms(x, w.t().contiguous().t(), res)
+    assert len(pretend_sm90) == 2
+
+
+# -- level 3: the kernel on an SM90 GPU --------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", [(4096, 2048, 2048), (1000, 512, 1032), (333, 256, 520)])
+@pytest.mark.parametrize("with_gamma", [False, True])
+def test_kernel_error_protocol(M, K, N, with_gamma):
+    """CODA's protocol: each output's error vs the fp32 reference is no worse than the plain
+    PyTorch bf16 path's. M and N include sizes that are not tile multiples."""
+    x, w, res, gamma = inputs(M, K, N, dtype=torch.bfloat16, device="cuda", seed=M + N)
+    gamma = gamma if with_gamma else None
+    out = coda.gemm_residual_rms(x, w, res, gamma, backend="kernel")
+    torch.cuda.synchronize()
+    ref = gemm_residual_rms_ref(x, w, res, gamma)
+    peer = gemm_residual_rms_torch(x, w, res, gamma)
+    for name, got, r, p in zip(("h", "normed", "rstd"), out, ref, peer):
+        if r is None:
+            continue
+        assert torch.isfinite(got).all(), name
+        e_k, e_t = fro_err(got, r), fro_err(p, r)
+        assert e_k <= e_t, f"{name}: coda {e_k:.3e} vs torch bf16 {e_t:.3e}"
+
+
+@pytest.mark.gpu
+def test_kernel_serves_any_m_without_recompiling():
+    from coda import _quack
+
+    compile_fn = _quack._modules()["host"]._compile_gemm_epi
+    x, w, res, gamma = inputs(512, 256, 384, dtype=torch.bfloat16, device="cuda")
+    coda.gemm_residual_rms(x, w, res, gamma, backend="kernel")
+    before = compile_fn.cache_info().misses
+    for m in (1, 7, 129, 300, 511):
+        out = coda.gemm_residual_rms(x[:m], w, res[:m], gamma, backend="kernel")
+        ref = gemm_residual_rms_ref(x[:m], w, res[:m], gamma)
+        assert fro_err(out.h, ref[0]) < 1e-2
+    assert compile_fn.cache_info().misses == before
