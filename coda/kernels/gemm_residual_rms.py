@@ -61,15 +61,21 @@ def _buffers(x, w, gamma, config):
     return h, outputs
 
 
-def gemm_residual_rms_kernel(x, w, residual, gamma=None, eps=1e-5, config: GemmConfig = DEFAULT):
-    """The SM90 kernel + AUX. Inputs must already be validated (``coda.ops``).
-    Returns (h, a or None, r)."""
+def epilogue_gemm(x, w, residual, gamma=None, config: GemmConfig = DEFAULT):
+    """The SM90 epilogue GEMM alone: returns (h, a or None, sum-of-squares partials M x T_N)."""
     program = program_for(gamma)
     h, outputs = _buffers(x, w, gamma, config)
     operands = {} if gamma is None else {"gamma": gamma}
     args = epi_args(program, operands, outputs)
     _quack.run_epi_gemm(lower(program), x, w, h, residual, args, config)
-    return h, outputs.get("normed"), rstd_from_sumsq(outputs["sumsq"], w.shape[1], eps)
+    return h, outputs.get("normed"), outputs["sumsq"]
+
+
+def gemm_residual_rms_kernel(x, w, residual, gamma=None, eps=1e-5, config: GemmConfig = DEFAULT):
+    """The SM90 kernel + AUX. Inputs must already be validated (``coda.ops``).
+    Returns (h, a or None, r)."""
+    h, a, sumsq = epilogue_gemm(x, w, residual, gamma, config)
+    return h, a, rstd_from_sumsq(sumsq, w.shape[1], eps)
 
 
 def gemm_residual_rms_interpreted(x, w, residual, gamma=None, eps=1e-5, config=DEFAULT):

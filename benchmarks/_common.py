@@ -1,0 +1,40 @@
+"""Shared benchmark machinery: timing by the rules of ../shared/gpu/README.md and one row format.
+
+Timing: ``triton.testing.do_bench`` (CUDA events), warm-up first, median with p20/p80, random
+inputs (never zeros) larger than L2 at the benchmark shapes, every peer timed in the same
+process right next to the others. Rows are plain dicts; ``gpu_suite.py`` writes them to JSON.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bench(fn, warmup_ms: int = 50, rep_ms: int = 300) -> dict:
+    """Median and p20/p80 milliseconds of ``fn()``."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    med, p20, p80 = triton.testing.do_bench(
+        fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8]
+    )
+    return {"ms": med, "p20_ms": p20, "p80_ms": p80}
+
+
+def row(name: str, shape: dict, timing: dict, flops: float, **extra) -> dict:
+    return {
+        "name": name,
+        **shape,
+        **timing,
+        "tflops": flops / (timing["ms"] * 1e-3) / 1e12 if flops else None,
+        **extra,
+    }
+
+
+def compiled(fn):
+    """torch.compile peer (default mode), with its failure recorded rather than hidden."""
+    try:
+        return torch.compile(fn)
+    except Exception as e:  # pragma: no cover - recorded in the results
+        raise RuntimeError(f"torch.compile failed: {e}") from e

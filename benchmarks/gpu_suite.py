@@ -1,0 +1,117 @@
+"""One device call: every ``gpu`` test, then every benchmark, into one JSON record.
+
+    source .bundle/gpu_env.sh .bundle && PYTHONPATH=$PWD:$PYTHONPATH \
+        python benchmarks/gpu_suite.py --commit $(git rev-parse HEAD) --out $OUT
+
+Writes ``benchmarks/results/<date>_<gpu>.json`` (and a copy plus logs under ``--out``): GPU
+name, torch / cutlass-dsl / quack versions, git commit, the exact command, the test counts,
+and for each shape the median ms, p20/p80, TFLOP/s and ratios against the peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def run_tests(out_dir: str) -> dict:
+    """Run the whole test suite on the GPU host; count what ran, by marker."""
+    xml = os.path.join(out_dir, "pytest_gpu.xml")
+    log = os.path.join(out_dir, "pytest_gpu.log")
+    cmd = [sys.executable, "-m", "pytest", "tests", "-q", "-m", "gpu", f"--junitxml={xml}",
+           "-p", "no:cacheprovider"]  # fmt: skip
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    with open(log, "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    import xml.etree.ElementTree as ET
+
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    failures = []
+    if os.path.exists(xml):
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            kids = {c.tag for c in case}
+            name = f"{case.get('classname')}::{case.get('name')}"
+            if "failure" in kids:
+                counts["failed"] += 1
+                failures.append(name)
+            elif "error" in kids:
+                counts["errors"] += 1
+                failures.append(name)
+            elif "skipped" in kids:
+                counts["skipped"] += 1
+            else:
+                counts["passed"] += 1
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+    seconds = round(time.time() - t0, 1)
+    return {"command": shlex.join(cmd), "returncode": proc.returncode, **counts,
+            "failures": failures, "summary": tail[0], "seconds": seconds}  # fmt: skip
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, ".out")))
+    ap.add_argument("--skip-tests", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    import torch
+
+    from coda.env import describe
+
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": args.commit,
+        "command": "python " + shlex.join(sys.argv),
+        "env": describe(),
+        "torch_cuda": torch.version.cuda,
+    }
+    if not args.skip_tests:
+        record["gpu_tests"] = run_tests(args.out)
+        print("gpu tests:", record["gpu_tests"]["summary"], flush=True)
+
+    from benchmarks import bench_gemm_residual_rms
+
+    record["benchmarks"] = {}
+    for name, mod in (("gemm_residual_rms", bench_gemm_residual_rms),):
+        t0 = time.time()
+        try:
+            record["benchmarks"][name] = mod.run()
+        except Exception as e:  # recorded, never hidden
+            import traceback
+
+            record["benchmarks"][name] = {"error": repr(e), "trace": traceback.format_exc()}
+        print(f"{name}: {time.time() - t0:.0f}s", flush=True)
+
+    gpu = record["env"].get("gpu", "nogpu").split()[-1].lower()
+    fname = f"{record['date'][:10]}_{gpu}.json"
+    text = json.dumps(record, indent=1)
+    for d in (os.path.join(ROOT, "benchmarks", "results"), args.out):
+        with open(os.path.join(d, fname), "w") as f:
+            f.write(text)
+    print_table(record)
+
+
+def print_table(record):
+    for name, rows in record["benchmarks"].items():
+        if isinstance(rows, dict):
+            print(name, "ERROR", rows["error"])
+            continue
+        for r in rows:
+            print(f"{r['name']:42s} M={r['M']:5d} K={r['K']:5d} N={r['N']:5d} "
+                  f"{r['ms']:8.4f} ms {r['tflops'] or 0:6.0f} TF/s "
+                  f"raw/this={r.get('ratio_vs_quack_raw_tflops', 0):.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
