@@ -97,6 +97,7 @@ def main():
     fname = f"{record['date'][:10]}_{gpu}.json"
     text = json.dumps(record, indent=1)
     for d in (os.path.join(ROOT, "benchmarks", "results"), args.out):
+        os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, fname), "w") as f:
             f.write(text)
     print_table(record)
