@@ -31,6 +31,7 @@ def _modules():
     import quack.epilogue.library as library
     import quack.epilogue.math as math
     import quack.epilogue.ops as ops
+    import quack.epilogue.rotary as rotary
     import quack.gemm_runtime.host as host
     from quack.epilogue.frontend import gemm_epilogue
 
@@ -44,6 +45,7 @@ def _modules():
         "library": library,
         "math": math,
         "ops": ops,
+        "rotary": rotary,
         "host": host,
         "gemm_epilogue": gemm_epilogue,
     }
@@ -75,6 +77,12 @@ def exp(value):
 
 def sigmoid(value):
     return _modules()["activation"].sigmoid(value)
+
+
+def sincos_turns(pos, freq):
+    """(sin, cos) of pos * freq turns, freq a float-float pair (quack's RoPE angle math)."""
+    rotary = _modules()["rotary"]
+    return rotary._sincos_turns(*rotary._angle_turns(pos, freq))
 
 
 # -- lowering targets ---------------------------------------------------------------------------

@@ -52,9 +52,9 @@ def main():
     g = torch.Generator(device=device).manual_seed(0)
     bf = torch.bfloat16
     o = torch.randn(M, d, device=device, dtype=bf, generator=g)  # attention output
-    w_o = (torch.randn(d, d, device=device, dtype=bf, generator=g) / d**0.5)
+    w_o = torch.randn(d, d, device=device, dtype=bf, generator=g) / d**0.5
     x0 = torch.randn(M, d, device=device, dtype=bf, generator=g)  # residual stream
-    gamma = (1 + 0.1 * torch.randn(d, device=device, dtype=bf, generator=g))
+    gamma = 1 + 0.1 * torch.randn(d, device=device, dtype=bf, generator=g)
     w2 = torch.randn(d, f2, device=device, dtype=bf, generator=g) / d**0.5
 
     with warnings.catch_warnings(record=True) as caught:

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from coda import _quack
+from coda.kernels._launch import example_operands, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import RowLoad, RowPartials, TileC, TileStore, epilogue_program
 from coda.primitives.aux import rstd_from_sumsq
 from coda.primitives.interpreter import interpret
-from coda.primitives.lowering import epi_args, lower
 from coda.reference.rmsnorm import gemm_residual_rms_ref  # noqa: F401  (the op's reference)
 
 
@@ -52,23 +51,18 @@ def program_for(gamma) -> object:
     return residual_sumsq if gamma is None else residual_norm_sumsq
 
 
-def _buffers(x, w, gamma, config):
+def epilogue_gemm(x, w, residual, gamma=None, config: GemmConfig = DEFAULT, dry=False):
+    """The SM90 epilogue GEMM alone: returns (h, a or None, sum-of-squares partials M x T_N),
+    or with ``dry`` only compiles it and returns the number of compiles."""
     M, N = x.shape[0], w.shape[1]
     h = torch.empty(M, N, dtype=x.dtype, device=x.device)
     outputs = {"sumsq": torch.empty(M, config.grid(M, N)[1], dtype=torch.float32, device=x.device)}
     if gamma is not None:
         outputs["normed"] = torch.empty_like(h)
-    return h, outputs
-
-
-def epilogue_gemm(x, w, residual, gamma=None, config: GemmConfig = DEFAULT):
-    """The SM90 epilogue GEMM alone: returns (h, a or None, sum-of-squares partials M x T_N)."""
-    program = program_for(gamma)
-    h, outputs = _buffers(x, w, gamma, config)
     operands = {} if gamma is None else {"gamma": gamma}
-    args = epi_args(program, operands, outputs)
-    _quack.run_epi_gemm(lower(program), x, w, h, residual, args, config)
-    return h, outputs.get("normed"), outputs["sumsq"]
+    compiled = launch(program_for(gamma), x, w, config=config, d=h, c=residual,
+                      operands=operands, outputs=outputs, dry=dry)  # fmt: skip
+    return compiled if dry else (h, outputs.get("normed"), outputs["sumsq"])
 
 
 def gemm_residual_rms_kernel(x, w, residual, gamma=None, eps=1e-5, config: GemmConfig = DEFAULT):
@@ -82,28 +76,18 @@ def gemm_residual_rms_interpreted(x, w, residual, gamma=None, eps=1e-5, config=D
     """The same program through the tile interpreter (CPU): GEMM in ``x``'s precision
     (fp32 for half inputs), epilogue tile by tile, the same AUX. Returns (h, a, r, partials)."""
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    program = program_for(gamma)
     acc = x.to(dt) @ w.to(dt)
     operands = {"c": residual} if gamma is None else {"c": residual, "gamma": gamma}
-    out = interpret(program, acc, operands, tile_m=config.tile_m, tile_n=config.tile_n)
-    r = torch.rsqrt(out["sumsq"].sum(-1) / w.shape[1] + eps)
-    return out["D"], out.get("normed"), r, out["sumsq"]
+    out = interpret(program_for(gamma), acc, operands, tile_m=config.tile_m,
+                    tile_n=config.tile_n)  # fmt: skip
+    return out["D"], out.get("normed"), rstd_from_sumsq(out["sumsq"], w.shape[1], eps), out["sumsq"]
 
 
 def compile_gemm_residual_rms(
     k: int, n: int, *, gamma: bool, w_major: str = "n", config: GemmConfig = DEFAULT, m: int = 256
 ) -> int:
-    """Compile the kernel for sm_90a without a GPU (fake-free: small CPU tensors carry the
-    dtypes and majors; M, N, K are dynamic in the compiled kernel). Returns compiles done."""
-    x = torch.empty(m, k, dtype=torch.bfloat16)
-    w = (
-        torch.empty(k, n, dtype=torch.bfloat16)
-        if w_major == "n"
-        else (torch.empty(n, k, dtype=torch.bfloat16).t())
-    )
+    """Compile for sm_90a without a GPU; returns compiles done (M, N, K are dynamic)."""
+    x, w = example_operands(m, k, n, w_major)
     residual = torch.empty(m, n, dtype=torch.bfloat16)
     g = torch.empty(n, dtype=torch.bfloat16) if gamma else None
-    program = program_for(g)
-    h, outputs = _buffers(x, w, g, config)
-    args = epi_args(program, {} if g is None else {"gamma": g}, outputs)
-    return _quack.compile_only(lower(program), x, w, h, residual, args, config)
+    return epilogue_gemm(x, w, residual, g, config, dry=True)

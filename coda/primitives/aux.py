@@ -11,8 +11,8 @@ import torch
 
 
 def rstd_from_sumsq(partials: torch.Tensor, d: int, eps: float) -> torch.Tensor:
-    """RMSNorm's r[m] = (sum_t P[m, t] / d + eps)^-1/2 from RED_m partials of h^2 (fp32)."""
-    return torch.rsqrt(partials.sum(dim=-1, dtype=torch.float32).mul_(1.0 / d).add_(eps))
+    """RMSNorm's r[m] = (sum_t P[m, t] / d + eps)^-1/2 from RED_m partials of h^2."""
+    return partials.sum(dim=-1).mul_(1.0 / d).add_(eps).rsqrt_()
 
 
 def combine_row_partials(partials: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from coda.primitives.math import TilePair
 from coda.primitives.vocabulary import (
     ColLoad,
     ColPartials,
@@ -35,9 +36,24 @@ def _tiles(extent: int, tile: int):
         yield i, slice(i * tile, min((i + 1) * tile, extent))
 
 
-def _as_pairs(x: torch.Tensor) -> torch.Tensor:
-    """(..., w) -> (..., w/2, 2): adjacent columns (2j, 2j+1) become one pair."""
-    return x.unflatten(-1, (x.shape[-1] // 2, 2))
+def _pairs(x: torch.Tensor) -> TilePair:
+    """Adjacent columns (2j, 2j+1) as one pair value."""
+    return TilePair(x[..., 0::2], x[..., 1::2])
+
+
+def _tile_operand(p, v, rows, cols, mode):
+    """The slice of one declared input that tile (rows, cols) sees, shaped as on the GPU:
+    a column vector is one value per row; in "pair" mode every other input is a pair; in
+    "widen" mode the saved tile (TileC) holds a pair per output column."""
+    if isinstance(p, ColLoad):
+        return v[rows][:, None]
+    if isinstance(p, RowLoad):
+        a = v[cols][None, :]
+    elif isinstance(p, TileC) and mode == "widen":
+        return _pairs(v[rows, 2 * cols.start : 2 * cols.stop])
+    else:  # TileC, TileLoad
+        a = v[rows, cols]
+    return _pairs(a) if mode == "pair" else a
 
 
 def interpret(
@@ -79,24 +95,8 @@ def interpret(
 
     for i, rows in _tiles(M, tile_m):
         for j, cols in _tiles(N, tile_n):
-            tile_acc = acc[rows, cols]
-            args = {}
-            for p in program.inputs:
-                v = ops[p.name]
-                if isinstance(p, RowLoad):
-                    a = v[cols][None, :]
-                elif isinstance(p, ColLoad):
-                    a = v[rows][:, None]
-                elif isinstance(p, TileC) and mode == "widen":
-                    a = _as_pairs(v[rows, 2 * cols.start : 2 * cols.stop])
-                else:  # TileC, TileLoad
-                    a = v[rows, cols]
-                if mode == "pair":
-                    a = a.unsqueeze(-1) if isinstance(p, ColLoad) else _as_pairs(a)
-                elif mode == "widen" and isinstance(p, ColLoad):
-                    a = a  # (tm, 1) broadcasts against (tm, w) values
-                args[p.name] = a
-            acc_view = _as_pairs(tile_acc) if mode == "pair" else tile_acc
+            args = {p.name: _tile_operand(p, ops[p.name], rows, cols, mode) for p in program.inputs}
+            acc_view = _pairs(acc[rows, cols]) if mode == "pair" else acc[rows, cols]
             result = program.fn(acc_view, **args)
             _scatter(program, result, acc_view, out, rows, cols, i, j, ops)
 
@@ -107,17 +107,21 @@ def interpret(
     return out
 
 
+def _columns(v):
+    return v.interleave() if isinstance(v, TilePair) else v
+
+
 def _scatter(program, result, acc_view, out, rows, cols, i, j, ops):
     mode = program.mode
     unknown = set(result) - {"D"} - {p.name for p in (*program.stores, *program.sinks)}
     if unknown:
         raise KeyError(f"{program.name} returned undeclared names {sorted(unknown)}")
     if program.writes_d:
-        d = result.get("D", acc_view)
+        d = _columns(result.get("D", acc_view))
         if mode == "widen":
-            out["D"][rows, 2 * cols.start : 2 * cols.stop] = d.flatten(-2)
+            out["D"][rows, 2 * cols.start : 2 * cols.stop] = d
         else:
-            out["D"][rows, cols] = d.flatten(-2) if mode == "pair" else d
+            out["D"][rows, cols] = d
     for p in program.stores:
         v = result[p.name]
         if mode == "pair":
@@ -128,8 +132,7 @@ def _scatter(program, result, acc_view, out, rows, cols, i, j, ops):
         v = result[p.name]
         if isinstance(v, tuple):  # scaled reduction: fold x*y
             v = v[0] * v[1]
-        v = torch.broadcast_to(v, acc_view.shape[: v.dim()]) if v.dim() else v
-        flat = v.reshape(v.shape[0], -1)
+        flat = _columns(v)  # a pair contributes both lanes
         if isinstance(p, RowPartials):
             out[p.name][rows, j] = flat.sum(dim=1)
         elif isinstance(p, OnlineLSE):
@@ -137,7 +140,7 @@ def _scatter(program, result, acc_view, out, rows, cols, i, j, ops):
         elif isinstance(p, ColPartials):
             if mode != "element":
                 raise NotImplementedError("ColPartials is defined for element mode only")
-            out[p.name][i, cols] = v.sum(dim=0)
+            out[p.name][i, cols] = flat.sum(dim=0)
         elif isinstance(p, ColSelect):
             idx = ops[p.index][rows].long()
             hit = (idx >= cols.start) & (idx < cols.stop)

@@ -5,43 +5,98 @@ fp32 or fp64) or a CuTe DSL trace value (one accumulator element or pair, fp32).
 operators already mean the same thing on both; the functions here cover the rest: pairs of
 adjacent output columns and the transcendentals.
 
-Pairs: in the interpreter a pair tile has a trailing axis of size 2 (even column, odd column);
-on the GPU it is quack's ``Pair``. ``unpack`` splits one, ``pack`` builds one.
+Pairs: in the interpreter a pair is a ``TilePair`` of two tensors (even columns, odd columns)
+whose arithmetic is lane-wise, as quack's ``Pair`` is on the GPU. ``unpack`` splits one,
+``pack`` builds one.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from coda import _quack
 
 
-def _is_tile(x) -> bool:
-    return isinstance(x, torch.Tensor)
+class TilePair:
+    """(even, odd) lanes of a pair tile; arithmetic applies to both lanes."""
+
+    __slots__ = ("even", "odd")
+
+    def __init__(self, even, odd):
+        self.even, self.odd = even, odd
+
+    def _lanes(self, other):
+        return (other.even, other.odd) if isinstance(other, TilePair) else (other, other)
+
+    def __add__(self, other):
+        e, o = self._lanes(other)
+        return TilePair(self.even + e, self.odd + o)
+
+    def __sub__(self, other):
+        e, o = self._lanes(other)
+        return TilePair(self.even - e, self.odd - o)
+
+    def __rsub__(self, other):
+        e, o = self._lanes(other)
+        return TilePair(e - self.even, o - self.odd)
+
+    def __mul__(self, other):
+        e, o = self._lanes(other)
+        return TilePair(self.even * e, self.odd * o)
+
+    def __neg__(self):
+        return TilePair(-self.even, -self.odd)
+
+    __radd__ = __add__
+    __rmul__ = __mul__
+
+    def interleave(self) -> torch.Tensor:
+        """Back to columns: (..., w) lanes -> (..., 2w) with even lane at 2j, odd at 2j+1."""
+        return torch.stack([self.even, self.odd], dim=-1).flatten(-2)
+
+
+def _is_interpreted(x) -> bool:
+    return isinstance(x, (torch.Tensor, TilePair))
 
 
 def unpack(pair):
     """(even, odd) halves of a pair value."""
-    if _is_tile(pair):
-        return pair[..., 0], pair[..., 1]
+    if isinstance(pair, TilePair):
+        return pair.even, pair.odd
     return _quack.unpack(pair)
 
 
 def pack(even, odd):
     """A pair value from its two halves."""
-    if _is_tile(even):
-        return torch.stack(torch.broadcast_tensors(even, odd), dim=-1)
+    if isinstance(even, torch.Tensor):
+        return TilePair(even, odd)
     return _quack.pack(even, odd)
 
 
 def exp(x):
-    return torch.exp(x) if _is_tile(x) else _quack.exp(x)
+    return torch.exp(x) if _is_interpreted(x) else _quack.exp(x)
 
 
 def sigmoid(x):
-    return torch.sigmoid(x) if _is_tile(x) else _quack.sigmoid(x)
+    return torch.sigmoid(x) if _is_interpreted(x) else _quack.sigmoid(x)
 
 
 def silu(x):
     """x * sigmoid(x)."""
     return x * sigmoid(x)
+
+
+def rotation(pos, freq):
+    """(sin, cos) of the RoPE angle theta = pos * inv_freq, for one pair.
+
+    ``freq`` is a pair value holding inv_freq / 2pi as a float-float (hi, lo) split (see
+    ``coda.kernels.gemm_rope.rope_freq_table``); the angle is formed in turns so the range
+    reduction is exact (on the GPU, quack's float-float sincos). The interpreter computes the
+    same angle in float64."""
+    if isinstance(freq, TilePair):
+        turns = pos.double() * (freq.even.double() + freq.odd.double())
+        theta = 2 * math.pi * torch.remainder(turns, 1.0)
+        return theta.sin().to(pos.dtype), theta.cos().to(pos.dtype)
+    return _quack.sincos_turns(pos, freq)

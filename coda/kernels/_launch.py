@@ -1,0 +1,31 @@
+"""Launch an epilogue program on quack's SM90 GEMM, or only compile it (``dry=True``).
+
+Every kernel builds its buffers and calls ``launch``; the compile tests call the same kernel
+function on small CPU tensors with ``dry=True``, so what CI compiles is exactly what runs."""
+
+from __future__ import annotations
+
+from coda import _quack
+from coda.kernels.config import GemmConfig
+from coda.primitives.lowering import epi_args, lower
+
+
+def launch(program, x, w, *, config: GemmConfig, d=None, c=None, operands=None, outputs=None,
+           dry: bool = False):  # fmt: skip
+    """acc = x @ w (x (M, K) row-major, w (K, N) either major); run ``program`` on it.
+    Returns the number of compiles done when ``dry`` (0 on a jit-cache hit), else None."""
+    args = epi_args(program, operands or {}, outputs or {})
+    if dry:
+        return _quack.compile_only(lower(program), x, w, d, c, args, config)
+    _quack.run_epi_gemm(lower(program), x, w, d, c, args, config)
+    return None
+
+
+def example_operands(m: int, k: int, n: int, w_major: str = "n", dtype=None):
+    """Small CPU bf16 x (m, k) and w (k, n) with w n-major or k-major, for dry compiles."""
+    import torch
+
+    dtype = dtype or torch.bfloat16
+    x = torch.empty(m, k, dtype=dtype)
+    w = torch.empty(k, n, dtype=dtype) if w_major == "n" else torch.empty(n, k, dtype=dtype).t()
+    return x, w
