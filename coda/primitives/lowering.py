@@ -56,8 +56,9 @@ def lower(program: EpilogueProgram):
 
 
 def epi_args(program: EpilogueProgram, operands: dict, outputs: dict) -> dict:
-    """quack's ``epi_args``: vectors get quack's leading batch axis ((1, N) rows, (1, M)
-    columns); tiles, stores and partial buffers pass as they are."""
+    """quack's ``epi_args``: loaded vectors get quack's leading batch axis ((1, N) rows,
+    (1, M) columns); tiles, stores, partial buffers and selected columns (M,) pass as they
+    are."""
     args = {}
     for p in program.inputs:
         if isinstance(p, TileC):
@@ -68,6 +69,5 @@ def epi_args(program: EpilogueProgram, operands: dict, outputs: dict) -> dict:
         if isinstance(p, ColSelect):
             args[p.index] = operands[p.index].unsqueeze(0)
     for p in (*program.stores, *program.sinks):
-        v = outputs[p.name]
-        args[p.name] = v.unsqueeze(0) if isinstance(p, ColSelect) else v
+        args[p.name] = outputs[p.name]
     return args

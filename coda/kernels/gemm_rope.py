@@ -1,0 +1,70 @@
+"""GEMM2 of the attention boundary: QKV projection + deferred row scale + RoPE (KERNELS.md F1).
+
+    acc = a @ W_qkv           a = h * gamma; W_qkv = [q | k | v] columns, q and k per head in
+                              the adjacent-pair layout (coda.layouts converts HF weights)
+    z   = rstd * acc          VEC-LD COL rstd
+    (z_2i, z_2i+1) rotated by theta = pos[m] * inv_freq[i]     EW pairwise
+                              VEC-LD COL pos (token positions), VEC-LD ROW freq (per column)
+    TILE-ST [q_rot | k_rot | v]   (bf16, M x Nqkv: viewed as (B, S, heads, hd) for attention)
+
+The angle is computed in the epilogue from pos and a per-column float-float frequency table
+(inv_freq / 2pi in turns, exact range reduction; quack's angle math), so no (S x hd) table is
+read, and V columns carry frequency 0: an exact identity. Supported: bf16, K and Nqkv multiples
+of 8, even head_dim; any M. Tests: tests/test_forward_kernels.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from coda.kernels._launch import example_operands, launch
+from coda.kernels.config import DEFAULT, GemmConfig
+from coda.primitives import ColLoad, RowLoad, epilogue_program, pack, unpack
+from coda.primitives.interpreter import interpret
+from coda.primitives.math import rotation
+from coda.reference.rope import gemm_rope_ref  # noqa: F401  (the op's reference)
+
+
+@epilogue_program(inputs=[ColLoad("rstd"), ColLoad("pos"), RowLoad("freq")], mode="pair")
+def rope_scaled(acc, rstd, pos, freq):
+    x1, x2 = unpack(acc * rstd)
+    s, c = rotation(pos, freq)
+    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+
+
+def rope_freq_table(head_dim: int, rotated_heads: int, plain_heads: int,
+                    base: float = 10000.0, device=None) -> torch.Tensor:  # fmt: skip
+    """Per-output-column frequency row for ``rope_scaled``: for each of ``rotated_heads``
+    heads, pair i holds inv_freq[i] / 2pi as float32 (hi, lo) at columns (2i, 2i+1); the
+    ``plain_heads`` (V) columns hold 0. Length (rotated_heads + plain_heads) * head_dim."""
+    inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    turns = inv / (2 * math.pi)
+    hi = turns.to(torch.float32)
+    lo = (turns - hi.double()).to(torch.float32)
+    head = torch.stack([hi, lo], dim=-1).flatten()
+    table = torch.cat([head.repeat(rotated_heads), torch.zeros(plain_heads * head_dim)])
+    return table.to(device=device, dtype=torch.float32)
+
+
+def gemm_rope_kernel(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT, dry=False):
+    """Returns qkv (M x Nqkv, rotated q and k, plain v); with ``dry`` only compiles."""
+    qkv = torch.empty(a.shape[0], w_qkv.shape[1], dtype=a.dtype, device=a.device)
+    operands = {"rstd": rstd, "pos": pos, "freq": freq}
+    compiled = launch(rope_scaled, a, w_qkv, config=config, d=qkv, operands=operands, dry=dry)
+    return compiled if dry else qkv
+
+
+def gemm_rope_interpreted(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT):
+    dt = torch.float64 if a.dtype == torch.float64 else torch.float32
+    out = interpret(rope_scaled, a.to(dt) @ w_qkv.to(dt),
+                    {"rstd": rstd, "pos": pos, "freq": freq},
+                    tile_m=config.tile_m, tile_n=config.tile_n)  # fmt: skip
+    return out["D"]
+
+
+def compile_gemm_rope(k, n, *, w_major="n", config=DEFAULT, m=256) -> int:
+    a, w = example_operands(m, k, n, w_major)
+    return gemm_rope_kernel(a, w, torch.empty(m), torch.empty(m), torch.empty(n), config,
+                            dry=True)  # fmt: skip

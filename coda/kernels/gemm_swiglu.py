@@ -1,0 +1,59 @@
+"""GEMM2 of the MLP boundary: gate/up projection + deferred row scale + SwiGLU (KERNELS.md F4).
+
+    acc = a @ W_il            a = h * gamma (from GEMM1), W_il gate/up interleaved (d x 2f)
+    u   = acc                 TILE-ST (optional, bf16): the unscaled pre-activation for backward
+    z   = rstd * acc          VEC-LD COL rstd (the norm's deferred row scale)
+    s_j = silu(z_2j) z_2j+1   EW pairwise (gate at even, up at odd columns); TILE-ST s (M x f)
+
+Supported: bf16, K and 2f multiples of 8, tile_n a multiple of 32 (quack's SM90 rule for a
+half-width pair store); any M. Compile key: program, dtypes, majors, GemmConfig.
+Tests: tests/test_forward_kernels.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coda.kernels._launch import example_operands, launch
+from coda.kernels.config import DEFAULT, GemmConfig
+from coda.primitives import ColLoad, TileStore, epilogue_program, silu, unpack
+from coda.primitives.interpreter import interpret
+from coda.reference.swiglu import gemm_swiglu_ref  # noqa: F401  (the op's reference)
+
+
+@epilogue_program(inputs=[ColLoad("rstd")], stores=[TileStore("s")], mode="pair")
+def swiglu_keep_preact(acc, rstd):
+    g, u = unpack(acc * rstd)
+    return {"D": acc, "s": silu(g) * u}
+
+
+@epilogue_program(inputs=[ColLoad("rstd")], stores=[TileStore("s")], mode="pair", writes_d=False)
+def swiglu_only(acc, rstd):
+    g, u = unpack(acc * rstd)
+    return {"s": silu(g) * u}
+
+
+def program_for(save_preact: bool):
+    return swiglu_keep_preact if save_preact else swiglu_only
+
+
+def gemm_swiglu_kernel(a, w_il, rstd, save_preact=True, config: GemmConfig = DEFAULT, dry=False):
+    """Returns (s (M x f), u (M x 2f) or None); with ``dry`` only compiles."""
+    M, n2 = a.shape[0], w_il.shape[1]
+    s = torch.empty(M, n2 // 2, dtype=a.dtype, device=a.device)
+    u = torch.empty(M, n2, dtype=a.dtype, device=a.device) if save_preact else None
+    compiled = launch(program_for(save_preact), a, w_il, config=config, d=u,
+                      operands={"rstd": rstd}, outputs={"s": s}, dry=dry)  # fmt: skip
+    return compiled if dry else (s, u)
+
+
+def gemm_swiglu_interpreted(a, w_il, rstd, config: GemmConfig = DEFAULT):
+    dt = torch.float64 if a.dtype == torch.float64 else torch.float32
+    out = interpret(swiglu_keep_preact, a.to(dt) @ w_il.to(dt), {"rstd": rstd},
+                    tile_m=config.tile_m, tile_n=config.tile_n)  # fmt: skip
+    return out["s"], out["D"]
+
+
+def compile_gemm_swiglu(k, n2, *, save_preact, w_major="n", config=DEFAULT, m=256) -> int:
+    a, w = example_operands(m, k, n2, w_major)
+    return gemm_swiglu_kernel(a, w, torch.empty(m), save_preact, config, dry=True)

@@ -1,0 +1,77 @@
+"""LM head + cross-entropy forward, logits never written (KERNELS.md F6 + A3).
+
+    acc = a @ W_lm                      a = x2 * gamma_f (from the last GEMM1), W_lm (d x V)
+    l   = rstd * acc                    VEC-LD COL rstd (the final norm's deferred row scale)
+    part[m, t] = log sum_{n in t} exp l    LSE: online (max, sum-exp) over the tile's subtiles
+    l_y[m] = l[m, y_m]                  VEC-ST COL, written by the one tile holding y_m
+AUX:  lse = logsumexp_t part;  loss = sum_m w_m (lse_m - l_y[m])   (w: mean over valid rows)
+
+Ragged last vocabulary tile: columns past V count as -inf. Rows whose target is outside
+[0, V) (ignore_index) are never selected and get weight 0. Supported: bf16, d and V multiples
+of 8; any M. Backward (dlogits from the saved lse, tile by tile) is the training issue's.
+Tests: tests/test_forward_kernels.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coda.kernels._launch import example_operands, launch
+from coda.kernels.config import DEFAULT, GemmConfig
+from coda.primitives import ColLoad, ColSelect, OnlineLSE, epilogue_program
+from coda.primitives.aux import combine_lse
+from coda.primitives.interpreter import interpret
+from coda.reference.cross_entropy import linear_cross_entropy_ref  # noqa: F401
+
+
+@epilogue_program(
+    inputs=[ColLoad("rstd")],
+    sinks=[OnlineLSE("lse"), ColSelect("target_logit", index="target")],
+    writes_d=False,
+)
+def logits_lse_target(acc, rstd):
+    logit = acc * rstd
+    return {"lse": logit, "target_logit": logit}
+
+
+def ce_from_stats(lse, target_logit, target, ignore_index=-100, reduction="mean"):
+    """AUX: loss from per-row lse and target logit (fp32); ignored rows weigh 0."""
+    valid = target != ignore_index
+    per_row = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
+    if reduction == "none":
+        return per_row
+    total = per_row.sum()
+    return total / valid.sum().clamp(min=1) if reduction == "mean" else total
+
+
+def lm_head_stats_kernel(a, w_lm, rstd, target, config: GemmConfig = DEFAULT, dry=False):
+    """Returns (lse partials M x T_N, target logit (M,) fp32, 0 where not selected)."""
+    M, V = a.shape[0], w_lm.shape[1]
+    outputs = {
+        "lse": torch.empty(M, config.grid(M, V)[1], dtype=torch.float32, device=a.device),
+        "target_logit": torch.zeros(M, dtype=torch.float32, device=a.device),
+    }
+    operands = {"rstd": rstd, "target": target}
+    compiled = launch(logits_lse_target, a, w_lm, config=config, operands=operands,
+                      outputs=outputs, dry=dry)  # fmt: skip
+    return compiled if dry else (outputs["lse"], outputs["target_logit"])
+
+
+def linear_cross_entropy_kernel(a, w_lm, rstd, target, ignore_index=-100, reduction="mean",
+                                config: GemmConfig = DEFAULT):  # fmt: skip
+    parts, tl = lm_head_stats_kernel(a, w_lm, rstd, target, config)
+    lse = combine_lse(parts)
+    return ce_from_stats(lse, tl, target, ignore_index, reduction), lse
+
+
+def lm_head_stats_interpreted(a, w_lm, rstd, target, config: GemmConfig = DEFAULT):
+    dt = torch.float64 if a.dtype == torch.float64 else torch.float32
+    out = interpret(logits_lse_target, a.to(dt) @ w_lm.to(dt), {"rstd": rstd, "target": target},
+                    tile_m=config.tile_m, tile_n=config.tile_n)  # fmt: skip
+    return out["lse"], torch.nan_to_num(out["target_logit"], nan=0.0)
+
+
+def compile_lm_head_stats(k, v, *, w_major="n", config=DEFAULT, m=256) -> int:
+    a, w = example_operands(m, k, v, w_major)
+    target = torch.zeros(m, dtype=torch.int64)
+    return lm_head_stats_kernel(a, w, torch.empty(m), target, config, dry=True)
