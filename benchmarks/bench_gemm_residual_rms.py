@@ -46,8 +46,11 @@ def run(shapes=SHAPES) -> list[dict]:
         d_raw = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         shape = {"M": M, "K": K, "N": N}
         flops = 2.0 * M * N * K
-        cfg = {"tile": [DEFAULT.tile_m, DEFAULT.tile_n], "cluster": [DEFAULT.cluster_m, 1],
-               "pingpong": DEFAULT.pingpong}  # fmt: skip
+        cfg = {
+            "tile": [DEFAULT.tile_m, DEFAULT.tile_n],
+            "cluster": [DEFAULT.cluster_m, 1],
+            "pingpong": DEFAULT.pingpong,
+        }
 
         def quack_raw():
             _quack.run_epi_gemm(raw, x, w, d_raw, None, {}, DEFAULT)
@@ -85,12 +88,14 @@ def run(shapes=SHAPES) -> list[dict]:
                     config=cfg,
                     ratio_vs_quack_raw_tflops=raw_ms / t["ms"],
                     ratio_vs_cublas_time=t["ms"] / timings["cublas_mm"]["ms"],
-                )  # fmt: skip
+                )
             )
     return rows
 
 
 if __name__ == "__main__":
     for r in run():
-        print(f"{r['name']:45s} M={r['M']} N={r['N']} K={r['K']} {r['ms']:.4f} ms "
-              f"{r['tflops']:.0f} TF/s  x{r['ratio_vs_quack_raw_tflops']:.3f} of raw")  # fmt: skip
+        print(
+            f"{r['name']:45s} M={r['M']} N={r['N']} K={r['K']} {r['ms']:.4f} ms "
+            f"{r['tflops']:.0f} TF/s  x{r['ratio_vs_quack_raw_tflops']:.3f} of raw"
+        )

@@ -27,8 +27,18 @@ def run_tests(out_dir: str) -> dict:
     """Run the whole test suite on the GPU host; count what ran, by marker."""
     xml = os.path.join(out_dir, "pytest_gpu.xml")
     log = os.path.join(out_dir, "pytest_gpu.log")
-    cmd = [sys.executable, "-m", "pytest", "tests", "-q", "-m", "gpu", f"--junitxml={xml}",
-           "-p", "no:cacheprovider"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests",
+        "-q",
+        "-m",
+        "gpu",
+        f"--junitxml={xml}",
+        "-p",
+        "no:cacheprovider",
+    ]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     with open(log, "w") as f:
@@ -53,8 +63,14 @@ def run_tests(out_dir: str) -> dict:
                 counts["passed"] += 1
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
     seconds = round(time.time() - t0, 1)
-    return {"command": shlex.join(cmd), "returncode": proc.returncode, **counts,
-            "failures": failures, "summary": tail[0], "seconds": seconds}  # fmt: skip
+    return {
+        "command": shlex.join(cmd),
+        "returncode": proc.returncode,
+        **counts,
+        "failures": failures,
+        "summary": tail[0],
+        "seconds": seconds,
+    }
 
 
 def main():
@@ -109,9 +125,11 @@ def print_table(record):
             print(name, "ERROR", rows["error"])
             continue
         for r in rows:
-            print(f"{r['name']:42s} M={r['M']:5d} K={r['K']:5d} N={r['N']:5d} "
-                  f"{r['ms']:8.4f} ms {r['tflops'] or 0:6.0f} TF/s "
-                  f"raw/this={r.get('ratio_vs_quack_raw_tflops', 0):.3f}")  # fmt: skip
+            print(
+                f"{r['name']:42s} M={r['M']:5d} K={r['K']:5d} N={r['N']:5d} "
+                f"{r['ms']:8.4f} ms {r['tflops'] or 0:6.0f} TF/s "
+                f"raw/this={r.get('ratio_vs_quack_raw_tflops', 0):.3f}"
+            )
 
 
 if __name__ == "__main__":

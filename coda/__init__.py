@@ -6,11 +6,20 @@ on chip, plus small auxiliary reductions over per-tile partials. On the CPU and 
 the same calls run pure-torch references (``coda.env`` says which path ran and why).
 
 Layers, bottom up (imports only go down): ``coda.reference`` and ``coda.primitives`` ->
-``coda.kernels`` -> ``coda.ops``.
+``coda.kernels`` -> ``coda.ops`` and ``coda.layouts``.
 """
 
 from coda._validate import CodaInputError  # noqa: F401
 from coda.env import CodaReferencePathWarning, UnsupportedDeviceError, last_path  # noqa: F401
-from coda.ops import ResidualRMS, gemm_residual_rms  # noqa: F401
+from coda.ops import (  # noqa: F401
+    ResidualRMS,
+    RMSNormGemm,
+    SwiGLU,
+    gemm_residual_rms,
+    gemm_rmsnorm_gemm,
+    gemm_rope,
+    gemm_swiglu,
+    linear_cross_entropy,
+)
 
 __version__ = "0.1.0"

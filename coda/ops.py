@@ -2,13 +2,20 @@
 
 Each op takes ordinary torch tensors, checks them (a clear ``CodaInputError`` naming the
 argument and the rule), picks the kernel path on an SM90 GPU or the pure-torch reference path
-elsewhere (``coda.env``: reported, never silent), and returns plain tensors. Weights are
-(in, out) matrices: ``y = x @ w``; an ``nn.Linear`` weight ``W`` is passed as ``W.t()``
-(a view, no copy: the kernel takes either major order).
+elsewhere (``coda.env``: reported, never silent), and returns plain tensors.
+
+Conventions: tokens are rows (M = batch * seq); weights are (in, out) matrices, ``y = x @ w``
+(an ``nn.Linear`` weight ``W`` is passed as ``W.t()``, a view: the kernels take either major
+order); ``rstd`` is RMSNorm's deferred row scale (M,) fp32, from ``gemm_residual_rms``.
+W_qkv and W_il are in coda's paired layouts (``coda.layouts`` converts HF weights exactly).
+
+These ops are forward only; they refuse inputs that require grad (the autograd layers are
+``coda.nn``'s).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -17,10 +24,50 @@ from coda import _validate as v
 from coda.env import resolve_backend
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.gemm_residual_rms import gemm_residual_rms_kernel
-from coda.reference.rmsnorm import gemm_residual_rms_ref
+from coda.kernels.gemm_rmsnorm_gemm import gemm_scale_rows_kernel
+from coda.kernels.gemm_rope import gemm_rope_kernel, rope_freq_table
+from coda.kernels.gemm_swiglu import gemm_swiglu_kernel
+from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
+from coda.reference.cross_entropy import linear_cross_entropy_ref
+from coda.reference.rmsnorm import gemm_residual_rms_ref, gemm_rmsnorm_gemm_ref
+from coda.reference.rope import gemm_rope_ref, rope_table
+from coda.reference.swiglu import gemm_swiglu_ref
 
 KERNEL_DTYPES = (torch.bfloat16,)
 REFERENCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _start(op: str, backend: str, named: dict) -> str:
+    """Shared checks; returns the path. Float inputs must share one device and dtype."""
+    device = v.check_same_device(named)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in named.values()):
+        raise NotImplementedError(
+            f"coda.{op} is a forward-only op; use coda.nn for training (or torch.no_grad())"
+        )
+    path = resolve_backend(op, backend, device)
+    not_float = ("rstd", "target", "positions")
+    floats = {n: t for n, t in named.items() if t is not None and n not in not_float}
+    v.check_float_dtypes(floats, KERNEL_DTYPES if path == "kernel" else REFERENCE_DTYPES)
+    return path
+
+
+def _kernel_layout(activations: dict, weights: dict, vectors: dict) -> None:
+    for name, t in activations.items():
+        v.check_tma_operand(name, t)
+    for name, t in weights.items():
+        v.check_tma_operand(name, t, either_major=True)
+    for name, t in vectors.items():
+        if t is not None and not t.is_contiguous():
+            raise v.CodaInputError(f"{name}: must be contiguous")
+
+
+def _rstd(rstd, M, device, name="rstd"):
+    if rstd is None:
+        return torch.ones(M, dtype=torch.float32, device=device)
+    v.check_vector(name, rstd, ("x.shape[0]", M))
+    if rstd.dtype != torch.float32:
+        raise v.CodaInputError(f"{name}: dtype must be torch.float32, got {rstd.dtype}")
+    return rstd
 
 
 class ResidualRMS(NamedTuple):
@@ -30,10 +77,10 @@ class ResidualRMS(NamedTuple):
 
 
 def gemm_residual_rms(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    residual: torch.Tensor,
-    gamma: Optional[torch.Tensor] = None,
+    x,
+    w,
+    residual,
+    gamma=None,
     *,
     eps: float = 1e-5,
     backend: str = "auto",
@@ -52,16 +99,155 @@ def gemm_residual_rms(
     if gamma is not None:
         v.check_vector("gamma", gamma, ("w.shape[1]", N))
     named = {"x": x, "w": w, "residual": residual, "gamma": gamma}
-    device = v.check_same_device(named)
-    path = resolve_backend("gemm_residual_rms", backend, device)
-    if path == "kernel":
-        v.check_float_dtypes(named, KERNEL_DTYPES)
-        v.check_tma_operand("x", x)
-        v.check_tma_operand("w", w, either_major=True)
-        v.check_tma_operand("residual", residual)
-        if gamma is not None and not gamma.is_contiguous():
-            raise v.CodaInputError("gamma: must be contiguous")
+    if _start("gemm_residual_rms", backend, named) == "kernel":
+        _kernel_layout({"x": x, "residual": residual}, {"w": w}, {"gamma": gamma})
         return ResidualRMS(*gemm_residual_rms_kernel(x, w, residual, gamma, eps, config))
-    v.check_float_dtypes(named, REFERENCE_DTYPES)
     h, a, r = gemm_residual_rms_ref(x, w, residual, gamma, eps)
     return ResidualRMS(h.to(x.dtype), None if a is None else a.to(x.dtype), r.float())
+
+
+class RMSNormGemm(NamedTuple):
+    h: torch.Tensor  # the new residual stream residual + x @ w1
+    z: torch.Tensor  # (RMSNorm(h) * gamma) @ w2
+    rstd: torch.Tensor  # (M,) fp32, saved for backward
+
+
+def gemm_rmsnorm_gemm(
+    x,
+    w1,
+    residual,
+    gamma,
+    w2,
+    *,
+    eps: float = 1e-5,
+    backend: str = "auto",
+    config1: GemmConfig = DEFAULT,
+    config2: GemmConfig = DEFAULT,
+) -> RMSNormGemm:
+    """The GEMM-Residual-RMSNorm-GEMM block: h = residual + x @ w1; z = RMSNorm(h) gamma @ w2.
+
+    x (M, K), w1 (K, d), residual (M, d), gamma (d,), w2 (d, N2). On the kernel path the norm is
+    the epilogue of GEMM1 (partials), an AUX reduction, and the row scale in GEMM2's epilogue."""
+    v.check_matrix("x", x)
+    M, K = x.shape
+    v.check_matrix("w1", w1, rows=("x.shape[1]", K))
+    d = w1.shape[1]
+    v.check_matrix("residual", residual, rows=("x.shape[0]", M), cols=("w1.shape[1]", d))
+    v.check_vector("gamma", gamma, ("w1.shape[1]", d))
+    v.check_matrix("w2", w2, rows=("w1.shape[1]", d))
+    named = {"x": x, "w1": w1, "residual": residual, "gamma": gamma, "w2": w2}
+    if _start("gemm_rmsnorm_gemm", backend, named) == "kernel":
+        _kernel_layout({"x": x, "residual": residual}, {"w1": w1, "w2": w2}, {"gamma": gamma})
+        h, a, r = gemm_residual_rms_kernel(x, w1, residual, gamma, eps, config1)
+        return RMSNormGemm(h, gemm_scale_rows_kernel(a, w2, r, config2), r)
+    h, z, r = gemm_rmsnorm_gemm_ref(x, w1, residual, gamma, w2, eps)
+    return RMSNormGemm(h.to(x.dtype), z.to(x.dtype), r.float())
+
+
+class SwiGLU(NamedTuple):
+    s: torch.Tensor  # (M, f) silu(gate) * up
+    preact: Optional[torch.Tensor]  # (M, 2f) the unscaled interleaved pre-activation, if kept
+
+
+def gemm_swiglu(
+    x,
+    w_il,
+    rstd=None,
+    *,
+    save_preact: bool = False,
+    backend: str = "auto",
+    config: GemmConfig = DEFAULT,
+) -> SwiGLU:
+    """s = SwiGLU(rstd * (x @ w_il)) with gate/up interleaved: column 2j gate j, 2j+1 up j.
+
+    x (M, K), w_il (K, 2f) (``coda.layouts.gate_up_weight_from_hf``), rstd (M,) fp32 or None
+    (no norm). ``save_preact`` also returns x @ w_il, what the backward needs."""
+    v.check_matrix("x", x)
+    M, K = x.shape
+    v.check_matrix("w_il", w_il, rows=("x.shape[1]", K))
+    if w_il.shape[1] % 2:
+        raise v.CodaInputError(f"w_il: dim 1 (2f) must be even, got {w_il.shape[1]}")
+    r = _rstd(rstd, M, x.device)
+    if _start("gemm_swiglu", backend, {"x": x, "w_il": w_il, "rstd": r}) == "kernel":
+        _kernel_layout({"x": x}, {"w_il": w_il}, {"rstd": r})
+        if config.tile_n % 32:
+            raise v.CodaInputError(f"config.tile_n must be a multiple of 32, got {config.tile_n}")
+        return SwiGLU(*gemm_swiglu_kernel(x, w_il, r, save_preact, config))
+    s, u = gemm_swiglu_ref(x, w_il, r)
+    return SwiGLU(s.to(x.dtype), u.to(x.dtype) if save_preact else None)
+
+
+@functools.lru_cache(maxsize=64)
+def _freq_table(head_dim, rotated_heads, plain_heads, base, device):
+    return rope_freq_table(head_dim, rotated_heads, plain_heads, base, device=device)
+
+
+def gemm_rope(
+    x,
+    w_qkv,
+    positions,
+    *,
+    head_dim: int,
+    n_heads: int,
+    n_kv_heads: int,
+    rstd=None,
+    rope_base: float = 10000.0,
+    backend: str = "auto",
+    config: GemmConfig = DEFAULT,
+) -> torch.Tensor:
+    """qkv = RoPE(rstd * (x @ w_qkv)) on the q and k heads; v unrotated. Returns (M, Nqkv).
+
+    w_qkv (K, (n_heads + 2 n_kv_heads) head_dim): columns [q | k | v], q and k in the
+    adjacent-pair layout (``coda.layouts.qkv_weight_from_hf``); positions (M,) integer or
+    float32 token positions; rstd (M,) fp32 or None. The result viewed as
+    (B, S, n_heads + 2 n_kv_heads, head_dim) splits into q, k, v heads."""
+    v.check_matrix("x", x)
+    M, K = x.shape
+    n_cols = (n_heads + 2 * n_kv_heads) * head_dim
+    v.check_matrix(
+        "w_qkv", w_qkv, rows=("x.shape[1]", K), cols=("(n_heads + 2 n_kv_heads) head_dim", n_cols)
+    )
+    if head_dim % 2:
+        raise v.CodaInputError(f"head_dim must be even, got {head_dim}")
+    v.check_vector("positions", positions, ("x.shape[0]", M))
+    r = _rstd(rstd, M, x.device)
+    named = {"x": x, "w_qkv": w_qkv, "rstd": r, "positions": positions}
+    if _start("gemm_rope", backend, named) == "kernel":
+        _kernel_layout({"x": x}, {"w_qkv": w_qkv}, {"rstd": r, "positions": positions})
+        freq = _freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads, rope_base, x.device)
+        return gemm_rope_kernel(x, w_qkv, r, positions.to(torch.float32), freq, config)
+    cs = rope_table(positions, head_dim, rope_base)
+    z = gemm_rope_ref(x, w_qkv, r, cs, n_heads, n_kv_heads, head_dim)
+    return z.to(x.dtype)
+
+
+def linear_cross_entropy(
+    x,
+    w_lm,
+    target,
+    *,
+    rstd=None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    backend: str = "auto",
+    config: GemmConfig = DEFAULT,
+) -> torch.Tensor:
+    """Cross-entropy of the logits rstd * (x @ w_lm) against ``target``, logits never stored.
+
+    x (M, d), w_lm (d, V), target (M,) int64/int32 in [0, V) or ``ignore_index``; rstd (M,) fp32
+    (the final norm's deferred scale) or None. reduction: "mean" over non-ignored rows, "sum",
+    or "none" (per-row loss, 0 on ignored rows). Returns fp32."""
+    if reduction not in ("mean", "sum", "none"):
+        raise v.CodaInputError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    v.check_matrix("x", x)
+    M, d = x.shape
+    v.check_matrix("w_lm", w_lm, rows=("x.shape[1]", d))
+    v.check_vector("target", target, ("x.shape[0]", M))
+    if target.dtype not in (torch.int32, torch.int64):
+        raise v.CodaInputError(f"target: dtype must be int32 or int64, got {target.dtype}")
+    r = _rstd(rstd, M, x.device)
+    named = {"x": x, "w_lm": w_lm, "rstd": r, "target": target}
+    if _start("linear_cross_entropy", backend, named) == "kernel":
+        _kernel_layout({"x": x}, {"w_lm": w_lm}, {"rstd": r, "target": target})
+        return linear_cross_entropy_kernel(x, w_lm, r, target, ignore_index, reduction, config)[0]
+    return linear_cross_entropy_ref(x, w_lm, r, target, ignore_index, reduction).float()

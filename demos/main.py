@@ -47,8 +47,10 @@ def main():
     f2 = 2 * (((8 * d // 3) + 255) // 256 * 256)  # GEMM2 = the interleaved gate/up projection
 
     info = describe()
-    print(f"coda {coda.__version__} | torch {info['torch']} | quack {info['quack']} | "
-          f"cutlass-dsl {info['cutlass_dsl']} | {info.get('gpu', 'no GPU')}")  # fmt: skip
+    print(
+        f"coda {coda.__version__} | torch {info['torch']} | quack {info['quack']} | "
+        f"cutlass-dsl {info['cutlass_dsl']} | {info.get('gpu', 'no GPU')}"
+    )
     g = torch.Generator(device=device).manual_seed(0)
     bf = torch.bfloat16
     o = torch.randn(M, d, device=device, dtype=bf, generator=g)  # attention output
@@ -75,17 +77,23 @@ def main():
     print("\nequivalence vs fp32 reference (relative Frobenius error of GEMM2's output z):")
     print(f"  coda  r * ((h*gamma) @ W2) : {e_c:.3e}")
     print(f"  torch RMSNorm(h) @ W2, bf16: {e_t:.3e}")
-    print(f"  ratio coda / torch         : {e_c / e_t:.3f}  ({'PASS' if e_c <= e_t else 'FAIL'}:"
-          f" goal <= 1.0)")  # fmt: skip
-    for name, got, ref in (("h", out.h, h32), ("rstd", out.rstd, gemm_residual_rms_ref(
-            o, w_o, x0)[2])):  # fmt: skip
+    print(
+        f"  ratio coda / torch         : {e_c / e_t:.3f}  ({'PASS' if e_c <= e_t else 'FAIL'}:"
+        f" goal <= 1.0)"
+    )
+    for name, got, ref in (
+        ("h", out.h, h32),
+        ("rstd", out.rstd, gemm_residual_rms_ref(o, w_o, x0)[2]),
+    ):
         print(f"  {name:5s} error {fro(got, ref):.3e}")
 
     t_coda = timeit(lambda: coda.gemm_residual_rms(o, w_o, x0, gamma), device)
     t_torch = timeit(lambda: gemm_residual_rms_torch(o, w_o, x0, gamma), device)
     t_mm = timeit(lambda: o @ w_o, device)
-    print(f"\ntiming ({device.type}, median ms):  coda {t_coda:.4f} | torch eager {t_torch:.4f} | "
-          f"matmul alone {t_mm:.4f}")  # fmt: skip
+    print(
+        f"\ntiming ({device.type}, median ms):  coda {t_coda:.4f} | torch eager {t_torch:.4f} | "
+        f"matmul alone {t_mm:.4f}"
+    )
     print(f"  coda / matmul alone = {t_coda / t_mm:.3f};  torch / coda = {t_torch / t_coda:.2f}x")
     if device.type == "cpu":
         print("  (CPU timings are of the reference path; the kernels run on SM90 GPUs)")

@@ -83,8 +83,7 @@ def test_compiles_for_sm90(with_gamma, w_major):
     done = kern.compile_gemm_residual_rms(256, 520, gamma=with_gamma, w_major=w_major)
     assert done in (0, 1)
     # M, N and K are dynamic: another problem size reuses the same compiled kernel
-    assert kern.compile_gemm_residual_rms(512, 1032, gamma=with_gamma, w_major=w_major,
-                                          m=1000) == 0  # fmt: skip
+    assert kern.compile_gemm_residual_rms(512, 1032, gamma=with_gamma, w_major=w_major, m=1000) == 0
 
 
 # -- bad input ------------------------------------------------------------------------------
@@ -144,9 +143,9 @@ def test_kernel_path_rejects_dtype_and_tma_alignment(pretend_sm90):
     xk, wk = torch.randn(16, 20).bfloat16(), torch.randn(20, 32).bfloat16()
     with pytest.raises(coda.CodaInputError, match="x: rows must be 16-byte aligned.*multiple of 8"):
         coda.gemm_residual_rms(xk, wk, res)
-    wn, rn_ = torch.randn(24, 36).bfloat16(), torch.randn(16, 36).bfloat16()
+    wn = torch.randn(24, 44).bfloat16()[:, :40]  # a view whose rows are 88 B apart
     with pytest.raises(coda.CodaInputError, match="w: rows must be 16-byte aligned"):
-        coda.gemm_residual_rms(x, wn, rn_)
+        coda.gemm_residual_rms(x, wn, torch.randn(16, 40).bfloat16())
     with pytest.raises(coda.CodaInputError, match="residual: the TMA needs a unit stride"):
         coda.gemm_residual_rms(x, w, res.t().contiguous().t())
     assert not pretend_sm90

@@ -34,9 +34,13 @@ F64 = torch.float64
 @epilogue_program(
     inputs=[TileC(), RowLoad("g"), ColLoad("s"), TileLoad("t")],
     stores=[TileStore("aux")],
-    sinks=[RowPartials("rsum", scaled=True), ColPartials("csum"), OnlineLSE("lse"),
-           ColSelect("picked", index="idx")],
-)  # fmt: skip
+    sinks=[
+        RowPartials("rsum", scaled=True),
+        ColPartials("csum"),
+        OnlineLSE("lse"),
+        ColSelect("picked", index="idx"),
+    ],
+)
 def every_family(acc, c, g, s, t):
     v = (acc + c) * g * s
     return {"D": v, "aux": v * t, "rsum": (v, v), "csum": v * t, "lse": v, "picked": v + 1}
@@ -50,8 +54,13 @@ def test_interpreter_every_family(seed):
     acc, c, t = (torch.randn(M, N, dtype=F64, generator=gen) for _ in range(3))
     g, s = torch.randn(N, dtype=F64, generator=gen), torch.randn(M, dtype=F64, generator=gen)
     idx = torch.randint(-1, N + 1, (M,), generator=gen)  # includes out-of-range rows
-    out = interpret(every_family, acc, {"c": c, "g": g, "s": s, "t": t, "idx": idx},
-                    tile_m=dims["tm"], tile_n=dims["tn"])  # fmt: skip
+    out = interpret(
+        every_family,
+        acc,
+        {"c": c, "g": g, "s": s, "t": t, "idx": idx},
+        tile_m=dims["tm"],
+        tile_n=dims["tn"],
+    )
     v = (acc + c) * g * s[:, None]
     T_M = -(-M // dims["tm"])
     assert rel_err(out["D"], v) < 1e-14 and rel_err(out["aux"], v * t) < 1e-14
@@ -79,8 +88,12 @@ def rotate_pairs(acc, cs):
     return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
 
 
-@epilogue_program(inputs=[TileC(), ColLoad("r")], stores=[TileStore("s")],
-                  sinks=[RowPartials("stat")], mode="widen")  # fmt: skip
+@epilogue_program(
+    inputs=[TileC(), ColLoad("r")],
+    stores=[TileStore("s")],
+    sinks=[RowPartials("stat")],
+    mode="widen",
+)
 def widen_dswiglu(acc, c, r):
     ug, uu = unpack(c)
     zg, zu = ug * r, uu * r

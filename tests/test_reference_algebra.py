@@ -168,10 +168,28 @@ def test_cross_entropy_partials_and_backward(seed):  # [I4.1-I4.4]
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_full_layer_sequence_matches_autograd(seed):  # [I5.9-I5.14, I4.5]
-    dims = random_dims(seed, B=(1, 3), S=(1, 9), Hkv=(1, 2), rep=(1, 3), half=(1, 4),
-                       d=(3, 29), f=(1, 37), V=(2, 61), tile=(3, 40))  # fmt: skip
-    s = L.LayerShape(dims["B"], dims["S"], dims["d"], dims["Hkv"] * dims["rep"], dims["Hkv"],
-                     2 * dims["half"], dims["f"], dims["V"])  # fmt: skip
+    dims = random_dims(
+        seed,
+        B=(1, 3),
+        S=(1, 9),
+        Hkv=(1, 2),
+        rep=(1, 3),
+        half=(1, 4),
+        d=(3, 29),
+        f=(1, 37),
+        V=(2, 61),
+        tile=(3, 40),
+    )
+    s = L.LayerShape(
+        dims["B"],
+        dims["S"],
+        dims["d"],
+        dims["Hkv"] * dims["rep"],
+        dims["Hkv"],
+        2 * dims["half"],
+        dims["f"],
+        dims["V"],
+    )
     g = torch.Generator().manual_seed(100 + seed)
     w = L.random_layer_weights(s, generator=g)
     x0 = rand(g, s.tokens, s.d)

@@ -10,8 +10,18 @@ from coda.kernels.config import GemmConfig
 from coda.primitives.lowering import epi_args, lower
 
 
-def launch(program, x, w, *, config: GemmConfig, d=None, c=None, operands=None, outputs=None,
-           dry: bool = False):  # fmt: skip
+def launch(
+    program,
+    x,
+    w,
+    *,
+    config: GemmConfig,
+    d=None,
+    c=None,
+    operands=None,
+    outputs=None,
+    dry: bool = False,
+):
     """acc = x @ w (x (M, K) row-major, w (K, N) either major); run ``program`` on it.
     Returns the number of compiles done when ``dry`` (0 on a jit-cache hit), else None."""
     args = epi_args(program, operands or {}, outputs or {})

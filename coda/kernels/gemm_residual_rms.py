@@ -60,8 +60,17 @@ def epilogue_gemm(x, w, residual, gamma=None, config: GemmConfig = DEFAULT, dry=
     if gamma is not None:
         outputs["normed"] = torch.empty_like(h)
     operands = {} if gamma is None else {"gamma": gamma}
-    compiled = launch(program_for(gamma), x, w, config=config, d=h, c=residual,
-                      operands=operands, outputs=outputs, dry=dry)  # fmt: skip
+    compiled = launch(
+        program_for(gamma),
+        x,
+        w,
+        config=config,
+        d=h,
+        c=residual,
+        operands=operands,
+        outputs=outputs,
+        dry=dry,
+    )
     return compiled if dry else (h, outputs.get("normed"), outputs["sumsq"])
 
 
@@ -78,8 +87,7 @@ def gemm_residual_rms_interpreted(x, w, residual, gamma=None, eps=1e-5, config=D
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
     acc = x.to(dt) @ w.to(dt)
     operands = {"c": residual} if gamma is None else {"c": residual, "gamma": gamma}
-    out = interpret(program_for(gamma), acc, operands, tile_m=config.tile_m,
-                    tile_n=config.tile_n)  # fmt: skip
+    out = interpret(program_for(gamma), acc, operands, tile_m=config.tile_m, tile_n=config.tile_n)
     return out["D"], out.get("normed"), rstd_from_sumsq(out["sumsq"], w.shape[1], eps), out["sumsq"]
 
 

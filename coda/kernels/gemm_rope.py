@@ -34,8 +34,9 @@ def rope_scaled(acc, rstd, pos, freq):
     return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
 
 
-def rope_freq_table(head_dim: int, rotated_heads: int, plain_heads: int,
-                    base: float = 10000.0, device=None) -> torch.Tensor:  # fmt: skip
+def rope_freq_table(
+    head_dim: int, rotated_heads: int, plain_heads: int, base: float = 10000.0, device=None
+) -> torch.Tensor:
     """Per-output-column frequency row for ``rope_scaled``: for each of ``rotated_heads``
     heads, pair i holds inv_freq[i] / 2pi as float32 (hi, lo) at columns (2i, 2i+1); the
     ``plain_heads`` (V) columns hold 0. Length (rotated_heads + plain_heads) * head_dim."""
@@ -58,13 +59,16 @@ def gemm_rope_kernel(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT, dr
 
 def gemm_rope_interpreted(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT):
     dt = torch.float64 if a.dtype == torch.float64 else torch.float32
-    out = interpret(rope_scaled, a.to(dt) @ w_qkv.to(dt),
-                    {"rstd": rstd, "pos": pos, "freq": freq},
-                    tile_m=config.tile_m, tile_n=config.tile_n)  # fmt: skip
+    out = interpret(
+        rope_scaled,
+        a.to(dt) @ w_qkv.to(dt),
+        {"rstd": rstd, "pos": pos, "freq": freq},
+        tile_m=config.tile_m,
+        tile_n=config.tile_n,
+    )
     return out["D"]
 
 
 def compile_gemm_rope(k, n, *, w_major="n", config=DEFAULT, m=256) -> int:
     a, w = example_operands(m, k, n, w_major)
-    return gemm_rope_kernel(a, w, torch.empty(m), torch.empty(m), torch.empty(n), config,
-                            dry=True)  # fmt: skip
+    return gemm_rope_kernel(a, w, torch.empty(m), torch.empty(m), torch.empty(n), config, dry=True)

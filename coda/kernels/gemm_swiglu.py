@@ -42,15 +42,28 @@ def gemm_swiglu_kernel(a, w_il, rstd, save_preact=True, config: GemmConfig = DEF
     M, n2 = a.shape[0], w_il.shape[1]
     s = torch.empty(M, n2 // 2, dtype=a.dtype, device=a.device)
     u = torch.empty(M, n2, dtype=a.dtype, device=a.device) if save_preact else None
-    compiled = launch(program_for(save_preact), a, w_il, config=config, d=u,
-                      operands={"rstd": rstd}, outputs={"s": s}, dry=dry)  # fmt: skip
+    compiled = launch(
+        program_for(save_preact),
+        a,
+        w_il,
+        config=config,
+        d=u,
+        operands={"rstd": rstd},
+        outputs={"s": s},
+        dry=dry,
+    )
     return compiled if dry else (s, u)
 
 
 def gemm_swiglu_interpreted(a, w_il, rstd, config: GemmConfig = DEFAULT):
     dt = torch.float64 if a.dtype == torch.float64 else torch.float32
-    out = interpret(swiglu_keep_preact, a.to(dt) @ w_il.to(dt), {"rstd": rstd},
-                    tile_m=config.tile_m, tile_n=config.tile_n)  # fmt: skip
+    out = interpret(
+        swiglu_keep_preact,
+        a.to(dt) @ w_il.to(dt),
+        {"rstd": rstd},
+        tile_m=config.tile_m,
+        tile_n=config.tile_n,
+    )
     return out["s"], out["D"]
 
 

@@ -52,13 +52,15 @@ def lm_head_stats_kernel(a, w_lm, rstd, target, config: GemmConfig = DEFAULT, dr
         "target_logit": torch.zeros(M, dtype=torch.float32, device=a.device),
     }
     operands = {"rstd": rstd, "target": target}
-    compiled = launch(logits_lse_target, a, w_lm, config=config, operands=operands,
-                      outputs=outputs, dry=dry)  # fmt: skip
+    compiled = launch(
+        logits_lse_target, a, w_lm, config=config, operands=operands, outputs=outputs, dry=dry
+    )
     return compiled if dry else (outputs["lse"], outputs["target_logit"])
 
 
-def linear_cross_entropy_kernel(a, w_lm, rstd, target, ignore_index=-100, reduction="mean",
-                                config: GemmConfig = DEFAULT):  # fmt: skip
+def linear_cross_entropy_kernel(
+    a, w_lm, rstd, target, ignore_index=-100, reduction="mean", config: GemmConfig = DEFAULT
+):
     parts, tl = lm_head_stats_kernel(a, w_lm, rstd, target, config)
     lse = combine_lse(parts)
     return ce_from_stats(lse, tl, target, ignore_index, reduction), lse
@@ -66,8 +68,13 @@ def linear_cross_entropy_kernel(a, w_lm, rstd, target, ignore_index=-100, reduct
 
 def lm_head_stats_interpreted(a, w_lm, rstd, target, config: GemmConfig = DEFAULT):
     dt = torch.float64 if a.dtype == torch.float64 else torch.float32
-    out = interpret(logits_lse_target, a.to(dt) @ w_lm.to(dt), {"rstd": rstd, "target": target},
-                    tile_m=config.tile_m, tile_n=config.tile_n)  # fmt: skip
+    out = interpret(
+        logits_lse_target,
+        a.to(dt) @ w_lm.to(dt),
+        {"rstd": rstd, "target": target},
+        tile_m=config.tile_m,
+        tile_n=config.tile_n,
+    )
     return out["lse"], torch.nan_to_num(out["target_logit"], nan=0.0)
 
 

@@ -68,3 +68,12 @@ def dlogits_ref(logits, lse, target, ignore_index=-100, reduction="mean", grad=1
     valid = target != ignore_index
     onehot[valid.nonzero()[:, 0], target[valid]] = 1
     return grad * w[:, None] * (p - onehot)
+
+
+def linear_cross_entropy_torch(a, w_lm, r, target, ignore_index=-100, reduction="mean"):
+    """The plain PyTorch (HF) path: bf16 logits, upcast, cross-entropy."""
+    y = (a.float() * r[:, None]).to(a.dtype)
+    logits = y @ w_lm
+    return torch.nn.functional.cross_entropy(
+        logits.float(), target, ignore_index=ignore_index, reduction=reduction
+    )

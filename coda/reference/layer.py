@@ -71,11 +71,18 @@ def random_layer_weights(s: LayerShape, dtype=torch.float64, generator=None) -> 
 
     hd = s.head_dim
     return {
-        "wq": mat(s.d, s.heads * hd), "wk": mat(s.d, s.kv_heads * hd),
-        "wv": mat(s.d, s.kv_heads * hd), "wo": mat(s.heads * hd, s.d),
-        "wg": mat(s.d, s.ffn), "wu": mat(s.d, s.ffn), "wd": mat(s.ffn, s.d),
-        "w_lm": mat(s.d, s.vocab), "g1": gamma(s.d), "g2": gamma(s.d), "gf": gamma(s.d),
-    }  # fmt: skip
+        "wq": mat(s.d, s.heads * hd),
+        "wk": mat(s.d, s.kv_heads * hd),
+        "wv": mat(s.d, s.kv_heads * hd),
+        "wo": mat(s.heads * hd, s.d),
+        "wg": mat(s.d, s.ffn),
+        "wu": mat(s.d, s.ffn),
+        "wd": mat(s.ffn, s.d),
+        "w_lm": mat(s.d, s.vocab),
+        "g1": gamma(s.d),
+        "g2": gamma(s.d),
+        "gf": gamma(s.d),
+    }
 
 
 def positions_of(s: LayerShape) -> torch.Tensor:

@@ -69,6 +69,20 @@ def gemm_residual_rms_torch(x, w, residual, gamma=None, eps: float = 1e-5):
     return h, a, rstd_ref(h.float(), eps)
 
 
+def gemm_rmsnorm_gemm_ref(x, w1, residual, gamma, w2, eps: float = 1e-5):
+    """Canonical block: h = residual + x @ w1; z = RMSNorm(h) * gamma @ w2; returns (h, z, r)."""
+    dt = ref_dtype(x, w1, residual)
+    h = residual.to(dt) + x.to(dt) @ w1.to(dt)
+    return h, rmsnorm_ref(h, gamma.to(dt), eps) @ w2.to(dt), rstd_ref(h, eps)
+
+
+def gemm_rmsnorm_gemm_torch(x, w1, residual, gamma, w2, eps: float = 1e-5):
+    """The plain PyTorch path in the inputs' dtype (F.rms_norm between two mm's)."""
+    h = residual + x @ w1
+    y = torch.nn.functional.rms_norm(h, (h.shape[-1],), gamma, eps)
+    return h, y @ w2, rstd_ref(h.float(), eps)
+
+
 # -- backward --------------------------------------------------------------------------------
 def rmsnorm_bwd_ref(h, gamma, r, dy):
     """Canonical RMSNorm backward [I5.4, I5.5]: returns (dh, dgamma).

@@ -87,3 +87,14 @@ def gemm_rope_ref(a, w_qkv, r, cs, n_q: int, n_kv: int, hd: int):
     M = z.shape[0]
     qk = z[:, : (n_q + n_kv) * hd].view(M, n_q + n_kv, hd)
     return torch.cat([rope_adjacent_ref(qk, cs.to(dt)).flatten(1), z[:, (n_q + n_kv) * hd :]], 1)
+
+
+def gemm_rope_torch(a, w_qkv, r, positions, n_q: int, n_kv: int, hd: int, base=10000.0):
+    """The plain PyTorch path (HF style) in the inputs' dtype: normalize, project, then RoPE
+    with cos/sin tables in that dtype, on the adjacent layout."""
+    y = (a.float() * r[:, None]).to(a.dtype)
+    z = y @ w_qkv
+    M = z.shape[0]
+    cs = rope_table(positions, hd, base).to(a.dtype)
+    qk = rope_adjacent_ref(z[:, : (n_q + n_kv) * hd].view(M, n_q + n_kv, hd), cs)
+    return torch.cat([qk.flatten(1), z[:, (n_q + n_kv) * hd :]], 1)

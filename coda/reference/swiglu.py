@@ -64,3 +64,10 @@ def dswiglu_ref(ds, u, r):
     dz_tilde = torch.stack([r * dzg, r * dzu], dim=-1).flatten(-2)
     S = (dzg * ug + dzu * uu).sum(-1)
     return silu * zu, dz_tilde, S
+
+
+def gemm_swiglu_torch(a, w_il, r):
+    """The plain PyTorch path in the inputs' dtype: normalize, project, SwiGLU, each rounded."""
+    y = (a.float() * r[:, None]).to(a.dtype)
+    gu = y @ w_il
+    return swiglu_ref(gu[:, 0::2], gu[:, 1::2])

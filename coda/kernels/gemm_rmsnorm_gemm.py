@@ -1,0 +1,51 @@
+"""The GEMM-Residual-RMSNorm-GEMM block (KERNELS.md section 2): two epilogue GEMMs and an AUX.
+
+    GEMM1 (gemm_residual_rms): h = residual + x @ w1; a = h * gamma; P = RED_m of h^2
+    AUX:                       r = (sum_t P / d + eps)^-1/2
+    GEMM2 (scale_rows):        z = r * (a @ w2)        VEC-LD COL r; EW
+
+[I2.3]: (r * h * gamma) @ w2 == r * ((h * gamma) @ w2), so the norm never runs as a kernel of
+its own. GEMM2 variants with a pairwise epilogue are ``gemm_swiglu`` and ``gemm_rope``.
+Tests: tests/test_forward_kernels.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coda.kernels._launch import example_operands, launch
+from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.gemm_residual_rms import gemm_residual_rms_kernel
+from coda.primitives import ColLoad, epilogue_program
+
+
+@epilogue_program(inputs=[ColLoad("rstd")])
+def scale_rows(acc, rstd):
+    return {"D": acc * rstd}
+
+
+def gemm_scale_rows_kernel(a, w, rstd, config: GemmConfig = DEFAULT, dry=False):
+    """z = rstd[:, None] * (a @ w) (bf16); with ``dry`` only compiles."""
+    z = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
+    compiled = launch(scale_rows, a, w, config=config, d=z, operands={"rstd": rstd}, dry=dry)
+    return compiled if dry else z
+
+
+def gemm_rmsnorm_gemm_kernel(
+    x,
+    w1,
+    residual,
+    gamma,
+    w2,
+    eps=1e-5,
+    config1: GemmConfig = DEFAULT,
+    config2: GemmConfig = DEFAULT,
+):
+    """Returns (h, z, r)."""
+    h, a, r = gemm_residual_rms_kernel(x, w1, residual, gamma, eps, config1)
+    return h, gemm_scale_rows_kernel(a, w2, r, config2), r
+
+
+def compile_gemm_scale_rows(k, n, *, w_major="n", config=DEFAULT, m=256) -> int:
+    a, w = example_operands(m, k, n, w_major)
+    return gemm_scale_rows_kernel(a, w, torch.empty(m), config, dry=True)

@@ -1,0 +1,55 @@
+"""Exact converters between Hugging Face Llama weights and coda's paired layouts, both ways.
+
+coda's pairwise epilogues need each pair in two adjacent output columns of one GEMM tile:
+- W_qkv (d, Nqkv) = [q | k | v] columns, with q and k permuted within each head from HF's
+  rotate_half order (i, i + hd/2) to adjacent pairs (2i, 2i+1) (Meta's original layout);
+  attention scores are unchanged, because q and k take the same permutation (KERNELS.md 3.2);
+- W_il (d, 2f): gate j at column 2j, up j at 2j+1 (KERNELS.md 3.1).
+Inputs and outputs on the HF side are ``nn.Linear`` weights (out, in); coda's are (in, out).
+Every conversion is a permutation: bit-exact, and its inverse restores the input exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coda.reference.rope import adjacent_to_hf_linear, hf_to_adjacent_linear
+from coda.reference.swiglu import interleave_gate_up_linear, split_gate_up_linear
+
+
+def qkv_weight_from_hf(
+    q_proj: torch.Tensor,
+    k_proj: torch.Tensor,
+    v_proj: torch.Tensor,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+) -> torch.Tensor:
+    """HF q_proj (H hd, d), k_proj and v_proj (Hkv hd, d) -> coda W_qkv (d, (H + 2 Hkv) hd)."""
+    hd = q_proj.shape[0] // n_heads
+    rows = [
+        hf_to_adjacent_linear(q_proj, n_heads, hd),
+        hf_to_adjacent_linear(k_proj, n_kv_heads, hd),
+        v_proj,
+    ]
+    return torch.cat(rows, dim=0).t().contiguous()
+
+
+def qkv_weight_to_hf(w_qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim: int):
+    """Inverse of ``qkv_weight_from_hf``: returns (q_proj, k_proj, v_proj) nn.Linear weights."""
+    lin = w_qkv.t()
+    nq, nkv = n_heads * head_dim, n_kv_heads * head_dim
+    q = adjacent_to_hf_linear(lin[:nq], n_heads, head_dim)
+    k = adjacent_to_hf_linear(lin[nq : nq + nkv], n_kv_heads, head_dim)
+    return q.contiguous(), k.contiguous(), lin[nq + nkv :].contiguous()
+
+
+def gate_up_weight_from_hf(gate_proj: torch.Tensor, up_proj: torch.Tensor) -> torch.Tensor:
+    """HF gate_proj, up_proj (f, d) -> coda W_il (d, 2f), gate/up interleaved."""
+    return interleave_gate_up_linear(gate_proj, up_proj).t().contiguous()
+
+
+def gate_up_weight_to_hf(w_il: torch.Tensor):
+    """Inverse of ``gate_up_weight_from_hf``: returns (gate_proj, up_proj)."""
+    g, u = split_gate_up_linear(w_il.t().contiguous())
+    return g.contiguous(), u.contiguous()
