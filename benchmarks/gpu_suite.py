@@ -78,6 +78,8 @@ def main():
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, ".out")))
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="also sweep tile configs")
+    ap.add_argument("--only", default="", help="comma-separated benchmark names to run")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -96,10 +98,29 @@ def main():
         record["gpu_tests"] = run_tests(args.out)
         print("gpu tests:", record["gpu_tests"]["summary"], flush=True)
 
-    from benchmarks import bench_gemm_residual_rms
+    from benchmarks import (
+        bench_forward,
+        bench_gemm_residual_rms,
+        bench_layer,
+        bench_numerics,
+        tune_configs,
+    )
 
+    suites = [("numerics", bench_numerics)]
+    if args.tune:
+        suites.append(("tuning", tune_configs))
+    suites += [
+        ("gemm_residual_rms", bench_gemm_residual_rms),
+        ("forward", bench_forward),
+        ("layer_forward", bench_layer),
+    ]
+    if args.only:
+        suites = [(n, m) for n, m in suites if n in args.only.split(",")]
+    from coda.kernels import tuned
+
+    record["tuned_configs_source"] = tuned.SOURCE
     record["benchmarks"] = {}
-    for name, mod in (("gemm_residual_rms", bench_gemm_residual_rms),):
+    for name, mod in suites:
         t0 = time.time()
         try:
             record["benchmarks"][name] = mod.run()

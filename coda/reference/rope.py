@@ -95,6 +95,6 @@ def gemm_rope_torch(a, w_qkv, r, positions, n_q: int, n_kv: int, hd: int, base=1
     y = (a.float() * r[:, None]).to(a.dtype)
     z = y @ w_qkv
     M = z.shape[0]
-    cs = rope_table(positions, hd, base).to(a.dtype)
+    cs = rope_table(positions, hd, base).to(device=a.device, dtype=a.dtype)
     qk = rope_adjacent_ref(z[:, : (n_q + n_kv) * hd].view(M, n_q + n_kv, hd), cs)
     return torch.cat([qk.flatten(1), z[:, (n_q + n_kv) * hd :]], 1)

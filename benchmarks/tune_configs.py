@@ -1,0 +1,120 @@
+"""Sweep tile configs for every GEMM of the forward layer and the LM head (M = 16384) and
+print the winners as ``coda/kernels/tuned.py`` entries.
+
+For each shape and candidate config: quack's raw GEMM (identity epilogue) and the coda
+epilogue kernel that runs at that shape in the layer, next to cuBLAS. The winner minimizes the
+coda kernel's time. Run by ``gpu_suite.py --tune``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks._common import bench
+from benchmarks.bench_forward import HIDDEN, VOCABS, ffn, heads
+from coda import _quack
+from coda.kernels import gemm_residual_rms as grr
+from coda.kernels import gemm_rope as rp
+from coda.kernels import gemm_swiglu as sw
+from coda.kernels import linear_cross_entropy as lce
+from coda.kernels.config import GemmConfig
+
+M = 16384
+CANDIDATES = [
+    GemmConfig(128, 192, 2, 1, True),
+    GemmConfig(128, 256, 2, 1, True),
+    GemmConfig(128, 256, 1, 1, True),
+    GemmConfig(128, 128, 2, 1, True),
+    GemmConfig(128, 192, 1, 2, True),
+    GemmConfig(256, 128, 2, 1, False),
+    GemmConfig(256, 192, 2, 1, False),
+]
+
+
+def layer_gemms():
+    """(name, K, N, kernel(a, w, cfg)) for the forward layer's GEMMs and the LM head."""
+    out = []
+    for d in HIDDEN:
+        f, (H, Hkv) = ffn(d), heads(d)
+        r = torch.rand(M, device="cuda") + 0.5
+        pos = (torch.arange(M, device="cuda") % 4096).float()
+        freq = rp.rope_freq_table(128, H + Hkv, Hkv, device="cuda")
+        res = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+        gamma = torch.ones(d, device="cuda", dtype=torch.bfloat16)
+        out += [
+            (
+                f"qkv_rope_d{d}",
+                d,
+                (H + 2 * Hkv) * 128,
+                lambda a, w, c, r=r, pos=pos, freq=freq: rp.gemm_rope_kernel(a, w, r, pos, freq, c),
+            ),
+            (
+                f"o_proj_d{d}",
+                H * 128,
+                d,
+                lambda a, w, c, res=res, g=gamma: grr.epilogue_gemm(a, w, res, g, c),
+            ),
+            (
+                f"gate_up_swiglu_d{d}",
+                d,
+                2 * f,
+                lambda a, w, c, r=r: sw.gemm_swiglu_kernel(a, w, r, True, c),
+            ),
+            (
+                f"down_proj_d{d}",
+                f,
+                d,
+                lambda a, w, c, res=res, g=gamma: grr.epilogue_gemm(a, w, res, g, c),
+            ),
+        ]
+        for V in VOCABS:
+            t = torch.randint(0, V, (M,), device="cuda")
+            out.append(
+                (
+                    f"lm_head_ce_d{d}_V{V}",
+                    d,
+                    V,
+                    lambda a, w, c, r=r, t=t: lce.lm_head_stats_kernel(a, w, r, t, c),
+                )
+            )
+    return out
+
+
+def run() -> list[dict]:
+    raw = _quack.identity_mod()
+    rows = []
+    for name, K, N, kernel in layer_gemms():
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) * K**-0.5
+        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        t_mm = bench(lambda: a @ w)["ms"]
+        best = None
+        for cfg in CANDIDATES:
+            try:
+                t_raw = bench(lambda: _quack.run_epi_gemm(raw, a, w, out, None, {}, cfg))["ms"]
+                t_k = bench(lambda: kernel(a, w, cfg))["ms"]
+            except Exception as e:  # a config quack rejects for this epilogue is skipped
+                rows.append({"name": name, "config": cfg.__dict__, "error": repr(e)[:200]})
+                continue
+            rows.append(
+                {
+                    "name": name,
+                    "K": K,
+                    "N": N,
+                    "config": cfg.__dict__,
+                    "raw_ms": t_raw,
+                    "kernel_ms": t_k,
+                    "cublas_ms": t_mm,
+                }
+            )
+            if best is None or t_k < best[1]:
+                best = (cfg, t_k, t_raw)
+        if best:
+            cfg, t_k, t_raw = best
+            print(
+                f"    ({K}, {N}): GemmConfig({cfg.tile_m}, {cfg.tile_n}, {cfg.cluster_m}, "
+                f"{cfg.cluster_n}, {cfg.pingpong}),  # {name}: kernel {t_k:.4f} ms, raw "
+                f"{t_raw:.4f}, cuBLAS {t_mm:.4f}",
+                flush=True,
+            )
+    return rows
