@@ -129,15 +129,19 @@ def main():
 
             record["benchmarks"][name] = {"error": repr(e), "trace": traceback.format_exc()}
         print(f"{name}: {time.time() - t0:.0f}s", flush=True)
+        write_record(record, args.out)  # after every suite: a run cut short keeps what it did
 
+    print_table(record)
+
+
+def write_record(record, out_dir):
     gpu = record["env"].get("gpu", "nogpu").split()[-1].lower()
     fname = f"{record['date'][:10]}_{gpu}.json"
     text = json.dumps(record, indent=1)
-    for d in (os.path.join(ROOT, "benchmarks", "results"), args.out):
+    for d in (os.path.join(ROOT, "benchmarks", "results"), out_dir):
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, fname), "w") as f:
             f.write(text)
-    print_table(record)
 
 
 def print_table(record):
