@@ -145,16 +145,42 @@ def write_record(record, out_dir):
 
 
 def print_table(record):
+    keys = (
+        "M",
+        "K",
+        "N",
+        "d",
+        "seed",
+        "ms",
+        "tflops",
+        "ratio_vs_quack_raw_tflops",
+        "ratio_vs_cublas_tflops",
+        "speedup_of_coda",
+        "ratio_vs_floor",
+        "ratio",
+        "raw_ms",
+        "kernel_ms",
+        "cublas_ms",
+        "error",
+    )
     for name, rows in record["benchmarks"].items():
         if isinstance(rows, dict):
             print(name, "ERROR", rows["error"])
             continue
         for r in rows:
-            print(
-                f"{r['name']:42s} M={r['M']:5d} K={r['K']:5d} N={r['N']:5d} "
-                f"{r['ms']:8.4f} ms {r['tflops'] or 0:6.0f} TF/s "
-                f"raw/this={r.get('ratio_vs_quack_raw_tflops', 0):.3f}"
-            )
+            vals = " ".join(f"{k}={_fmt(r[k])}" for k in keys if r.get(k) is not None)
+            print(f"{r['name']:40s} {vals}{_fmt_config(r.get('config'))}")
+
+
+def _fmt(v):
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _fmt_config(c):
+    if not isinstance(c, dict) or "tile_m" not in c:
+        return ""
+    kind = "pp" if c["pingpong"] else "coop"
+    return f" cfg={c['tile_m']}x{c['tile_n']}/c{c['cluster_m']}x{c['cluster_n']}/{kind}"
 
 
 if __name__ == "__main__":

@@ -10,8 +10,31 @@ from __future__ import annotations
 
 from coda.kernels.config import DEFAULT, GemmConfig
 
-SOURCE = "untuned"
-TUNED: dict[tuple[int, int], GemmConfig] = {}
+SOURCE = "benchmarks/results/2026-11-29_h200_tuning.json (commit 3bd391b)"
+_PP, _COOP = True, False
+TUNED: dict[tuple[int, int], GemmConfig] = {
+    # d = 2048 (16/8 heads, f = 5632)
+    (2048, 4096): GemmConfig(128, 192, 1, 2, _PP),  # QKV + RoPE
+    (2048, 2048): GemmConfig(128, 192, 2, 1, _PP),  # O proj + residual + norm partials
+    (2048, 11264): GemmConfig(128, 128, 2, 1, _PP),  # gate/up + SwiGLU
+    (5632, 2048): GemmConfig(128, 192, 2, 1, _PP),  # down proj + residual + norm partials
+    (2048, 32768): GemmConfig(128, 192, 2, 1, _PP),  # LM head + CE
+    (2048, 128256): GemmConfig(128, 192, 2, 1, _PP),
+    # d = 4096 (32/8 heads, f = 11008)
+    (4096, 6144): GemmConfig(128, 192, 2, 1, _PP),
+    (4096, 4096): GemmConfig(128, 192, 1, 2, _PP),
+    (4096, 22016): GemmConfig(128, 192, 2, 1, _PP),
+    (11008, 4096): GemmConfig(128, 192, 1, 2, _PP),
+    (4096, 32768): GemmConfig(128, 192, 2, 1, _PP),
+    (4096, 128256): GemmConfig(128, 192, 2, 1, _PP),
+    # d = 8192 (64/8 heads, f = 22016)
+    (8192, 10240): GemmConfig(128, 192, 1, 2, _PP),
+    (8192, 8192): GemmConfig(128, 192, 2, 1, _PP),
+    (8192, 44032): GemmConfig(256, 192, 2, 1, _COOP),
+    (22016, 8192): GemmConfig(128, 192, 2, 1, _PP),
+    (8192, 32768): GemmConfig(128, 192, 2, 1, _PP),
+    (8192, 128256): GemmConfig(256, 192, 2, 1, _COOP),
+}
 
 
 def config_for(m: int, k: int, n: int) -> GemmConfig:
