@@ -110,7 +110,7 @@ def identity_mod():
     return _modules()["library"].identity_epi
 
 
-def run_epi_gemm(mod, A, B, D, C, epi_args, config, *, launch=True):
+def run_epi_gemm(mod, A, B, D, C, epi_args, config, *, launch=True, add_to_output=False):
     """Run (or, with ``launch=False``, only compile and plan) ``mod`` on the quack SM90 GEMM.
 
     ``A`` is (M, K); ``B`` is (K, N) in either major order; ``config`` a ``GemmConfig``."""
@@ -128,11 +128,12 @@ def run_epi_gemm(mod, A, B, D, C, epi_args, config, *, launch=True):
         pingpong=config.pingpong,
         persistent=True,
         max_swizzle_size=config.max_swizzle_size,
+        add_to_output=add_to_output,
         _launch=launch,
     )
 
 
-def compile_only(mod, A, B, D, C, epi_args, config) -> int:
+def compile_only(mod, A, B, D, C, epi_args, config, add_to_output=False) -> int:
     """Compile ``mod`` for sm_90a on a machine with no GPU; returns the number of kernel
     compiles this call performed (0 when the jit cache already held it).
 
@@ -142,7 +143,7 @@ def compile_only(mod, A, B, D, C, epi_args, config) -> int:
     compile_fn = _modules()["host"]._compile_gemm_epi
     before = compile_fn.cache_info()
     try:
-        run_epi_gemm(mod, A, B, D, C, epi_args, config, launch=False)
+        run_epi_gemm(mod, A, B, D, C, epi_args, config, launch=False, add_to_output=add_to_output)
     except Exception as e:
         after = compile_fn.cache_info()
         looked_up = (after.hits + after.misses) > (before.hits + before.misses)

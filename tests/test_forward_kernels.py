@@ -89,7 +89,7 @@ def test_scale_rows_program_and_block(seed):
     x, w1, res = randn(g, d["M"], d["K"]), randn(g, d["K"], d["d"]), randn(g, d["M"], d["d"])
     gamma, w2 = 1 + 0.1 * randn(g, d["d"]), randn(g, d["d"], d["N2"])
     h, a, r = rn_ref.gemm_residual_rms_ref(x, w1, res, gamma)
-    z = interpret(rg.scale_rows, a @ w2, {"rstd": r}, tile_m=64, tile_n=32)["D"]
+    z = interpret(rg.scale_rows, a @ w2, {"scale": r}, tile_m=64, tile_n=32)["D"]
     h_c, z_c, r_c = rn_ref.gemm_rmsnorm_gemm_ref(x, w1, res, gamma, w2)
     assert rel_err(z, z_c) < 1e-13
     out = coda.gemm_rmsnorm_gemm(x, w1, res, gamma, w2)

@@ -21,13 +21,15 @@ def launch(
     operands=None,
     outputs=None,
     dry: bool = False,
+    add_to_output: bool = False,
 ):
-    """acc = x @ w (x (M, K) row-major, w (K, N) either major); run ``program`` on it.
+    """acc = x @ w (x (M, K) either major, w (K, N) either major); run ``program`` on it.
+    ``add_to_output``: D += the program's D (TMA reduce-add store; no C operand).
     Returns the number of compiles done when ``dry`` (0 on a jit-cache hit), else None."""
     args = epi_args(program, operands or {}, outputs or {})
     if dry:
-        return _quack.compile_only(lower(program), x, w, d, c, args, config)
-    _quack.run_epi_gemm(lower(program), x, w, d, c, args, config)
+        return _quack.compile_only(lower(program), x, w, d, c, args, config, add_to_output)
+    _quack.run_epi_gemm(lower(program), x, w, d, c, args, config, add_to_output=add_to_output)
     return None
 
 

@@ -19,15 +19,16 @@ from coda.kernels.gemm_residual_rms import gemm_residual_rms_kernel
 from coda.primitives import ColLoad, epilogue_program
 
 
-@epilogue_program(inputs=[ColLoad("rstd")])
-def scale_rows(acc, rstd):
-    return {"D": acc * rstd}
+@epilogue_program(inputs=[ColLoad("scale")])
+def scale_rows(acc, scale):
+    return {"D": acc * scale}
 
 
-def gemm_scale_rows_kernel(a, w, rstd, config: GemmConfig = DEFAULT, dry=False):
-    """z = rstd[:, None] * (a @ w) (bf16); with ``dry`` only compiles."""
+def gemm_scale_rows_kernel(a, w, scale, config: GemmConfig = DEFAULT, dry=False):
+    """z = scale[:, None] * (a @ w) (bf16, fp32 scale); with ``dry`` only compiles. The
+    row scale is RMSNorm's rstd in forward, gamma in a weight gradient (KERNELS.md 5.4)."""
     z = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
-    compiled = launch(scale_rows, a, w, config=config, d=z, operands={"rstd": rstd}, dry=dry)
+    compiled = launch(scale_rows, a, w, config=config, d=z, operands={"scale": scale}, dry=dry)
     return compiled if dry else z
 
 

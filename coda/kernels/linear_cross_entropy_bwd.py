@@ -1,0 +1,110 @@
+"""Cross-entropy backward through the LM head, CE-A: recompute the logits tile by tile
+(KERNELS.md section 4, B1 + A4 + B2 + A5 + B3), chunked over the vocabulary.
+
+For each vocabulary chunk C (the logits are never stored, dz~ only one chunk at a time):
+    B1  acc = a @ W_lm[:, C]                     the forward's GEMM, recomputed
+        p = exp(rstd * acc - lse) * scale        VEC-LD COL rstd, lse, scale = g * w[m]
+        D = dz~ = rstd * p                       TILE-ST bf16 (M x |C|)
+        S[m, t] = sum p * acc                    RED_m, the final norm's statistic
+        then one element per row: dz~[m, y_m] -= rstd * scale,  S -= scale * acc[m, y_m]
+        (the one-hot term: rows whose target falls in C; acc[m, y_m] = l_y / rstd from F6)
+    B3  dW_lm[:, C] = a^T @ dz~                  complete per chunk: no fp32 d x V buffer
+    B2  G += dz~ @ W_lm[:, C]^T                  fp32 M x d accumulator
+AUX:  corr = -(rstd^3 / d) * sum S;  dh = gamma * G + corr * h;  dgamma = sum_m G * h
+(the last step is elementwise over M x d; ``rmsnorm_bwd`` holds the epilogue form.)
+
+Peak extra memory: M |C| 2 bytes (dz~) + M d 4 bytes (G). Tests: tests/test_backward_kernels.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coda.kernels._launch import example_operands, launch
+from coda.kernels.config import DEFAULT, GemmConfig
+from coda.primitives import ColLoad, RowPartials, epilogue_program, exp
+from coda.primitives.aux import combine_row_partials
+from coda.primitives.interpreter import interpret
+
+
+@epilogue_program(
+    inputs=[ColLoad("rstd"), ColLoad("lse"), ColLoad("scale")], sinks=[RowPartials("stat")]
+)
+def softmax_grad_logits(acc, rstd, lse, scale):
+    p = exp(acc * rstd - lse) * scale
+    return {"D": p * rstd, "stat": p * acc}
+
+
+def row_scale(target, ignore_index, reduction, grad):
+    """scale[m] = g * w[m]: w = 1/M_valid ("mean") or 1 ("sum") on valid rows, 0 elsewhere;
+    ``grad`` is a 0-d tensor or a per-row tensor (reduction "none")."""
+    valid = (target != ignore_index).float()
+    if reduction == "mean":
+        valid = valid / valid.sum().clamp(min=1)
+    return valid * grad.float()
+
+
+def _one_hot_fixup(dz, stat_sum, target, col0, rstd, scale, target_logit):
+    """Subtract the one-hot term for rows whose target lies in this chunk."""
+    n = dz.shape[1]
+    local = target - col0
+    rows = ((local >= 0) & (local < n)).nonzero()[:, 0]
+    cols = local[rows]
+    dz[rows, cols] -= (rstd[rows] * scale[rows]).to(dz.dtype)
+    stat_sum[rows] -= scale[rows] * target_logit[rows] / rstd[rows]
+
+
+def grad_logits_chunk(a, w_chunk, rstd, lse, scale, config: GemmConfig = DEFAULT, dry=False):
+    """B1 on one vocabulary chunk: returns (dz~ chunk, per-row S without the one-hot term)."""
+    M, n = a.shape[0], w_chunk.shape[1]
+    dz = torch.empty(M, n, dtype=a.dtype, device=a.device)
+    stat = torch.empty(M, config.grid(M, n)[1], dtype=torch.float32, device=a.device)
+    compiled = launch(softmax_grad_logits, a, w_chunk, config=config, d=dz,
+                      operands={"rstd": rstd, "lse": lse, "scale": scale},
+                      outputs={"stat": stat}, dry=dry)  # fmt: skip
+    return compiled if dry else (dz, combine_row_partials(stat))
+
+
+@epilogue_program()
+def passthrough(acc):
+    return {"D": acc}
+
+
+def linear_cross_entropy_bwd_kernel(a, w_lm, rstd, lse, target_logit, target, scale,
+                                    chunk: int = 16384, config: GemmConfig = DEFAULT):  # fmt: skip
+    """Returns (G = dz~ @ W_lm^T fp32 M x d, S per row fp32, dW_lm (d x V view of a V x d
+    buffer)). ``chunk`` columns of dz~ are live at a time."""
+    M, V = a.shape[0], w_lm.shape[1]
+    G = torch.zeros(M, a.shape[1], dtype=torch.float32, device=a.device)
+    S = torch.zeros(M, dtype=torch.float32, device=a.device)
+    dw_t = torch.empty(V, a.shape[1], dtype=a.dtype, device=a.device)
+    for c0 in range(0, V, chunk):
+        wc = w_lm[:, c0 : c0 + chunk]
+        dz, s = grad_logits_chunk(a, wc, rstd, lse, scale, config)
+        _one_hot_fixup(dz, s, target, c0, rstd, scale, target_logit)
+        S += s
+        torch.mm(dz.t(), a, out=dw_t[c0 : c0 + wc.shape[1]])  # B3: rows of dW_lm^T
+        launch(passthrough, dz, wc.t(), config=config, d=G, add_to_output=True)  # B2: G += ..
+    return G, S, dw_t.t()
+
+
+def final_norm_bwd(G, S, h, gamma, rstd):
+    """AUX A4 + the B2 epilogue as one elementwise pass: returns (dh bf16, dgamma fp32)."""
+    corr = S.mul(rstd.pow(3)).mul_(-1.0 / h.shape[1])
+    hf = h.float()
+    dh = torch.addcmul(G * gamma.float(), corr[:, None], hf)
+    return dh.to(h.dtype), (G * hf).sum(0)
+
+
+def grad_logits_interpreted(a, w, rstd, lse, scale, config: GemmConfig = DEFAULT):
+    dt = torch.float64 if a.dtype == torch.float64 else torch.float32
+    out = interpret(softmax_grad_logits, a.to(dt) @ w.to(dt),
+                    {"rstd": rstd, "lse": lse, "scale": scale},
+                    tile_m=config.tile_m, tile_n=config.tile_n)  # fmt: skip
+    return out["D"], combine_row_partials(out["stat"])
+
+
+def compile_grad_logits(d, v, *, w_major="n", config=DEFAULT, m=256) -> int:
+    a, w = example_operands(m, d, v, w_major)
+    e = torch.empty(m)
+    return grad_logits_chunk(a, w, e, e, e, config, dry=True)

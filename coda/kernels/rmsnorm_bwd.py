@@ -1,0 +1,73 @@
+"""RMSNorm backward with the deferred row scale, in the dgrad GEMM's epilogue
+(KERNELS.md 5.3: B2, B6, B12 with their AUX A4/A5, A6/A7, A9).
+
+    acc = dz~ @ W2^T               (M x d), dz~ = rstd * dz from the producer of dz
+    dh  = gamma * acc + corr * h (+ dres)   VEC-LD ROW gamma, VEC-LD COL corr, TILE-LD h,
+                                            TILE-LD dres as the GEMM's C (residual gradient)
+    TILE-ST dh (bf16)
+    Q[i, j] = sum_{m in M-tile i} acc * h   RED_n: dgamma partials
+AUX:  dgamma = sum_i Q;   corr = -(rstd^3 / d) * S   (S from the producer's RED_m partials)
+
+Supported: bf16, d a multiple of 8. Tests: tests/test_backward_kernels.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coda.kernels._launch import example_operands, launch
+from coda.kernels.config import DEFAULT, GemmConfig
+from coda.primitives import ColLoad, ColPartials, RowLoad, TileC, TileLoad, epilogue_program
+from coda.primitives.aux import combine_col_partials, combine_row_partials
+from coda.primitives.interpreter import interpret
+from coda.reference.rmsnorm import norm_bwd_apply_ref  # noqa: F401  (the kernel's reference)
+
+
+@epilogue_program(
+    inputs=[TileC(), TileLoad("h"), RowLoad("gamma"), ColLoad("corr")],
+    sinks=[ColPartials("dgamma", scaled=True)],
+)
+def norm_bwd_residual(acc, c, h, gamma, corr):
+    return {"D": acc * gamma + corr * h + c, "dgamma": (acc, h)}
+
+
+@epilogue_program(
+    inputs=[TileLoad("h"), RowLoad("gamma"), ColLoad("corr")],
+    sinks=[ColPartials("dgamma", scaled=True)],
+)
+def norm_bwd(acc, h, gamma, corr):
+    return {"D": acc * gamma + corr * h, "dgamma": (acc, h)}
+
+
+def norm_corr(rstd, stat_partials, d: int):
+    """AUX: corr = -(rstd^3 / d) * sum_t S[m, t] (fp32)."""
+    return combine_row_partials(stat_partials).mul_(rstd.pow(3)).mul_(-1.0 / d)
+
+
+def norm_bwd_kernel(dz, w2, h, gamma, corr, dres=None, config: GemmConfig = DEFAULT, dry=False):
+    """acc = dz @ w2^T (``w2`` is the (d, N2) forward weight); returns (dh, dgamma fp32)."""
+    M, d = dz.shape[0], w2.shape[0]
+    dh = torch.empty(M, d, dtype=dz.dtype, device=dz.device)
+    parts = torch.empty(config.grid(M, d)[0], d, dtype=torch.float32, device=dz.device)
+    program = norm_bwd if dres is None else norm_bwd_residual
+    compiled = launch(program, dz, w2.t(), config=config, d=dh, c=dres,
+                      operands={"h": h, "gamma": gamma, "corr": corr},
+                      outputs={"dgamma": parts}, dry=dry)  # fmt: skip
+    return compiled if dry else (dh, combine_col_partials(parts))
+
+
+def norm_bwd_interpreted(dz, w2, h, gamma, corr, dres=None, config: GemmConfig = DEFAULT):
+    dt = torch.float64 if dz.dtype == torch.float64 else torch.float32
+    program = norm_bwd if dres is None else norm_bwd_residual
+    operands = {"h": h, "gamma": gamma, "corr": corr, **({} if dres is None else {"c": dres})}
+    out = interpret(program, dz.to(dt) @ w2.to(dt).t(), operands, tile_m=config.tile_m,
+                    tile_n=config.tile_n)  # fmt: skip
+    return out["D"], combine_col_partials(out["dgamma"])
+
+
+def compile_norm_bwd(n2, d, *, residual: bool, config=DEFAULT, m=256) -> int:
+    dz, w2t = example_operands(m, n2, d, "k")
+    bf = torch.bfloat16
+    h, g = torch.empty(m, d, dtype=bf), torch.empty(d, dtype=bf)
+    dres = torch.empty(m, d, dtype=bf) if residual else None
+    return norm_bwd_kernel(dz, w2t.t(), h, g, torch.empty(m), dres, config, dry=True)

@@ -1,0 +1,33 @@
+"""Weight gradients (KERNELS.md 5.4: B3, B5, B7, B9, B13).
+
+    dW = x^T @ dz                         plain: B3 (LM head), B5 (down), B9 (O proj)
+    dW = gamma (rows) * (h^T @ dz~)       B7 (gate/up), B13 (QKV): the norm's gamma scales
+                                          the wgrad output's rows (its input features), in
+                                          the epilogue (VEC-LD COL gamma), so a = h * gamma
+                                          is never saved
+The plain ones have no epilogue and run on cuBLAS (``torch.mm``): at every layer shape the
+benchmarks record, cuBLAS is at least as fast as quack's raw mainloop for them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coda.kernels._launch import example_operands
+from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.gemm_rmsnorm_gemm import gemm_scale_rows_kernel
+
+
+def wgrad(x, dz):
+    """dW = x^T @ dz (bf16)."""
+    return torch.mm(x.t(), dz)
+
+
+def wgrad_gamma_rows(h, dz, gamma, config: GemmConfig = DEFAULT, dry=False):
+    """dW = gamma[:, None] * (h^T @ dz): h (M, d) row-major enters as an M-major A operand."""
+    return gemm_scale_rows_kernel(h.t(), dz, gamma.float(), config, dry=dry)
+
+
+def compile_wgrad_gamma_rows(d, n, *, config=DEFAULT, m=256) -> int:
+    h, dz = example_operands(m, d, n)
+    return wgrad_gamma_rows(h, dz, torch.empty(d, dtype=torch.bfloat16), config, dry=True)
