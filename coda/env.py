@@ -30,8 +30,11 @@ _LAST: dict = {}
 _WARNED: set = set()
 
 
-def kernel_support(device: torch.device) -> tuple[bool, str]:
-    """(True, "") when coda's kernels can run on ``device``, else (False, the reason)."""
+def kernel_support(device: torch.device, dtype: torch.dtype | None = None) -> tuple[bool, str]:
+    """(True, "") when coda's kernels can run on ``device`` (and ``dtype``, if given), else
+    (False, the reason)."""
+    if dtype is not None and dtype != torch.bfloat16:
+        return False, f"dtype is {dtype}; coda's kernels take torch.bfloat16"
     if device.type != "cuda":
         return False, f"tensors are on {device.type}; coda's kernels need an SM90 CUDA GPU"
     major, minor = torch.cuda.get_device_capability(device)
@@ -41,14 +44,14 @@ def kernel_support(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def resolve_backend(op: str, backend: str, device: torch.device) -> str:
+def resolve_backend(op: str, backend: str, device: torch.device, dtype=None) -> str:
     """'kernel' or 'reference' for one call of ``op``; records and reports the choice."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         path, reason = "reference", "backend='reference' was asked for"
     else:
-        ok, reason = kernel_support(device)
+        ok, reason = kernel_support(device) if dtype is None else kernel_support(device, dtype)
         if ok:
             path, reason = "kernel", "SM90 GPU"
         elif backend == "kernel":

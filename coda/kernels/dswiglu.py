@@ -59,15 +59,29 @@ def dswiglu_kernel(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False):
         "s": torch.empty(M, f, dtype=dx.dtype, device=dx.device),
         "stat": torch.empty(M, config.grid(M, f)[1], dtype=torch.float32, device=dx.device),
     }
-    compiled = launch(dswiglu_rescaled, dx, w_d.t(), config=config, d=dz, c=u,
-                      operands={"rstd": rstd}, outputs=outputs, dry=dry)  # fmt: skip
+    compiled = launch(
+        dswiglu_rescaled,
+        dx,
+        w_d.t(),
+        config=config,
+        d=dz,
+        c=u,
+        operands={"rstd": rstd},
+        outputs=outputs,
+        dry=dry,
+    )
     return compiled if dry else (dz, outputs["s"], outputs["stat"])
 
 
 def dswiglu_interpreted(dx, w_d, u, rstd, config: GemmConfig = DEFAULT):
     dt = torch.float64 if dx.dtype == torch.float64 else torch.float32
-    out = interpret(dswiglu_rescaled, dx.to(dt) @ w_d.to(dt).t(), {"c": u, "rstd": rstd},
-                    tile_m=config.tile_m, tile_n=config.tile_n)  # fmt: skip
+    out = interpret(
+        dswiglu_rescaled,
+        dx.to(dt) @ w_d.to(dt).t(),
+        {"c": u, "rstd": rstd},
+        tile_m=config.tile_m,
+        tile_n=config.tile_n,
+    )
     return out["D"], out["s"], out["stat"]
 
 

@@ -38,10 +38,11 @@ def softmax_grad_logits(acc, rstd, lse, scale):
 def row_scale(target, ignore_index, reduction, grad):
     """scale[m] = g * w[m]: w = 1/M_valid ("mean") or 1 ("sum") on valid rows, 0 elsewhere;
     ``grad`` is a 0-d tensor or a per-row tensor (reduction "none")."""
-    valid = (target != ignore_index).float()
+    dt = torch.promote_types(grad.dtype, torch.float32)
+    valid = (target != ignore_index).to(dt)
     if reduction == "mean":
         valid = valid / valid.sum().clamp(min=1)
-    return valid * grad.float()
+    return valid * grad.to(dt)
 
 
 def _one_hot_fixup(dz, stat_sum, target, col0, rstd, scale, target_logit):
@@ -50,7 +51,7 @@ def _one_hot_fixup(dz, stat_sum, target, col0, rstd, scale, target_logit):
     local = target - col0
     rows = ((local >= 0) & (local < n)).nonzero()[:, 0]
     cols = local[rows]
-    dz[rows, cols] -= (rstd[rows] * scale[rows]).to(dz.dtype)
+    dz[rows, cols] -= (rstd[rows] * scale[rows]).to(dz.dtype)  # index_put: fixed order
     stat_sum[rows] -= scale[rows] * target_logit[rows] / rstd[rows]
 
 
@@ -59,9 +60,16 @@ def grad_logits_chunk(a, w_chunk, rstd, lse, scale, config: GemmConfig = DEFAULT
     M, n = a.shape[0], w_chunk.shape[1]
     dz = torch.empty(M, n, dtype=a.dtype, device=a.device)
     stat = torch.empty(M, config.grid(M, n)[1], dtype=torch.float32, device=a.device)
-    compiled = launch(softmax_grad_logits, a, w_chunk, config=config, d=dz,
-                      operands={"rstd": rstd, "lse": lse, "scale": scale},
-                      outputs={"stat": stat}, dry=dry)  # fmt: skip
+    compiled = launch(
+        softmax_grad_logits,
+        a,
+        w_chunk,
+        config=config,
+        d=dz,
+        operands={"rstd": rstd, "lse": lse, "scale": scale},
+        outputs={"stat": stat},
+        dry=dry,
+    )
     return compiled if dry else (dz, combine_row_partials(stat))
 
 
@@ -71,36 +79,49 @@ def passthrough(acc):
 
 
 def linear_cross_entropy_bwd_kernel(a, w_lm, rstd, lse, target_logit, target, scale,
-                                    chunk: int = 16384, config: GemmConfig = DEFAULT):  # fmt: skip
+                                    chunk: int = 16384, config: GemmConfig = DEFAULT,
+                                    interpreted: bool = False):  # fmt: skip
     """Returns (G = dz~ @ W_lm^T fp32 M x d, S per row fp32, dW_lm (d x V view of a V x d
-    buffer)). ``chunk`` columns of dz~ are live at a time."""
+    buffer)). ``chunk`` columns of dz~ are live at a time. ``interpreted`` runs B1 through the
+    tile interpreter and B2/B3 in torch (the CPU oracle of the same loop)."""
     M, V = a.shape[0], w_lm.shape[1]
-    G = torch.zeros(M, a.shape[1], dtype=torch.float32, device=a.device)
-    S = torch.zeros(M, dtype=torch.float32, device=a.device)
+    G = torch.zeros(M, a.shape[1], dtype=torch.float32 if not interpreted else a.dtype,
+                    device=a.device)  # fmt: skip
+    S = torch.zeros(M, dtype=G.dtype, device=a.device)
     dw_t = torch.empty(V, a.shape[1], dtype=a.dtype, device=a.device)
     for c0 in range(0, V, chunk):
         wc = w_lm[:, c0 : c0 + chunk]
-        dz, s = grad_logits_chunk(a, wc, rstd, lse, scale, config)
+        if interpreted:
+            dz, s = grad_logits_interpreted(a, wc, rstd, lse, scale, config)
+        else:
+            dz, s = grad_logits_chunk(a, wc, rstd, lse, scale, config)
         _one_hot_fixup(dz, s, target, c0, rstd, scale, target_logit)
         S += s
         torch.mm(dz.t(), a, out=dw_t[c0 : c0 + wc.shape[1]])  # B3: rows of dW_lm^T
-        launch(passthrough, dz, wc.t(), config=config, d=G, add_to_output=True)  # B2: G += ..
+        if interpreted:
+            G += dz @ wc.t()
+        else:  # B2: G += dz~ @ W_c^T, reduce-added by the TMA store into the fp32 G
+            launch(passthrough, dz, wc.t(), config=config, d=G, add_to_output=True)
     return G, S, dw_t.t()
 
 
 def final_norm_bwd(G, S, h, gamma, rstd):
     """AUX A4 + the B2 epilogue as one elementwise pass: returns (dh bf16, dgamma fp32)."""
     corr = S.mul(rstd.pow(3)).mul_(-1.0 / h.shape[1])
-    hf = h.float()
-    dh = torch.addcmul(G * gamma.float(), corr[:, None], hf)
+    hf = h.to(G.dtype)
+    dh = torch.addcmul(G * gamma.to(G.dtype), corr[:, None], hf)
     return dh.to(h.dtype), (G * hf).sum(0)
 
 
 def grad_logits_interpreted(a, w, rstd, lse, scale, config: GemmConfig = DEFAULT):
     dt = torch.float64 if a.dtype == torch.float64 else torch.float32
-    out = interpret(softmax_grad_logits, a.to(dt) @ w.to(dt),
-                    {"rstd": rstd, "lse": lse, "scale": scale},
-                    tile_m=config.tile_m, tile_n=config.tile_n)  # fmt: skip
+    out = interpret(
+        softmax_grad_logits,
+        a.to(dt) @ w.to(dt),
+        {"rstd": rstd, "lse": lse, "scale": scale},
+        tile_m=config.tile_m,
+        tile_n=config.tile_n,
+    )
     return out["D"], combine_row_partials(out["stat"])
 
 
@@ -108,3 +129,10 @@ def compile_grad_logits(d, v, *, w_major="n", config=DEFAULT, m=256) -> int:
     a, w = example_operands(m, d, v, w_major)
     e = torch.empty(m)
     return grad_logits_chunk(a, w, e, e, e, config, dry=True)
+
+
+def compile_accumulate(v, d, *, config=DEFAULT, m=256) -> int:
+    """The B2 accumulation: fp32 G += bf16 dz~ @ W_c^T through the reduce-add store."""
+    dz, wct = example_operands(m, v, d, "k")
+    G = torch.empty(m, d, dtype=torch.float32)
+    return launch(passthrough, dz, wct, config=config, d=G, add_to_output=True, dry=True)

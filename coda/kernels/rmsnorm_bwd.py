@@ -50,9 +50,17 @@ def norm_bwd_kernel(dz, w2, h, gamma, corr, dres=None, config: GemmConfig = DEFA
     dh = torch.empty(M, d, dtype=dz.dtype, device=dz.device)
     parts = torch.empty(config.grid(M, d)[0], d, dtype=torch.float32, device=dz.device)
     program = norm_bwd if dres is None else norm_bwd_residual
-    compiled = launch(program, dz, w2.t(), config=config, d=dh, c=dres,
-                      operands={"h": h, "gamma": gamma, "corr": corr},
-                      outputs={"dgamma": parts}, dry=dry)  # fmt: skip
+    compiled = launch(
+        program,
+        dz,
+        w2.t(),
+        config=config,
+        d=dh,
+        c=dres,
+        operands={"h": h, "gamma": gamma, "corr": corr},
+        outputs={"dgamma": parts},
+        dry=dry,
+    )
     return compiled if dry else (dh, combine_col_partials(parts))
 
 
@@ -60,8 +68,9 @@ def norm_bwd_interpreted(dz, w2, h, gamma, corr, dres=None, config: GemmConfig =
     dt = torch.float64 if dz.dtype == torch.float64 else torch.float32
     program = norm_bwd if dres is None else norm_bwd_residual
     operands = {"h": h, "gamma": gamma, "corr": corr, **({} if dres is None else {"c": dres})}
-    out = interpret(program, dz.to(dt) @ w2.to(dt).t(), operands, tile_m=config.tile_m,
-                    tile_n=config.tile_n)  # fmt: skip
+    out = interpret(
+        program, dz.to(dt) @ w2.to(dt).t(), operands, tile_m=config.tile_m, tile_n=config.tile_n
+    )
     return out["D"], combine_col_partials(out["dgamma"])
 
 

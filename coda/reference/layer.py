@@ -37,6 +37,7 @@ from coda.reference.rope import (
     gemm_rope_ref,
     hf_to_adjacent_columns,
     rope_adjacent_bwd_ref,
+    rope_adjacent_ref,
     rope_angles,
     rope_hf_ref,
     rope_table,
@@ -94,13 +95,29 @@ def attention_ref(q, k, v, s: LayerShape):
     B, S, hd = s.batch, s.seq, s.head_dim
 
     def heads(t, n):
-        return t.view(B, S, n, hd).transpose(1, 2)
+        return t.reshape(B, S, n, hd).transpose(1, 2)
 
     rep = s.heads // s.kv_heads
     kk = heads(k, s.kv_heads).repeat_interleave(rep, dim=1)
     vv = heads(v, s.kv_heads).repeat_interleave(rep, dim=1)
     o = torch.nn.functional.scaled_dot_product_attention(heads(q, s.heads), kk, vv, is_causal=True)
     return o.transpose(1, 2).reshape(B * S, s.heads * hd)
+
+
+def decoder_layer_ref(x0, w: dict, s: LayerShape, positions=None):
+    """The layer in coda's weight layout (w: g1, wqkv, wo, g2, w_il, wd), differentiable by
+    autograd: the reference path of ``coda.nn.DecoderLayer``. Same math as
+    ``llama_layer_ref`` on the converted weights ([I3.4-I3.7])."""
+    M, hd = x0.shape[0], s.head_dim
+    nq, nkv = s.heads * hd, s.kv_heads * hd
+    pos = positions_of(s) if positions is None else positions
+    cs = rope_table(pos, hd, s.rope_base).to(device=x0.device, dtype=x0.dtype)
+    z = rmsnorm_ref(x0, w["g1"], s.eps) @ w["wqkv"]
+    q = rope_adjacent_ref(z[:, :nq].reshape(M, s.heads, hd), cs).flatten(1)
+    k = rope_adjacent_ref(z[:, nq : nq + nkv].reshape(M, s.kv_heads, hd), cs).flatten(1)
+    x1 = x0 + attention_ref(q, k, z[:, nq + nkv :], s) @ w["wo"]
+    gu = rmsnorm_ref(x1, w["g2"], s.eps) @ w["w_il"]
+    return x1 + (torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]) @ w["wd"]
 
 
 def llama_layer_ref(x0, w: dict, s: LayerShape):

@@ -35,8 +35,10 @@ def rstd_ref(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rmsnorm_ref(h: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
-    """Canonical RMSNorm y = r * h * gamma."""
-    return h * rstd_ref(h, eps)[..., None] * gamma
+    """Canonical RMSNorm y = r * h * gamma, as HF computes it: the statistic and the scaling
+    in ``ref_dtype`` (fp32 for half inputs), rounded back to h's dtype, then times gamma."""
+    hf = h.to(ref_dtype(h))
+    return (hf * rstd_ref(hf, eps)[..., None]).to(h.dtype) * gamma
 
 
 def sumsq_partials_ref(h: torch.Tensor, tile_n: int) -> torch.Tensor:

@@ -1,0 +1,36 @@
+"""dRoPE and the attention-side norm statistic, as one row pass (KERNELS.md B11, v1).
+
+    dq_pre, dk_pre = R(-theta) dq_rot, R(-theta) dk_rot      rotate back (R is orthogonal)
+    dz~0 = rstd0 * [dq_pre | dk_pre | dv]                     the A operand of B12 / B13
+    S0   = (1 / rstd0) * sum_n (dqkv * qkv_rot)              rotation invariance [I5.3]
+    corr0 = -(rstd0^3 / d) * S0
+
+It reads the attention backward's dq, dk, dv and the saved rotated q, k, v. v1 runs it as
+torch elementwise ops; the v2 plan (KERNELS.md) folds it into the attention backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotation_tables(positions, freq_turns_hi, freq_turns_lo, head_dim):
+    """cos/sin (M, hd/2) fp32 from the same float-float frequencies the forward epilogue used."""
+    turns = positions.double()[:, None] * (freq_turns_hi.double() + freq_turns_lo.double())
+    theta = 2 * torch.pi * torch.remainder(turns, 1.0)
+    return theta.cos().float(), theta.sin().float()
+
+
+def drope_rows(dqkv, qkv, rstd, cos, sin, n_rot_heads: int, head_dim: int, d: int):
+    """Returns (dz~0 bf16 M x Nqkv, corr0 fp32 M). dqkv, qkv: (M, Nqkv) bf16."""
+    M = dqkv.shape[0]
+    n_rot = n_rot_heads * head_dim
+    S0 = (dqkv.float() * qkv.float()).sum(-1) / rstd
+    out = torch.empty_like(dqkv)
+    rot = dqkv[:, :n_rot].float().view(M, n_rot_heads, head_dim // 2, 2)
+    d1, d2 = rot[..., 0], rot[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    r = rstd[:, None, None]
+    out[:, :n_rot] = torch.stack([(d1 * c + d2 * s) * r, (d2 * c - d1 * s) * r], -1).view(M, -1)
+    out[:, n_rot:] = (dqkv[:, n_rot:].float() * rstd[:, None]).to(dqkv.dtype)
+    return out, S0.mul_(rstd.pow(3)).mul_(-1.0 / d)
