@@ -134,6 +134,27 @@ def main():
     print_table(record)
 
 
+class TrainDemo:
+    """demos/train.py as a suite entry: its printed summary becomes the record's rows."""
+
+    def __init__(self, out_dir):
+        self.png = os.path.join(out_dir, "train_loss.png")
+
+    def run(self):
+        cmd = [sys.executable, "demos/train.py", "--png", self.png]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+        return [
+            {
+                "name": "train_demo",
+                "command": shlex.join(cmd),
+                "returncode": proc.returncode,
+                "stdout": lines[-8:],
+                "stderr_tail": proc.stderr.splitlines()[-5:],
+            }
+        ]
+
+
 def write_record(record, out_dir):
     gpu = record["env"].get("gpu", "nogpu").split()[-1].lower()
     fname = f"{record['date'][:10]}_{gpu}.json"

@@ -83,8 +83,7 @@ def test_cross_entropy_backward_loop(seed, reduction):
     w = rnd(g, dd, V).requires_grad_(True)
     t = torch.randint(0, V, (M,), generator=g)
     t[torch.rand(M, generator=g) < 0.2] = -100
-    loss = ce_ref.cross_entropy_ref(rn_ref.rmsnorm_ref(h, gamma, 1e-5) @ w, t,
-                                    reduction=reduction)  # fmt: skip
+    loss = ce_ref.cross_entropy_ref(rn_ref.rmsnorm_ref(h, gamma, 1e-5) @ w, t, reduction=reduction)
     upstream = rnd(g, *loss.shape)
     loss.backward(upstream)
     hd, gd, wd = h.detach(), gamma.detach(), w.detach()
@@ -93,8 +92,9 @@ def test_cross_entropy_backward_loop(seed, reduction):
     lse = torch.logsumexp(logits, -1)
     tl = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
     scale = ceb.row_scale(t, -100, reduction, upstream).double()
-    G, S, dw = ceb.linear_cross_entropy_bwd_kernel(a, wd, r, lse, tl, t, scale, d["chunk"],
-                                                   SMALL, interpreted=True)  # fmt: skip
+    G, S, dw = ceb.linear_cross_entropy_bwd_kernel(
+        a, wd, r, lse, tl, t, scale, d["chunk"], SMALL, interpreted=True
+    )
     dh, dgamma = ceb.final_norm_bwd(G, S, hd, gd, r)
     assert rel_err(dh, h.grad) < 1e-12 and rel_err(dgamma, gamma.grad) < 1e-12
     assert rel_err(dw, w.grad) < 1e-12
@@ -111,12 +111,19 @@ def test_drope_rows(seed):
     cos, sin = drope.rotation_tables(pos, hi, (freq - hi.double()).float(), hd)
     cs = rope_ref.rope_table(pos, hd)
     pre = rnd(g, M, n_rot + n_v)  # q, k (pre-rotation) and v
-    qkv = torch.cat([rope_ref.rope_adjacent_ref(pre[:, :n_rot].view(M, -1, hd), cs).flatten(1),
-                     pre[:, n_rot:]], 1)  # fmt: skip
+    qkv = torch.cat(
+        [rope_ref.rope_adjacent_ref(pre[:, :n_rot].view(M, -1, hd), cs).flatten(1), pre[:, n_rot:]],
+        1,
+    )
     dqkv, r = rnd(g, M, n_rot + n_v), 0.5 + torch.rand(M, dtype=F64, generator=g)
     dz0, corr0 = drope.drope_rows(dqkv, qkv, r.float(), cos, sin, d["Hr"], hd, 11)
-    d_pre = torch.cat([rope_ref.rope_adjacent_bwd_ref(dqkv[:, :n_rot].view(M, -1, hd), cs)
-                       .flatten(1), dqkv[:, n_rot:]], 1)  # fmt: skip
+    d_pre = torch.cat(
+        [
+            rope_ref.rope_adjacent_bwd_ref(dqkv[:, :n_rot].view(M, -1, hd), cs).flatten(1),
+            dqkv[:, n_rot:],
+        ],
+        1,
+    )
     assert rel_err(dz0, r[:, None] * d_pre) < 1e-5  # fp32 arithmetic inside
     S0 = (d_pre * pre).sum(-1)  # the statistic over the pre-rotation values, times r/r
     assert rel_err(corr0, rn_ref.norm_corr_ref(r, S0 / r, 11)) < 1e-5
@@ -141,21 +148,37 @@ def test_modules_reference_path_match_hf_layer_every_gradient():
     loss = head(layer(x), t)
     loss.backward()
     hf = {**layer.hf_state_dict(), **head.hf_state_dict()}
-    w = {"wq": hf["self_attn.q_proj.weight"].t(), "wk": hf["self_attn.k_proj.weight"].t(),
-         "wv": hf["self_attn.v_proj.weight"].t(), "wo": hf["self_attn.o_proj.weight"].t(),
-         "wg": hf["mlp.gate_proj.weight"].t(), "wu": hf["mlp.up_proj.weight"].t(),
-         "wd": hf["mlp.down_proj.weight"].t(), "w_lm": hf["lm_head.weight"].t(),
-         "g1": hf["input_layernorm.weight"], "g2": hf["post_attention_layernorm.weight"],
-         "gf": hf["model.norm.weight"]}  # fmt: skip
+    w = {
+        "wq": hf["self_attn.q_proj.weight"].t(),
+        "wk": hf["self_attn.k_proj.weight"].t(),
+        "wv": hf["self_attn.v_proj.weight"].t(),
+        "wo": hf["self_attn.o_proj.weight"].t(),
+        "wg": hf["mlp.gate_proj.weight"].t(),
+        "wu": hf["mlp.up_proj.weight"].t(),
+        "wd": hf["mlp.down_proj.weight"].t(),
+        "w_lm": hf["lm_head.weight"].t(),
+        "g1": hf["input_layernorm.weight"],
+        "g2": hf["post_attention_layernorm.weight"],
+        "gf": hf["model.norm.weight"],
+    }
     w = {k: v.clone().requires_grad_(True) for k, v in w.items()}
     x2 = x.detach().clone().requires_grad_(True)
     loss_hf = L.lm_head_loss_ref(L.llama_layer_ref(x2.view(14, 48), w, s), w, t.view(-1), s)
     loss_hf.backward()
     assert rel_err(loss, loss_hf) < 1e-13 and rel_err(x.grad, x2.grad) < 1e-12
-    grads = L.from_coda_grads({"wqkv": layer.w_qkv.grad, "wo": layer.w_o.grad,
-                               "w_il": layer.w_il.grad, "wd": layer.w_d.grad,
-                               "g1": layer.g1.grad, "g2": layer.g2.grad,
-                               "w_lm": head.w_lm.grad, "gf": head.gf.grad}, s)  # fmt: skip
+    grads = L.from_coda_grads(
+        {
+            "wqkv": layer.w_qkv.grad,
+            "wo": layer.w_o.grad,
+            "w_il": layer.w_il.grad,
+            "wd": layer.w_d.grad,
+            "g1": layer.g1.grad,
+            "g2": layer.g2.grad,
+            "w_lm": head.w_lm.grad,
+            "gf": head.gf.grad,
+        },
+        s,
+    )
     for name in w:
         assert rel_err(grads[name], w[name].grad) < 1e-12, name
 
@@ -166,8 +189,9 @@ def test_hf_weights_round_trip_exactly():
     other, other_head = _small_layer(torch.float32, seed=4)
     other.load_hf_state_dict(sd, "model.layers.0.")
     other_head.load_hf_state_dict(sd)
-    for a, b in zip((*layer.parameters(), *head.parameters()),
-                    (*other.parameters(), *other_head.parameters())):  # fmt: skip
+    for a, b in zip(
+        (*layer.parameters(), *head.parameters()), (*other.parameters(), *other_head.parameters())
+    ):
         assert torch.equal(a, b)
     again = {**other.hf_state_dict("model.layers.0."), **other_head.hf_state_dict()}
     assert sd.keys() == again.keys() and all(torch.equal(sd[k], again[k]) for k in sd)
@@ -208,8 +232,9 @@ def _grads(model_fn, params, x):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,S,d,H,Hkv,f,V", [(2, 1024, 1024, 8, 4, 2816, 32768),
-                                             (1, 777, 512, 4, 2, 1408, 5000)])  # fmt: skip
+@pytest.mark.parametrize(
+    "B,S,d,H,Hkv,f,V", [(2, 1024, 1024, 8, 4, 2816, 32768), (1, 777, 512, 4, 2, 1408, 5000)]
+)
 def test_gpu_layer_and_head_every_gradient(B, S, d, H, Hkv, f, V):
     """Kernel path (bf16) vs fp32 reference of the same modules; each gradient's error no worse
     than the plain PyTorch bf16 path's (the reference path run in bf16)."""

@@ -78,15 +78,25 @@ def passthrough(acc):
     return {"D": acc}
 
 
-def linear_cross_entropy_bwd_kernel(a, w_lm, rstd, lse, target_logit, target, scale,
-                                    chunk: int = 16384, config: GemmConfig = DEFAULT,
-                                    interpreted: bool = False):  # fmt: skip
+def linear_cross_entropy_bwd_kernel(
+    a,
+    w_lm,
+    rstd,
+    lse,
+    target_logit,
+    target,
+    scale,
+    chunk: int = 16384,
+    config: GemmConfig = DEFAULT,
+    interpreted: bool = False,
+):
     """Returns (G = dz~ @ W_lm^T fp32 M x d, S per row fp32, dW_lm (d x V view of a V x d
     buffer)). ``chunk`` columns of dz~ are live at a time. ``interpreted`` runs B1 through the
     tile interpreter and B2/B3 in torch (the CPU oracle of the same loop)."""
     M, V = a.shape[0], w_lm.shape[1]
-    G = torch.zeros(M, a.shape[1], dtype=torch.float32 if not interpreted else a.dtype,
-                    device=a.device)  # fmt: skip
+    G = torch.zeros(
+        M, a.shape[1], dtype=torch.float32 if not interpreted else a.dtype, device=a.device
+    )
     S = torch.zeros(M, dtype=G.dtype, device=a.device)
     dw_t = torch.empty(V, a.shape[1], dtype=a.dtype, device=a.device)
     for c0 in range(0, V, chunk):

@@ -1,0 +1,259 @@
+"""Benchmark training steps: one Llama layer forward+backward and the LM head + CE
+forward+backward (M = 16384 tokens = 4 x 4096), against their floors and peers, same run.
+
+Layer floor: its 12 GEMMs in the layouts autograd uses (forward Y = X W, dgrad dY W^T, wgrad
+X^T dY; cuBLAS) plus SDPA flash attention forward+backward. LM-head floor: its three GEMMs
+(logits, dX, dW). Peers: torch eager (HF-style modules), torch.compile, Liger. Memory: the
+activation memory a layer's forward keeps for backward, and the LM head's extra peak memory
+during forward+backward beyond inputs, weights and their gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import coda.nn as cnn
+from benchmarks._common import bench, row
+from benchmarks.bench_forward import ffn, heads
+from benchmarks.bench_layer import HD, S, _rotate_half, attention, split_heads
+
+B = 4
+M = B * S
+
+
+def _hf_layer(x, p, cos, sin, H, Hkv, liger=None):
+    """HF Llama layer (nn.Linear-style (out, in) weights), optionally with Liger's kernels."""
+
+    def norm(h, g):
+        if liger:
+            return liger.liger_rms_norm(h, g, 1e-5, in_place=False)
+        return F.rms_norm(h, (h.shape[-1],), g, 1e-5)
+
+    y1 = norm(x, p["g1"])
+    q, k, v = split_heads(y1 @ p["wqkv"].t(), H, Hkv)
+    if liger:
+        q, k = liger.liger_rope(q, k, cos[None], sin[None])
+    else:
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    x1 = x + attention(q, k, v) @ p["wo"].t()
+    y2 = norm(x1, p["g2"])
+    g, u = y2 @ p["wg"].t(), y2 @ p["wu"].t()
+    s = liger.liger_swiglu(g, u) if liger else F.silu(g) * u
+    return x1 + s @ p["wd"].t()
+
+
+def _step(fn, params, x, dy):
+    def run():
+        for t in (*params, x):
+            t.grad = None
+        fn().backward(dy)
+
+    return run
+
+
+def _mem_kept_by_forward(fn) -> float:
+    """GiB allocated by a forward and still held (saved for backward) when it returns."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before
+    del out
+    return kept / 2**30
+
+
+def layer_rows(liger) -> list[dict]:
+    rows = []
+    for d in (2048, 4096):
+        f, (H, Hkv) = ffn(d), heads(d)
+        layer = cnn.DecoderLayer(d, H, Hkv, f, device="cuda", backend="kernel")
+        x = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16)
+        sd = layer.hf_state_dict()
+        hf = {
+            k: v.clone().requires_grad_(True)
+            for k, v in {
+                "g1": sd["input_layernorm.weight"],
+                "g2": sd["post_attention_layernorm.weight"],
+                "wqkv": torch.cat(
+                    [
+                        sd["self_attn.q_proj.weight"],
+                        sd["self_attn.k_proj.weight"],
+                        sd["self_attn.v_proj.weight"],
+                    ]
+                ),
+                "wo": sd["self_attn.o_proj.weight"],
+                "wg": sd["mlp.gate_proj.weight"],
+                "wu": sd["mlp.up_proj.weight"],
+                "wd": sd["mlp.down_proj.weight"],
+            }.items()
+        }
+        inv = 10000.0 ** (-torch.arange(0, HD, 2, device="cuda").float() / HD)
+        ang = torch.arange(S, device="cuda").float()[:, None] * inv
+        cos = torch.cat([ang.cos(), ang.cos()], -1).bfloat16()
+        sin = torch.cat([ang.sin(), ang.sin()], -1).bfloat16()
+        xm = x.detach().view(M, d)
+        nqkv = (H + 2 * Hkv) * HD
+        # floor: 12 GEMMs (forward, dgrad, wgrad of four linears) + attention fwd+bwd
+        gemm_shapes = {"qkv": (d, nqkv), "o": (H * HD, d), "gate_up": (d, 2 * f), "down": (f, d)}
+        parts = {}
+        for name, (k_, n_) in gemm_shapes.items():
+            a = torch.randn(M, k_, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(k_, n_, device="cuda", dtype=torch.bfloat16)
+            g = torch.randn(M, n_, device="cuda", dtype=torch.bfloat16)
+            parts[f"{name}_fwd"] = bench(lambda a=a, w=w: a @ w)
+            parts[f"{name}_dgrad"] = bench(lambda g=g, w=w: g @ w.t())
+            parts[f"{name}_wgrad"] = bench(lambda a=a, g=g: a.t() @ g)
+        qkv = torch.randn(M, nqkv, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (t.detach().requires_grad_() for t in split_heads(qkv, H, Hkv))
+        do = torch.randn(M, H * HD, device="cuda", dtype=torch.bfloat16)
+
+        def attn_fwd_bwd():
+            for t in (q, k, v):
+                t.grad = None
+            attention(q, k, v).backward(do)
+
+        parts["attention_fwd_bwd"] = bench(attn_fwd_bwd)
+        floor = sum(t["ms"] for t in parts.values())
+        compiled = torch.compile(_hf_layer)
+        hf_params = list(hf.values())
+        variants = {
+            "coda": (_step(lambda: layer(x), list(layer.parameters()), x, dy), lambda: layer(x)),
+            "torch_eager": (
+                _step(
+                    lambda: _hf_layer(xm.requires_grad_(), hf, cos, sin, H, Hkv).view(B, S, d),
+                    hf_params,
+                    x,
+                    dy,
+                ),
+                lambda: _hf_layer(xm, hf, cos, sin, H, Hkv),
+            ),
+            "torch_compile": (
+                _step(lambda: compiled(xm, hf, cos, sin, H, Hkv).view(B, S, d), hf_params, x, dy),
+                lambda: compiled(xm, hf, cos, sin, H, Hkv),
+            ),
+        }
+        if liger is not None:
+            variants["liger"] = (
+                _step(
+                    lambda: _hf_layer(xm, hf, cos, sin, H, Hkv, liger).view(B, S, d),
+                    hf_params,
+                    x,
+                    dy,
+                ),
+                lambda: _hf_layer(xm, hf, cos, sin, H, Hkv, liger),
+            )
+        shape = {"M": M, "d": d, "ffn": f, "heads": H, "kv_heads": Hkv}
+        for name, t in parts.items():
+            rows.append(row(f"layer_train/floor_part/{name}", shape, t, 0.0))
+        rows.append({"name": "layer_train/floor", **shape, "ms": floor})
+        xm.requires_grad_(True)
+        for name, (step, fwd) in variants.items():
+            try:
+                t = bench(step)
+                mem = _mem_kept_by_forward(fwd)
+            except Exception as e:
+                rows.append({"name": f"layer_train/{name}", **shape, "error": repr(e)[:300]})
+                continue
+            rows.append(
+                row(
+                    f"layer_train/{name}",
+                    shape,
+                    t,
+                    0.0,
+                    ratio_vs_floor=t["ms"] / floor,
+                    activation_gib=mem,
+                )
+            )
+        variants = None  # free this width's weights before the next
+        torch.cuda.empty_cache()
+    return rows
+
+
+def lm_head_rows(liger) -> list[dict]:
+    rows = []
+    for d in (2048, 4096):
+        for V in (32768, 128256):
+            head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel")
+            x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            t = torch.randint(0, V, (M,), device="cuda")
+            w_lin = head.w_lm.detach().t().contiguous().requires_grad_(True)  # (V, d) peers
+            gf = head.gf.detach().clone().requires_grad_(True)
+
+            def torch_loss(x=x, w_lin=w_lin, gf=gf, t=t):
+                y = F.rms_norm(x, (d,), gf, 1e-5)
+                return F.cross_entropy((y @ w_lin.t()).float(), t)
+
+            compiled = torch.compile(torch_loss)
+            variants = {
+                "coda": (lambda: head(x, t), [head.gf, head.w_lm]),
+                "torch_eager": (torch_loss, [gf, w_lin]),
+                "torch_compile": (compiled, [gf, w_lin]),
+            }
+            if liger is not None:
+                variants["liger"] = (
+                    lambda x=x, w_lin=w_lin, gf=gf, t=t: liger.liger_fused_linear_cross_entropy(
+                        F.rms_norm(x, (d,), gf, 1e-5), w_lin, t
+                    ),
+                    [gf, w_lin],
+                )
+            a = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(d, V, device="cuda", dtype=torch.bfloat16)
+            g = torch.randn(M, V, device="cuda", dtype=torch.bfloat16)
+            floor_parts = {
+                "fwd": bench(lambda: a @ w),
+                "dgrad": bench(lambda: g @ w.t()),
+                "wgrad": bench(lambda: a.t() @ g),
+            }
+            floor = sum(p["ms"] for p in floor_parts.values())
+            shape = {"M": M, "d": d, "V": V}
+            rows.append(
+                {
+                    "name": "lm_head_train/floor",
+                    **shape,
+                    "ms": floor,
+                    **{f"{k}_ms": v["ms"] for k, v in floor_parts.items()},
+                }
+            )
+            for name, (fn, params) in variants.items():
+
+                def step(fn=fn, params=params):
+                    for p in (*params, x):
+                        p.grad = None
+                    fn().backward()
+
+                try:
+                    step()
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    step()
+                    torch.cuda.synchronize()
+                    grads = sum(p.numel() * p.element_size() for p in (*params, x))
+                    extra = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
+                    tm = bench(step)
+                except Exception as e:
+                    rows.append({"name": f"lm_head_train/{name}", **shape, "error": repr(e)[:300]})
+                    continue
+                rows.append(
+                    row(
+                        f"lm_head_train/{name}",
+                        shape,
+                        tm,
+                        0.0,
+                        ratio_vs_floor=tm["ms"] / floor,
+                        extra_peak_gib=extra,
+                    )
+                )
+            variants = g = None
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run() -> list[dict]:
+    try:
+        import liger_kernel.transformers.functional as liger
+    except Exception:
+        liger = None
+    return layer_rows(liger) + lm_head_rows(liger)

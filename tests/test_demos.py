@@ -1,0 +1,28 @@
+"""The demos run as a user runs them (CPU: the reference path) and print their checks."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_main_demo_runs_and_passes():
+    out = run("demos/main.py", "--tokens", "96", "--d", "64")
+    assert "path=reference" in out and "PASS" in out
+
+
+def test_train_demo_runs(tmp_path):
+    out = run("demos/train.py", "--steps", "8", "--png", str(tmp_path / "loss.png"))
+    assert "coda     final loss" in out and "pytorch  final loss" in out
+    # same initial weights and batches: on the CPU both run fp32 torch math
+    diff = float(out.split("max |loss difference| over the run = ")[1].split()[0])
+    assert diff < 1e-3
