@@ -103,6 +103,7 @@ def main():
         bench_gemm_residual_rms,
         bench_layer,
         bench_numerics,
+        bench_train,
         tune_configs,
     )
 
@@ -113,6 +114,8 @@ def main():
         ("gemm_residual_rms", bench_gemm_residual_rms),
         ("forward", bench_forward),
         ("layer_forward", bench_layer),
+        ("train", bench_train),
+        ("train_demo", TrainDemo(args.out)),
     ]
     if args.only:
         suites = [(n, m) for n, m in suites if n in args.only.split(",")]

@@ -262,8 +262,15 @@ def test_gpu_layer_and_head_every_gradient(B, S, d, H, Hkv, f, V):
     loss_ref, grads_ref = variant(torch.float32, "reference")
     loss_bf, grads_bf = variant(torch.bfloat16, "reference")
     names = ["x"] + [n for n, _ in layer.named_parameters()] + ["gf", "w_lm"]
-    assert abs(loss - loss_ref) <= abs(loss_bf - loss_ref) + 1e-6
+    # the loss is one fp32 sum over M rows: its reduction-order noise (~1e-6 relative) is the
+    # floor below which neither path is more accurate than the other
+    floor = 1e-5 * abs(float(loss_ref))
+    assert abs(loss - loss_ref) <= abs(loss_bf - loss_ref) + floor, (loss, loss_ref, loss_bf)
+    worse = []
     for name, got, ref, peer in zip(names, grads, grads_ref, grads_bf):
         e_k, e_t = fro_err(got, ref), fro_err(peer, ref)
         assert torch.isfinite(got).all(), name
-        assert e_k <= e_t, f"d{name}: coda {e_k:.3e} vs torch bf16 {e_t:.3e}"
+        print(f"d{name}: coda {e_k:.3e}  torch bf16 {e_t:.3e}  ratio {e_k / e_t:.3f}")
+        if e_k > e_t:
+            worse.append(f"d{name} ({e_k / e_t:.3f})")
+    assert not worse, "normalized error > 1: " + ", ".join(worse)
