@@ -11,6 +11,7 @@ saved: a0, a1, s (recomputed in B4), any norm output, any partial.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,13 @@ from coda.kernels.rmsnorm_bwd import norm_bwd_kernel, norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad, wgrad_gamma_rows
 from coda.primitives.aux import combine_lse
+
+
+@functools.cache
+def fused(fn):
+    """A row kernel (F0, B11, the final-norm apply): torch.compile fuses its elementwise ops
+    and row reductions into one or two Triton kernels, instead of one pass per torch op."""
+    return torch.compile(fn, dynamic=True)
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ class DecoderLayerFunction(torch.autograd.Function):
         f = w_d.shape[0]
         freq = rope_freq_table(hd, H + Hkv, Hkv, dims.rope_base, device=x0.device)
         pos = positions.float()
-        a0, r0 = entry_norm(x0, g1, dims.eps)  # F0
+        a0, r0 = fused(entry_norm)(x0, g1, dims.eps)  # F0
         qkv = gemm_rope_kernel(a0, w_qkv, r0, pos, freq, config_for(M, d, w_qkv.shape[1]))  # F1
         t = _heads(qkv, dims, H + 2 * Hkv)
         with torch.enable_grad():  # F2: flash attention; its graph is its backward
@@ -107,7 +115,7 @@ class DecoderLayerFunction(torch.autograd.Function):
         t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :] = dq, dk, dv
         freq = rope_freq_table(hd, 1, 0, dims.rope_base, device=x0.device)
         cos, sin = rotation_tables(pos, freq[0::2], freq[1::2], hd)
-        dz0, corr0 = drope_rows(dqkv, qkv, r0, cos, sin, H + Hkv, hd, d)  # B11
+        dz0, corr0 = fused(drope_rows)(dqkv, qkv, r0, cos, sin, H + Hkv, hd, d)  # B11
         dx0, dg1 = norm_bwd_kernel(
             dz0, w_qkv, x0, g1, corr0, dx1, config_for(M, w_qkv.shape[1], d)
         )  # B12 + A9
@@ -123,7 +131,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, gf, w_lm, target, eps, ignore_index, reduction, chunk):
         M, d = x2.shape
-        a, r = entry_norm(x2, gf, eps)
+        a, r = fused(entry_norm)(x2, gf, eps)
         cfg = config_for(M, d, w_lm.shape[1])
         parts, tl = lm_head_stats_kernel(a, w_lm, r, target, cfg)  # F6
         lse = combine_lse(parts)  # A3
@@ -139,5 +147,5 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         G, S, dw = linear_cross_entropy_bwd_kernel(
             a, w_lm, r, lse, tl, target, scale, chunk, cfg
         )  # B1 + B3 + B2
-        dx2, dgf = final_norm_bwd(G, S, x2, gf, r)  # A4 + A5
+        dx2, dgf = fused(final_norm_bwd)(G, S, x2, gf, r)  # A4 + A5
         return dx2, dgf.to(gf.dtype), dw, None, None, None, None, None
