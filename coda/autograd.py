@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from coda.kernels.drope import drope_rows, rotation_tables
 from coda.kernels.dswiglu import dswiglu_kernel
 from coda.kernels.gemm_residual_rms import gemm_residual_rms_kernel
-from coda.kernels.gemm_rope import gemm_rope_kernel, rope_freq_table
+from coda.kernels.gemm_rope import cached_freq_table, gemm_rope_kernel
 from coda.kernels.gemm_swiglu import gemm_swiglu_kernel
 from coda.kernels.linear_cross_entropy import ce_from_stats, lm_head_stats_kernel
 from coda.kernels.linear_cross_entropy_bwd import (
@@ -69,7 +69,7 @@ class DecoderLayerFunction(torch.autograd.Function):
         M, d = x0.shape
         H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
         f = w_d.shape[0]
-        freq = rope_freq_table(hd, H + Hkv, Hkv, dims.rope_base, device=x0.device)
+        freq = cached_freq_table(hd, H + Hkv, Hkv, dims.rope_base, x0.device)
         pos = positions.float()
         a0, r0 = fused(entry_norm)(x0, g1, dims.eps)  # F0
         qkv = gemm_rope_kernel(a0, w_qkv, r0, pos, freq, config_for(M, d, w_qkv.shape[1]))  # F1
@@ -113,7 +113,7 @@ class DecoderLayerFunction(torch.autograd.Function):
         dqkv = torch.empty_like(qkv)
         t = _heads(dqkv, dims, H + 2 * Hkv)
         t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :] = dq, dk, dv
-        freq = rope_freq_table(hd, 1, 0, dims.rope_base, device=x0.device)
+        freq = cached_freq_table(hd, 1, 0, dims.rope_base, x0.device)
         cos, sin = rotation_tables(pos, freq[0::2], freq[1::2], hd)
         dz0, corr0 = fused(drope_rows)(dqkv, qkv, r0, cos, sin, H + Hkv, hd, d)  # B11
         dx0, dg1 = norm_bwd_kernel(

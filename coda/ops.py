@@ -15,7 +15,6 @@ These ops are forward only; they refuse inputs that require grad (the autograd l
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -25,7 +24,7 @@ from coda.env import resolve_backend
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.gemm_residual_rms import gemm_residual_rms_kernel
 from coda.kernels.gemm_rmsnorm_gemm import gemm_scale_rows_kernel
-from coda.kernels.gemm_rope import gemm_rope_kernel, rope_freq_table
+from coda.kernels.gemm_rope import cached_freq_table, gemm_rope_kernel
 from coda.kernels.gemm_swiglu import gemm_swiglu_kernel
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
 from coda.reference.cross_entropy import linear_cross_entropy_ref
@@ -177,11 +176,6 @@ def gemm_swiglu(
     return SwiGLU(s.to(x.dtype), u.to(x.dtype) if save_preact else None)
 
 
-@functools.lru_cache(maxsize=64)
-def _freq_table(head_dim, rotated_heads, plain_heads, base, device):
-    return rope_freq_table(head_dim, rotated_heads, plain_heads, base, device=device)
-
-
 def gemm_rope(
     x,
     w_qkv,
@@ -214,7 +208,7 @@ def gemm_rope(
     named = {"x": x, "w_qkv": w_qkv, "rstd": r, "positions": positions}
     if _start("gemm_rope", backend, named) == "kernel":
         _kernel_layout({"x": x}, {"w_qkv": w_qkv}, {"rstd": r, "positions": positions})
-        freq = _freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads, rope_base, x.device)
+        freq = cached_freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads, rope_base, x.device)
         return gemm_rope_kernel(x, w_qkv, r, positions.to(torch.float32), freq, config)
     cs = rope_table(positions, head_dim, rope_base)
     z = gemm_rope_ref(x, w_qkv, r, cs, n_heads, n_kv_heads, head_dim)

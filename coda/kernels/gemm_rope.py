@@ -15,6 +15,7 @@ of 8, even head_dim; any M. Tests: tests/test_forward_kernels.py.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -47,6 +48,13 @@ def rope_freq_table(
     head = torch.stack([hi, lo], dim=-1).flatten()
     table = torch.cat([head.repeat(rotated_heads), torch.zeros(plain_heads * head_dim)])
     return table.to(device=device, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def cached_freq_table(head_dim, rotated_heads, plain_heads, base, device) -> torch.Tensor:
+    """``rope_freq_table`` built once per configuration and device: building it is a host to
+    device copy, which would stall the stream on every call."""
+    return rope_freq_table(head_dim, rotated_heads, plain_heads, base, device=device)
 
 
 def gemm_rope_kernel(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT, dry=False):
