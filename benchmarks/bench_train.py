@@ -176,6 +176,8 @@ def lm_head_rows(liger) -> list[dict]:
     for d in (2048, 4096):
         for V in (32768, 128256):
             head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel")
+            head_c = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="chunked")
+            head_c.gf, head_c.w_lm = head.gf, head.w_lm  # one set of weights, two programs
             x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             t = torch.randint(0, V, (M,), device="cuda")
             w_lin = head.w_lm.detach().t().contiguous().requires_grad_(True)  # (V, d) peers
@@ -188,6 +190,7 @@ def lm_head_rows(liger) -> list[dict]:
             compiled = torch.compile(torch_loss)
             variants = {
                 "coda": (lambda: head(x, t), [head.gf, head.w_lm]),
+                "coda_chunked": (lambda: head_c(x, t), [head.gf, head.w_lm]),
                 "torch_eager": (torch_loss, [gf, w_lin]),
                 "torch_compile": (compiled, [gf, w_lin]),
             }
@@ -251,9 +254,21 @@ def lm_head_rows(liger) -> list[dict]:
     return rows
 
 
-def run() -> list[dict]:
+def _liger():
     try:
         import liger_kernel.transformers.functional as liger
     except Exception:
         liger = None
-    return layer_rows(liger) + lm_head_rows(liger)
+    return liger
+
+
+def run() -> list[dict]:
+    return layer_rows(_liger()) + lm_head_rows(_liger())
+
+
+class LMHeadOnly:
+    """The LM-head half alone, as a suite entry."""
+
+    @staticmethod
+    def run() -> list[dict]:
+        return lm_head_rows(_liger())

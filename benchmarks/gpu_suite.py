@@ -115,6 +115,7 @@ def main():
         ("forward", bench_forward),
         ("layer_forward", bench_layer),
         ("train", bench_train),
+        ("lm_head_train", bench_train.LMHeadOnly),
         ("train_demo", TrainDemo(args.out)),
     ]
     if args.only:

@@ -11,12 +11,12 @@ saved: a0, a1, s (recomputed in B4), any norm output, any partial.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from coda.kernels._launch import fused
 from coda.kernels.drope import drope_rows, rotation_tables
 from coda.kernels.dswiglu import dswiglu_kernel
 from coda.kernels.gemm_residual_rms import gemm_residual_rms_kernel
@@ -28,17 +28,11 @@ from coda.kernels.linear_cross_entropy_bwd import (
     linear_cross_entropy_bwd_kernel,
     row_scale,
 )
+from coda.kernels.linear_cross_entropy_chunked import linear_cross_entropy_chunked
 from coda.kernels.rmsnorm_bwd import norm_bwd_kernel, norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad, wgrad_gamma_rows
 from coda.primitives.aux import combine_lse
-
-
-@functools.cache
-def fused(fn):
-    """A row kernel (F0, B11, the final-norm apply): torch.compile fuses its elementwise ops
-    and row reductions into one or two Triton kernels, instead of one pass per torch op."""
-    return torch.compile(fn, dynamic=True)
 
 
 @dataclass(frozen=True)
@@ -125,14 +119,26 @@ class DecoderLayerFunction(torch.autograd.Function):
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Final RMSNorm + LM head + cross-entropy; logits never stored (F6 + A3; CE-A backward:
-    B1 recomputes them chunk by chunk over the vocabulary)."""
+    """Final RMSNorm + LM head + cross-entropy, logits never stored whole.
+
+    ``method="recompute"`` (CE-A, the pure-epilogue program): F6 keeps only (lse, target
+    logit); the backward recomputes the logits chunk by chunk over the vocabulary (4 GEMMs,
+    least memory). ``method="chunked"`` (CE-C): the forward also forms the g = 1 gradients,
+    chunk by chunk over tokens, and the backward scales them (3 GEMMs; "mean"/"sum" only)."""
 
     @staticmethod
-    def forward(ctx, x2, gf, w_lm, target, eps, ignore_index, reduction, chunk):
+    def forward(ctx, x2, gf, w_lm, target, eps, ignore_index, reduction, chunk, method):
         M, d = x2.shape
         a, r = fused(entry_norm)(x2, gf, eps)
         cfg = config_for(M, d, w_lm.shape[1])
+        ctx.method = method
+        if method == "chunked":
+            weight = row_scale(target, ignore_index, reduction, torch.ones((), device=x2.device))
+            rows = max(128, (2**28 // (2 * w_lm.shape[1])) // 128 * 128)  # 256 MiB of logits
+            lse, tl, G, S, dw = linear_cross_entropy_chunked(a, w_lm, r, target, weight, rows, cfg)
+            dx2, dgf = fused(final_norm_bwd)(G.float(), S, x2, gf, r)
+            ctx.save_for_backward(dx2, dgf, dw)
+            return ce_from_stats(lse, tl, target, ignore_index, reduction)
         parts, tl = lm_head_stats_kernel(a, w_lm, r, target, cfg)  # F6
         lse = combine_lse(parts)  # A3
         ctx.save_for_backward(x2, a, r, lse, tl, target, gf, w_lm)
@@ -141,6 +147,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.method == "chunked":
+            dx2, dgf, dw = ctx.saved_tensors
+            gf_dtype = dx2.dtype
+            return (
+                dx2 * g.to(dx2.dtype),
+                (dgf * g).to(gf_dtype),
+                dw * g.to(dw.dtype),
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
         x2, a, r, lse, tl, target, gf, w_lm = ctx.saved_tensors
         ignore_index, reduction, chunk, cfg = ctx.cfg
         scale = row_scale(target, ignore_index, reduction, g)
@@ -148,4 +168,4 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             a, w_lm, r, lse, tl, target, scale, chunk, cfg
         )  # B1 + B3 + B2
         dx2, dgf = fused(final_norm_bwd)(G, S, x2, gf, r)  # A4 + A5
-        return dx2, dgf.to(gf.dtype), dw, None, None, None, None, None
+        return dx2, dgf.to(gf.dtype), dw, None, None, None, None, None, None

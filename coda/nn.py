@@ -169,7 +169,11 @@ class DecoderLayer(nn.Module):
 
 
 class LMHeadLoss(nn.Module):
-    """Final RMSNorm + LM head + cross-entropy. ``w_lm`` is (d, vocab)."""
+    """Final RMSNorm + LM head + cross-entropy. ``w_lm`` is (d, vocab).
+
+    ``method`` picks the kernel path's cross-entropy program: "recompute" (CE-A: the logits
+    are recomputed in the backward, 4 GEMMs, least memory, any reduction) or "chunked" (CE-C:
+    3 GEMMs, gradients formed in the forward chunk by chunk; reduction "mean" or "sum")."""
 
     def __init__(
         self,
@@ -178,12 +182,16 @@ class LMHeadLoss(nn.Module):
         eps: float = 1e-5,
         ignore_index: int = -100,
         chunk: int = 16384,
+        method: str = "recompute",
         device=None,
         dtype=torch.bfloat16,
         backend: str = "auto",
     ):
         super().__init__()
+        if method not in ("recompute", "chunked"):
+            raise ValueError(f"method must be 'recompute' or 'chunked', got {method!r}")
         self.eps, self.ignore_index, self.chunk, self.backend = eps, ignore_index, chunk, backend
+        self.method = method
         self.gf = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
         self.w_lm = nn.Parameter(torch.empty(d, vocab, device=device, dtype=dtype))
         nn.init.normal_(self.w_lm, std=0.02)
@@ -196,6 +204,8 @@ class LMHeadLoss(nn.Module):
                 f"LMHeadLoss: x is {x.dtype} but the parameters are "
                 f"{self.w_lm.dtype}; cast one to the other"
             )
+        if self.method == "chunked" and reduction == "none":
+            raise ValueError("LMHeadLoss(method='chunked') takes reduction 'mean' or 'sum'")
         if resolve_backend("LMHeadLoss", self.backend, x.device, x.dtype) == "kernel":
             return LinearCrossEntropyFunction.apply(
                 xf.contiguous(),
@@ -206,6 +216,7 @@ class LMHeadLoss(nn.Module):
                 self.ignore_index,
                 reduction,
                 self.chunk,
+                self.method,
             )
         logits = rmsnorm_ref(xf, self.gf, self.eps) @ self.w_lm  # HF: in x's dtype; CE in fp32+
         return cross_entropy_ref(logits, t, self.ignore_index, reduction)

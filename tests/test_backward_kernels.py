@@ -14,6 +14,7 @@ import coda.nn as cnn
 from coda.kernels import drope, dswiglu, rmsnorm_bwd, wgrad
 from coda.kernels import gemm_rmsnorm_gemm as rg
 from coda.kernels import linear_cross_entropy_bwd as ceb
+from coda.kernels import linear_cross_entropy_chunked as cec
 from coda.kernels.config import GemmConfig
 from coda.primitives.interpreter import interpret
 from coda.reference import cross_entropy as ce_ref
@@ -95,6 +96,35 @@ def test_cross_entropy_backward_loop(seed, reduction):
     G, S, dw = ceb.linear_cross_entropy_bwd_kernel(
         a, wd, r, lse, tl, t, scale, d["chunk"], SMALL, interpreted=True
     )
+    dh, dgamma = ceb.final_norm_bwd(G, S, hd, gd, r)
+    assert rel_err(dh, h.grad) < 1e-12 and rel_err(dgamma, gamma.grad) < 1e-12
+    assert rel_err(dw, w.grad) < 1e-12
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy_chunked_loop(seed, reduction):
+    """CE-C (interpreted F6' per row chunk, the softmax-gradient row kernel, B2'/B3') gives the
+    loss and the g = 1 gradients of autograd, for every row-chunk size."""
+    d = random_dims(seed, M=(1, 90), d=(1, 24), V=(2, 300), rows=(1, 40))
+    g = gen(seed)
+    M, dd, V = d["M"], d["d"], d["V"]
+    h = rnd(g, M, dd).requires_grad_(True)
+    gamma = (1 + 0.1 * rnd(g, dd)).requires_grad_(True)
+    w = rnd(g, dd, V).requires_grad_(True)
+    t = torch.randint(0, V, (M,), generator=g)
+    t[torch.rand(M, generator=g) < 0.2] = -100
+    loss = ce_ref.cross_entropy_ref(rn_ref.rmsnorm_ref(h, gamma, 1e-5) @ w, t, reduction=reduction)
+    loss.backward()
+    hd, gd, wd = h.detach(), gamma.detach(), w.detach()
+    a, r = hd * gd, rn_ref.rstd_ref(hd, 1e-5)
+    weight = ceb.row_scale(t, -100, reduction, torch.ones((), dtype=F64))
+    lse, tl, G, S, dw = cec.linear_cross_entropy_chunked(
+        a, wd, r, t, weight, d["rows"], SMALL, interpreted=True
+    )
+    from coda.kernels.linear_cross_entropy import ce_from_stats
+
+    assert rel_err(ce_from_stats(lse, tl, t, reduction=reduction), loss.detach()) < 1e-12
     dh, dgamma = ceb.final_norm_bwd(G, S, hd, gd, r)
     assert rel_err(dh, h.grad) < 1e-12 and rel_err(dgamma, gamma.grad) < 1e-12
     assert rel_err(dw, w.grad) < 1e-12
@@ -213,6 +243,7 @@ COMPILES = {
     "ce_grad_logits": lambda: ceb.compile_grad_logits(256, 1000),
     "ce_accumulate_fp32": lambda: ceb.compile_accumulate(1000, 512),
     "wgrad_gamma_rows": lambda: wgrad.compile_wgrad_gamma_rows(512, 768),
+    "ce_chunked_logits": lambda: cec.compile_logits_chunk(256, 1000),
 }
 
 
@@ -232,15 +263,16 @@ def _grads(model_fn, params, x):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method", ["recompute", "chunked"])
 @pytest.mark.parametrize(
     "B,S,d,H,Hkv,f,V", [(2, 1024, 1024, 8, 4, 2816, 32768), (1, 777, 512, 4, 2, 1408, 5000)]
 )
-def test_gpu_layer_and_head_every_gradient(B, S, d, H, Hkv, f, V):
+def test_gpu_layer_and_head_every_gradient(B, S, d, H, Hkv, f, V, method):
     """Kernel path (bf16) vs fp32 reference of the same modules; each gradient's error no worse
     than the plain PyTorch bf16 path's (the reference path run in bf16)."""
     torch.manual_seed(0)
     layer = cnn.DecoderLayer(d, H, Hkv, f, device="cuda", backend="kernel")
-    head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel")
+    head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method=method)
     with torch.no_grad():
         for p in (layer.g1, layer.g2, head.gf):
             p.add_(0.1 * torch.randn_like(p))

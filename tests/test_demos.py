@@ -9,8 +9,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(*args):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          env=env, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 

@@ -5,6 +5,8 @@ function on small CPU tensors with ``dry=True``, so what CI compiles is exactly 
 
 from __future__ import annotations
 
+import functools
+
 from coda import _quack
 from coda.kernels.config import GemmConfig
 from coda.primitives.lowering import epi_args, lower
@@ -41,3 +43,13 @@ def example_operands(m: int, k: int, n: int, w_major: str = "n", dtype=None):
     x = torch.empty(m, k, dtype=dtype)
     w = torch.empty(k, n, dtype=dtype) if w_major == "n" else torch.empty(n, k, dtype=dtype).t()
     return x, w
+
+
+@functools.cache
+def fused(fn):
+    """A row kernel (F0, B11, the final-norm apply, CE-C's softmax gradient) compiled by
+    torch.compile: its elementwise ops and row reductions become one or two Triton kernels
+    instead of one pass over memory per torch op."""
+    import torch
+
+    return torch.compile(fn, dynamic=True)
