@@ -71,20 +71,27 @@ def test_wgrad_gamma_rows_program(seed):
     assert rel_err(out, rn_ref.wgrad_gamma_rows_ref(h, dz, gamma)) < 1e-13
 
 
+def _final_norm_ce_case(seed, M, d, V, reduction):
+    """Leaves h, gamma, w of the final norm + LM head, targets with ~20 % ignored rows, and
+    the canonical loss (autograd graph attached)."""
+    g = gen(seed)
+    h = rnd(g, M, d).requires_grad_(True)
+    gamma = (1 + 0.1 * rnd(g, d)).requires_grad_(True)
+    w = rnd(g, d, V).requires_grad_(True)
+    t = torch.randint(0, V, (M,), generator=g)
+    t[torch.rand(M, generator=g) < 0.2] = -100
+    logits = rn_ref.rmsnorm_ref(h, gamma, 1e-5) @ w
+    return h, gamma, w, t, ce_ref.cross_entropy_ref(logits, t, reduction=reduction)
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_backward_loop(seed, reduction):
     """The CE-A loop (B1 interpreted, one-hot fix-up, B2/B3 in torch, final norm backward)
     equals autograd of the canonical final norm + LM head + CE, for every chunk size."""
     d = random_dims(seed, M=(1, 60), d=(1, 24), V=(2, 300), chunk=(1, 120))
+    h, gamma, w, t, loss = _final_norm_ce_case(seed, d["M"], d["d"], d["V"], reduction)
     g = gen(seed)
-    M, dd, V = d["M"], d["d"], d["V"]
-    h = rnd(g, M, dd).requires_grad_(True)
-    gamma = (1 + 0.1 * rnd(g, dd)).requires_grad_(True)
-    w = rnd(g, dd, V).requires_grad_(True)
-    t = torch.randint(0, V, (M,), generator=g)
-    t[torch.rand(M, generator=g) < 0.2] = -100
-    loss = ce_ref.cross_entropy_ref(rn_ref.rmsnorm_ref(h, gamma, 1e-5) @ w, t, reduction=reduction)
     upstream = rnd(g, *loss.shape)
     loss.backward(upstream)
     hd, gd, wd = h.detach(), gamma.detach(), w.detach()
@@ -107,14 +114,7 @@ def test_cross_entropy_chunked_loop(seed, reduction):
     """CE-C (interpreted F6' per row chunk, the softmax-gradient row kernel, B2'/B3') gives the
     loss and the g = 1 gradients of autograd, for every row-chunk size."""
     d = random_dims(seed, M=(1, 90), d=(1, 24), V=(2, 300), rows=(1, 40))
-    g = gen(seed)
-    M, dd, V = d["M"], d["d"], d["V"]
-    h = rnd(g, M, dd).requires_grad_(True)
-    gamma = (1 + 0.1 * rnd(g, dd)).requires_grad_(True)
-    w = rnd(g, dd, V).requires_grad_(True)
-    t = torch.randint(0, V, (M,), generator=g)
-    t[torch.rand(M, generator=g) < 0.2] = -100
-    loss = ce_ref.cross_entropy_ref(rn_ref.rmsnorm_ref(h, gamma, 1e-5) @ w, t, reduction=reduction)
+    h, gamma, w, t, loss = _final_norm_ce_case(seed, d["M"], d["d"], d["V"], reduction)
     loss.backward()
     hd, gd, wd = h.detach(), gamma.detach(), w.detach()
     a, r = hd * gd, rn_ref.rstd_ref(hd, 1e-5)

@@ -8,8 +8,15 @@ import ast
 import os
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "coda")
-RANK = {"reference": 0, "primitives": 0, "kernels": 1, "ops": 2, "layouts": 2, "autograd": 2,
-        "nn": 3}  # fmt: skip
+RANK = {
+    "reference": 0,
+    "primitives": 0,
+    "kernels": 1,
+    "ops": 2,
+    "layouts": 2,
+    "autograd": 2,
+    "nn": 3,
+}
 LEAVES = {"env", "_validate", "_quack", "__init__"}
 
 

@@ -25,8 +25,6 @@ from coda.primitives import (
 from coda.primitives.interpreter import interpret
 from coda.reference.cross_entropy import lse_partials_ref
 from coda.reference.rmsnorm import sumsq_partials_ref
-from coda.reference.rope import rope_adjacent_ref, rope_table
-from coda.reference.swiglu import dswiglu_ref, swiglu_ref
 
 F64 = torch.float64
 
@@ -76,16 +74,16 @@ def test_interpreter_every_family(seed):
 
 
 @epilogue_program(inputs=[ColLoad("r")], stores=[TileStore("s")], mode="pair")
-def scaled_swiglu(acc, r):
-    g, u = unpack(acc * r)
-    return {"D": acc, "s": g * sigmoid(g) * u}
+def pair_product(acc, r):
+    even, odd = unpack(acc * r)
+    return {"D": acc, "s": exp(even) * odd}
 
 
 @epilogue_program(inputs=[TileLoad("cs")], mode="pair")
-def rotate_pairs(acc, cs):
+def swap_scaled(acc, cs):
     x1, x2 = unpack(acc)
     c, s = unpack(cs)
-    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+    return {"D": pack(x2 * c, x1 * s)}
 
 
 @epilogue_program(
@@ -94,13 +92,9 @@ def rotate_pairs(acc, cs):
     sinks=[RowPartials("stat")],
     mode="widen",
 )
-def widen_dswiglu(acc, c, r):
-    ug, uu = unpack(c)
-    zg, zu = ug * r, uu * r
-    sig = 1 / (1 + exp(-zg))
-    dzg = acc * zu * sig * (1 + zg * (1 - sig))
-    dzu = acc * zg * sig
-    return {"D": pack(dzg * r, dzu * r), "s": zg * sig * zu, "stat": dzg * ug + dzu * uu}
+def widen_split(acc, c, r):
+    a, b = unpack(c)
+    return {"D": pack(acc * a, acc * sigmoid(b) * r), "s": a - b, "stat": acc * a}
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -110,22 +104,23 @@ def test_interpreter_pair_and_widen_modes(seed):
     gen = torch.Generator().manual_seed(seed)
     u = torch.randn(M, 2 * f, dtype=F64, generator=gen)
     r = 0.5 + torch.rand(M, dtype=F64, generator=gen)
-    out = interpret(scaled_swiglu, u, {"r": r}, tile_m=dims["tm"], tile_n=tn)
+    # pair: one value per pair of adjacent columns, full-width D untouched
+    out = interpret(pair_product, u, {"r": r}, tile_m=dims["tm"], tile_n=tn)
     z = r[:, None] * u
     assert torch.equal(out["D"], u)
-    assert rel_err(out["s"], swiglu_ref(z[:, 0::2], z[:, 1::2])) < 1e-14
-    # RoPE: the pair tile of the table rotates each adjacent pair
-    hd = 2 * dims["tn"]
-    cs = rope_table(torch.arange(M) % 7, hd).repeat(1, 3)
-    x = torch.randn(M, 3 * hd, dtype=F64, generator=gen)
-    rot = interpret(rotate_pairs, x, {"cs": cs}, tile_m=dims["tm"], tile_n=tn)["D"]
-    assert rel_err(rot, rope_adjacent_ref(x.view(M, 3, hd), cs[:, :hd]).flatten(1)) < 1e-14
-    # widen: one ds value per pair in, a pair of gradients out
+    assert rel_err(out["s"], torch.exp(z[:, 0::2]) * z[:, 1::2]) < 1e-14
+    # pair tile loads line up with the accumulator's pairs
+    cs = torch.randn(M, 2 * f, dtype=F64, generator=gen)
+    got = interpret(swap_scaled, u, {"cs": cs}, tile_m=dims["tm"], tile_n=tn)["D"]
+    want = torch.stack([u[:, 1::2] * cs[:, 0::2], u[:, 0::2] * cs[:, 1::2]], -1).flatten(1)
+    assert rel_err(got, want) < 1e-15
+    # widen: one accumulator value per output pair in, a pair out
     ds = torch.randn(M, f, dtype=F64, generator=gen)
-    w = interpret(widen_dswiglu, ds, {"c": u, "r": r}, tile_m=dims["tm"], tile_n=tn)
-    s_ref, dz_ref, S_ref = dswiglu_ref(ds, u, r)
-    assert rel_err(w["D"], dz_ref) < 1e-13 and rel_err(w["s"], s_ref) < 1e-13
-    assert rel_err(w["stat"].sum(-1), S_ref) < 1e-13
+    w = interpret(widen_split, ds, {"c": u, "r": r}, tile_m=dims["tm"], tile_n=tn)
+    a, b = u[:, 0::2], u[:, 1::2]
+    dz = torch.stack([ds * a, ds * torch.sigmoid(b) * r[:, None]], -1).flatten(1)
+    assert rel_err(w["D"], dz) < 1e-15 and rel_err(w["s"], a - b) < 1e-15
+    assert rel_err(w["stat"].sum(-1), (ds * a).sum(-1)) < 1e-13
 
 
 def test_interpreter_rounds_outputs_once():
@@ -153,7 +148,7 @@ def test_declaration_errors():
     with pytest.raises(KeyError, match="undeclared"):
         interpret(prog, torch.zeros(2, 2), {}, tile_m=2, tile_n=2)
     with pytest.raises(ValueError, match="even N"):
-        interpret(scaled_swiglu, torch.zeros(2, 3), {"r": torch.ones(2)}, tile_m=2, tile_n=2)
+        interpret(pair_product, torch.zeros(2, 3), {"r": torch.ones(2)}, tile_m=2, tile_n=2)
 
 
 def test_cache_key_is_plain_and_distinguishes_declarations():

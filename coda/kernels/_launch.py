@@ -1,4 +1,5 @@
-"""Launch an epilogue program on quack's SM90 GEMM, or only compile it (``dry=True``).
+"""Launch an epilogue program on quack's SM90 GEMM, or only compile it (``dry=True``), or
+run it through the tile interpreter on the CPU (``interpret_gemm``).
 
 Every kernel builds its buffers and calls ``launch``; the compile tests call the same kernel
 function on small CPU tensors with ``dry=True``, so what CI compiles is exactly what runs."""
@@ -33,6 +34,25 @@ def launch(
         return _quack.compile_only(lower(program), x, w, d, c, args, config, add_to_output)
     _quack.run_epi_gemm(lower(program), x, w, d, c, args, config, add_to_output=add_to_output)
     return None
+
+
+def interpret_gemm(program, x, w, *, config: GemmConfig, operands=None, out_dtype=None):
+    """The CPU twin of ``launch``: acc = x @ w in float64 for float64 inputs (algebra proofs),
+    else float32 (as the kernel's accumulator), then ``program`` through the tile interpreter
+    on ``config``'s tile grid. Returns every output the program declares."""
+    import torch
+
+    from coda.primitives.interpreter import interpret
+
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return interpret(
+        program,
+        x.to(dt) @ w.to(dt),
+        operands or {},
+        tile_m=config.tile_m,
+        tile_n=config.tile_n,
+        out_dtype=out_dtype,
+    )
 
 
 def example_operands(m: int, k: int, n: int, w_major: str = "n", dtype=None):

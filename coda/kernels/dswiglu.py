@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, launch
+from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import (
     ColLoad,
@@ -30,7 +30,6 @@ from coda.primitives import (
     sigmoid,
     unpack,
 )
-from coda.primitives.interpreter import interpret
 from coda.reference.swiglu import dswiglu_ref  # noqa: F401  (the kernel's reference)
 
 
@@ -74,13 +73,8 @@ def dswiglu_kernel(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False):
 
 
 def dswiglu_interpreted(dx, w_d, u, rstd, config: GemmConfig = DEFAULT):
-    dt = torch.float64 if dx.dtype == torch.float64 else torch.float32
-    out = interpret(
-        dswiglu_rescaled,
-        dx.to(dt) @ w_d.to(dt).t(),
-        {"c": u, "rstd": rstd},
-        tile_m=config.tile_m,
-        tile_n=config.tile_n,
+    out = interpret_gemm(
+        dswiglu_rescaled, dx, w_d.t(), config=config, operands={"c": u, "rstd": rstd}
     )
     return out["D"], out["s"], out["stat"]
 

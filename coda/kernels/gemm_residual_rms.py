@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, launch
+from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import RowLoad, RowPartials, TileC, TileStore, epilogue_program
 from coda.primitives.aux import rstd_from_sumsq
-from coda.primitives.interpreter import interpret
 from coda.reference.rmsnorm import gemm_residual_rms_ref  # noqa: F401  (the op's reference)
 
 
@@ -84,10 +83,8 @@ def gemm_residual_rms_kernel(x, w, residual, gamma=None, eps=1e-5, config: GemmC
 def gemm_residual_rms_interpreted(x, w, residual, gamma=None, eps=1e-5, config=DEFAULT):
     """The same program through the tile interpreter (CPU): GEMM in ``x``'s precision
     (fp32 for half inputs), epilogue tile by tile, the same AUX. Returns (h, a, r, partials)."""
-    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    acc = x.to(dt) @ w.to(dt)
     operands = {"c": residual} if gamma is None else {"c": residual, "gamma": gamma}
-    out = interpret(program_for(gamma), acc, operands, tile_m=config.tile_m, tile_n=config.tile_n)
+    out = interpret_gemm(program_for(gamma), x, w, config=config, operands=operands)
     return out["D"], out.get("normed"), rstd_from_sumsq(out["sumsq"], w.shape[1], eps), out["sumsq"]
 
 

@@ -20,10 +20,9 @@ import math
 
 import torch
 
-from coda.kernels._launch import example_operands, launch
+from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, RowLoad, epilogue_program, pack, unpack
-from coda.primitives.interpreter import interpret
 from coda.primitives.math import rotation
 from coda.reference.rope import gemm_rope_ref  # noqa: F401  (the op's reference)
 
@@ -66,15 +65,8 @@ def gemm_rope_kernel(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT, dr
 
 
 def gemm_rope_interpreted(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT):
-    dt = torch.float64 if a.dtype == torch.float64 else torch.float32
-    out = interpret(
-        rope_scaled,
-        a.to(dt) @ w_qkv.to(dt),
-        {"rstd": rstd, "pos": pos, "freq": freq},
-        tile_m=config.tile_m,
-        tile_n=config.tile_n,
-    )
-    return out["D"]
+    operands = {"rstd": rstd, "pos": pos, "freq": freq}
+    return interpret_gemm(rope_scaled, a, w_qkv, config=config, operands=operands)["D"]
 
 
 def compile_gemm_rope(k, n, *, w_major="n", config=DEFAULT, m=256) -> int:

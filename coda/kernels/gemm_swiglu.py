@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, launch
+from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, TileStore, epilogue_program, silu, unpack
-from coda.primitives.interpreter import interpret
 from coda.reference.swiglu import gemm_swiglu_ref  # noqa: F401  (the op's reference)
 
 
@@ -56,14 +55,7 @@ def gemm_swiglu_kernel(a, w_il, rstd, save_preact=True, config: GemmConfig = DEF
 
 
 def gemm_swiglu_interpreted(a, w_il, rstd, config: GemmConfig = DEFAULT):
-    dt = torch.float64 if a.dtype == torch.float64 else torch.float32
-    out = interpret(
-        swiglu_keep_preact,
-        a.to(dt) @ w_il.to(dt),
-        {"rstd": rstd},
-        tile_m=config.tile_m,
-        tile_n=config.tile_n,
-    )
+    out = interpret_gemm(swiglu_keep_preact, a, w_il, config=config, operands={"rstd": rstd})
     return out["s"], out["D"]
 
 

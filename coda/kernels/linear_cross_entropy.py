@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, launch
+from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, ColSelect, OnlineLSE, epilogue_program
 from coda.primitives.aux import combine_lse
-from coda.primitives.interpreter import interpret
 from coda.reference.cross_entropy import linear_cross_entropy_ref  # noqa: F401
 
 
@@ -67,13 +66,8 @@ def linear_cross_entropy_kernel(
 
 
 def lm_head_stats_interpreted(a, w_lm, rstd, target, config: GemmConfig = DEFAULT):
-    dt = torch.float64 if a.dtype == torch.float64 else torch.float32
-    out = interpret(
-        logits_lse_target,
-        a.to(dt) @ w_lm.to(dt),
-        {"rstd": rstd, "target": target},
-        tile_m=config.tile_m,
-        tile_n=config.tile_n,
+    out = interpret_gemm(
+        logits_lse_target, a, w_lm, config=config, operands={"rstd": rstd, "target": target}
     )
     return out["lse"], torch.nan_to_num(out["target_logit"], nan=0.0)
 

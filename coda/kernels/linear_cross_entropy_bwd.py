@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, launch
+from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, RowPartials, epilogue_program, exp
 from coda.primitives.aux import combine_row_partials
-from coda.primitives.interpreter import interpret
 
 
 @epilogue_program(
@@ -126,13 +125,12 @@ def final_norm_bwd(G, S, h, gamma, rstd):
 
 
 def grad_logits_interpreted(a, w, rstd, lse, scale, config: GemmConfig = DEFAULT):
-    dt = torch.float64 if a.dtype == torch.float64 else torch.float32
-    out = interpret(
+    out = interpret_gemm(
         softmax_grad_logits,
-        a.to(dt) @ w.to(dt),
-        {"rstd": rstd, "lse": lse, "scale": scale},
-        tile_m=config.tile_m,
-        tile_n=config.tile_n,
+        a,
+        w,
+        config=config,
+        operands={"rstd": rstd, "lse": lse, "scale": scale},
     )
     return out["D"], combine_row_partials(out["stat"])
 

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, fused, launch
+from coda.kernels._launch import example_operands, fused, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, ColSelect, OnlineLSE, epilogue_program
 from coda.primitives.aux import combine_lse
-from coda.primitives.interpreter import interpret
 
 
 @epilogue_program(
@@ -62,13 +61,12 @@ def logits_chunk(a, w_lm, rstd, target, config: GemmConfig = DEFAULT, dry=False)
 
 
 def logits_chunk_interpreted(a, w_lm, rstd, target, config: GemmConfig = DEFAULT):
-    dt = torch.float64 if a.dtype == torch.float64 else torch.float32
-    out = interpret(
+    out = interpret_gemm(
         logits_with_stats,
-        a.to(dt) @ w_lm.to(dt),
-        {"rstd": rstd, "target": target},
-        tile_m=config.tile_m,
-        tile_n=config.tile_n,
+        a,
+        w_lm,
+        config=config,
+        operands={"rstd": rstd, "target": target},
         out_dtype=a.dtype,
     )
     return out["D"], combine_lse(out["lse"]), torch.nan_to_num(out["target_logit"], nan=0.0)

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, launch
+from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, ColPartials, RowLoad, TileC, TileLoad, epilogue_program
 from coda.primitives.aux import combine_col_partials, combine_row_partials
-from coda.primitives.interpreter import interpret
 from coda.reference.rmsnorm import norm_bwd_apply_ref  # noqa: F401  (the kernel's reference)
 
 
@@ -65,12 +64,9 @@ def norm_bwd_kernel(dz, w2, h, gamma, corr, dres=None, config: GemmConfig = DEFA
 
 
 def norm_bwd_interpreted(dz, w2, h, gamma, corr, dres=None, config: GemmConfig = DEFAULT):
-    dt = torch.float64 if dz.dtype == torch.float64 else torch.float32
     program = norm_bwd if dres is None else norm_bwd_residual
     operands = {"h": h, "gamma": gamma, "corr": corr, **({} if dres is None else {"c": dres})}
-    out = interpret(
-        program, dz.to(dt) @ w2.to(dt).t(), operands, tile_m=config.tile_m, tile_n=config.tile_n
-    )
+    out = interpret_gemm(program, dz, w2.t(), config=config, operands=operands)
     return out["D"], combine_col_partials(out["dgamma"])
 
 

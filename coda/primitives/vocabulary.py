@@ -106,9 +106,7 @@ class TileStore(Primitive):
 
 # -- RED: tile reductions to partials ------------------------------------------------------------
 @dataclass(frozen=True)
-class RowPartials(Primitive):
-    """RED_m: partial[m, t] = sum of fn's value over the columns of N-tile t (fp32)."""
-
+class _Partials(Primitive):
     scaled: bool = False
     family = "RED"
 
@@ -117,14 +115,13 @@ class RowPartials(Primitive):
 
 
 @dataclass(frozen=True)
-class ColPartials(Primitive):
+class RowPartials(_Partials):
+    """RED_m: partial[m, t] = sum of fn's value over the columns of N-tile t (fp32)."""
+
+
+@dataclass(frozen=True)
+class ColPartials(_Partials):
     """RED_n: partial[i, n] = sum of fn's value over the rows of M-tile i (fp32)."""
-
-    scaled: bool = False
-    family = "RED"
-
-    def cache_key(self) -> tuple:
-        return (*super().cache_key(), self.scaled)
 
 
 # -- LSE: stateful online log-sum-exp ------------------------------------------------------------
