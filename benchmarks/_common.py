@@ -30,11 +30,3 @@ def row(name: str, shape: dict, timing: dict, flops: float, **extra) -> dict:
         "tflops": flops / (timing["ms"] * 1e-3) / 1e12 if flops else None,
         **extra,
     }
-
-
-def compiled(fn):
-    """torch.compile peer (default mode), with its failure recorded rather than hidden."""
-    try:
-        return torch.compile(fn)
-    except Exception as e:  # pragma: no cover - recorded in the results
-        raise RuntimeError(f"torch.compile failed: {e}") from e

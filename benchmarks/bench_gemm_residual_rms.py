@@ -2,19 +2,15 @@
 against quack's raw GEMM (same mainloop and tile config, empty epilogue: the ceiling), cuBLAS
 ``mm`` alone, and torch eager / torch.compile doing mm + add + sum of squares.
 
-    python benchmarks/bench_gemm_residual_rms.py            # prints rows (needs an SM90 GPU)
+    python -m benchmarks.bench_gemm_residual_rms        # prints rows (needs an SM90 GPU)
 """
 
 from __future__ import annotations
 
 import torch
 
-try:
-    from benchmarks._common import bench, row
-except ImportError:  # run as a script
-    from _common import bench, row
-
 import coda
+from benchmarks._common import bench, row
 from coda import _quack
 from coda.kernels.config import DEFAULT
 from coda.reference.rmsnorm import rstd_ref

@@ -35,7 +35,7 @@ epilogue GEMM. Both read only these declarations, so one program text serves bot
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 MODES = ("element", "pair", "widen")
@@ -147,7 +147,6 @@ class EpilogueProgram:
     sinks: tuple = ()
     mode: str = "element"
     writes_d: bool = True
-    _by_name: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -175,14 +174,10 @@ class EpilogueProgram:
                 raise TypeError(f"{p!r} is not a reduction / select primitive")
         if self.mode == "widen" and not any(isinstance(p, TileC) for p in self.inputs):
             raise ValueError("'widen' mode reads its saved pairs through TileC")
-        self._by_name.update(declared)
 
     @property
     def name(self) -> str:
         return self.fn.__name__
-
-    def primitive(self, name: str) -> Primitive:
-        return self._by_name[name]
 
     def cache_key(self) -> tuple:
         """Plain-value identity of the declarations (the fn source is keyed by quack)."""
