@@ -143,9 +143,20 @@ def test_layouts_round_trip_and_attention_unchanged():
     theta = rope_ref.rope_angles(pos, hd)
     q = rope_ref.rope_hf_ref((y @ q_proj.T).view(M, s.heads, hd), theta).flatten(1)
     k = rope_ref.rope_hf_ref((y @ k_proj.T).view(M, s.kv_heads, hd), theta).flatten(1)
-    o_hf = attention_ref(q, k, y @ v_proj.T, s)
+    # the scores themselves: q . k per (query head, its kv head, token pair) are unchanged
     qkv = coda.gemm_rope(y, w_qkv, pos, head_dim=hd, n_heads=4, n_kv_heads=2)
     nq, nkv = s.heads * hd, s.kv_heads * hd
+    rep = s.heads // s.kv_heads
+    scores_hf = torch.einsum(
+        "mhd,nhd->hmn", q.view(M, 4, hd), k.view(M, 2, hd).repeat_interleave(rep, 1)
+    )
+    scores = torch.einsum(
+        "mhd,nhd->hmn",
+        qkv[:, :nq].view(M, 4, hd),
+        qkv[:, nq : nq + nkv].view(M, 2, hd).repeat_interleave(rep, 1),
+    )
+    assert rel_err(scores, scores_hf) < 1e-13
+    o_hf = attention_ref(q, k, y @ v_proj.T, s)
     o = attention_ref(qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :], s)
     assert rel_err(o, o_hf) < 1e-13
 
