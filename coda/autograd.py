@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from coda.kernels._launch import fused
 from coda.kernels.drope import drope_rows, rotation_tables
 from coda.kernels.dswiglu import dswiglu_kernel
-from coda.kernels.gemm_residual_rms import gemm_residual_rms_kernel
+from coda.kernels.gemm_residual_rms import epilogue_gemm, gemm_residual_rms_kernel
 from coda.kernels.gemm_rope import cached_freq_table, gemm_rope_kernel
 from coda.kernels.gemm_swiglu import gemm_swiglu_kernel
-from coda.kernels.linear_cross_entropy import ce_from_stats, lm_head_stats_kernel
+from coda.kernels.linear_cross_entropy import lm_head_stats_kernel
 from coda.kernels.linear_cross_entropy_bwd import (
     final_norm_bwd,
     linear_cross_entropy_bwd_kernel,
@@ -33,6 +33,7 @@ from coda.kernels.rmsnorm_bwd import norm_bwd_kernel, norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad, wgrad_gamma_rows
 from coda.primitives.aux import combine_lse
+from coda.reference.cross_entropy import ce_from_stats_ref
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,9 @@ class DecoderLayerFunction(torch.autograd.Function):
             o, w_o, x0, g2, dims.eps, config_for(M, H * hd, d)
         )  # F3 + A1
         s, u = gemm_swiglu_kernel(a1, w_il, r1, True, config_for(M, d, 2 * f))  # F4
-        x2, _, _ = gemm_residual_rms_kernel(s, w_d, x1, None, dims.eps, config_for(M, f, d))  # F5
+        # F5: residual add only; this boundary's norm is the next layer's F0, so its partials
+        # are not reduced (no AUX)
+        x2, _, _ = epilogue_gemm(s, w_d, x1, None, config_for(M, f, d))
         ctx.save_for_backward(x0, r0, qkv, o, x1, r1, u, g1, w_qkv, w_o, g2, w_il, w_d, pos)
         ctx.attn = (q, k, v, o4)
         ctx.dims = dims
@@ -138,12 +141,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             lse, tl, G, S, dw = linear_cross_entropy_chunked(a, w_lm, r, target, weight, rows, cfg)
             dx2, dgf = fused(final_norm_bwd)(G.float(), S, x2, gf, r)
             ctx.save_for_backward(dx2, dgf, dw)
-            return ce_from_stats(lse, tl, target, ignore_index, reduction)
+            return ce_from_stats_ref(lse, tl, target, ignore_index, reduction)
         parts, tl = lm_head_stats_kernel(a, w_lm, r, target, cfg)  # F6
         lse = combine_lse(parts)  # A3
         ctx.save_for_backward(x2, a, r, lse, tl, target, gf, w_lm)
         ctx.cfg = (ignore_index, reduction, chunk, cfg)
-        return ce_from_stats(lse, tl, target, ignore_index, reduction)
+        return ce_from_stats_ref(lse, tl, target, ignore_index, reduction)
 
     @staticmethod
     def backward(ctx, g):

@@ -51,7 +51,7 @@ def resolve_backend(op: str, backend: str, device: torch.device, dtype=None) -> 
     if backend == "reference":
         path, reason = "reference", "backend='reference' was asked for"
     else:
-        ok, reason = kernel_support(device) if dtype is None else kernel_support(device, dtype)
+        ok, reason = kernel_support(device, dtype)
         if ok:
             path, reason = "kernel", "SM90 GPU"
         elif backend == "kernel":

@@ -23,7 +23,7 @@ from coda import _validate as v
 from coda.env import resolve_backend
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.gemm_residual_rms import gemm_residual_rms_kernel
-from coda.kernels.gemm_rmsnorm_gemm import gemm_scale_rows_kernel
+from coda.kernels.gemm_rmsnorm_gemm import gemm_rmsnorm_gemm_kernel
 from coda.kernels.gemm_rope import cached_freq_table, gemm_rope_kernel
 from coda.kernels.gemm_swiglu import gemm_swiglu_kernel
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
@@ -137,8 +137,9 @@ def gemm_rmsnorm_gemm(
     named = {"x": x, "w1": w1, "residual": residual, "gamma": gamma, "w2": w2}
     if _start("gemm_rmsnorm_gemm", backend, named) == "kernel":
         _kernel_layout({"x": x, "residual": residual}, {"w1": w1, "w2": w2}, {"gamma": gamma})
-        h, a, r = gemm_residual_rms_kernel(x, w1, residual, gamma, eps, config1)
-        return RMSNormGemm(h, gemm_scale_rows_kernel(a, w2, r, config2), r)
+        return RMSNormGemm(
+            *gemm_rmsnorm_gemm_kernel(x, w1, residual, gamma, w2, eps, config1, config2)
+        )
     h, z, r = gemm_rmsnorm_gemm_ref(x, w1, residual, gamma, w2, eps)
     return RMSNormGemm(h.to(x.dtype), z.to(x.dtype), r.float())
 

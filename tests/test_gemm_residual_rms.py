@@ -128,7 +128,7 @@ def pretend_sm90(monkeypatch):
     every kernel-path check."""
     import coda.ops
 
-    monkeypatch.setattr(env, "kernel_support", lambda device: (True, ""))
+    monkeypatch.setattr(env, "kernel_support", lambda device, dtype=None: (True, ""))
     reached = []
     monkeypatch.setattr(
         coda.ops, "gemm_residual_rms_kernel", lambda *a: reached.append(a) or (None,) * 3

@@ -20,7 +20,10 @@ from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, ColSelect, OnlineLSE, epilogue_program
 from coda.primitives.aux import combine_lse
-from coda.reference.cross_entropy import linear_cross_entropy_ref  # noqa: F401
+from coda.reference.cross_entropy import (
+    ce_from_stats_ref,
+    linear_cross_entropy_ref,  # noqa: F401  (the op's reference)
+)
 
 
 @epilogue_program(
@@ -31,16 +34,6 @@ from coda.reference.cross_entropy import linear_cross_entropy_ref  # noqa: F401
 def logits_lse_target(acc, rstd):
     logit = acc * rstd
     return {"lse": logit, "target_logit": logit}
-
-
-def ce_from_stats(lse, target_logit, target, ignore_index=-100, reduction="mean"):
-    """AUX: loss from per-row lse and target logit (fp32); ignored rows weigh 0."""
-    valid = target != ignore_index
-    per_row = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
-    if reduction == "none":
-        return per_row
-    total = per_row.sum()
-    return total / valid.sum().clamp(min=1) if reduction == "mean" else total
 
 
 def lm_head_stats_kernel(a, w_lm, rstd, target, config: GemmConfig = DEFAULT, dry=False):
@@ -62,7 +55,7 @@ def linear_cross_entropy_kernel(
 ):
     parts, tl = lm_head_stats_kernel(a, w_lm, rstd, target, config)
     lse = combine_lse(parts)
-    return ce_from_stats(lse, tl, target, ignore_index, reduction), lse
+    return ce_from_stats_ref(lse, tl, target, ignore_index, reduction), lse
 
 
 def lm_head_stats_interpreted(a, w_lm, rstd, target, config: GemmConfig = DEFAULT):

@@ -24,6 +24,7 @@ from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, RowPartials, epilogue_program, exp
 from coda.primitives.aux import combine_row_partials
+from coda.reference.cross_entropy import row_weights_ref
 
 
 @epilogue_program(
@@ -38,10 +39,7 @@ def row_scale(target, ignore_index, reduction, grad):
     """scale[m] = g * w[m]: w = 1/M_valid ("mean") or 1 ("sum") on valid rows, 0 elsewhere;
     ``grad`` is a 0-d tensor or a per-row tensor (reduction "none")."""
     dt = torch.promote_types(grad.dtype, torch.float32)
-    valid = (target != ignore_index).to(dt)
-    if reduction == "mean":
-        valid = valid / valid.sum().clamp(min=1)
-    return valid * grad.to(dt)
+    return row_weights_ref(target, ignore_index, reduction, dt) * grad.to(dt)
 
 
 def _one_hot_fixup(dz, stat_sum, target, col0, rstd, scale, target_logit):

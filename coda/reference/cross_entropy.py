@@ -38,19 +38,20 @@ def lse_combine_ref(partials: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(partials, dim=-1)
 
 
-def row_weights_ref(target, ignore_index: int = -100, reduction: str = "mean"):
-    valid = target != ignore_index
-    w = valid.to(torch.float64)
-    if reduction == "mean":
-        w = w / valid.sum().clamp(min=1)
-    return w
+def row_weights_ref(target, ignore_index: int = -100, reduction: str = "mean", dtype=torch.float64):
+    """w[m]: 1/M_valid ("mean") or 1 ("sum", "none") on rows whose target is not
+    ``ignore_index``, 0 on the others."""
+    valid = (target != ignore_index).to(dtype)
+    return valid / valid.sum().clamp(min=1) if reduction == "mean" else valid
 
 
 def ce_from_stats_ref(lse, target_logit, target, ignore_index=-100, reduction="mean"):
-    """A3: L = sum_m w[m] (lse[m] - l[m, y_m]); ignored rows contribute 0."""
-    w = row_weights_ref(target, ignore_index, reduction).to(lse.dtype)
+    """A3: per-row loss lse[m] - l[m, y_m] (0 on ignored rows); L = sum_m w[m] * that, or
+    the per-row losses for reduction "none"."""
     per_row = torch.where(target != ignore_index, lse - target_logit, torch.zeros_like(lse))
-    return (w * per_row).sum()
+    if reduction == "none":
+        return per_row
+    return (row_weights_ref(target, ignore_index, reduction, lse.dtype) * per_row).sum()
 
 
 def linear_cross_entropy_ref(a, w_lm, r, target, ignore_index=-100, reduction="mean"):
