@@ -1,18 +1,38 @@
-"""Input checks that turn bad input into a clear error naming the argument and the rule,
-before anything reaches the DSL (where it would be a crash or, worse, a wrong result)."""
+"""Input checks: bad input becomes a clear error naming the argument and the rule, before
+anything reaches the DSL (where it would be a crash or, worse, a wrong result).
+
+One module, used by every public entry point (``coda.ops``, ``coda.nn`` at construction and at
+forward, ``coda.layouts``, HF state-dict loading), with the same rules on the kernel path and
+the reference path. The only rule that depends on tensor *values*, a target's range, is checked
+without a host sync on a GPU: ``torch._assert_async`` (a device-side assertion, the way
+PyTorch's own cross-entropy reports an out-of-range target); on the CPU it is a plain check.
+NaN and Inf in inputs are not errors: they propagate as they do in PyTorch.
+"""
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 
 
-class CodaInputError(ValueError):
-    """An argument breaks one of an op's documented rules."""
+class CodaInputError(ValueError, TypeError):
+    """An argument breaks one of an op's documented rules. It is both a ``ValueError`` and a
+    ``TypeError``, so code that catches torch's own errors for the same mistake still works."""
+
+
+REDUCTIONS = ("mean", "sum", "none")
+TARGET_DTYPES = (torch.int32, torch.int64)
+
+
+# -- tensors ----------------------------------------------------------------------------------------
+def check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise CodaInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
 
 
 def check_matrix(name: str, t, rows=None, cols=None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise CodaInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_tensor(name, t)
     if t.dim() != 2:
         raise CodaInputError(f"{name}: expected a 2-D tensor, got shape {tuple(t.shape)}")
     for axis, want in ((0, rows), (1, cols)):
@@ -23,8 +43,7 @@ def check_matrix(name: str, t, rows=None, cols=None) -> None:
 
 
 def check_vector(name: str, t, length) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise CodaInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_tensor(name, t)
     if t.dim() != 1 or t.shape[0] != length[1]:
         raise CodaInputError(
             f"{name}: expected shape ({length[0]},) = ({length[1]},), got {tuple(t.shape)}"
@@ -34,10 +53,9 @@ def check_vector(name: str, t, length) -> None:
 def check_same_device(named: dict) -> torch.device:
     devices = {n: t.device for n, t in named.items() if t is not None}
     first = next(iter(devices.values()))
-    for n, dv in devices.items():
-        if dv != first:
-            listing = ", ".join(f"{k} on {v}" for k, v in devices.items())
-            raise CodaInputError(f"all tensors must be on one device; got {listing}")
+    if any(dv != first for dv in devices.values()):
+        listing = ", ".join(f"{k} on {v}" for k, v in devices.items())
+        raise CodaInputError(f"all tensors must be on one device; got {listing}")
     return first
 
 
@@ -73,3 +91,110 @@ def check_tma_operand(name: str, t: torch.Tensor, *, either_major: bool = False)
         )
     if t.data_ptr() % 16:
         raise CodaInputError(f"{name}: base address must be 16-byte aligned for the TMA")
+
+
+# -- plain values -----------------------------------------------------------------------------------
+def check_positive_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        raise CodaInputError(f"{name}: must be a positive integer, got {v!r}")
+    return int(v)
+
+
+def check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
+        raise CodaInputError(f"eps: must be a positive number, got {eps!r}")
+    return float(eps)
+
+
+def check_choice(name: str, value, allowed) -> str:
+    if value not in allowed:
+        raise CodaInputError(f"{name}: must be one of {tuple(allowed)}, got {value!r}")
+    return value
+
+
+def check_heads(
+    d: int, n_heads: int, n_kv_heads: int, head_dim=None, *, what: str = "layer"
+) -> int:
+    """Attention geometry of a Llama/GQA layer; returns head_dim (default d // n_heads)."""
+    check_positive_int("d", d)
+    check_positive_int("n_heads", n_heads)
+    check_positive_int("n_kv_heads", n_kv_heads)
+    if n_heads % n_kv_heads:
+        raise CodaInputError(
+            f"n_kv_heads ({n_kv_heads}) must divide n_heads ({n_heads}): each key/value head "
+            f"serves n_heads / n_kv_heads query heads (GQA)"
+        )
+    if head_dim is None:
+        if d % n_heads:
+            raise CodaInputError(
+                f"{what}: d ({d}) is not a multiple of n_heads ({n_heads}); pass head_dim"
+            )
+        head_dim = d // n_heads
+    check_positive_int("head_dim", head_dim)
+    if head_dim % 2:
+        raise CodaInputError(f"head_dim: must be even (RoPE rotates pairs), got {head_dim}")
+    return int(head_dim)
+
+
+# -- modules: activations, targets, state dicts ---------------------------------------------------
+def check_activation(owner: str, x, d: int, like: torch.Tensor, *, ndim=(3,)) -> None:
+    """A module input: a tensor of ``ndim`` dims with last dim d, on the parameters' device
+    and of their dtype."""
+    check_tensor("x", x)
+    if x.dim() not in ndim or x.shape[-1] != d:
+        want = " or ".join("(batch, seq, d)" if n == 3 else "(tokens, d)" for n in ndim)
+        hint = "; add a batch dim: x[None]" if x.dim() == 2 and 2 not in ndim else ""
+        raise CodaInputError(
+            f"{owner}: x must be {want} with d = {d}, got shape {tuple(x.shape)}{hint}"
+        )
+    if x.device != like.device:
+        raise CodaInputError(
+            f"{owner}: x is on {x.device} but the parameters are on {like.device}; "
+            f"move one to the other"
+        )
+    if x.dtype != like.dtype:
+        raise CodaInputError(
+            f"{owner}: x is {x.dtype} but the parameters are {like.dtype}; cast one to the other"
+        )
+
+
+def check_targets(target, shape, vocab: int, ignore_index: int) -> torch.Tensor:
+    """``target`` of ``shape``, int32/int64, each in [0, vocab) or == ignore_index. Returns it
+    flattened. The range is checked on the host for CPU tensors, and by a device-side assertion
+    (no host sync) for GPU tensors: a bad value then fails the next synchronizing call with
+    'coda: target out of range'."""
+    check_tensor("target", target)
+    if target.dtype not in TARGET_DTYPES:
+        raise CodaInputError(f"target: dtype must be int32 or int64, got {target.dtype}")
+    if tuple(target.shape) != tuple(shape):
+        raise CodaInputError(f"target: expected shape {tuple(shape)}, got {tuple(target.shape)}")
+    t = target.reshape(-1)
+    bad = ((t < 0) | (t >= vocab)) & (t != ignore_index)
+    if t.device.type == "cpu":
+        if bool(bad.any()):
+            v = int(t[bad][0])
+            raise CodaInputError(
+                f"target: values must be in [0, {vocab}) or ignore_index ({ignore_index}); "
+                f"got {v}"
+            )
+    else:
+        torch._assert_async(
+            ~bad.any(), f"coda: target out of range [0, {vocab}) and not ignore_index"
+        )
+    return t
+
+
+def check_state_dict(sd: dict, expected: dict) -> None:
+    """Every key of ``expected`` ({key: shape}) is in ``sd`` as a tensor of that shape."""
+    if not isinstance(sd, dict):
+        raise CodaInputError(f"state_dict: expected a dict of tensors, got {type(sd).__name__}")
+    for key, shape in expected.items():
+        if key not in sd:
+            raise CodaInputError(f"state_dict: missing key {key!r}")
+        t = sd[key]
+        if not isinstance(t, torch.Tensor):
+            raise CodaInputError(f"state_dict[{key!r}]: expected a tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(shape):
+            raise CodaInputError(
+                f"state_dict[{key!r}]: expected shape {tuple(shape)}, got {tuple(t.shape)}"
+            )

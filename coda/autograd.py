@@ -32,8 +32,7 @@ from coda.kernels.linear_cross_entropy_chunked import linear_cross_entropy_chunk
 from coda.kernels.rmsnorm_bwd import norm_bwd_kernel, norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad, wgrad_gamma_rows
-from coda.primitives.aux import combine_lse
-from coda.reference.cross_entropy import ce_from_stats_ref
+from coda.primitives.aux import ce_loss_from_stats, combine_lse
 
 
 @dataclass(frozen=True)
@@ -141,12 +140,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             lse, tl, G, S, dw = linear_cross_entropy_chunked(a, w_lm, r, target, weight, rows, cfg)
             dx2, dgf = fused(final_norm_bwd)(G.float(), S, x2, gf, r)
             ctx.save_for_backward(dx2, dgf, dw)
-            return ce_from_stats_ref(lse, tl, target, ignore_index, reduction)
+            return ce_loss_from_stats(lse, tl, target, ignore_index, reduction)
         parts, tl = lm_head_stats_kernel(a, w_lm, r, target, cfg)  # F6
         lse = combine_lse(parts)  # A3
         ctx.save_for_backward(x2, a, r, lse, tl, target, gf, w_lm)
         ctx.cfg = (ignore_index, reduction, chunk, cfg)
-        return ce_from_stats_ref(lse, tl, target, ignore_index, reduction)
+        return ce_loss_from_stats(lse, tl, target, ignore_index, reduction)
 
     @staticmethod
     def backward(ctx, g):

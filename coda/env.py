@@ -11,6 +11,7 @@ kernel path and raises ``UnsupportedDeviceError`` where it cannot run.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -30,24 +31,26 @@ _LAST: dict = {}
 _WARNED: set = set()
 
 
+@functools.lru_cache(maxsize=64)
 def kernel_support(device: torch.device, dtype: torch.dtype | None = None) -> tuple[bool, str]:
     """(True, "") when coda's kernels can run on ``device`` (and ``dtype``, if given), else
-    (False, the reason)."""
-    if dtype is not None and dtype != torch.bfloat16:
-        return False, f"dtype is {dtype}; coda's kernels take torch.bfloat16"
+    (False, the reason). Cached: a device's capability does not change within a process, and
+    querying it costs microseconds on every call."""
     if device.type != "cuda":
         return False, f"tensors are on {device.type}; coda's kernels need an SM90 CUDA GPU"
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         name = torch.cuda.get_device_name(device)
         return False, f"{name} is sm_{major}{minor}; coda's kernels need SM90 (H100/H200)"
+    if dtype is not None and dtype != torch.bfloat16:
+        return False, f"dtype is {dtype}; coda's kernels take torch.bfloat16"
     return True, ""
 
 
 def resolve_backend(op: str, backend: str, device: torch.device, dtype=None) -> str:
     """'kernel' or 'reference' for one call of ``op``; records and reports the choice."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         path, reason = "reference", "backend='reference' was asked for"
     else:

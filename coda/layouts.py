@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from coda import _validate as v
 from coda.reference.rope import adjacent_to_hf_linear, hf_to_adjacent_linear
 from coda.reference.swiglu import interleave_gate_up_linear, split_gate_up_linear
 
@@ -26,7 +27,16 @@ def qkv_weight_from_hf(
     n_kv_heads: int,
 ) -> torch.Tensor:
     """HF q_proj (H hd, d), k_proj and v_proj (Hkv hd, d) -> coda W_qkv (d, (H + 2 Hkv) hd)."""
-    hd = q_proj.shape[0] // n_heads
+    v.check_matrix("q_proj", q_proj)
+    v.check_positive_int("n_heads", n_heads)
+    if q_proj.shape[0] % n_heads:
+        raise v.CodaInputError(
+            f"q_proj: dim 0 ({q_proj.shape[0]}) must be n_heads ({n_heads}) * head_dim"
+        )
+    d, hd = q_proj.shape[1], q_proj.shape[0] // n_heads
+    v.check_heads(d, n_heads, n_kv_heads, hd)
+    for name, t in (("k_proj", k_proj), ("v_proj", v_proj)):
+        v.check_matrix(name, t, rows=("n_kv_heads * head_dim", n_kv_heads * hd), cols=("d", d))
     rows = [
         hf_to_adjacent_linear(q_proj, n_heads, hd),
         hf_to_adjacent_linear(k_proj, n_kv_heads, hd),
@@ -37,6 +47,9 @@ def qkv_weight_from_hf(
 
 def qkv_weight_to_hf(w_qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim: int):
     """Inverse of ``qkv_weight_from_hf``: returns (q_proj, k_proj, v_proj) nn.Linear weights."""
+    v.check_heads(1, n_heads, n_kv_heads, head_dim)
+    n_cols = (n_heads + 2 * n_kv_heads) * head_dim
+    v.check_matrix("w_qkv", w_qkv, cols=("(n_heads + 2 n_kv_heads) head_dim", n_cols))
     lin = w_qkv.t()
     nq, nkv = n_heads * head_dim, n_kv_heads * head_dim
     q = adjacent_to_hf_linear(lin[:nq], n_heads, head_dim)
@@ -46,10 +59,16 @@ def qkv_weight_to_hf(w_qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head
 
 def gate_up_weight_from_hf(gate_proj: torch.Tensor, up_proj: torch.Tensor) -> torch.Tensor:
     """HF gate_proj, up_proj (f, d) -> coda W_il (d, 2f), gate/up interleaved."""
+    v.check_matrix("gate_proj", gate_proj)
+    v.check_matrix("up_proj", up_proj, rows=("gate_proj.shape[0]", gate_proj.shape[0]))
+    v.check_matrix("up_proj", up_proj, cols=("gate_proj.shape[1]", gate_proj.shape[1]))
     return interleave_gate_up_linear(gate_proj, up_proj).t().contiguous()
 
 
 def gate_up_weight_to_hf(w_il: torch.Tensor):
     """Inverse of ``gate_up_weight_from_hf``: returns (gate_proj, up_proj)."""
+    v.check_matrix("w_il", w_il)
+    if w_il.shape[1] % 2:
+        raise v.CodaInputError(f"w_il: dim 1 (2f) must be even, got {w_il.shape[1]}")
     g, u = split_gate_up_linear(w_il.t().contiguous())
     return g.contiguous(), u.contiguous()

@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from coda import _validate as v
 from coda import layouts
 from coda.autograd import DecoderLayerFunction, LayerDims, LinearCrossEntropyFunction
-from coda.env import resolve_backend
+from coda.env import BACKENDS, resolve_backend
 from coda.reference.cross_entropy import cross_entropy_ref
 from coda.reference.layer import LayerShape, decoder_layer_ref
 from coda.reference.rmsnorm import rmsnorm_ref
@@ -29,6 +30,15 @@ from coda.reference.rmsnorm import rmsnorm_ref
 
 def _positions(batch: int, seq: int, device) -> torch.Tensor:
     return torch.arange(seq, device=device).repeat(batch)
+
+
+def _tma_rule(**dims) -> str | None:
+    """The kernel path's GEMMs read and write rows through the TMA: 16-byte rows, so every
+    K and N is a multiple of 8 bf16 elements. Returns the first broken rule, or None."""
+    for name, n in dims.items():
+        if n % 8:
+            return f"{name} = {n} is not a multiple of 8 (the TMA needs 16-byte rows in bf16)"
+    return None
 
 
 class DecoderLayer(nn.Module):
@@ -46,7 +56,20 @@ class DecoderLayer(nn.Module):
         backend: str = "auto",
     ):
         super().__init__()
-        hd = head_dim or d // n_heads
+        hd = v.check_heads(d, n_heads, n_kv_heads, head_dim)
+        v.check_positive_int("ffn", ffn)
+        v.check_eps(eps)
+        if not rope_base > 0:
+            raise v.CodaInputError(f"rope_base: must be positive, got {rope_base!r}")
+        v.check_choice("backend", backend, BACKENDS)
+        self._kernel_rule = _tma_rule(
+            d=d,
+            ffn=ffn,
+            **{
+                "n_heads * head_dim": n_heads * hd,
+                "(n_heads + 2 n_kv_heads) head_dim": (n_heads + 2 * n_kv_heads) * hd,
+            },
+        )
         self.d, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn = (
             d,
             n_heads,
@@ -87,15 +110,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (batch, seq, d) -> (batch, seq, d). Positions restart at 0 in every sequence."""
+        v.check_activation("DecoderLayer", x, self.d, self.w_qkv)
         B, S, d = x.shape
         xf = x.reshape(B * S, d)
         pos = _positions(B, S, x.device)
-        if x.dtype != self.w_qkv.dtype:
-            raise TypeError(
-                f"DecoderLayer: x is {x.dtype} but the parameters are "
-                f"{self.w_qkv.dtype}; cast one to the other"
-            )
         if resolve_backend("DecoderLayer", self.backend, x.device, x.dtype) == "kernel":
+            if self._kernel_rule:
+                raise v.CodaInputError(f"DecoderLayer (kernel path): {self._kernel_rule}")
             dims = LayerDims(
                 B, S, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.rope_base
             )
@@ -145,8 +166,28 @@ class DecoderLayer(nn.Module):
             f"{p}mlp.down_proj.weight": self.w_d.detach().t().contiguous(),
         }
 
+    def hf_shapes(self, prefix: str = "") -> dict:
+        """{HF key: shape} of this layer's weights in a ``LlamaDecoderLayer`` state dict."""
+        d, f = self.d, self.ffn
+        nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        shapes = {
+            "input_layernorm.weight": (d,),
+            "self_attn.q_proj.weight": (nq, d),
+            "self_attn.k_proj.weight": (nkv, d),
+            "self_attn.v_proj.weight": (nkv, d),
+            "self_attn.o_proj.weight": (d, nq),
+            "post_attention_layernorm.weight": (d,),
+            "mlp.gate_proj.weight": (f, d),
+            "mlp.up_proj.weight": (f, d),
+            "mlp.down_proj.weight": (d, f),
+        }
+        return {prefix + k: s for k, s in shapes.items()}
+
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict, prefix: str = "") -> None:
+        """Load HF ``LlamaDecoderLayer`` weights (keys under ``prefix``); a missing key or a
+        wrong shape raises ``CodaInputError`` naming the key."""
+        v.check_state_dict(sd, self.hf_shapes(prefix))
         p = prefix
         self.g1.copy_(sd[f"{p}input_layernorm.weight"])
         self.w_qkv.copy_(
@@ -188,8 +229,16 @@ class LMHeadLoss(nn.Module):
         backend: str = "auto",
     ):
         super().__init__()
-        if method not in ("recompute", "chunked"):
-            raise ValueError(f"method must be 'recompute' or 'chunked', got {method!r}")
+        v.check_positive_int("d", d)
+        v.check_positive_int("vocab", vocab)
+        v.check_positive_int("chunk", chunk)
+        v.check_eps(eps)
+        v.check_choice("method", method, ("recompute", "chunked"))
+        v.check_choice("backend", backend, BACKENDS)
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise v.CodaInputError(f"ignore_index: must be an int, got {ignore_index!r}")
+        self.d, self.vocab = d, vocab
+        self._kernel_rule = _tma_rule(d=d, vocab=vocab)
         self.eps, self.ignore_index, self.chunk, self.backend = eps, ignore_index, chunk, backend
         self.method = method
         self.gf = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
@@ -197,17 +246,21 @@ class LMHeadLoss(nn.Module):
         nn.init.normal_(self.w_lm, std=0.02)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor, reduction: str = "mean"):
-        """x (..., d), target (...) -> the loss (fp32)."""
-        xf, t = x.reshape(-1, x.shape[-1]), target.reshape(-1)
-        if x.dtype != self.w_lm.dtype:
-            raise TypeError(
-                f"LMHeadLoss: x is {x.dtype} but the parameters are "
-                f"{self.w_lm.dtype}; cast one to the other"
-            )
+        """x (batch, seq, d) or (tokens, d), target (batch, seq) or (tokens,) int64/int32 in
+        [0, vocab) or ``ignore_index`` -> the loss (fp32). reduction: "mean" (NaN when every
+        target is ignored, as in PyTorch), "sum" or "none" (per-token losses)."""
+        v.check_activation("LMHeadLoss", x, self.d, self.w_lm, ndim=(2, 3))
+        v.check_choice("reduction", reduction, v.REDUCTIONS)
+        t = v.check_targets(target, x.shape[:-1], self.vocab, self.ignore_index)
+        xf = x.reshape(-1, x.shape[-1])
         if self.method == "chunked" and reduction == "none":
-            raise ValueError("LMHeadLoss(method='chunked') takes reduction 'mean' or 'sum'")
+            raise v.CodaInputError(
+                "reduction: LMHeadLoss(method='chunked') takes 'mean' or 'sum', got 'none'"
+            )
         if resolve_backend("LMHeadLoss", self.backend, x.device, x.dtype) == "kernel":
-            return LinearCrossEntropyFunction.apply(
+            if self._kernel_rule:
+                raise v.CodaInputError(f"LMHeadLoss (kernel path): {self._kernel_rule}")
+            loss = LinearCrossEntropyFunction.apply(
                 xf.contiguous(),
                 self.gf,
                 self.w_lm,
@@ -218,8 +271,10 @@ class LMHeadLoss(nn.Module):
                 self.chunk,
                 self.method,
             )
-        logits = rmsnorm_ref(xf, self.gf, self.eps) @ self.w_lm  # HF: in x's dtype; CE in fp32+
-        return cross_entropy_ref(logits, t, self.ignore_index, reduction)
+        else:
+            logits = rmsnorm_ref(xf, self.gf, self.eps) @ self.w_lm  # HF: x's dtype; CE fp32+
+            loss = cross_entropy_ref(logits, t, self.ignore_index, reduction)
+        return loss.view(target.shape) if reduction == "none" else loss
 
     def hf_state_dict(self) -> dict:
         return {
@@ -229,5 +284,9 @@ class LMHeadLoss(nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict) -> None:
+        """Load HF ``model.norm.weight`` and ``lm_head.weight``; a missing key or a wrong shape
+        raises ``CodaInputError`` naming the key."""
+        shapes = {"model.norm.weight": (self.d,), "lm_head.weight": (self.vocab, self.d)}
+        v.check_state_dict(sd, shapes)
         self.gf.copy_(sd["model.norm.weight"])
         self.w_lm.copy_(sd["lm_head.weight"].t())

@@ -43,9 +43,10 @@ def _start(op: str, backend: str, named: dict) -> str:
         raise NotImplementedError(
             f"coda.{op} is a forward-only op; use coda.nn for training (or torch.no_grad())"
         )
-    path = resolve_backend(op, backend, device)
     not_float = ("rstd", "target", "positions")
     floats = {n: t for n, t in named.items() if t is not None and n not in not_float}
+    dtype = next(iter(floats.values())).dtype
+    path = resolve_backend(op, backend, device, dtype if dtype in REFERENCE_DTYPES else None)
     v.check_float_dtypes(floats, KERNEL_DTYPES if path == "kernel" else REFERENCE_DTYPES)
     return path
 
@@ -198,6 +199,10 @@ def gemm_rope(
     (B, S, n_heads + 2 n_kv_heads, head_dim) splits into q, k, v heads."""
     v.check_matrix("x", x)
     M, K = x.shape
+    for name, val in (("head_dim", head_dim), ("n_heads", n_heads)):
+        v.check_positive_int(name, val)
+    if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or n_kv_heads < 0:
+        raise v.CodaInputError(f"n_kv_heads: must be an integer >= 0, got {n_kv_heads!r}")
     n_cols = (n_heads + 2 * n_kv_heads) * head_dim
     v.check_matrix(
         "w_qkv", w_qkv, rows=("x.shape[1]", K), cols=("(n_heads + 2 n_kv_heads) head_dim", n_cols)
@@ -205,6 +210,8 @@ def gemm_rope(
     if head_dim % 2:
         raise v.CodaInputError(f"head_dim must be even, got {head_dim}")
     v.check_vector("positions", positions, ("x.shape[0]", M))
+    if positions.is_complex() or positions.dtype == torch.bool:
+        raise v.CodaInputError(f"positions: must be integer or float, got {positions.dtype}")
     r = _rstd(rstd, M, x.device)
     named = {"x": x, "w_qkv": w_qkv, "rstd": r, "positions": positions}
     if _start("gemm_rope", backend, named) == "kernel":
@@ -230,16 +237,16 @@ def linear_cross_entropy(
     """Cross-entropy of the logits rstd * (x @ w_lm) against ``target``, logits never stored.
 
     x (M, d), w_lm (d, V), target (M,) int64/int32 in [0, V) or ``ignore_index``; rstd (M,) fp32
-    (the final norm's deferred scale) or None. reduction: "mean" over non-ignored rows, "sum",
-    or "none" (per-row loss, 0 on ignored rows). Returns fp32."""
-    if reduction not in ("mean", "sum", "none"):
-        raise v.CodaInputError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    (the final norm's deferred scale) or None. reduction: "mean" over non-ignored rows (NaN
+    when every row is ignored, as in PyTorch), "sum", or "none" (per-row loss, 0 on ignored
+    rows). Returns fp32. A target out of range raises ``CodaInputError`` on the CPU; on a GPU
+    it fails a device-side assertion (no host sync), as PyTorch's cross-entropy does."""
+    v.check_choice("reduction", reduction, v.REDUCTIONS)
     v.check_matrix("x", x)
     M, d = x.shape
     v.check_matrix("w_lm", w_lm, rows=("x.shape[1]", d))
-    v.check_vector("target", target, ("x.shape[0]", M))
-    if target.dtype not in (torch.int32, torch.int64):
-        raise v.CodaInputError(f"target: dtype must be int32 or int64, got {target.dtype}")
+    v.check_tensor("target", target)
+    target = v.check_targets(target, (M,), w_lm.shape[1], ignore_index)
     r = _rstd(rstd, M, x.device)
     named = {"x": x, "w_lm": w_lm, "rstd": r, "target": target}
     if _start("linear_cross_entropy", backend, named) == "kernel":

@@ -36,10 +36,22 @@ def _quiet_reference_path():
         yield
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |got - ref| / max |ref| (the float64 verifier's metric)."""
+def rel_err(got: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """max |got - ref| / max(max |ref|, floor) (the float64 verifier's metric).
+
+    ``floor`` is an absolute scale of the problem (e.g. the largest of a set of gradients): a
+    quantity that is identically zero for some shapes (a q/k gradient when every sequence has
+    one token) has only round-off left, and comparing round-off to round-off relatively is
+    ill-posed. Without a floor, ``ref`` must not be identically zero."""
     got, ref = got.detach().double(), ref.detach().double()
-    return float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-300))
+    if got.shape != ref.shape:
+        raise AssertionError(f"shape {tuple(got.shape)} != {tuple(ref.shape)}")
+    if got.numel() == 0:
+        return 0.0
+    scale = max(float(ref.abs().max()), floor)
+    if scale == 0.0:
+        raise AssertionError("rel_err: the reference is identically zero; pass a floor")
+    return float((got - ref).abs().max()) / scale
 
 
 def fro_err(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -179,7 +179,7 @@ def test_forward_ops_bad_input():
         coda.gemm_rope(x, w, torch.arange(5), head_dim=2, n_heads=3, n_kv_heads=1)
     with pytest.raises(coda.CodaInputError, match="target: dtype must be int32 or int64"):
         coda.linear_cross_entropy(x, w, torch.zeros(8))
-    with pytest.raises(coda.CodaInputError, match="reduction must be"):
+    with pytest.raises(coda.CodaInputError, match="reduction: must be one of"):
         coda.linear_cross_entropy(x, w, torch.zeros(8, dtype=torch.long), reduction="avg")
     with pytest.raises(coda.CodaInputError, match=r"w2: dim 0 must equal w1.shape\[1\]"):
         coda.gemm_rmsnorm_gemm(x, w, torch.randn(8, 10), torch.ones(10), torch.randn(9, 4))

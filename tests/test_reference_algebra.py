@@ -204,5 +204,11 @@ def test_full_layer_sequence_matches_autograd(seed):  # [I5.9-I5.14, I4.5]
     assert rel_err(loss, loss_ref.detach()) < TOL
     assert rel_err(dx0, x0l.grad) < TOL
     assert set(grads) == set(w)
+    # With seq = 1 every token attends only to itself, so the q and k gradients are exactly
+    # zero and both sides hold only round-off: compare every gradient on the scale of the
+    # largest one (an absolute floor), never round-off to round-off.
+    floor = max(float(wl[name].grad.abs().max()) for name in w)
     for name in w:
-        assert rel_err(grads[name], wl[name].grad) < TOL, name
+        assert rel_err(grads[name], wl[name].grad, floor=floor) < TOL, name
+    if s.seq == 1:
+        assert float(wl["wq"].grad.abs().max()) < 1e-12 * floor

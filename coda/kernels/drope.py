@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from coda.primitives.aux import norm_correction
+from coda.primitives.math import turns_to_angle
+
 
 def rotation_tables(positions, freq_turns_hi, freq_turns_lo, head_dim):
     """cos/sin (M, hd/2) fp32 from the same float-float frequencies the forward epilogue used."""
-    turns = positions.double()[:, None] * (freq_turns_hi.double() + freq_turns_lo.double())
-    theta = 2 * torch.pi * torch.remainder(turns, 1.0)
+    theta = turns_to_angle(positions[:, None], freq_turns_hi, freq_turns_lo)
     return theta.cos().float(), theta.sin().float()
 
 
@@ -33,4 +35,4 @@ def drope_rows(dqkv, qkv, rstd, cos, sin, n_rot_heads: int, head_dim: int, d: in
     r = rstd[:, None, None]
     out[:, :n_rot] = torch.stack([(d1 * c + d2 * s) * r, (d2 * c - d1 * s) * r], -1).view(M, -1)
     out[:, n_rot:] = (dqkv[:, n_rot:].float() * rstd[:, None]).to(dqkv.dtype)
-    return out, S0.mul_(rstd.pow(3)).mul_(-1.0 / d)
+    return out, norm_correction(rstd, S0, d)

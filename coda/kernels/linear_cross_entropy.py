@@ -19,11 +19,8 @@ import torch
 from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, ColSelect, OnlineLSE, epilogue_program
-from coda.primitives.aux import combine_lse
-from coda.reference.cross_entropy import (
-    ce_from_stats_ref,
-    linear_cross_entropy_ref,  # noqa: F401  (the op's reference)
-)
+from coda.primitives.aux import ce_loss_from_stats, combine_lse
+from coda.reference.cross_entropy import linear_cross_entropy_ref  # noqa: F401  (the reference)
 
 
 @epilogue_program(
@@ -55,7 +52,7 @@ def linear_cross_entropy_kernel(
 ):
     parts, tl = lm_head_stats_kernel(a, w_lm, rstd, target, config)
     lse = combine_lse(parts)
-    return ce_from_stats_ref(lse, tl, target, ignore_index, reduction), lse
+    return ce_loss_from_stats(lse, tl, target, ignore_index, reduction), lse
 
 
 def lm_head_stats_interpreted(a, w_lm, rstd, target, config: GemmConfig = DEFAULT):

@@ -23,8 +23,7 @@ import torch
 from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, RowPartials, epilogue_program, exp
-from coda.primitives.aux import combine_row_partials
-from coda.reference.cross_entropy import row_weights_ref
+from coda.primitives.aux import ce_row_weights, combine_row_partials, norm_correction
 
 
 @epilogue_program(
@@ -39,7 +38,7 @@ def row_scale(target, ignore_index, reduction, grad):
     """scale[m] = g * w[m]: w = 1/M_valid ("mean") or 1 ("sum") on valid rows, 0 elsewhere;
     ``grad`` is a 0-d tensor or a per-row tensor (reduction "none")."""
     dt = torch.promote_types(grad.dtype, torch.float32)
-    return row_weights_ref(target, ignore_index, reduction, dt) * grad.to(dt)
+    return ce_row_weights(target, ignore_index, reduction, dt) * grad.to(dt)
 
 
 def _one_hot_fixup(dz, stat_sum, target, col0, rstd, scale, target_logit):
@@ -116,7 +115,7 @@ def linear_cross_entropy_bwd_kernel(
 
 def final_norm_bwd(G, S, h, gamma, rstd):
     """AUX A4 + the B2 epilogue as one elementwise pass: returns (dh bf16, dgamma fp32)."""
-    corr = S.mul(rstd.pow(3)).mul_(-1.0 / h.shape[1])
+    corr = norm_correction(rstd, S, h.shape[1])
     hf = h.to(G.dtype)
     dh = torch.addcmul(G * gamma.to(G.dtype), corr[:, None], hf)
     return dh.to(h.dtype), (G * hf).sum(0)

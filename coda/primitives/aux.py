@@ -28,3 +28,29 @@ def combine_col_partials(partials: torch.Tensor) -> torch.Tensor:
 def combine_lse(partials: torch.Tensor) -> torch.Tensor:
     """LSE partials (M x T_N) -> lse (M,): pairwise (max, sum-exp) combine, as logsumexp."""
     return torch.logsumexp(partials, dim=-1)
+
+
+def norm_correction(rstd: torch.Tensor, stat: torch.Tensor, d: int) -> torch.Tensor:
+    """RMSNorm backward's per-row correction corr = -(rstd^3 / d) * S, from the row statistic
+    S = sum_n dz * u (``stat``, already combined). The one home of this formula on the kernel
+    path (KERNELS.md [I5.6]; the oracle is ``reference.rmsnorm.norm_corr_ref``)."""
+    return stat * rstd.pow(3) * (-1.0 / d)
+
+
+def ce_row_weights(target, ignore_index: int, reduction: str, dtype=torch.float32):
+    """The per-row weight of the loss gradient: 1/M_valid ("mean") or 1 ("sum", "none") on rows
+    whose target is not ``ignore_index``, 0 elsewhere (all zeros when every row is ignored:
+    PyTorch's gradient there is 0)."""
+    valid = (target != ignore_index).to(dtype)
+    return valid / valid.sum().clamp(min=1) if reduction == "mean" else valid
+
+
+def ce_loss_from_stats(lse, target_logit, target, ignore_index: int, reduction: str):
+    """A3: per-row loss lse - l_y (0 on ignored rows), then the reduction. "mean" divides by
+    the number of valid rows, so it is NaN when there are none, as in PyTorch."""
+    valid = target != ignore_index
+    per_row = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
+    if reduction == "none":
+        return per_row
+    total = per_row.sum()
+    return total / valid.sum() if reduction == "mean" else total

@@ -88,6 +88,14 @@ def silu(x):
     return x * sigmoid(x)
 
 
+def turns_to_angle(pos, freq_hi, freq_lo):
+    """theta = 2 pi * frac(pos * (hi + lo)) in float64: the RoPE angle from a float-float
+    frequency in turns, range-reduced exactly. The torch form of the angle the GPU epilogue
+    forms (the interpreter's and dRoPE's one home)."""
+    turns = pos.double() * (freq_hi.double() + freq_lo.double())
+    return 2 * math.pi * torch.remainder(turns, 1.0)
+
+
 def rotation(pos, freq):
     """(sin, cos) of the RoPE angle theta = pos * inv_freq, for one pair.
 
@@ -96,7 +104,6 @@ def rotation(pos, freq):
     reduction is exact (on the GPU, quack's float-float sincos). The interpreter computes the
     same angle in float64."""
     if isinstance(freq, TilePair):
-        turns = pos.double() * (freq.even.double() + freq.odd.double())
-        theta = 2 * math.pi * torch.remainder(turns, 1.0)
+        theta = turns_to_angle(pos, freq.even, freq.odd)
         return theta.sin().to(pos.dtype), theta.cos().to(pos.dtype)
     return _quack.sincos_turns(pos, freq)

@@ -21,7 +21,7 @@ from coda.reference.rmsnorm import ref_dtype
 def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean"):
     """Canonical CE in the logits' reference precision."""
     return torch.nn.functional.cross_entropy(
-        logits.to(ref_dtype(logits)), target, ignore_index=ignore_index, reduction=reduction
+        logits.to(ref_dtype(logits)), target.long(), ignore_index=ignore_index, reduction=reduction
     )
 
 
@@ -51,7 +51,9 @@ def ce_from_stats_ref(lse, target_logit, target, ignore_index=-100, reduction="m
     per_row = torch.where(target != ignore_index, lse - target_logit, torch.zeros_like(lse))
     if reduction == "none":
         return per_row
-    return (row_weights_ref(target, ignore_index, reduction, lse.dtype) * per_row).sum()
+    if reduction == "mean":  # 0/0 = NaN when every row is ignored, as in PyTorch
+        return per_row.sum() / (target != ignore_index).sum()
+    return per_row.sum()
 
 
 def linear_cross_entropy_ref(a, w_lm, r, target, ignore_index=-100, reduction="mean"):
