@@ -25,7 +25,7 @@ REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int32, torch.int64)
 
 
-# -- tensors ----------------------------------------------------------------------------------------
+# -- tensors -----------------------------------------------------------------------------------
 def check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise CodaInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -93,7 +93,7 @@ def check_tma_operand(name: str, t: torch.Tensor, *, either_major: bool = False)
         raise CodaInputError(f"{name}: base address must be 16-byte aligned for the TMA")
 
 
-# -- plain values -----------------------------------------------------------------------------------
+# -- plain values ------------------------------------------------------------------------------
 def check_positive_int(name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
         raise CodaInputError(f"{name}: must be a positive integer, got {v!r}")
@@ -136,7 +136,7 @@ def check_heads(
     return int(head_dim)
 
 
-# -- modules: activations, targets, state dicts ---------------------------------------------------
+# -- modules: activations, targets, state dicts ------------------------------------------------
 def check_activation(owner: str, x, d: int, like: torch.Tensor, *, ndim=(3,)) -> None:
     """A module input: a tensor of ``ndim`` dims with last dim d, on the parameters' device
     and of their dtype."""
@@ -174,8 +174,7 @@ def check_targets(target, shape, vocab: int, ignore_index: int) -> torch.Tensor:
         if bool(bad.any()):
             v = int(t[bad][0])
             raise CodaInputError(
-                f"target: values must be in [0, {vocab}) or ignore_index ({ignore_index}); "
-                f"got {v}"
+                f"target: values must be in [0, {vocab}) or ignore_index ({ignore_index}); got {v}"
             )
     else:
         torch._assert_async(
