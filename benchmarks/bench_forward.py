@@ -16,6 +16,7 @@ from coda.kernels import gemm_rope as rp
 from coda.kernels import gemm_swiglu as sw
 from coda.kernels import linear_cross_entropy as lce
 from coda.kernels.tuned import config_for
+from coda.reference.rope import apply_rope_hf, hf_cos_sin
 
 M = 16384
 HIDDEN = (2048, 4096, 8192)
@@ -97,17 +98,12 @@ def _torch_rmsnorm_gemm(x, w1, res, gamma, w2, eps=1e-5):
     return h, torch.nn.functional.rms_norm(h, (h.shape[-1],), gamma, eps) @ w2
 
 
-def _rotate_half(t):
-    h = t.shape[-1] // 2
-    return torch.cat([-t[..., h:], t[..., :h]], dim=-1)
-
-
 def _torch_qkv_rope(a, r, w_qkv, cos, sin, H, Hkv, hd=128):
     """HF: normalize, project, rotate_half RoPE on (B, heads, S, hd) views."""
     y = (a.float() * r[:, None]).to(a.dtype)
     qkv = (y @ w_qkv).view(-1, 4096, H + 2 * Hkv, hd).transpose(1, 2)
     q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+    return apply_rope_hf(q, cos, sin), apply_rope_hf(k, cos, sin), v
 
 
 def _torch_lm_ce(a, r, w_lm, target):
@@ -176,10 +172,8 @@ def block_rows() -> list[dict]:
         nqkv = (H + 2 * Hkv) * 128
         w_qkv = _rand(d, nqkv, scale=d**-0.5)
         pos = torch.arange(M, device="cuda") % 4096
-        inv = 10000.0 ** (-torch.arange(0, 128, 2, device="cuda").float() / 128)
-        ang = torch.arange(4096, device="cuda").float()[:, None] * inv
-        cos = torch.cat([ang.cos(), ang.cos()], -1).bfloat16()[None, None]
-        sin = torch.cat([ang.sin(), ang.sin()], -1).bfloat16()[None, None]
+        cos, sin = hf_cos_sin(torch.arange(4096, device="cuda"), 128, dtype=torch.bfloat16)
+        cos, sin = cos[None, None], sin[None, None]
 
         def liger_rope():
             y = (a.float() * r[:, None]).to(a.dtype)

@@ -18,6 +18,7 @@ from coda.kernels import gemm_residual_rms as grr
 from coda.kernels import gemm_rope as rp
 from coda.kernels import gemm_swiglu as sw
 from coda.kernels.tuned import config_for
+from coda.reference.rope import apply_rope_hf, hf_cos_sin
 
 B, S, HD = 4, 4096, 128
 M = B * S
@@ -34,18 +35,13 @@ def split_heads(qkv, H, Hkv):
     return t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :]
 
 
-def _rotate_half(t):
-    h = t.shape[-1] // 2
-    return torch.cat([-t[..., h:], t[..., :h]], dim=-1)
-
-
 def torch_layer(x0, w, cos, sin, H, Hkv, norm=None, rope=None, act=None):
     """HF Llama layer forward in eager ops; ``norm``/``rope``/``act`` swap in Liger's."""
     norm = norm or (lambda h, g: F.rms_norm(h, (h.shape[-1],), g, 1e-5))
     y1 = norm(x0, w["g1"])
     q, k, v = split_heads(y1 @ w["wqkv"], H, Hkv)
     if rope is None:
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = apply_rope_hf(q, cos, sin), apply_rope_hf(k, cos, sin)
     else:
         q, k = rope(q, k)
     x1 = x0 + attention(q, k, v) @ w["wo"]
@@ -92,10 +88,7 @@ def run() -> list[dict]:
         r0 = torch.rsqrt(x0.float().pow(2).mean(-1) + 1e-5)
         pos = (torch.arange(M, device="cuda") % S).float()
         freq = rp.rope_freq_table(HD, H + Hkv, Hkv, device="cuda")
-        inv = 10000.0 ** (-torch.arange(0, HD, 2, device="cuda").float() / HD)
-        ang = torch.arange(S, device="cuda").float()[:, None] * inv
-        cos = torch.cat([ang.cos(), ang.cos()], -1).bfloat16()
-        sin = torch.cat([ang.sin(), ang.sin()], -1).bfloat16()
+        cos, sin = hf_cos_sin(torch.arange(S, device="cuda"), HD, dtype=torch.bfloat16)
         q, k, v = split_heads(torch.randn(M, nqkv, device="cuda", dtype=torch.bfloat16), H, Hkv)
         y = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
         o = torch.randn(M, H * HD, device="cuda", dtype=torch.bfloat16)

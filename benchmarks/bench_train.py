@@ -16,7 +16,8 @@ import torch.nn.functional as F
 import coda.nn as cnn
 from benchmarks._common import bench, row
 from benchmarks.bench_forward import ffn, heads
-from benchmarks.bench_layer import HD, S, _rotate_half, attention, split_heads
+from benchmarks.bench_layer import HD, S, attention, split_heads
+from coda.reference.rope import apply_rope_hf, hf_cos_sin
 
 B = 4
 M = B * S
@@ -35,7 +36,7 @@ def _hf_layer(x, p, cos, sin, H, Hkv, liger=None):
     if liger:
         q, k = liger.liger_rope(q, k, cos[None], sin[None])
     else:
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = apply_rope_hf(q, cos, sin), apply_rope_hf(k, cos, sin)
     x1 = x + attention(q, k, v) @ p["wo"].t()
     y2 = norm(x1, p["g2"])
     g, u = y2 @ p["wg"].t(), y2 @ p["wu"].t()
@@ -89,10 +90,7 @@ def layer_rows(liger) -> list[dict]:
                 "wd": sd["mlp.down_proj.weight"],
             }.items()
         }
-        inv = 10000.0 ** (-torch.arange(0, HD, 2, device="cuda").float() / HD)
-        ang = torch.arange(S, device="cuda").float()[:, None] * inv
-        cos = torch.cat([ang.cos(), ang.cos()], -1).bfloat16()
-        sin = torch.cat([ang.sin(), ang.sin()], -1).bfloat16()
+        cos, sin = hf_cos_sin(torch.arange(S, device="cuda"), HD, dtype=torch.bfloat16)
         xm = x.detach().view(M, d)
         nqkv = (H + 2 * Hkv) * HD
         # floor: 12 GEMMs (forward, dgrad, wgrad of four linears) + attention fwd+bwd

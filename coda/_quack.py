@@ -18,6 +18,12 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
+
+# quack 0.6.5 calls cutlass-dsl 4.8.1 APIs that 4.8 deprecates (LayoutEnum, SmemAllocator, ...):
+# dozens of DeprecationWarnings a user can do nothing about. They are silenced for those two
+# packages only; coda's own warnings and everyone else's are untouched.
+THIRD_PARTY_DEPRECATIONS = r"(quack|cutlass)(\..*)?$"
 
 QUACK_VERSION = "0.6.5"
 CUTLASS_DSL_VERSION = "4.8.1"
@@ -25,15 +31,18 @@ CUTLASS_DSL_VERSION = "4.8.1"
 
 @functools.lru_cache(maxsize=1)
 def _modules():
-    import quack
-    import quack.activation as activation
-    import quack.cache as cache
-    import quack.epilogue.library as library
-    import quack.epilogue.math as math
-    import quack.epilogue.ops as ops
-    import quack.epilogue.rotary as rotary
-    import quack.gemm_runtime.host as host
-    from quack.epilogue.frontend import gemm_epilogue
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=THIRD_PARTY_DEPRECATIONS)
+    with warnings.catch_warnings():  # import time: torch.jit deprecations raised by cutlass too
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import quack
+        import quack.activation as activation
+        import quack.cache as cache
+        import quack.epilogue.library as library
+        import quack.epilogue.math as math
+        import quack.epilogue.ops as ops
+        import quack.epilogue.rotary as rotary
+        import quack.gemm_runtime.host as host
+        from quack.epilogue.frontend import gemm_epilogue
 
     # Edits to coda's epilogue programs must invalidate quack's on-disk .o cache.
     coda_dir = os.path.dirname(os.path.abspath(__file__))

@@ -290,3 +290,66 @@ class LMHeadLoss(nn.Module):
         v.check_state_dict(sd, shapes)
         self.gf.copy_(sd["model.norm.weight"])
         self.w_lm.copy_(sd["lm_head.weight"].t())
+
+
+class CausalLM(nn.Module):
+    """A Llama-style causal LM built from coda's modules: token embedding, ``n_layers``
+    ``DecoderLayer``s, and ``LMHeadLoss`` (final norm + LM head + cross-entropy, logits never
+    stored on the kernel path). ``forward(tokens, targets)`` returns the loss.
+
+    ``hf_state_dict`` / ``load_hf_state_dict`` use ``LlamaForCausalLM``'s key names (untied
+    embedding and LM head), exactly."""
+
+    def __init__(
+        self,
+        vocab: int,
+        d: int,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        ffn: int,
+        head_dim: int = None,
+        eps: float = 1e-5,
+        rope_base: float = 10000.0,
+        method: str = "recompute",
+        device=None,
+        dtype=torch.bfloat16,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        v.check_positive_int("n_layers", n_layers)
+        kw = {"device": device, "dtype": dtype, "backend": backend}
+        self.embed = nn.Embedding(vocab, d, device=device, dtype=dtype)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.layers = nn.ModuleList(
+            DecoderLayer(d, n_heads, n_kv_heads, ffn, head_dim, eps, rope_base, **kw)
+            for _ in range(n_layers)
+        )
+        self.head = LMHeadLoss(d, vocab, eps, method=method, **kw)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
+        """tokens, targets (batch, seq) -> the loss (fp32)."""
+        v.check_tensor("tokens", tokens)
+        if tokens.dim() != 2 or tokens.is_floating_point():
+            raise v.CodaInputError(
+                f"tokens: must be an integer (batch, seq) tensor, got {tokens.dtype} "
+                f"{tuple(tokens.shape)}"
+            )
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x, targets, reduction)
+
+    def hf_state_dict(self) -> dict:
+        sd = {"model.embed_tokens.weight": self.embed.weight.detach().clone()}
+        for i, layer in enumerate(self.layers):
+            sd.update(layer.hf_state_dict(f"model.layers.{i}."))
+        return {**sd, **self.head.hf_state_dict()}
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: dict) -> None:
+        v.check_state_dict(sd, {"model.embed_tokens.weight": tuple(self.embed.weight.shape)})
+        self.embed.weight.copy_(sd["model.embed_tokens.weight"])
+        for i, layer in enumerate(self.layers):
+            layer.load_hf_state_dict(sd, f"model.layers.{i}.")
+        self.head.load_hf_state_dict(sd)

@@ -18,6 +18,8 @@ RANK = {
     "nn": 3,
 }
 LEAVES = {"env", "_validate", "_quack", "__init__"}
+# What each leaf may import from coda (``__init__`` is the package face: it re-exports).
+LEAF_IMPORTS = {"env": {"_quack"}, "_validate": set(), "_quack": set()}
 
 
 def layer_of(path: str) -> str:
@@ -28,7 +30,9 @@ def layer_of(path: str) -> str:
 def coda_imports(path: str):
     tree = ast.parse(open(path).read())
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
+        if isinstance(node, ast.ImportFrom) and node.module == "coda":
+            yield from (f"coda.{a.name}" for a in node.names)  # from coda import _validate
+        elif isinstance(node, ast.ImportFrom) and node.module:
             yield node.module
         elif isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
@@ -56,6 +60,19 @@ def test_imports_only_go_down():
                 and parts[1] != src
                 and src in ("reference", "primitives")
             ):
+                bad.append(f"{os.path.relpath(path, ROOT)} imports {mod}")
+    assert not bad, bad
+
+
+def test_leaves_import_only_leaves():
+    bad = []
+    for path in modules():
+        src = layer_of(path)
+        if src not in LEAF_IMPORTS:
+            continue
+        for mod in coda_imports(path):
+            parts = mod.split(".")
+            if parts[0] == "coda" and (len(parts) < 2 or parts[1] not in LEAF_IMPORTS[src]):
                 bad.append(f"{os.path.relpath(path, ROOT)} imports {mod}")
     assert not bad, bad
 

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, launch
+from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
-from coda.kernels.gemm_residual_rms import gemm_residual_rms_kernel
+from coda.kernels.gemm_residual_rms import (
+    gemm_residual_rms_interpreted,
+    gemm_residual_rms_kernel,
+)
 from coda.primitives import ColLoad, epilogue_program
 
 
@@ -45,6 +48,18 @@ def gemm_rmsnorm_gemm_kernel(
     """Returns (h, z, r)."""
     h, a, r = gemm_residual_rms_kernel(x, w1, residual, gamma, eps, config1)
     return h, gemm_scale_rows_kernel(a, w2, r, config2), r
+
+
+def gemm_rmsnorm_gemm_interpreted(
+    x, w1, residual, gamma, w2, eps=1e-5, config1=DEFAULT, config2=DEFAULT
+):
+    """The same two programs and AUX through the tile interpreter (the CPU twin of
+    ``gemm_rmsnorm_gemm_kernel``): fp32 accumulators, outputs rounded to x's dtype where the
+    kernel rounds them (h and a as stored tiles, z as GEMM2's D). Returns (h, z, r)."""
+    h, a, r, _ = gemm_residual_rms_interpreted(x, w1, residual, gamma, eps, config1)
+    h, a = h.to(x.dtype), a.to(x.dtype)
+    z = interpret_gemm(scale_rows, a, w2, config=config2, operands={"scale": r}, out_dtype=x.dtype)
+    return h, z["D"], r
 
 
 def compile_gemm_scale_rows(k, n, *, w_major="n", config=DEFAULT, m=256) -> int:

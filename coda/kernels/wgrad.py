@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.gemm_rmsnorm_gemm import gemm_scale_rows_kernel
 
@@ -29,5 +28,7 @@ def wgrad_gamma_rows(h, dz, gamma, config: GemmConfig = DEFAULT, dry=False):
 
 
 def compile_wgrad_gamma_rows(d, n, *, config=DEFAULT, m=256) -> int:
-    h, dz = example_operands(m, d, n)
+    """dW (d, n) = gamma * (h^T @ dz): h (m, d) and dz (m, n), both row-major activations."""
+    h = torch.empty(m, d, dtype=torch.bfloat16)
+    dz = torch.empty(m, n, dtype=torch.bfloat16)
     return wgrad_gamma_rows(h, dz, torch.empty(d, dtype=torch.bfloat16), config, dry=True)

@@ -43,6 +43,26 @@ def rope_hf_ref(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF's rotate_half: (x1, x2) -> (-x2, x1) on the two halves of the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def hf_cos_sin(positions: torch.Tensor, hd: int, base: float = 10000.0, dtype=torch.float32):
+    """HF Llama's RoPE tables as its model code builds them: fp32 angles positions * inv_freq,
+    each repeated for the two halves, cos and sin cast to ``dtype``. (M, hd) each."""
+    inv = 1.0 / base ** (torch.arange(0, hd, 2, device=positions.device).float() / hd)
+    ang = positions.float()[:, None] * inv
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope_hf(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb for one tensor: x * cos + rotate_half(x) * sin (broadcast)."""
+    return x * cos + rotate_half(x) * sin
+
+
 def rope_adjacent_ref(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
     """Adjacent-pair RoPE on (M, heads, hd) with the interleaved table cs (M, hd)."""
     c, s = cs[:, None, 0::2].to(x.dtype), cs[:, None, 1::2].to(x.dtype)

@@ -1,0 +1,102 @@
+"""A Llama-style causal LM in plain PyTorch with Hugging Face conventions: the peer every demo
+and benchmark compares coda against (eager, ``torch.compile``, or with Liger's ops swapped in).
+
+Weights come from an HF-layout state dict (``nn.Linear`` weights (out, in); keys as
+``LlamaForCausalLM`` names them: ``model.embed_tokens.weight``, ``model.layers.{i}.*``,
+``model.norm.weight``, ``lm_head.weight``), so a coda model's ``hf_state_dict()`` builds the
+same function exactly. RMSNorm is ``F.rms_norm``, RoPE HF's rotate_half, attention SDPA
+(causal, GQA), the loss ``F.cross_entropy`` on fp32 logits, as HF computes them.
+
+``ops`` swaps in other implementations by name (Liger's, in the benchmarks): ``rms_norm(h,
+gamma, eps)``, ``rope(q, k, cos, sin)`` on (B, H, S, hd), ``swiglu(gate, up)``, and
+``linear_ce(y, w_lm, target)`` (fused LM head + loss on the normed (tokens, d) activations).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from coda.reference.rope import apply_rope_hf, hf_cos_sin
+
+LAYER_KEYS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+class TorchLlama(nn.Module):
+    def __init__(
+        self,
+        hf_state_dict: dict,
+        *,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        eps: float = 1e-5,
+        rope_base: float = 10000.0,
+        ops: dict | None = None,
+    ):
+        super().__init__()
+        sd = hf_state_dict
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.eps, self.rope_base, self.ops = eps, rope_base, dict(ops or {})
+        self.embed = nn.Parameter(sd["model.embed_tokens.weight"].detach().clone())
+        self.layers = nn.ModuleList()
+        for i in range(n_layers):
+            p = nn.ParameterDict()
+            for k in LAYER_KEYS:
+                p[k.replace(".", "_")] = nn.Parameter(sd[f"model.layers.{i}.{k}"].detach().clone())
+            self.layers.append(p)
+        self.norm = nn.Parameter(sd["model.norm.weight"].detach().clone())
+        self.lm_head = nn.Parameter(sd["lm_head.weight"].detach().clone())
+
+    def _norm(self, h, gamma):
+        if "rms_norm" in self.ops:
+            return self.ops["rms_norm"](h, gamma, self.eps)
+        return F.rms_norm(h, (h.shape[-1],), gamma, self.eps)
+
+    def layer(self, x, p, cos, sin):
+        B, S, _ = x.shape
+        H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        y = self._norm(x, p["input_layernorm_weight"])
+        q = F.linear(y, p["self_attn_q_proj_weight"]).view(B, S, H, hd).transpose(1, 2)
+        k = F.linear(y, p["self_attn_k_proj_weight"]).view(B, S, Hkv, hd).transpose(1, 2)
+        v = F.linear(y, p["self_attn_v_proj_weight"]).view(B, S, Hkv, hd).transpose(1, 2)
+        if "rope" in self.ops:
+            q, k = self.ops["rope"](q, k, cos[None, None], sin[None, None])
+        else:
+            q, k = apply_rope_hf(q, cos, sin), apply_rope_hf(k, cos, sin)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + F.linear(o.transpose(1, 2).reshape(B, S, H * hd), p["self_attn_o_proj_weight"])
+        y = self._norm(x, p["post_attention_layernorm_weight"])
+        gate, up = F.linear(y, p["mlp_gate_proj_weight"]), F.linear(y, p["mlp_up_proj_weight"])
+        s = self.ops["swiglu"](gate, up) if "swiglu" in self.ops else F.silu(gate) * up
+        return x + F.linear(s, p["mlp_down_proj_weight"])
+
+    def hidden(self, tokens):
+        """The final hidden states, before the final norm: (B, S, d)."""
+        x = F.embedding(tokens, self.embed)
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = hf_cos_sin(pos, self.head_dim, self.rope_base, x.dtype)
+        for p in self.layers:
+            x = self.layer(x, p, cos, sin)
+        return x
+
+    def forward(self, tokens, targets, ignore_index: int = -100):
+        """Mean cross-entropy of next-token ``targets`` (B, S) given ``tokens`` (B, S)."""
+        y = self._norm(self.hidden(tokens), self.norm).flatten(0, 1)
+        t = targets.reshape(-1)
+        if "linear_ce" in self.ops:
+            return self.ops["linear_ce"](y, self.lm_head, t)
+        logits = F.linear(y, self.lm_head)
+        return F.cross_entropy(logits.float(), t, ignore_index=ignore_index)
