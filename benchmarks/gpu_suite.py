@@ -39,8 +39,17 @@ def run_tests(out_dir: str) -> dict:
         "-p",
         "no:cacheprovider",
     ]
+    reports = {
+        "fuzz": os.path.join(out_dir, "fuzz.json"),
+        "determinism": os.path.join(out_dir, "determinism.json"),
+    }
+    env = {
+        **os.environ,
+        "CODA_FUZZ_REPORT": reports["fuzz"],
+        "CODA_DETERMINISM_REPORT": reports["determinism"],
+    }
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     with open(log, "w") as f:
         f.write(proc.stdout + proc.stderr)
     import xml.etree.ElementTree as ET
@@ -70,6 +79,7 @@ def run_tests(out_dir: str) -> dict:
         "failures": failures,
         "summary": tail[0],
         "seconds": seconds,
+        **{k: json.load(open(p)) if os.path.exists(p) else None for k, p in reports.items()},
     }
 
 

@@ -61,12 +61,21 @@ def _kernel_layout(activations: dict, weights: dict, vectors: dict) -> None:
             raise v.CodaInputError(f"{name}: must be contiguous")
 
 
-def _rstd(rstd, M, device, name="rstd"):
+def stat_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of per-row statistics (rstd, the loss): fp32, or float64 for float64 inputs
+    (the reference path's proofs)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _rstd(rstd, x, name="rstd"):
+    M, want = x.shape[0], stat_dtype(x)
     if rstd is None:
-        return torch.ones(M, dtype=torch.float32, device=device)
+        return torch.ones(M, dtype=want, device=x.device)
     v.check_vector(name, rstd, ("x.shape[0]", M))
-    if rstd.dtype != torch.float32:
-        raise v.CodaInputError(f"{name}: dtype must be torch.float32, got {rstd.dtype}")
+    if rstd.dtype != want:
+        raise v.CodaInputError(
+            f"{name}: dtype must be {want} for {x.dtype} inputs, got {rstd.dtype}"
+        )
     return rstd
 
 
@@ -103,7 +112,7 @@ def gemm_residual_rms(
         _kernel_layout({"x": x, "residual": residual}, {"w": w}, {"gamma": gamma})
         return ResidualRMS(*gemm_residual_rms_kernel(x, w, residual, gamma, eps, config))
     h, a, r = gemm_residual_rms_ref(x, w, residual, gamma, eps)
-    return ResidualRMS(h.to(x.dtype), None if a is None else a.to(x.dtype), r.float())
+    return ResidualRMS(h.to(x.dtype), None if a is None else a.to(x.dtype), r.to(stat_dtype(x)))
 
 
 class RMSNormGemm(NamedTuple):
@@ -142,7 +151,7 @@ def gemm_rmsnorm_gemm(
             *gemm_rmsnorm_gemm_kernel(x, w1, residual, gamma, w2, eps, config1, config2)
         )
     h, z, r = gemm_rmsnorm_gemm_ref(x, w1, residual, gamma, w2, eps)
-    return RMSNormGemm(h.to(x.dtype), z.to(x.dtype), r.float())
+    return RMSNormGemm(h.to(x.dtype), z.to(x.dtype), r.to(stat_dtype(x)))
 
 
 class SwiGLU(NamedTuple):
@@ -168,7 +177,7 @@ def gemm_swiglu(
     v.check_matrix("w_il", w_il, rows=("x.shape[1]", K))
     if w_il.shape[1] % 2:
         raise v.CodaInputError(f"w_il: dim 1 (2f) must be even, got {w_il.shape[1]}")
-    r = _rstd(rstd, M, x.device)
+    r = _rstd(rstd, x)
     if _start("gemm_swiglu", backend, {"x": x, "w_il": w_il, "rstd": r}) == "kernel":
         _kernel_layout({"x": x}, {"w_il": w_il}, {"rstd": r})
         if config.tile_n % 32:
@@ -212,7 +221,7 @@ def gemm_rope(
     v.check_vector("positions", positions, ("x.shape[0]", M))
     if positions.is_complex() or positions.dtype == torch.bool:
         raise v.CodaInputError(f"positions: must be integer or float, got {positions.dtype}")
-    r = _rstd(rstd, M, x.device)
+    r = _rstd(rstd, x)
     named = {"x": x, "w_qkv": w_qkv, "rstd": r, "positions": positions}
     if _start("gemm_rope", backend, named) == "kernel":
         _kernel_layout({"x": x}, {"w_qkv": w_qkv}, {"rstd": r, "positions": positions})
@@ -247,9 +256,9 @@ def linear_cross_entropy(
     v.check_matrix("w_lm", w_lm, rows=("x.shape[1]", d))
     v.check_tensor("target", target)
     target = v.check_targets(target, (M,), w_lm.shape[1], ignore_index)
-    r = _rstd(rstd, M, x.device)
+    r = _rstd(rstd, x)
     named = {"x": x, "w_lm": w_lm, "rstd": r, "target": target}
     if _start("linear_cross_entropy", backend, named) == "kernel":
         _kernel_layout({"x": x}, {"w_lm": w_lm}, {"rstd": r, "target": target})
         return linear_cross_entropy_kernel(x, w_lm, r, target, ignore_index, reduction, config)[0]
-    return linear_cross_entropy_ref(x, w_lm, r, target, ignore_index, reduction).float()
+    return linear_cross_entropy_ref(x, w_lm, r, target, ignore_index, reduction).to(stat_dtype(x))

@@ -169,7 +169,9 @@ def test_forward_ops_bad_input():
         coda.gemm_swiglu(x, w[:, :9])
     with pytest.raises(coda.CodaInputError, match="rstd: expected shape"):
         coda.gemm_swiglu(x, w, torch.ones(7))
-    with pytest.raises(coda.CodaInputError, match="rstd: dtype must be torch.float32"):
+    with pytest.raises(
+        coda.CodaInputError, match="rstd: dtype must be torch.float32 for torch.float32 inputs"
+    ):
         coda.gemm_swiglu(x, w, torch.ones(8, dtype=torch.float64))
     with pytest.raises(coda.CodaInputError, match=r"w_qkv: dim 1 must equal \(n_heads"):
         coda.gemm_rope(x, w, torch.arange(8), head_dim=2, n_heads=2, n_kv_heads=2)
