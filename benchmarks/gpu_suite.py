@@ -113,11 +113,12 @@ def main():
         bench_gemm_residual_rms,
         bench_layer,
         bench_numerics,
+        bench_step,
         bench_train,
         tune_configs,
     )
 
-    suites = [("numerics", bench_numerics)]
+    suites = [("main_demo", Demo(["demos/main.py"])), ("numerics", bench_numerics)]
     if args.tune:
         suites.append(("tuning", tune_configs))
     suites += [
@@ -126,7 +127,9 @@ def main():
         ("layer_forward", bench_layer),
         ("train", bench_train),
         ("lm_head_train", bench_train.LMHeadOnly),
-        ("train_demo", TrainDemo(args.out)),
+        ("step", bench_step),
+        ("model", ModelOnly),
+        ("train_demo", Demo(["demos/train.py", "--png", os.path.join(args.out, "train_loss.png")])),
     ]
     if args.only:
         suites = [(n, m) for n, m in suites if n in args.only.split(",")]
@@ -148,22 +151,33 @@ def main():
     print_table(record)
 
 
-class TrainDemo:
-    """demos/train.py as a suite entry: its printed summary becomes the record's rows."""
+class ModelOnly:
+    """The whole-model rows of ``bench_step`` alone, as a suite entry."""
 
-    def __init__(self, out_dir):
-        self.png = os.path.join(out_dir, "train_loss.png")
+    @staticmethod
+    def run():
+        from benchmarks import bench_step
+
+        return bench_step.run(parts=("model",))
+
+
+class Demo:
+    """A demo as a suite entry, run as a user runs it: its output becomes the record's rows."""
+
+    def __init__(self, argv):
+        self.argv = argv
 
     def run(self):
-        cmd = [sys.executable, "demos/train.py", "--png", self.png]
+        cmd = [sys.executable, *self.argv]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
         return [
             {
-                "name": "train_demo",
-                "command": shlex.join(cmd),
+                "name": os.path.basename(self.argv[0]),
+                "command": shlex.join(["python", *self.argv]),
                 "returncode": proc.returncode,
-                "stdout": lines[-8:],
+                "stdout": lines[-20:],
+                "stderr_lines": len(proc.stderr.splitlines()),
                 "stderr_tail": proc.stderr.splitlines()[-5:],
             }
         ]
@@ -196,6 +210,16 @@ def print_table(record):
         "raw_ms",
         "kernel_ms",
         "cublas_ms",
+        "us_per_call",
+        "ratio_vs_quack_raw",
+        "speedup",
+        "tokens_per_s",
+        "mfu",
+        "peak_gib",
+        "speedup_vs_torch_compile",
+        "extra_peak_gib",
+        "activation_gib",
+        "returncode",
         "error",
     )
     for name, rows in record["benchmarks"].items():

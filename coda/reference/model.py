@@ -73,7 +73,7 @@ class TorchLlama(nn.Module):
         k = F.linear(y, p["self_attn_k_proj_weight"]).view(B, S, Hkv, hd).transpose(1, 2)
         v = F.linear(y, p["self_attn_v_proj_weight"]).view(B, S, Hkv, hd).transpose(1, 2)
         if "rope" in self.ops:
-            q, k = self.ops["rope"](q, k, cos[None, None], sin[None, None])
+            q, k = self.ops["rope"](q, k, cos[None], sin[None])
         else:
             q, k = apply_rope_hf(q, cos, sin), apply_rope_hf(k, cos, sin)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

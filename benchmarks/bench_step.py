@@ -1,0 +1,321 @@
+"""The training step as a user runs it: host cost per call, CUDA-graph replay, whole models.
+
+- ``host``: microseconds per call at tiny shapes (M = 256, the GPU idle between calls), so the
+  time is the host's: torch.mm, quack's raw GEMM call (the target: a coda call at most 1.5x
+  it), every public op, and the modules' forward and forward+backward.
+- ``graph``: ``DecoderLayer`` and ``LMHeadLoss`` forward+backward captured once with
+  ``torch.cuda.graph`` and replayed, against the eager step (same run), d=1024 and d=2048.
+- ``model``: a whole causal LM, embedding + layers + final norm + LM head + loss, one training
+  step (forward+backward, and with the AdamW update), tokens/s, MFU (6 N T + attention
+  FLOPs over the H200's dense bf16 peak, 989 TFLOP/s) and peak memory: coda (``coda.nn.CausalLM``)
+  against the same model in plain PyTorch (``coda.reference.model.TorchLlama``) eager, under
+  ``torch.compile``, and with Liger's ops, all in one run. Shapes: Llama-3.2-1B (16 layers,
+  d=2048, 32/8 heads of 64, ffn 8192, V=128256, untied) at 4 x 4096 tokens, and the training
+  demo's d=1024 model.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import coda
+import coda.nn as cnn
+from benchmarks._common import bench, row
+from coda import _quack
+from coda.kernels.config import DEFAULT
+from coda.reference.model import TorchLlama
+
+BF = torch.bfloat16
+PEAK_TFLOPS = 989.0
+
+
+def _per_call_us(fn, n=300) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def host_rows() -> list[dict]:
+    M, d, f, V = 256, 256, 512, 1024
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def r(*s, scale=1.0):
+        return torch.randn(*s, device="cuda", dtype=BF, generator=g) * scale
+
+    x, w, res, gamma = r(M, d), r(d, d, scale=d**-0.5), r(M, d), 1 + r(d, scale=0.1)
+    w_il, w2, w_lm = r(d, 2 * f, scale=d**-0.5), r(d, 2 * f, scale=d**-0.5), r(d, V)
+    H, Hkv, hd = 4, 2, 64
+    w_qkv = r(d, (H + 2 * Hkv) * hd, scale=d**-0.5)
+    pos = torch.arange(M, device="cuda")
+    rstd = torch.rand(M, device="cuda") + 0.5
+    t = torch.randint(0, V, (M,), device="cuda")
+    raw, d_raw = _quack.identity_mod(), torch.empty(M, d, device="cuda", dtype=BF)
+    layer = cnn.DecoderLayer(d, H, Hkv, f, device="cuda")
+    head = cnn.LMHeadLoss(d, V, device="cuda")
+    xl = r(1, M, d).requires_grad_(True)
+
+    def layer_step():
+        layer(xl).backward(xl)
+
+    def head_step():
+        head(xl, t.view(1, M)).backward()
+
+    calls = {
+        "torch.mm": lambda: torch.mm(x, w),
+        "quack raw GEMM": lambda: _quack.run_epi_gemm(raw, x, w, d_raw, None, {}, DEFAULT),
+        "coda.gemm_residual_rms": lambda: coda.gemm_residual_rms(x, w, res, gamma),
+        "coda.gemm_rmsnorm_gemm": lambda: coda.gemm_rmsnorm_gemm(x, w, res, gamma, w2),
+        "coda.gemm_swiglu": lambda: coda.gemm_swiglu(x, w_il, rstd),
+        "coda.gemm_rope": lambda: coda.gemm_rope(
+            x, w_qkv, pos, head_dim=hd, n_heads=H, n_kv_heads=Hkv, rstd=rstd
+        ),
+        "coda.linear_cross_entropy": lambda: coda.linear_cross_entropy(x, w_lm, t, rstd=rstd),
+        "DecoderLayer forward (no_grad)": lambda: layer(xl.detach()),
+        "DecoderLayer forward+backward": layer_step,
+        "LMHeadLoss forward+backward": head_step,
+    }
+    rows, us = [], {}
+    with torch.no_grad():
+        for name in list(calls)[:8]:
+            us[name] = _per_call_us(calls[name])
+    for name in list(calls)[8:]:
+        us[name] = _per_call_us(calls[name], n=100)
+    for name, v in us.items():
+        rows.append(
+            {
+                "name": f"host/{name}",
+                "M": M,
+                "us_per_call": v,
+                "ratio_vs_quack_raw": v / us["quack raw GEMM"],
+            }
+        )
+    return rows
+
+
+def _graphed_step(fn, warmup=3):
+    """Capture ``fn`` (a whole forward+backward) once; return the replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def graph_rows() -> list[dict]:
+    rows = []
+    for d, H, Hkv, f, B, S in ((1024, 8, 4, 2816, 8, 1024), (2048, 16, 8, 5632, 4, 4096)):
+        layer = cnn.DecoderLayer(d, H, Hkv, f, device="cuda")
+        x = torch.randn(B, S, d, device="cuda", dtype=BF, requires_grad=True)
+        dy = torch.randn_like(x)
+
+        def step():
+            for p in (*layer.parameters(), x):
+                p.grad = None
+            layer(x).backward(dy)
+
+        eager = bench(step)
+        try:
+            replay = _graphed_step(step)
+            graphed = bench(replay)
+        except Exception as e:
+            rows.append({"name": "graph/DecoderLayer", "d": d, "error": repr(e)[:300]})
+            continue
+        shape = {"d": d, "M": B * S}
+        rows.append(row("graph/DecoderLayer/eager", shape, eager, 0.0))
+        rows.append(
+            row(
+                "graph/DecoderLayer/graphed",
+                shape,
+                graphed,
+                0.0,
+                speedup=eager["ms"] / graphed["ms"],
+            )
+        )
+    return rows
+
+
+def graphed_train_step(model, tokens, targets, lr=1e-4):
+    """The whole training step (forward, backward, AdamW) captured once as a CUDA graph;
+    returns its replay. AdamW runs ``capturable`` (its step count lives on the GPU); the
+    gradients live in the graph's memory pool. The documented recipe of README "CUDA graphs"."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # compiles, optimizer state and allocator warm-up, off the graph
+            opt.zero_grad(set_to_none=True)
+            model(tokens, targets).backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        model(tokens, targets).backward()
+        opt.step()
+    return graph.replay
+
+
+def _model_flops(cfg, tokens) -> float:
+    d, L, f, V, H, hd, S = (cfg[k] for k in ("d", "layers", "ffn", "vocab", "heads", "hd", "seq"))
+    n_kv = cfg["kv_heads"]
+    params = L * (d * (H + 2 * n_kv) * hd + H * hd * d + 3 * d * f) + d * V
+    attn = L * 4 * S * H * hd * tokens / 2  # causal: half the score matrix, fwd
+    return 6 * params * tokens + 3 * attn
+
+
+def model_rows(liger) -> list[dict]:
+    configs = {
+        "llama-1B": dict(
+            vocab=128256,
+            d=2048,
+            layers=16,
+            heads=32,
+            kv_heads=8,
+            hd=64,
+            ffn=8192,
+            batch=4,
+            seq=4096,
+        ),
+        "demo-d1024": dict(
+            vocab=8192, d=1024, layers=4, heads=8, kv_heads=4, hd=128, ffn=2816, batch=8, seq=1024
+        ),
+    }
+    rows = []
+    for name, cfg in configs.items():
+        torch.manual_seed(0)
+        tokens_n = cfg["batch"] * cfg["seq"]
+        coda_model = cnn.CausalLM(
+            cfg["vocab"],
+            cfg["d"],
+            cfg["layers"],
+            cfg["heads"],
+            cfg["kv_heads"],
+            cfg["ffn"],
+            head_dim=cfg["hd"],
+            method="chunked",
+            device="cuda",
+        )
+        sd = coda_model.hf_state_dict()
+        kw = dict(
+            n_layers=cfg["layers"],
+            n_heads=cfg["heads"],
+            n_kv_heads=cfg["kv_heads"],
+            head_dim=cfg["hd"],
+        )
+        peers = {"coda": coda_model, "torch_eager": TorchLlama(sd, **kw)}
+        peers["torch_compile"] = torch.compile(TorchLlama(sd, **kw))
+        if liger is not None:
+            ops = {
+                "rms_norm": lambda h, g, eps: liger.liger_rms_norm(h, g, eps, in_place=False),
+                "rope": liger.liger_rope,
+                "swiglu": liger.liger_swiglu,
+                "linear_ce": liger.liger_fused_linear_cross_entropy,
+            }
+            peers["liger"] = TorchLlama(sd, **kw, ops=ops)
+        del sd
+        tok = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device="cuda")
+        tgt = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device="cuda")
+        flops = _model_flops(cfg, tokens_n)
+        for peer, model in peers.items():
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+            def fwd_bwd(model=model):
+                model(tok, tgt).backward()
+
+            def full(model=model, opt=opt):
+                model(tok, tgt).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            try:
+                for _ in range(3):
+                    full()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                t_full = bench(full, warmup_ms=100, rep_ms=1500)
+                peak = torch.cuda.max_memory_allocated() / 2**30
+                t_fb = bench(fwd_bwd, warmup_ms=100, rep_ms=1500)
+            except Exception as e:
+                rows.append({"name": f"model/{name}/{peer}", "error": repr(e)[:300]})
+                continue
+            for what, t in (("step+adamw", t_full), ("fwd+bwd", t_fb)):
+                rows.append(
+                    row(
+                        f"model/{name}/{peer}/{what}",
+                        {"tokens": tokens_n, "d": cfg["d"], "layers": cfg["layers"]},
+                        t,
+                        flops,
+                        tokens_per_s=tokens_n / (t["ms"] * 1e-3),
+                        mfu=flops / (t["ms"] * 1e-3) / (PEAK_TFLOPS * 1e12),
+                        peak_gib=peak,
+                    )
+                )
+            opt = None
+            if peer == "coda":
+                try:
+                    replay = graphed_train_step(model, tok, tgt)
+                    torch.cuda.reset_peak_memory_stats()
+                    t = bench(replay, warmup_ms=100, rep_ms=1500)
+                    rows.append(
+                        row(
+                            f"model/{name}/coda_graphed/step+adamw",
+                            {"tokens": tokens_n, "d": cfg["d"], "layers": cfg["layers"]},
+                            t,
+                            flops,
+                            tokens_per_s=tokens_n / (t["ms"] * 1e-3),
+                            mfu=flops / (t["ms"] * 1e-3) / (PEAK_TFLOPS * 1e12),
+                            peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                        )
+                    )
+                except Exception as e:
+                    rows.append({"name": f"model/{name}/coda_graphed", "error": repr(e)[:300]})
+                replay = None
+            model = None
+        peers = None
+        torch.cuda.empty_cache()
+        mine = [r for r in rows if r["name"].startswith(f"model/{name}/") and "ms" in r]
+        for what in ("step+adamw", "fwd+bwd"):
+            ref = [r for r in mine if r["name"] == f"model/{name}/torch_compile/{what}"]
+            for r in mine:
+                if ref and r["name"].endswith(what):
+                    r["speedup_vs_torch_compile"] = ref[0]["ms"] / r["ms"]
+    return rows
+
+
+def _liger():
+    try:
+        import liger_kernel.transformers.functional as liger
+    except Exception:
+        liger = None
+    return liger
+
+
+def run(parts=("host", "graph", "model")) -> list[dict]:
+    out = []
+    table = {"host": host_rows, "graph": graph_rows, "model": lambda: model_rows(_liger())}
+    for part in (table[p] for p in parts):
+        try:
+            out += part()
+        except Exception as e:  # recorded, never hidden
+            import traceback
+
+            out.append(
+                {
+                    "name": f"step/{getattr(part, '__name__', 'model')}",
+                    "error": repr(e),
+                    "trace": traceback.format_exc()[-2000:],
+                }
+            )
+    return out
