@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def run_tests(out_dir: str) -> dict:
+def run_tests(out_dir: str, select: str = "") -> dict:
     """Run the whole test suite on the GPU host; count what ran, by marker."""
     xml = os.path.join(out_dir, "pytest_gpu.xml")
     log = os.path.join(out_dir, "pytest_gpu.log")
@@ -35,6 +35,7 @@ def run_tests(out_dir: str) -> dict:
         "-q",
         "-m",
         "gpu",
+        *(["-k", select] if select else []),
         f"--junitxml={xml}",
         "-p",
         "no:cacheprovider",
@@ -88,6 +89,7 @@ def main():
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, ".out")))
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--tests", default="", help="pytest -k expression: run only these gpu tests")
     ap.add_argument("--tune", action="store_true", help="also sweep tile configs")
     ap.add_argument("--only", default="", help="comma-separated benchmark names to run")
     args = ap.parse_args()
@@ -105,7 +107,7 @@ def main():
         "torch_cuda": torch.version.cuda,
     }
     if not args.skip_tests:
-        record["gpu_tests"] = run_tests(args.out)
+        record["gpu_tests"] = run_tests(args.out, args.tests)
         print("gpu tests:", record["gpu_tests"]["summary"], flush=True)
 
     from benchmarks import (
