@@ -73,8 +73,10 @@ def run_tests(out_dir: str, select: str = "") -> dict:
                 counts["passed"] += 1
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
     seconds = round(time.time() - t0, 1)
+    shown = ["python", *cmd[1:]]  # no machine paths in the record
+    shown = [a.replace(out_dir, "$OUT") for a in shown]
     return {
-        "command": shlex.join(cmd),
+        "command": shlex.join(shown),
         "returncode": proc.returncode,
         **counts,
         "failures": failures,
@@ -102,7 +104,7 @@ def main():
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": args.commit,
-        "command": "python " + shlex.join(sys.argv),
+        "command": "python " + shlex.join(a.replace(args.out, "$OUT") for a in sys.argv),
         "env": describe(),
         "torch_cuda": torch.version.cuda,
     }

@@ -49,8 +49,9 @@ class LayerDims:
 def entry_norm(x, gamma, eps):
     """F0: r = rstd(x) (fp32) and a = x * gamma (bf16): the norm of a layer's input when no
     producing GEMM computed it."""
-    xf = x.float()
-    return (xf * gamma.float()).to(x.dtype), torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    return (xf * gamma.to(acc)).to(x.dtype), torch.rsqrt(xf.pow(2).mean(-1) + eps)
 
 
 def _heads(t, dims: LayerDims, n):
@@ -110,7 +111,7 @@ class DecoderLayerFunction(torch.autograd.Function):
         t = _heads(dqkv, dims, H + 2 * Hkv)
         t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :] = dq, dk, dv
         freq = cached_freq_table(hd, 1, 0, dims.rope_base, x0.device)
-        cos, sin = rotation_tables(pos, freq[0::2], freq[1::2], hd)
+        cos, sin = rotation_tables(pos, freq[0::2], freq[1::2], hd, r0.dtype)
         dz0, corr0 = fused(drope_rows)(dqkv, qkv, r0, cos, sin, H + Hkv, hd, d)  # B11
         dx0, dg1 = norm_bwd_kernel(
             dz0, w_qkv, x0, g1, corr0, dx1, config_for(M, w_qkv.shape[1], d)
@@ -138,7 +139,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             weight = row_scale(target, ignore_index, reduction, torch.ones((), device=x2.device))
             rows = max(128, (2**28 // (2 * w_lm.shape[1])) // 128 * 128)  # 256 MiB of logits
             lse, tl, G, S, dw = linear_cross_entropy_chunked(a, w_lm, r, target, weight, rows, cfg)
-            dx2, dgf = fused(final_norm_bwd)(G.float(), S, x2, gf, r)
+            dx2, dgf = fused(final_norm_bwd)(G.to(r.dtype), S, x2, gf, r)
             ctx.save_for_backward(dx2, dgf, dw)
             return ce_loss_from_stats(lse, tl, target, ignore_index, reduction)
         parts, tl = lm_head_stats_kernel(a, w_lm, r, target, cfg)  # F6

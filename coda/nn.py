@@ -117,20 +117,7 @@ class DecoderLayer(nn.Module):
         if resolve_backend("DecoderLayer", self.backend, x.device, x.dtype) == "kernel":
             if self._kernel_rule:
                 raise v.CodaInputError(f"DecoderLayer (kernel path): {self._kernel_rule}")
-            dims = LayerDims(
-                B, S, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.rope_base
-            )
-            out = DecoderLayerFunction.apply(
-                xf.contiguous(),
-                self.g1,
-                self.w_qkv,
-                self.w_o,
-                self.g2,
-                self.w_il,
-                self.w_d,
-                pos,
-                dims,
-            )
+            return self._kernel_forward(x)
         else:
             w = {
                 "g1": self.g1,
@@ -141,6 +128,27 @@ class DecoderLayer(nn.Module):
                 "wd": self.w_d,
             }
             out = decoder_layer_ref(xf, w, self._shape(B, S), pos.cpu())
+        return out.view(B, S, d)
+
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel sequence (``coda.autograd``). On an SM90 GPU its GEMMs are the SM90
+        kernels; with CPU tensors every epilogue program runs through the tile interpreter
+        (``coda.kernels._launch``), which is how CI tests this exact code path."""
+        B, S, d = x.shape
+        dims = LayerDims(
+            B, S, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.rope_base
+        )
+        out = DecoderLayerFunction.apply(
+            x.reshape(B * S, d).contiguous(),
+            self.g1,
+            self.w_qkv,
+            self.w_o,
+            self.g2,
+            self.w_il,
+            self.w_d,
+            _positions(B, S, x.device),
+            dims,
+        )
         return out.view(B, S, d)
 
     # -- Hugging Face weights ------------------------------------------------------------------
@@ -260,21 +268,25 @@ class LMHeadLoss(nn.Module):
         if resolve_backend("LMHeadLoss", self.backend, x.device, x.dtype) == "kernel":
             if self._kernel_rule:
                 raise v.CodaInputError(f"LMHeadLoss (kernel path): {self._kernel_rule}")
-            loss = LinearCrossEntropyFunction.apply(
-                xf.contiguous(),
-                self.gf,
-                self.w_lm,
-                t,
-                self.eps,
-                self.ignore_index,
-                reduction,
-                self.chunk,
-                self.method,
-            )
+            loss = self._kernel_loss(xf, t, reduction)
         else:
             logits = rmsnorm_ref(xf, self.gf, self.eps) @ self.w_lm  # HF: x's dtype; CE fp32+
             loss = cross_entropy_ref(logits, t, self.ignore_index, reduction)
         return loss.view(target.shape) if reduction == "none" else loss
+
+    def _kernel_loss(self, xf, t, reduction):
+        """The kernel sequence on (tokens, d) rows (on CPU tensors: through the interpreter)."""
+        return LinearCrossEntropyFunction.apply(
+            xf.contiguous(),
+            self.gf,
+            self.w_lm,
+            t,
+            self.eps,
+            self.ignore_index,
+            reduction,
+            self.chunk,
+            self.method,
+        )
 
     def hf_state_dict(self) -> dict:
         return {

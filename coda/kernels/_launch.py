@@ -2,11 +2,17 @@
 run it through the tile interpreter on the CPU (``interpret_gemm``).
 
 Every kernel builds its buffers and calls ``launch``; the compile tests call the same kernel
-function on small CPU tensors with ``dry=True``, so what CI compiles is exactly what runs."""
+function on small CPU tensors with ``dry=True``, so what CI compiles is exactly what runs.
+Called with CPU tensors (and not ``dry``), ``launch`` runs the same program through the tile
+interpreter and writes the same buffers, rounding each stored tile once as the kernel does:
+the kernel path's whole sequence (the autograd Functions included) then runs on the CPU, in
+float64 for proofs or in bf16 as a model of the GPU's numerics."""
 
 from __future__ import annotations
 
 import functools
+
+import torch
 
 from coda import _quack
 from coda.kernels.config import GemmConfig
@@ -29,6 +35,10 @@ def launch(
     """acc = x @ w (x (M, K) either major, w (K, N) either major); run ``program`` on it.
     ``add_to_output``: D += the program's D (TMA reduce-add store; no C operand).
     Returns the number of compiles done when ``dry`` (0 on a jit-cache hit), else None."""
+    if not dry and x.device.type == "cpu":
+        return _interpret_into(
+            program, x, w, config, d, c, operands or {}, outputs or {}, add_to_output
+        )
     args = epi_args(program, operands or {}, outputs or {})
     if dry:
         return _quack.compile_only(lower(program), x, w, d, c, args, config, add_to_output)
@@ -36,12 +46,38 @@ def launch(
     return None
 
 
+def acc_dtype(t) -> torch.dtype:
+    """The accumulator / statistics dtype for inputs like ``t``: fp32 (the kernel's), or
+    float64 for float64 inputs (the CPU proofs)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _interpret_into(program, x, w, config, d, c, operands, outputs, add_to_output):
+    """``launch`` on the CPU: the interpreter's outputs written into the kernel's buffers."""
+    ops = dict(operands) if c is None else {**operands, "c": c}
+    out = interpret_gemm(program, x, w, config=config, operands=ops)
+    if program.writes_d and d is not None:
+        if add_to_output:
+            d.add_(out["D"].to(d.dtype))
+        else:
+            d.copy_(out["D"])
+    sinks = {p.name: p for p in program.sinks}
+    for name, buf in outputs.items():
+        value = out[name]
+        p = sinks.get(name)
+        if p is not None and type(p).__name__ == "ColSelect":  # only rows a tile selected
+            idx = ops[p.index]
+            hit = (idx >= 0) & (idx < w.shape[1])
+            buf.copy_(torch.where(hit, value.to(buf.dtype), buf))
+        else:
+            buf.copy_(value)
+    return None
+
+
 def interpret_gemm(program, x, w, *, config: GemmConfig, operands=None, out_dtype=None):
     """The CPU twin of ``launch``: acc = x @ w in float64 for float64 inputs (algebra proofs),
     else float32 (as the kernel's accumulator), then ``program`` through the tile interpreter
     on ``config``'s tile grid. Returns every output the program declares."""
-    import torch
-
     from coda.primitives.interpreter import interpret
 
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -57,8 +93,6 @@ def interpret_gemm(program, x, w, *, config: GemmConfig, operands=None, out_dtyp
 
 def example_operands(m: int, k: int, n: int, w_major: str = "n", dtype=None):
     """Small CPU bf16 x (m, k) and w (k, n) with w n-major or k-major, for dry compiles."""
-    import torch
-
     dtype = dtype or torch.bfloat16
     x = torch.empty(m, k, dtype=dtype)
     w = torch.empty(k, n, dtype=dtype) if w_major == "n" else torch.empty(n, k, dtype=dtype).t()
@@ -68,8 +102,13 @@ def example_operands(m: int, k: int, n: int, w_major: str = "n", dtype=None):
 @functools.cache
 def fused(fn):
     """A row kernel (F0, B11, the final-norm apply, CE-C's softmax gradient) compiled by
-    torch.compile: its elementwise ops and row reductions become one or two Triton kernels
-    instead of one pass over memory per torch op."""
-    import torch
+    torch.compile on the GPU: its elementwise ops and row reductions become one or two Triton
+    kernels instead of one pass over memory per torch op. On the CPU it runs as written."""
+    compiled = torch.compile(fn, dynamic=True)
 
-    return torch.compile(fn, dynamic=True)
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        first = next(a for a in args if isinstance(a, torch.Tensor))
+        return compiled(*args, **kwargs) if first.is_cuda else fn(*args, **kwargs)
+
+    return run

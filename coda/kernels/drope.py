@@ -17,22 +17,24 @@ from coda.primitives.aux import norm_correction
 from coda.primitives.math import turns_to_angle
 
 
-def rotation_tables(positions, freq_turns_hi, freq_turns_lo, head_dim):
-    """cos/sin (M, hd/2) fp32 from the same float-float frequencies the forward epilogue used."""
+def rotation_tables(positions, freq_turns_hi, freq_turns_lo, head_dim, dtype=torch.float32):
+    """cos/sin (M, hd/2) in ``dtype`` (fp32; float64 for proofs) from the same float-float
+    frequencies the forward epilogue used."""
     theta = turns_to_angle(positions[:, None], freq_turns_hi, freq_turns_lo)
-    return theta.cos().float(), theta.sin().float()
+    return theta.cos().to(dtype), theta.sin().to(dtype)
 
 
 def drope_rows(dqkv, qkv, rstd, cos, sin, n_rot_heads: int, head_dim: int, d: int):
     """Returns (dz~0 bf16 M x Nqkv, corr0 fp32 M). dqkv, qkv: (M, Nqkv) bf16."""
     M = dqkv.shape[0]
+    acc = torch.float64 if dqkv.dtype == torch.float64 else torch.float32
     n_rot = n_rot_heads * head_dim
-    S0 = (dqkv.float() * qkv.float()).sum(-1) / rstd
+    S0 = (dqkv.to(acc) * qkv.to(acc)).sum(-1) / rstd
     out = torch.empty_like(dqkv)
-    rot = dqkv[:, :n_rot].float().view(M, n_rot_heads, head_dim // 2, 2)
+    rot = dqkv[:, :n_rot].to(acc).view(M, n_rot_heads, head_dim // 2, 2)
     d1, d2 = rot[..., 0], rot[..., 1]
     c, s = cos[:, None, :], sin[:, None, :]
     r = rstd[:, None, None]
     out[:, :n_rot] = torch.stack([(d1 * c + d2 * s) * r, (d2 * c - d1 * s) * r], -1).view(M, -1)
-    out[:, n_rot:] = (dqkv[:, n_rot:].float() * rstd[:, None]).to(dqkv.dtype)
+    out[:, n_rot:] = (dqkv[:, n_rot:].to(acc) * rstd[:, None]).to(dqkv.dtype)
     return out, norm_correction(rstd, S0, d)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, interpret_gemm, launch
+from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import (
     ColLoad,
@@ -56,7 +56,7 @@ def dswiglu_kernel(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False):
     dz = torch.empty_like(u)
     outputs = {
         "s": torch.empty(M, f, dtype=dx.dtype, device=dx.device),
-        "stat": torch.empty(M, config.grid(M, f)[1], dtype=torch.float32, device=dx.device),
+        "stat": torch.empty(M, config.grid(M, f)[1], dtype=acc_dtype(dx), device=dx.device),
     }
     compiled = launch(
         dswiglu_rescaled,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, interpret_gemm, launch
+from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import RowLoad, RowPartials, TileC, TileStore, epilogue_program
 from coda.primitives.aux import rstd_from_sumsq
@@ -55,7 +55,7 @@ def epilogue_gemm(x, w, residual, gamma=None, config: GemmConfig = DEFAULT, dry=
     or with ``dry`` only compiles it and returns the number of compiles."""
     M, N = x.shape[0], w.shape[1]
     h = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    outputs = {"sumsq": torch.empty(M, config.grid(M, N)[1], dtype=torch.float32, device=x.device)}
+    outputs = {"sumsq": torch.empty(M, config.grid(M, N)[1], dtype=acc_dtype(x), device=x.device)}
     if gamma is not None:
         outputs["normed"] = torch.empty_like(h)
     operands = {} if gamma is None else {"gamma": gamma}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, interpret_gemm, launch
+from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, ColSelect, OnlineLSE, epilogue_program
 from coda.primitives.aux import ce_loss_from_stats, combine_lse
@@ -37,8 +37,8 @@ def lm_head_stats_kernel(a, w_lm, rstd, target, config: GemmConfig = DEFAULT, dr
     """Returns (lse partials M x T_N, target logit (M,) fp32, 0 where not selected)."""
     M, V = a.shape[0], w_lm.shape[1]
     outputs = {
-        "lse": torch.empty(M, config.grid(M, V)[1], dtype=torch.float32, device=a.device),
-        "target_logit": torch.zeros(M, dtype=torch.float32, device=a.device),
+        "lse": torch.empty(M, config.grid(M, V)[1], dtype=acc_dtype(a), device=a.device),
+        "target_logit": torch.zeros(M, dtype=acc_dtype(a), device=a.device),
     }
     operands = {"rstd": rstd, "target": target}
     compiled = launch(

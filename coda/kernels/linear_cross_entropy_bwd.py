@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, interpret_gemm, launch
+from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, RowPartials, epilogue_program, exp
 from coda.primitives.aux import ce_row_weights, combine_row_partials, norm_correction
@@ -57,7 +57,7 @@ def grad_logits_chunk(a, w_chunk, rstd, lse, scale, config: GemmConfig = DEFAULT
     """B1 on one vocabulary chunk: returns (dz~ chunk, per-row S without the one-hot term)."""
     M, n = a.shape[0], w_chunk.shape[1]
     dz = torch.empty(M, n, dtype=a.dtype, device=a.device)
-    stat = torch.empty(M, config.grid(M, n)[1], dtype=torch.float32, device=a.device)
+    stat = torch.empty(M, config.grid(M, n)[1], dtype=acc_dtype(a), device=a.device)
     compiled = launch(
         softmax_grad_logits,
         a,
@@ -93,7 +93,7 @@ def linear_cross_entropy_bwd_kernel(
     tile interpreter and B2/B3 in torch (the CPU oracle of the same loop)."""
     M, V = a.shape[0], w_lm.shape[1]
     G = torch.zeros(
-        M, a.shape[1], dtype=torch.float32 if not interpreted else a.dtype, device=a.device
+        M, a.shape[1], dtype=acc_dtype(a) if not interpreted else a.dtype, device=a.device
     )
     S = torch.zeros(M, dtype=G.dtype, device=a.device)
     dw_t = torch.empty(V, a.shape[1], dtype=a.dtype, device=a.device)

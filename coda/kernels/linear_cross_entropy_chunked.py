@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, fused, interpret_gemm, launch
+from coda.kernels._launch import acc_dtype, example_operands, fused, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, ColSelect, OnlineLSE, epilogue_program
 from coda.primitives.aux import combine_lse
@@ -42,8 +42,8 @@ def logits_chunk(a, w_lm, rstd, target, config: GemmConfig = DEFAULT, dry=False)
     M, V = a.shape[0], w_lm.shape[1]
     logits = torch.empty(M, V, dtype=a.dtype, device=a.device)
     outputs = {
-        "lse": torch.empty(M, config.grid(M, V)[1], dtype=torch.float32, device=a.device),
-        "target_logit": torch.zeros(M, dtype=torch.float32, device=a.device),
+        "lse": torch.empty(M, config.grid(M, V)[1], dtype=acc_dtype(a), device=a.device),
+        "target_logit": torch.zeros(M, dtype=acc_dtype(a), device=a.device),
     }
     compiled = launch(
         logits_with_stats,
@@ -97,7 +97,7 @@ def linear_cross_entropy_chunked(
     """Forward stats and g = 1 gradients. Returns (lse, target_logit, G (M x d), S, dW_lm).
     ``weight`` is the per-row loss weight (1/M_valid or 1; 0 on ignored rows)."""
     M, d = a.shape
-    lse = torch.empty(M, dtype=torch.float32 if not interpreted else a.dtype, device=a.device)
+    lse = torch.empty(M, dtype=acc_dtype(a) if not interpreted else a.dtype, device=a.device)
     tl, S = torch.empty_like(lse), torch.empty_like(lse)
     G = torch.empty(M, d, dtype=a.dtype, device=a.device)
     dw = torch.zeros_like(w_lm)

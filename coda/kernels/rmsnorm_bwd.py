@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import example_operands, interpret_gemm, launch
+from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, ColPartials, RowLoad, TileC, TileLoad, epilogue_program
 from coda.primitives.aux import combine_col_partials, combine_row_partials, norm_correction
@@ -47,7 +47,7 @@ def norm_bwd_kernel(dz, w2, h, gamma, corr, dres=None, config: GemmConfig = DEFA
     """acc = dz @ w2^T (``w2`` is the (d, N2) forward weight); returns (dh, dgamma fp32)."""
     M, d = dz.shape[0], w2.shape[0]
     dh = torch.empty(M, d, dtype=dz.dtype, device=dz.device)
-    parts = torch.empty(config.grid(M, d)[0], d, dtype=torch.float32, device=dz.device)
+    parts = torch.empty(config.grid(M, d)[0], d, dtype=acc_dtype(dz), device=dz.device)
     program = norm_bwd if dres is None else norm_bwd_residual
     compiled = launch(
         program,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from coda.kernels._launch import acc_dtype
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.gemm_rmsnorm_gemm import gemm_scale_rows_kernel
 
@@ -24,7 +25,7 @@ def wgrad(x, dz):
 
 def wgrad_gamma_rows(h, dz, gamma, config: GemmConfig = DEFAULT, dry=False):
     """dW = gamma[:, None] * (h^T @ dz): h (M, d) row-major enters as an M-major A operand."""
-    return gemm_scale_rows_kernel(h.t(), dz, gamma.float(), config, dry=dry)
+    return gemm_scale_rows_kernel(h.t(), dz, gamma.to(acc_dtype(h)), config, dry=dry)
 
 
 def compile_wgrad_gamma_rows(d, n, *, config=DEFAULT, m=256) -> int:
