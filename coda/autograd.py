@@ -24,7 +24,7 @@ from coda.kernels.gemm_rope import cached_freq_table, gemm_rope_kernel
 from coda.kernels.gemm_swiglu import gemm_swiglu_kernel
 from coda.kernels.linear_cross_entropy import lm_head_stats_kernel
 from coda.kernels.linear_cross_entropy_bwd import (
-    final_norm_bwd,
+    final_norm_bwd_normed,
     linear_cross_entropy_bwd_kernel,
     row_scale,
 )
@@ -52,6 +52,17 @@ def entry_norm(x, gamma, eps):
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
     return (xf * gamma.to(acc)).to(x.dtype), torch.rsqrt(xf.pow(2).mean(-1) + eps)
+
+
+def final_norm(x, gamma, eps):
+    """The final norm before the LM head: y = x * rstd * gamma rounded once (as
+    ``F.rms_norm``), and rstd. The LM head takes y, not the deferred-scale x * gamma: the loss
+    gradient then enters its GEMMs unscaled, rounded exactly as PyTorch rounds it (folding
+    rstd into it rounds the gradient's dominant one-hot entries at other points)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    r = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    return (xf * r[:, None] * gamma.to(acc)).to(x.dtype), r
 
 
 def _heads(t, dims: LayerDims, n):
@@ -132,19 +143,22 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, gf, w_lm, target, eps, ignore_index, reduction, chunk, method):
         M, d = x2.shape
-        a, r = fused(entry_norm)(x2, gf, eps)
+        y, r = fused(final_norm)(x2, gf, eps)
+        ones = torch.ones_like(r)  # the row scale is already in y
         cfg = config_for(M, d, w_lm.shape[1])
         ctx.method = method
         if method == "chunked":
             weight = row_scale(target, ignore_index, reduction, torch.ones((), device=x2.device))
             rows = max(128, (2**28 // (2 * w_lm.shape[1])) // 128 * 128)  # 256 MiB of logits
-            lse, tl, G, S, dw = linear_cross_entropy_chunked(a, w_lm, r, target, weight, rows, cfg)
-            dx2, dgf = fused(final_norm_bwd)(G.to(r.dtype), S, x2, gf, r)
+            lse, tl, G, S, dw = linear_cross_entropy_chunked(
+                y, w_lm, ones, target, weight, rows, cfg
+            )
+            dx2, dgf = fused(final_norm_bwd_normed)(G.to(r.dtype), S, x2, gf, r)
             ctx.save_for_backward(dx2, dgf, dw)
             return ce_loss_from_stats(lse, tl, target, ignore_index, reduction)
-        parts, tl = lm_head_stats_kernel(a, w_lm, r, target, cfg)  # F6
+        parts, tl = lm_head_stats_kernel(y, w_lm, ones, target, cfg)  # F6
         lse = combine_lse(parts)  # A3
-        ctx.save_for_backward(x2, a, r, lse, tl, target, gf, w_lm)
+        ctx.save_for_backward(x2, y, r, lse, tl, target, gf, w_lm)
         ctx.cfg = (ignore_index, reduction, chunk, cfg)
         return ce_loss_from_stats(lse, tl, target, ignore_index, reduction)
 
@@ -164,11 +178,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 None,
                 None,
             )
-        x2, a, r, lse, tl, target, gf, w_lm = ctx.saved_tensors
+        x2, y, r, lse, tl, target, gf, w_lm = ctx.saved_tensors
         ignore_index, reduction, chunk, cfg = ctx.cfg
         scale = row_scale(target, ignore_index, reduction, g)
         G, S, dw = linear_cross_entropy_bwd_kernel(
-            a, w_lm, r, lse, tl, target, scale, chunk, cfg
+            y, w_lm, torch.ones_like(r), lse, tl, target, scale, chunk, cfg
         )  # B1 + B3 + B2
-        dx2, dgf = fused(final_norm_bwd)(G, S, x2, gf, r)  # A4 + A5
+        dx2, dgf = fused(final_norm_bwd_normed)(G, S, x2, gf, r)  # A4 + A5
         return dx2, dgf.to(gf.dtype), dw, None, None, None, None, None, None

@@ -41,15 +41,21 @@ def row_scale(target, ignore_index, reduction, grad):
     return ce_row_weights(target, ignore_index, reduction, dt) * grad.to(dt)
 
 
-def _one_hot_fixup(dz, stat_sum, target, col0, rstd, scale, target_logit):
-    """Subtract the one-hot term for rows whose target lies in this chunk. Every row adds
-    exactly one value (0 where the target is elsewhere), so there is no host sync and no
-    collision: the result is deterministic."""
+def _one_hot_fixup(dz, stat_sum, target, col0, rstd, scale, target_logit, lse):
+    """The one-hot term for rows whose target lies in this chunk: the target entry of dz~ is
+    rewritten as rstd * scale * (p_y - 1), formed in fp32 and rounded once (p_y =
+    exp(l_y - lse) from F6's target logit: the same value the epilogue computed). Adding
+    -rstd * scale to the stored bf16 entry instead would round the row's largest entry three
+    times. Each row writes one value (its own, where the target is elsewhere): no host sync,
+    no collision, deterministic."""
     n = dz.shape[1]
     local = target - col0
     inside = (local >= 0) & (local < n)
-    step = torch.where(inside, rstd * scale, torch.zeros_like(scale))
-    dz.scatter_add_(1, local.clamp(0, n - 1)[:, None], -step.to(dz.dtype)[:, None])
+    idx = local.clamp(0, n - 1)[:, None]
+    exact = rstd * scale * (torch.exp(target_logit - lse) - 1.0)
+    dz.scatter_(
+        1, idx, torch.where(inside[:, None], exact.to(dz.dtype)[:, None], dz.gather(1, idx))
+    )
     stat_sum -= torch.where(inside, scale * target_logit / rstd, torch.zeros_like(scale))
 
 
@@ -103,7 +109,7 @@ def linear_cross_entropy_bwd_kernel(
             dz, s = grad_logits_interpreted(a, wc, rstd, lse, scale, config)
         else:
             dz, s = grad_logits_chunk(a, wc, rstd, lse, scale, config)
-        _one_hot_fixup(dz, s, target, c0, rstd, scale, target_logit)
+        _one_hot_fixup(dz, s, target, c0, rstd, scale, target_logit, lse)
         S += s
         torch.mm(dz.t(), a, out=dw_t[c0 : c0 + wc.shape[1]])  # B3: rows of dW_lm^T
         if interpreted:
@@ -119,6 +125,13 @@ def final_norm_bwd(G, S, h, gamma, rstd):
     hf = h.to(G.dtype)
     dh = torch.addcmul(G * gamma.to(G.dtype), corr[:, None], hf)
     return dh.to(h.dtype), (G * hf).sum(0)
+
+
+def final_norm_bwd_normed(G, S, h, gamma, rstd):
+    """``final_norm_bwd`` when the LM head's A operand was the normed y = h * rstd * gamma
+    (rstd applied before the GEMM, not deferred): then G = dl @ W^T = dy and S = rstd * the
+    deferred form's statistic, so both are converted in the same elementwise pass."""
+    return final_norm_bwd(G * rstd[:, None].to(G.dtype), S / rstd, h, gamma, rstd)
 
 
 def grad_logits_interpreted(a, w, rstd, lse, scale, config: GemmConfig = DEFAULT):

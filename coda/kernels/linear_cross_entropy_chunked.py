@@ -100,7 +100,10 @@ def linear_cross_entropy_chunked(
     lse = torch.empty(M, dtype=acc_dtype(a) if not interpreted else a.dtype, device=a.device)
     tl, S = torch.empty_like(lse), torch.empty_like(lse)
     G = torch.empty(M, d, dtype=a.dtype, device=a.device)
-    dw = torch.zeros_like(w_lm)
+    # dW sums one partial product per token chunk: in fp32 when there are several, rounded to
+    # w_lm's dtype once (a bf16 running sum would round once per chunk)
+    n_chunks = -(-M // rows)
+    dw = torch.zeros_like(w_lm, dtype=acc_dtype(a) if n_chunks > 1 else w_lm.dtype)
     row_kernel = softmax_grad_rows if interpreted else fused(softmax_grad_rows)
     for r0 in range(0, M, rows):
         R = slice(r0, min(r0 + rows, M))
@@ -108,8 +111,11 @@ def linear_cross_entropy_chunked(
         logits, lse[R], tl[R] = chunk(a[R], w_lm, rstd[R], target[R], config)
         S[R] = row_kernel(logits, target[R], rstd[R], weight[R].to(lse.dtype))
         torch.mm(logits, w_lm.t(), out=G[R])  # B2'
-        dw.addmm_(a[R].t(), logits)  # B3'
-    return lse, tl, G, S, dw
+        if dw.dtype == logits.dtype:
+            dw.addmm_(a[R].t(), logits)  # B3'
+        else:
+            dw.add_(torch.mm(a[R].t(), logits))  # B3': bf16 GEMM (fp32 accumulate), fp32 sum
+    return lse, tl, G, S, dw.to(w_lm.dtype)
 
 
 def compile_logits_chunk(d, v, *, w_major="n", config=DEFAULT, m=256) -> int:
