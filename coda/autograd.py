@@ -1,11 +1,13 @@
 """autograd.Functions for the kernel path: a Llama decoder layer and the LM head + loss.
 
 Forward and backward are the kernel sequence of KERNELS.md section 6 (F0..F6, B1..B13): every
-op outside attention is a GEMM epilogue or a small AUX reduction; attention is torch SDPA
-(flash), its backward taken from the graph it recorded. Weights are coda-layout (in, out)
+op outside attention is a GEMM epilogue or a small AUX reduction. A layer is three Functions,
+one per fusion boundary (``AttentionInput``: F0-F1 / B11-B13; ``AttentionOutput``: F3 /
+B8-B9; ``MLP``: F4-F5 / B4-B7), composed by ``decoder_layer`` around a pluggable attention
+callable (SDPA by default) that autograd differentiates. Weights are coda-layout (in, out)
 matrices (``coda.layouts``); tokens are rows, batch-major.
 
-Saved per layer: x0, r0, rotated q/k and v (qkv), the attention graph, o, x1, r1, u. Not
+Saved per layer: x0, r0, rotated q/k and v (qkv), what attention saves, o, x1, r1, u. Not
 saved: a0, a1, s (recomputed in B4), any norm output, any partial.
 """
 
@@ -65,45 +67,94 @@ def final_norm(x, gamma, eps):
     return (xf * r[:, None] * gamma.to(acc)).to(x.dtype), r
 
 
-def _heads(t, dims: LayerDims, n):
-    return t.view(dims.batch, dims.seq, n, dims.head_dim).transpose(1, 2)
+def sdpa_causal(q, k, v):
+    """The default attention: causal GQA SDPA (flash on the H200). q (B, H, S, hd), k and v
+    (B, Hkv, S, hd) -> (B, H, S, hd). Any callable of this form can replace it."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-class DecoderLayerFunction(torch.autograd.Function):
+class AttentionInput(torch.autograd.Function):
+    """F0 + F1 / B11 + B12 + B13: entry norm, QKV GEMM with the deferred row scale and RoPE
+    in its epilogue; backward: dRoPE and the norm statistic, the norm-backward dgrad GEMM
+    (with the residual gradient added in its epilogue) and the gamma-row wgrad.
+
+    Returns (qkv, x0 again): the second output is the residual branch, so the gradient that
+    reaches the layer's input through the residual arrives here too and is added inside
+    B12's epilogue instead of by a separate add."""
+
     @staticmethod
-    def forward(ctx, x0, g1, w_qkv, w_o, g2, w_il, w_d, positions, dims: LayerDims):
+    def forward(ctx, x0, g1, w_qkv, positions, dims: LayerDims):
         M, d = x0.shape
         H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
-        f = w_d.shape[0]
         freq = cached_freq_table(hd, H + Hkv, Hkv, dims.rope_base, x0.device)
         pos = positions.float()
         a0, r0 = fused(entry_norm)(x0, g1, dims.eps)  # F0
         qkv = gemm_rope_kernel(a0, w_qkv, r0, pos, freq, config_for(M, d, w_qkv.shape[1]))  # F1
-        t = _heads(qkv, dims, H + 2 * Hkv)
-        with torch.enable_grad():  # F2: flash attention; its graph is its backward
-            q, k, v = (
-                p.detach().requires_grad_() for p in (t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :])
-            )
-            o4 = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        o = o4.detach().transpose(1, 2).reshape(M, H * hd)
-        x1, a1, r1 = gemm_residual_rms_kernel(
-            o, w_o, x0, g2, dims.eps, config_for(M, H * hd, d)
-        )  # F3 + A1
-        s, u = gemm_swiglu_kernel(a1, w_il, r1, True, config_for(M, d, 2 * f))  # F4
-        # F5: residual add only; this boundary's norm is the next layer's F0, so its partials
-        # are not reduced (no AUX)
-        x2, _, _ = epilogue_gemm(s, w_d, x1, None, config_for(M, f, d))
-        ctx.save_for_backward(x0, r0, qkv, o, x1, r1, u, g1, w_qkv, w_o, g2, w_il, w_d, pos)
-        ctx.attn = (q, k, v, o4)
+        ctx.save_for_backward(x0, r0, qkv, g1, w_qkv, pos)
         ctx.dims = dims
+        return qkv, x0.view_as(x0)
+
+    @staticmethod
+    def backward(ctx, dqkv, dres):
+        x0, r0, qkv, g1, w_qkv, pos = ctx.saved_tensors
+        dims = ctx.dims
+        M, d = x0.shape
+        hd = dims.head_dim
+        dqkv = dqkv.contiguous()
+        freq = cached_freq_table(hd, 1, 0, dims.rope_base, x0.device)
+        cos, sin = rotation_tables(pos, freq[0::2], freq[1::2], hd, r0.dtype)
+        n_rot = dims.heads + dims.kv_heads
+        dz0, corr0 = fused(drope_rows)(dqkv, qkv, r0, cos, sin, n_rot, hd, d)  # B11
+        dres = None if dres is None else dres.contiguous()
+        dx0, dg1 = norm_bwd_kernel(
+            dz0, w_qkv, x0, g1, corr0, dres, config_for(M, w_qkv.shape[1], d)
+        )  # B12 + A9
+        dw_qkv = wgrad_gamma_rows(x0, dz0, g1, config_for(d, M, w_qkv.shape[1]))  # B13
+        return dx0, dg1.to(g1.dtype), dw_qkv, None, None
+
+
+class AttentionOutput(torch.autograd.Function):
+    """F3 + A1 / B8 + B9: O projection + residual, with the next norm's statistics and
+    x1 * gamma2 in its epilogue. Returns (x1, a1, r1); a1 and r1 feed the MLP's GEMM and carry
+    no gradient of their own (the MLP's backward takes the norm's backward whole, B6)."""
+
+    @staticmethod
+    def forward(ctx, o, w_o, x0, g2, eps: float):
+        M, K = o.shape
+        x1, a1, r1 = gemm_residual_rms_kernel(o, w_o, x0, g2, eps, config_for(M, K, w_o.shape[1]))
+        ctx.mark_non_differentiable(a1, r1)
+        ctx.save_for_backward(o, w_o)
+        return x1, a1, r1
+
+    @staticmethod
+    def backward(ctx, dx1, _da1, _dr1):
+        o, w_o = ctx.saved_tensors
+        dx1 = dx1.contiguous()
+        do = dx1 @ w_o.t()  # B8
+        dw_o = wgrad(o, dx1)  # B9
+        return do, dw_o, dx1, None, None  # dx1 is also the residual's gradient (to x0)
+
+
+class MLP(torch.autograd.Function):
+    """F4 + F5 / B4..B7: gate/up GEMM with the deferred row scale and SwiGLU in its epilogue
+    (the unscaled pre-activation kept for backward), down projection + residual; backward:
+    dSwiGLU and the norm statistic in the down projection's dgrad epilogue, the norm-backward
+    dgrad GEMM with the residual gradient in its epilogue, and the two weight gradients."""
+
+    @staticmethod
+    def forward(ctx, x1, a1, r1, g2, w_il, w_d):
+        M, d = x1.shape
+        f = w_d.shape[0]
+        s, u = gemm_swiglu_kernel(a1, w_il, r1, True, config_for(M, d, 2 * f))  # F4
+        # F5: residual add only; this boundary's norm is the next layer's F0 (no AUX)
+        x2, _, _ = epilogue_gemm(s, w_d, x1, None, config_for(M, f, d))
+        ctx.save_for_backward(x1, r1, u, g2, w_il, w_d)
         return x2
 
     @staticmethod
     def backward(ctx, dx2):
-        x0, r0, qkv, o, x1, r1, u, g1, w_qkv, w_o, g2, w_il, w_d, pos = ctx.saved_tensors
-        dims = ctx.dims
-        M, d = x0.shape
-        H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
+        x1, r1, u, g2, w_il, w_d = ctx.saved_tensors
+        M, d = x1.shape
         f = w_d.shape[0]
         dx2 = dx2.contiguous()
         dz1, s, stat1 = dswiglu_kernel(dx2, w_d, u, r1, config_for(M, d, f))  # B4
@@ -113,23 +164,20 @@ class DecoderLayerFunction(torch.autograd.Function):
             dz1, w_il, x1, g2, corr1, dx2, config_for(M, 2 * f, d)
         )  # B6 + A7
         dw_il = wgrad_gamma_rows(x1, dz1, g2, config_for(d, M, 2 * f))  # B7
-        do = dx1 @ w_o.t()  # B8
-        dw_o = wgrad(o, dx1)  # B9
-        q, k, v, o4 = ctx.attn
-        do4 = do.view(dims.batch, dims.seq, H, hd).transpose(1, 2)
-        dq, dk, dv = torch.autograd.grad(o4, (q, k, v), do4)  # B10
-        dqkv = torch.empty_like(qkv)
-        t = _heads(dqkv, dims, H + 2 * Hkv)
-        t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :] = dq, dk, dv
-        freq = cached_freq_table(hd, 1, 0, dims.rope_base, x0.device)
-        cos, sin = rotation_tables(pos, freq[0::2], freq[1::2], hd, r0.dtype)
-        dz0, corr0 = fused(drope_rows)(dqkv, qkv, r0, cos, sin, H + Hkv, hd, d)  # B11
-        dx0, dg1 = norm_bwd_kernel(
-            dz0, w_qkv, x0, g1, corr0, dx1, config_for(M, w_qkv.shape[1], d)
-        )  # B12 + A9
-        dw_qkv = wgrad_gamma_rows(x0, dz0, g1, config_for(d, M, w_qkv.shape[1]))  # B13
-        ctx.attn = None
-        return (dx0, dg1.to(g1.dtype), dw_qkv, dw_o, dg2.to(g2.dtype), dw_il, dw_d, None, None)
+        return dx1, None, None, dg2.to(g2.dtype), dw_il, dw_d
+
+
+def decoder_layer(x0, g1, w_qkv, w_o, g2, w_il, w_d, positions, dims: LayerDims, attention=None):
+    """One decoder layer on token rows x0 (M, d) as the composition of the kernel-path
+    Functions, with ``attention`` (default ``sdpa_causal``) between them, differentiated by
+    its own autograd. Returns x2 (M, d)."""
+    H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
+    qkv, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, dims)
+    t = qkv.view(dims.batch, dims.seq, H + 2 * Hkv, hd).transpose(1, 2)
+    o4 = (attention or sdpa_causal)(t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :])
+    o = o4.transpose(1, 2).reshape(x0.shape[0], H * hd)
+    x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps)
+    return MLP.apply(x1, a1, r1, g2, w_il, w_d)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):

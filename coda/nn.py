@@ -21,7 +21,7 @@ from torch import nn
 
 from coda import _validate as v
 from coda import layouts
-from coda.autograd import DecoderLayerFunction, LayerDims, LinearCrossEntropyFunction
+from coda.autograd import LayerDims, LinearCrossEntropyFunction, decoder_layer
 from coda.env import BACKENDS, resolve_backend
 from coda.reference.cross_entropy import cross_entropy_ref
 from coda.reference.layer import LayerShape, decoder_layer_ref
@@ -42,6 +42,11 @@ def _tma_rule(**dims) -> str | None:
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm Llama decoder layer. ``attention``: a callable (q, k, v) -> o on
+    (batch, heads, seq, head_dim) tensors (k, v with n_kv_heads heads; causal), used by both
+    paths in place of the default causal GQA SDPA (e.g. a flash-attention or HF attention
+    function); it is differentiated by autograd."""
+
     def __init__(
         self,
         d: int,
@@ -54,9 +59,15 @@ class DecoderLayer(nn.Module):
         device=None,
         dtype=torch.bfloat16,
         backend: str = "auto",
+        attention=None,
     ):
         super().__init__()
         hd = v.check_heads(d, n_heads, n_kv_heads, head_dim)
+        if attention is not None and not callable(attention):
+            raise v.CodaInputError(
+                f"attention: must be a callable (q, k, v) -> o, got {attention!r}"
+            )
+        self.attention = attention
         v.check_positive_int("ffn", ffn)
         v.check_eps(eps)
         if not rope_base > 0:
@@ -127,7 +138,7 @@ class DecoderLayer(nn.Module):
                 "w_il": self.w_il,
                 "wd": self.w_d,
             }
-            out = decoder_layer_ref(xf, w, self._shape(B, S), pos.cpu())
+            out = decoder_layer_ref(xf, w, self._shape(B, S), pos.cpu(), self.attention)
         return out.view(B, S, d)
 
     def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +149,7 @@ class DecoderLayer(nn.Module):
         dims = LayerDims(
             B, S, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.rope_base
         )
-        out = DecoderLayerFunction.apply(
+        out = decoder_layer(
             x.reshape(B * S, d).contiguous(),
             self.g1,
             self.w_qkv,
@@ -148,6 +159,7 @@ class DecoderLayer(nn.Module):
             self.w_d,
             _positions(B, S, x.device),
             dims,
+            self.attention,
         )
         return out.view(B, S, d)
 

@@ -53,7 +53,17 @@ def acc_dtype(t) -> torch.dtype:
 
 
 def _interpret_into(program, x, w, config, d, c, operands, outputs, add_to_output):
-    """``launch`` on the CPU: the interpreter's outputs written into the kernel's buffers."""
+    """``launch`` on the CPU: the interpreter's outputs written into the kernel's buffers.
+    For 16-bit operands the TMA's layout rules are checked as the GPU would enforce them, so
+    a CPU run catches a layout the kernel could not read."""
+    if x.element_size() == 2:
+        from coda._validate import check_tma_operand
+
+        check_tma_operand("A", x, either_major=True)
+        check_tma_operand("B", w, either_major=True)
+        for name, t in (("D", d), ("C", c)):
+            if t is not None:
+                check_tma_operand(name, t)
     ops = dict(operands) if c is None else {**operands, "c": c}
     out = interpret_gemm(program, x, w, config=config, operands=ops)
     if program.writes_d and d is not None:

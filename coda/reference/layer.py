@@ -90,13 +90,17 @@ def positions_of(s: LayerShape) -> torch.Tensor:
     return torch.arange(s.seq).repeat(s.batch)
 
 
-def attention_ref(q, k, v, s: LayerShape):
-    """Causal GQA attention on token rows: q (M, H*hd), k and v (M, Hkv*hd) -> (M, H*hd)."""
+def attention_ref(q, k, v, s: LayerShape, attention=None):
+    """Causal GQA attention on token rows: q (M, H*hd), k and v (M, Hkv*hd) -> (M, H*hd).
+    ``attention(q, k, v)`` on (B, heads, S, hd) replaces the default causal SDPA."""
     B, S, hd = s.batch, s.seq, s.head_dim
 
     def heads(t, n):
         return t.reshape(B, S, n, hd).transpose(1, 2)
 
+    if attention is not None:
+        o = attention(heads(q, s.heads), heads(k, s.kv_heads), heads(v, s.kv_heads))
+        return o.transpose(1, 2).reshape(B * S, s.heads * hd)
     rep = s.heads // s.kv_heads
     kk = heads(k, s.kv_heads).repeat_interleave(rep, dim=1)
     vv = heads(v, s.kv_heads).repeat_interleave(rep, dim=1)
@@ -104,10 +108,11 @@ def attention_ref(q, k, v, s: LayerShape):
     return o.transpose(1, 2).reshape(B * S, s.heads * hd)
 
 
-def decoder_layer_ref(x0, w: dict, s: LayerShape, positions=None):
+def decoder_layer_ref(x0, w: dict, s: LayerShape, positions=None, attention=None):
     """The layer in coda's weight layout (w: g1, wqkv, wo, g2, w_il, wd), differentiable by
     autograd: the reference path of ``coda.nn.DecoderLayer``. Same math as
-    ``llama_layer_ref`` on the converted weights ([I3.4-I3.7])."""
+    ``llama_layer_ref`` on the converted weights ([I3.4-I3.7]); ``attention`` as in
+    ``attention_ref``."""
     M, hd = x0.shape[0], s.head_dim
     nq, nkv = s.heads * hd, s.kv_heads * hd
     pos = positions_of(s) if positions is None else positions
@@ -115,7 +120,7 @@ def decoder_layer_ref(x0, w: dict, s: LayerShape, positions=None):
     z = rmsnorm_ref(x0, w["g1"], s.eps) @ w["wqkv"]
     q = rope_adjacent_ref(z[:, :nq].reshape(M, s.heads, hd), cs).flatten(1)
     k = rope_adjacent_ref(z[:, nq : nq + nkv].reshape(M, s.kv_heads, hd), cs).flatten(1)
-    x1 = x0 + attention_ref(q, k, z[:, nq + nkv :], s) @ w["wo"]
+    x1 = x0 + attention_ref(q, k, z[:, nq + nkv :], s, attention) @ w["wo"]
     gu = rmsnorm_ref(x1, w["g2"], s.eps) @ w["w_il"]
     return x1 + (torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]) @ w["wd"]
 
