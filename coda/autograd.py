@@ -113,6 +113,33 @@ class AttentionInput(torch.autograd.Function):
         return dx0, dg1.to(g1.dtype), dw_qkv, None, None
 
 
+class SplitHeads(torch.autograd.Function):
+    """qkv (M, (H + 2 Hkv) hd) -> q, k, v as (B, heads, S, hd) views. Its backward writes the
+    three head gradients into one buffer (three copies); autograd's own slice backward would
+    zero-fill and sum a full-size tensor per slice."""
+
+    @staticmethod
+    def forward(ctx, qkv, dims: LayerDims):
+        H, Hkv = dims.heads, dims.kv_heads
+        t = qkv.view(dims.batch, dims.seq, H + 2 * Hkv, dims.head_dim).transpose(1, 2)
+        ctx.dims = dims
+        return t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :]
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        dims = ctx.dims
+        H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
+        ref = next(g for g in (dq, dk, dv) if g is not None)
+        dqkv = ref.new_empty(dims.batch * dims.seq, (H + 2 * Hkv) * hd)
+        t = dqkv.view(dims.batch, dims.seq, H + 2 * Hkv, hd).transpose(1, 2)
+        for g, sl in ((dq, slice(0, H)), (dk, slice(H, H + Hkv)), (dv, slice(H + Hkv, None))):
+            if g is None:
+                t[:, sl].zero_()
+            else:
+                t[:, sl] = g
+        return dqkv, None
+
+
 class AttentionOutput(torch.autograd.Function):
     """F3 + A1 / B8 + B9: O projection + residual, with the next norm's statistics and
     x1 * gamma2 in its epilogue. Returns (x1, a1, r1); a1 and r1 feed the MLP's GEMM and carry
@@ -171,10 +198,10 @@ def decoder_layer(x0, g1, w_qkv, w_o, g2, w_il, w_d, positions, dims: LayerDims,
     """One decoder layer on token rows x0 (M, d) as the composition of the kernel-path
     Functions, with ``attention`` (default ``sdpa_causal``) between them, differentiated by
     its own autograd. Returns x2 (M, d)."""
-    H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
+    H, hd = dims.heads, dims.head_dim
     qkv, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, dims)
-    t = qkv.view(dims.batch, dims.seq, H + 2 * Hkv, hd).transpose(1, 2)
-    o4 = (attention or sdpa_causal)(t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :])
+    q, k, v = SplitHeads.apply(qkv, dims)
+    o4 = (attention or sdpa_causal)(q, k, v)
     o = o4.transpose(1, 2).reshape(x0.shape[0], H * hd)
     x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps)
     return MLP.apply(x1, a1, r1, g2, w_il, w_d)
