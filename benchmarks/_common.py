@@ -30,3 +30,12 @@ def row(name: str, shape: dict, timing: dict, flops: float, **extra) -> dict:
         "tflops": flops / (timing["ms"] * 1e-3) / 1e12 if flops else None,
         **extra,
     }
+
+
+def liger_functional():
+    """Liger's functional ops (a peer), or None where liger-kernel is not installed."""
+    try:
+        import liger_kernel.transformers.functional as liger
+    except Exception:
+        liger = None
+    return liger

@@ -22,7 +22,7 @@ import torch
 
 import coda
 import coda.nn as cnn
-from benchmarks._common import bench, row
+from benchmarks._common import bench, liger_functional, row
 from coda import _quack
 from coda.kernels.config import DEFAULT
 from coda.reference.model import TorchLlama
@@ -294,17 +294,13 @@ def model_rows(liger) -> list[dict]:
     return rows
 
 
-def _liger():
-    try:
-        import liger_kernel.transformers.functional as liger
-    except Exception:
-        liger = None
-    return liger
-
-
 def run(parts=("host", "graph", "model")) -> list[dict]:
     out = []
-    table = {"host": host_rows, "graph": graph_rows, "model": lambda: model_rows(_liger())}
+    table = {
+        "host": host_rows,
+        "graph": graph_rows,
+        "model": lambda: model_rows(liger_functional()),
+    }
     for part in (table[p] for p in parts):
         try:
             out += part()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import coda.nn as cnn
-from benchmarks._common import bench, row
+from benchmarks._common import bench, liger_functional, row
 from benchmarks.bench_forward import ffn, heads
 from benchmarks.bench_layer import HD, S, attention, split_heads
 from coda.reference.rope import apply_rope_hf, hf_cos_sin
@@ -252,16 +252,8 @@ def lm_head_rows(liger) -> list[dict]:
     return rows
 
 
-def _liger():
-    try:
-        import liger_kernel.transformers.functional as liger
-    except Exception:
-        liger = None
-    return liger
-
-
 def run() -> list[dict]:
-    return layer_rows(_liger()) + lm_head_rows(_liger())
+    return layer_rows(liger_functional()) + lm_head_rows(liger_functional())
 
 
 class LMHeadOnly:
@@ -269,4 +261,4 @@ class LMHeadOnly:
 
     @staticmethod
     def run() -> list[dict]:
-        return lm_head_rows(_liger())
+        return lm_head_rows(liger_functional())

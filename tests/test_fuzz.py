@@ -21,6 +21,7 @@ shares no code with the op under test beyond the exact layout permutations.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -604,17 +605,7 @@ def test_gpu_fuzz_decoder_layer_protocol():
         out = layer(x)
         out.backward(dy)
         got = (out.detach(), x.grad, *hf_layer_grads(layer).values())
-        layer32 = cnn.DecoderLayer(
-            layer.d,
-            layer.n_heads,
-            layer.n_kv_heads,
-            layer.ffn,
-            head_dim=layer.head_dim,
-            eps=layer.eps,
-            device="cuda",
-            dtype=torch.float64,
-        )
-        layer32.load_hf_state_dict({k: t.double() for k, t in layer.hf_state_dict().items()})
+        layer32 = copy.deepcopy(layer).double()  # the same weights, in float64
         o32, dx32, g32 = canonical_layer(layer32, x.detach().double(), dy.double())
         o16, dx16, g16 = canonical_layer(layer, x.detach(), dy)
         shape = tuple(x.shape)
@@ -639,15 +630,7 @@ def test_gpu_fuzz_lm_head_loss_protocol():
         dloss = randn(g, *loss.shape, dtype=torch.float32, device="cuda")
         loss.backward(dloss)
         got = (loss.detach(), x.grad, head.gf.grad, head.w_lm.grad.t())
-        head32 = cnn.LMHeadLoss(
-            head.d,
-            head.vocab,
-            eps=head.eps,
-            ignore_index=head.ignore_index,
-            device="cuda",
-            dtype=torch.float64,
-        )
-        head32.load_hf_state_dict({k: u.double() for k, u in head.hf_state_dict().items()})
+        head32 = copy.deepcopy(head).double()  # the same weights, in float64
         ref32 = canonical_head(head32, x.detach().double(), t, reduction, dloss.double())
         peer = canonical_head(head, x.detach(), t, reduction, dloss)
         label = f"{head.method}/{reduction}, x {tuple(x.shape)}, V {head.vocab}"
