@@ -1,0 +1,158 @@
+"""FSDP2 over coda's modules: ``fully_shard`` per decoder layer and on the whole model, one
+global batch split across the ranks, checked against one process running the same batch.
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/fsdp_step.py --check       # gloo, CPU
+    torchrun --standalone --nproc_per_node 2 benchmarks/fsdp_step.py --check --steps 20
+
+On CPUs (gloo) the model is fp32 and runs coda's reference path: CI uses this to test the
+sharding wiring. On GPUs (NCCL) the parameters are fp32, sharded, and gathered in bf16 for
+compute (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), so coda's modules run
+their kernel path; ``--steps`` then times the step (tokens/s per GPU, peak memory per GPU).
+``--check``: rank 0 also runs the unsharded model on the whole global batch; the loss and every
+gradient must match (fp32: to round-off; bf16: within the spread of two bf16 runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import coda.nn as cnn
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="FSDP2 over coda's modules, checked or timed.")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    ap.add_argument("--d", type=int, default=64, help="hidden size (default 64)")
+    ap.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
+    ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
+    ap.add_argument("--ffn", type=int, default=128, help="MLP width (default 128)")
+    ap.add_argument("--vocab", type=int, default=256, help="vocabulary (default 256)")
+    ap.add_argument("--batch", type=int, default=4, help="global batch, split over ranks")
+    ap.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
+    ap.add_argument("--steps", type=int, default=0, help="timed steps after the check")
+    ap.add_argument("--check", action="store_true", help="compare with one unsharded process")
+    ap.add_argument("--out", default=None, help="write the result JSON here (rank 0)")
+    return ap.parse_args(argv)
+
+
+def build(args, device):
+    torch.manual_seed(0)
+    return cnn.CausalLM(
+        args.vocab,
+        args.d,
+        args.layers,
+        args.heads,
+        args.kv_heads,
+        args.ffn,
+        method="chunked" if device.type == "cuda" else "recompute",
+        device=device,
+        dtype=torch.float32,
+    )
+
+
+def shard(model, gpu: bool):
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if gpu
+        else None
+    )
+    kw = {"mp_policy": mp} if mp else {}
+    for layer in model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    gpu = torch.cuda.is_available()
+    dist.init_process_group("nccl" if gpu else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.batch % world:
+        raise SystemExit(f"--batch ({args.batch}) must be a multiple of the world size ({world})")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
+    )
+    if gpu:
+        torch.cuda.set_device(device)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    targets = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    per = args.batch // world
+    mine = slice(rank * per, (rank + 1) * per)
+
+    reference = build(args, device)
+    model = shard(copy.deepcopy(reference), gpu)
+    loss = model(tokens[mine], targets[mine])
+    loss.backward()
+    # every rank's loss is a mean over the same number of tokens: the global mean is their mean
+    global_loss = loss.detach().float().clone()
+    dist.all_reduce(global_loss)
+    global_loss /= world
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    result = {"world": world, "device": str(device), "loss": float(global_loss)}
+
+    if args.check and rank == 0:
+        ref_model = reference
+        if gpu:  # the same bf16 compute the sharded model does
+            ref_model = copy.deepcopy(reference).to(torch.bfloat16)
+        ref_loss = ref_model(tokens, targets)
+        ref_loss.backward()
+        ref_loss = ref_loss.detach()
+        worst = 0.0
+        for n, p in ref_model.named_parameters():
+            a, b = grads[n].double(), p.grad.double()
+            worst = max(worst, float((a - b).norm() / b.norm().clamp(min=1e-30)))
+        result.update(
+            reference_loss=float(ref_loss),
+            loss_rel_diff=abs(float(global_loss) - float(ref_loss)) / abs(float(ref_loss)),
+            worst_grad_rel_diff=worst,
+        )
+    if args.steps:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            model(tokens[mine], targets[mine]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(3):
+            step()
+        if gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        if gpu:
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / args.steps
+        result.update(
+            step_ms=dt * 1e3,
+            tokens_per_s_per_rank=per * args.seq / dt,
+            peak_gib_per_rank=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+        )
+    if rank == 0:
+        print(json.dumps(result))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    dist.destroy_process_group()
+    if args.check and rank == 0:
+        tol = 1e-5 if not gpu else 2e-2
+        ok = result["loss_rel_diff"] < tol and result["worst_grad_rel_diff"] < tol
+        print("FSDP check:", "PASS" if ok else "FAIL", f"(tolerance {tol})")
+        if not ok:
+            raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
