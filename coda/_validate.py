@@ -106,6 +106,19 @@ def check_eps(eps) -> float:
     return float(eps)
 
 
+def check_ce_options(label_smoothing, z_loss) -> tuple[float, float]:
+    """Cross-entropy options: label_smoothing in [0, 1] (as ``F.cross_entropy``), z_loss >= 0."""
+    ok = isinstance(label_smoothing, numbers.Real) and not isinstance(label_smoothing, bool)
+    if not ok or not 0.0 <= label_smoothing <= 1.0:
+        raise CodaInputError(
+            f"label_smoothing: must be a number in [0, 1], got {label_smoothing!r}"
+        )
+    ok = isinstance(z_loss, numbers.Real) and not isinstance(z_loss, bool)
+    if not ok or not 0.0 <= z_loss < float("inf"):
+        raise CodaInputError(f"z_loss: must be a finite number >= 0, got {z_loss!r}")
+    return float(label_smoothing), float(z_loss)
+
+
 def check_choice(name: str, value, allowed) -> str:
     if value not in allowed:
         raise CodaInputError(f"{name}: must be one of {tuple(allowed)}, got {value!r}")

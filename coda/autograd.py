@@ -26,6 +26,7 @@ from coda.kernels.gemm_rope import cached_freq_table, gemm_rope_kernel
 from coda.kernels.gemm_swiglu import gemm_swiglu_kernel
 from coda.kernels.linear_cross_entropy import lm_head_stats_kernel
 from coda.kernels.linear_cross_entropy_bwd import (
+    ce_grad_weights,
     final_norm_bwd_normed,
     linear_cross_entropy_bwd_kernel,
     row_scale,
@@ -216,48 +217,48 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     chunk by chunk over tokens, and the backward scales them (3 GEMMs; "mean"/"sum" only)."""
 
     @staticmethod
-    def forward(ctx, x2, gf, w_lm, target, eps, ignore_index, reduction, chunk, method):
+    def forward(
+        ctx, x2, gf, w_lm, target, eps, ignore_index, reduction, chunk, method, smooth, z_loss
+    ):
         M, d = x2.shape
+        V = w_lm.shape[1]
         y, r = fused(final_norm)(x2, gf, eps)
         ones = torch.ones_like(r)  # the row scale is already in y
-        cfg = config_for(M, d, w_lm.shape[1])
+        cfg = config_for(M, d, V)
         ctx.method = method
+        logit_sum = None
+        if smooth:  # sum_n l_n = y . (sum_n W[:, n]): one GEMV, no pass over the logits
+            logit_sum = y.to(r.dtype) @ w_lm.sum(1, dtype=r.dtype)
+        stats = dict(logit_sum=logit_sum, vocab=V, label_smoothing=smooth, z_loss=z_loss)
         if method == "chunked":
-            weight = row_scale(target, ignore_index, reduction, torch.ones((), device=x2.device))
-            rows = max(128, (2**28 // (2 * w_lm.shape[1])) // 128 * 128)  # 256 MiB of logits
+            one = torch.ones((), dtype=r.dtype, device=x2.device)
+            weight = row_scale(target, ignore_index, reduction, one)
+            rows = max(128, (2**28 // (2 * V)) // 128 * 128)  # 256 MiB of logits
             lse, tl, G, S, dw = linear_cross_entropy_chunked(
-                y, w_lm, ones, target, weight, rows, cfg
+                y, w_lm, ones, target, weight, rows, cfg, label_smoothing=smooth, z_loss=z_loss
             )
             dx2, dgf = fused(final_norm_bwd_normed)(G.to(r.dtype), S, x2, gf, r)
             ctx.save_for_backward(dx2, dgf, dw)
-            return ce_loss_from_stats(lse, tl, target, ignore_index, reduction)
+            return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
         parts, tl = lm_head_stats_kernel(y, w_lm, ones, target, cfg)  # F6
         lse = combine_lse(parts)  # A3
         ctx.save_for_backward(x2, y, r, lse, tl, target, gf, w_lm)
-        ctx.cfg = (ignore_index, reduction, chunk, cfg)
-        return ce_loss_from_stats(lse, tl, target, ignore_index, reduction)
+        ctx.cfg = (ignore_index, reduction, chunk, cfg, smooth, z_loss)
+        return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
 
     @staticmethod
     def backward(ctx, g):
+        nones = (None,) * 8
         if ctx.method == "chunked":
             dx2, dgf, dw = ctx.saved_tensors
             gf_dtype = dx2.dtype
-            return (
-                dx2 * g.to(dx2.dtype),
-                (dgf * g).to(gf_dtype),
-                dw * g.to(dw.dtype),
-                None,
-                None,
-                None,
-                None,
-                None,
-                None,
-            )
+            return (dx2 * g.to(dx2.dtype), (dgf * g).to(gf_dtype), dw * g.to(dw.dtype), *nones)
         x2, y, r, lse, tl, target, gf, w_lm = ctx.saved_tensors
-        ignore_index, reduction, chunk, cfg = ctx.cfg
+        ignore_index, reduction, chunk, cfg, smooth, z_loss = ctx.cfg
         scale = row_scale(target, ignore_index, reduction, g)
+        p_scale, hot, shift = ce_grad_weights(scale, lse, w_lm.shape[1], smooth, z_loss)
         G, S, dw = linear_cross_entropy_bwd_kernel(
-            y, w_lm, torch.ones_like(r), lse, tl, target, scale, chunk, cfg
+            y, w_lm, torch.ones_like(r), lse, tl, target, p_scale, chunk, cfg, hot=hot, shift=shift
         )  # B1 + B3 + B2
         dx2, dgf = fused(final_norm_bwd_normed)(G, S, x2, gf, r)  # A4 + A5
-        return dx2, dgf.to(gf.dtype), dw, None, None, None, None, None, None
+        return dx2, dgf.to(gf.dtype), dw, *nones

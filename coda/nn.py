@@ -234,7 +234,9 @@ class LMHeadLoss(nn.Module):
 
     ``method`` picks the kernel path's cross-entropy program: "recompute" (CE-A: the logits
     are recomputed in the backward, 4 GEMMs, least memory, any reduction) or "chunked" (CE-C:
-    3 GEMMs, gradients formed in the forward chunk by chunk; reduction "mean" or "sum")."""
+    3 GEMMs, gradients formed in the forward chunk by chunk; reduction "mean" or "sum").
+    ``label_smoothing`` is ``F.cross_entropy``'s; ``z_loss`` adds z * logsumexp(logits)^2 per
+    non-ignored token (PaLM's auxiliary loss), reduced with the loss."""
 
     def __init__(
         self,
@@ -247,8 +249,11 @@ class LMHeadLoss(nn.Module):
         device=None,
         dtype=torch.bfloat16,
         backend: str = "auto",
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
     ):
         super().__init__()
+        self.label_smoothing, self.z_loss = v.check_ce_options(label_smoothing, z_loss)
         v.check_positive_int("d", d)
         v.check_positive_int("vocab", vocab)
         v.check_positive_int("chunk", chunk)
@@ -283,7 +288,9 @@ class LMHeadLoss(nn.Module):
             loss = self._kernel_loss(xf, t, reduction)
         else:
             logits = rmsnorm_ref(xf, self.gf, self.eps) @ self.w_lm  # HF: x's dtype; CE fp32+
-            loss = cross_entropy_ref(logits, t, self.ignore_index, reduction)
+            loss = cross_entropy_ref(
+                logits, t, self.ignore_index, reduction, self.label_smoothing, self.z_loss
+            )
         return loss.view(target.shape) if reduction == "none" else loss
 
     def _kernel_loss(self, xf, t, reduction):
@@ -298,6 +305,8 @@ class LMHeadLoss(nn.Module):
             reduction,
             self.chunk,
             self.method,
+            self.label_smoothing,
+            self.z_loss,
         )
 
     def hf_state_dict(self) -> dict:

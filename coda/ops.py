@@ -240,6 +240,8 @@ def linear_cross_entropy(
     rstd=None,
     ignore_index: int = -100,
     reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
     backend: str = "auto",
     config: GemmConfig = DEFAULT,
 ) -> torch.Tensor:
@@ -248,9 +250,11 @@ def linear_cross_entropy(
     x (M, d), w_lm (d, V), target (M,) int64/int32 in [0, V) or ``ignore_index``; rstd (M,) fp32
     (the final norm's deferred scale) or None. reduction: "mean" over non-ignored rows (NaN
     when every row is ignored, as in PyTorch), "sum", or "none" (per-row loss, 0 on ignored
-    rows). Returns fp32. A target out of range raises ``CodaInputError`` on the CPU; on a GPU
-    it fails a device-side assertion (no host sync), as PyTorch's cross-entropy does."""
+    rows). ``label_smoothing`` as ``F.cross_entropy``'s; ``z_loss`` adds z * lse^2 per
+    non-ignored row. Returns fp32. A target out of range raises ``CodaInputError`` on the CPU;
+    on a GPU it fails a device-side assertion (no host sync), as PyTorch's cross-entropy does."""
     v.check_choice("reduction", reduction, v.REDUCTIONS)
+    label_smoothing, z_loss = v.check_ce_options(label_smoothing, z_loss)
     v.check_matrix("x", x)
     M, d = x.shape
     v.check_matrix("w_lm", w_lm, rows=("x.shape[1]", d))
@@ -260,5 +264,10 @@ def linear_cross_entropy(
     named = {"x": x, "w_lm": w_lm, "rstd": r, "target": target}
     if _start("linear_cross_entropy", backend, named) == "kernel":
         _kernel_layout({"x": x}, {"w_lm": w_lm}, {"rstd": r, "target": target})
-        return linear_cross_entropy_kernel(x, w_lm, r, target, ignore_index, reduction, config)[0]
-    return linear_cross_entropy_ref(x, w_lm, r, target, ignore_index, reduction).to(stat_dtype(x))
+        return linear_cross_entropy_kernel(
+            x, w_lm, r, target, ignore_index, reduction, config, label_smoothing, z_loss
+        )[0]
+    loss = linear_cross_entropy_ref(
+        x, w_lm, r, target, ignore_index, reduction, label_smoothing, z_loss
+    )
+    return loss.to(stat_dtype(x))

@@ -48,11 +48,34 @@ def lm_head_stats_kernel(a, w_lm, rstd, target, config: GemmConfig = DEFAULT, dr
 
 
 def linear_cross_entropy_kernel(
-    a, w_lm, rstd, target, ignore_index=-100, reduction="mean", config: GemmConfig = DEFAULT
+    a,
+    w_lm,
+    rstd,
+    target,
+    ignore_index=-100,
+    reduction="mean",
+    config: GemmConfig = DEFAULT,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
 ):
+    """F6 + A3. With label smoothing, sum_n l_n = rstd * (a . sum_n W[:, n]) is one GEMV."""
     parts, tl = lm_head_stats_kernel(a, w_lm, rstd, target, config)
     lse = combine_lse(parts)
-    return ce_loss_from_stats(lse, tl, target, ignore_index, reduction), lse
+    logit_sum = None
+    if label_smoothing:
+        logit_sum = rstd * (a.to(rstd.dtype) @ w_lm.sum(1, dtype=rstd.dtype))
+    loss = ce_loss_from_stats(
+        lse,
+        tl,
+        target,
+        ignore_index,
+        reduction,
+        logit_sum=logit_sum,
+        vocab=w_lm.shape[1],
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+    )
+    return loss, lse
 
 
 def lm_head_stats_interpreted(a, w_lm, rstd, target, config: GemmConfig = DEFAULT):

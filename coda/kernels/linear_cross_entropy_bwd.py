@@ -34,6 +34,17 @@ def softmax_grad_logits(acc, rstd, lse, scale):
     return {"D": p * rstd, "stat": p * acc}
 
 
+@epilogue_program(
+    inputs=[ColLoad("rstd"), ColLoad("lse"), ColLoad("scale"), ColLoad("shift")],
+    sinks=[RowPartials("stat")],
+)
+def softmax_grad_logits_shifted(acc, rstd, lse, scale, shift):
+    """Label smoothing's uniform term in the same pass: dl = p * scale - shift, with
+    shift = scale_m * eps / V per row (formed in fp32 and rounded once, as PyTorch's)."""
+    dl = exp(acc * rstd - lse) * scale - shift
+    return {"D": dl * rstd, "stat": dl * acc}
+
+
 def row_scale(target, ignore_index, reduction, grad):
     """scale[m] = g * w[m]: w = 1/M_valid ("mean") or 1 ("sum") on valid rows, 0 elsewhere;
     ``grad`` is a 0-d tensor or a per-row tensor (reduction "none")."""
@@ -41,36 +52,54 @@ def row_scale(target, ignore_index, reduction, grad):
     return ce_row_weights(target, ignore_index, reduction, dt) * grad.to(dt)
 
 
-def _one_hot_fixup(dz, stat_sum, target, col0, rstd, scale, target_logit, lse):
+def ce_grad_weights(scale, lse, vocab: int, label_smoothing: float, z_loss: float):
+    """The three per-row weights of dl = scale_p * p - hot * onehot - shift for CE with
+    z-loss z and label smoothing eps: scale_p = scale (1 + 2 z lse), hot = scale (1 - eps),
+    shift = scale eps / V (None without smoothing)."""
+    p_scale = scale * (1.0 + 2.0 * z_loss * lse) if z_loss else scale
+    hot = scale * (1.0 - label_smoothing) if label_smoothing else scale
+    shift = scale * (label_smoothing / vocab) if label_smoothing else None
+    return p_scale, hot, shift
+
+
+def _one_hot_fixup(dz, stat_sum, target, col0, rstd, scale, hot, target_logit, lse, shift):
     """The one-hot term for rows whose target lies in this chunk: the target entry of dz~ is
-    rewritten as rstd * scale * (p_y - 1), formed in fp32 and rounded once (p_y =
-    exp(l_y - lse) from F6's target logit: the same value the epilogue computed). Adding
-    -rstd * scale to the stored bf16 entry instead would round the row's largest entry three
+    rewritten as rstd * (scale * p_y - hot - shift), formed in fp32 and rounded once (p_y =
+    exp(l_y - lse) from F6's target logit: the same value the epilogue computed; ``hot`` is the
+    one-hot weight, scale * (1 - eps) with label smoothing; ``shift`` the uniform term). Adding
+    -rstd * hot to the stored bf16 entry instead would round the row's largest entry three
     times. Each row writes one value (its own, where the target is elsewhere): no host sync,
     no collision, deterministic."""
     n = dz.shape[1]
     local = target - col0
     inside = (local >= 0) & (local < n)
     idx = local.clamp(0, n - 1)[:, None]
-    exact = rstd * scale * (torch.exp(target_logit - lse) - 1.0)
+    exact = rstd * (scale * torch.exp(target_logit - lse) - hot - shift)
     dz.scatter_(
         1, idx, torch.where(inside[:, None], exact.to(dz.dtype)[:, None], dz.gather(1, idx))
     )
-    stat_sum -= torch.where(inside, scale * target_logit / rstd, torch.zeros_like(scale))
+    stat_sum -= torch.where(inside, hot * target_logit / rstd, torch.zeros_like(scale))
 
 
-def grad_logits_chunk(a, w_chunk, rstd, lse, scale, config: GemmConfig = DEFAULT, dry=False):
-    """B1 on one vocabulary chunk: returns (dz~ chunk, per-row S without the one-hot term)."""
+def grad_logits_chunk(
+    a, w_chunk, rstd, lse, scale, config: GemmConfig = DEFAULT, dry=False, shift=None
+):
+    """B1 on one vocabulary chunk: returns (dz~ chunk, per-row S without the one-hot term).
+    ``shift`` (per row, label smoothing's uniform term) selects the shifted program."""
     M, n = a.shape[0], w_chunk.shape[1]
     dz = torch.empty(M, n, dtype=a.dtype, device=a.device)
     stat = torch.empty(M, config.grid(M, n)[1], dtype=acc_dtype(a), device=a.device)
+    operands = {"rstd": rstd, "lse": lse, "scale": scale}
+    program = softmax_grad_logits
+    if shift is not None:
+        operands["shift"], program = shift, softmax_grad_logits_shifted
     compiled = launch(
-        softmax_grad_logits,
+        program,
         a,
         w_chunk,
         config=config,
         d=dz,
-        operands={"rstd": rstd, "lse": lse, "scale": scale},
+        operands=operands,
         outputs={"stat": stat},
         dry=dry,
     )
@@ -93,10 +122,15 @@ def linear_cross_entropy_bwd_kernel(
     chunk: int = 16384,
     config: GemmConfig = DEFAULT,
     interpreted: bool = False,
+    hot=None,
+    shift=None,
 ):
     """Returns (G = dz~ @ W_lm^T fp32 M x d, S per row fp32, dW_lm (d x V view of a V x d
     buffer)). ``chunk`` columns of dz~ are live at a time. ``interpreted`` runs B1 through the
-    tile interpreter and B2/B3 in torch (the CPU oracle of the same loop)."""
+    tile interpreter and B2/B3 in torch (the CPU oracle of the same loop). ``scale`` weighs
+    the softmax term, ``hot`` (default ``scale``) the one-hot term, ``shift`` (default none)
+    is subtracted from every entry: z-loss and label smoothing (``ce_grad_weights``)."""
+    hot = scale if hot is None else hot
     M, V = a.shape[0], w_lm.shape[1]
     G = torch.zeros(
         M, a.shape[1], dtype=acc_dtype(a) if not interpreted else a.dtype, device=a.device
@@ -106,10 +140,11 @@ def linear_cross_entropy_bwd_kernel(
     for c0 in range(0, V, chunk):
         wc = w_lm[:, c0 : c0 + chunk]
         if interpreted:
-            dz, s = grad_logits_interpreted(a, wc, rstd, lse, scale, config)
+            dz, s = grad_logits_interpreted(a, wc, rstd, lse, scale, config, shift)
         else:
-            dz, s = grad_logits_chunk(a, wc, rstd, lse, scale, config)
-        _one_hot_fixup(dz, s, target, c0, rstd, scale, target_logit, lse)
+            dz, s = grad_logits_chunk(a, wc, rstd, lse, scale, config, shift=shift)
+        no_shift = torch.zeros_like(scale) if shift is None else shift
+        _one_hot_fixup(dz, s, target, c0, rstd, scale, hot, target_logit, lse, no_shift)
         S += s
         torch.mm(dz.t(), a, out=dw_t[c0 : c0 + wc.shape[1]])  # B3: rows of dW_lm^T
         if interpreted:
@@ -134,21 +169,19 @@ def final_norm_bwd_normed(G, S, h, gamma, rstd):
     return final_norm_bwd(G * rstd[:, None].to(G.dtype), S / rstd, h, gamma, rstd)
 
 
-def grad_logits_interpreted(a, w, rstd, lse, scale, config: GemmConfig = DEFAULT):
-    out = interpret_gemm(
-        softmax_grad_logits,
-        a,
-        w,
-        config=config,
-        operands={"rstd": rstd, "lse": lse, "scale": scale},
-    )
+def grad_logits_interpreted(a, w, rstd, lse, scale, config: GemmConfig = DEFAULT, shift=None):
+    operands = {"rstd": rstd, "lse": lse, "scale": scale}
+    program = softmax_grad_logits
+    if shift is not None:
+        operands["shift"], program = shift, softmax_grad_logits_shifted
+    out = interpret_gemm(program, a, w, config=config, operands=operands)
     return out["D"], combine_row_partials(out["stat"])
 
 
-def compile_grad_logits(d, v, *, w_major="n", config=DEFAULT, m=256) -> int:
+def compile_grad_logits(d, v, *, w_major="n", config=DEFAULT, m=256, shifted=False) -> int:
     a, w = example_operands(m, d, v, w_major)
     e = torch.empty(m)
-    return grad_logits_chunk(a, w, e, e, e, config, dry=True)
+    return grad_logits_chunk(a, w, e, e, e, config, dry=True, shift=e if shifted else None)
 
 
 def compile_accumulate(v, d, *, config=DEFAULT, m=256) -> int:

@@ -72,13 +72,17 @@ def logits_chunk_interpreted(a, w_lm, rstd, target, config: GemmConfig = DEFAULT
     return out["D"], combine_lse(out["lse"]), torch.nan_to_num(out["target_logit"], nan=0.0)
 
 
-def softmax_grad_rows(logits, target, rstd, weight):
-    """The row kernel: dz~ = rstd * w * (softmax(l) - onehot(y)) over stored logits (written
-    in place) and S = sum_n dl * l / rstd. Rows with w = 0 (ignored) give zeros."""
+def softmax_grad_rows(logits, target, rstd, weight, label_smoothing=0.0, z_loss=0.0):
+    """The row kernel: dz~ = rstd * dl over stored logits (written in place), with
+    dl = w * ((1 + 2 z lse) softmax(l) - (1 - eps) onehot(y) - eps / V) (z-loss z, label
+    smoothing eps), and S = sum_n dl * l / rstd. Rows with w = 0 (ignored) give zeros."""
     lf = logits.float() if logits.dtype != torch.float64 else logits
-    p = torch.softmax(lf, dim=-1)
-    onehot = torch.zeros_like(p).scatter_(1, target.clamp(min=0)[:, None], 1.0)
-    dl = weight[:, None] * (p - onehot)
+    lse = torch.logsumexp(lf, dim=-1, keepdim=True)
+    p = torch.exp(lf - lse)
+    if z_loss:
+        p = p * (1.0 + 2.0 * z_loss * lse)
+    onehot = torch.zeros_like(p).scatter_(1, target.clamp(min=0)[:, None], 1.0 - label_smoothing)
+    dl = weight[:, None] * (p - onehot - label_smoothing / lf.shape[1])
     S = (dl * lf).sum(-1) / rstd
     logits.copy_(rstd[:, None] * dl)
     return S
@@ -93,6 +97,8 @@ def linear_cross_entropy_chunked(
     rows: int = 4096,
     config: GemmConfig = DEFAULT,
     interpreted: bool = False,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
 ):
     """Forward stats and g = 1 gradients. Returns (lse, target_logit, G (M x d), S, dW_lm).
     ``weight`` is the per-row loss weight (1/M_valid or 1; 0 on ignored rows)."""
@@ -109,7 +115,9 @@ def linear_cross_entropy_chunked(
         R = slice(r0, min(r0 + rows, M))
         chunk = logits_chunk_interpreted if interpreted else logits_chunk
         logits, lse[R], tl[R] = chunk(a[R], w_lm, rstd[R], target[R], config)
-        S[R] = row_kernel(logits, target[R], rstd[R], weight[R].to(lse.dtype))
+        S[R] = row_kernel(
+            logits, target[R], rstd[R], weight[R].to(lse.dtype), label_smoothing, z_loss
+        )
         torch.mm(logits, w_lm.t(), out=G[R])  # B2'
         if dw.dtype == logits.dtype:
             dw.addmm_(a[R].t(), logits)  # B3'

@@ -45,11 +45,29 @@ def ce_row_weights(target, ignore_index: int, reduction: str, dtype=torch.float3
     return valid / valid.sum().clamp(min=1) if reduction == "mean" else valid
 
 
-def ce_loss_from_stats(lse, target_logit, target, ignore_index: int, reduction: str):
-    """A3: per-row loss lse - l_y (0 on ignored rows), then the reduction. "mean" divides by
-    the number of valid rows, so it is NaN when there are none, as in PyTorch."""
+def ce_loss_from_stats(
+    lse,
+    target_logit,
+    target,
+    ignore_index: int,
+    reduction: str,
+    *,
+    logit_sum=None,
+    vocab: int = 0,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+):
+    """A3: per-row loss lse - (1 - eps) l_y - (eps / V) sum_n l_n + z lse^2 (0 on ignored
+    rows; eps = ``label_smoothing`` as in ``F.cross_entropy``, ``logit_sum`` = sum_n l_n;
+    z = ``z_loss``), then the reduction. "mean" divides by the number of valid rows, so it is
+    NaN when there are none, as in PyTorch."""
     valid = target != ignore_index
-    per_row = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
+    per = lse - target_logit
+    if label_smoothing:
+        per = per + label_smoothing * (target_logit - logit_sum / vocab)
+    if z_loss:
+        per = per + z_loss * lse * lse
+    per_row = torch.where(valid, per, torch.zeros_like(lse))
     if reduction == "none":
         return per_row
     total = per_row.sum()

@@ -18,11 +18,30 @@ import torch
 from coda.reference.rmsnorm import ref_dtype
 
 
-def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean"):
-    """Canonical CE in the logits' reference precision."""
-    return torch.nn.functional.cross_entropy(
-        logits.to(ref_dtype(logits)), target.long(), ignore_index=ignore_index, reduction=reduction
+def cross_entropy_ref(
+    logits,
+    target,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+):
+    """Canonical CE in the logits' reference precision (``F.cross_entropy``, its label
+    smoothing included), plus the z-loss z * logsumexp(l)^2 on every non-ignored row (as
+    PaLM's auxiliary loss), reduced the same way."""
+    lf, t = logits.to(ref_dtype(logits)), target.long()
+    if not z_loss:
+        return torch.nn.functional.cross_entropy(
+            lf, t, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+        )
+    per = torch.nn.functional.cross_entropy(
+        lf, t, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
     )
+    valid = t != ignore_index
+    per = per + torch.where(valid, z_loss * torch.logsumexp(lf, -1).pow(2), torch.zeros_like(per))
+    if reduction == "none":
+        return per
+    return per.sum() / valid.sum() if reduction == "mean" else per.sum()
 
 
 def lse_partials_ref(logits: torch.Tensor, tile_n: int) -> torch.Tensor:
@@ -56,11 +75,13 @@ def ce_from_stats_ref(lse, target_logit, target, ignore_index=-100, reduction="m
     return per_row.sum()
 
 
-def linear_cross_entropy_ref(a, w_lm, r, target, ignore_index=-100, reduction="mean"):
+def linear_cross_entropy_ref(
+    a, w_lm, r, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0
+):
     """Reference of the fused LM head + CE: l = r * (a @ w_lm), then canonical CE."""
     dt = ref_dtype(a, w_lm)
     logits = r.to(dt)[:, None] * (a.to(dt) @ w_lm.to(dt))
-    return cross_entropy_ref(logits, target, ignore_index, reduction)
+    return cross_entropy_ref(logits, target, ignore_index, reduction, label_smoothing, z_loss)
 
 
 def dlogits_ref(logits, lse, target, ignore_index=-100, reduction="mean", grad=1.0):
