@@ -84,26 +84,24 @@ class AttentionInput(torch.autograd.Function):
     B12's epilogue instead of by a separate add."""
 
     @staticmethod
-    def forward(ctx, x0, g1, w_qkv, positions, dims: LayerDims):
+    def forward(ctx, x0, g1, w_qkv, positions, freq, dims: LayerDims):
         M, d = x0.shape
-        H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
-        freq = cached_freq_table(hd, H + Hkv, Hkv, dims.rope_base, x0.device)
         pos = positions.float()
         a0, r0 = fused(entry_norm)(x0, g1, dims.eps)  # F0
         qkv = gemm_rope_kernel(a0, w_qkv, r0, pos, freq, config_for(M, d, w_qkv.shape[1]))  # F1
-        ctx.save_for_backward(x0, r0, qkv, g1, w_qkv, pos)
+        ctx.save_for_backward(x0, r0, qkv, g1, w_qkv, pos, freq)
         ctx.dims = dims
         return qkv, x0.view_as(x0)
 
     @staticmethod
     def backward(ctx, dqkv, dres):
-        x0, r0, qkv, g1, w_qkv, pos = ctx.saved_tensors
+        x0, r0, qkv, g1, w_qkv, pos, freq = ctx.saved_tensors
         dims = ctx.dims
         M, d = x0.shape
         hd = dims.head_dim
         dqkv = dqkv.contiguous()
-        freq = cached_freq_table(hd, 1, 0, dims.rope_base, x0.device)
-        cos, sin = rotation_tables(pos, freq[0::2], freq[1::2], hd, r0.dtype)
+        head = freq[:hd]  # every rotated head carries the same frequencies
+        cos, sin = rotation_tables(pos, head[0::2], head[1::2], hd, r0.dtype)
         n_rot = dims.heads + dims.kv_heads
         dz0, corr0 = fused(drope_rows)(dqkv, qkv, r0, cos, sin, n_rot, hd, d)  # B11
         dres = None if dres is None else dres.contiguous()
@@ -111,7 +109,7 @@ class AttentionInput(torch.autograd.Function):
             dz0, w_qkv, x0, g1, corr0, dres, config_for(M, w_qkv.shape[1], d)
         )  # B12 + A9
         dw_qkv = wgrad_gamma_rows(x0, dz0, g1, config_for(d, M, w_qkv.shape[1]))  # B13
-        return dx0, dg1.to(g1.dtype), dw_qkv, None, None
+        return dx0, dg1.to(g1.dtype), dw_qkv, None, None, None
 
 
 class SplitHeads(torch.autograd.Function):
@@ -195,12 +193,17 @@ class MLP(torch.autograd.Function):
         return dx1, None, None, dg2.to(g2.dtype), dw_il, dw_d
 
 
-def decoder_layer(x0, g1, w_qkv, w_o, g2, w_il, w_d, positions, dims: LayerDims, attention=None):
+def decoder_layer(
+    x0, g1, w_qkv, w_o, g2, w_il, w_d, positions, dims: LayerDims, attention=None, freq=None
+):
     """One decoder layer on token rows x0 (M, d) as the composition of the kernel-path
     Functions, with ``attention`` (default ``sdpa_causal``) between them, differentiated by
-    its own autograd. Returns x2 (M, d)."""
-    H, hd = dims.heads, dims.head_dim
-    qkv, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, dims)
+    its own autograd. ``freq``: the RoPE epilogue's per-column frequency table (default: from
+    ``dims.rope_base``). Returns x2 (M, d)."""
+    H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
+    if freq is None:
+        freq = cached_freq_table(hd, H + Hkv, Hkv, dims.rope_base, x0.device)
+    qkv, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, freq, dims)
     q, k, v = SplitHeads.apply(qkv, dims)
     o4 = (attention or sdpa_causal)(q, k, v)
     o = o4.transpose(1, 2).reshape(x0.shape[0], H * hd)

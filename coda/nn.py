@@ -23,6 +23,7 @@ from coda import _validate as v
 from coda import layouts
 from coda.autograd import LayerDims, LinearCrossEntropyFunction, decoder_layer
 from coda.env import BACKENDS, resolve_backend
+from coda.kernels.gemm_rope import rope_freq_table_from_inv
 from coda.reference.cross_entropy import cross_entropy_ref
 from coda.reference.layer import LayerShape, decoder_layer_ref
 from coda.reference.rmsnorm import rmsnorm_ref
@@ -60,9 +61,22 @@ class DecoderLayer(nn.Module):
         dtype=torch.bfloat16,
         backend: str = "auto",
         attention=None,
+        inv_freq=None,
     ):
         super().__init__()
         hd = v.check_heads(d, n_heads, n_kv_heads, head_dim)
+        if inv_freq is None:
+            inv_freq = rope_base ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        v.check_tensor("inv_freq", inv_freq)
+        if inv_freq.shape != (hd // 2,):
+            raise v.CodaInputError(
+                f"inv_freq: expected shape (head_dim / 2,) = ({hd // 2},), got "
+                f"{tuple(inv_freq.shape)}"
+            )
+        # RoPE's inverse frequencies (plain attributes, not buffers: ``.to(dtype)`` must not
+        # round them); the kernel's float-float table is derived once per device
+        self._inv_freq = inv_freq.detach().to("cpu", torch.float64)
+        self._freq_tables = {}
         if attention is not None and not callable(attention):
             raise v.CodaInputError(
                 f"attention: must be a callable (q, k, v) -> o, got {attention!r}"
@@ -119,33 +133,72 @@ class DecoderLayer(nn.Module):
             self.rope_base,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (batch, seq, d) -> (batch, seq, d). Positions restart at 0 in every sequence."""
+    def forward(
+        self, x: torch.Tensor, positions=None, rope_cos_sin=None, attention=None
+    ) -> torch.Tensor:
+        """x (batch, seq, d) -> (batch, seq, d).
+
+        ``positions`` (batch, seq) integer token positions (packed sequences restart them per
+        document); default 0..seq-1 in every sequence. ``rope_cos_sin``: HF's (cos, sin)
+        tables (batch, seq, head_dim), used as given by the reference path (so a patched HF
+        model computes exactly its own RoPE); the kernel path forms the same angles in its
+        epilogue from positions and the layer's inverse frequencies. ``attention`` overrides
+        the layer's attention callable for this call (HF's, with its mask and cache)."""
+        attention = attention or self.attention
         v.check_activation("DecoderLayer", x, self.d, self.w_qkv)
         B, S, d = x.shape
-        xf = x.reshape(B * S, d)
-        pos = _positions(B, S, x.device)
+        pos = self._positions(positions, B, S, x.device)
         if resolve_backend("DecoderLayer", self.backend, x.device, x.dtype) == "kernel":
             if self._kernel_rule:
                 raise v.CodaInputError(f"DecoderLayer (kernel path): {self._kernel_rule}")
-            return self._kernel_forward(x)
+            return self._kernel_forward(x, pos, attention)
+        w = {
+            "g1": self.g1,
+            "wqkv": self.w_qkv,
+            "wo": self.w_o,
+            "g2": self.g2,
+            "w_il": self.w_il,
+            "wd": self.w_d,
+        }
+        if rope_cos_sin is not None:  # HF's halves -> coda's adjacent (cos, sin) pairs
+            half = self.head_dim // 2
+            cos, sin = (t.expand(B, S, -1).reshape(B * S, -1)[:, :half] for t in rope_cos_sin)
+            cs = torch.stack([cos, sin], dim=-1).flatten(1)
         else:
-            w = {
-                "g1": self.g1,
-                "wqkv": self.w_qkv,
-                "wo": self.w_o,
-                "g2": self.g2,
-                "w_il": self.w_il,
-                "wd": self.w_d,
-            }
-            out = decoder_layer_ref(xf, w, self._shape(B, S), pos.cpu(), self.attention)
+            ang = pos.to(torch.float64)[:, None] * self._inv_freq.to(pos.device)[None, :]
+            cs = torch.stack([ang.cos(), ang.sin()], dim=-1).flatten(1)
+        out = decoder_layer_ref(x.reshape(B * S, d), w, self._shape(B, S), None, attention, cs)
         return out.view(B, S, d)
 
-    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _positions(self, positions, B, S, device):
+        if positions is None:
+            return _positions(B, S, device)
+        v.check_tensor("positions", positions)
+        n = positions.numel()
+        if positions.is_floating_point() or positions.shape[-1] != S or n not in (S, B * S):
+            raise v.CodaInputError(
+                f"positions: expected integer (batch, seq) = ({B}, {S}) or (seq,), got "
+                f"{positions.dtype} {tuple(positions.shape)}"
+            )
+        flat = positions.reshape(-1).to(device)
+        return flat.repeat(B) if n == S and B > 1 else flat
+
+    def _freq_table(self, device):
+        """The RoPE epilogue's per-column frequency table, built once per device."""
+        table = self._freq_tables.get(device)
+        if table is None:
+            table = rope_freq_table_from_inv(
+                self._inv_freq, self.n_heads + self.n_kv_heads, self.n_kv_heads, device
+            )
+            self._freq_tables[device] = table
+        return table
+
+    def _kernel_forward(self, x: torch.Tensor, positions=None, attention=None) -> torch.Tensor:
         """The kernel sequence (``coda.autograd``). On an SM90 GPU its GEMMs are the SM90
         kernels; with CPU tensors every epilogue program runs through the tile interpreter
         (``coda.kernels._launch``), which is how CI tests this exact code path."""
         B, S, d = x.shape
+        pos = _positions(B, S, x.device) if positions is None else positions
         dims = LayerDims(
             B, S, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.rope_base
         )
@@ -157,33 +210,39 @@ class DecoderLayer(nn.Module):
             self.g2,
             self.w_il,
             self.w_d,
-            _positions(B, S, x.device),
+            pos,
             dims,
-            self.attention,
+            attention or self.attention,
+            self._freq_table(x.device),
         )
         return out.view(B, S, d)
 
     # -- Hugging Face weights ------------------------------------------------------------------
-    def hf_state_dict(self, prefix: str = "") -> dict:
-        """This layer's weights as HF ``LlamaDecoderLayer`` tensors (exact permutations)."""
+    def hf_state_dict(self, prefix: str = "", grad: bool = False) -> dict:
+        """This layer's weights (or, with ``grad``, their gradients) as HF
+        ``LlamaDecoderLayer`` tensors (exact permutations)."""
+
+        def t(p):
+            return (p.grad if grad else p).detach()
+
         q, k, v = layouts.qkv_weight_to_hf(
-            self.w_qkv.detach(),
+            t(self.w_qkv),
             n_heads=self.n_heads,
             n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim,
         )
-        gate, up = layouts.gate_up_weight_to_hf(self.w_il.detach())
+        gate, up = layouts.gate_up_weight_to_hf(t(self.w_il))
         p = prefix
         return {
-            f"{p}input_layernorm.weight": self.g1.detach().clone(),
+            f"{p}input_layernorm.weight": t(self.g1).clone(),
             f"{p}self_attn.q_proj.weight": q,
             f"{p}self_attn.k_proj.weight": k,
             f"{p}self_attn.v_proj.weight": v,
-            f"{p}self_attn.o_proj.weight": self.w_o.detach().t().contiguous(),
-            f"{p}post_attention_layernorm.weight": self.g2.detach().clone(),
+            f"{p}self_attn.o_proj.weight": t(self.w_o).t().contiguous(),
+            f"{p}post_attention_layernorm.weight": t(self.g2).clone(),
             f"{p}mlp.gate_proj.weight": gate,
             f"{p}mlp.up_proj.weight": up,
-            f"{p}mlp.down_proj.weight": self.w_d.detach().t().contiguous(),
+            f"{p}mlp.down_proj.weight": t(self.w_d).t().contiguous(),
         }
 
     def hf_shapes(self, prefix: str = "") -> dict:
@@ -263,7 +322,6 @@ class LMHeadLoss(nn.Module):
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise v.CodaInputError(f"ignore_index: must be an int, got {ignore_index!r}")
         self.d, self.vocab = d, vocab
-        self._kernel_rule = _tma_rule(d=d, vocab=vocab)
         self.eps, self.ignore_index, self.chunk, self.backend = eps, ignore_index, chunk, backend
         self.method = method
         self.gf = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
@@ -274,24 +332,20 @@ class LMHeadLoss(nn.Module):
         """x (batch, seq, d) or (tokens, d), target (batch, seq) or (tokens,) int64/int32 in
         [0, vocab) or ``ignore_index`` -> the loss (fp32). reduction: "mean" (NaN when every
         target is ignored, as in PyTorch), "sum" or "none" (per-token losses)."""
-        v.check_activation("LMHeadLoss", x, self.d, self.w_lm, ndim=(2, 3))
-        v.check_choice("reduction", reduction, v.REDUCTIONS)
-        t = v.check_targets(target, x.shape[:-1], self.vocab, self.ignore_index)
-        xf = x.reshape(-1, x.shape[-1])
-        if self.method == "chunked" and reduction == "none":
-            raise v.CodaInputError(
-                "reduction: LMHeadLoss(method='chunked') takes 'mean' or 'sum', got 'none'"
-            )
-        if resolve_backend("LMHeadLoss", self.backend, x.device, x.dtype) == "kernel":
-            if self._kernel_rule:
-                raise v.CodaInputError(f"LMHeadLoss (kernel path): {self._kernel_rule}")
-            loss = self._kernel_loss(xf, t, reduction)
-        else:
-            logits = rmsnorm_ref(xf, self.gf, self.eps) @ self.w_lm  # HF: x's dtype; CE fp32+
-            loss = cross_entropy_ref(
-                logits, t, self.ignore_index, reduction, self.label_smoothing, self.z_loss
-            )
-        return loss.view(target.shape) if reduction == "none" else loss
+        return lm_head_loss(
+            x,
+            self.gf,
+            self.w_lm,
+            target,
+            eps=self.eps,
+            ignore_index=self.ignore_index,
+            reduction=reduction,
+            method=self.method,
+            chunk=self.chunk,
+            backend=self.backend,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+        )
 
     def _kernel_loss(self, xf, t, reduction):
         """The kernel sequence on (tokens, d) rows (on CPU tensors: through the interpreter)."""
@@ -323,6 +377,60 @@ class LMHeadLoss(nn.Module):
         v.check_state_dict(sd, shapes)
         self.gf.copy_(sd["model.norm.weight"])
         self.w_lm.copy_(sd["lm_head.weight"].t())
+
+
+def lm_head_loss(
+    x,
+    gamma,
+    w_lm,
+    target,
+    *,
+    eps: float = 1e-5,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    method: str = "recompute",
+    chunk: int = 16384,
+    backend: str = "auto",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+):
+    """Final RMSNorm (``gamma``) + LM head (``w_lm`` (d, vocab), either major: an HF
+    ``lm_head.weight.t()`` view is fine) + cross-entropy, with parameters given: what
+    ``LMHeadLoss`` computes, for models that own their weights (``coda.transformers``)."""
+    v.check_tensor("w_lm", w_lm)
+    if w_lm.dim() != 2:
+        raise v.CodaInputError(f"w_lm: expected a 2-D (d, vocab) tensor, got {tuple(w_lm.shape)}")
+    d, vocab = w_lm.shape
+    v.check_activation("lm_head_loss", x, d, w_lm, ndim=(2, 3))
+    v.check_vector("gamma", gamma, ("d", d))
+    v.check_choice("reduction", reduction, v.REDUCTIONS)
+    v.check_choice("method", method, ("recompute", "chunked"))
+    label_smoothing, z_loss = v.check_ce_options(label_smoothing, z_loss)
+    t = v.check_targets(target, x.shape[:-1], vocab, ignore_index)
+    xf = x.reshape(-1, d)
+    if method == "chunked" and reduction == "none":
+        raise v.CodaInputError("reduction: method='chunked' takes 'mean' or 'sum', got 'none'")
+    if resolve_backend("LMHeadLoss", backend, x.device, x.dtype) == "kernel":
+        rule = _tma_rule(d=d, vocab=vocab)
+        if rule:
+            raise v.CodaInputError(f"LMHeadLoss (kernel path): {rule}")
+        loss = LinearCrossEntropyFunction.apply(
+            xf.contiguous(),
+            gamma,
+            w_lm,
+            t,
+            eps,
+            ignore_index,
+            reduction,
+            chunk,
+            method,
+            label_smoothing,
+            z_loss,
+        )
+    else:
+        logits = rmsnorm_ref(xf, gamma, eps) @ w_lm  # as HF: in x's dtype, the loss in fp32+
+        loss = cross_entropy_ref(logits, t, ignore_index, reduction, label_smoothing, z_loss)
+    return loss.view(target.shape) if reduction == "none" else loss
 
 
 class CausalLM(nn.Module):

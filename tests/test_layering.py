@@ -1,6 +1,6 @@
 """The layer stack only imports downward, and quack is imported in one place.
 
-    reference, primitives  ->  kernels  ->  ops, layouts, autograd  ->  nn
+    reference, primitives  ->  kernels  ->  ops, layouts, autograd  ->  nn  ->  transformers
 (``env`` and ``_validate`` are leaves any layer may use; ``_quack`` is the only module that
 imports quack.)"""
 
@@ -16,6 +16,7 @@ RANK = {
     "layouts": 2,
     "autograd": 2,
     "nn": 3,
+    "transformers": 4,
 }
 LEAVES = {"env", "_validate", "_quack", "__init__"}
 # What each leaf may import from coda (``__init__`` is the package face: it re-exports).

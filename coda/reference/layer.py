@@ -108,15 +108,17 @@ def attention_ref(q, k, v, s: LayerShape, attention=None):
     return o.transpose(1, 2).reshape(B * S, s.heads * hd)
 
 
-def decoder_layer_ref(x0, w: dict, s: LayerShape, positions=None, attention=None):
+def decoder_layer_ref(x0, w: dict, s: LayerShape, positions=None, attention=None, cs=None):
     """The layer in coda's weight layout (w: g1, wqkv, wo, g2, w_il, wd), differentiable by
     autograd: the reference path of ``coda.nn.DecoderLayer``. Same math as
     ``llama_layer_ref`` on the converted weights ([I3.4-I3.7]); ``attention`` as in
-    ``attention_ref``."""
+    ``attention_ref``; ``cs`` (M, hd), the RoPE table of every row (default from positions)."""
     M, hd = x0.shape[0], s.head_dim
     nq, nkv = s.heads * hd, s.kv_heads * hd
-    pos = positions_of(s) if positions is None else positions
-    cs = rope_table(pos, hd, s.rope_base).to(device=x0.device, dtype=x0.dtype)
+    if cs is None:
+        pos = positions_of(s) if positions is None else positions
+        cs = rope_table(pos, hd, s.rope_base)
+    cs = cs.to(device=x0.device, dtype=x0.dtype)
     z = rmsnorm_ref(x0, w["g1"], s.eps) @ w["wqkv"]
     q = rope_adjacent_ref(z[:, :nq].reshape(M, s.heads, hd), cs).flatten(1)
     k = rope_adjacent_ref(z[:, nq : nq + nkv].reshape(M, s.kv_heads, hd), cs).flatten(1)

@@ -1,0 +1,248 @@
+"""Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama model in
+place so its decoder layers run coda's kernel sequence and ``model(input_ids, labels=...)``
+returns the loss through coda's LM-head loss, logits never stored.
+
+What stays the model's own: the embedding, the attention function the config selects (sdpa,
+flash, eager: called with the model's masks and KV cache, so padding, packed sequences and
+generation behave as before), the RoPE tables the model computes (the reference path uses them
+as given; the kernel path forms the same angles from ``position_ids`` and the model's inverse
+frequencies, Llama 3's scaling included), and the state-dict layout: each patched layer stores
+coda's paired layouts (``coda.layouts``) but ``state_dict()`` / ``load_state_dict()`` /
+``save_pretrained`` speak HF's keys and shapes, exactly. Without labels the model returns
+logits as before (generation works). Anything not supported raises ``CodaInputError``
+naming it: nothing is silently left unpatched.
+
+Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel`` (silu MLP, no biases, RoPE
+"default" or "llama3"). Qwen3's per-head QK-norm is not yet a coda epilogue: Qwen3 models are
+refused with that reason.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from coda import _validate as v
+from coda import layouts
+from coda.nn import DecoderLayer, lm_head_loss
+
+SUPPORTED = ("LlamaForCausalLM", "LlamaModel")
+ROPE_TYPES = ("default", "llama3")
+
+
+def _check_config(config, rotary) -> None:
+    rules = [
+        (getattr(config, "hidden_act", "silu") == "silu", f"hidden_act={config.hidden_act!r}"),
+        (not getattr(config, "attention_bias", False), "attention_bias=True"),
+        (not getattr(config, "mlp_bias", False), "mlp_bias=True"),
+        (getattr(config, "pretraining_tp", 1) == 1, "pretraining_tp != 1"),
+        (rotary.rope_type in ROPE_TYPES, f"rope_type={rotary.rope_type!r}"),
+        (float(rotary.attention_scaling) == 1.0, "RoPE attention_scaling != 1"),
+    ]
+    for ok, what in rules:
+        if not ok:
+            raise v.CodaInputError(f"apply_coda: {what} is not supported")
+
+
+class CodaLlamaDecoderLayer(DecoderLayer):
+    """A ``LlamaDecoderLayer`` replaced by coda's layer: same call signature and result, the
+    weights in coda's layouts, HF's attention module kept (without its projections) for the
+    attention function's parameters (scaling, GQA groups, layer index, dropout)."""
+
+    def __init__(self, hf_layer, config, inv_freq):
+        attn = hf_layer.self_attn
+        p = next(hf_layer.parameters())
+        super().__init__(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.intermediate_size,
+            head_dim=attn.head_dim,
+            eps=config.rms_norm_eps,
+            device=p.device,
+            dtype=p.dtype,
+            inv_freq=inv_freq,
+        )
+        self.load_hf_state_dict(hf_layer.state_dict())
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            delattr(attn, name)  # the weights live in w_qkv / w_o now
+        self.self_attn = attn
+        self._attn_impl = config._attn_implementation
+        self.register_state_dict_post_hook(_to_hf_keys)
+        self.register_load_state_dict_pre_hook(_from_hf_keys)
+
+    def _hf_attention(self, attention_mask, past_key_values, kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        module = self.self_attn
+        iface = ALL_ATTENTION_FUNCTIONS.get_interface(self._attn_impl, eager_attention_forward)
+
+        def attention(q, k, v):
+            if past_key_values is not None:
+                k, v = past_key_values.update(k, v, module.layer_idx)
+            out, _ = iface(
+                module,
+                q,
+                k,
+                v,
+                attention_mask,
+                dropout=0.0 if not module.training else module.attention_dropout,
+                scaling=module.scaling,
+                **kwargs,
+            )
+            return out.transpose(1, 2)  # HF returns (batch, seq, heads, hd)
+
+        return attention
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
+        attention = self._hf_attention(attention_mask, past_key_values, kwargs)
+        return super().forward(hidden_states, position_ids, position_embeddings, attention)
+
+
+def _to_hf_keys(module, state_dict, prefix, local_metadata):
+    for name in ("g1", "w_qkv", "w_o", "g2", "w_il", "w_d"):
+        state_dict.pop(prefix + name, None)
+    state_dict.update(module.hf_state_dict(prefix))
+
+
+def _from_hf_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    p = prefix
+    keys = [p + k for k in module.hf_shapes()]
+    if not all(k in state_dict for k in keys):
+        return  # already coda keys, or missing ones: load_state_dict reports them
+    sd = {k[len(p) :]: state_dict.pop(k) for k in keys}
+    state_dict[p + "g1"] = sd["input_layernorm.weight"]
+    state_dict[p + "w_qkv"] = layouts.qkv_weight_from_hf(
+        sd["self_attn.q_proj.weight"],
+        sd["self_attn.k_proj.weight"],
+        sd["self_attn.v_proj.weight"],
+        n_heads=module.n_heads,
+        n_kv_heads=module.n_kv_heads,
+    )
+    state_dict[p + "w_o"] = sd["self_attn.o_proj.weight"].t()
+    state_dict[p + "g2"] = sd["post_attention_layernorm.weight"]
+    state_dict[p + "w_il"] = layouts.gate_up_weight_from_hf(
+        sd["mlp.gate_proj.weight"], sd["mlp.up_proj.weight"]
+    )
+    state_dict[p + "w_d"] = sd["mlp.down_proj.weight"].t()
+
+
+def _causal_lm_forward(original):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        if labels is None:  # logits as before (generation, evaluation)
+            return original(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        n_items = kwargs.pop("num_items_in_batch", None)
+        norm = self.model.norm
+        self.model.norm = torch.nn.Identity()  # the final norm runs inside coda's loss
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        finally:
+            self.model.norm = norm
+        shift = F.pad(labels, (0, 1), value=-100)[..., 1:]  # as HF's ForCausalLMLoss
+        loss = lm_head_loss(
+            out.last_hidden_state,
+            norm.weight,
+            self.lm_head.weight.t(),
+            shift.to(out.last_hidden_state.device),
+            eps=norm.variance_epsilon,
+            reduction="mean" if n_items is None else "sum",
+            method=self.coda_method,
+        )
+        if n_items is not None:
+            loss = loss / n_items
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            past_key_values=out.past_key_values,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+        )
+
+    return forward
+
+
+def apply_coda(model, *, method: str = "chunked"):
+    """Patch a transformers ``LlamaForCausalLM`` or ``LlamaModel`` in place; returns it.
+
+    ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "chunked" (3 GEMMs) or
+    "recompute" (least memory). Each decoder layer becomes a ``CodaLlamaDecoderLayer``."""
+    name = type(model).__name__
+    if name.startswith("Qwen3"):
+        raise v.CodaInputError(
+            f"apply_coda: {name} is not supported yet: Qwen3's per-head QK-norm has no coda "
+            f"epilogue (supported: {', '.join(SUPPORTED)})"
+        )
+    if name not in SUPPORTED:
+        raise v.CodaInputError(f"apply_coda: {name} is not supported ({', '.join(SUPPORTED)})")
+    v.check_choice("method", method, ("recompute", "chunked"))
+    base = model.model if name.endswith("ForCausalLM") else model
+    config = model.config
+    _check_config(config, base.rotary_emb)
+    inv_freq = base.rotary_emb.inv_freq.detach().to(torch.float64)
+    for i, layer in enumerate(base.layers):
+        if not isinstance(layer, CodaLlamaDecoderLayer):
+            base.layers[i] = CodaLlamaDecoderLayer(layer, config, inv_freq)
+    if name.endswith("ForCausalLM") and not getattr(model, "coda_method", None):
+        original = model.forward
+        model.forward = types.MethodType(_causal_lm_forward(original), model)
+    model.coda_method = method
+    return model
+
+
+def hf_gradients(model) -> dict:
+    """Every parameter's gradient under its HF state-dict key and layout (patched layers'
+    gradients converted from coda's layouts exactly): compare with an unpatched model's."""
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, CodaLlamaDecoderLayer):
+            out.update(mod.hf_state_dict(f"{name}.", grad=True))
+    for name, p in model.named_parameters():
+        if not isinstance(_owner(model, name), CodaLlamaDecoderLayer) and p.grad is not None:
+            out[name] = p.grad
+    return out
+
+
+def _owner(model, param_name: str):
+    return model.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else model

@@ -1,0 +1,174 @@
+"""``coda.transformers.apply_coda`` on tiny random Hugging Face Llama models built here (no
+downloads), on the CPU in float64 (coda's reference path): the patched model's logits, loss,
+every parameter gradient (in HF's layout) and greedy generation equal the unpatched model's,
+with padding masks and with packed sequences (positions restarting per document); its
+state dict and ``save_pretrained`` are HF's, and load back into an unpatched model exactly.
+
+Tolerance: 1e-5 relative. HF computes RMSNorm and the loss in fp32 even in a float64 model
+(``LlamaRMSNorm`` upcasts to fp32; ``ForCausalLMLoss`` calls ``logits.float()``) and its RoPE
+tables in fp32, so fp32 round-off is the floor of any comparison with it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers"
+)  # installed by the dev extra: never skipped in CI
+from conftest import rel_err  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel  # noqa: E402
+
+import coda  # noqa: E402
+import coda.transformers as ct  # noqa: E402
+
+TOL = 1e-5
+
+
+def tiny_config(**kw):
+    base = dict(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
+    return LlamaConfig(**{**base, **kw})
+
+
+def pair(config, seed=0):
+    torch.manual_seed(seed)
+    ref = LlamaForCausalLM(config).double()
+    with torch.no_grad():  # norms away from 1, so a lost gamma would show
+        for n, p in ref.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    patched = ct.apply_coda(copy.deepcopy(ref))
+    return ref, patched
+
+
+def _step(model, **batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach()
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        None,
+        dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
+    ],
+    ids=["default", "llama3"],
+)
+def test_patched_llama_matches_unpatched_float64(rope):
+    cfg = tiny_config(
+        **({} if rope is None else {"rope_parameters": {**rope, "rope_theta": 500000.0}})
+    )
+    ref, patched = pair(cfg)
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in patched.model.layers)
+    ids = torch.randint(0, cfg.vocab_size, (2, 13))
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, ref(ids).logits) < TOL
+    loss_r, loss_p = (
+        _step(ref, input_ids=ids, labels=ids),
+        _step(patched, input_ids=ids, labels=ids),
+    )
+    assert rel_err(loss_p, loss_r) < TOL
+    grads_r = {n: p.grad for n, p in ref.named_parameters()}
+    grads_p = ct.hf_gradients(patched)
+    assert grads_p.keys() == grads_r.keys()
+    floor = max(float(g.abs().max()) for g in grads_r.values())
+    for name, g in grads_r.items():
+        assert rel_err(grads_p[name], g, floor=floor) < TOL, name
+
+
+def test_padding_and_packed_sequences_behave_as_unpatched():
+    cfg = tiny_config()
+    ref, patched = pair(cfg, seed=1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0  # left padding in the second row
+    labels = ids.masked_fill(mask == 0, -100)
+    for batch in (
+        dict(input_ids=ids, attention_mask=mask, labels=labels),
+        # two documents packed in one row, positions restarting at the boundary
+        dict(
+            input_ids=ids[:1],
+            position_ids=torch.cat([torch.arange(5), torch.arange(7)])[None],
+            labels=ids[:1],
+        ),
+    ):
+        loss_r, loss_p = _step(ref, **batch), _step(patched, **batch)
+        assert rel_err(loss_p, loss_r) < TOL
+        grads_r = {n: p.grad for n, p in ref.named_parameters()}
+        grads_p = ct.hf_gradients(patched)
+        floor = max(float(g.abs().max()) for g in grads_r.values())
+        for name, g in grads_r.items():
+            assert rel_err(grads_p[name], g, floor=floor) < TOL, name
+
+
+def test_generation_and_llama_model():
+    cfg = tiny_config()
+    ref, patched = pair(cfg, seed=2)
+    ids = torch.randint(0, cfg.vocab_size, (1, 6))
+    with torch.no_grad():
+        out_r = ref.generate(ids, max_new_tokens=5, do_sample=False)
+        out_p = patched.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(out_r, out_p)
+    base = LlamaModel(cfg).double()
+    hidden = base(ids).last_hidden_state
+    ct.apply_coda(base)
+    assert rel_err(base(ids).last_hidden_state, hidden) < TOL
+
+
+def test_state_dict_and_save_pretrained_are_hf(tmp_path):
+    cfg = tiny_config()
+    ref, patched = pair(cfg, seed=3)
+    sd_r, sd_p = ref.state_dict(), patched.state_dict()
+    assert sd_p.keys() == sd_r.keys()
+    assert all(torch.equal(sd_p[k], sd_r[k]) for k in sd_r)
+    patched.save_pretrained(tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float64)
+    ids = torch.randint(0, cfg.vocab_size, (2, 7))
+    assert all(torch.equal(loaded.state_dict()[k], sd_r[k]) for k in sd_r)  # bit for bit
+    with torch.no_grad():  # (``ref.double()`` also made its RoPE buffer float64: round-off)
+        assert rel_err(loaded(ids).logits, ref(ids).logits) < 1e-12
+    # and an HF state dict loads into a patched model
+    other = ct.apply_coda(LlamaForCausalLM(cfg).double())
+    other.load_state_dict(sd_r)
+    assert all(torch.equal(other.state_dict()[k], sd_r[k]) for k in sd_r)
+
+
+def test_unsupported_models_and_configs_are_named():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    qwen = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    )
+    with pytest.raises(coda.CodaInputError, match="Qwen3ForCausalLM is not supported yet: Qwen3's"):
+        ct.apply_coda(qwen)
+    with pytest.raises(coda.CodaInputError, match="mlp_bias=True is not supported"):
+        ct.apply_coda(LlamaForCausalLM(tiny_config(mlp_bias=True)))
+    with pytest.raises(coda.CodaInputError, match="torch.nn.Linear is not supported|Linear is not"):
+        ct.apply_coda(torch.nn.Linear(2, 2))
