@@ -174,8 +174,8 @@ def check_activation(owner: str, x, d: int, like: torch.Tensor, *, ndim=(3,)) ->
 def check_targets(target, shape, vocab: int, ignore_index: int) -> torch.Tensor:
     """``target`` of ``shape``, int32/int64, each in [0, vocab) or == ignore_index. Returns it
     flattened. The range is checked on the host for CPU tensors, and by a device-side assertion
-    (no host sync) for GPU tensors: a bad value then fails the next synchronizing call with
-    'coda: target out of range'."""
+    (no host sync) for GPU tensors and under ``torch.compile``: a bad value then fails the next
+    synchronizing call with 'coda: target out of range'."""
     check_tensor("target", target)
     if target.dtype not in TARGET_DTYPES:
         raise CodaInputError(f"target: dtype must be int32 or int64, got {target.dtype}")
@@ -183,7 +183,7 @@ def check_targets(target, shape, vocab: int, ignore_index: int) -> torch.Tensor:
         raise CodaInputError(f"target: expected shape {tuple(shape)}, got {tuple(target.shape)}")
     t = target.reshape(-1)
     bad = ((t < 0) | (t >= vocab)) & (t != ignore_index)
-    if t.device.type == "cpu":
+    if t.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool(bad.any()):
             v = int(t[bad][0])
             raise CodaInputError(

@@ -48,7 +48,9 @@ def kernel_support(device: torch.device, dtype: torch.dtype | None = None) -> tu
 
 
 def resolve_backend(op: str, backend: str, device: torch.device, dtype=None) -> str:
-    """'kernel' or 'reference' for one call of ``op``; records and reports the choice."""
+    """'kernel' or 'reference' for one call of ``op``; records and reports the choice (not
+    while ``torch.compile`` traces: the choice is then fixed in the graph by its guards on the
+    device and dtype, and global bookkeeping would only force recompiles)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
@@ -61,6 +63,8 @@ def resolve_backend(op: str, backend: str, device: torch.device, dtype=None) -> 
             raise UnsupportedDeviceError(f"{op}: backend='kernel' cannot run: {reason}")
         else:
             path = "reference"
+            if torch.compiler.is_compiling():
+                return path
             if (op, reason) not in _WARNED:
                 _WARNED.add((op, reason))
                 warnings.warn(
@@ -68,7 +72,8 @@ def resolve_backend(op: str, backend: str, device: torch.device, dtype=None) -> 
                     CodaReferencePathWarning,
                     stacklevel=3,
                 )
-    _LAST[op] = (path, reason)
+    if not torch.compiler.is_compiling():
+        _LAST[op] = (path, reason)
     return path
 
 
