@@ -123,3 +123,30 @@ def test_bf16_kernel_path_runs_on_cpu_with_the_tma_layouts():
         assert abs(float(loss_k) - float(loss_r)) < 1e-2 * abs(float(loss_r))
         for a, b in zip(g_k, g_r):
             assert torch.isfinite(a).all() and rel_err(a, b) < 0.05
+
+
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_activation_checkpointing_gives_the_same_gradients(path):
+    """torch.utils.checkpoint (non-reentrant) over coda layers: the backward re-runs the
+    forward (the kernel path's Functions included) and the gradients are the same, exactly."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(3)
+    layers = torch.nn.ModuleList(
+        cnn.DecoderLayer(32, 4, 2, 40, head_dim=8, dtype=F64) for _ in range(2)
+    )
+    x = torch.randn(2, 6, 32, dtype=F64, requires_grad=True)
+    dy = torch.randn(2, 6, 32, dtype=F64)
+
+    def run(ckpt):
+        for p in (x, *layers.parameters()):
+            p.grad = None
+        h = x
+        for layer in layers:
+            fn = layer._kernel_forward if path == "kernel" else layer
+            h = checkpoint(fn, h, use_reentrant=False) if ckpt else fn(h)
+        h.backward(dy)
+        return [x.grad.clone()] + [p.grad.clone() for p in layers.parameters()]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)

@@ -172,3 +172,40 @@ def test_unsupported_models_and_configs_are_named():
         ct.apply_coda(LlamaForCausalLM(tiny_config(mlp_bias=True)))
     with pytest.raises(coda.CodaInputError, match="torch.nn.Linear is not supported|Linear is not"):
         ct.apply_coda(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+def test_gpu_patched_llama_protocol():
+    """H200: a patched bf16 Llama (coda's kernels, HF's sdpa) against the unpatched bf16 model,
+    both against a float64 copy: loss and every gradient no worse than the unpatched bf16
+    model's (CODA's protocol), with a padding mask."""
+    from conftest import fro_err
+
+    cfg = tiny_config(
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        num_hidden_layers=2,
+    )
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    ref64 = copy.deepcopy(ref).double()
+    patched = ct.apply_coda(copy.deepcopy(ref))
+    ids = torch.randint(0, cfg.vocab_size, (4, 256), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    loss64, loss16, loss_c = (_step(m, **batch) for m in (ref64, ref, patched))
+    g64 = {n: p.grad for n, p in ref64.named_parameters()}
+    g16 = {n: p.grad for n, p in ref.named_parameters()}
+    gc = ct.hf_gradients(patched)
+    floor = 2.0**-9 / int((batch["labels"] != -100).sum()) ** 0.5
+    assert max(fro_err(loss_c, loss64), floor) <= max(fro_err(loss16, loss64), floor)
+    worse = {
+        n: (fro_err(gc[n], g), fro_err(g16[n], g))
+        for n, g in g64.items()
+        if fro_err(gc[n], g) > fro_err(g16[n], g)
+    }
+    assert not worse, worse
