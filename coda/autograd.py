@@ -18,23 +18,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from coda.kernels import library as lib
 from coda.kernels._launch import fused
 from coda.kernels.drope import drope_rows, rotation_tables
-from coda.kernels.dswiglu import dswiglu_kernel
-from coda.kernels.gemm_residual_rms import epilogue_gemm, gemm_residual_rms_kernel
-from coda.kernels.gemm_rope import cached_freq_table, gemm_rope_kernel
-from coda.kernels.gemm_swiglu import gemm_swiglu_kernel
-from coda.kernels.linear_cross_entropy import lm_head_stats_kernel
+from coda.kernels.gemm_rope import cached_freq_table
 from coda.kernels.linear_cross_entropy_bwd import (
     ce_grad_weights,
     final_norm_bwd_normed,
-    linear_cross_entropy_bwd_kernel,
     row_scale,
 )
-from coda.kernels.linear_cross_entropy_chunked import linear_cross_entropy_chunked
-from coda.kernels.rmsnorm_bwd import norm_bwd_kernel, norm_corr
+from coda.kernels.rmsnorm_bwd import norm_corr
 from coda.kernels.tuned import config_for
-from coda.kernels.wgrad import wgrad, wgrad_gamma_rows
+from coda.kernels.wgrad import wgrad
 from coda.primitives.aux import ce_loss_from_stats, combine_lse
 
 
@@ -88,7 +83,7 @@ class AttentionInput(torch.autograd.Function):
         M, d = x0.shape
         pos = positions.float()
         a0, r0 = fused(entry_norm)(x0, g1, dims.eps)  # F0
-        qkv = gemm_rope_kernel(a0, w_qkv, r0, pos, freq, config_for(M, d, w_qkv.shape[1]))  # F1
+        qkv = lib.gemm_rope(a0, w_qkv, r0, pos, freq, config_for(M, d, w_qkv.shape[1]))  # F1
         ctx.save_for_backward(x0, r0, qkv, g1, w_qkv, pos, freq)
         ctx.dims = dims
         return qkv, x0.view_as(x0)
@@ -105,10 +100,10 @@ class AttentionInput(torch.autograd.Function):
         n_rot = dims.heads + dims.kv_heads
         dz0, corr0 = fused(drope_rows)(dqkv, qkv, r0, cos, sin, n_rot, hd, d)  # B11
         dres = None if dres is None else dres.contiguous()
-        dx0, dg1 = norm_bwd_kernel(
+        dx0, dg1 = lib.norm_bwd(
             dz0, w_qkv, x0, g1, corr0, dres, config_for(M, w_qkv.shape[1], d)
         )  # B12 + A9
-        dw_qkv = wgrad_gamma_rows(x0, dz0, g1, config_for(d, M, w_qkv.shape[1]))  # B13
+        dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1, config_for(d, M, w_qkv.shape[1]))  # B13
         return dx0, dg1.to(g1.dtype), dw_qkv, None, None, None
 
 
@@ -147,7 +142,7 @@ class AttentionOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o, w_o, x0, g2, eps: float):
         M, K = o.shape
-        x1, a1, r1 = gemm_residual_rms_kernel(o, w_o, x0, g2, eps, config_for(M, K, w_o.shape[1]))
+        x1, a1, r1 = lib.gemm_residual_rms(o, w_o, x0, g2, eps, config_for(M, K, w_o.shape[1]))
         ctx.mark_non_differentiable(a1, r1)
         ctx.save_for_backward(o, w_o)
         return x1, a1, r1
@@ -171,9 +166,9 @@ class MLP(torch.autograd.Function):
     def forward(ctx, x1, a1, r1, g2, w_il, w_d):
         M, d = x1.shape
         f = w_d.shape[0]
-        s, u = gemm_swiglu_kernel(a1, w_il, r1, True, config_for(M, d, 2 * f))  # F4
+        s, u = lib.gemm_swiglu(a1, w_il, r1, config_for(M, d, 2 * f))  # F4
         # F5: residual add only; this boundary's norm is the next layer's F0 (no AUX)
-        x2, _, _ = epilogue_gemm(s, w_d, x1, None, config_for(M, f, d))
+        x2 = lib.gemm_residual(s, w_d, x1, config_for(M, f, d))
         ctx.save_for_backward(x1, r1, u, g2, w_il, w_d)
         return x2
 
@@ -183,13 +178,11 @@ class MLP(torch.autograd.Function):
         M, d = x1.shape
         f = w_d.shape[0]
         dx2 = dx2.contiguous()
-        dz1, s, stat1 = dswiglu_kernel(dx2, w_d, u, r1, config_for(M, d, f))  # B4
+        dz1, s, stat1 = lib.dswiglu(dx2, w_d, u, r1, config_for(M, d, f))  # B4
         dw_d = wgrad(s, dx2)  # B5
         corr1 = norm_corr(r1, stat1, d)  # A6
-        dx1, dg2 = norm_bwd_kernel(
-            dz1, w_il, x1, g2, corr1, dx2, config_for(M, 2 * f, d)
-        )  # B6 + A7
-        dw_il = wgrad_gamma_rows(x1, dz1, g2, config_for(d, M, 2 * f))  # B7
+        dx1, dg2 = lib.norm_bwd(dz1, w_il, x1, g2, corr1, dx2, config_for(M, 2 * f, d))  # B6 + A7
+        dw_il = lib.wgrad_gamma_rows(x1, dz1, g2, config_for(d, M, 2 * f))  # B7
         return dx1, None, None, dg2.to(g2.dtype), dw_il, dw_d
 
 
@@ -237,13 +230,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             one = torch.ones((), dtype=r.dtype, device=x2.device)
             weight = row_scale(target, ignore_index, reduction, one)
             rows = max(128, (2**28 // (2 * V)) // 128 * 128)  # 256 MiB of logits
-            lse, tl, G, S, dw = linear_cross_entropy_chunked(
-                y, w_lm, ones, target, weight, rows, cfg, label_smoothing=smooth, z_loss=z_loss
+            lse, tl, G, S, dw = lib.lm_head_chunked(
+                y, w_lm, ones, target, weight, rows, cfg, smooth, z_loss
             )
             dx2, dgf = fused(final_norm_bwd_normed)(G.to(r.dtype), S, x2, gf, r)
             ctx.save_for_backward(dx2, dgf, dw)
             return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
-        parts, tl = lm_head_stats_kernel(y, w_lm, ones, target, cfg)  # F6
+        parts, tl = lib.lm_head_stats(y, w_lm, ones, target, cfg)  # F6
         lse = combine_lse(parts)  # A3
         ctx.save_for_backward(x2, y, r, lse, tl, target, gf, w_lm)
         ctx.cfg = (ignore_index, reduction, chunk, cfg, smooth, z_loss)
@@ -260,7 +253,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ignore_index, reduction, chunk, cfg, smooth, z_loss = ctx.cfg
         scale = row_scale(target, ignore_index, reduction, g)
         p_scale, hot, shift = ce_grad_weights(scale, lse, w_lm.shape[1], smooth, z_loss)
-        G, S, dw = linear_cross_entropy_bwd_kernel(
+        G, S, dw = lib.lm_head_bwd(
             y, w_lm, torch.ones_like(r), lse, tl, target, p_scale, chunk, cfg, hot=hot, shift=shift
         )  # B1 + B3 + B2
         dx2, dgf = fused(final_norm_bwd_normed)(G, S, x2, gf, r)  # A4 + A5

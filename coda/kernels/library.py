@@ -1,0 +1,289 @@
+"""The kernel path's launches as ``torch.library`` custom ops, so ``torch.compile`` can trace
+coda's autograd Functions without a graph break: each op has a fake (meta) implementation
+giving its outputs' exact shapes, dtypes and strides, and its real implementation is the
+kernel function itself (quack's SM90 GEMM on the GPU, the tile interpreter on the CPU).
+
+Eager calls skip the dispatcher (a custom op costs microseconds of host time per call): each
+function here calls its kernel directly unless ``torch.compile`` is tracing. Tile configs
+cross the op boundary as six ints (``GemmConfig`` fields).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coda.kernels import dswiglu as _dsw
+from coda.kernels import gemm_residual_rms as _grr
+from coda.kernels import gemm_rope as _rope
+from coda.kernels import gemm_swiglu as _sw
+from coda.kernels import linear_cross_entropy as _lce
+from coda.kernels import linear_cross_entropy_bwd as _ceb
+from coda.kernels import linear_cross_entropy_chunked as _cec
+from coda.kernels import rmsnorm_bwd as _nb
+from coda.kernels import wgrad as _wg
+from coda.kernels._launch import acc_dtype
+from coda.kernels.config import GemmConfig
+
+
+def _cfg(c: GemmConfig) -> list[int]:
+    return [c.tile_m, c.tile_n, c.cluster_m, c.cluster_n, int(c.pingpong), c.max_swizzle_size]
+
+
+def _gc(c: list[int]) -> GemmConfig:
+    return GemmConfig(c[0], c[1], c[2], c[3], bool(c[4]), c[5])
+
+
+def _tiles(n: int, tile: int) -> int:
+    return -(-n // tile)
+
+
+def _empty(*shape, like, dtype=None):
+    return torch.empty(*shape, dtype=dtype or like.dtype, device=like.device)
+
+
+# -- forward ------------------------------------------------------------------------------------
+@torch.library.custom_op("coda::gemm_rope", mutates_args=())
+def _gemm_rope(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    rstd: torch.Tensor,
+    pos: torch.Tensor,
+    freq: torch.Tensor,
+    cfg: list[int],
+) -> torch.Tensor:
+    return _rope.gemm_rope_kernel(a, w, rstd, pos, freq, _gc(cfg))
+
+
+@_gemm_rope.register_fake
+def _(a, w, rstd, pos, freq, cfg):
+    return _empty(a.shape[0], w.shape[1], like=a)
+
+
+@torch.library.custom_op("coda::gemm_residual_rms", mutates_args=())
+def _gemm_residual_rms(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    res: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float,
+    cfg: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _grr.gemm_residual_rms_kernel(x, w, res, gamma, eps, _gc(cfg))
+
+
+@_gemm_residual_rms.register_fake
+def _(x, w, res, gamma, eps, cfg):
+    M, N = x.shape[0], w.shape[1]
+    return _empty(M, N, like=x), _empty(M, N, like=x), _empty(M, like=x, dtype=acc_dtype(x))
+
+
+@torch.library.custom_op("coda::gemm_residual", mutates_args=())
+def _gemm_residual(
+    x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, cfg: list[int]
+) -> torch.Tensor:
+    return _grr.epilogue_gemm(x, w, res, None, _gc(cfg))[0]
+
+
+@_gemm_residual.register_fake
+def _(x, w, res, cfg):
+    return _empty(x.shape[0], w.shape[1], like=x)
+
+
+@torch.library.custom_op("coda::gemm_swiglu", mutates_args=())
+def _gemm_swiglu(
+    a: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, cfg: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _sw.gemm_swiglu_kernel(a, w, rstd, True, _gc(cfg))
+
+
+@_gemm_swiglu.register_fake
+def _(a, w, rstd, cfg):
+    M, N = a.shape[0], w.shape[1]
+    return _empty(M, N // 2, like=a), _empty(M, N, like=a)
+
+
+@torch.library.custom_op("coda::lm_head_stats", mutates_args=())
+def _lm_head_stats(
+    a: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor, cfg: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _lce.lm_head_stats_kernel(a, w, rstd, target, _gc(cfg))
+
+
+@_lm_head_stats.register_fake
+def _(a, w, rstd, target, cfg):
+    M, acc = a.shape[0], acc_dtype(a)
+    return _empty(M, _tiles(w.shape[1], cfg[1]), like=a, dtype=acc), _empty(M, like=a, dtype=acc)
+
+
+# -- backward -----------------------------------------------------------------------------------
+@torch.library.custom_op("coda::dswiglu", mutates_args=())
+def _dswiglu(
+    dx: torch.Tensor, w_d: torch.Tensor, u: torch.Tensor, rstd: torch.Tensor, cfg: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _dsw.dswiglu_kernel(dx, w_d, u, rstd, _gc(cfg))
+
+
+@_dswiglu.register_fake
+def _(dx, w_d, u, rstd, cfg):
+    M, f = dx.shape[0], w_d.shape[0]
+    stat = _empty(M, _tiles(f, cfg[1]), like=dx, dtype=acc_dtype(dx))
+    return torch.empty_like(u), _empty(M, f, like=dx), stat
+
+
+@torch.library.custom_op("coda::norm_bwd", mutates_args=())
+def _norm_bwd(
+    dz: torch.Tensor,
+    w2: torch.Tensor,
+    h: torch.Tensor,
+    gamma: torch.Tensor,
+    corr: torch.Tensor,
+    dres: torch.Tensor | None,
+    cfg: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _nb.norm_bwd_kernel(dz, w2, h, gamma, corr, dres, _gc(cfg))
+
+
+@_norm_bwd.register_fake
+def _(dz, w2, h, gamma, corr, dres, cfg):
+    d = w2.shape[0]
+    return _empty(dz.shape[0], d, like=dz), _empty(d, like=dz, dtype=acc_dtype(dz))
+
+
+@torch.library.custom_op("coda::wgrad_gamma_rows", mutates_args=())
+def _wgrad_gamma_rows(
+    h: torch.Tensor, dz: torch.Tensor, gamma: torch.Tensor, cfg: list[int]
+) -> torch.Tensor:
+    return _wg.wgrad_gamma_rows(h, dz, gamma, _gc(cfg))
+
+
+@_wgrad_gamma_rows.register_fake
+def _(h, dz, gamma, cfg):
+    return _empty(h.shape[1], dz.shape[1], like=h)
+
+
+@torch.library.custom_op("coda::lm_head_bwd", mutates_args=())
+def _lm_head_bwd(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    rstd: torch.Tensor,
+    lse: torch.Tensor,
+    tl: torch.Tensor,
+    target: torch.Tensor,
+    scale: torch.Tensor,
+    chunk: int,
+    cfg: list[int],
+    hot: torch.Tensor | None,
+    shift: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    G, S, dw = _ceb.linear_cross_entropy_bwd_kernel(
+        a, w, rstd, lse, tl, target, scale, chunk, _gc(cfg), hot=hot, shift=shift
+    )
+    return G, S, dw
+
+
+@_lm_head_bwd.register_fake
+def _(a, w, rstd, lse, tl, target, scale, chunk, cfg, hot, shift):
+    M, d, V, acc = a.shape[0], a.shape[1], w.shape[1], acc_dtype(a)
+    return _empty(M, d, like=a, dtype=acc), _empty(M, like=a, dtype=acc), _empty(V, d, like=a).t()
+
+
+@torch.library.custom_op("coda::lm_head_chunked", mutates_args=())
+def _lm_head_chunked(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    rstd: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor,
+    rows: int,
+    cfg: list[int],
+    label_smoothing: float,
+    z_loss: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _cec.linear_cross_entropy_chunked(
+        a,
+        w,
+        rstd,
+        target,
+        weight,
+        rows,
+        _gc(cfg),
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+    )
+
+
+@_lm_head_chunked.register_fake
+def _(a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss):
+    M, d, acc = a.shape[0], a.shape[1], acc_dtype(a)
+    stat = _empty(M, like=a, dtype=acc)
+    return (
+        stat,
+        torch.empty_like(stat),
+        _empty(M, d, like=a),
+        torch.empty_like(stat),
+        (torch.empty_like(w)),
+    )
+
+
+# -- what coda.autograd calls: the kernel directly, or the op while torch.compile traces --------
+def _either(op, direct):
+    def call(*args, **kwargs):
+        return op(*args, **kwargs) if torch.compiler.is_compiling() else direct(*args, **kwargs)
+
+    return call
+
+
+gemm_rope = _either(
+    lambda a, w, r, p, f, c: _gemm_rope(a, w, r, p, f, _cfg(c)), _rope.gemm_rope_kernel
+)
+gemm_residual_rms = _either(
+    lambda x, w, res, g, eps, c: _gemm_residual_rms(x, w, res, g, eps, _cfg(c)),
+    _grr.gemm_residual_rms_kernel,
+)
+gemm_residual = _either(
+    lambda x, w, res, c: _gemm_residual(x, w, res, _cfg(c)),
+    lambda x, w, res, c: _grr.epilogue_gemm(x, w, res, None, c)[0],
+)
+gemm_swiglu = _either(
+    lambda a, w, r, c: _gemm_swiglu(a, w, r, _cfg(c)),
+    lambda a, w, r, c: _sw.gemm_swiglu_kernel(a, w, r, True, c),
+)
+lm_head_stats = _either(
+    lambda a, w, r, t, c: _lm_head_stats(a, w, r, t, _cfg(c)), _lce.lm_head_stats_kernel
+)
+dswiglu = _either(lambda dx, w, u, r, c: _dswiglu(dx, w, u, r, _cfg(c)), _dsw.dswiglu_kernel)
+norm_bwd = _either(
+    lambda dz, w2, h, g, corr, dres, c: _norm_bwd(dz, w2, h, g, corr, dres, _cfg(c)),
+    _nb.norm_bwd_kernel,
+)
+wgrad_gamma_rows = _either(
+    lambda h, dz, g, c: _wgrad_gamma_rows(h, dz, g, _cfg(c)), _wg.wgrad_gamma_rows
+)
+lm_head_bwd = _either(
+    lambda a, w, r, lse, tl, t, s, chunk, c, hot=None, shift=None: _lm_head_bwd(
+        a, w, r, lse, tl, t, s, chunk, _cfg(c), hot, shift
+    ),
+    lambda a, w, r, lse, tl, t, s, chunk, c, hot=None, shift=None: (
+        _ceb.linear_cross_entropy_bwd_kernel(a, w, r, lse, tl, t, s, chunk, c, hot=hot, shift=shift)
+    ),
+)
+lm_head_chunked = _either(
+    lambda a, w, r, t, wt, rows, c, ls, z: _lm_head_chunked(a, w, r, t, wt, rows, _cfg(c), ls, z),
+    lambda a, w, r, t, wt, rows, c, ls, z: _cec.linear_cross_entropy_chunked(
+        a, w, r, t, wt, rows, c, label_smoothing=ls, z_loss=z
+    ),
+)
+
+# every op, for tests (opcheck) and reports
+OPS = {
+    "gemm_rope": _gemm_rope,
+    "gemm_residual_rms": _gemm_residual_rms,
+    "gemm_residual": _gemm_residual,
+    "gemm_swiglu": _gemm_swiglu,
+    "lm_head_stats": _lm_head_stats,
+    "dswiglu": _dswiglu,
+    "norm_bwd": _norm_bwd,
+    "wgrad_gamma_rows": _wgrad_gamma_rows,
+    "lm_head_bwd": _lm_head_bwd,
+    "lm_head_chunked": _lm_head_chunked,
+}
