@@ -73,7 +73,7 @@ class CodaLlamaDecoderLayer(DecoderLayer):
         self.register_state_dict_post_hook(_to_hf_keys)
         self.register_load_state_dict_pre_hook(_from_hf_keys)
 
-    def _hf_attention(self, attention_mask, past_key_values, kwargs):
+    def _hf_attention(self, attention_mask, cache, kwargs):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         from transformers.models.llama.modeling_llama import eager_attention_forward
 
@@ -81,8 +81,8 @@ class CodaLlamaDecoderLayer(DecoderLayer):
         iface = ALL_ATTENTION_FUNCTIONS.get_interface(self._attn_impl, eager_attention_forward)
 
         def attention(q, k, v):
-            if past_key_values is not None:
-                k, v = past_key_values.update(k, v, module.layer_idx)
+            if cache is not None:
+                k, v = _update_cache(cache, k, v, module.layer_idx, kwargs)
             out, _ = iface(
                 module,
                 q,
@@ -107,8 +107,18 @@ class CodaLlamaDecoderLayer(DecoderLayer):
         position_embeddings=None,
         **kwargs,
     ):
-        attention = self._hf_attention(attention_mask, past_key_values, kwargs)
+        # the KV cache is ``past_key_values`` up to transformers 5.2x, ``cache`` after
+        cache = past_key_values if past_key_values is not None else kwargs.pop("cache", None)
+        attention = self._hf_attention(attention_mask, cache, kwargs)
         return super().forward(hidden_states, position_ids, position_embeddings, attention)
+
+
+def _update_cache(cache, k, v, layer_idx, kwargs):
+    """``Cache.update`` across transformers 5.x: newer versions take the layer's kwargs."""
+    try:
+        return cache.update(k, v, layer_idx, kwargs=kwargs)
+    except TypeError:  # raised on the call's signature, before the cache changes
+        return cache.update(k, v, layer_idx)
 
 
 def _to_hf_keys(module, state_dict, prefix, local_metadata):
