@@ -145,6 +145,7 @@ def main(argv=None):
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
+    dist.barrier()  # every rank done (rank 0 ran the reference) before the group goes
     dist.destroy_process_group()
     if args.check and rank == 0:
         tol = 1e-5 if not gpu else 2e-2

@@ -21,11 +21,9 @@ import torch
 
 from coda import _validate as v
 from coda.env import resolve_backend
+from coda.kernels import library as lib
 from coda.kernels.config import DEFAULT, GemmConfig
-from coda.kernels.gemm_residual_rms import gemm_residual_rms_kernel
-from coda.kernels.gemm_rmsnorm_gemm import gemm_rmsnorm_gemm_kernel
-from coda.kernels.gemm_rope import cached_freq_table, gemm_rope_kernel
-from coda.kernels.gemm_swiglu import gemm_swiglu_kernel
+from coda.kernels.gemm_rope import cached_freq_table
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
 from coda.reference.cross_entropy import linear_cross_entropy_ref
 from coda.reference.rmsnorm import gemm_residual_rms_ref, gemm_rmsnorm_gemm_ref
@@ -49,6 +47,12 @@ def _start(op: str, backend: str, named: dict) -> str:
     path = resolve_backend(op, backend, device, dtype if dtype in REFERENCE_DTYPES else None)
     v.check_float_dtypes(floats, KERNEL_DTYPES if path == "kernel" else REFERENCE_DTYPES)
     return path
+
+
+def _rmsnorm_gemm(x, w1, residual, gamma, w2, eps, config1, config2):
+    """The block's kernel path: GEMM1 + AUX, then GEMM2 with the deferred row scale."""
+    h, a, r = lib.gemm_residual_rms(x, w1, residual, gamma, eps, config1)
+    return h, lib.gemm_scale_rows(a, w2, r, config2), r
 
 
 def _kernel_layout(activations: dict, weights: dict, vectors: dict) -> None:
@@ -110,7 +114,10 @@ def gemm_residual_rms(
     named = {"x": x, "w": w, "residual": residual, "gamma": gamma}
     if _start("gemm_residual_rms", backend, named) == "kernel":
         _kernel_layout({"x": x, "residual": residual}, {"w": w}, {"gamma": gamma})
-        return ResidualRMS(*gemm_residual_rms_kernel(x, w, residual, gamma, eps, config))
+        if gamma is None:
+            h, r = lib.gemm_residual_sumsq(x, w, residual, eps, config)
+            return ResidualRMS(h, None, r)
+        return ResidualRMS(*lib.gemm_residual_rms(x, w, residual, gamma, eps, config))
     h, a, r = gemm_residual_rms_ref(x, w, residual, gamma, eps)
     return ResidualRMS(h.to(x.dtype), None if a is None else a.to(x.dtype), r.to(stat_dtype(x)))
 
@@ -147,9 +154,7 @@ def gemm_rmsnorm_gemm(
     named = {"x": x, "w1": w1, "residual": residual, "gamma": gamma, "w2": w2}
     if _start("gemm_rmsnorm_gemm", backend, named) == "kernel":
         _kernel_layout({"x": x, "residual": residual}, {"w1": w1, "w2": w2}, {"gamma": gamma})
-        return RMSNormGemm(
-            *gemm_rmsnorm_gemm_kernel(x, w1, residual, gamma, w2, eps, config1, config2)
-        )
+        return RMSNormGemm(*_rmsnorm_gemm(x, w1, residual, gamma, w2, eps, config1, config2))
     h, z, r = gemm_rmsnorm_gemm_ref(x, w1, residual, gamma, w2, eps)
     return RMSNormGemm(h.to(x.dtype), z.to(x.dtype), r.to(stat_dtype(x)))
 
@@ -182,7 +187,9 @@ def gemm_swiglu(
         _kernel_layout({"x": x}, {"w_il": w_il}, {"rstd": r})
         if config.tile_n % 32:
             raise v.CodaInputError(f"config.tile_n must be a multiple of 32, got {config.tile_n}")
-        return SwiGLU(*gemm_swiglu_kernel(x, w_il, r, save_preact, config))
+        if save_preact:
+            return SwiGLU(*lib.gemm_swiglu(x, w_il, r, config))
+        return SwiGLU(lib.gemm_swiglu_only(x, w_il, r, config), None)
     s, u = gemm_swiglu_ref(x, w_il, r)
     return SwiGLU(s.to(x.dtype), u.to(x.dtype) if save_preact else None)
 
@@ -226,7 +233,7 @@ def gemm_rope(
     if _start("gemm_rope", backend, named) == "kernel":
         _kernel_layout({"x": x}, {"w_qkv": w_qkv}, {"rstd": r, "positions": positions})
         freq = cached_freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads, rope_base, x.device)
-        return gemm_rope_kernel(x, w_qkv, r, positions.to(torch.float32), freq, config)
+        return lib.gemm_rope(x, w_qkv, r, positions.to(torch.float32), freq, config)
     cs = rope_table(positions, head_dim, rope_base)
     z = gemm_rope_ref(x, w_qkv, r, cs, n_heads, n_kv_heads, head_dim)
     return z.to(x.dtype)

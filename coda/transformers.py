@@ -162,12 +162,13 @@ def _causal_lm_forward(original):
         logits_to_keep=0,
         **kwargs,
     ):
+        if past_key_values is not None:  # (newer transformers call it ``cache``)
+            kwargs["past_key_values"] = past_key_values
         if labels is None:  # logits as before (generation, evaluation)
             return original(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 inputs_embeds=inputs_embeds,
                 use_cache=use_cache,
                 logits_to_keep=logits_to_keep,
@@ -183,7 +184,6 @@ def _causal_lm_forward(original):
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 inputs_embeds=inputs_embeds,
                 use_cache=use_cache,
                 **kwargs,
@@ -205,7 +205,7 @@ def _causal_lm_forward(original):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=None,
-            past_key_values=out.past_key_values,
+            past_key_values=getattr(out, "past_key_values", None),
             hidden_states=out.hidden_states,
             attentions=out.attentions,
         )

@@ -128,13 +128,12 @@ def test_unsupported_gpu_is_named(monkeypatch):
 def pretend_sm90(monkeypatch):
     """Route the CPU call to the kernel path and stop at the kernel: what reaches it passed
     every kernel-path check."""
-    import coda.ops
+    from coda.kernels import library
 
     monkeypatch.setattr(env, "kernel_support", lambda device, dtype=None: (True, ""))
     reached = []
-    monkeypatch.setattr(
-        coda.ops, "gemm_residual_rms_kernel", lambda *a: reached.append(a) or (None,) * 3
-    )
+    monkeypatch.setattr(library, "gemm_residual_rms", lambda *a: reached.append(a) or (None,) * 3)
+    monkeypatch.setattr(library, "gemm_residual_sumsq", lambda *a: reached.append(a) or (None,) * 2)
     return reached
 
 

@@ -14,6 +14,7 @@ import torch
 
 from coda.kernels import dswiglu as _dsw
 from coda.kernels import gemm_residual_rms as _grr
+from coda.kernels import gemm_rmsnorm_gemm as _rg
 from coda.kernels import gemm_rope as _rope
 from coda.kernels import gemm_swiglu as _sw
 from coda.kernels import linear_cross_entropy as _lce
@@ -100,6 +101,43 @@ def _gemm_swiglu(
 def _(a, w, rstd, cfg):
     M, N = a.shape[0], w.shape[1]
     return _empty(M, N // 2, like=a), _empty(M, N, like=a)
+
+
+@torch.library.custom_op("coda::gemm_scale_rows", mutates_args=())
+def _gemm_scale_rows(
+    a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, cfg: list[int]
+) -> torch.Tensor:
+    return _rg.gemm_scale_rows_kernel(a, w, scale, _gc(cfg))
+
+
+@_gemm_scale_rows.register_fake
+def _(a, w, scale, cfg):
+    return _empty(a.shape[0], w.shape[1], like=a)
+
+
+@torch.library.custom_op("coda::gemm_residual_sumsq", mutates_args=())
+def _gemm_residual_sumsq(
+    x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, eps: float, cfg: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    h, _, r = _grr.gemm_residual_rms_kernel(x, w, res, None, eps, _gc(cfg))
+    return h, r
+
+
+@_gemm_residual_sumsq.register_fake
+def _(x, w, res, eps, cfg):
+    return _empty(x.shape[0], w.shape[1], like=x), _empty(x.shape[0], like=x, dtype=acc_dtype(x))
+
+
+@torch.library.custom_op("coda::gemm_swiglu_only", mutates_args=())
+def _gemm_swiglu_only(
+    a: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, cfg: list[int]
+) -> torch.Tensor:
+    return _sw.gemm_swiglu_kernel(a, w, rstd, False, _gc(cfg))[0]
+
+
+@_gemm_swiglu_only.register_fake
+def _(a, w, rstd, cfg):
+    return _empty(a.shape[0], w.shape[1] // 2, like=a)
 
 
 @torch.library.custom_op("coda::lm_head_stats", mutates_args=())
@@ -248,6 +286,17 @@ gemm_swiglu = _either(
     lambda a, w, r, c: _gemm_swiglu(a, w, r, _cfg(c)),
     lambda a, w, r, c: _sw.gemm_swiglu_kernel(a, w, r, True, c),
 )
+gemm_scale_rows = _either(
+    lambda a, w, s, c: _gemm_scale_rows(a, w, s, _cfg(c)), _rg.gemm_scale_rows_kernel
+)
+gemm_residual_sumsq = _either(
+    lambda x, w, res, eps, c: _gemm_residual_sumsq(x, w, res, eps, _cfg(c)),
+    lambda x, w, res, eps, c: _grr.gemm_residual_rms_kernel(x, w, res, None, eps, c)[::2],
+)
+gemm_swiglu_only = _either(
+    lambda a, w, r, c: _gemm_swiglu_only(a, w, r, _cfg(c)),
+    lambda a, w, r, c: _sw.gemm_swiglu_kernel(a, w, r, False, c)[0],
+)
 lm_head_stats = _either(
     lambda a, w, r, t, c: _lm_head_stats(a, w, r, t, _cfg(c)), _lce.lm_head_stats_kernel
 )
@@ -280,6 +329,9 @@ OPS = {
     "gemm_residual_rms": _gemm_residual_rms,
     "gemm_residual": _gemm_residual,
     "gemm_swiglu": _gemm_swiglu,
+    "gemm_scale_rows": _gemm_scale_rows,
+    "gemm_residual_sumsq": _gemm_residual_sumsq,
+    "gemm_swiglu_only": _gemm_swiglu_only,
     "lm_head_stats": _lm_head_stats,
     "dswiglu": _dswiglu,
     "norm_bwd": _norm_bwd,

@@ -59,7 +59,9 @@ def linear_cross_entropy_kernel(
     z_loss: float = 0.0,
 ):
     """F6 + A3. With label smoothing, sum_n l_n = rstd * (a . sum_n W[:, n]) is one GEMV."""
-    parts, tl = lm_head_stats_kernel(a, w_lm, rstd, target, config)
+    from coda.kernels import library  # its custom op while torch.compile traces
+
+    parts, tl = library.lm_head_stats(a, w_lm, rstd, target, config)
     lse = combine_lse(parts)
     logit_sum = None
     if label_smoothing:
