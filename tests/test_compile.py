@@ -53,19 +53,12 @@ def test_compiled_step_equals_eager_and_does_not_recompile():
 
 def test_patched_hf_model_traces_without_graph_breaks():
     pytest.importorskip("transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from test_transformers import tiny_config
+    from transformers import LlamaForCausalLM
 
     import coda.transformers as ct
 
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
+    cfg = tiny_config()
     torch.manual_seed(0)
     model = ct.apply_coda(LlamaForCausalLM(cfg))
     ids = torch.randint(0, 97, (2, 9))

@@ -52,6 +52,18 @@ def pair(config, seed=0):
     return ref, patched
 
 
+def assert_same_step(ref, patched, **batch):
+    """One training step of each: the losses and every gradient (HF layout) agree."""
+    loss_r, loss_p = _step(ref, **batch), _step(patched, **batch)
+    assert rel_err(loss_p, loss_r) < TOL
+    grads_r = {n: p.grad for n, p in ref.named_parameters()}
+    grads_p = ct.hf_gradients(patched)
+    assert grads_p.keys() == grads_r.keys()
+    floor = max(float(g.abs().max()) for g in grads_r.values())
+    for name, g in grads_r.items():
+        assert rel_err(grads_p[name], g, floor=floor) < TOL, name
+
+
 def _step(model, **batch):
     model.zero_grad(set_to_none=True)
     out = model(**batch)
@@ -82,17 +94,7 @@ def test_patched_llama_matches_unpatched_float64(rope):
     ids = torch.randint(0, cfg.vocab_size, (2, 13))
     with torch.no_grad():
         assert rel_err(patched(ids).logits, ref(ids).logits) < TOL
-    loss_r, loss_p = (
-        _step(ref, input_ids=ids, labels=ids),
-        _step(patched, input_ids=ids, labels=ids),
-    )
-    assert rel_err(loss_p, loss_r) < TOL
-    grads_r = {n: p.grad for n, p in ref.named_parameters()}
-    grads_p = ct.hf_gradients(patched)
-    assert grads_p.keys() == grads_r.keys()
-    floor = max(float(g.abs().max()) for g in grads_r.values())
-    for name, g in grads_r.items():
-        assert rel_err(grads_p[name], g, floor=floor) < TOL, name
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
 
 
 def test_padding_and_packed_sequences_behave_as_unpatched():
@@ -111,13 +113,7 @@ def test_padding_and_packed_sequences_behave_as_unpatched():
             labels=ids[:1],
         ),
     ):
-        loss_r, loss_p = _step(ref, **batch), _step(patched, **batch)
-        assert rel_err(loss_p, loss_r) < TOL
-        grads_r = {n: p.grad for n, p in ref.named_parameters()}
-        grads_p = ct.hf_gradients(patched)
-        floor = max(float(g.abs().max()) for g in grads_r.values())
-        for name, g in grads_r.items():
-            assert rel_err(grads_p[name], g, floor=floor) < TOL, name
+        assert_same_step(ref, patched, **batch)
 
 
 def test_generation_and_llama_model():
