@@ -23,6 +23,7 @@ from coda import _validate as v
 from coda.env import resolve_backend
 from coda.kernels import library as lib
 from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.gemm_rmsnorm_gemm import gemm_rmsnorm_gemm_kernel
 from coda.kernels.gemm_rope import cached_freq_table
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
 from coda.reference.cross_entropy import linear_cross_entropy_ref
@@ -47,12 +48,6 @@ def _start(op: str, backend: str, named: dict) -> str:
     path = resolve_backend(op, backend, device, dtype if dtype in REFERENCE_DTYPES else None)
     v.check_float_dtypes(floats, KERNEL_DTYPES if path == "kernel" else REFERENCE_DTYPES)
     return path
-
-
-def _rmsnorm_gemm(x, w1, residual, gamma, w2, eps, config1, config2):
-    """The block's kernel path: GEMM1 + AUX, then GEMM2 with the deferred row scale."""
-    h, a, r = lib.gemm_residual_rms(x, w1, residual, gamma, eps, config1)
-    return h, lib.gemm_scale_rows(a, w2, r, config2), r
 
 
 def _kernel_layout(activations: dict, weights: dict, vectors: dict) -> None:
@@ -154,7 +149,9 @@ def gemm_rmsnorm_gemm(
     named = {"x": x, "w1": w1, "residual": residual, "gamma": gamma, "w2": w2}
     if _start("gemm_rmsnorm_gemm", backend, named) == "kernel":
         _kernel_layout({"x": x, "residual": residual}, {"w1": w1, "w2": w2}, {"gamma": gamma})
-        return RMSNormGemm(*_rmsnorm_gemm(x, w1, residual, gamma, w2, eps, config1, config2))
+        return RMSNormGemm(
+            *gemm_rmsnorm_gemm_kernel(x, w1, residual, gamma, w2, eps, config1, config2)
+        )
     h, z, r = gemm_rmsnorm_gemm_ref(x, w1, residual, gamma, w2, eps)
     return RMSNormGemm(h.to(x.dtype), z.to(x.dtype), r.to(stat_dtype(x)))
 

@@ -17,7 +17,6 @@ from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.gemm_residual_rms import (
     gemm_residual_rms_interpreted,
-    gemm_residual_rms_kernel,
 )
 from coda.primitives import ColLoad, epilogue_program
 
@@ -45,9 +44,12 @@ def gemm_rmsnorm_gemm_kernel(
     config1: GemmConfig = DEFAULT,
     config2: GemmConfig = DEFAULT,
 ):
-    """Returns (h, z, r)."""
-    h, a, r = gemm_residual_rms_kernel(x, w1, residual, gamma, eps, config1)
-    return h, gemm_scale_rows_kernel(a, w2, r, config2), r
+    """Returns (h, z, r): GEMM1 + AUX, then GEMM2 with the deferred row scale (each launch a
+    custom op while torch.compile traces)."""
+    from coda.kernels import library  # its ops wrap this module's kernels
+
+    h, a, r = library.gemm_residual_rms(x, w1, residual, gamma, eps, config1)
+    return h, library.gemm_scale_rows(a, w2, r, config2), r
 
 
 def gemm_rmsnorm_gemm_interpreted(
