@@ -64,6 +64,13 @@ def config(rng: random.Random, pair: bool = False) -> GemmConfig:
     return GemmConfig(tile_m=rng.choice([64, 128]), tile_n=tile_n)
 
 
+def row_scales(g, M, dtype, device):
+    """A deferred row scale (rstd-like, in [0.5, ~3]) in the dtype statistics take for
+    ``dtype`` inputs: float64 for float64, else fp32."""
+    stat = F64 if dtype == F64 else torch.float32
+    return (randn(g, M, dtype=torch.float32, device=device).abs() + 0.5).to(stat)
+
+
 def randn(g, *shape, dtype, device, scale=1.0):
     return (torch.randn(shape, generator=g, dtype=torch.float32) * scale).to(device, dtype)
 
@@ -154,16 +161,14 @@ class SwiGLU(Op):
             "x": randn(g, M, K, dtype=dtype, device=device),
             "wg": randn(g, K, f, dtype=dtype, device=device, scale=K**-0.5),
             "wu": randn(g, K, f, dtype=dtype, device=device, scale=K**-0.5),
-            "rstd": (randn(g, M, dtype=torch.float32, device=device).abs() + 0.5).to(
-                up(torch.empty(0, dtype=dtype)).dtype
-            ),
+            "rstd": row_scales(g, M, dtype, device),
         }
 
     def w_il(self, i):
         return layouts.gate_up_weight_from_hf(i["wg"].t(), i["wu"].t())
 
     def coda(self, i):
-        rstd = i["rstd"] if i["x"].dtype == F64 else i["rstd"].float()
+        rstd = i["rstd"]
         return (coda.gemm_swiglu(i["x"], self.w_il(i), rstd).s,)
 
     def canonical(self, i):
@@ -192,9 +197,7 @@ class Rope(Op):
             "wq": randn(g, H * hd, K, dtype=dtype, device=device, scale=s),
             "wk": randn(g, Hkv * hd, K, dtype=dtype, device=device, scale=s),
             "wv": randn(g, Hkv * hd, K, dtype=dtype, device=device, scale=s),
-            "rstd": (randn(g, M, dtype=torch.float32, device=device).abs() + 0.5).to(
-                up(torch.empty(0, dtype=dtype)).dtype
-            ),
+            "rstd": row_scales(g, M, dtype, device),
             "pos": torch.randint(0, rng.choice([16, 4096, 131072]), (M,), generator=g).to(device),
             "H": H,
             "Hkv": Hkv,
@@ -214,7 +217,7 @@ class Rope(Op):
         return q, k, qkv[:, nq + nkv :]
 
     def coda(self, i):
-        rstd = i["rstd"] if i["x"].dtype == F64 else i["rstd"].float()
+        rstd = i["rstd"]
         qkv = coda.gemm_rope(
             i["x"],
             self.w_qkv(i),
@@ -267,16 +270,14 @@ class CrossEntropy(Op):
         return {
             "x": randn(g, M, d, dtype=dtype, device=device),
             "w": randn(g, d, V, dtype=dtype, device=device, scale=d**-0.5),
-            "rstd": (randn(g, M, dtype=torch.float32, device=device).abs() + 0.5).to(
-                up(torch.empty(0, dtype=dtype)).dtype
-            ),
+            "rstd": row_scales(g, M, dtype, device),
             "target": target.to(device, rng.choice([torch.int32, torch.int64])),
             "ignore_index": ignore_index,
             "reduction": rng.choice(["mean", "sum", "none"]),
         }
 
     def coda(self, i):
-        rstd = i["rstd"] if i["x"].dtype == F64 else i["rstd"].float()
+        rstd = i["rstd"]
         return (
             coda.linear_cross_entropy(
                 i["x"],
