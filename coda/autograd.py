@@ -210,7 +210,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     ``method="recompute"`` (CE-A, the pure-epilogue program): F6 keeps only (lse, target
     logit); the backward recomputes the logits chunk by chunk over the vocabulary (4 GEMMs,
     least memory). ``method="chunked"`` (CE-C): the forward also forms the g = 1 gradients,
-    chunk by chunk over tokens, and the backward scales them (3 GEMMs; "mean"/"sum" only)."""
+    chunk by chunk over tokens, and the backward scales them (3 GEMMs; with reduction "none"
+    the recompute program runs)."""
 
     @staticmethod
     def forward(
@@ -221,6 +222,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         y, r = fused(final_norm)(x2, gf, eps)
         ones = torch.ones_like(r)  # the row scale is already in y
         cfg = config_for(M, d, V)
+        if method == "chunked" and reduction == "none":
+            # per-token losses need per-token weights in dW and dgamma, which the chunked
+            # program (gradients formed at weight 1 in the forward) cannot apply
+            method = "recompute"
         ctx.method = method
         logit_sum = None
         if smooth:  # sum_n l_n = y . (sum_n W[:, n]): one GEMV, no pass over the logits

@@ -293,7 +293,8 @@ class LMHeadLoss(nn.Module):
 
     ``method`` picks the kernel path's cross-entropy program: "recompute" (CE-A: the logits
     are recomputed in the backward, 4 GEMMs, least memory, any reduction) or "chunked" (CE-C:
-    3 GEMMs, gradients formed in the forward chunk by chunk; reduction "mean" or "sum").
+    3 GEMMs, gradients formed in the forward chunk by chunk; with reduction "none" it runs
+    the recompute program).
     ``label_smoothing`` is ``F.cross_entropy``'s; ``z_loss`` adds z * logsumexp(logits)^2 per
     non-ignored token (PaLM's auxiliary loss), reduced with the loss."""
 
@@ -408,8 +409,6 @@ def lm_head_loss(
     label_smoothing, z_loss = v.check_ce_options(label_smoothing, z_loss)
     t = v.check_targets(target, x.shape[:-1], vocab, ignore_index)
     xf = x.reshape(-1, d)
-    if method == "chunked" and reduction == "none":
-        raise v.CodaInputError("reduction: method='chunked' takes 'mean' or 'sum', got 'none'")
     if resolve_backend("LMHeadLoss", backend, x.device, x.dtype) == "kernel":
         rule = _tma_rule(d=d, vocab=vocab)
         if rule:
