@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from coda.kernels import library as lib
-from coda.kernels._launch import fused
+from coda.kernels._launch import acc_dtype, fused
 from coda.kernels.drope import drope_rows, rotation_tables
 from coda.kernels.gemm_rope import cached_freq_table
 from coda.kernels.linear_cross_entropy_bwd import (
@@ -47,7 +47,7 @@ class LayerDims:
 def entry_norm(x, gamma, eps):
     """F0: r = rstd(x) (fp32) and a = x * gamma (bf16): the norm of a layer's input when no
     producing GEMM computed it."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(x)
     xf = x.to(acc)
     return (xf * gamma.to(acc)).to(x.dtype), torch.rsqrt(xf.pow(2).mean(-1) + eps)
 
@@ -57,7 +57,7 @@ def final_norm(x, gamma, eps):
     ``F.rms_norm``), and rstd. The LM head takes y, not the deferred-scale x * gamma: the loss
     gradient then enters its GEMMs unscaled, rounded exactly as PyTorch rounds it (folding
     rstd into it rounds the gradient's dominant one-hot entries at other points)."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(x)
     xf = x.to(acc)
     r = torch.rsqrt(xf.pow(2).mean(-1) + eps)
     return (xf * r[:, None] * gamma.to(acc)).to(x.dtype), r
@@ -168,7 +168,7 @@ class MLP(torch.autograd.Function):
         f = w_d.shape[0]
         s, u = lib.gemm_swiglu(a1, w_il, r1, config_for(M, d, 2 * f))  # F4
         # F5: residual add only; this boundary's norm is the next layer's F0 (no AUX)
-        x2 = lib.gemm_residual(s, w_d, x1, config_for(M, f, d))
+        x2, _ = lib.gemm_residual(s, w_d, x1, config_for(M, f, d))
         ctx.save_for_backward(x1, r1, u, g2, w_il, w_d)
         return x2
 

@@ -350,8 +350,8 @@ class LMHeadLoss(nn.Module):
 
     def _kernel_loss(self, xf, t, reduction):
         """The kernel sequence on (tokens, d) rows (on CPU tensors: through the interpreter)."""
-        return LinearCrossEntropyFunction.apply(
-            xf.contiguous(),
+        return _kernel_lm_head_loss(
+            xf,
             self.gf,
             self.w_lm,
             t,
@@ -378,6 +378,11 @@ class LMHeadLoss(nn.Module):
         v.check_state_dict(sd, shapes)
         self.gf.copy_(sd["model.norm.weight"])
         self.w_lm.copy_(sd["lm_head.weight"].t())
+
+
+def _kernel_lm_head_loss(xf, gamma, w_lm, t, *args):
+    """The LM head's kernel sequence on validated (tokens, d) rows (``coda.autograd``)."""
+    return LinearCrossEntropyFunction.apply(xf.contiguous(), gamma, w_lm, t, *args)
 
 
 def lm_head_loss(
@@ -413,18 +418,8 @@ def lm_head_loss(
         rule = _tma_rule(d=d, vocab=vocab)
         if rule:
             raise v.CodaInputError(f"LMHeadLoss (kernel path): {rule}")
-        loss = LinearCrossEntropyFunction.apply(
-            xf.contiguous(),
-            gamma,
-            w_lm,
-            t,
-            eps,
-            ignore_index,
-            reduction,
-            chunk,
-            method,
-            label_smoothing,
-            z_loss,
+        loss = _kernel_lm_head_loss(
+            xf, gamma, w_lm, t, eps, ignore_index, reduction, chunk, method, label_smoothing, z_loss
         )
     else:
         logits = rmsnorm_ref(xf, gamma, eps) @ w_lm  # as HF: in x's dtype, the loss in fp32+

@@ -22,10 +22,12 @@ import torch
 from coda import _validate as v
 from coda.env import resolve_backend
 from coda.kernels import library as lib
+from coda.kernels._launch import acc_dtype
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.gemm_rmsnorm_gemm import gemm_rmsnorm_gemm_kernel
 from coda.kernels.gemm_rope import cached_freq_table
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
+from coda.primitives.aux import rstd_from_sumsq
 from coda.reference.cross_entropy import linear_cross_entropy_ref
 from coda.reference.rmsnorm import gemm_residual_rms_ref, gemm_rmsnorm_gemm_ref
 from coda.reference.rope import gemm_rope_ref, rope_table
@@ -60,14 +62,8 @@ def _kernel_layout(activations: dict, weights: dict, vectors: dict) -> None:
             raise v.CodaInputError(f"{name}: must be contiguous")
 
 
-def stat_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype of per-row statistics (rstd, the loss): fp32, or float64 for float64 inputs
-    (the reference path's proofs)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _rstd(rstd, x, name="rstd"):
-    M, want = x.shape[0], stat_dtype(x)
+    M, want = x.shape[0], acc_dtype(x)
     if rstd is None:
         return torch.ones(M, dtype=want, device=x.device)
     v.check_vector(name, rstd, ("x.shape[0]", M))
@@ -110,11 +106,11 @@ def gemm_residual_rms(
     if _start("gemm_residual_rms", backend, named) == "kernel":
         _kernel_layout({"x": x, "residual": residual}, {"w": w}, {"gamma": gamma})
         if gamma is None:
-            h, r = lib.gemm_residual_sumsq(x, w, residual, eps, config)
-            return ResidualRMS(h, None, r)
+            h, sumsq = lib.gemm_residual(x, w, residual, config)
+            return ResidualRMS(h, None, rstd_from_sumsq(sumsq, w.shape[1], eps))
         return ResidualRMS(*lib.gemm_residual_rms(x, w, residual, gamma, eps, config))
     h, a, r = gemm_residual_rms_ref(x, w, residual, gamma, eps)
-    return ResidualRMS(h.to(x.dtype), None if a is None else a.to(x.dtype), r.to(stat_dtype(x)))
+    return ResidualRMS(h.to(x.dtype), None if a is None else a.to(x.dtype), r.to(acc_dtype(x)))
 
 
 class RMSNormGemm(NamedTuple):
@@ -153,7 +149,7 @@ def gemm_rmsnorm_gemm(
             *gemm_rmsnorm_gemm_kernel(x, w1, residual, gamma, w2, eps, config1, config2)
         )
     h, z, r = gemm_rmsnorm_gemm_ref(x, w1, residual, gamma, w2, eps)
-    return RMSNormGemm(h.to(x.dtype), z.to(x.dtype), r.to(stat_dtype(x)))
+    return RMSNormGemm(h.to(x.dtype), z.to(x.dtype), r.to(acc_dtype(x)))
 
 
 class SwiGLU(NamedTuple):
@@ -262,7 +258,6 @@ def linear_cross_entropy(
     v.check_matrix("x", x)
     M, d = x.shape
     v.check_matrix("w_lm", w_lm, rows=("x.shape[1]", d))
-    v.check_tensor("target", target)
     target = v.check_targets(target, (M,), w_lm.shape[1], ignore_index)
     r = _rstd(rstd, x)
     named = {"x": x, "w_lm": w_lm, "rstd": r, "target": target}
@@ -274,4 +269,4 @@ def linear_cross_entropy(
     loss = linear_cross_entropy_ref(
         x, w_lm, r, target, ignore_index, reduction, label_smoothing, z_loss
     )
-    return loss.to(stat_dtype(x))
+    return loss.to(acc_dtype(x))

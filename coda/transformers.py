@@ -19,6 +19,7 @@ refused with that reason.
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -69,20 +70,19 @@ class CodaLlamaDecoderLayer(DecoderLayer):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             delattr(attn, name)  # the weights live in w_qkv / w_o now
         self.self_attn = attn
-        self._attn_impl = config._attn_implementation
         self.register_state_dict_post_hook(_to_hf_keys)
         self.register_load_state_dict_pre_hook(_from_hf_keys)
 
     def _hf_attention(self, attention_mask, cache, kwargs):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from transformers.models.llama.modeling_llama import eager_attention_forward
-
+        """The model's configured attention function (read from its config on every call, so
+        ``set_attn_implementation`` after patching is honored) as coda's attention callable."""
+        functions, eager = _hf_attention_functions()
         module = self.self_attn
-        iface = ALL_ATTENTION_FUNCTIONS.get_interface(self._attn_impl, eager_attention_forward)
+        iface = functions.get_interface(module.config._attn_implementation, eager)
 
         def attention(q, k, v):
             if cache is not None:
-                k, v = _update_cache(cache, k, v, module.layer_idx, kwargs)
+                k, v = cache.update(k, v, module.layer_idx, kwargs=kwargs)  # as LlamaAttention
             out, _ = iface(
                 module,
                 q,
@@ -113,12 +113,12 @@ class CodaLlamaDecoderLayer(DecoderLayer):
         return super().forward(hidden_states, position_ids, position_embeddings, attention)
 
 
-def _update_cache(cache, k, v, layer_idx, kwargs):
-    """``Cache.update`` across transformers 5.x: newer versions take the layer's kwargs."""
-    try:
-        return cache.update(k, v, layer_idx, kwargs=kwargs)
-    except TypeError:  # raised on the call's signature, before the cache changes
-        return cache.update(k, v, layer_idx)
+@functools.cache
+def _hf_attention_functions():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    return ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 
 
 def _to_hf_keys(module, state_dict, prefix, local_metadata):

@@ -35,7 +35,6 @@ def op_samples():
         "gemm_swiglu": (_r(M, K), _r(K, 2 * f), rstd, CFG),
         "gemm_swiglu_only": (_r(M, K), _r(K, 2 * f), rstd, CFG),
         "gemm_scale_rows": (_r(M, K), _r(K, N), rstd, CFG),
-        "gemm_residual_sumsq": (_r(M, K), _r(K, N), _r(M, N), 1e-5, CFG),
         "lm_head_stats": (_r(M, d), _r(d, V), rstd, t, CFG),
         "dswiglu": (_r(M, d), _r(f, d), _r(M, 2 * f), rstd, CFG),
         "norm_bwd": (_r(M, N), _r(d, N), _r(M, d), _r(d), torch.randn(M), _r(M, d), CFG),

@@ -17,6 +17,7 @@ import torch
 from coda import _quack
 from coda.kernels.config import GemmConfig
 from coda.primitives.lowering import epi_args, lower
+from coda.primitives.vocabulary import ColSelect
 
 
 def launch(
@@ -75,7 +76,7 @@ def _interpret_into(program, x, w, config, d, c, operands, outputs, add_to_outpu
     for name, buf in outputs.items():
         value = out[name]
         p = sinks.get(name)
-        if p is not None and type(p).__name__ == "ColSelect":  # only rows a tile selected
+        if isinstance(p, ColSelect):  # only rows whose index lies in some tile are written
             idx = ops[p.index]
             hit = (idx >= 0) & (idx < w.shape[1])
             buf.copy_(torch.where(hit, value.to(buf.dtype), buf))
@@ -90,7 +91,7 @@ def interpret_gemm(program, x, w, *, config: GemmConfig, operands=None, out_dtyp
     on ``config``'s tile grid. Returns every output the program declares."""
     from coda.primitives.interpreter import interpret
 
-    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dt = acc_dtype(x)
     return interpret(
         program,
         x.to(dt) @ w.to(dt),

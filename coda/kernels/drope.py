@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from coda.kernels._launch import acc_dtype
 from coda.primitives.aux import norm_correction
 from coda.primitives.math import turns_to_angle
 
@@ -27,7 +28,7 @@ def rotation_tables(positions, freq_turns_hi, freq_turns_lo, head_dim, dtype=tor
 def drope_rows(dqkv, qkv, rstd, cos, sin, n_rot_heads: int, head_dim: int, d: int):
     """Returns (dz~0 bf16 M x Nqkv, corr0 fp32 M). dqkv, qkv: (M, Nqkv) bf16."""
     M = dqkv.shape[0]
-    acc = torch.float64 if dqkv.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(dqkv)
     n_rot = n_rot_heads * head_dim
     S0 = (dqkv.to(acc) * qkv.to(acc)).sum(-1) / rstd
     out = torch.empty_like(dqkv)

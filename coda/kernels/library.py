@@ -81,13 +81,15 @@ def _(x, w, res, gamma, eps, cfg):
 @torch.library.custom_op("coda::gemm_residual", mutates_args=())
 def _gemm_residual(
     x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, cfg: list[int]
-) -> torch.Tensor:
-    return _grr.epilogue_gemm(x, w, res, None, _gc(cfg))[0]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    h, _, sumsq = _grr.epilogue_gemm(x, w, res, None, _gc(cfg))
+    return h, sumsq
 
 
 @_gemm_residual.register_fake
 def _(x, w, res, cfg):
-    return _empty(x.shape[0], w.shape[1], like=x)
+    M, N = x.shape[0], w.shape[1]
+    return _empty(M, N, like=x), _empty(M, _tiles(N, cfg[1]), like=x, dtype=acc_dtype(x))
 
 
 @torch.library.custom_op("coda::gemm_swiglu", mutates_args=())
@@ -113,19 +115,6 @@ def _gemm_scale_rows(
 @_gemm_scale_rows.register_fake
 def _(a, w, scale, cfg):
     return _empty(a.shape[0], w.shape[1], like=a)
-
-
-@torch.library.custom_op("coda::gemm_residual_sumsq", mutates_args=())
-def _gemm_residual_sumsq(
-    x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, eps: float, cfg: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    h, _, r = _grr.gemm_residual_rms_kernel(x, w, res, None, eps, _gc(cfg))
-    return h, r
-
-
-@_gemm_residual_sumsq.register_fake
-def _(x, w, res, eps, cfg):
-    return _empty(x.shape[0], w.shape[1], like=x), _empty(x.shape[0], like=x, dtype=acc_dtype(x))
 
 
 @torch.library.custom_op("coda::gemm_swiglu_only", mutates_args=())
@@ -278,9 +267,9 @@ gemm_residual_rms = _either(
     lambda x, w, res, g, eps, c: _gemm_residual_rms(x, w, res, g, eps, _cfg(c)),
     _grr.gemm_residual_rms_kernel,
 )
-gemm_residual = _either(
+gemm_residual = _either(  # (h, sum-of-squares partials)
     lambda x, w, res, c: _gemm_residual(x, w, res, _cfg(c)),
-    lambda x, w, res, c: _grr.epilogue_gemm(x, w, res, None, c)[0],
+    lambda x, w, res, c: _grr.epilogue_gemm(x, w, res, None, c)[::2],
 )
 gemm_swiglu = _either(
     lambda a, w, r, c: _gemm_swiglu(a, w, r, _cfg(c)),
@@ -288,10 +277,6 @@ gemm_swiglu = _either(
 )
 gemm_scale_rows = _either(
     lambda a, w, s, c: _gemm_scale_rows(a, w, s, _cfg(c)), _rg.gemm_scale_rows_kernel
-)
-gemm_residual_sumsq = _either(
-    lambda x, w, res, eps, c: _gemm_residual_sumsq(x, w, res, eps, _cfg(c)),
-    lambda x, w, res, eps, c: _grr.gemm_residual_rms_kernel(x, w, res, None, eps, c)[::2],
 )
 gemm_swiglu_only = _either(
     lambda a, w, r, c: _gemm_swiglu_only(a, w, r, _cfg(c)),
@@ -330,7 +315,6 @@ OPS = {
     "gemm_residual": _gemm_residual,
     "gemm_swiglu": _gemm_swiglu,
     "gemm_scale_rows": _gemm_scale_rows,
-    "gemm_residual_sumsq": _gemm_residual_sumsq,
     "gemm_swiglu_only": _gemm_swiglu_only,
     "lm_head_stats": _lm_head_stats,
     "dswiglu": _dswiglu,

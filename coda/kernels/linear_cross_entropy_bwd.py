@@ -66,7 +66,8 @@ def _one_hot_fixup(dz, stat_sum, target, col0, rstd, scale, hot, target_logit, l
     """The one-hot term for rows whose target lies in this chunk: the target entry of dz~ is
     rewritten as rstd * (scale * p_y - hot - shift), formed in fp32 and rounded once (p_y =
     exp(l_y - lse) from F6's target logit: the same value the epilogue computed; ``hot`` is the
-    one-hot weight, scale * (1 - eps) with label smoothing; ``shift`` the uniform term). Adding
+    one-hot weight, scale * (1 - eps) with label smoothing; ``shift`` the uniform term, or
+    None). Adding
     -rstd * hot to the stored bf16 entry instead would round the row's largest entry three
     times. Each row writes one value (its own, where the target is elsewhere): no host sync,
     no collision, deterministic."""
@@ -74,7 +75,8 @@ def _one_hot_fixup(dz, stat_sum, target, col0, rstd, scale, hot, target_logit, l
     local = target - col0
     inside = (local >= 0) & (local < n)
     idx = local.clamp(0, n - 1)[:, None]
-    exact = rstd * (scale * torch.exp(target_logit - lse) - hot - shift)
+    exact = scale * torch.exp(target_logit - lse) - hot
+    exact = rstd * (exact if shift is None else exact - shift)
     dz.scatter_(
         1, idx, torch.where(inside[:, None], exact.to(dz.dtype)[:, None], dz.gather(1, idx))
     )
@@ -143,8 +145,7 @@ def linear_cross_entropy_bwd_kernel(
             dz, s = grad_logits_interpreted(a, wc, rstd, lse, scale, config, shift)
         else:
             dz, s = grad_logits_chunk(a, wc, rstd, lse, scale, config, shift=shift)
-        no_shift = torch.zeros_like(scale) if shift is None else shift
-        _one_hot_fixup(dz, s, target, c0, rstd, scale, hot, target_logit, lse, no_shift)
+        _one_hot_fixup(dz, s, target, c0, rstd, scale, hot, target_logit, lse, shift)
         S += s
         torch.mm(dz.t(), a, out=dw_t[c0 : c0 + wc.shape[1]])  # B3: rows of dW_lm^T
         if interpreted:
