@@ -228,6 +228,20 @@ def model_rows(liger) -> list[dict]:
         tok = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device="cuda")
         tgt = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device="cuda")
         flops = _model_flops(cfg, tokens_n)
+
+        def model_row(label, t, peak, name=name, cfg=cfg, tokens_n=tokens_n, flops=flops):
+            seconds = t["ms"] * 1e-3
+            shape = {"tokens": tokens_n, "d": cfg["d"], "layers": cfg["layers"]}
+            return row(
+                f"model/{name}/{label}",
+                shape,
+                t,
+                flops,
+                tokens_per_s=tokens_n / seconds,
+                mfu=flops / seconds / (PEAK_TFLOPS * 1e12),
+                peak_gib=peak,
+            )
+
         for peer, model in peers.items():
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
@@ -251,34 +265,15 @@ def model_rows(liger) -> list[dict]:
                 rows.append({"name": f"model/{name}/{peer}", "error": repr(e)[:300]})
                 continue
             for what, t in (("step+adamw", t_full), ("fwd+bwd", t_fb)):
-                rows.append(
-                    row(
-                        f"model/{name}/{peer}/{what}",
-                        {"tokens": tokens_n, "d": cfg["d"], "layers": cfg["layers"]},
-                        t,
-                        flops,
-                        tokens_per_s=tokens_n / (t["ms"] * 1e-3),
-                        mfu=flops / (t["ms"] * 1e-3) / (PEAK_TFLOPS * 1e12),
-                        peak_gib=peak,
-                    )
-                )
+                rows.append(model_row(f"{peer}/{what}", t, peak))
             opt = None
             if peer == "coda":
                 try:
                     replay = graphed_train_step(model, tok, tgt)
                     torch.cuda.reset_peak_memory_stats()
                     t = bench(replay, warmup_ms=100, rep_ms=1500)
-                    rows.append(
-                        row(
-                            f"model/{name}/coda_graphed/step+adamw",
-                            {"tokens": tokens_n, "d": cfg["d"], "layers": cfg["layers"]},
-                            t,
-                            flops,
-                            tokens_per_s=tokens_n / (t["ms"] * 1e-3),
-                            mfu=flops / (t["ms"] * 1e-3) / (PEAK_TFLOPS * 1e12),
-                            peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                        )
-                    )
+                    peak = torch.cuda.max_memory_allocated() / 2**30
+                    rows.append(model_row("coda_graphed/step+adamw", t, peak))
                 except Exception as e:
                     rows.append({"name": f"model/{name}/coda_graphed", "error": repr(e)[:300]})
                 replay = None

@@ -76,7 +76,7 @@ class DecoderLayer(nn.Module):
         # RoPE's inverse frequencies (plain attributes, not buffers: ``.to(dtype)`` must not
         # round them); the kernel's float-float table is derived once per device
         self._inv_freq = inv_freq.detach().to("cpu", torch.float64)
-        self._freq_tables = {}
+        self._rope_tables = {}
         if attention is not None and not callable(attention):
             raise v.CodaInputError(
                 f"attention: must be a callable (q, k, v) -> o, got {attention!r}"
@@ -165,7 +165,8 @@ class DecoderLayer(nn.Module):
             cos, sin = (t.expand(B, S, -1).reshape(B * S, -1)[:, :half] for t in rope_cos_sin)
             cs = torch.stack([cos, sin], dim=-1).flatten(1)
         else:
-            ang = pos.to(torch.float64)[:, None] * self._inv_freq.to(pos.device)[None, :]
+            inv = self._on_device("inv_freq", pos.device, lambda d: self._inv_freq.to(d))
+            ang = pos.to(torch.float64)[:, None] * inv[None, :]
             cs = torch.stack([ang.cos(), ang.sin()], dim=-1).flatten(1)
         out = decoder_layer_ref(x.reshape(B * S, d), w, self._shape(B, S), None, attention, cs)
         return out.view(B, S, d)
@@ -183,15 +184,20 @@ class DecoderLayer(nn.Module):
         flat = positions.reshape(-1).to(device)
         return flat.repeat(B) if n == S and B > 1 else flat
 
+    def _on_device(self, name, device, build):
+        """A RoPE table derived from the inverse frequencies, built once per device (a host to
+        device copy on every call would stall the stream)."""
+        key = (name, device)
+        if key not in self._rope_tables:
+            self._rope_tables[key] = build(device)
+        return self._rope_tables[key]
+
     def _freq_table(self, device):
-        """The RoPE epilogue's per-column frequency table, built once per device."""
-        table = self._freq_tables.get(device)
-        if table is None:
-            table = rope_freq_table_from_inv(
-                self._inv_freq, self.n_heads + self.n_kv_heads, self.n_kv_heads, device
-            )
-            self._freq_tables[device] = table
-        return table
+        """The RoPE epilogue's per-column frequency table (float-float turns)."""
+        heads = (self.n_heads + self.n_kv_heads, self.n_kv_heads)
+        return self._on_device(
+            "freq", device, lambda d: rope_freq_table_from_inv(self._inv_freq, *heads, d)
+        )
 
     def _kernel_forward(self, x: torch.Tensor, positions=None, attention=None) -> torch.Tensor:
         """The kernel sequence (``coda.autograd``). On an SM90 GPU its GEMMs are the SM90
