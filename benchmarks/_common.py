@@ -39,3 +39,29 @@ def liger_functional():
     except Exception:
         liger = None
     return liger
+
+
+def kernel_table(fn, steps: int = 3, top: int = 40) -> list[dict]:
+    """CUDA kernels of one call of ``fn`` (profiled over ``steps`` calls after a warm-up):
+    each kernel's name, launches per call and microseconds per call, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    table: dict = {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        t = table.setdefault(e.name, [0, 0.0])
+        t[0] += 1
+        t[1] += e.device_time
+    rows = [
+        {"kernel": name[:160], "calls": n / steps, "us": us / steps}
+        for name, (n, us) in table.items()
+    ]
+    rows.sort(key=lambda r: -r["us"])
+    return rows[:top]

@@ -22,7 +22,7 @@ import torch
 
 import coda
 import coda.nn as cnn
-from benchmarks._common import bench, liger_functional, row
+from benchmarks._common import bench, kernel_table, liger_functional, row
 from coda import _quack
 from coda.kernels.config import DEFAULT
 from coda.reference.model import TorchLlama
@@ -69,7 +69,12 @@ def host_rows() -> list[dict]:
 
     calls = {
         "torch.mm": lambda: torch.mm(x, w),
-        "quack raw GEMM": lambda: _quack.run_epi_gemm(raw, x, w, d_raw, None, {}, DEFAULT),
+        "quack raw GEMM": lambda: _quack.run_epi_gemm(
+            raw, x, w, d_raw, None, {}, DEFAULT, replay=False
+        ),
+        "quack raw GEMM, coda's plan replay": lambda: _quack.run_epi_gemm(
+            raw, x, w, d_raw, None, {}, DEFAULT
+        ),
         "coda.gemm_residual_rms": lambda: coda.gemm_residual_rms(x, w, res, gamma),
         "coda.gemm_rmsnorm_gemm": lambda: coda.gemm_rmsnorm_gemm(x, w, res, gamma, w2),
         "coda.gemm_swiglu": lambda: coda.gemm_swiglu(x, w_il, rstd),
@@ -83,17 +88,22 @@ def host_rows() -> list[dict]:
     }
     rows, us = [], {}
     with torch.no_grad():
-        for name in list(calls)[:8]:
+        for name in list(calls)[:9]:
             us[name] = _per_call_us(calls[name])
-    for name in list(calls)[8:]:
+    for name in list(calls)[9:]:
         us[name] = _per_call_us(calls[name], n=100)
     for name, v in us.items():
+        grad = torch.enable_grad() if name in list(calls)[9:] else torch.no_grad()
+        with grad:
+            kernels = sum(k["calls"] for k in kernel_table(calls[name], steps=2, top=1000))
         rows.append(
             {
                 "name": f"host/{name}",
                 "M": M,
                 "us_per_call": v,
                 "ratio_vs_quack_raw": v / us["quack raw GEMM"],
+                "kernels_per_call": kernels,
+                "us_per_kernel": v / max(kernels, 1),
             }
         )
     return rows

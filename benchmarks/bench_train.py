@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import coda.nn as cnn
-from benchmarks._common import bench, liger_functional, row
+from benchmarks._common import bench, kernel_table, liger_functional, row
 from benchmarks.bench_forward import ffn, heads
 from benchmarks.bench_layer import HD, S, attention, split_heads
+from coda import _quack
 from coda.reference.rope import apply_rope_hf, hf_cos_sin
 
 B = 4
@@ -164,91 +165,125 @@ def layer_rows(liger) -> list[dict]:
                     activation_gib=mem,
                 )
             )
+        rows.append(
+            {
+                "name": "layer_train/coda_kernels",
+                **shape,
+                "kernels": kernel_table(variants["coda"][0]),
+            }
+        )
         variants = None  # free this width's weights before the next
         torch.cuda.empty_cache()
     return rows
 
 
+# (d, V) of issue 9's table, plus the largest Llama width; quack's chunk for its LCE peer
+# (chunk == d is refused by its operand inference, "m == n makes row/col inference ambiguous").
+LM_HEAD_SHAPES = ((2048, 32768, 4096), (4096, 128256, 2048), (8192, 128256, 2048))
+IGNORE_EVERY = 7  # 1 in 7 targets is ignore_index, as in issue 9's protocol
+
+
 def lm_head_rows(liger) -> list[dict]:
     rows = []
-    for d in (2048, 4096):
-        for V in (32768, 128256):
-            head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel")
-            head_c = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="chunked")
-            head_c.gf, head_c.w_lm = head.gf, head.w_lm  # one set of weights, two programs
-            x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            t = torch.randint(0, V, (M,), device="cuda")
-            w_lin = head.w_lm.detach().t().contiguous().requires_grad_(True)  # (V, d) peers
-            gf = head.gf.detach().clone().requires_grad_(True)
+    quack_lce = _quack.chunked_linear_cross_entropy()
+    for d, V, quack_chunk in LM_HEAD_SHAPES:
+        head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel")
+        head_c = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="chunked")
+        head_c.gf, head_c.w_lm = head.gf, head.w_lm  # one set of weights, two programs
+        x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        t = torch.randint(0, V, (M,), device="cuda")
+        t[::IGNORE_EVERY] = -100
+        w_lin = head.w_lm.detach().t().contiguous().requires_grad_(True)  # (V, d) peers
+        gf = head.gf.detach().clone().requires_grad_(True)
 
-            def torch_loss(x=x, w_lin=w_lin, gf=gf, t=t):
-                y = F.rms_norm(x, (d,), gf, 1e-5)
-                return F.cross_entropy((y @ w_lin.t()).float(), t)
+        def torch_loss(x=x, w_lin=w_lin, gf=gf, t=t):
+            y = F.rms_norm(x, (d,), gf, 1e-5)
+            return F.cross_entropy((y @ w_lin.t()).float(), t)
 
-            compiled = torch.compile(torch_loss)
-            variants = {
-                "coda": (lambda: head(x, t), [head.gf, head.w_lm]),
-                "coda_chunked": (lambda: head_c(x, t), [head.gf, head.w_lm]),
-                "torch_eager": (torch_loss, [gf, w_lin]),
-                "torch_compile": (compiled, [gf, w_lin]),
+        compiled = torch.compile(torch_loss)
+        variants = {
+            "coda": (lambda: head(x, t), [head.gf, head.w_lm]),
+            "coda_chunked": (lambda: head_c(x, t), [head.gf, head.w_lm]),
+            "torch_eager": (torch_loss, [gf, w_lin]),
+            "torch_compile": (compiled, [gf, w_lin]),
+            "quack_chunked_lce": (
+                lambda x=x, w_lin=w_lin, gf=gf, t=t, c=quack_chunk: quack_lce(
+                    F.rms_norm(x, (d,), gf, 1e-5), w_lin, t, chunk_size=c
+                ),
+                [gf, w_lin],
+            ),
+        }
+        if liger is not None:
+            variants["liger"] = (
+                lambda x=x, w_lin=w_lin, gf=gf, t=t: liger.liger_fused_linear_cross_entropy(
+                    F.rms_norm(x, (d,), gf, 1e-5), w_lin, t
+                ),
+                [gf, w_lin],
+            )
+        a = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(d, V, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(M, V, device="cuda", dtype=torch.bfloat16)
+        floor_parts = {
+            "fwd": bench(lambda: a @ w),
+            "dgrad": bench(lambda: g @ w.t()),
+            "wgrad": bench(lambda: a.t() @ g),
+        }
+        floor = sum(p["ms"] for p in floor_parts.values())
+        shape = {"M": M, "d": d, "V": V}
+        rows.append(
+            {
+                "name": "lm_head_train/floor",
+                **shape,
+                "ms": floor,
+                **{f"{k}_ms": v["ms"] for k, v in floor_parts.items()},
             }
-            if liger is not None:
-                variants["liger"] = (
-                    lambda x=x, w_lin=w_lin, gf=gf, t=t: liger.liger_fused_linear_cross_entropy(
-                        F.rms_norm(x, (d,), gf, 1e-5), w_lin, t
-                    ),
-                    [gf, w_lin],
+        )
+        for name, (fn, params) in variants.items():
+
+            def step(fn=fn, params=params):
+                for p in (*params, x):
+                    p.grad = None
+                fn().backward()
+
+            try:
+                step()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                step()
+                torch.cuda.synchronize()
+                grads = sum(p.numel() * p.element_size() for p in (*params, x))
+                extra = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
+                tm = bench(step)
+            except Exception as e:
+                rows.append({"name": f"lm_head_train/{name}", **shape, "error": repr(e)[:300]})
+                continue
+            rows.append(
+                row(
+                    f"lm_head_train/{name}",
+                    shape,
+                    tm,
+                    0.0,
+                    ratio_vs_floor=tm["ms"] / floor,
+                    extra_peak_gib=extra,
                 )
-            a = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(d, V, device="cuda", dtype=torch.bfloat16)
-            g = torch.randn(M, V, device="cuda", dtype=torch.bfloat16)
-            floor_parts = {
-                "fwd": bench(lambda: a @ w),
-                "dgrad": bench(lambda: g @ w.t()),
-                "wgrad": bench(lambda: a.t() @ g),
-            }
-            floor = sum(p["ms"] for p in floor_parts.values())
-            shape = {"M": M, "d": d, "V": V}
+            )
+        for name in ("coda", "coda_chunked"):
+
+            def step(fn=variants[name][0], params=variants[name][1]):
+                for p in (*params, x):
+                    p.grad = None
+                fn().backward()
+
             rows.append(
                 {
-                    "name": "lm_head_train/floor",
+                    "name": f"lm_head_train/{name}_kernels",
                     **shape,
-                    "ms": floor,
-                    **{f"{k}_ms": v["ms"] for k, v in floor_parts.items()},
+                    "kernels": kernel_table(step),
                 }
             )
-            for name, (fn, params) in variants.items():
-
-                def step(fn=fn, params=params):
-                    for p in (*params, x):
-                        p.grad = None
-                    fn().backward()
-
-                try:
-                    step()
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                    step()
-                    torch.cuda.synchronize()
-                    grads = sum(p.numel() * p.element_size() for p in (*params, x))
-                    extra = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
-                    tm = bench(step)
-                except Exception as e:
-                    rows.append({"name": f"lm_head_train/{name}", **shape, "error": repr(e)[:300]})
-                    continue
-                rows.append(
-                    row(
-                        f"lm_head_train/{name}",
-                        shape,
-                        tm,
-                        0.0,
-                        ratio_vs_floor=tm["ms"] / floor,
-                        extra_peak_gib=extra,
-                    )
-                )
-            variants = g = None
-            torch.cuda.empty_cache()
+        variants = g = None
+        torch.cuda.empty_cache()
     return rows
 
 

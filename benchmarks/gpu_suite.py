@@ -113,6 +113,7 @@ def main():
         print("gpu tests:", record["gpu_tests"]["summary"], flush=True)
 
     from benchmarks import (
+        bench_attention_numerics,
         bench_forward,
         bench_gemm_residual_rms,
         bench_layer,
@@ -122,7 +123,11 @@ def main():
         tune_configs,
     )
 
-    suites = [("main_demo", Demo(["demos/main.py"])), ("numerics", bench_numerics)]
+    suites = [
+        ("main_demo", Demo(["demos/main.py"])),
+        ("numerics", bench_numerics),
+        ("attention_numerics", bench_attention_numerics),
+    ]
     if args.tune:
         suites.append(("tuning", tune_configs))
     suites += [
@@ -132,7 +137,9 @@ def main():
         ("train", bench_train),
         ("lm_head_train", bench_train.LMHeadOnly),
         ("step", bench_step),
-        ("model", ModelOnly),
+        ("host", StepPart("host")),
+        ("graph", StepPart("graph")),
+        ("model", StepPart("model")),
         ("train_demo", Demo(["demos/train.py", "--png", os.path.join(args.out, "train_loss.png")])),
     ]
     if args.only:
@@ -155,14 +162,16 @@ def main():
     print_table(record)
 
 
-class ModelOnly:
-    """The whole-model rows of ``bench_step`` alone, as a suite entry."""
+class StepPart:
+    """One part of ``bench_step`` ("host", "graph" or "model") alone, as a suite entry."""
 
-    @staticmethod
-    def run():
+    def __init__(self, part):
+        self.part = part
+
+    def run(self):
         from benchmarks import bench_step
 
-        return bench_step.run(parts=("model",))
+        return bench_step.run(parts=(self.part,))
 
 
 class Demo:
@@ -216,6 +225,7 @@ def print_table(record):
         "cublas_ms",
         "us_per_call",
         "ratio_vs_quack_raw",
+        "kernels_per_call",
         "speedup",
         "tokens_per_s",
         "mfu",
@@ -224,6 +234,8 @@ def print_table(record):
         "extra_peak_gib",
         "activation_gib",
         "returncode",
+        "err_dq",
+        "err_dk",
         "error",
     )
     for name, rows in record["benchmarks"].items():

@@ -115,15 +115,56 @@ def make_epi_mod(fn, **declarations):
     return _modules()["gemm_epilogue"](**declarations)(fn)
 
 
+def chunked_linear_cross_entropy():
+    """quack's own chunked linear cross-entropy (a benchmark peer, not used by coda)."""
+    _modules()
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy as fn
+
+    return fn
+
+
 def identity_mod():
     return _modules()["library"].identity_epi
 
 
-def run_epi_gemm(mod, A, B, D, C, epi_args, config, *, launch=True, add_to_output=False):
+def _meta(t):
+    """What a plan depends on in one argument: dtype, shape, strides (never the pointer)."""
+    return (t.dtype, t.shape, t.stride()) if hasattr(t, "stride") else t
+
+
+# (mod, config, add_to_output, device, metadata of every argument) -> quack's GemmEpiPlan.
+_PLANS: dict = {}
+
+
+def run_epi_gemm(
+    mod, A, B, D, C, epi_args, config, *, launch=True, add_to_output=False, replay=True
+):
     """Run (or, with ``launch=False``, only compile and plan) ``mod`` on the quack SM90 GEMM.
 
-    ``A`` is (M, K); ``B`` is (K, N) in either major order; ``config`` a ``GemmConfig``."""
-    return mod.gemm(
+    ``A`` is (M, K); ``B`` is (K, N) in either major order; ``config`` a ``GemmConfig``.
+
+    The first call of a metadata class goes through quack's frontend (validation, kind
+    inference, compile-cache lookup) and keeps the resolved plan; every later call with the
+    same dtypes, shapes and strides replays it through quack's ``run_gemm_epi_plan``, which
+    makes no host decisions. coda's key is built from its own few arguments, about a fifth of
+    what quack's generic warm-path key reads (its ~40 fields, every op's host key).
+    ``replay=False`` always takes quack's frontend (the benchmarks' "quack raw" baseline)."""
+    key = (
+        mod,
+        config,
+        add_to_output,
+        A.device,
+        _meta(A),
+        _meta(B),
+        _meta(D),
+        _meta(C),
+        *[(k, _meta(v)) for k, v in epi_args.items()],
+    )
+    plan = _PLANS.get(key) if launch and replay else None
+    if plan is not None:
+        _modules()["host"].run_gemm_epi_plan(plan, A, B, D, C, epi_args)
+        return plan
+    plan = mod.gemm(
         A,
         B,
         D,
@@ -140,6 +181,9 @@ def run_epi_gemm(mod, A, B, D, C, epi_args, config, *, launch=True, add_to_outpu
         add_to_output=add_to_output,
         _launch=launch,
     )
+    if launch and replay:
+        _PLANS[key] = plan
+    return plan
 
 
 def compile_only(mod, A, B, D, C, epi_args, config, add_to_output=False) -> int:

@@ -55,19 +55,28 @@ def lower(program: EpilogueProgram):
     )
 
 
-def epi_args(program: EpilogueProgram, operands: dict, outputs: dict) -> dict:
-    """quack's ``epi_args``: loaded vectors get quack's leading batch axis ((1, N) rows,
-    (1, M) columns); tiles, stores, partial buffers and selected columns (M,) pass as they
-    are."""
-    args = {}
+@functools.lru_cache(maxsize=None)
+def _arg_recipe(program: EpilogueProgram) -> tuple:
+    """(name, source, unsqueeze) per quack argument, in a fixed order, computed once per
+    program: ``source`` is "in" (an operand) or "out" (an output buffer)."""
+    recipe = []
     for p in program.inputs:
-        if isinstance(p, TileC):
-            continue
-        v = operands[p.name]
-        args[p.name] = v.unsqueeze(0) if isinstance(p, (RowLoad, ColLoad)) else v
+        if not isinstance(p, TileC):
+            recipe.append((p.name, "in", isinstance(p, (RowLoad, ColLoad))))
     for p in program.sinks:
         if isinstance(p, ColSelect):
-            args[p.index] = operands[p.index].unsqueeze(0)
+            recipe.append((p.index, "in", True))
     for p in (*program.stores, *program.sinks):
-        args[p.name] = outputs[p.name]
+        recipe.append((p.name, "out", False))
+    return tuple(recipe)
+
+
+def epi_args(program: EpilogueProgram, operands: dict, outputs: dict) -> dict:
+    """quack's ``epi_args``: loaded vectors get quack's leading batch axis ((1, N) rows,
+    (1, M) columns; a selected column's index likewise); tiles, stores, partial buffers and
+    selected columns (M,) pass as they are."""
+    args = {}
+    for name, source, unsqueeze in _arg_recipe(program):
+        v = operands[name] if source == "in" else outputs[name]
+        args[name] = v.unsqueeze(0) if unsqueeze else v
     return args

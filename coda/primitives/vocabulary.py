@@ -137,9 +137,13 @@ INPUTS = (RowLoad, ColLoad, TileC, TileLoad)
 SINKS = (RowPartials, ColPartials, OnlineLSE, ColSelect)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class EpilogueProgram:
-    """An epilogue program: ``fn`` plus the declaration of every name it reads or returns."""
+    """An epilogue program: ``fn`` plus the declaration of every name it reads or returns.
+
+    A program is one object for the life of the process (declared once, at module level):
+    it compares and hashes by identity, so looking up its lowering on every launch is a
+    pointer hash, not a walk over its declarations."""
 
     fn: Callable
     inputs: tuple = ()
