@@ -117,6 +117,7 @@ def main():
         bench_forward,
         bench_gemm_residual_rms,
         bench_layer,
+        bench_layer_grad_numerics,
         bench_numerics,
         bench_step,
         bench_train,
@@ -127,6 +128,7 @@ def main():
         ("main_demo", Demo(["demos/main.py"])),
         ("numerics", bench_numerics),
         ("attention_numerics", bench_attention_numerics),
+        ("layer_grad_numerics", bench_layer_grad_numerics),
     ]
     if args.tune:
         suites.append(("tuning", tune_configs))
@@ -236,6 +238,10 @@ def print_table(record):
         "returncode",
         "err_dq",
         "err_dk",
+        "ratio_dW_q",
+        "ratio_dW_k",
+        "err_coda_dq",
+        "err_torch_dq",
         "error",
     )
     for name, rows in record["benchmarks"].items():

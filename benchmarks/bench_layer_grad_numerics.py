@@ -1,0 +1,146 @@
+"""Where does the layer's q/k weight-gradient error come from? (a diagnostic for the fuzz's
+q/k ratios on the H200)
+
+For a few large random layers, one bf16 forward+backward through ``coda.nn.DecoderLayer`` and
+through the plain PyTorch layer (``TorchLlama``), both against the same layer in float64. Every
+call of ``F.scaled_dot_product_attention`` is observed, so besides the weight gradients the
+record has, per path, the error of the rotated q and k that enter attention, of the output, and
+of dq and dk that leave it: the stage where coda's error overtakes PyTorch's is the cause. Each
+case runs under the default SDPA backend choice and under the math backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import coda.nn as cnn
+from coda import layouts
+from coda.reference.model import TorchLlama
+from coda.reference.rope import head_perm, hf_cos_sin
+
+CASES = ((2, 600, 1024, 8, 2, 128), (2, 512, 768, 12, 4, 64), (1, 700, 1024, 16, 4, 64))
+_SDPA = F.scaled_dot_product_attention
+DEVICE, BACKEND = "cuda", "kernel"  # the CPU smoke test sets ("cpu", "auto")
+
+
+def _fro(got, ref):
+    return float((got.double() - ref.double()).norm() / ref.double().norm())
+
+
+class _Spy:
+    """Stands in for F.scaled_dot_product_attention; keeps q, k, o and their gradients."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, q, k, v, **kw):
+        for t in (q, k):
+            t.retain_grad()
+        o = _SDPA(q, k, v, **kw)
+        o.retain_grad()
+        self.seen.append((q, k, o))
+        return o
+
+
+def _run_peer(layer, x, dy):
+    sd = {f"model.layers.0.{k}": t for k, t in layer.hf_state_dict().items()}
+    d = layer.d
+    dummy = {"model.embed_tokens.weight": torch.zeros(1, d), "model.norm.weight": torch.zeros(d)}
+    dummy["lm_head.weight"] = torch.zeros(1, d)
+    ref = TorchLlama(
+        {**sd, **dummy},
+        n_layers=1,
+        n_heads=layer.n_heads,
+        n_kv_heads=layer.n_kv_heads,
+        head_dim=layer.head_dim,
+        eps=layer.eps,
+        rope_base=layer.rope_base,
+    )
+    xr = x.detach().clone().requires_grad_(True)
+    S = x.shape[1]
+    pos = torch.arange(S, device=x.device)
+    if x.dtype == torch.float64:
+        hd = layer.head_dim
+        inv = layer.rope_base ** (
+            -torch.arange(0, hd, 2, dtype=torch.float64, device=x.device) / hd
+        )
+        ang = pos.double()[:, None] * inv
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    else:
+        cos, sin = hf_cos_sin(pos, layer.head_dim, layer.rope_base, x.dtype)
+    p = ref.layers[0]
+    out = ref.layer(xr, p, cos, sin)
+    out.backward(dy)
+    return out.detach(), {
+        "dW_q": p["self_attn_q_proj_weight"].grad,
+        "dW_k": p["self_attn_k_proj_weight"].grad,
+        "dW_v": p["self_attn_v_proj_weight"].grad,
+        "dx": xr.grad,
+    }
+
+
+def _run_coda(layer, x, dy):
+    layer.zero_grad(set_to_none=True)
+    xr = x.detach().clone().requires_grad_(True)
+    out = layer(xr)
+    out.backward(dy)
+    q, k, v = layouts.qkv_weight_to_hf(
+        layer.w_qkv.grad,
+        n_heads=layer.n_heads,
+        n_kv_heads=layer.n_kv_heads,
+        head_dim=layer.head_dim,
+    )
+    return out.detach(), {"dW_q": q, "dW_k": k, "dW_v": v, "dx": xr.grad}
+
+
+def _observed(fn, *args, adjacent=False):
+    """(out, grads, stages) of one run with SDPA observed; ``adjacent``: coda's q/k heads hold
+    RoPE pairs as adjacent columns, put back in HF's half-split order to compare."""
+    spy = _Spy()
+    F.scaled_dot_product_attention = spy
+    try:
+        out, grads = fn(*args)
+    finally:
+        F.scaled_dot_product_attention = _SDPA
+    q, k, o = spy.seen[0]
+    stages = {"q": q.detach(), "k": k.detach(), "o": o.detach(), "dq": q.grad, "dk": k.grad}
+    if adjacent:
+        inv = torch.argsort(head_perm(q.shape[-1])).to(q.device)
+        stages = {n: t if n == "o" else t[..., inv] for n, t in stages.items()}
+    return out, grads, stages
+
+
+def run() -> list[dict]:
+    rows = []
+    for case, (B, S, d, H, Hkv, hd) in enumerate(CASES):
+        torch.manual_seed(case)
+        layer = cnn.DecoderLayer(d, H, Hkv, 2 * d, head_dim=hd, device=DEVICE, backend=BACKEND)
+        with torch.no_grad():
+            for w in (layer.w_qkv, layer.w_o, layer.w_il, layer.w_d):
+                w.normal_(std=w.shape[0] ** -0.5)
+        x = torch.randn(B, S, d, device=DEVICE).to(torch.bfloat16)
+        dy = torch.randn(B, S, d, device=DEVICE).to(torch.bfloat16)
+        layer64 = copy.deepcopy(layer).double()
+        with sdpa_kernel([SDPBackend.MATH]):
+            _, g64, s64 = _observed(_run_peer, layer64, x.double(), dy.double())
+        for backend in ("default", "math"):
+            ctx = sdpa_kernel([SDPBackend.MATH]) if backend == "math" else contextlib.nullcontext()
+            with ctx:
+                _, gc, sc = _observed(_run_coda, layer, x, dy, adjacent=True)
+                _, gp, sp = _observed(_run_peer, layer, x, dy)
+            row = {"name": f"layer_grad_numerics/{backend}", "B": B, "S": S, "d": d, "H": H}
+            row.update({"Hkv": Hkv, "hd": hd})
+            for n in g64:
+                ec, ep = _fro(gc[n], g64[n]), _fro(gp[n], g64[n])
+                row.update({f"ratio_{n}": ec / ep, f"err_coda_{n}": ec, f"err_torch_{n}": ep})
+            for n in s64:
+                if sc[n].shape == s64[n].shape:  # (the CPU reference path expands GQA's k)
+                    row[f"err_coda_{n}"] = _fro(sc[n], s64[n])
+                row[f"err_torch_{n}"] = _fro(sp[n], s64[n])
+            rows.append(row)
+    return rows
