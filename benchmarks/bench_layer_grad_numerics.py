@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -32,19 +33,20 @@ def _fro(got, ref):
     return float((got.double() - ref.double()).norm() / ref.double().norm())
 
 
-class _Spy:
-    """Stands in for F.scaled_dot_product_attention; keeps q, k, o and their gradients."""
+def _spy(seen: list):
+    """A stand-in for F.scaled_dot_product_attention that keeps q, k, o and their gradients
+    (a plain function, so torch.compile's tracing of coda's row kernels still sees one)."""
 
-    def __init__(self):
-        self.seen = []
-
-    def __call__(self, q, k, v, **kw):
+    @functools.wraps(_SDPA)
+    def sdpa(q, k, v, **kw):
         for t in (q, k):
             t.retain_grad()
         o = _SDPA(q, k, v, **kw)
         o.retain_grad()
-        self.seen.append((q, k, o))
+        seen.append((q, k, o))
         return o
+
+    return sdpa
 
 
 def _run_peer(layer, x, dy):
@@ -101,13 +103,13 @@ def _run_coda(layer, x, dy):
 def _observed(fn, *args, adjacent=False):
     """(out, grads, stages) of one run with SDPA observed; ``adjacent``: coda's q/k heads hold
     RoPE pairs as adjacent columns, put back in HF's half-split order to compare."""
-    spy = _Spy()
-    F.scaled_dot_product_attention = spy
+    seen = []
+    F.scaled_dot_product_attention = _spy(seen)
     try:
         out, grads = fn(*args)
     finally:
         F.scaled_dot_product_attention = _SDPA
-    q, k, o = spy.seen[0]
+    q, k, o = seen[0]
     stages = {"q": q.detach(), "k": k.detach(), "o": o.detach(), "dq": q.grad, "dk": k.grad}
     if adjacent:
         inv = torch.argsort(head_perm(q.shape[-1])).to(q.device)

@@ -27,6 +27,7 @@ from coda.kernels.linear_cross_entropy_bwd import (
     final_norm_bwd_normed,
     row_scale,
 )
+from coda.kernels.linear_cross_entropy_chunked import chunk_rows
 from coda.kernels.rmsnorm_bwd import norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad
@@ -234,7 +235,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if method == "chunked":
             one = torch.ones((), dtype=r.dtype, device=x2.device)
             weight = row_scale(target, ignore_index, reduction, one)
-            rows = max(128, (2**28 // (2 * V)) // 128 * 128)  # 256 MiB of logits
+            rows = chunk_rows(V)
             lse, tl, G, S, dw = lib.lm_head_chunked(
                 y, w_lm, ones, target, weight, rows, cfg, smooth, z_loss
             )

@@ -64,3 +64,13 @@ def random_dims(seed: int, **ranges) -> dict:
     """One random instantiation of named dimensions, each drawn from [lo, hi]."""
     g = torch.Generator().manual_seed(seed)
     return {k: int(torch.randint(lo, hi + 1, (1,), generator=g)) for k, (lo, hi) in ranges.items()}
+
+
+def tie_band(numel: int) -> float:
+    """How far above 1.0 a ratio of two relative Frobenius errors over ``numel`` elements can
+    land by chance when both paths make errors of the same size: each error is an estimate
+    from numel independent roundings, with a relative spread of ~1/sqrt(2 numel), so their
+    ratio spreads by ~1/sqrt(numel); two standard deviations of it. A ratio inside the band
+    is a tie (neither path is measurably more accurate); a systematic excess, such as 1.03 on
+    a million elements, is outside it. Scalars (numel 1) have their own floor in ``_ratio``."""
+    return 0.0 if numel <= 1 else 2.0 / numel**0.5

@@ -240,8 +240,14 @@ COMPILES = {
     "norm_bwd_residual": lambda: rmsnorm_bwd.compile_norm_bwd(1024, 512, residual=True),
     "ce_grad_logits": lambda: ceb.compile_grad_logits(256, 1000),
     "ce_accumulate_fp32": lambda: ceb.compile_accumulate(1000, 512),
+    "ce_dw_column_block": lambda: ceb.compile_dw_block(256, 2048),
     "wgrad_gamma_rows": lambda: wgrad.compile_wgrad_gamma_rows(512, 768),
     "ce_chunked_logits": lambda: cec.compile_logits_chunk(256, 1000),
+    "ce_chunked_dw_first": lambda: cec.compile_dw(256, 1000, accumulate=False),
+    "ce_chunked_dw_accumulate": lambda: cec.compile_dw(256, 1000, accumulate=True),
+    "ce_chunked_dw_one_chunk_bf16": lambda: cec.compile_dw(
+        256, 1000, accumulate=False, dw_dtype=torch.bfloat16
+    ),
 }
 
 

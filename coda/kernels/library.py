@@ -211,7 +211,7 @@ def _lm_head_bwd(
 @_lm_head_bwd.register_fake
 def _(a, w, rstd, lse, tl, target, scale, chunk, cfg, hot, shift):
     M, d, V, acc = a.shape[0], a.shape[1], w.shape[1], acc_dtype(a)
-    return _empty(M, d, like=a, dtype=acc), _empty(M, like=a, dtype=acc), _empty(V, d, like=a).t()
+    return _empty(M, d, like=a, dtype=acc), _empty(M, like=a, dtype=acc), _empty(d, V, like=a)
 
 
 @torch.library.custom_op("coda::lm_head_chunked", mutates_args=())

@@ -8,7 +8,9 @@ For each vocabulary chunk C (the logits are never stored, dz~ only one chunk at 
         S[m, t] = sum p * acc                    RED_m, the final norm's statistic
         then one element per row: dz~[m, y_m] -= rstd * scale,  S -= scale * acc[m, y_m]
         (the one-hot term: rows whose target falls in C; acc[m, y_m] = l_y / rstd from F6)
-    B3  dW_lm[:, C] = a^T @ dz~                  complete per chunk: no fp32 d x V buffer
+    B3  dW_lm[:, C] = a^T @ dz~                  complete per chunk, stored into its column
+                                                 block of dW_lm (no fp32 d x V buffer, and
+                                                 no transposed copy afterwards)
     B2  G += dz~ @ W_lm[:, C]^T                  fp32 M x d accumulator
 AUX:  corr = -(rstd^3 / d) * sum S;  dh = gamma * G + corr * h;  dgamma = sum_m G * h
 (the last step is elementwise over M x d; ``rmsnorm_bwd`` holds the epilogue form.)
@@ -22,6 +24,7 @@ import torch
 
 from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.tuned import config_for
 from coda.primitives import ColLoad, RowPartials, epilogue_program, exp
 from coda.primitives.aux import ce_row_weights, combine_row_partials, norm_correction
 
@@ -127,18 +130,17 @@ def linear_cross_entropy_bwd_kernel(
     hot=None,
     shift=None,
 ):
-    """Returns (G = dz~ @ W_lm^T fp32 M x d, S per row fp32, dW_lm (d x V view of a V x d
-    buffer)). ``chunk`` columns of dz~ are live at a time. ``interpreted`` runs B1 through the
+    """Returns (G = dz~ @ W_lm^T fp32 M x d, S per row fp32, dW_lm d x V row-major).
+    ``chunk`` columns of dz~ are live at a time. ``interpreted`` runs B1 through the
     tile interpreter and B2/B3 in torch (the CPU oracle of the same loop). ``scale`` weighs
     the softmax term, ``hot`` (default ``scale``) the one-hot term, ``shift`` (default none)
     is subtracted from every entry: z-loss and label smoothing (``ce_grad_weights``)."""
     hot = scale if hot is None else hot
-    M, V = a.shape[0], w_lm.shape[1]
-    G = torch.zeros(
-        M, a.shape[1], dtype=acc_dtype(a) if not interpreted else a.dtype, device=a.device
-    )
+    (M, d), V = a.shape, w_lm.shape[1]
+    chunk = -(-chunk // 8) * 8  # every dW column block starts 16-byte aligned for the TMA
+    G = torch.zeros(M, d, dtype=acc_dtype(a) if not interpreted else a.dtype, device=a.device)
     S = torch.zeros(M, dtype=G.dtype, device=a.device)
-    dw_t = torch.empty(V, a.shape[1], dtype=a.dtype, device=a.device)
+    dw = torch.empty(d, V, dtype=a.dtype, device=a.device)  # w_lm's own layout: no copy later
     for c0 in range(0, V, chunk):
         wc = w_lm[:, c0 : c0 + chunk]
         if interpreted:
@@ -147,12 +149,13 @@ def linear_cross_entropy_bwd_kernel(
             dz, s = grad_logits_chunk(a, wc, rstd, lse, scale, config, shift=shift)
         _one_hot_fixup(dz, s, target, c0, rstd, scale, hot, target_logit, lse, shift)
         S += s
-        torch.mm(dz.t(), a, out=dw_t[c0 : c0 + wc.shape[1]])  # B3: rows of dW_lm^T
+        # B3: dW_lm[:, C] = a^T @ dz~, stored straight into its column block of dW
+        launch(passthrough, a.t(), dz, config=config_for(d, M, V), d=dw[:, c0 : c0 + dz.shape[1]])
         if interpreted:
             G += dz @ wc.t()
         else:  # B2: G += dz~ @ W_c^T, reduce-added by the TMA store into the fp32 G
             launch(passthrough, dz, wc.t(), config=config, d=G, add_to_output=True)
-    return G, S, dw_t.t()
+    return G, S, dw
 
 
 def final_norm_bwd(G, S, h, gamma, rstd):
@@ -183,6 +186,15 @@ def compile_grad_logits(d, v, *, w_major="n", config=DEFAULT, m=256, shifted=Fal
     a, w = example_operands(m, d, v, w_major)
     e = torch.empty(m)
     return grad_logits_chunk(a, w, e, e, e, config, dry=True, shift=e if shifted else None)
+
+
+def compile_dw_block(d, v, *, chunk=512, m=256) -> int:
+    """B3 into a column block of a row-major dW (d x V): D is a strided view."""
+    a = torch.empty(m, d, dtype=torch.bfloat16)
+    dz = torch.empty(m, chunk, dtype=torch.bfloat16)
+    dw = torch.empty(d, v, dtype=torch.bfloat16)
+    cfg = config_for(d, m, v)
+    return launch(passthrough, a.t(), dz, config=cfg, d=dw[:, chunk : 2 * chunk], dry=True)
 
 
 def compile_accumulate(v, d, *, config=DEFAULT, m=256) -> int:

@@ -3,18 +3,23 @@
 
 The upstream gradient of a "mean" or "sum" loss is a scalar g, and every gradient is linear
 in it, so the forward computes them for g = 1 and the backward only scales (the Liger /
-QuACK chunked design). For each chunk of rows R (one chunk of bf16 logits live at a time):
+QuACK chunked design). For each chunk of rows R (one chunk of logits live at a time):
 
-    F6'  acc = a[R] @ W_lm                 l = rstd * acc: TILE-ST l (bf16), LSE partials and
-                                           the target logit from the fp32 l (the loss's stats)
-    row  p = softmax(l) over the stored l  (its own logsumexp, so sum p = 1 against what is
-         stored; KERNELS.md 7); dl = w (p - onehot); dz~ = rstd * dl written over l;
-         S = sum_n dl * l / rstd           the final norm's statistic
-    B2'  G[R] = dz~ @ W_lm^T               (bf16, M x d)
-    B3'  dW_lm += a[R]^T @ dz~             (bf16 accumulate, one rounding per chunk)
-then   dh = gamma * G + corr * h, dgamma = sum_m G * h  (corr = -(rstd^3 / d) S).
+    F6'  acc = a[R] @ W_lm                 l = rstd * acc: TILE-ST l in fp32, LSE partials and
+                                           the target logit (the loss's stats)
+    row  dz~ = rstd * dl, dl = w (exp(l - lse) - onehot): pointwise over the chunk (read fp32
+         l, write bf16 dz~); lse is F6''s, from the same fp32 values, so p sums to 1 without a
+         pass over the vocabulary, and p has fp32 accuracy (bf16 logits would give it an
+         error of |l| 2^-9, PyTorch's own)
+    B2'  G[R] = dz~ @ W_lm^T               (bf16, M x d; cuBLAS)
+    B3'  dW_lm (+)= a[R]^T @ dz~           quack GEMM whose TMA store reduce-adds the fp32
+                                           result into one fp32 dW (the first chunk stores):
+                                           no bf16 rounding per chunk, no separate add pass
+then   S = sum_j G_j a_j / rstd (the final norm's statistic, = sum_n dl_n l_n / rstd, one
+       pass over M x d) and dh = gamma * G + corr * h, dgamma = sum_m G * h.
 
-Extra memory: one (chunk x V) bf16 logits buffer plus G; no fp32 d x V buffer.
+Extra memory: one chunk of fp32 logits and its bf16 dz~ (``chunk_rows``: 384 MiB together),
+G, and with several chunks an fp32 d x V dW (one chunk: the bf16 dW is stored directly).
 Tests: tests/test_backward_kernels.py (CPU loop), tests/test_forward_kernels.py (compile).
 """
 
@@ -24,6 +29,8 @@ import torch
 
 from coda.kernels._launch import acc_dtype, example_operands, fused, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.linear_cross_entropy_bwd import passthrough
+from coda.kernels.tuned import config_for
 from coda.primitives import ColLoad, ColSelect, OnlineLSE, epilogue_program
 from coda.primitives.aux import combine_lse
 
@@ -37,10 +44,15 @@ def logits_with_stats(acc, rstd):
     return {"D": logit, "lse": logit, "target_logit": logit}
 
 
+def chunk_rows(vocab: int) -> int:
+    """Token rows per chunk: 256 MiB of fp32 logits (a multiple of 128, at least 128)."""
+    return max(128, (2**28 // (4 * vocab)) // 128 * 128)
+
+
 def logits_chunk(a, w_lm, rstd, target, config: GemmConfig = DEFAULT, dry=False):
-    """F6' on rows ``a``: returns (logits bf16, lse fp32, target logit fp32)."""
+    """F6' on rows ``a``: returns (logits fp32, lse fp32, target logit fp32)."""
     M, V = a.shape[0], w_lm.shape[1]
-    logits = torch.empty(M, V, dtype=a.dtype, device=a.device)
+    logits = torch.empty(M, V, dtype=acc_dtype(a), device=a.device)
     outputs = {
         "lse": torch.empty(M, config.grid(M, V)[1], dtype=acc_dtype(a), device=a.device),
         "target_logit": torch.zeros(M, dtype=acc_dtype(a), device=a.device),
@@ -67,25 +79,35 @@ def logits_chunk_interpreted(a, w_lm, rstd, target, config: GemmConfig = DEFAULT
         w_lm,
         config=config,
         operands={"rstd": rstd, "target": target},
-        out_dtype=a.dtype,
     )
-    return out["D"], combine_lse(out["lse"]), torch.nan_to_num(out["target_logit"], nan=0.0)
+    logits = out["D"].to(acc_dtype(a))
+    return logits, combine_lse(out["lse"]), torch.nan_to_num(out["target_logit"], nan=0.0)
 
 
-def softmax_grad_rows(logits, target, rstd, weight, label_smoothing=0.0, z_loss=0.0):
-    """The row kernel: dz~ = rstd * dl over stored logits (written in place), with
-    dl = w * ((1 + 2 z lse) softmax(l) - (1 - eps) onehot(y) - eps / V) (z-loss z, label
-    smoothing eps), and S = sum_n dl * l / rstd. Rows with w = 0 (ignored) give zeros."""
-    lf = logits.float() if logits.dtype != torch.float64 else logits
-    lse = torch.logsumexp(lf, dim=-1, keepdim=True)
-    p = torch.exp(lf - lse)
+def softmax_grad_rows(dz, logits, lse, target, rstd, weight, label_smoothing=0.0, z_loss=0.0):
+    """The row pass, pointwise: dz = rstd * dl (written into ``dz``, a.dtype) from the fp32
+    logits, dl = w * ((1 + 2 z lse) exp(l - lse) - (1 - eps) onehot(y) - eps / V) (z-loss z,
+    label smoothing eps). Rows with w = 0 (ignored) give zeros."""
+    V = logits.shape[1]
+    lse = lse[:, None]
+    p = torch.exp(logits - lse)
     if z_loss:
         p = p * (1.0 + 2.0 * z_loss * lse)
-    onehot = torch.zeros_like(p).scatter_(1, target.clamp(min=0)[:, None], 1.0 - label_smoothing)
-    dl = weight[:, None] * (p - onehot - label_smoothing / lf.shape[1])
-    S = (dl * lf).sum(-1) / rstd
-    logits.copy_(rstd[:, None] * dl)
-    return S
+    cols = torch.arange(V, device=logits.device)
+    hot = (cols[None, :] == target[:, None]).to(logits.dtype) * (1.0 - label_smoothing)
+    dl = weight[:, None] * (p - hot - label_smoothing / V)
+    dz.copy_(rstd[:, None] * dl)
+
+
+def row_dot(G, a, rstd):
+    """S[m] = sum_j G[m, j] a[m, j] / rstd[m], accumulated in fp32 (float64 for proofs)."""
+    acc = torch.float64 if G.dtype == torch.float64 else torch.float32
+    return (G.to(acc) * a.to(acc)).sum(-1) / rstd
+
+
+def dw_config(d: int, rows: int, v: int) -> GemmConfig:
+    """Tile config of B3' (d x V, K = rows): the LM head's tuned config for its shape."""
+    return config_for(d, rows, v)
 
 
 def linear_cross_entropy_chunked(
@@ -103,29 +125,55 @@ def linear_cross_entropy_chunked(
     """Forward stats and g = 1 gradients. Returns (lse, target_logit, G (M x d), S, dW_lm).
     ``weight`` is the per-row loss weight (1/M_valid or 1; 0 on ignored rows)."""
     M, d = a.shape
-    lse = torch.empty(M, dtype=acc_dtype(a) if not interpreted else a.dtype, device=a.device)
-    tl, S = torch.empty_like(lse), torch.empty_like(lse)
+    V = w_lm.shape[1]
+    lse = torch.empty(M, dtype=acc_dtype(a), device=a.device)
+    tl = torch.empty_like(lse)
     G = torch.empty(M, d, dtype=a.dtype, device=a.device)
-    # dW sums one partial product per token chunk: in fp32 when there are several, rounded to
-    # w_lm's dtype once (a bf16 running sum would round once per chunk)
+    dz = torch.empty(min(rows, M), V, dtype=a.dtype, device=a.device)
+    # dW sums one partial product per token chunk: in fp32 when there are several (the GEMM
+    # reduce-adds its fp32 tile into it), rounded to w_lm's dtype once at the end
     n_chunks = -(-M // rows)
-    dw = torch.zeros_like(w_lm, dtype=acc_dtype(a) if n_chunks > 1 else w_lm.dtype)
+    dw = torch.empty_like(w_lm, dtype=acc_dtype(a) if n_chunks > 1 else w_lm.dtype)
     row_kernel = softmax_grad_rows if interpreted else fused(softmax_grad_rows)
+    chunk = logits_chunk_interpreted if interpreted else logits_chunk
     for r0 in range(0, M, rows):
         R = slice(r0, min(r0 + rows, M))
-        chunk = logits_chunk_interpreted if interpreted else logits_chunk
+        dzr = dz[: R.stop - r0]
         logits, lse[R], tl[R] = chunk(a[R], w_lm, rstd[R], target[R], config)
-        S[R] = row_kernel(
-            logits, target[R], rstd[R], weight[R].to(lse.dtype), label_smoothing, z_loss
+        row_kernel(
+            dzr,
+            logits,
+            lse[R],
+            target[R],
+            rstd[R],
+            weight[R].to(lse.dtype),
+            label_smoothing,
+            z_loss,
         )
-        torch.mm(logits, w_lm.t(), out=G[R])  # B2'
-        if dw.dtype == logits.dtype:
-            dw.addmm_(a[R].t(), logits)  # B3'
-        else:
-            dw.add_(torch.mm(a[R].t(), logits))  # B3': bf16 GEMM (fp32 accumulate), fp32 sum
+        del logits
+        torch.mm(dzr, w_lm.t(), out=G[R])  # B2'
+        launch(  # B3': dW (+)= a[R]^T @ dz~, fp32 reduce-add by the TMA store after chunk 0
+            passthrough,
+            a[R].t(),
+            dzr,
+            config=dw_config(d, rows, V),
+            d=dw,
+            add_to_output=r0 > 0,
+        )
+    S = row_dot(G, a, rstd) if interpreted else fused(row_dot)(G, a, rstd)
     return lse, tl, G, S, dw.to(w_lm.dtype)
 
 
 def compile_logits_chunk(d, v, *, w_major="n", config=DEFAULT, m=256) -> int:
     a, w = example_operands(m, d, v, w_major)
     return logits_chunk(a, w, torch.empty(m), torch.zeros(m, dtype=torch.int64), config, dry=True)
+
+
+def compile_dw(d, v, *, accumulate: bool, dw_dtype=torch.float32, m=256) -> int:
+    """B3': dW (d x V, ``dw_dtype``) = a^T @ dz~ with a (m, d) row-major entering as an
+    M-major A operand; ``accumulate``: the fp32 reduce-add store of chunks after the first."""
+    a = torch.empty(m, d, dtype=torch.bfloat16)
+    dz = torch.empty(m, v, dtype=torch.bfloat16)
+    dw = torch.empty(d, v, dtype=dw_dtype)
+    config = dw_config(d, m, v)
+    return launch(passthrough, a.t(), dz, config=config, d=dw, add_to_output=accumulate, dry=True)
