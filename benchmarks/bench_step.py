@@ -214,7 +214,6 @@ def model_rows(liger) -> list[dict]:
             cfg["kv_heads"],
             cfg["ffn"],
             head_dim=cfg["hd"],
-            method="chunked",
             device="cuda",
         )
         sd = coda_model.hf_state_dict()

@@ -3,6 +3,8 @@ global batch split across the ranks, checked against one process running the sam
 
     torchrun --standalone --nproc_per_node 2 benchmarks/fsdp_step.py --check       # gloo, CPU
     torchrun --standalone --nproc_per_node 2 benchmarks/fsdp_step.py --check --steps 20
+    torchrun --standalone --nproc_per_node 2 benchmarks/fsdp_step.py --steps 10 --peers \
+        --layers 4 --d 2048 --heads 32 --kv-heads 8 --ffn 8192 --vocab 128256 --batch 4 --seq 4096
 
 On CPUs (gloo) the model is fp32 and runs coda's reference path: CI uses this to test the
 sharding wiring. On GPUs (NCCL) the parameters are fp32, sharded, and gathered in bf16 for
@@ -10,6 +12,9 @@ compute (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), so coda
 their kernel path; ``--steps`` then times the step (tokens/s per GPU, peak memory per GPU).
 ``--check``: rank 0 also runs the unsharded model on the whole global batch; the loss and every
 gradient must match (fp32: to round-off; bf16: within the spread of two bf16 runs).
+``--peers``: the same model (same weights) in plain PyTorch (``TorchLlama``), eager and with
+each layer under ``torch.compile`` (TorchTitan's recipe), sharded the same way and timed the
+same way in the same run.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import coda.nn as cnn
+from coda.reference.model import TorchLlama
 
 
 def parse_args(argv=None):
@@ -39,6 +45,7 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
     ap.add_argument("--steps", type=int, default=0, help="timed steps after the check")
     ap.add_argument("--check", action="store_true", help="compare with one unsharded process")
+    ap.add_argument("--peers", action="store_true", help="also time PyTorch eager / compile")
     ap.add_argument("--out", default=None, help="write the result JSON here (rank 0)")
     return ap.parse_args(argv)
 
@@ -52,10 +59,53 @@ def build(args, device):
         args.heads,
         args.kv_heads,
         args.ffn,
-        method="chunked" if device.type == "cuda" else "recompute",
         device=device,
         dtype=torch.float32,
     )
+
+
+def peer(reference, args, compiled: bool):
+    """The same weights as a plain PyTorch Llama; ``compiled``: each layer under
+    torch.compile, before sharding."""
+    model = TorchLlama(
+        reference.hf_state_dict(),
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        head_dim=args.d // args.heads,
+    )
+    if compiled:
+        for layer in model.layers:
+            layer.compile()
+    return model
+
+
+def timed(model, tokens, targets, steps: int, gpu: bool) -> dict:
+    """Mean wall time of ``steps`` training steps (forward, backward, AdamW) after
+    three warm-up steps: ms per step, tokens/s per rank, peak memory per rank."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        model(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if gpu:
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    return {
+        "step_ms": dt * 1e3,
+        "tokens_per_s_per_rank": tokens.numel() / dt,
+        "peak_gib_per_rank": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+    }
 
 
 def shard(model, gpu: bool):
@@ -117,29 +167,18 @@ def main(argv=None):
             worst_grad_rel_diff=worst,
         )
     if args.steps:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step():
-            model(tokens[mine], targets[mine]).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        for _ in range(3):
-            step()
-        if gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        if gpu:
-            torch.cuda.synchronize()
-        dt = (time.perf_counter() - t0) / args.steps
-        result.update(
-            step_ms=dt * 1e3,
-            tokens_per_s_per_rank=per * args.seq / dt,
-            peak_gib_per_rank=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
-        )
+        result["coda"] = timed(model, tokens[mine], targets[mine], args.steps, gpu)
+    if args.steps and args.peers:
+        del model, grads
+        for name, compiled in (("torch_eager", False), ("torch_compile", True)):
+            if gpu:
+                torch.cuda.empty_cache()
+            m = shard(peer(reference, args, compiled), gpu)
+            result[name] = timed(m, tokens[mine], targets[mine], args.steps, gpu)
+            del m
+        base = result["torch_compile"]["tokens_per_s_per_rank"]
+        for name in ("coda", "torch_eager", "torch_compile"):
+            result[name]["speedup_vs_torch_compile"] = result[name]["tokens_per_s_per_rank"] / base
     if rank == 0:
         print(json.dumps(result))
         if args.out:

@@ -33,6 +33,17 @@ LAYER_KEYS = (
 )
 
 
+class LlamaLayerParams(nn.ParameterDict):
+    """One layer's weights (keys as ``LAYER_KEYS`` with "_" for "."), callable as a module so
+    per-layer wrappers (FSDP2's ``fully_shard``, ``torch.compile``) see the layer's forward:
+    ``layer(x, cos, sin, model)`` runs ``model.layer`` on these weights."""
+
+    __call__ = nn.Module.__call__  # ParameterDict itself refuses to be called
+
+    def forward(self, x, cos, sin, model):
+        return model.layer(x, self, cos, sin)
+
+
 class TorchLlama(nn.Module):
     def __init__(
         self,
@@ -53,7 +64,7 @@ class TorchLlama(nn.Module):
         self.embed = nn.Parameter(sd["model.embed_tokens.weight"].detach().clone())
         self.layers = nn.ModuleList()
         for i in range(n_layers):
-            p = nn.ParameterDict()
+            p = LlamaLayerParams()
             for k in LAYER_KEYS:
                 p[k.replace(".", "_")] = nn.Parameter(sd[f"model.layers.{i}.{k}"].detach().clone())
             self.layers.append(p)
@@ -89,7 +100,7 @@ class TorchLlama(nn.Module):
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = hf_cos_sin(pos, self.head_dim, self.rope_base, x.dtype)
         for p in self.layers:
-            x = self.layer(x, p, cos, sin)
+            x = p(x, cos, sin, self)
         return x
 
     def forward(self, tokens, targets, ignore_index: int = -100):
