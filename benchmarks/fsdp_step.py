@@ -4,7 +4,7 @@ global batch split across the ranks, checked against one process running the sam
     torchrun --standalone --nproc_per_node 2 benchmarks/fsdp_step.py --check       # gloo, CPU
     torchrun --standalone --nproc_per_node 2 benchmarks/fsdp_step.py --check --steps 20
     torchrun --standalone --nproc_per_node 2 benchmarks/fsdp_step.py --steps 10 --peers \
-        --layers 4 --d 2048 --heads 32 --kv-heads 8 --ffn 8192 --vocab 128256 --batch 4 --seq 4096
+        --layers 4 --dim 2048 --heads 32 --kv-heads 8 --ffn 8192 --vocab 128256 --batch 4 --seq 4096
 
 On CPUs (gloo) the model is fp32 and runs coda's reference path: CI uses this to test the
 sharding wiring. On GPUs (NCCL) the parameters are fp32, sharded, and gathered in bf16 for
@@ -36,7 +36,7 @@ from coda.reference.model import TorchLlama
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="FSDP2 over coda's modules, checked or timed.")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    ap.add_argument("--d", type=int, default=64, help="hidden size (default 64)")
+    ap.add_argument("--dim", dest="d", type=int, default=64, help="hidden size (default 64)")
     ap.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
     ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
     ap.add_argument("--ffn", type=int, default=128, help="MLP width (default 128)")
