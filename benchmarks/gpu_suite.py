@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -198,10 +199,17 @@ class Demo:
         ]
 
 
+def no_machine_paths(text: str) -> str:
+    """Records name GPU, versions, commit and command, never a folder of the machine: paths in
+    captured tracebacks and warnings become repository-relative or "site-packages/..."."""
+    text = text.replace(ROOT + os.sep, "")
+    return re.sub(r"/[^\s\"']*/site-packages/", "site-packages/", text)
+
+
 def write_record(record, out_dir):
     gpu = record["env"].get("gpu", "nogpu").split()[-1].lower()
     fname = f"{record['date'][:10]}_{gpu}.json"
-    text = json.dumps(record, indent=1)
+    text = no_machine_paths(json.dumps(record, indent=1))
     for d in (os.path.join(ROOT, "benchmarks", "results"), out_dir):
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, fname), "w") as f:

@@ -202,22 +202,27 @@ def _causal_lm_forward(original):
         )
         if n_items is not None:
             loss = loss / n_items
+        # the KV cache field is ``past_key_values`` up to transformers 5.2x and ``cache`` after
+        # (reading or passing the old name there logs a deprecation on every first call)
+        fields = CausalLMOutputWithPast.__dataclass_fields__
+        cache_field = "cache" if "cache" in fields else "past_key_values"
         return CausalLMOutputWithPast(
             loss=loss,
             logits=None,
-            past_key_values=getattr(out, "past_key_values", None),
             hidden_states=out.hidden_states,
             attentions=out.attentions,
+            **{cache_field: getattr(out, cache_field, None)},
         )
 
     return forward
 
 
-def apply_coda(model, *, method: str = "chunked"):
+def apply_coda(model, *, method: str = "recompute"):
     """Patch a transformers ``LlamaForCausalLM`` or ``LlamaModel`` in place; returns it.
 
-    ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "chunked" (3 GEMMs) or
-    "recompute" (least memory). Each decoder layer becomes a ``CodaLlamaDecoderLayer``."""
+    ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "recompute" (the default:
+    least memory, and the faster of the two on the H200 at every measured shape, see
+    benchmarks/NOTES.md) or "chunked". Each decoder layer becomes a ``CodaLlamaDecoderLayer``."""
     name = type(model).__name__
     if name.startswith("Qwen3"):
         raise v.CodaInputError(

@@ -243,6 +243,7 @@ COMPILES = {
     "ce_dw_column_block": lambda: ceb.compile_dw_block(256, 2048),
     "wgrad_gamma_rows": lambda: wgrad.compile_wgrad_gamma_rows(512, 768),
     "ce_chunked_logits": lambda: cec.compile_logits_chunk(256, 1000),
+    "ce_chunked_g_fp32": lambda: cec.compile_g(256, 1000),
     "ce_chunked_dw_first": lambda: cec.compile_dw(256, 1000, accumulate=False),
     "ce_chunked_dw_accumulate": lambda: cec.compile_dw(256, 1000, accumulate=True),
     "ce_chunked_dw_one_chunk_bf16": lambda: cec.compile_dw(

@@ -27,3 +27,11 @@ def test_train_demo_runs(tmp_path):
     # same initial weights and batches: on the CPU both run fp32 torch math
     diff = float(out.split("max |loss difference| over the run = ")[1].split()[0])
     assert diff < 1e-3
+
+
+def test_hf_finetune_demo_runs():
+    out = run("demos/hf_finetune.py", "--steps", "6", "--no-progress")
+    assert "unpatched  final loss" in out and "coda       final loss" in out
+    # same initial weights and batches; on the CPU coda's patch runs its fp32 reference path
+    diff = float(out.split("max |loss difference| over the run = ")[1].split()[0])
+    assert diff < 1e-3

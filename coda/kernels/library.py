@@ -246,7 +246,7 @@ def _(a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss):
     return (
         stat,
         torch.empty_like(stat),
-        _empty(M, d, like=a),
+        _empty(M, d, like=a, dtype=acc),
         torch.empty_like(stat),
         (torch.empty_like(w)),
     )

@@ -11,7 +11,7 @@ QuACK chunked design). For each chunk of rows R (one chunk of logits live at a t
          l, write bf16 dz~); lse is F6''s, from the same fp32 values, so p sums to 1 without a
          pass over the vocabulary, and p has fp32 accuracy (bf16 logits would give it an
          error of |l| 2^-9, PyTorch's own)
-    B2'  G[R] = dz~ @ W_lm^T               (bf16, M x d; cuBLAS)
+    B2'  G[R] = dz~ @ W_lm^T               (quack GEMM, fp32 M x d: no bf16 rounding of dy)
     B3'  dW_lm (+)= a[R]^T @ dz~           quack GEMM whose TMA store reduce-adds the fp32
                                            result into one fp32 dW (the first chunk stores):
                                            no bf16 rounding per chunk, no separate add pass
@@ -19,7 +19,7 @@ then   S = sum_j G_j a_j / rstd (the final norm's statistic, = sum_n dl_n l_n / 
        pass over M x d) and dh = gamma * G + corr * h, dgamma = sum_m G * h.
 
 Extra memory: one chunk of fp32 logits and its bf16 dz~ (``chunk_rows``: 384 MiB together),
-G, and with several chunks an fp32 d x V dW (one chunk: the bf16 dW is stored directly).
+the fp32 G, and with several chunks an fp32 d x V dW (one chunk: the bf16 dW is stored directly).
 Tests: tests/test_backward_kernels.py (CPU loop), tests/test_forward_kernels.py (compile).
 """
 
@@ -105,6 +105,11 @@ def row_dot(G, a, rstd):
     return (G.to(acc) * a.to(acc)).sum(-1) / rstd
 
 
+def g_config(rows: int, v: int, d: int) -> GemmConfig:
+    """Tile config of B2' (rows x d, K = V)."""
+    return config_for(rows, v, d)
+
+
 def dw_config(d: int, rows: int, v: int) -> GemmConfig:
     """Tile config of B3' (d x V, K = rows): the LM head's tuned config for its shape."""
     return config_for(d, rows, v)
@@ -128,7 +133,7 @@ def linear_cross_entropy_chunked(
     V = w_lm.shape[1]
     lse = torch.empty(M, dtype=acc_dtype(a), device=a.device)
     tl = torch.empty_like(lse)
-    G = torch.empty(M, d, dtype=a.dtype, device=a.device)
+    G = torch.empty(M, d, dtype=acc_dtype(a), device=a.device)
     dz = torch.empty(min(rows, M), V, dtype=a.dtype, device=a.device)
     # dW sums one partial product per token chunk: in fp32 when there are several (the GEMM
     # reduce-adds its fp32 tile into it), rounded to w_lm's dtype once at the end
@@ -151,7 +156,9 @@ def linear_cross_entropy_chunked(
             z_loss,
         )
         del logits
-        torch.mm(dzr, w_lm.t(), out=G[R])  # B2'
+        # B2': G[R] = dz~ @ W_lm^T, stored in fp32 (a bf16 G would carry the same rounding
+        # as PyTorch's dy and tie its dx error instead of beating it)
+        launch(passthrough, dzr, w_lm.t(), config=g_config(rows, V, d), d=G[R])
         launch(  # B3': dW (+)= a[R]^T @ dz~, fp32 reduce-add by the TMA store after chunk 0
             passthrough,
             a[R].t(),
@@ -167,6 +174,14 @@ def linear_cross_entropy_chunked(
 def compile_logits_chunk(d, v, *, w_major="n", config=DEFAULT, m=256) -> int:
     a, w = example_operands(m, d, v, w_major)
     return logits_chunk(a, w, torch.empty(m), torch.zeros(m, dtype=torch.int64), config, dry=True)
+
+
+def compile_g(d, v, *, m=256) -> int:
+    """B2': G (m x d, fp32) = dz~ @ W_lm^T, W_lm (d, V) row-major entering K-major."""
+    dz = torch.empty(m, v, dtype=torch.bfloat16)
+    w = torch.empty(d, v, dtype=torch.bfloat16)
+    G = torch.empty(m, d, dtype=torch.float32)
+    return launch(passthrough, dz, w.t(), config=g_config(m, v, d), d=G, dry=True)
 
 
 def compile_dw(d, v, *, accumulate: bool, dw_dtype=torch.float32, m=256) -> int:
