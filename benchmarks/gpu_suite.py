@@ -117,6 +117,7 @@ def main():
         bench_attention_numerics,
         bench_forward,
         bench_gemm_residual_rms,
+        bench_hf,
         bench_layer,
         bench_layer_grad_numerics,
         bench_numerics,
@@ -143,6 +144,7 @@ def main():
         ("host", StepPart("host")),
         ("graph", StepPart("graph")),
         ("model", StepPart("model")),
+        ("hf", bench_hf),
         ("train_demo", Demo(["demos/train.py", "--png", os.path.join(args.out, "train_loss.png")])),
     ]
     if args.only:
@@ -241,6 +243,7 @@ def print_table(record):
         "mfu",
         "peak_gib",
         "speedup_vs_torch_compile",
+        "speedup_vs_best_peer",
         "extra_peak_gib",
         "activation_gib",
         "returncode",

@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype, fused
 from coda.kernels.drope import drope_rows, rotation_tables
-from coda.kernels.gemm_rope import cached_freq_table
+from coda.kernels.gemm_rope import cached_freq_table, cached_zero_freq
 from coda.kernels.linear_cross_entropy_bwd import (
     ce_grad_weights,
     final_norm_bwd_normed,
     row_scale,
 )
 from coda.kernels.linear_cross_entropy_chunked import chunk_rows
+from coda.kernels.qk_norm import dqk_norm_rope_rows, qk_norm_rope_rows
 from coda.kernels.rmsnorm_bwd import norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad
@@ -106,6 +107,64 @@ class AttentionInput(torch.autograd.Function):
         )  # B12 + A9
         dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1, config_for(d, M, w_qkv.shape[1]))  # B13
         return dx0, dg1.to(g1.dtype), dw_qkv, None, None, None
+
+
+class AttentionInputQKNorm(torch.autograd.Function):
+    """``AttentionInput`` for Qwen3's per-head QK-norm (``coda.kernels.qk_norm``): F1 runs
+    without rotation (z = rstd0 * acc), a row pass applies the head norms and RoPE; backward:
+    the head norms' backward and dRoPE in one row pass (with the entry norm's statistic),
+    then B12 and B13 as in ``AttentionInput``. Saves z in place of the rotated qkv."""
+
+    @staticmethod
+    def forward(ctx, x0, g1, w_qkv, q_norm, k_norm, positions, freq, dims: LayerDims):
+        M, d = x0.shape
+        hd = dims.head_dim
+        pos = positions.float()
+        a0, r0 = fused(entry_norm)(x0, g1, dims.eps)  # F0
+        still = cached_zero_freq(w_qkv.shape[1], x0.device)  # F1 without the rotation
+        z = lib.gemm_rope(a0, w_qkv, r0, pos, still, config_for(M, d, w_qkv.shape[1]))
+        cos, sin = rotation_tables(pos, freq[0:hd:2], freq[1:hd:2], hd, r0.dtype)
+        qkv, s = fused(qk_norm_rope_rows)(
+            z, q_norm, k_norm, cos, sin, dims.heads, dims.kv_heads, hd, dims.eps
+        )
+        ctx.save_for_backward(x0, r0, z, s, g1, w_qkv, q_norm, k_norm, cos, sin)
+        ctx.dims = dims
+        return qkv, x0.view_as(x0)
+
+    @staticmethod
+    def backward(ctx, dqkv, dres):
+        x0, r0, z, s, g1, w_qkv, q_norm, k_norm, cos, sin = ctx.saved_tensors
+        dims = ctx.dims
+        M, d = x0.shape
+        dz0, corr0, dqn, dkn = fused(dqk_norm_rope_rows)(
+            dqkv.contiguous(),
+            z,
+            s,
+            r0,
+            cos,
+            sin,
+            q_norm,
+            k_norm,
+            dims.heads,
+            dims.kv_heads,
+            dims.head_dim,
+            d,
+        )  # B11 with the head norms' backward
+        dres = None if dres is None else dres.contiguous()
+        dx0, dg1 = lib.norm_bwd(
+            dz0, w_qkv, x0, g1, corr0, dres, config_for(M, w_qkv.shape[1], d)
+        )  # B12 + A9
+        dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1, config_for(d, M, w_qkv.shape[1]))  # B13
+        return (
+            dx0,
+            dg1.to(g1.dtype),
+            dw_qkv,
+            dqn.to(q_norm.dtype),
+            dkn.to(k_norm.dtype),
+            None,
+            None,
+            None,
+        )
 
 
 class SplitHeads(torch.autograd.Function):
@@ -188,16 +247,33 @@ class MLP(torch.autograd.Function):
 
 
 def decoder_layer(
-    x0, g1, w_qkv, w_o, g2, w_il, w_d, positions, dims: LayerDims, attention=None, freq=None
+    x0,
+    g1,
+    w_qkv,
+    w_o,
+    g2,
+    w_il,
+    w_d,
+    positions,
+    dims: LayerDims,
+    attention=None,
+    freq=None,
+    qk_norm=None,
 ):
     """One decoder layer on token rows x0 (M, d) as the composition of the kernel-path
     Functions, with ``attention`` (default ``sdpa_causal``) between them, differentiated by
     its own autograd. ``freq``: the RoPE epilogue's per-column frequency table (default: from
-    ``dims.rope_base``). Returns x2 (M, d)."""
+    ``dims.rope_base``); ``qk_norm``: Qwen3's (q_norm, k_norm) head-norm weights, or None.
+    Returns x2 (M, d)."""
     H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
     if freq is None:
         freq = cached_freq_table(hd, H + Hkv, Hkv, dims.rope_base, x0.device)
-    qkv, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, freq, dims)
+    if qk_norm is None:
+        qkv, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, freq, dims)
+    else:
+        qkv, x0_residual = AttentionInputQKNorm.apply(
+            x0, g1, w_qkv, *qk_norm, positions, freq, dims
+        )
     q, k, v = SplitHeads.apply(qkv, dims)
     o4 = (attention or sdpa_causal)(q, k, v)
     o = o4.transpose(1, 2).reshape(x0.shape[0], H * hd)

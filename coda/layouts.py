@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from coda import _validate as v
-from coda.reference.rope import adjacent_to_hf_linear, hf_to_adjacent_linear
+from coda.reference.rope import adjacent_to_hf_linear, head_perm, hf_to_adjacent_linear
 from coda.reference.swiglu import interleave_gate_up_linear, split_gate_up_linear
 
 
@@ -72,3 +72,21 @@ def gate_up_weight_to_hf(w_il: torch.Tensor):
         raise v.CodaInputError(f"w_il: dim 1 (2f) must be even, got {w_il.shape[1]}")
     g, u = split_gate_up_linear(w_il.t().contiguous())
     return g.contiguous(), u.contiguous()
+
+
+def head_weight_from_hf(weight: torch.Tensor) -> torch.Tensor:
+    """A per-head norm weight (Qwen3's q_norm / k_norm, (hd,)) in HF order -> the
+    adjacent-pair order of coda's q and k heads (the same permutation as their columns)."""
+    v.check_tensor("weight", weight)
+    if weight.dim() != 1 or weight.shape[0] % 2:
+        raise v.CodaInputError(
+            f"weight: expected a 1-D head norm weight of even length, got {tuple(weight.shape)}"
+        )
+    return weight[head_perm(weight.shape[0]).to(weight.device)]
+
+
+def head_weight_to_hf(weight: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``head_weight_from_hf`` (exact)."""
+    v.check_tensor("weight", weight)
+    inv = torch.argsort(head_perm(weight.shape[0])).to(weight.device)
+    return weight[inv].clone()

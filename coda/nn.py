@@ -46,7 +46,8 @@ class DecoderLayer(nn.Module):
     """Pre-norm Llama decoder layer. ``attention``: a callable (q, k, v) -> o on
     (batch, heads, seq, head_dim) tensors (k, v with n_kv_heads heads; causal), used by both
     paths in place of the default causal GQA SDPA (e.g. a flash-attention or HF attention
-    function); it is differentiated by autograd."""
+    function); it is differentiated by autograd. ``qk_norm``: Qwen3's per-head RMSNorm of q
+    and k before RoPE (weights ``q_norm``, ``k_norm`` of head_dim, eps = ``eps``)."""
 
     def __init__(
         self,
@@ -62,6 +63,7 @@ class DecoderLayer(nn.Module):
         backend: str = "auto",
         attention=None,
         inv_freq=None,
+        qk_norm: bool = False,
     ):
         super().__init__()
         hd = v.check_heads(d, n_heads, n_kv_heads, head_dim)
@@ -111,13 +113,18 @@ class DecoderLayer(nn.Module):
         self.g2 = nn.Parameter(torch.ones(d, **kw))
         self.w_il = nn.Parameter(torch.empty(d, 2 * ffn, **kw))
         self.w_d = nn.Parameter(torch.empty(ffn, d, **kw))
+        # Qwen3's per-head QK-norm weights (hd,), in the adjacent-pair order of w_qkv's heads
+        self.qk_norm = bool(qk_norm)
+        self.q_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w_qkv, self.w_o, self.w_il, self.w_d):
             nn.init.normal_(w, std=std)
-        nn.init.ones_(self.g1)
-        nn.init.ones_(self.g2)
+        for g in (self.g1, self.g2, self.q_norm, self.k_norm):
+            if g is not None:
+                nn.init.ones_(g)
 
     def _shape(self, batch, seq) -> LayerShape:
         return LayerShape(
@@ -160,6 +167,8 @@ class DecoderLayer(nn.Module):
             "w_il": self.w_il,
             "wd": self.w_d,
         }
+        if self.qk_norm:
+            w["q_norm"], w["k_norm"] = self.q_norm, self.k_norm
         if rope_cos_sin is not None:  # HF's halves -> coda's adjacent (cos, sin) pairs
             half = self.head_dim // 2
             cos, sin = (t.expand(B, S, -1).reshape(B * S, -1)[:, :half] for t in rope_cos_sin)
@@ -220,6 +229,7 @@ class DecoderLayer(nn.Module):
             dims,
             attention or self.attention,
             self._freq_table(x.device),
+            (self.q_norm, self.k_norm) if self.qk_norm else None,
         )
         return out.view(B, S, d)
 
@@ -249,6 +259,14 @@ class DecoderLayer(nn.Module):
             f"{p}mlp.gate_proj.weight": gate,
             f"{p}mlp.up_proj.weight": up,
             f"{p}mlp.down_proj.weight": t(self.w_d).t().contiguous(),
+            **(
+                {
+                    f"{p}self_attn.q_norm.weight": layouts.head_weight_to_hf(t(self.q_norm)),
+                    f"{p}self_attn.k_norm.weight": layouts.head_weight_to_hf(t(self.k_norm)),
+                }
+                if self.qk_norm
+                else {}
+            ),
         }
 
     def hf_shapes(self, prefix: str = "") -> dict:
@@ -266,6 +284,9 @@ class DecoderLayer(nn.Module):
             "mlp.up_proj.weight": (f, d),
             "mlp.down_proj.weight": (d, f),
         }
+        if self.qk_norm:
+            shapes["self_attn.q_norm.weight"] = (self.head_dim,)
+            shapes["self_attn.k_norm.weight"] = (self.head_dim,)
         return {prefix + k: s for k, s in shapes.items()}
 
     @torch.no_grad()
@@ -292,6 +313,9 @@ class DecoderLayer(nn.Module):
             )
         )
         self.w_d.copy_(sd[f"{p}mlp.down_proj.weight"].t())
+        if self.qk_norm:
+            self.q_norm.copy_(layouts.head_weight_from_hf(sd[f"{p}self_attn.q_norm.weight"]))
+            self.k_norm.copy_(layouts.head_weight_from_hf(sd[f"{p}self_attn.k_norm.weight"]))
 
 
 class LMHeadLoss(nn.Module):

@@ -1,5 +1,5 @@
-"""Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama model in
-place so its decoder layers run coda's kernel sequence and ``model(input_ids, labels=...)``
+"""Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama or Qwen3
+model in place so its decoder layers run coda's kernel sequence and ``model(input_ids, labels=...)``
 returns the loss through coda's LM-head loss, logits never stored.
 
 What stays the model's own: the embedding, the attention function the config selects (sdpa,
@@ -12,9 +12,10 @@ coda's paired layouts (``coda.layouts``) but ``state_dict()`` / ``load_state_dic
 logits as before (generation works). Anything not supported raises ``CodaInputError``
 naming it: nothing is silently left unpatched.
 
-Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel`` (silu MLP, no biases, RoPE
-"default" or "llama3"). Qwen3's per-head QK-norm is not yet a coda epilogue: Qwen3 models are
-refused with that reason.
+Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel`` and ``Qwen3ForCausalLM`` /
+``Qwen3Model`` (silu MLP, no biases, RoPE "default" or "llama3"; Qwen3's per-head QK-norm runs
+as a row pass after the QKV GEMM, ``coda.kernels.qk_norm``, and its sliding-window layers,
+when configured, keep the model's own masks and window).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from coda import _validate as v
 from coda import layouts
 from coda.nn import DecoderLayer, lm_head_loss
 
-SUPPORTED = ("LlamaForCausalLM", "LlamaModel")
+SUPPORTED = ("LlamaForCausalLM", "LlamaModel", "Qwen3ForCausalLM", "Qwen3Model")
 ROPE_TYPES = ("default", "llama3")
 
 
@@ -48,12 +49,14 @@ def _check_config(config, rotary) -> None:
 
 
 class CodaLlamaDecoderLayer(DecoderLayer):
-    """A ``LlamaDecoderLayer`` replaced by coda's layer: same call signature and result, the
-    weights in coda's layouts, HF's attention module kept (without its projections) for the
-    attention function's parameters (scaling, GQA groups, layer index, dropout)."""
+    """A ``LlamaDecoderLayer`` (or ``Qwen3DecoderLayer``) replaced by coda's layer: same call
+    signature and result, the weights in coda's layouts, HF's attention module kept (without
+    its projections and norms) for the attention function's parameters (scaling, GQA groups,
+    layer index, dropout, sliding window)."""
 
     def __init__(self, hf_layer, config, inv_freq):
         attn = hf_layer.self_attn
+        qk_norm = hasattr(attn, "q_norm")
         p = next(hf_layer.parameters())
         super().__init__(
             config.hidden_size,
@@ -65,10 +68,14 @@ class CodaLlamaDecoderLayer(DecoderLayer):
             device=p.device,
             dtype=p.dtype,
             inv_freq=inv_freq,
+            qk_norm=qk_norm,
         )
+        if qk_norm and attn.q_norm.variance_epsilon != config.rms_norm_eps:
+            raise v.CodaInputError("apply_coda: a QK-norm eps other than rms_norm_eps")
         self.load_hf_state_dict(hf_layer.state_dict())
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            delattr(attn, name)  # the weights live in w_qkv / w_o now
+        names = ("q_proj", "k_proj", "v_proj", "o_proj") + (("q_norm", "k_norm") if qk_norm else ())
+        for name in names:
+            delattr(attn, name)  # the weights live in w_qkv / w_o / q_norm / k_norm now
         self.self_attn = attn
         self.register_state_dict_post_hook(_to_hf_keys)
         self.register_load_state_dict_pre_hook(_from_hf_keys)
@@ -83,6 +90,11 @@ class CodaLlamaDecoderLayer(DecoderLayer):
         def attention(q, k, v):
             if cache is not None:
                 k, v = cache.update(k, v, module.layer_idx, kwargs=kwargs)  # as LlamaAttention
+            window = (
+                {"sliding_window": module.sliding_window}
+                if hasattr(module, "sliding_window")
+                else {}
+            )
             out, _ = iface(
                 module,
                 q,
@@ -91,6 +103,7 @@ class CodaLlamaDecoderLayer(DecoderLayer):
                 attention_mask,
                 dropout=0.0 if not module.training else module.attention_dropout,
                 scaling=module.scaling,
+                **window,
                 **kwargs,
             )
             return out.transpose(1, 2)  # HF returns (batch, seq, heads, hd)
@@ -122,7 +135,7 @@ def _hf_attention_functions():
 
 
 def _to_hf_keys(module, state_dict, prefix, local_metadata):
-    for name in ("g1", "w_qkv", "w_o", "g2", "w_il", "w_d"):
+    for name in ("g1", "w_qkv", "w_o", "g2", "w_il", "w_d", "q_norm", "k_norm"):
         state_dict.pop(prefix + name, None)
     state_dict.update(module.hf_state_dict(prefix))
 
@@ -147,6 +160,9 @@ def _from_hf_keys(module, state_dict, prefix, local_metadata, strict, missing, u
         sd["mlp.gate_proj.weight"], sd["mlp.up_proj.weight"]
     )
     state_dict[p + "w_d"] = sd["mlp.down_proj.weight"].t()
+    if module.qk_norm:
+        state_dict[p + "q_norm"] = layouts.head_weight_from_hf(sd["self_attn.q_norm.weight"])
+        state_dict[p + "k_norm"] = layouts.head_weight_from_hf(sd["self_attn.k_norm.weight"])
 
 
 def _causal_lm_forward(original):
@@ -218,17 +234,12 @@ def _causal_lm_forward(original):
 
 
 def apply_coda(model, *, method: str = "recompute"):
-    """Patch a transformers ``LlamaForCausalLM`` or ``LlamaModel`` in place; returns it.
+    """Patch a transformers Llama or Qwen3 model (``SUPPORTED``) in place; returns it.
 
     ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "recompute" (the default:
     least memory, and the faster of the two on the H200 at every measured shape, see
     benchmarks/NOTES.md) or "chunked". Each decoder layer becomes a ``CodaLlamaDecoderLayer``."""
     name = type(model).__name__
-    if name.startswith("Qwen3"):
-        raise v.CodaInputError(
-            f"apply_coda: {name} is not supported yet: Qwen3's per-head QK-norm has no coda "
-            f"epilogue (supported: {', '.join(SUPPORTED)})"
-        )
     if name not in SUPPORTED:
         raise v.CodaInputError(f"apply_coda: {name} is not supported ({', '.join(SUPPORTED)})")
     v.check_choice("method", method, ("recompute", "chunked"))

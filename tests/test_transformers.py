@@ -1,8 +1,9 @@
-"""``coda.transformers.apply_coda`` on tiny random Hugging Face Llama models built here (no
-downloads), on the CPU in float64 (coda's reference path): the patched model's logits, loss,
-every parameter gradient (in HF's layout) and greedy generation equal the unpatched model's,
-with padding masks and with packed sequences (positions restarting per document); its
-state dict and ``save_pretrained`` are HF's, and load back into an unpatched model exactly.
+"""``coda.transformers.apply_coda`` on tiny random Hugging Face Llama and Qwen3 models built
+here (no downloads), on the CPU in float64 (coda's reference path): the patched model's
+logits, loss, every parameter gradient (in HF's layout) and greedy generation equal the
+unpatched model's, with padding masks and with packed sequences (positions restarting per
+document); its state dict and ``save_pretrained`` are HF's, and load back into an unpatched
+model exactly.
 
 Tolerance: 1e-5 relative. HF computes RMSNorm and the loss in fp32 even in a float64 model
 (``LlamaRMSNorm`` upcasts to fp32; ``ForCausalLMLoss`` calls ``logits.float()``) and its RoPE
@@ -148,36 +149,112 @@ def test_state_dict_and_save_pretrained_are_hf(tmp_path):
     assert all(torch.equal(other.state_dict()[k], sd_r[k]) for k in sd_r)
 
 
-def test_unsupported_models_and_configs_are_named():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def qwen3_config(**kw):
+    from transformers import Qwen3Config
 
-    qwen = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-        )
+    base = dict(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
     )
-    with pytest.raises(coda.CodaInputError, match="Qwen3ForCausalLM is not supported yet: Qwen3's"):
-        ct.apply_coda(qwen)
+    return Qwen3Config(**{**base, **kw})
+
+
+def qwen3_pair(config, seed=0):
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    ref = Qwen3ForCausalLM(config).double()
+    with torch.no_grad():  # norms (the QK-norms included) away from 1
+        for n, p in ref.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return ref, ct.apply_coda(copy.deepcopy(ref))
+
+
+def test_patched_qwen3_matches_unpatched_float64():
+    """Qwen3's per-head QK-norm (before RoPE): logits, loss and every gradient (q_norm and
+    k_norm included), with padding and with packed sequences; generation; HF state dict."""
+    cfg = qwen3_config(tie_word_embeddings=True)  # as Qwen3-0.6B: one embedding / LM head
+    ref, patched = qwen3_pair(cfg)
+    assert all(layer.qk_norm for layer in patched.model.layers)
+    assert patched.lm_head.weight is patched.model.embed_tokens.weight
+    ids = torch.randint(0, cfg.vocab_size, (2, 13))
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, ref(ids).logits) < TOL
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, :4] = 0
+    assert_same_step(
+        ref, patched, input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)
+    )
+    packed = torch.cat([torch.arange(6), torch.arange(7)])[None]
+    assert_same_step(ref, patched, input_ids=ids[:1], position_ids=packed, labels=ids[:1])
+    with torch.no_grad():
+        out_r = ref.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+        out_p = patched.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+    assert torch.equal(out_r, out_p)
+    sd_r, sd_p = ref.state_dict(), patched.state_dict()
+    assert sd_p.keys() == sd_r.keys() and all(torch.equal(sd_p[k], sd_r[k]) for k in sd_r)
+
+
+def test_qwen3_kernel_sequence_equals_reference_float64():
+    """The kernel path's QK-norm Function (F1 without rotation, the head-norm + RoPE row pass,
+    its backward) on the CPU through the tile interpreter equals the reference path."""
+    import coda.nn as cnn
+
+    torch.manual_seed(5)
+    layer = cnn.DecoderLayer(48, 4, 2, 40, head_dim=12, eps=1e-2, dtype=torch.float64, qk_norm=True)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(2, 7, 48, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, 7, 48, dtype=torch.float64)
+
+    def grads(run):
+        for p in (*layer.parameters(), x):
+            p.grad = None
+        out = run()
+        out.backward(dy)
+        return out.detach(), [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+    out_k, g_k = grads(lambda: layer._kernel_forward(x))
+    out_r, g_r = grads(lambda: layer(x))
+    assert rel_err(out_k, out_r) < 1e-12
+    floor = max(float(g.abs().max()) for g in g_r)
+    names = ["x"] + [n for n, _ in layer.named_parameters()]
+    assert "q_norm" in names and "k_norm" in names
+    for name, a, b in zip(names, g_k, g_r):
+        assert rel_err(a, b, floor=floor) < 1e-11, name
+
+
+def test_unsupported_models_and_configs_are_named():
     with pytest.raises(coda.CodaInputError, match="mlp_bias=True is not supported"):
         ct.apply_coda(LlamaForCausalLM(tiny_config(mlp_bias=True)))
     with pytest.raises(coda.CodaInputError, match="torch.nn.Linear is not supported|Linear is not"):
         ct.apply_coda(torch.nn.Linear(2, 2))
+    from transformers import Qwen3ForCausalLM
+
+    with pytest.raises(coda.CodaInputError, match="attention_bias=True is not supported"):
+        ct.apply_coda(Qwen3ForCausalLM(qwen3_config(attention_bias=True)))
 
 
 @pytest.mark.gpu
-def test_gpu_patched_llama_protocol():
-    """H200: a patched bf16 Llama (coda's kernels, HF's sdpa) against the unpatched bf16 model,
-    both against a float64 copy: loss and every gradient no worse than the unpatched bf16
-    model's (CODA's protocol), with a padding mask."""
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_patched_model_protocol(family):
+    """H200: a patched bf16 Llama / Qwen3 (coda's kernels, HF's sdpa) against the unpatched
+    bf16 model, both against a float64 copy: loss and every gradient no worse than the
+    unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask."""
     from conftest import fro_err, tie_band
+    from transformers import Qwen3ForCausalLM
 
-    cfg = tiny_config(
+    shape = dict(
         hidden_size=256,
         intermediate_size=512,
         num_attention_heads=4,
@@ -185,8 +262,10 @@ def test_gpu_patched_llama_protocol():
         vocab_size=1024,
         num_hidden_layers=2,
     )
+    cfg = tiny_config(**shape) if family == "llama" else qwen3_config(**shape, head_dim=64)
     torch.manual_seed(0)
-    ref = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    cls = LlamaForCausalLM if family == "llama" else Qwen3ForCausalLM
+    ref = cls(cfg).to("cuda", torch.bfloat16)
     ref64 = copy.deepcopy(ref).double()
     patched = ct.apply_coda(copy.deepcopy(ref))
     ids = torch.randint(0, cfg.vocab_size, (4, 256), device="cuda")

@@ -25,6 +25,7 @@ from coda.reference.cross_entropy import (
 )
 from coda.reference.rmsnorm import (
     gemm_residual_rms_ref,
+    head_rmsnorm_ref,
     norm_bwd_apply_ref,
     norm_corr_ref,
     norm_stat_ref,
@@ -109,8 +110,9 @@ def attention_ref(q, k, v, s: LayerShape, attention=None):
 
 
 def decoder_layer_ref(x0, w: dict, s: LayerShape, positions=None, attention=None, cs=None):
-    """The layer in coda's weight layout (w: g1, wqkv, wo, g2, w_il, wd), differentiable by
-    autograd: the reference path of ``coda.nn.DecoderLayer``. Same math as
+    """The layer in coda's weight layout (w: g1, wqkv, wo, g2, w_il, wd; with Qwen3's QK-norm
+    also q_norm, k_norm (hd,) in adjacent order), differentiable by autograd: the reference
+    path of ``coda.nn.DecoderLayer``. Same math as
     ``llama_layer_ref`` on the converted weights ([I3.4-I3.7]); ``attention`` as in
     ``attention_ref``; ``cs`` (M, hd), the RoPE table of every row (default from positions)."""
     M, hd = x0.shape[0], s.head_dim
@@ -120,8 +122,10 @@ def decoder_layer_ref(x0, w: dict, s: LayerShape, positions=None, attention=None
         cs = rope_table(pos, hd, s.rope_base)
     cs = cs.to(device=x0.device, dtype=x0.dtype)
     z = rmsnorm_ref(x0, w["g1"], s.eps) @ w["wqkv"]
-    q = rope_adjacent_ref(z[:, :nq].reshape(M, s.heads, hd), cs).flatten(1)
-    k = rope_adjacent_ref(z[:, nq : nq + nkv].reshape(M, s.kv_heads, hd), cs).flatten(1)
+    q, k = z[:, :nq].reshape(M, s.heads, hd), z[:, nq : nq + nkv].reshape(M, s.kv_heads, hd)
+    if "q_norm" in w:  # Qwen3's per-head QK-norm, before RoPE (weights in adjacent order)
+        q, k = head_rmsnorm_ref(q, w["q_norm"], s.eps), head_rmsnorm_ref(k, w["k_norm"], s.eps)
+    q, k = rope_adjacent_ref(q, cs).flatten(1), rope_adjacent_ref(k, cs).flatten(1)
     x1 = x0 + attention_ref(q, k, z[:, nq + nkv :], s, attention) @ w["wo"]
     gu = rmsnorm_ref(x1, w["g2"], s.eps) @ w["w_il"]
     return x1 + (torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]) @ w["wd"]

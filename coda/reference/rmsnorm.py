@@ -118,3 +118,9 @@ def norm_bwd_apply_ref(acc, h, gamma, corr, dres=None):
 def wgrad_gamma_rows_ref(h, dz_tilde, gamma):
     """wgrad epilogue: dW2 = gamma (as a per-row scale) * (h^T @ dz_tilde) [I5.8]."""
     return gamma[:, None] * (h.transpose(-1, -2) @ dz_tilde)
+
+
+def head_rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm (Qwen3's QK-norm): x (M, heads, hd), one weight (hd,) shared by the
+    heads; each (row, head) is normalized over its hd values."""
+    return rmsnorm_ref(x, weight, eps)
