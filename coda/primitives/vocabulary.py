@@ -29,7 +29,10 @@ without rounding the product first (one fused multiply-add on the GPU).
 
 A program has two lowerings: ``primitives.interpreter`` runs it over a tile grid with torch
 (the CPU path and the test oracle), and ``primitives.lowering`` turns it into a quack SM90
-epilogue GEMM. Both read only these declarations, so one program text serves both.
+epilogue GEMM. Each primitive is one object carrying both of its meanings (``view`` / ``alloc``
+/ ``fold`` for the interpreter, ``lower`` / ``host_args`` for quack), so the two lowering
+modules are generic walks and a new primitive is one class in this file (plus, when it needs
+a quack EpiOp coda has not used before, one entry in ``coda._quack.op_classes``).
 """
 
 from __future__ import annotations
@@ -38,12 +41,30 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
+from coda.primitives.math import TilePair
+
 MODES = ("element", "pair", "widen")
+
+
+def _pairs(x: torch.Tensor) -> TilePair:
+    """Adjacent columns (2j, 2j+1) as one pair value."""
+    return TilePair(x[..., 0::2], x[..., 1::2])
+
+
+def _lanes(v):
+    """A value as plain columns: a pair contributes both lanes, interleaved."""
+    return v.interleave() if isinstance(v, TilePair) else v
 
 
 @dataclass(frozen=True)
 class Primitive:
-    """One declared operand or output of an epilogue program."""
+    """One declared operand or output of an epilogue program, as one object: its declaration
+    (name, options), its meaning on the CPU (the tile interpreter calls ``view`` for inputs,
+    ``alloc`` and ``fold`` for outputs), and its GPU lowering (``lower`` returns the quack
+    EpiOp it becomes, from ``coda._quack.op_classes()``; ``host_args`` what it passes in
+    quack's ``epi_args``). A new primitive is one new class here."""
 
     name: str
 
@@ -51,6 +72,15 @@ class Primitive:
 
     def cache_key(self) -> tuple:
         return (type(self).__name__, self.name)
+
+    # -- GPU lowering ------------------------------------------------------------------------
+    def lower(self, ops: dict, mode: str):
+        """(the quack EpiOp this primitive becomes or None, extra EpiOps it needs)."""
+        return ops[type(self).__name__](self.name), ()
+
+    def host_args(self, operands: dict, outputs: dict) -> dict:
+        """Its entries of quack's ``epi_args``."""
+        return {self.name: operands[self.name]}
 
 
 # -- VEC: rank-1 loads and stores ----------------------------------------------------------------
@@ -60,12 +90,25 @@ class RowLoad(Primitive):
 
     family = "VEC"
 
+    def view(self, v, rows, cols, mode):
+        a = v[cols][None, :]
+        return _pairs(a) if mode == "pair" else a
+
+    def host_args(self, operands, outputs):
+        return {self.name: operands[self.name].unsqueeze(0)}  # quack's (1, N) batch axis
+
 
 @dataclass(frozen=True)
 class ColLoad(Primitive):
     """VEC-LD COL: a length-M vector broadcast across the columns of every tile."""
 
     family = "VEC"
+
+    def view(self, v, rows, cols, mode):
+        return v[rows][:, None]  # one value per row, in every mode
+
+    def host_args(self, operands, outputs):
+        return {self.name: operands[self.name].unsqueeze(0)}  # quack's (1, M) batch axis
 
 
 @dataclass(frozen=True)
@@ -79,6 +122,24 @@ class ColSelect(Primitive):
     def cache_key(self) -> tuple:
         return (*super().cache_key(), self.index)
 
+    def alloc(self, M, N, t_m, t_n, mode, dtype):
+        return torch.full((M,), float("nan"), dtype=dtype)
+
+    def fold(self, buf, v, rows, cols, i, j, operands, mode):
+        flat = _lanes(v)
+        idx = operands[self.index][rows].long()
+        hit = (idx >= cols.start) & (idx < cols.stop)
+        local = (idx - cols.start).clamp(0, flat.shape[1] - 1)
+        picked = flat.gather(1, local[:, None])[:, 0]
+        buf[rows] = torch.where(hit, picked, buf[rows])
+
+    def lower(self, ops, mode):
+        index_load = ops["ColLoad"](self.index)  # the selecting column index, loaded per row
+        return ops["ColSelect"](self.name, idx_op=index_load), (index_load,)
+
+    def host_args(self, operands, outputs):
+        return {self.index: operands[self.index].unsqueeze(0), self.name: outputs[self.name]}
+
 
 # -- TILE: rank-2 loads and stores ---------------------------------------------------------------
 @dataclass(frozen=True)
@@ -89,6 +150,18 @@ class TileC(Primitive):
     name: str = "c"
     family = "TILE"
 
+    def view(self, v, rows, cols, mode):
+        if mode == "widen":  # the saved tile holds a pair per output column
+            return _pairs(v[rows, 2 * cols.start : 2 * cols.stop])
+        a = v[rows, cols]
+        return _pairs(a) if mode == "pair" else a
+
+    def lower(self, ops, mode):
+        return None, ()  # the GEMM's own C operand
+
+    def host_args(self, operands, outputs):
+        return {}
+
 
 @dataclass(frozen=True)
 class TileLoad(Primitive):
@@ -96,12 +169,31 @@ class TileLoad(Primitive):
 
     family = "TILE"
 
+    def view(self, v, rows, cols, mode):
+        a = v[rows, cols]
+        return _pairs(a) if mode == "pair" else a
+
 
 @dataclass(frozen=True)
 class TileStore(Primitive):
     """TILE-ST of an extra output (full width; half width in "pair" mode)."""
 
     family = "TILE"
+
+    def alloc(self, M, N, t_m, t_n, mode, dtype):
+        return torch.empty(M, N // 2 if mode == "pair" else N, dtype=dtype)
+
+    def fold(self, buf, v, rows, cols, i, j, operands, mode):
+        if mode == "pair":
+            buf[rows, cols.start // 2 : cols.stop // 2] = v
+        else:
+            buf[rows, cols] = v
+
+    def lower(self, ops, mode):
+        return ops["TileStore"](self.name, gated=mode == "pair"), ()
+
+    def host_args(self, operands, outputs):
+        return {self.name: outputs[self.name]}
 
 
 # -- RED: tile reductions to partials ------------------------------------------------------------
@@ -113,15 +205,35 @@ class _Partials(Primitive):
     def cache_key(self) -> tuple:
         return (*super().cache_key(), self.scaled)
 
+    def lower(self, ops, mode):
+        return ops[type(self).__name__](self.name, scaled=self.scaled), ()
+
+    def host_args(self, operands, outputs):
+        return {self.name: outputs[self.name]}
+
 
 @dataclass(frozen=True)
 class RowPartials(_Partials):
     """RED_m: partial[m, t] = sum of fn's value over the columns of N-tile t (fp32)."""
 
+    def alloc(self, M, N, t_m, t_n, mode, dtype):
+        return torch.zeros(M, t_n, dtype=dtype)
+
+    def fold(self, buf, v, rows, cols, i, j, operands, mode):
+        buf[rows, j] = _lanes(v).sum(dim=1)
+
 
 @dataclass(frozen=True)
 class ColPartials(_Partials):
     """RED_n: partial[i, n] = sum of fn's value over the rows of M-tile i (fp32)."""
+
+    def alloc(self, M, N, t_m, t_n, mode, dtype):
+        return torch.zeros(t_m, N, dtype=dtype)
+
+    def fold(self, buf, v, rows, cols, i, j, operands, mode):
+        if mode != "element":
+            raise NotImplementedError("ColPartials is defined for element mode only")
+        buf[i, cols] = _lanes(v).sum(dim=0)
 
 
 # -- LSE: stateful online log-sum-exp ------------------------------------------------------------
@@ -131,6 +243,15 @@ class OnlineLSE(Primitive):
     (max, sum-exp) pair so no positive number is ever exponentiated."""
 
     family = "LSE"
+
+    def alloc(self, M, N, t_m, t_n, mode, dtype):
+        return torch.zeros(M, t_n, dtype=dtype)
+
+    def fold(self, buf, v, rows, cols, i, j, operands, mode):
+        buf[rows, j] = torch.logsumexp(_lanes(v), dim=1)
+
+    def host_args(self, operands, outputs):
+        return {self.name: outputs[self.name]}
 
 
 INPUTS = (RowLoad, ColLoad, TileC, TileLoad)
