@@ -21,8 +21,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import coda.nn as cnn
 from coda import layouts
-from coda.reference.model import TorchLlama
-from coda.reference.rope import head_perm, hf_cos_sin
+from coda.reference.model import hf_layer_step
+from coda.reference.rope import head_perm
 
 CASES = ((2, 600, 1024, 8, 2, 128), (2, 512, 768, 12, 4, 64), (1, 700, 1024, 16, 4, 64))
 _SDPA = F.scaled_dot_product_attention
@@ -50,40 +50,9 @@ def _spy(seen: list):
 
 
 def _run_peer(layer, x, dy):
-    sd = {f"model.layers.0.{k}": t for k, t in layer.hf_state_dict().items()}
-    d = layer.d
-    dummy = {"model.embed_tokens.weight": torch.zeros(1, d), "model.norm.weight": torch.zeros(d)}
-    dummy["lm_head.weight"] = torch.zeros(1, d)
-    ref = TorchLlama(
-        {**sd, **dummy},
-        n_layers=1,
-        n_heads=layer.n_heads,
-        n_kv_heads=layer.n_kv_heads,
-        head_dim=layer.head_dim,
-        eps=layer.eps,
-        rope_base=layer.rope_base,
-    )
-    xr = x.detach().clone().requires_grad_(True)
-    S = x.shape[1]
-    pos = torch.arange(S, device=x.device)
-    if x.dtype == torch.float64:
-        hd = layer.head_dim
-        inv = layer.rope_base ** (
-            -torch.arange(0, hd, 2, dtype=torch.float64, device=x.device) / hd
-        )
-        ang = pos.double()[:, None] * inv
-        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-    else:
-        cos, sin = hf_cos_sin(pos, layer.head_dim, layer.rope_base, x.dtype)
-    p = ref.layers[0]
-    out = ref.layer(xr, p, cos, sin)
-    out.backward(dy)
-    return out.detach(), {
-        "dW_q": p["self_attn_q_proj_weight"].grad,
-        "dW_k": p["self_attn_k_proj_weight"].grad,
-        "dW_v": p["self_attn_v_proj_weight"].grad,
-        "dx": xr.grad,
-    }
+    out, dx, p = hf_layer_step(layer, x, dy)
+    names = ("q_proj", "k_proj", "v_proj")
+    return out, {**{f"dW_{n[0]}": p[f"self_attn_{n}_weight"].grad for n in names}, "dx": dx}
 
 
 def _run_coda(layer, x, dy):

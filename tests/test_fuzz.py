@@ -377,36 +377,10 @@ def hf_layer_grads(layer) -> dict:
 
 def canonical_layer(layer, x, dy):
     """HF's Llama layer (``TorchLlama.layer``) on the layer's HF weights: (out, dx, grads)."""
-    from coda.reference.model import LAYER_KEYS, TorchLlama
+    from coda.reference.model import LAYER_KEYS, hf_layer_step
 
-    sd = {f"model.layers.0.{k}": t for k, t in layer.hf_state_dict().items()}
-    d = layer.d
-    dummy = {"model.embed_tokens.weight": torch.zeros(1, d), "model.norm.weight": torch.zeros(d)}
-    dummy["lm_head.weight"] = torch.zeros(1, d)
-    ref = TorchLlama(
-        {**sd, **dummy},
-        n_layers=1,
-        n_heads=layer.n_heads,
-        n_kv_heads=layer.n_kv_heads,
-        head_dim=layer.head_dim,
-        eps=layer.eps,
-        rope_base=layer.rope_base,
-    )
-    xr = x.detach().clone().requires_grad_(True)
-    S = x.shape[1]
-    pos = torch.arange(S, device=x.device)
-    if x.dtype == F64:
-        hd = layer.head_dim
-        ang = pos.double()[:, None] * layer.rope_base ** (
-            -torch.arange(0, hd, 2, dtype=F64, device=x.device) / hd
-        )
-        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-    else:
-        cos, sin = hf_cos_sin(pos, layer.head_dim, layer.rope_base, x.dtype)
-    p = ref.layers[0]
-    out = ref.layer(xr, p, cos, sin)
-    out.backward(dy)
-    return out.detach(), xr.grad, {k: p[k.replace(".", "_")].grad for k in LAYER_KEYS}
+    out, dx, p = hf_layer_step(layer, x, dy)
+    return out, dx, {k: p[k.replace(".", "_")].grad for k in LAYER_KEYS}
 
 
 def test_fuzz_decoder_layer_float64():

@@ -28,7 +28,11 @@ import coda.transformers as ct  # noqa: E402
 TOL = 1e-5
 
 
-def tiny_config(**kw):
+def tiny_config(family: str = "llama", **kw):
+    """A tiny random config: ``family`` "llama" (LlamaConfig) or "qwen3" (Qwen3Config, with
+    its per-head QK-norm)."""
+    from transformers import Qwen3Config
+
     base = dict(
         vocab_size=97,
         hidden_size=48,
@@ -39,13 +43,21 @@ def tiny_config(**kw):
         max_position_embeddings=128,
         attn_implementation="sdpa",
     )
+    if family == "qwen3":
+        return Qwen3Config(**{**base, "head_dim": 16, **kw})
     return LlamaConfig(**{**base, **kw})
+
+
+def model_class(config):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM if isinstance(config, Qwen3Config) else LlamaForCausalLM
 
 
 def pair(config, seed=0):
     torch.manual_seed(seed)
-    ref = LlamaForCausalLM(config).double()
-    with torch.no_grad():  # norms away from 1, so a lost gamma would show
+    ref = model_class(config)(config).double()
+    with torch.no_grad():  # norms (QK-norms included) away from 1, so a lost gamma would show
         for n, p in ref.named_parameters():
             if n.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
@@ -149,40 +161,11 @@ def test_state_dict_and_save_pretrained_are_hf(tmp_path):
     assert all(torch.equal(other.state_dict()[k], sd_r[k]) for k in sd_r)
 
 
-def qwen3_config(**kw):
-    from transformers import Qwen3Config
-
-    base = dict(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        attn_implementation="sdpa",
-    )
-    return Qwen3Config(**{**base, **kw})
-
-
-def qwen3_pair(config, seed=0):
-    from transformers import Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    ref = Qwen3ForCausalLM(config).double()
-    with torch.no_grad():  # norms (the QK-norms included) away from 1
-        for n, p in ref.named_parameters():
-            if n.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    return ref, ct.apply_coda(copy.deepcopy(ref))
-
-
 def test_patched_qwen3_matches_unpatched_float64():
     """Qwen3's per-head QK-norm (before RoPE): logits, loss and every gradient (q_norm and
     k_norm included), with padding and with packed sequences; generation; HF state dict."""
-    cfg = qwen3_config(tie_word_embeddings=True)  # as Qwen3-0.6B: one embedding / LM head
-    ref, patched = qwen3_pair(cfg)
+    cfg = tiny_config("qwen3", tie_word_embeddings=True)  # as Qwen3-0.6B: one embedding / head
+    ref, patched = pair(cfg)
     assert all(layer.qk_norm for layer in patched.model.layers)
     assert patched.lm_head.weight is patched.model.embed_tokens.weight
     ids = torch.randint(0, cfg.vocab_size, (2, 13))
@@ -239,10 +222,9 @@ def test_unsupported_models_and_configs_are_named():
         ct.apply_coda(LlamaForCausalLM(tiny_config(mlp_bias=True)))
     with pytest.raises(coda.CodaInputError, match="torch.nn.Linear is not supported|Linear is not"):
         ct.apply_coda(torch.nn.Linear(2, 2))
-    from transformers import Qwen3ForCausalLM
-
+    qwen = tiny_config("qwen3", attention_bias=True)
     with pytest.raises(coda.CodaInputError, match="attention_bias=True is not supported"):
-        ct.apply_coda(Qwen3ForCausalLM(qwen3_config(attention_bias=True)))
+        ct.apply_coda(model_class(qwen)(qwen))
 
 
 @pytest.mark.gpu
@@ -252,7 +234,6 @@ def test_gpu_patched_model_protocol(family):
     bf16 model, both against a float64 copy: loss and every gradient no worse than the
     unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask."""
     from conftest import fro_err, tie_band
-    from transformers import Qwen3ForCausalLM
 
     shape = dict(
         hidden_size=256,
@@ -262,10 +243,9 @@ def test_gpu_patched_model_protocol(family):
         vocab_size=1024,
         num_hidden_layers=2,
     )
-    cfg = tiny_config(**shape) if family == "llama" else qwen3_config(**shape, head_dim=64)
+    cfg = tiny_config(family, **shape, **({"head_dim": 64} if family == "qwen3" else {}))
     torch.manual_seed(0)
-    cls = LlamaForCausalLM if family == "llama" else Qwen3ForCausalLM
-    ref = cls(cfg).to("cuda", torch.bfloat16)
+    ref = model_class(cfg)(cfg).to("cuda", torch.bfloat16)
     ref64 = copy.deepcopy(ref).double()
     patched = ct.apply_coda(copy.deepcopy(ref))
     ids = torch.randint(0, cfg.vocab_size, (4, 256), device="cuda")

@@ -111,3 +111,48 @@ class TorchLlama(nn.Module):
             return self.ops["linear_ce"](y, self.lm_head, t)
         logits = F.linear(y, self.lm_head)
         return F.cross_entropy(logits.float(), t, ignore_index=ignore_index)
+
+
+def single_layer_model(layer) -> TorchLlama:
+    """The plain PyTorch form of one decoder layer (anything with ``hf_state_dict()`` and the
+    layer's shape attributes, e.g. ``coda.nn.DecoderLayer``): a one-layer ``TorchLlama`` on its
+    HF weights, whose ``layer(x, layers[0], cos, sin)`` is HF's layer. The embedding, final
+    norm and head are unused placeholders."""
+    sd = {f"model.layers.0.{k}": t for k, t in layer.hf_state_dict().items()}
+    d = layer.d
+    sd["model.embed_tokens.weight"] = torch.zeros(1, d)
+    sd["model.norm.weight"] = torch.zeros(d)
+    sd["lm_head.weight"] = torch.zeros(1, d)
+    return TorchLlama(
+        sd,
+        n_layers=1,
+        n_heads=layer.n_heads,
+        n_kv_heads=layer.n_kv_heads,
+        head_dim=layer.head_dim,
+        eps=layer.eps,
+        rope_base=layer.rope_base,
+    )
+
+
+def rope_tables(seq: int, head_dim: int, base: float, dtype, device):
+    """HF's (cos, sin) tables for positions 0..seq-1: as HF's model code builds them (fp32
+    angles), or, for float64, from exact float64 angles (the reference of the proofs)."""
+    pos = torch.arange(seq, device=device)
+    if dtype != torch.float64:
+        return hf_cos_sin(pos, head_dim, base, dtype)
+    inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    ang = pos.double()[:, None] * inv
+    emb = torch.cat([ang, ang], -1)
+    return emb.cos(), emb.sin()
+
+
+def hf_layer_step(layer, x, dy):
+    """HF's layer (``single_layer_model``) forward and backward on x (B, S, d) with output
+    gradient dy: returns (output, dx, the layer's parameters with their ``.grad``)."""
+    ref = single_layer_model(layer)
+    xr = x.detach().clone().requires_grad_(True)
+    cos, sin = rope_tables(x.shape[1], layer.head_dim, layer.rope_base, x.dtype, x.device)
+    p = ref.layers[0]
+    out = ref.layer(xr, p, cos, sin)
+    out.backward(dy)
+    return out.detach(), xr.grad, p
