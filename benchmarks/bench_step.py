@@ -7,7 +7,8 @@
   ``torch.cuda.graph`` and replayed, against the eager step (same run), d=1024 and d=2048.
 - ``model``: a whole causal LM, embedding + layers + final norm + LM head + loss, one training
   step (forward+backward, and with the AdamW update), tokens/s, MFU (6 N T + attention
-  FLOPs over the H200's dense bf16 peak, 989 TFLOP/s) and peak memory: coda (``coda.nn.CausalLM``)
+  FLOPs over the H200's dense bf16 peak, 989 TFLOP/s) and peak memory: coda (``coda.nn.CausalLM``;
+  also as one CUDA graph, with per-layer activation checkpointing, and under ``torch.compile``)
   against the same model in plain PyTorch (``coda.reference.model.TorchLlama``) eager, under
   ``torch.compile``, and with Liger's ops, all in one run. Shapes: Llama-3.2-1B (16 layers,
   d=2048, 32/8 heads of 64, ffn 8192, V=128256, untied) at 4 x 4096 tokens, and the training
@@ -16,6 +17,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -216,6 +218,9 @@ def model_rows(liger) -> list[dict]:
             head_dim=cfg["hd"],
             device="cuda",
         )
+        coda_ckpt = copy.deepcopy(coda_model)
+        coda_ckpt.checkpoint = True  # activation checkpointing per layer (issue 11)
+        coda_compiled = torch.compile(copy.deepcopy(coda_model))  # coda under torch.compile
         sd = coda_model.hf_state_dict()
         kw = dict(
             n_layers=cfg["layers"],
@@ -223,7 +228,12 @@ def model_rows(liger) -> list[dict]:
             n_kv_heads=cfg["kv_heads"],
             head_dim=cfg["hd"],
         )
-        peers = {"coda": coda_model, "torch_eager": TorchLlama(sd, **kw)}
+        peers = {
+            "coda": coda_model,
+            "coda_checkpointed": coda_ckpt,
+            "coda_compile": coda_compiled,
+            "torch_eager": TorchLlama(sd, **kw),
+        }
         peers["torch_compile"] = torch.compile(TorchLlama(sd, **kw))
         if liger is not None:
             ops = {

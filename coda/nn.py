@@ -17,6 +17,7 @@ with HF's key names.
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from coda import _validate as v
@@ -466,7 +467,9 @@ class CausalLM(nn.Module):
     stored on the kernel path). ``forward(tokens, targets)`` returns the loss.
 
     ``hf_state_dict`` / ``load_hf_state_dict`` use ``LlamaForCausalLM``'s key names (untied
-    embedding and LM head), exactly."""
+    embedding and LM head), exactly. ``checkpoint``: activation checkpointing per layer
+    (``torch.utils.checkpoint``, non-reentrant): each layer keeps only its input and reruns
+    its forward in the backward."""
 
     def __init__(
         self,
@@ -483,9 +486,11 @@ class CausalLM(nn.Module):
         device=None,
         dtype=torch.bfloat16,
         backend: str = "auto",
+        checkpoint: bool = False,
     ):
         super().__init__()
         v.check_positive_int("n_layers", n_layers)
+        self.checkpoint = bool(checkpoint)
         kw = {"device": device, "dtype": dtype, "backend": backend}
         self.embed = nn.Embedding(vocab, d, device=device, dtype=dtype)
         nn.init.normal_(self.embed.weight, std=0.02)
@@ -505,7 +510,10 @@ class CausalLM(nn.Module):
             )
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x)
+            if self.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         return self.head(x, targets, reduction)
 
     def hf_state_dict(self) -> dict:

@@ -150,3 +150,21 @@ def test_activation_checkpointing_gives_the_same_gradients(path):
 
     for a, b in zip(run(True), run(False)):
         assert torch.equal(a, b)
+
+
+def test_causal_lm_checkpoint_option_gives_the_same_gradients():
+    """``CausalLM(checkpoint=True)``: per-layer activation checkpointing, same loss and
+    gradients as without (float64, bit for bit)."""
+    torch.manual_seed(4)
+    kw = dict(vocab=50, d=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn=40, dtype=F64)
+    plain = cnn.CausalLM(**kw)
+    ckpt = cnn.CausalLM(**kw, checkpoint=True)
+    ckpt.load_state_dict(plain.state_dict())
+    tokens, targets = torch.randint(0, 50, (2, 9)), torch.randint(0, 50, (2, 9))
+    grads = []
+    for model in (plain, ckpt):
+        loss = model(tokens, targets)
+        loss.backward()
+        grads.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
