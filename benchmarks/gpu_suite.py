@@ -121,7 +121,6 @@ def main():
         bench_layer,
         bench_layer_grad_numerics,
         bench_numerics,
-        bench_step,
         bench_train,
         tune_configs,
     )
@@ -140,7 +139,6 @@ def main():
         ("layer_forward", bench_layer),
         ("train", bench_train),
         ("lm_head_train", bench_train.LMHeadOnly),
-        ("step", bench_step),
         ("host", StepPart("host")),
         ("graph", StepPart("graph")),
         ("model", StepPart("model")),
