@@ -133,7 +133,10 @@ def _meta(t):
 
 
 # (mod, config, add_to_output, device, metadata of every argument) -> quack's GemmEpiPlan.
+# Bounded: with many distinct token counts (dynamic batches) it is emptied when full, and the
+# next call of each shape re-plans through quack's frontend (its own cache still holds it).
 _PLANS: dict = {}
+MAX_PLANS = 4096
 
 
 def run_epi_gemm(
@@ -182,6 +185,8 @@ def run_epi_gemm(
         _launch=launch,
     )
     if launch and replay:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
         _PLANS[key] = plan
     return plan
 
