@@ -71,6 +71,17 @@ def sdpa_causal(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+def _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres):
+    """B12 + A9 and B13, shared by both attention-input Functions: dx0 = the norm-backward
+    dgrad of dz~0 through W_qkv (with the residual gradient ``dres`` added in its epilogue),
+    dgamma1, and dW_qkv = gamma1 (rows) * (x0^T dz~0). Returns (dx0, dg1, dW_qkv)."""
+    M, d = x0.shape
+    dres = None if dres is None else dres.contiguous()
+    dx0, dg1 = lib.norm_bwd(dz0, w_qkv, x0, g1, corr0, dres, config_for(M, w_qkv.shape[1], d))
+    dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1, config_for(d, M, w_qkv.shape[1]))
+    return dx0, dg1.to(g1.dtype), dw_qkv
+
+
 class AttentionInput(torch.autograd.Function):
     """F0 + F1 / B11 + B12 + B13: entry norm, QKV GEMM with the deferred row scale and RoPE
     in its epilogue; backward: dRoPE and the norm statistic, the norm-backward dgrad GEMM
@@ -94,19 +105,15 @@ class AttentionInput(torch.autograd.Function):
     def backward(ctx, dqkv, dres):
         x0, r0, qkv, g1, w_qkv, pos, freq = ctx.saved_tensors
         dims = ctx.dims
-        M, d = x0.shape
+        d = x0.shape[1]
         hd = dims.head_dim
         dqkv = dqkv.contiguous()
         head = freq[:hd]  # every rotated head carries the same frequencies
         cos, sin = rotation_tables(pos, head[0::2], head[1::2], hd, r0.dtype)
         n_rot = dims.heads + dims.kv_heads
         dz0, corr0 = fused(drope_rows)(dqkv, qkv, r0, cos, sin, n_rot, hd, d)  # B11
-        dres = None if dres is None else dres.contiguous()
-        dx0, dg1 = lib.norm_bwd(
-            dz0, w_qkv, x0, g1, corr0, dres, config_for(M, w_qkv.shape[1], d)
-        )  # B12 + A9
-        dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1, config_for(d, M, w_qkv.shape[1]))  # B13
-        return dx0, dg1.to(g1.dtype), dw_qkv, None, None, None
+        dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres)
+        return dx0, dg1, dw_qkv, None, None, None
 
 
 class AttentionInputQKNorm(torch.autograd.Function):
@@ -135,29 +142,14 @@ class AttentionInputQKNorm(torch.autograd.Function):
     def backward(ctx, dqkv, dres):
         x0, r0, z, s, g1, w_qkv, q_norm, k_norm, cos, sin = ctx.saved_tensors
         dims = ctx.dims
-        M, d = x0.shape
+        heads = (dims.heads, dims.kv_heads, dims.head_dim, x0.shape[1])
         dz0, corr0, dqn, dkn = fused(dqk_norm_rope_rows)(
-            dqkv.contiguous(),
-            z,
-            s,
-            r0,
-            cos,
-            sin,
-            q_norm,
-            k_norm,
-            dims.heads,
-            dims.kv_heads,
-            dims.head_dim,
-            d,
+            dqkv.contiguous(), z, s, r0, cos, sin, q_norm, k_norm, *heads
         )  # B11 with the head norms' backward
-        dres = None if dres is None else dres.contiguous()
-        dx0, dg1 = lib.norm_bwd(
-            dz0, w_qkv, x0, g1, corr0, dres, config_for(M, w_qkv.shape[1], d)
-        )  # B12 + A9
-        dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1, config_for(d, M, w_qkv.shape[1]))  # B13
+        dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres)
         return (
             dx0,
-            dg1.to(g1.dtype),
+            dg1,
             dw_qkv,
             dqn.to(q_norm.dtype),
             dkn.to(k_norm.dtype),

@@ -51,16 +51,16 @@ def test_compiled_step_equals_eager_and_does_not_recompile():
     assert frames[0] >= 1 and frames == [frames[0]] * 3  # no recompile for new token counts
 
 
-def test_patched_hf_model_traces_without_graph_breaks():
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_patched_hf_model_traces_without_graph_breaks(family):
     pytest.importorskip("transformers")
-    from test_transformers import tiny_config
-    from transformers import LlamaForCausalLM
+    from test_transformers import model_class, tiny_config
 
     import coda.transformers as ct
 
-    cfg = tiny_config()
+    cfg = tiny_config(family)
     torch.manual_seed(0)
-    model = ct.apply_coda(LlamaForCausalLM(cfg))
+    model = ct.apply_coda(model_class(cfg)(cfg))
     ids = torch.randint(0, 97, (2, 9))
     explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
     assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]

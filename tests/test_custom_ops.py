@@ -76,11 +76,13 @@ def test_every_op_is_sampled():
     assert set(op_samples()) == set(library.OPS)
 
 
-@pytest.mark.parametrize("method", ["recompute", "chunked"])
-def test_compiled_kernel_path_equals_eager_float64(method):
+@pytest.mark.parametrize(
+    "method,qk_norm", [("recompute", False), ("chunked", False), ("recompute", True)]
+)
+def test_compiled_kernel_path_equals_eager_float64(method, qk_norm):
     torch.manual_seed(0)
     F64 = torch.float64
-    layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64)
+    layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64, qk_norm=qk_norm)
     head = cnn.LMHeadLoss(40, 96, method=method, chunk=50, dtype=F64, label_smoothing=0.1)
     params = [*layer.parameters(), *head.parameters()]
     x = torch.randn(2, 9, 40, dtype=F64, requires_grad=True)
