@@ -174,7 +174,12 @@ def main(argv=None):
             if gpu:
                 torch.cuda.empty_cache()
             m = shard(peer(reference, args, compiled), gpu)
-            result[name] = timed(m, tokens[mine], targets[mine], args.steps, gpu)
+            first = m(tokens[mine], targets[mine]).detach().float().clone()  # same weights:
+            dist.all_reduce(first)  # the peer's first loss must be coda's (checked below)
+            result[name] = {
+                "loss": float(first / world),
+                **timed(m, tokens[mine], targets[mine], args.steps, gpu),
+            }
             del m
         base = result["torch_compile"]["tokens_per_s_per_rank"]
         for name in ("coda", "torch_eager", "torch_compile"):
@@ -189,6 +194,9 @@ def main(argv=None):
     if args.check and rank == 0:
         tol = 1e-5 if not gpu else 2e-2
         ok = result["loss_rel_diff"] < tol and result["worst_grad_rel_diff"] < tol
+        for name in ("torch_eager", "torch_compile"):  # the peers compute the same model
+            if name in result:
+                ok = ok and abs(result[name]["loss"] - result["loss"]) < tol * result["loss"]
         print("FSDP check:", "PASS" if ok else "FAIL", f"(tolerance {tol})")
         if not ok:
             raise SystemExit(1)

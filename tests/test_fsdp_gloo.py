@@ -1,6 +1,7 @@
 """FSDP2 wiring on the CPU: two gloo processes, ``fully_shard`` per coda decoder layer and on
 the whole model, one global batch split across them; the loss and every (gathered) gradient
-must equal one unsharded process on the whole batch (fp32, reference path)."""
+must equal one unsharded process on the whole batch (fp32, reference path). The benchmark's
+PyTorch peers (eager and per-layer torch.compile) are sharded and checked the same way."""
 
 import json
 import os
@@ -25,6 +26,9 @@ def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path):
         "2",
         "benchmarks/fsdp_step.py",
         "--check",
+        "--steps",
+        "1",
+        "--peers",
         "--out",
         str(out),
     ]
@@ -35,3 +39,7 @@ def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path):
     assert result["world"] == 2
     assert result["loss_rel_diff"] < 1e-5 and result["worst_grad_rel_diff"] < 1e-5, result
     assert "FSDP check: PASS" in proc.stdout
+    # the benchmark's peers (the same model in PyTorch, eager and compiled) shard the same way
+    # and compute the same loss from the same weights (fp32 round-off)
+    for peer in ("torch_eager", "torch_compile"):
+        assert abs(result[peer]["loss"] - result["loss"]) < 1e-5 * result["loss"], result
