@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype, fused
-from coda.kernels.drope import drope_rows, rotation_tables
+from coda.kernels.drope import drope_heads, rotation_tables
 from coda.kernels.gemm_rope import cached_freq_table, cached_zero_freq
 from coda.kernels.linear_cross_entropy_bwd import (
     ce_grad_weights,
@@ -28,7 +28,7 @@ from coda.kernels.linear_cross_entropy_bwd import (
     row_scale,
 )
 from coda.kernels.linear_cross_entropy_chunked import chunk_rows
-from coda.kernels.qk_norm import dqk_norm_rope_rows, qk_norm_rope_rows
+from coda.kernels.qk_norm import dqk_norm_rope_heads, qk_norm_rope_rows
 from coda.kernels.rmsnorm_bwd import norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad
@@ -71,6 +71,15 @@ def sdpa_causal(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+def split_heads(qkv, dims: LayerDims):
+    """qkv (M, (H + 2 Hkv) hd) -> q, k, v as (B, heads, S, hd) views, attention's inputs. The
+    attention-input Functions return these views, so their backward receives dq, dk, dv as
+    attention produced them and reads them in its row pass (no copies into one buffer)."""
+    H, Hkv = dims.heads, dims.kv_heads
+    t = qkv.view(dims.batch, dims.seq, H + 2 * Hkv, dims.head_dim).transpose(1, 2)
+    return t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :]
+
+
 def _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres):
     """B12 + A9 and B13, shared by both attention-input Functions: dx0 = the norm-backward
     dgrad of dz~0 through W_qkv (with the residual gradient ``dres`` added in its epilogue),
@@ -87,7 +96,8 @@ class AttentionInput(torch.autograd.Function):
     in its epilogue; backward: dRoPE and the norm statistic, the norm-backward dgrad GEMM
     (with the residual gradient added in its epilogue) and the gamma-row wgrad.
 
-    Returns (qkv, x0 again): the second output is the residual branch, so the gradient that
+    Returns (q, k, v, x0 again): q, k, v are views of the QKV GEMM's output (``split_heads``);
+    the last output is the residual branch, so the gradient that
     reaches the layer's input through the residual arrives here too and is added inside
     B12's epilogue instead of by a separate add."""
 
@@ -99,19 +109,18 @@ class AttentionInput(torch.autograd.Function):
         qkv = lib.gemm_rope(a0, w_qkv, r0, pos, freq, config_for(M, d, w_qkv.shape[1]))  # F1
         ctx.save_for_backward(x0, r0, qkv, g1, w_qkv, pos, freq)
         ctx.dims = dims
-        return qkv, x0.view_as(x0)
+        return (*split_heads(qkv, dims), x0.view_as(x0))
 
     @staticmethod
-    def backward(ctx, dqkv, dres):
+    def backward(ctx, dq, dk, dv, dres):
         x0, r0, qkv, g1, w_qkv, pos, freq = ctx.saved_tensors
         dims = ctx.dims
         d = x0.shape[1]
         hd = dims.head_dim
-        dqkv = dqkv.contiguous()
         head = freq[:hd]  # every rotated head carries the same frequencies
         cos, sin = rotation_tables(pos, head[0::2], head[1::2], hd, r0.dtype)
         n_rot = dims.heads + dims.kv_heads
-        dz0, corr0 = fused(drope_rows)(dqkv, qkv, r0, cos, sin, n_rot, hd, d)  # B11
+        dz0, corr0 = fused(drope_heads)(dq, dk, dv, qkv, r0, cos, sin, n_rot, hd, d)  # B11
         dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres)
         return dx0, dg1, dw_qkv, None, None, None
 
@@ -136,15 +145,15 @@ class AttentionInputQKNorm(torch.autograd.Function):
         )
         ctx.save_for_backward(x0, r0, z, s, g1, w_qkv, q_norm, k_norm, cos, sin)
         ctx.dims = dims
-        return qkv, x0.view_as(x0)
+        return (*split_heads(qkv, dims), x0.view_as(x0))
 
     @staticmethod
-    def backward(ctx, dqkv, dres):
+    def backward(ctx, dq, dk, dv, dres):
         x0, r0, z, s, g1, w_qkv, q_norm, k_norm, cos, sin = ctx.saved_tensors
         dims = ctx.dims
         heads = (dims.heads, dims.kv_heads, dims.head_dim, x0.shape[1])
-        dz0, corr0, dqn, dkn = fused(dqk_norm_rope_rows)(
-            dqkv.contiguous(), z, s, r0, cos, sin, q_norm, k_norm, *heads
+        dz0, corr0, dqn, dkn = fused(dqk_norm_rope_heads)(
+            dq, dk, dv, z, s, r0, cos, sin, q_norm, k_norm, *heads
         )  # B11 with the head norms' backward
         dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres)
         return (
@@ -157,33 +166,6 @@ class AttentionInputQKNorm(torch.autograd.Function):
             None,
             None,
         )
-
-
-class SplitHeads(torch.autograd.Function):
-    """qkv (M, (H + 2 Hkv) hd) -> q, k, v as (B, heads, S, hd) views. Its backward writes the
-    three head gradients into one buffer (three copies); autograd's own slice backward would
-    zero-fill and sum a full-size tensor per slice."""
-
-    @staticmethod
-    def forward(ctx, qkv, dims: LayerDims):
-        H, Hkv = dims.heads, dims.kv_heads
-        t = qkv.view(dims.batch, dims.seq, H + 2 * Hkv, dims.head_dim).transpose(1, 2)
-        ctx.dims = dims
-        return t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :]
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        dims = ctx.dims
-        H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
-        ref = next(g for g in (dq, dk, dv) if g is not None)
-        dqkv = ref.new_empty(dims.batch * dims.seq, (H + 2 * Hkv) * hd)
-        t = dqkv.view(dims.batch, dims.seq, H + 2 * Hkv, hd).transpose(1, 2)
-        for g, sl in ((dq, slice(0, H)), (dk, slice(H, H + Hkv)), (dv, slice(H + Hkv, None))):
-            if g is None:
-                t[:, sl].zero_()
-            else:
-                t[:, sl] = g
-        return dqkv, None
 
 
 class AttentionOutput(torch.autograd.Function):
@@ -261,12 +243,11 @@ def decoder_layer(
     if freq is None:
         freq = cached_freq_table(hd, H + Hkv, Hkv, dims.rope_base, x0.device)
     if qk_norm is None:
-        qkv, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, freq, dims)
+        q, k, v, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, freq, dims)
     else:
-        qkv, x0_residual = AttentionInputQKNorm.apply(
+        q, k, v, x0_residual = AttentionInputQKNorm.apply(
             x0, g1, w_qkv, *qk_norm, positions, freq, dims
         )
-    q, k, v = SplitHeads.apply(qkv, dims)
     o4 = (attention or sdpa_causal)(q, k, v)
     o = o4.transpose(1, 2).reshape(x0.shape[0], H * hd)
     x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps)

@@ -39,3 +39,16 @@ def drope_rows(dqkv, qkv, rstd, cos, sin, n_rot_heads: int, head_dim: int, d: in
     out[:, :n_rot] = torch.stack([(d1 * c + d2 * s) * r, (d2 * c - d1 * s) * r], -1).view(M, -1)
     out[:, n_rot:] = (dqkv[:, n_rot:].to(acc) * rstd[:, None]).to(dqkv.dtype)
     return out, norm_correction(rstd, S0, d)
+
+
+def pack_heads(dq, dk, dv):
+    """The three head gradients (batch, heads, seq, hd) as the (tokens, Nqkv) rows of the
+    QKV GEMM's layout. Inside a ``fused`` row pass this is index math on the loads, not a
+    copy (it replaces three copies into one buffer)."""
+    B, _, S, hd = dq.shape
+    return torch.cat([dq, dk, dv], dim=1).transpose(1, 2).reshape(B * S, -1)
+
+
+def drope_heads(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads: int, head_dim: int, d: int):
+    """``drope_rows`` on the head gradients as attention returns them."""
+    return drope_rows(pack_heads(dq, dk, dv), qkv, rstd, cos, sin, n_rot_heads, head_dim, d)

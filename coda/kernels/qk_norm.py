@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from coda.kernels._launch import acc_dtype
+from coda.kernels.drope import pack_heads
 from coda.primitives.aux import norm_correction
 
 
@@ -75,3 +76,9 @@ def dqk_norm_rope_rows(
     S0 = (gz * z.to(acc)).sum(-1) / rstd
     dz0 = (gz * rstd[:, None]).to(z.dtype)
     return dz0, norm_correction(rstd, S0, d), dw[:n_q].sum(0), dw[n_q:].sum(0)
+
+
+def dqk_norm_rope_heads(dq, dk, dv, z, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, hd, d):
+    """``dqk_norm_rope_rows`` on the head gradients as attention returns them."""
+    dout = pack_heads(dq, dk, dv)
+    return dqk_norm_rope_rows(dout, z, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, hd, d)
