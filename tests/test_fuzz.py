@@ -339,22 +339,27 @@ def layer_case(rng, g, dtype, device, big):
     B = rng.choice([1, 2, 3])
     S = rng.choice([1, 2, 5, 17, rng.randrange(1, 700 if big else 24)])
     eps = rng.choice([1e-5, 1e-6, 1e-2])
+    qk_norm = rng.random() < 0.25  # Qwen3's per-head QK-norm in a quarter of the cases
     torch.manual_seed(rng.randrange(2**31))
-    layer = cnn.DecoderLayer(d, H, Hkv, ffn, head_dim=hd, eps=eps, device=device, dtype=dtype)
+    layer = cnn.DecoderLayer(
+        d, H, Hkv, ffn, head_dim=hd, eps=eps, device=device, dtype=dtype, qk_norm=qk_norm
+    )
     # weights of std 1/sqrt(fan-in), so the layer's update is as large as its residual input:
     # with a small init the result is the residual plus a perturbation, and every path's error
     # is the same final rounding of the residual stream (the protocol then compares nothing)
     with torch.no_grad():
         for w in (layer.w_qkv, layer.w_o, layer.w_il, layer.w_d):
             w.normal_(std=w.shape[0] ** -0.5)
-        layer.g1.add_(0.1 * torch.randn_like(layer.g1))
-        layer.g2.add_(0.1 * torch.randn_like(layer.g2))
+        for gamma in (layer.g1, layer.g2, layer.q_norm, layer.k_norm):
+            if gamma is not None:
+                gamma.add_(0.1 * torch.randn_like(gamma))
     x = randn(g, B, S, d, dtype=dtype, device=device)
     return layer, x
 
 
 def hf_layer_grads(layer) -> dict:
-    """coda-layout parameter gradients -> HF ``LlamaDecoderLayer`` layout (exact)."""
+    """coda-layout parameter gradients -> HF ``LlamaDecoderLayer`` (``Qwen3DecoderLayer`` with
+    QK-norm) layout (exact)."""
     q, k, v = layouts.qkv_weight_to_hf(
         layer.w_qkv.grad,
         n_heads=layer.n_heads,
@@ -372,15 +377,24 @@ def hf_layer_grads(layer) -> dict:
         "mlp.gate_proj.weight": gate,
         "mlp.up_proj.weight": upg,
         "mlp.down_proj.weight": layer.w_d.grad.t(),
+        **(
+            {
+                "self_attn.q_norm.weight": layouts.head_weight_to_hf(layer.q_norm.grad),
+                "self_attn.k_norm.weight": layouts.head_weight_to_hf(layer.k_norm.grad),
+            }
+            if layer.qk_norm
+            else {}
+        ),
     }
 
 
 def canonical_layer(layer, x, dy):
     """HF's Llama layer (``TorchLlama.layer``) on the layer's HF weights: (out, dx, grads)."""
-    from coda.reference.model import LAYER_KEYS, hf_layer_step
+    from coda.reference.model import LAYER_KEYS, QK_NORM_KEYS, hf_layer_step
 
     out, dx, p = hf_layer_step(layer, x, dy)
-    return out, dx, {k: p[k.replace(".", "_")].grad for k in LAYER_KEYS}
+    keys = LAYER_KEYS + (QK_NORM_KEYS if layer.qk_norm else ())
+    return out, dx, {k: p[k.replace(".", "_")].grad for k in keys}
 
 
 def test_fuzz_decoder_layer_float64():

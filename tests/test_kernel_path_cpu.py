@@ -34,10 +34,12 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
     d, f = rng.randrange(3, 70), rng.randrange(1, 60)
     B, S = rng.choice([1, 2, 3]), rng.choice([1, 2, 5, 13])
     torch.manual_seed(seed)
-    layer = cnn.DecoderLayer(d, H, Hkv, f, head_dim=hd, eps=rng.choice([1e-5, 1e-2]), dtype=F64)
+    eps, qk_norm = rng.choice([1e-5, 1e-2]), seed % 2 == 1  # odd seeds: Qwen3's QK-norm
+    layer = cnn.DecoderLayer(d, H, Hkv, f, head_dim=hd, eps=eps, dtype=F64, qk_norm=qk_norm)
     with torch.no_grad():
-        for gam in (layer.g1, layer.g2):
-            gam.add_(0.1 * torch.randn_like(gam))
+        for gam in (layer.g1, layer.g2, layer.q_norm, layer.k_norm):
+            if gam is not None:
+                gam.add_(0.1 * torch.randn_like(gam))
     x = torch.randn(B, S, d, dtype=F64, requires_grad=True)
     dy = torch.randn(B, S, d, dtype=F64)
     out_k, g_k = _grads(layer, x, lambda: layer._kernel_forward(x), dy)

@@ -3,9 +3,11 @@ and benchmark compares coda against (eager, ``torch.compile``, or with Liger's o
 
 Weights come from an HF-layout state dict (``nn.Linear`` weights (out, in); keys as
 ``LlamaForCausalLM`` names them: ``model.embed_tokens.weight``, ``model.layers.{i}.*``,
-``model.norm.weight``, ``lm_head.weight``), so a coda model's ``hf_state_dict()`` builds the
-same function exactly. RMSNorm is ``F.rms_norm``, RoPE HF's rotate_half, attention SDPA
-(causal, GQA), the loss ``F.cross_entropy`` on fp32 logits, as HF computes them.
+``model.norm.weight``, ``lm_head.weight``; with Qwen3's ``self_attn.q_norm`` / ``k_norm``
+weights present, q and k get its per-head RMSNorm before RoPE), so a coda model's
+``hf_state_dict()`` builds the same function exactly. RMSNorm is ``F.rms_norm``, RoPE HF's
+rotate_half, attention SDPA (causal, GQA), the loss ``F.cross_entropy`` on fp32 logits, as HF
+computes them.
 
 ``ops`` swaps in other implementations by name (Liger's, in the benchmarks): ``rms_norm(h,
 gamma, eps)``, ``rope(q, k, cos, sin)`` on (B, H, S, hd), ``swiglu(gate, up)``, and
@@ -31,6 +33,7 @@ LAYER_KEYS = (
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
 )
+QK_NORM_KEYS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # Qwen3's, optional
 
 
 class LlamaLayerParams(nn.ParameterDict):
@@ -65,8 +68,10 @@ class TorchLlama(nn.Module):
         self.layers = nn.ModuleList()
         for i in range(n_layers):
             p = LlamaLayerParams()
-            for k in LAYER_KEYS:
-                p[k.replace(".", "_")] = nn.Parameter(sd[f"model.layers.{i}.{k}"].detach().clone())
+            for k in LAYER_KEYS + QK_NORM_KEYS:
+                key = f"model.layers.{i}.{k}"
+                if k in LAYER_KEYS or key in sd:  # Qwen3's QK-norm weights when present
+                    p[k.replace(".", "_")] = nn.Parameter(sd[key].detach().clone())
             self.layers.append(p)
         self.norm = nn.Parameter(sd["model.norm.weight"].detach().clone())
         self.lm_head = nn.Parameter(sd["lm_head.weight"].detach().clone())
@@ -83,6 +88,11 @@ class TorchLlama(nn.Module):
         q = F.linear(y, p["self_attn_q_proj_weight"]).view(B, S, H, hd).transpose(1, 2)
         k = F.linear(y, p["self_attn_k_proj_weight"]).view(B, S, Hkv, hd).transpose(1, 2)
         v = F.linear(y, p["self_attn_v_proj_weight"]).view(B, S, Hkv, hd).transpose(1, 2)
+        if "self_attn_q_norm_weight" in p:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            q, k = (
+                self._norm(q, p["self_attn_q_norm_weight"]),
+                self._norm(k, p["self_attn_k_norm_weight"]),
+            )
         if "rope" in self.ops:
             q, k = self.ops["rope"](q, k, cos[None], sin[None])
         else:
