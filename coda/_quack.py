@@ -7,7 +7,8 @@ coda (the CPU reference path) does not load cutlass.
 
 What is used, and why:
 - ``gemm_epilogue`` and the EpiOps (RowVecLoad, ColVecLoad, TileLoad, TileStore,
-  ColVecReduce, RowVecReduce, OnlineLSEReduce, ColVecSelect): the GPU lowering target of a
+  ColVecReduce, RowVecReduce, OnlineLSEReduce, ColVecSelect, HeadRstd with the prepass):
+  the GPU lowering target of a
   ``coda.primitives`` program (``coda/primitives/lowering.py``);
 - ``pack`` / ``unpack`` / ``pexp`` / ``sigmoid``: trace-time math on accumulator values;
 - ``identity_epi``: the same mainloop with an empty epilogue, the "raw GEMM" ceiling;
@@ -37,6 +38,7 @@ def _modules():
         import quack
         import quack.activation as activation
         import quack.cache as cache
+        import quack.epilogue.head_rmsnorm as head_rmsnorm
         import quack.epilogue.library as library
         import quack.epilogue.math as math
         import quack.epilogue.ops as ops
@@ -51,6 +53,7 @@ def _modules():
     return {
         "quack": quack,
         "activation": activation,
+        "head_rmsnorm": head_rmsnorm,
         "library": library,
         "math": math,
         "ops": ops,
@@ -107,6 +110,7 @@ def op_classes():
         "ColPartials": ops.RowVecReduce,
         "OnlineLSE": ops.OnlineLSEReduce,
         "ColSelect": ops.ColVecSelect,
+        "GroupRstd": _modules()["head_rmsnorm"].HeadRstd,  # a grouped prepass statistic
     }
 
 

@@ -27,10 +27,11 @@ from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.gemm_rmsnorm_gemm import gemm_rmsnorm_gemm_kernel
 from coda.kernels.gemm_rope import cached_freq_table
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
+from coda.kernels.qk_norm import column_rows, qk_norm_config
 from coda.primitives.aux import rstd_from_sumsq
 from coda.reference.cross_entropy import linear_cross_entropy_ref
 from coda.reference.rmsnorm import gemm_residual_rms_ref, gemm_rmsnorm_gemm_ref
-from coda.reference.rope import gemm_rope_ref, rope_table
+from coda.reference.rope import gemm_qk_norm_rope_ref, gemm_rope_ref, rope_table
 from coda.reference.swiglu import gemm_swiglu_ref
 
 KERNEL_DTYPES = (torch.bfloat16,)
@@ -197,15 +198,23 @@ def gemm_rope(
     n_kv_heads: int,
     rstd=None,
     rope_base: float = 10000.0,
+    q_norm=None,
+    k_norm=None,
+    eps: float = 1e-6,
     backend: str = "auto",
-    config: GemmConfig = DEFAULT,
+    config: GemmConfig = None,
 ) -> torch.Tensor:
     """qkv = RoPE(rstd * (x @ w_qkv)) on the q and k heads; v unrotated. Returns (M, Nqkv).
 
     w_qkv (K, (n_heads + 2 n_kv_heads) head_dim): columns [q | k | v], q and k in the
     adjacent-pair layout (``coda.layouts.qkv_weight_from_hf``); positions (M,) integer or
     float32 token positions; rstd (M,) fp32 or None. The result viewed as
-    (B, S, n_heads + 2 n_kv_heads, head_dim) splits into q, k, v heads."""
+    (B, S, n_heads + 2 n_kv_heads, head_dim) splits into q, k, v heads.
+
+    ``q_norm``, ``k_norm`` (head_dim,) (both or neither; ``coda.layouts.head_weight_from_hf``
+    converts Qwen3's): each q and k head is RMS-normalized over its head_dim values (eps) and
+    scaled by them before RoPE, Qwen3's QK-norm, inside the GEMM's epilogue on the kernel
+    path (the default tile config then holds whole heads: ``qk_norm.qk_norm_config``)."""
     v.check_matrix("x", x)
     M, K = x.shape
     for name, val in (("head_dim", head_dim), ("n_heads", n_heads)):
@@ -222,13 +231,34 @@ def gemm_rope(
     if positions.is_complex() or positions.dtype == torch.bool:
         raise v.CodaInputError(f"positions: must be integer or float, got {positions.dtype}")
     r = _rstd(rstd, x)
+    if (q_norm is None) != (k_norm is None):
+        raise v.CodaInputError("q_norm, k_norm: give both (Qwen3's QK-norm) or neither")
     named = {"x": x, "w_qkv": w_qkv, "rstd": r, "positions": positions}
+    if q_norm is not None:
+        v.check_vector("q_norm", q_norm, ("head_dim", head_dim))
+        v.check_vector("k_norm", k_norm, ("head_dim", head_dim))
+        v.check_eps(eps)
+        named.update(q_norm=q_norm, k_norm=k_norm)
     if _start("gemm_rope", backend, named) == "kernel":
         _kernel_layout({"x": x}, {"w_qkv": w_qkv}, {"rstd": r, "positions": positions})
         freq = cached_freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads, rope_base, x.device)
-        return lib.gemm_rope(x, w_qkv, r, positions.to(torch.float32), freq, config)
+        pos = positions.to(torch.float32)
+        if q_norm is None:
+            return lib.gemm_rope(x, w_qkv, r, pos, freq, config or DEFAULT)
+        cfg = config or qk_norm_config(head_dim)
+        if cfg.tile_n % head_dim:
+            raise v.CodaInputError(
+                f"config: tile_n ({cfg.tile_n}) must be a multiple of head_dim ({head_dim}) "
+                "for the QK-norm epilogue (a head inside one tile)"
+            )
+        head_w, plain = column_rows(q_norm, k_norm, n_heads, n_kv_heads, n_kv_heads)
+        return lib.gemm_qk_norm_rope(x, w_qkv, r, pos, freq, head_w, plain, head_dim, eps, cfg)
     cs = rope_table(positions, head_dim, rope_base)
-    z = gemm_rope_ref(x, w_qkv, r, cs, n_heads, n_kv_heads, head_dim)
+    if q_norm is None:
+        z = gemm_rope_ref(x, w_qkv, r, cs, n_heads, n_kv_heads, head_dim)
+    else:
+        args = (n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps)
+        z = gemm_qk_norm_rope_ref(x, w_qkv, r, cs, *args)
     return z.to(x.dtype)
 
 

@@ -30,6 +30,18 @@ def op_samples():
     lse = torch.randn(M).abs() + 3
     return {
         "gemm_rope": (_r(M, K), _r(K, N), rstd, torch.arange(M).float(), torch.randn(N), CFG),
+        "gemm_qk_norm_rope": (
+            _r(M, K),
+            _r(K, N),
+            rstd,
+            torch.arange(M).float(),
+            torch.randn(N),
+            torch.randn(N),
+            torch.zeros(N),
+            16,
+            1e-6,
+            CFG,
+        ),
         "gemm_residual_rms": (_r(M, K), _r(K, N), _r(M, N), _r(N), 1e-5, CFG),
         "gemm_residual": (_r(M, K), _r(K, N), _r(M, N), CFG),
         "gemm_swiglu": (_r(M, K), _r(K, 2 * f), rstd, CFG),

@@ -15,6 +15,7 @@ from coda.kernels import gemm_rmsnorm_gemm as rg
 from coda.kernels import gemm_rope as rp
 from coda.kernels import gemm_swiglu as sw
 from coda.kernels import linear_cross_entropy as ce
+from coda.kernels import qk_norm as qkn
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives.interpreter import interpret
 from coda.reference import cross_entropy as ce_ref
@@ -64,6 +65,29 @@ def test_rope_program(seed, config):
     assert rel_err(got, want) < 1e-10
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_qk_norm_rope_program(seed):
+    """F1 with Qwen3's QK-norm in the epilogue (a GroupRstd prepass statistic per head): the
+    interpreted program equals the reference, for tile widths holding 1, 2 or 4 heads."""
+    d = random_dims(seed, M=(1, 150), K=(1, 40), H=(1, 4), Hkv=(1, 2))
+    g, hd = gen(seed), [16, 32, 64, 16][seed]  # tile_n (a multiple of 16) holds whole heads
+    H, Hkv = d["H"] * d["Hkv"], d["Hkv"]
+    a, w = randn(g, d["M"], d["K"]), randn(g, d["K"], (H + 2 * Hkv) * hd)
+    r = 0.5 + torch.rand(d["M"], dtype=F64, generator=g)
+    qn, kn = 1 + 0.1 * randn(g, hd), 1 + 0.1 * randn(g, hd)
+    pos = torch.randint(0, 4096, (d["M"],), generator=g)
+    freq = rp.rope_freq_table(hd, H + Hkv, Hkv)
+    head_w, plain = qkn.column_rows(qn, kn, H, Hkv, Hkv, F64)
+    eps = [1e-6, 1e-2][seed % 2]
+    config = GemmConfig(tile_m=64, tile_n=hd * [1, 2, 4][seed % 3])
+    got = qkn.gemm_qk_norm_rope_interpreted(
+        a, w, r, pos.double(), freq, head_w, plain, hd, eps, config
+    )
+    cs = rope_ref.rope_table(pos, hd)
+    want = rope_ref.gemm_qk_norm_rope_ref(a, w, r, cs, H, Hkv, hd, qn, kn, eps)
+    assert rel_err(got, want) < 1e-10
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("config", [SMALL, DEFAULT], ids=["64x32", "default"])
 def test_lm_head_program(seed, config):
@@ -96,6 +120,49 @@ def test_scale_rows_program_and_block(seed):
     assert rel_err(z, z_c) < 1e-13
     out = coda.gemm_rmsnorm_gemm(x, w1, res, gamma, w2)
     assert torch.equal(out.z, z_c) and torch.equal(out.h, h_c) and torch.equal(out.rstd, r_c)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gemm_rope_with_qk_norm_is_qwen3_attention_input(seed):
+    """``coda.gemm_rope(..., q_norm=, k_norm=)`` on HF weights converted with coda.layouts
+    equals Qwen3's q/k/v in HF's own conventions (q_norm on HF-ordered heads, rotate_half
+    RoPE), float64: the op, its reference and the layouts agree."""
+    d = random_dims(seed, M=(1, 40), K=(1, 30), H=(1, 3), Hkv=(1, 2), half=(1, 6))
+    g, hd = gen(seed), 2 * d["half"]
+    M, K, Hkv = d["M"], d["K"], d["Hkv"]
+    H = d["H"] * Hkv
+    x, r = randn(g, M, K), 0.5 + torch.rand(M, dtype=F64, generator=g)
+    wq, wk, wv = randn(g, H * hd, K), randn(g, Hkv * hd, K), randn(g, Hkv * hd, K)
+    qn_hf, kn_hf = 1 + 0.1 * randn(g, hd), 1 + 0.1 * randn(g, hd)
+    pos, eps = torch.randint(0, 500, (M,), generator=g), 1e-6
+    w_qkv = layouts.qkv_weight_from_hf(wq, wk, wv, n_heads=H, n_kv_heads=Hkv)
+    qkv = coda.gemm_rope(
+        x,
+        w_qkv,
+        pos,
+        head_dim=hd,
+        n_heads=H,
+        n_kv_heads=Hkv,
+        rstd=r,
+        q_norm=layouts.head_weight_from_hf(qn_hf),
+        k_norm=layouts.head_weight_from_hf(kn_hf),
+        eps=eps,
+    )
+    y = r[:, None] * x
+    theta = rope_ref.rope_angles(pos, hd)  # exact float64 angles (HF's own are fp32)
+    cos, sin = torch.cat([theta.cos()] * 2, -1), torch.cat([theta.sin()] * 2, -1)
+
+    def head(w, n, norm):
+        t = rn_ref.head_rmsnorm_ref((y @ w.T).view(M, n, hd), norm, eps)
+        return rope_ref.apply_rope_hf(t, cos[:, None], sin[:, None]).flatten(1)
+
+    nq, nk = H * hd, Hkv * hd
+    assert rel_err(rope_ref.adjacent_to_hf_columns(qkv[:, :nq], H, hd), head(wq, H, qn_hf)) < 1e-12
+    got_k = rope_ref.adjacent_to_hf_columns(qkv[:, nq : nq + nk], Hkv, hd)
+    assert rel_err(got_k, head(wk, Hkv, kn_hf)) < 1e-12
+    assert rel_err(qkv[:, nq + nk :], y @ wv.T) < 1e-12
+    with pytest.raises(coda.CodaInputError, match="give both"):
+        coda.gemm_rope(x, w_qkv, pos, head_dim=hd, n_heads=H, n_kv_heads=Hkv, q_norm=qn_hf)
 
 
 def test_public_ops_reference_path_on_cpu():
@@ -195,6 +262,15 @@ COMPILES = {
     "lm_head_stats": lambda m: ce.compile_lm_head_stats(256, 1000, w_major=m),
     "scale_rows": lambda m: rg.compile_gemm_scale_rows(256, 520, w_major=m),
 }
+# F1 with QK-norm in the epilogue (prepass statistic): head_dim 64 and 128 (Qwen3's)
+QK_NORM_COMPILES = {64: (256, 512), 128: (256, 1024)}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim", sorted(QK_NORM_COMPILES))
+def test_qk_norm_rope_compiles_for_sm90(head_dim):
+    k, n = QK_NORM_COMPILES[head_dim]
+    assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim) in (0, 1)
 
 
 @pytest.mark.compile
@@ -227,6 +303,31 @@ def test_gpu_swiglu(M, K, f):
     s_ref, u_ref = sw_ref.gemm_swiglu_ref(x, w, r)
     _no_worse("s", out.s, s_ref, sw_ref.gemm_swiglu_torch(x, w, r))
     _no_worse("preact", out.preact, u_ref, x @ w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,H,Hkv,hd", [(4096, 1024, 16, 8, 128), (777, 512, 4, 2, 64)])
+def test_gpu_qk_norm_rope(M, K, H, Hkv, hd):
+    """Qwen3's QK-norm in the QKV GEMM's epilogue vs the fp32 reference, no worse than the
+    PyTorch bf16 path (project, per-head F.rms_norm, RoPE, each rounded to bf16)."""
+    g, x, w, r = _gpu_inputs(M, K, (H + 2 * Hkv) * hd, M + hd)
+    qn = 1 + 0.1 * torch.randn(hd, device="cuda", generator=g)
+    kn = 1 + 0.1 * torch.randn(hd, device="cuda", generator=g)
+    qn, kn = qn.bfloat16(), kn.bfloat16()
+    pos = torch.arange(M, device="cuda") % 2048
+    kw = dict(head_dim=hd, n_heads=H, n_kv_heads=Hkv, rstd=r, q_norm=qn, k_norm=kn, eps=1e-6)
+    got = coda.gemm_rope(x, w, pos, backend="kernel", **kw)
+    cs = rope_ref.rope_table(pos.cpu(), hd).cuda()
+    want = rope_ref.gemm_qk_norm_rope_ref(x, w, r, cs, H, Hkv, hd, qn, kn, 1e-6)
+    z = (x.float() * r[:, None]).bfloat16() @ w
+    nq, nk = H * hd, Hkv * hd
+
+    def normed(t, n, wt):
+        return torch.nn.functional.rms_norm(t.view(M, n, hd), (hd,), wt, 1e-6)
+
+    qk = torch.cat([normed(z[:, :nq], H, qn), normed(z[:, nq : nq + nk], Hkv, kn)], 1)
+    peer = torch.cat([rope_ref.rope_adjacent_ref(qk, cs.bfloat16()).flatten(1), z[:, nq + nk :]], 1)
+    _no_worse("qkv", got, want, peer)
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ from coda.kernels import gemm_swiglu as _sw
 from coda.kernels import linear_cross_entropy as _lce
 from coda.kernels import linear_cross_entropy_bwd as _ceb
 from coda.kernels import linear_cross_entropy_chunked as _cec
+from coda.kernels import qk_norm as _qkn
 from coda.kernels import rmsnorm_bwd as _nb
 from coda.kernels import wgrad as _wg
 from coda.kernels._launch import acc_dtype
@@ -57,6 +58,29 @@ def _gemm_rope(
 
 @_gemm_rope.register_fake
 def _(a, w, rstd, pos, freq, cfg):
+    return _empty(a.shape[0], w.shape[1], like=a)
+
+
+@torch.library.custom_op("coda::gemm_qk_norm_rope", mutates_args=())
+def _gemm_qk_norm_rope(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    rstd: torch.Tensor,
+    pos: torch.Tensor,
+    freq: torch.Tensor,
+    head_w: torch.Tensor,
+    plain: torch.Tensor,
+    head_dim: int,
+    eps: float,
+    cfg: list[int],
+) -> torch.Tensor:
+    return _qkn.gemm_qk_norm_rope_kernel(
+        a, w, rstd, pos, freq, head_w, plain, head_dim, eps, _gc(cfg)
+    )
+
+
+@_gemm_qk_norm_rope.register_fake
+def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg):
     return _empty(a.shape[0], w.shape[1], like=a)
 
 
@@ -263,6 +287,12 @@ def _either(op, direct):
 gemm_rope = _either(
     lambda a, w, r, p, f, c: _gemm_rope(a, w, r, p, f, _cfg(c)), _rope.gemm_rope_kernel
 )
+gemm_qk_norm_rope = _either(
+    lambda a, w, r, p, f, hw, pl, hd, eps, c: _gemm_qk_norm_rope(
+        a, w, r, p, f, hw, pl, hd, eps, _cfg(c)
+    ),
+    _qkn.gemm_qk_norm_rope_kernel,
+)
 gemm_residual_rms = _either(
     lambda x, w, res, g, eps, c: _gemm_residual_rms(x, w, res, g, eps, _cfg(c)),
     _grr.gemm_residual_rms_kernel,
@@ -311,6 +341,7 @@ lm_head_chunked = _either(
 # every op, for tests (opcheck) and reports
 OPS = {
     "gemm_rope": _gemm_rope,
+    "gemm_qk_norm_rope": _gemm_qk_norm_rope,
     "gemm_residual_rms": _gemm_residual_rms,
     "gemm_residual": _gemm_residual,
     "gemm_swiglu": _gemm_swiglu,

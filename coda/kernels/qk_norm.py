@@ -16,19 +16,29 @@ Backward, from dout (attention's dq, dk, dv), per q/k head with q_hat = z * s:
     S0     = sum_n [g | dv] * z / rstd0                         the entry norm's statistic
 
 z is saved by the forward in place of the rotated qkv (same size). Both passes are torch code
-(``fused``: one or two Triton kernels on the GPU). v2 plan: the statistic s as a prepass in
-F1's epilogue (quack's grouped column statistics: a head is a contiguous run of hd columns
-inside one output tile), so the forward becomes one GEMM; see benchmarks/NOTES.md.
-Oracle: ``coda.reference.layer.decoder_layer_ref`` with q_norm / k_norm (the float64 tests).
+(``fused``: one or two Triton kernels on the GPU). Oracle: ``coda.reference.layer.
+decoder_layer_ref`` with q_norm / k_norm (the float64 tests).
+
+The forward alone is also one GEMM (``qk_norm_rope_program``): F1's epilogue computes the
+head statistic in a prepass (``GroupRstd``: a head is hd adjacent columns inside one output
+tile, so tile_n must be a multiple of hd), then stores RoPE(z * s * w). The public op
+``coda.gemm_rope(..., q_norm=, k_norm=)`` runs it; training keeps the row passes because the
+backward needs z, which a pair-mode epilogue cannot store beside the rotated output.
+Oracle of the program: ``coda.reference.rope.gemm_qk_norm_rope_ref``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from coda.kernels._launch import acc_dtype
+from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
+from coda.kernels.config import GemmConfig
 from coda.kernels.drope import pack_heads
+from coda.primitives import ColLoad, GroupRstd, RowLoad, epilogue_program, pack, unpack
 from coda.primitives.aux import norm_correction
+from coda.primitives.math import rotation
 
 
 def _rotate(x1, x2, c, s):
@@ -82,3 +92,80 @@ def dqk_norm_rope_heads(dq, dk, dv, z, s, rstd, cos, sin, q_norm, k_norm, n_q, n
     """``dqk_norm_rope_rows`` on the head gradients as attention returns them."""
     dout = pack_heads(dq, dk, dv)
     return dqk_norm_rope_rows(dout, z, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, hd, d)
+
+
+# -- the forward as one GEMM: the head statistic in F1's epilogue ------------------------------
+def _z_squared(acc, rstd):
+    z = acc * rstd
+    return {"head_rstd": z * z}
+
+
+def _qk_norm_rope(acc, rstd, pos, freq, head_w, plain, head_rstd):
+    x1, x2 = unpack(acc * rstd * (head_rstd * head_w + plain))
+    s, c = rotation(pos, freq)
+    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+
+
+@functools.lru_cache(maxsize=None)
+def qk_norm_rope_program(eps: float):
+    """F1 with QK-norm (one program per eps: it is a compile-time constant of the statistic).
+    Per output column: ``head_w`` = the q or k norm weight (0 on v columns), ``plain`` = 1 on
+    v columns (0 elsewhere), so v is stored as z; freq is 0 on v columns (no rotation)."""
+    inputs = [
+        ColLoad("rstd"),
+        ColLoad("pos"),
+        RowLoad("freq"),
+        RowLoad("head_w"),
+        RowLoad("plain"),
+        GroupRstd("head_rstd", eps=float(eps)),
+    ]
+    return epilogue_program(inputs=inputs, mode="pair", prepass=_z_squared)(_qk_norm_rope)
+
+
+def column_rows(q_norm, k_norm, n_q: int, n_k: int, n_v: int, dtype=torch.float32):
+    """(head_w, plain): the per-column rows of ``qk_norm_rope_program`` (length Nqkv)."""
+    hd = q_norm.shape[0]
+    w = torch.cat([q_norm.to(dtype).repeat(n_q), k_norm.to(dtype).repeat(n_k)])
+    head_w = torch.cat([w, w.new_zeros(n_v * hd)])
+    plain = torch.cat([w.new_zeros((n_q + n_k) * hd), w.new_ones(n_v * hd)])
+    return head_w, plain
+
+
+def gemm_qk_norm_rope_kernel(a, w_qkv, rstd, pos, freq, head_w, plain, head_dim, eps, config):
+    """Returns qkv (M x Nqkv: normed and rotated q, k; plain v). ``config.tile_n`` must be a
+    multiple of ``head_dim`` (a head inside one tile)."""
+    qkv = torch.empty(a.shape[0], w_qkv.shape[1], dtype=a.dtype, device=a.device)
+    operands = {"rstd": rstd, "pos": pos, "freq": freq, "head_w": head_w, "plain": plain}
+    operands["head_rstd"] = head_dim
+    launch(qk_norm_rope_program(eps), a, w_qkv, config=config, d=qkv, operands=operands)
+    return qkv
+
+
+def gemm_qk_norm_rope_interpreted(a, w_qkv, rstd, pos, freq, head_w, plain, head_dim, eps, config):
+    operands = {"rstd": rstd, "pos": pos, "freq": freq, "head_w": head_w, "plain": plain}
+    operands["head_rstd"] = head_dim
+    program = qk_norm_rope_program(eps)
+    return interpret_gemm(program, a, w_qkv, config=config, operands=operands)["D"]
+
+
+def qk_norm_config(head_dim: int) -> GemmConfig:
+    """A tile config whose tile_n holds whole heads (128 or 256 columns, ping-pong up to 208)."""
+    if head_dim > 256 or 256 % head_dim and 128 % head_dim:
+        raise ValueError(f"head_dim {head_dim}: no tile_n holds whole heads")
+    return (
+        GemmConfig(128, 128, 2, 1, True)
+        if 128 % head_dim == 0
+        else GemmConfig(128, 256, 2, 1, False)
+    )
+
+
+def compile_gemm_qk_norm_rope(k, n, head_dim, *, eps=1e-6, m=256) -> int:
+    a, w = example_operands(m, k, n)
+    f = torch.empty(n)
+    operands = {"rstd": torch.empty(m), "pos": torch.empty(m), "freq": f, "head_w": f}
+    operands.update(plain=f, head_rstd=head_dim)
+    qkv = torch.empty(m, n, dtype=torch.bfloat16)
+    program = qk_norm_rope_program(eps)
+    return launch(
+        program, a, w, config=qk_norm_config(head_dim), d=qkv, operands=operands, dry=True
+    )

@@ -13,6 +13,7 @@ from coda.primitives.vocabulary import (  # noqa: F401
     ColPartials,
     ColSelect,
     EpilogueProgram,
+    GroupRstd,
     OnlineLSE,
     RowLoad,
     RowPartials,

@@ -14,6 +14,7 @@ Outputs are rounded once to ``out_dtype`` when it is given, as the kernel's stor
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -48,18 +49,35 @@ def interpret(
     if mode == "pair" and (N % 2 or tile_n % 2):
         raise ValueError(f"pair mode needs even N and tile_n, got N={N}, tile_n={tile_n}")
     t_m, t_n = math.ceil(M / tile_m), math.ceil(N / tile_n)
-    ops = {name: v.to(dt) if v.is_floating_point() else v for name, v in operands.items()}
+    ops = {
+        name: v.to(dt) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for name, v in operands.items()
+    }
 
     out: dict = {}
     if program.writes_d:
         out["D"] = torch.empty(M, 2 * N if mode == "widen" else N, dtype=dt)
     for p in (*program.stores, *program.sinks):
         out[p.name] = p.alloc(M, N, t_m, t_n, mode, dt)
+    stats = [p for p in program.inputs if p.from_prepass]
+    for p in stats:
+        if p.out:
+            out[p.out] = torch.zeros(M, N // ops[p.name], dtype=dt)
+    pre_names = list(inspect.signature(program.prepass).parameters)[1:] if stats else []
 
     for i, rows in _tiles(M, tile_m):
         for j, cols in _tiles(N, tile_n):
-            args = {p.name: p.view(ops[p.name], rows, cols, mode) for p in program.inputs}
+            args = {
+                p.name: p.view(ops[p.name], rows, cols, mode)
+                for p in program.inputs
+                if not p.from_prepass
+            }
             acc_view = _pairs(acc[rows, cols]) if mode == "pair" else acc[rows, cols]
+            if stats:
+                pre = program.prepass(acc_view, **{n: args[n] for n in pre_names})
+                for p in stats:
+                    buf = out.get(p.out) if p.out else None
+                    args[p.name] = p.finish(pre[p.name], ops[p.name], rows, cols, mode, buf)
             result = program.fn(acc_view, **args)
             _scatter(program, result, acc_view, out, rows, cols, i, j, ops)
 

@@ -30,6 +30,8 @@ def lower(program: EpilogueProgram):
                 into[p.name] = op
             extra.extend(needs)
     stores = tuple(p.lower(table, mode)[0] for p in program.stores)
+    stats = tuple(p.name for p in program.inputs if p.from_prepass)
+    prepass = {"prepass": program.prepass, "prepass_outs": stats} if stats else {}
     return _quack.make_epi_mod(
         program.fn,
         outputs=stores,
@@ -37,6 +39,7 @@ def lower(program: EpilogueProgram):
         outs=outs,
         extra_ops=tuple(extra),
         mode=_QUACK_MODE[mode],
+        **prepass,
     )
 
 

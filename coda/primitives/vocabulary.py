@@ -20,6 +20,8 @@ RED    ``RowPartials(name)``    RED_m: sum over a tile's columns, one fp32 parti
                                 (row m, N-tile t) -> an M x T_N array
        ``ColPartials(name)``    RED_n: sum over a tile's rows, one fp32 partial per
                                 (M-tile i, column n) -> a T_M x N array
+       ``GroupRstd(name)``      a per-(row, column group) rstd of a ``prepass`` value, complete
+                                inside the tile, read back by ``fn`` (per-head RMSNorm)
 LSE    ``OnlineLSE(name)``      stateful online (max, sum-exp) over a tile's columns, emitted
                                 as one log-sum-exp partial per (row m, N-tile t)
 =====  =======================  ==============================================================
@@ -69,6 +71,7 @@ class Primitive:
     name: str
 
     family = ""  # EW / VEC / TILE / RED / LSE, for reports
+    from_prepass = False  # an input computed from the program's prepass (``GroupRstd``)
 
     def cache_key(self) -> tuple:
         return (type(self).__name__, self.name)
@@ -254,7 +257,47 @@ class OnlineLSE(Primitive):
         return {self.name: outputs[self.name]}
 
 
-INPUTS = (RowLoad, ColLoad, TileC, TileLoad)
+# -- RED, finalized in the tile: a per-(row, column group) statistic of a prepass value -------
+@dataclass(frozen=True)
+class GroupRstd(Primitive):
+    """rstd[m, g] = (mean over the ``group`` adjacent columns of group g of v[m, n] + eps)^-1/2,
+    with v the value the program's ``prepass`` returns under this name (e.g. z^2). Each group
+    lies inside one output tile (tile_n and N multiples of the group), so the statistic is
+    complete in the tile: ``fn`` reads it as an input (broadcast over the group's columns;
+    per-head RMSNorm, Qwen3's QK-norm). The group width is the operand under this name (an
+    int); ``out`` optionally names an (M, N / group) fp32 output of the statistic itself."""
+
+    eps: float = 1e-6
+    out: str | None = None
+    family = "RED"
+    from_prepass = True
+
+    def cache_key(self) -> tuple:
+        return (*super().cache_key(), self.eps, self.out)
+
+    def finish(self, value, group: int, rows, cols, mode, out_buf):
+        """The tile's statistic from its prepass ``value``, as ``fn`` sees it."""
+        if cols.start % group or (cols.stop - cols.start) % group:
+            raise ValueError(f"{self.name}: group {group} must divide tile_n and N")
+        v = _lanes(value)
+        r = torch.rsqrt(v.reshape(v.shape[0], -1, group).mean(-1) + self.eps)
+        if out_buf is not None:
+            out_buf[rows, cols.start // group : cols.stop // group] = r
+        full = r.repeat_interleave(group, dim=1)
+        return _pairs(full) if mode == "pair" else full
+
+    def lower(self, ops, mode):
+        op = ops["GroupRstd"](self.name, eps=self.eps)
+        return op, ((op.out(self.out),) if self.out else ())
+
+    def host_args(self, operands, outputs):
+        args = {self.name: int(operands[self.name])}  # the group width, a compile-time int
+        if self.out:
+            args[self.out] = outputs[self.out]
+        return args
+
+
+INPUTS = (RowLoad, ColLoad, TileC, TileLoad, GroupRstd)
 SINKS = (RowPartials, ColPartials, OnlineLSE, ColSelect)
 
 
@@ -272,6 +315,7 @@ class EpilogueProgram:
     sinks: tuple = ()
     mode: str = "element"
     writes_d: bool = True
+    prepass: Callable | None = None  # prepass(acc, **some inputs) -> {statistic name: value}
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -299,6 +343,16 @@ class EpilogueProgram:
                 raise TypeError(f"{p!r} is not a reduction / select primitive")
         if self.mode == "widen" and not any(isinstance(p, TileC) for p in self.inputs):
             raise ValueError("'widen' mode reads its saved pairs through TileC")
+        stats = {p.name for p in self.inputs if p.from_prepass}
+        if stats and self.prepass is None:
+            raise ValueError(f"{self.fn.__name__}: {sorted(stats)} need a prepass")
+        if self.prepass is not None:
+            pre = list(inspect.signature(self.prepass).parameters)
+            if not pre or pre[0] != "acc" or not set(pre[1:]) <= inputs - stats:
+                raise ValueError(
+                    f"{self.fn.__name__}: the prepass takes acc and plain declared inputs, "
+                    f"got {pre}"
+                )
 
     @property
     def name(self) -> str:
@@ -314,12 +368,20 @@ class EpilogueProgram:
         )
 
 
-def epilogue_program(*, inputs=(), stores=(), sinks=(), mode="element", writes_d=True):
+def epilogue_program(
+    *, inputs=(), stores=(), sinks=(), mode="element", writes_d=True, prepass=None
+):
     """Decorator: ``@epilogue_program(inputs=[...], ...)`` over ``fn(acc, ...)``."""
 
     def wrap(fn):
         return EpilogueProgram(
-            fn, tuple(inputs), tuple(stores), tuple(sinks), mode=mode, writes_d=writes_d
+            fn,
+            tuple(inputs),
+            tuple(stores),
+            tuple(sinks),
+            mode=mode,
+            writes_d=writes_d,
+            prepass=prepass,
         )
 
     return wrap
