@@ -187,6 +187,25 @@ def test_patched_qwen3_matches_unpatched_float64():
     assert sd_p.keys() == sd_r.keys() and all(torch.equal(sd_p[k], sd_r[k]) for k in sd_r)
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+        dict(attn_implementation="eager"),
+    ],
+    ids=["sliding_window", "eager_attention"],
+)
+def test_patched_qwen3_sliding_window_and_eager_attention(kw):
+    """A sliding-window layer (the model's own masks and window reach its attention function)
+    and HF's eager attention: logits, loss and every gradient as unpatched."""
+    cfg = tiny_config("qwen3", **kw)
+    ref, patched = pair(cfg, seed=4)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11))
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, ref(ids).logits) < TOL
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
+
+
 def test_qwen3_kernel_sequence_equals_reference_float64():
     """The kernel path's QK-norm Function (F1 without rotation, the head-norm + RoPE row pass,
     its backward) on the CPU through the tile interpreter equals the reference path."""
