@@ -322,13 +322,14 @@ class DecoderLayer(nn.Module):
 class LMHeadLoss(nn.Module):
     """Final RMSNorm + LM head + cross-entropy. ``w_lm`` is (d, vocab).
 
-    ``method`` picks the kernel path's cross-entropy program: "recompute" (CE-A: the logits
-    are recomputed in the backward, 4 GEMMs, least memory, any reduction) or "chunked" (CE-C:
-    3 GEMMs, gradients formed in the forward chunk by chunk; with reduction "none" it runs
-    the recompute program). The chunked program forms its bf16 gradients at an upstream
-    gradient g = 1 and multiplies by g in the backward: exact for g = +-2^k (a mean loss, or
-    one scaled for 2^k accumulation steps); any other g rounds the gradients a second time
-    (up to ~2x PyTorch's error): use "recompute" there.
+    ``method`` picks the kernel path's cross-entropy program: "recompute" (CE-A, the default:
+    the logits are recomputed in the backward, 4 GEMMs, least memory, any reduction; the
+    faster of the two at every shape measured, benchmarks/NOTES.md) or "chunked" (CE-C:
+    3 GEMMs, gradients formed in the forward chunk by chunk, an fp32 d x V gradient buffer;
+    with reduction "none" it runs the recompute program). The chunked program forms its
+    gradients at an upstream gradient g = 1 and multiplies by g in the backward: exact for
+    g = +-2^k (a mean loss, or one scaled for 2^k accumulation steps); any other g rounds
+    the bf16 gradients a second time (up to ~2x PyTorch's error): use "recompute" there.
     ``label_smoothing`` is ``F.cross_entropy``'s; ``z_loss`` adds z * logsumexp(logits)^2 per
     non-ignored token (PaLM's auxiliary loss), reduced with the loss."""
 

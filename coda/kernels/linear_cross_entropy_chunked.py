@@ -1,5 +1,7 @@
 """LM head + cross-entropy forward AND backward in three GEMMs, chunked over tokens
-(KERNELS.md section 4, CE-C): the fast alternative to CE-A's four.
+(KERNELS.md section 4, CE-C), against CE-A's four. Measured on the H200 (benchmarks/NOTES.md)
+it is not yet faster: each token chunk adds a read-modify-write of the fp32 d x V gradient,
+and the stored logits add a pass over M x V; CE-A is the default.
 
 The upstream gradient of a "mean" or "sum" loss is a scalar g, and every gradient is linear
 in it, so the forward computes them for g = 1 and the backward only scales (the Liger /
