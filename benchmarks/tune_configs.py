@@ -1,5 +1,5 @@
-"""Sweep tile configs for every GEMM of the forward layer and the LM head (M = 16384) and
-print the winners as ``coda/kernels/tuned.py`` entries.
+"""Sweep tile configs for every epilogue GEMM of the layer, forward and backward, and the LM
+head (M = 16384) and print the winners as ``coda/kernels/tuned.py`` entries.
 
 For each shape and candidate config: quack's raw GEMM (identity epilogue) and the coda
 epilogue kernel that runs at that shape in the layer, next to cuBLAS. The winner minimizes the
@@ -13,10 +13,13 @@ import torch
 from benchmarks._common import bench
 from benchmarks.bench_forward import HIDDEN, VOCABS, ffn, heads
 from coda import _quack
+from coda.kernels import dswiglu as dsw
 from coda.kernels import gemm_residual_rms as grr
 from coda.kernels import gemm_rope as rp
 from coda.kernels import gemm_swiglu as sw
 from coda.kernels import linear_cross_entropy as lce
+from coda.kernels import rmsnorm_bwd as nb
+from coda.kernels import wgrad as wg
 from coda.kernels.config import GemmConfig
 
 M = 16384
@@ -32,7 +35,7 @@ CANDIDATES = [
 
 
 def layer_gemms():
-    """(name, K, N, kernel(a, w, cfg)) for the forward layer's GEMMs and the LM head."""
+    """(name, K, N, kernel(a, w, cfg)[, M]) for the layer's GEMMs and the LM head."""
     out = []
     for d in HIDDEN:
         f, (H, Hkv) = ffn(d), heads(d)
@@ -67,6 +70,7 @@ def layer_gemms():
                 lambda a, w, c, res=res, g=gamma: grr.epilogue_gemm(a, w, res, g, c),
             ),
         ]
+        out += backward_gemms(d, f, H, Hkv, r)
         for V in VOCABS:
             t = torch.randint(0, V, (M,), device="cuda")
             out.append(
@@ -80,13 +84,48 @@ def layer_gemms():
     return out
 
 
+def backward_gemms(d, f, H, Hkv, r):
+    """The backward's epilogue GEMMs at the layer's shapes (their operands built here: a
+    kernel's own layouts, the sweep's (a, w) only set the raw GEMM's FLOPs beside it):
+    B4 dSwiGLU (dx2 @ W_d^T), B6/B12 norm-backward dgrads (dz~ @ W^T with the residual
+    gradient), B7/B13 gamma-row wgrads ((h^T dz~) scaled by gamma)."""
+
+    def bf(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    nqkv = (H + 2 * Hkv) * 128
+    dx2, w_d, u = bf(M, d), bf(f, d), bf(M, 2 * f)
+    dz1, w_il, x1, g = bf(M, 2 * f), bf(d, 2 * f), bf(M, d), bf(d)
+    dz0, w_qkv = bf(M, nqkv), bf(d, nqkv)
+    corr = torch.randn(M, device="cuda")
+    return [
+        (f"dswiglu_d{d}", d, f, lambda a, w, c: dsw.dswiglu_kernel(dx2, w_d, u, r, c)),
+        (
+            f"norm_bwd_gate_up_d{d}",
+            2 * f,
+            d,
+            lambda a, w, c: nb.norm_bwd_kernel(dz1, w_il, x1, g, corr, dx2, c),
+        ),
+        (
+            f"norm_bwd_qkv_d{d}",
+            nqkv,
+            d,
+            lambda a, w, c: nb.norm_bwd_kernel(dz0, w_qkv, x1, g, corr, dx2, c),
+        ),
+        # weight gradients: output (d, N), K = M tokens (the raw GEMM gets d rows, 5th field)
+        (f"wgrad_gate_up_d{d}", M, 2 * f, lambda a, w, c: wg.wgrad_gamma_rows(x1, dz1, g, c), d),
+        (f"wgrad_qkv_d{d}", M, nqkv, lambda a, w, c: wg.wgrad_gamma_rows(x1, dz0, g, c), d),
+    ]
+
+
 def run() -> list[dict]:
     raw = _quack.identity_mod()
     rows = []
-    for name, K, N, kernel in layer_gemms():
-        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    for name, K, N, kernel, *rows_m in layer_gemms():
+        m = rows_m[0] if rows_m else M  # the GEMM's own M (d for a weight gradient)
+        a = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) * K**-0.5
-        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(m, N, device="cuda", dtype=torch.bfloat16)
         t_mm = bench(lambda: a @ w)["ms"]
         best = None
         for cfg in CANDIDATES:
