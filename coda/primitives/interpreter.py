@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from coda.primitives.vocabulary import EpilogueProgram, _lanes, _pairs
+from coda.primitives.vocabulary import EpilogueProgram, as_lanes, as_pairs
 
 
 def _tiles(extent: int, tile: int):
@@ -72,7 +72,7 @@ def interpret(
                 for p in program.inputs
                 if not p.from_prepass
             }
-            acc_view = _pairs(acc[rows, cols]) if mode == "pair" else acc[rows, cols]
+            acc_view = as_pairs(acc[rows, cols]) if mode == "pair" else acc[rows, cols]
             if stats:
                 pre = program.prepass(acc_view, **{n: args[n] for n in pre_names})
                 for p in stats:
@@ -94,7 +94,7 @@ def _scatter(program, result, acc_view, out, rows, cols, i, j, ops):
     if unknown:
         raise KeyError(f"{program.name} returned undeclared names {sorted(unknown)}")
     if program.writes_d:
-        d = _lanes(result.get("D", acc_view))
+        d = as_lanes(result.get("D", acc_view))
         if mode == "widen":
             out["D"][rows, 2 * cols.start : 2 * cols.stop] = d
         else:

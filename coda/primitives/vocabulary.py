@@ -50,12 +50,12 @@ from coda.primitives.math import TilePair
 MODES = ("element", "pair", "widen")
 
 
-def _pairs(x: torch.Tensor) -> TilePair:
+def as_pairs(x: torch.Tensor) -> TilePair:
     """Adjacent columns (2j, 2j+1) as one pair value."""
     return TilePair(x[..., 0::2], x[..., 1::2])
 
 
-def _lanes(v):
+def as_lanes(v):
     """A value as plain columns: a pair contributes both lanes, interleaved."""
     return v.interleave() if isinstance(v, TilePair) else v
 
@@ -95,7 +95,7 @@ class RowLoad(Primitive):
 
     def view(self, v, rows, cols, mode):
         a = v[cols][None, :]
-        return _pairs(a) if mode == "pair" else a
+        return as_pairs(a) if mode == "pair" else a
 
     def host_args(self, operands, outputs):
         return {self.name: operands[self.name].unsqueeze(0)}  # quack's (1, N) batch axis
@@ -129,7 +129,7 @@ class ColSelect(Primitive):
         return torch.full((M,), float("nan"), dtype=dtype)
 
     def fold(self, buf, v, rows, cols, i, j, operands, mode):
-        flat = _lanes(v)
+        flat = as_lanes(v)
         idx = operands[self.index][rows].long()
         hit = (idx >= cols.start) & (idx < cols.stop)
         local = (idx - cols.start).clamp(0, flat.shape[1] - 1)
@@ -155,9 +155,9 @@ class TileC(Primitive):
 
     def view(self, v, rows, cols, mode):
         if mode == "widen":  # the saved tile holds a pair per output column
-            return _pairs(v[rows, 2 * cols.start : 2 * cols.stop])
+            return as_pairs(v[rows, 2 * cols.start : 2 * cols.stop])
         a = v[rows, cols]
-        return _pairs(a) if mode == "pair" else a
+        return as_pairs(a) if mode == "pair" else a
 
     def lower(self, ops, mode):
         return None, ()  # the GEMM's own C operand
@@ -174,7 +174,7 @@ class TileLoad(Primitive):
 
     def view(self, v, rows, cols, mode):
         a = v[rows, cols]
-        return _pairs(a) if mode == "pair" else a
+        return as_pairs(a) if mode == "pair" else a
 
 
 @dataclass(frozen=True)
@@ -223,7 +223,7 @@ class RowPartials(_Partials):
         return torch.zeros(M, t_n, dtype=dtype)
 
     def fold(self, buf, v, rows, cols, i, j, operands, mode):
-        buf[rows, j] = _lanes(v).sum(dim=1)
+        buf[rows, j] = as_lanes(v).sum(dim=1)
 
 
 @dataclass(frozen=True)
@@ -236,7 +236,7 @@ class ColPartials(_Partials):
     def fold(self, buf, v, rows, cols, i, j, operands, mode):
         if mode != "element":
             raise NotImplementedError("ColPartials is defined for element mode only")
-        buf[i, cols] = _lanes(v).sum(dim=0)
+        buf[i, cols] = as_lanes(v).sum(dim=0)
 
 
 # -- LSE: stateful online log-sum-exp ------------------------------------------------------------
@@ -251,7 +251,7 @@ class OnlineLSE(Primitive):
         return torch.zeros(M, t_n, dtype=dtype)
 
     def fold(self, buf, v, rows, cols, i, j, operands, mode):
-        buf[rows, j] = torch.logsumexp(_lanes(v), dim=1)
+        buf[rows, j] = torch.logsumexp(as_lanes(v), dim=1)
 
     def host_args(self, operands, outputs):
         return {self.name: outputs[self.name]}
@@ -279,12 +279,12 @@ class GroupRstd(Primitive):
         """The tile's statistic from its prepass ``value``, as ``fn`` sees it."""
         if cols.start % group or (cols.stop - cols.start) % group:
             raise ValueError(f"{self.name}: group {group} must divide tile_n and N")
-        v = _lanes(value)
+        v = as_lanes(value)
         r = torch.rsqrt(v.reshape(v.shape[0], -1, group).mean(-1) + self.eps)
         if out_buf is not None:
             out_buf[rows, cols.start // group : cols.stop // group] = r
         full = r.repeat_interleave(group, dim=1)
-        return _pairs(full) if mode == "pair" else full
+        return as_pairs(full) if mode == "pair" else full
 
     def lower(self, ops, mode):
         op = ops["GroupRstd"](self.name, eps=self.eps)
