@@ -20,7 +20,7 @@ import time
 import warnings
 
 import torch
-from train import markov_batches  # demos/train.py: the same synthetic data
+from train import add_step_args, check_step_args, markov_batches  # demos/train.py
 
 import coda
 import coda.transformers as ct
@@ -31,15 +31,7 @@ def parse_args(argv=None):
         description="Train an HF Llama unpatched and patched by coda.transformers.apply_coda "
         "from the same weights and batches; print tokens/s and losses."
     )
-    ap.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps, >= 1 (default 200 GPU, 20 CPU)"
-    )
-    ap.add_argument(
-        "--warmup",
-        type=int,
-        default=5,
-        help="steps left out of the tokens/s timing (compiles, warm-up); default 5",
-    )
+    add_step_args(ap, 200, 20)
     ap.add_argument(
         "--method",
         default="recompute",
@@ -48,10 +40,7 @@ def parse_args(argv=None):
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    if args.steps is not None and args.steps < 1:
-        ap.error(f"--steps must be >= 1, got {args.steps}")
-    if args.warmup < 0:
-        ap.error(f"--warmup must be >= 0, got {args.warmup}")
+    check_step_args(ap, args)
     return args
 
 

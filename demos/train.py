@@ -63,16 +63,13 @@ def train(model, batches, steps, lr, warmup_steps):
     return losses, speed
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(
-        description="Train a small Llama-style model with coda layers and with plain PyTorch "
-        "from the same weights and batches; print losses and tokens/s, plot the curves."
-    )
+def add_step_args(ap, gpu_steps: int, cpu_steps: int) -> None:
+    """--steps and --warmup, shared by the training demos."""
     ap.add_argument(
         "--steps",
         type=int,
         default=None,
-        help="optimizer steps, >= 1 (default 300 on a GPU, 30 on a CPU)",
+        help=f"optimizer steps, >= 1 (default {gpu_steps} on a GPU, {cpu_steps} on a CPU)",
     )
     ap.add_argument(
         "--warmup",
@@ -80,6 +77,21 @@ def parse_args(argv=None):
         default=5,
         help="steps left out of the tokens/s timing (compiles, warm-up); default 5",
     )
+
+
+def check_step_args(ap, args) -> None:
+    if args.steps is not None and args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    if args.warmup < 0:
+        ap.error(f"--warmup must be >= 0, got {args.warmup}")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        description="Train a small Llama-style model with coda layers and with plain PyTorch "
+        "from the same weights and batches; print losses and tokens/s, plot the curves."
+    )
+    add_step_args(ap, 300, 30)
     ap.add_argument(
         "--out",
         default="out",
@@ -87,10 +99,7 @@ def parse_args(argv=None):
     )
     ap.add_argument("--png", default=None, help="exact path of the loss plot (overrides --out)")
     args = ap.parse_args(argv)
-    if args.steps is not None and args.steps < 1:
-        ap.error(f"--steps must be >= 1, got {args.steps}")
-    if args.warmup < 0:
-        ap.error(f"--warmup must be >= 0, got {args.warmup}")
+    check_step_args(ap, args)
     return args
 
 
