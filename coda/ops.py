@@ -245,6 +245,11 @@ def gemm_rope(
         pos = positions.to(torch.float32)
         if q_norm is None:
             return lib.gemm_rope(x, w_qkv, r, pos, freq, config or DEFAULT)
+        if config is None and (head_dim > 256 or 256 % head_dim):
+            raise v.CodaInputError(
+                f"head_dim: the QK-norm epilogue needs a head inside one output tile "
+                f"(head_dim dividing 128 or 256), got {head_dim}; use backend='reference'"
+            )
         cfg = config or qk_norm_config(head_dim)
         if cfg.tile_n % head_dim:
             raise v.CodaInputError(
