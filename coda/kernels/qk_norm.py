@@ -16,8 +16,8 @@ Backward, from dout (attention's dq, dk, dv), per q/k head with q_hat = z * s:
     S0     = sum_n [g | dv] * z / rstd0                         the entry norm's statistic
 
 z is saved by the forward in place of the rotated qkv (same size). Both passes are torch code
-(``fused``: one or two Triton kernels on the GPU). Oracle: ``coda.reference.layer.
-decoder_layer_ref`` with q_norm / k_norm (the float64 tests).
+(``fused``: one or two Triton kernels on the GPU). Oracle: ``decoder_layer_ref`` in
+``coda.reference.layer`` with q_norm / k_norm (the float64 tests).
 
 The forward alone is also one GEMM (``qk_norm_rope_program``): F1's epilogue computes the
 head statistic in a prepass (``GroupRstd``: a head is hd adjacent columns inside one output
