@@ -161,6 +161,18 @@ def test_state_dict_and_save_pretrained_are_hf(tmp_path):
     assert all(torch.equal(other.state_dict()[k], sd_r[k]) for k in sd_r)
 
 
+def test_qwen3_save_pretrained_loads_unpatched(tmp_path):
+    cfg = tiny_config("qwen3", tie_word_embeddings=True)
+    ref, patched = pair(cfg, seed=6)
+    patched.save_pretrained(tmp_path)
+    loaded = model_class(cfg).from_pretrained(tmp_path, torch_dtype=torch.float64)
+    sd_r = ref.state_dict()
+    assert all(torch.equal(loaded.state_dict()[k], sd_r[k]) for k in sd_r)  # bit for bit
+    other = ct.apply_coda(model_class(cfg)(cfg).double())  # and an HF state dict loads back
+    other.load_state_dict(sd_r)
+    assert all(torch.equal(other.state_dict()[k], sd_r[k]) for k in sd_r)
+
+
 def test_patched_qwen3_matches_unpatched_float64():
     """Qwen3's per-head QK-norm (before RoPE): logits, loss and every gradient (q_norm and
     k_norm included), with padding and with packed sequences; generation; HF state dict."""
