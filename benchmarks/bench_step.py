@@ -221,20 +221,13 @@ def model_rows(liger) -> list[dict]:
         coda_ckpt = copy.deepcopy(coda_model)
         coda_ckpt.checkpoint = True  # activation checkpointing per layer (issue 11)
         coda_compiled = torch.compile(copy.deepcopy(coda_model))  # coda under torch.compile
-        sd = coda_model.hf_state_dict()
-        kw = dict(
-            n_layers=cfg["layers"],
-            n_heads=cfg["heads"],
-            n_kv_heads=cfg["kv_heads"],
-            head_dim=cfg["hd"],
-        )
         peers = {
             "coda": coda_model,
             "coda_checkpointed": coda_ckpt,
             "coda_compile": coda_compiled,
-            "torch_eager": TorchLlama(sd, **kw),
+            "torch_eager": TorchLlama.of(coda_model),
         }
-        peers["torch_compile"] = torch.compile(TorchLlama(sd, **kw))
+        peers["torch_compile"] = torch.compile(TorchLlama.of(coda_model))
         if liger is not None:
             ops = {
                 "rms_norm": lambda h, g, eps: liger.liger_rms_norm(h, g, eps, in_place=False),
@@ -242,8 +235,7 @@ def model_rows(liger) -> list[dict]:
                 "swiglu": liger.liger_swiglu,
                 "linear_ce": liger.liger_fused_linear_cross_entropy,
             }
-            peers["liger"] = TorchLlama(sd, **kw, ops=ops)
-        del sd
+            peers["liger"] = TorchLlama.of(coda_model, ops=ops)
         tok = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device="cuda")
         tgt = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device="cuda")
         flops = _model_flops(cfg, tokens_n)

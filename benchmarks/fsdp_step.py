@@ -64,16 +64,10 @@ def build(args, device):
     )
 
 
-def peer(reference, args, compiled: bool):
+def peer(reference, compiled: bool):
     """The same weights as a plain PyTorch Llama; ``compiled``: each layer under
     torch.compile, before sharding."""
-    model = TorchLlama(
-        reference.hf_state_dict(),
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        head_dim=args.d // args.heads,
-    )
+    model = TorchLlama.of(reference)
     if compiled:
         for layer in model.layers:
             layer.compile()
@@ -173,7 +167,7 @@ def main(argv=None):
         for name, compiled in (("torch_eager", False), ("torch_compile", True)):
             if gpu:
                 torch.cuda.empty_cache()
-            m = shard(peer(reference, args, compiled), gpu)
+            m = shard(peer(reference, compiled), gpu)
             first = m(tokens[mine], targets[mine]).detach().float().clone()  # same weights:
             dist.all_reduce(first)  # the peer's first loss must be coda's (checked below)
             result[name] = {

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 
 from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype, fused
-from coda.kernels.drope import drope_heads, rotation_tables
-from coda.kernels.gemm_rope import cached_freq_table, cached_zero_freq
+from coda.kernels.drope import drope_heads, head_rotation
+from coda.kernels.gemm_rope import cached_freq_table
+from coda.kernels.linear_cross_entropy import logits_row_sum
 from coda.kernels.linear_cross_entropy_bwd import (
     ce_grad_weights,
     final_norm_bwd_normed,
@@ -32,7 +33,7 @@ from coda.kernels.qk_norm import dqk_norm_rope_heads, qk_norm_rope_rows
 from coda.kernels.rmsnorm_bwd import norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad
-from coda.primitives.aux import ce_loss_from_stats, combine_lse
+from coda.primitives.aux import ce_loss_from_stats, ce_row_weights, combine_lse
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,16 @@ class LayerDims:
     rope_base: float
 
 
+def _row_rstd(xf, eps):
+    return torch.rsqrt(xf.pow(2).mean(-1) + eps)
+
+
 def entry_norm(x, gamma, eps):
     """F0: r = rstd(x) (fp32) and a = x * gamma (bf16): the norm of a layer's input when no
     producing GEMM computed it."""
     acc = acc_dtype(x)
     xf = x.to(acc)
-    return (xf * gamma.to(acc)).to(x.dtype), torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    return (xf * gamma.to(acc)).to(x.dtype), _row_rstd(xf, eps)
 
 
 def final_norm(x, gamma, eps):
@@ -61,7 +66,7 @@ def final_norm(x, gamma, eps):
     rstd into it rounds the gradient's dominant one-hot entries at other points)."""
     acc = acc_dtype(x)
     xf = x.to(acc)
-    r = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    r = _row_rstd(xf, eps)
     return (xf * r[:, None] * gamma.to(acc)).to(x.dtype), r
 
 
@@ -117,8 +122,7 @@ class AttentionInput(torch.autograd.Function):
         dims = ctx.dims
         d = x0.shape[1]
         hd = dims.head_dim
-        head = freq[:hd]  # every rotated head carries the same frequencies
-        cos, sin = rotation_tables(pos, head[0::2], head[1::2], hd, r0.dtype)
+        cos, sin = head_rotation(pos, freq, hd, r0.dtype)
         n_rot = dims.heads + dims.kv_heads
         dz0, corr0 = fused(drope_heads)(dq, dk, dv, qkv, r0, cos, sin, n_rot, hd, d)  # B11
         dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres)
@@ -137,9 +141,8 @@ class AttentionInputQKNorm(torch.autograd.Function):
         hd = dims.head_dim
         pos = positions.float()
         a0, r0 = fused(entry_norm)(x0, g1, dims.eps)  # F0
-        still = cached_zero_freq(w_qkv.shape[1], x0.device)  # F1 without the rotation
-        z = lib.gemm_rope(a0, w_qkv, r0, pos, still, config_for(M, d, w_qkv.shape[1]))
-        cos, sin = rotation_tables(pos, freq[0:hd:2], freq[1:hd:2], hd, r0.dtype)
+        z = lib.gemm_scale_rows(a0, w_qkv, r0, config_for(M, d, w_qkv.shape[1]))  # F1, no RoPE
+        cos, sin = head_rotation(pos, freq, hd, r0.dtype)
         qkv, s = fused(qk_norm_rope_rows)(
             z, q_norm, k_norm, cos, sin, dims.heads, dims.kv_heads, hd, dims.eps
         )
@@ -277,13 +280,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # program (gradients formed at weight 1 in the forward) cannot apply
             method = "recompute"
         ctx.method = method
-        logit_sum = None
-        if smooth:  # sum_n l_n = y . (sum_n W[:, n]): one GEMV, no pass over the logits
-            logit_sum = y.to(r.dtype) @ w_lm.sum(1, dtype=r.dtype)
+        logit_sum = logits_row_sum(y, w_lm) if smooth else None
         stats = dict(logit_sum=logit_sum, vocab=V, label_smoothing=smooth, z_loss=z_loss)
         if method == "chunked":
-            one = torch.ones((), dtype=r.dtype, device=x2.device)
-            weight = row_scale(target, ignore_index, reduction, one)
+            weight = ce_row_weights(target, ignore_index, reduction, r.dtype)  # at g = 1
             rows = chunk_rows(V)
             lse, tl, G, S, dw = lib.lm_head_chunked(
                 y, w_lm, ones, target, weight, rows, cfg, smooth, z_loss
@@ -293,7 +293,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
         parts, tl = lib.lm_head_stats(y, w_lm, ones, target, cfg)  # F6
         lse = combine_lse(parts)  # A3
-        ctx.save_for_backward(x2, y, r, lse, tl, target, gf, w_lm)
+        ctx.save_for_backward(x2, y, r, ones, lse, tl, target, gf, w_lm)
         ctx.cfg = (ignore_index, reduction, chunk, cfg, smooth, z_loss)
         return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
 
@@ -304,12 +304,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dx2, dgf, dw = ctx.saved_tensors
             gf_dtype = dx2.dtype
             return (dx2 * g.to(dx2.dtype), (dgf * g).to(gf_dtype), dw * g.to(dw.dtype), *nones)
-        x2, y, r, lse, tl, target, gf, w_lm = ctx.saved_tensors
+        x2, y, r, ones, lse, tl, target, gf, w_lm = ctx.saved_tensors
         ignore_index, reduction, chunk, cfg, smooth, z_loss = ctx.cfg
         scale = row_scale(target, ignore_index, reduction, g)
         p_scale, hot, shift = ce_grad_weights(scale, lse, w_lm.shape[1], smooth, z_loss)
         G, S, dw = lib.lm_head_bwd(
-            y, w_lm, torch.ones_like(r), lse, tl, target, p_scale, chunk, cfg, hot=hot, shift=shift
+            y, w_lm, ones, lse, tl, target, p_scale, chunk, cfg, hot=hot, shift=shift
         )  # B1 + B3 + B2
         dx2, dgf = fused(final_norm_bwd_normed)(G, S, x2, gf, r)  # A4 + A5
         return dx2, dgf.to(gf.dtype), dw, *nones

@@ -16,6 +16,8 @@ with HF's key names.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -30,8 +32,11 @@ from coda.reference.layer import LayerShape, decoder_layer_ref
 from coda.reference.rmsnorm import rmsnorm_ref
 
 
+@functools.lru_cache(maxsize=16)
 def _positions(batch: int, seq: int, device) -> torch.Tensor:
-    return torch.arange(seq, device=device).repeat(batch)
+    """The default positions 0..seq-1 of every sequence, as the float32 rows the RoPE epilogue
+    reads: built once per (batch, seq, device), not by two kernels in every layer call."""
+    return torch.arange(seq, device=device, dtype=torch.float32).repeat(batch)
 
 
 def _tma_rule(**dims) -> str | None:
@@ -115,10 +120,14 @@ class DecoderLayer(nn.Module):
         self.w_il = nn.Parameter(torch.empty(d, 2 * ffn, **kw))
         self.w_d = nn.Parameter(torch.empty(ffn, d, **kw))
         # Qwen3's per-head QK-norm weights (hd,), in the adjacent-pair order of w_qkv's heads
-        self.qk_norm = bool(qk_norm)
         self.q_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
         self.reset_parameters()
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether the layer has Qwen3's QK-norm (its q_norm / k_norm weights)."""
+        return self.q_norm is not None
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w_qkv, self.w_o, self.w_il, self.w_d):
@@ -294,29 +303,37 @@ class DecoderLayer(nn.Module):
     def load_hf_state_dict(self, sd: dict, prefix: str = "") -> None:
         """Load HF ``LlamaDecoderLayer`` weights (keys under ``prefix``); a missing key or a
         wrong shape raises ``CodaInputError`` naming the key."""
+        for name, t in self.params_from_hf(sd, prefix).items():
+            getattr(self, name).copy_(t)
+
+    def params_from_hf(self, sd: dict, prefix: str = "") -> dict:
+        """{parameter name: tensor in coda's layout} from HF ``LlamaDecoderLayer`` (or
+        ``Qwen3DecoderLayer``) weights under ``prefix``, validated (exact permutations)."""
         v.check_state_dict(sd, self.hf_shapes(prefix))
-        p = prefix
-        self.g1.copy_(sd[f"{p}input_layernorm.weight"])
-        self.w_qkv.copy_(
-            layouts.qkv_weight_from_hf(
-                sd[f"{p}self_attn.q_proj.weight"],
-                sd[f"{p}self_attn.k_proj.weight"],
-                sd[f"{p}self_attn.v_proj.weight"],
+
+        def hf(key):
+            return sd[prefix + key]
+
+        out = {
+            "g1": hf("input_layernorm.weight"),
+            "w_qkv": layouts.qkv_weight_from_hf(
+                hf("self_attn.q_proj.weight"),
+                hf("self_attn.k_proj.weight"),
+                hf("self_attn.v_proj.weight"),
                 n_heads=self.n_heads,
                 n_kv_heads=self.n_kv_heads,
-            )
-        )
-        self.w_o.copy_(sd[f"{p}self_attn.o_proj.weight"].t())
-        self.g2.copy_(sd[f"{p}post_attention_layernorm.weight"])
-        self.w_il.copy_(
-            layouts.gate_up_weight_from_hf(
-                sd[f"{p}mlp.gate_proj.weight"], sd[f"{p}mlp.up_proj.weight"]
-            )
-        )
-        self.w_d.copy_(sd[f"{p}mlp.down_proj.weight"].t())
+            ),
+            "w_o": hf("self_attn.o_proj.weight").t(),
+            "g2": hf("post_attention_layernorm.weight"),
+            "w_il": layouts.gate_up_weight_from_hf(
+                hf("mlp.gate_proj.weight"), hf("mlp.up_proj.weight")
+            ),
+            "w_d": hf("mlp.down_proj.weight").t(),
+        }
         if self.qk_norm:
-            self.q_norm.copy_(layouts.head_weight_from_hf(sd[f"{p}self_attn.q_norm.weight"]))
-            self.k_norm.copy_(layouts.head_weight_from_hf(sd[f"{p}self_attn.k_norm.weight"]))
+            out["q_norm"] = layouts.head_weight_from_hf(hf("self_attn.q_norm.weight"))
+            out["k_norm"] = layouts.head_weight_from_hf(hf("self_attn.k_norm.weight"))
+        return out
 
 
 class LMHeadLoss(nn.Module):

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from coda import _validate as v
-from coda import layouts
 from coda.nn import DecoderLayer, lm_head_loss
 
 SUPPORTED = ("LlamaForCausalLM", "LlamaModel", "Qwen3ForCausalLM", "Qwen3Model")
@@ -135,75 +134,33 @@ def _hf_attention_functions():
 
 
 def _to_hf_keys(module, state_dict, prefix, local_metadata):
-    for name in ("g1", "w_qkv", "w_o", "g2", "w_il", "w_d", "q_norm", "k_norm"):
+    for name in module._parameters:  # coda's own parameters, under HF's keys instead
         state_dict.pop(prefix + name, None)
     state_dict.update(module.hf_state_dict(prefix))
 
 
 def _from_hf_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-    p = prefix
-    keys = [p + k for k in module.hf_shapes()]
+    keys = [prefix + k for k in module.hf_shapes()]
     if not all(k in state_dict for k in keys):
         return  # already coda keys, or missing ones: load_state_dict reports them
-    sd = {k[len(p) :]: state_dict.pop(k) for k in keys}
-    state_dict[p + "g1"] = sd["input_layernorm.weight"]
-    state_dict[p + "w_qkv"] = layouts.qkv_weight_from_hf(
-        sd["self_attn.q_proj.weight"],
-        sd["self_attn.k_proj.weight"],
-        sd["self_attn.v_proj.weight"],
-        n_heads=module.n_heads,
-        n_kv_heads=module.n_kv_heads,
-    )
-    state_dict[p + "w_o"] = sd["self_attn.o_proj.weight"].t()
-    state_dict[p + "g2"] = sd["post_attention_layernorm.weight"]
-    state_dict[p + "w_il"] = layouts.gate_up_weight_from_hf(
-        sd["mlp.gate_proj.weight"], sd["mlp.up_proj.weight"]
-    )
-    state_dict[p + "w_d"] = sd["mlp.down_proj.weight"].t()
-    if module.qk_norm:
-        state_dict[p + "q_norm"] = layouts.head_weight_from_hf(sd["self_attn.q_norm.weight"])
-        state_dict[p + "k_norm"] = layouts.head_weight_from_hf(sd["self_attn.k_norm.weight"])
+    hf = {k: state_dict.pop(k) for k in keys}
+    state_dict.update({prefix + n: t for n, t in module.params_from_hf(hf, prefix).items()})
 
 
 def _causal_lm_forward(original):
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        past_key_values=None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache=None,
-        logits_to_keep=0,
-        **kwargs,
-    ):
-        if past_key_values is not None:  # (newer transformers call it ``cache``)
-            kwargs["past_key_values"] = past_key_values
+    def forward(self, *args, labels=None, **kwargs):
         if labels is None:  # logits as before (generation, evaluation)
-            return original(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                inputs_embeds=inputs_embeds,
-                use_cache=use_cache,
-                logits_to_keep=logits_to_keep,
-                **kwargs,
-            )
+            return original(*args, **kwargs)
+        if len(args) > 5:  # (the model's own leading positional parameters)
+            raise v.CodaInputError("apply_coda: pass the arguments after inputs_embeds by name")
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         n_items = kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("logits_to_keep", None)  # no logits are formed
         norm = self.model.norm
         self.model.norm = torch.nn.Identity()  # the final norm runs inside coda's loss
         try:
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                inputs_embeds=inputs_embeds,
-                use_cache=use_cache,
-                **kwargs,
-            )
+            out = self.model(*args, **kwargs)
         finally:
             self.model.norm = norm
         shift = F.pad(labels, (0, 1), value=-100)[..., 1:]  # as HF's ForCausalLMLoss

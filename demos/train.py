@@ -125,13 +125,7 @@ def main(argv=None):
         device=device,
         dtype=dtype,
     )
-    torch_model = TorchLlama(
-        coda_model.hf_state_dict(),
-        n_layers=cfg["layers"],
-        n_heads=cfg["heads"],
-        n_kv_heads=cfg["kv_heads"],
-        head_dim=cfg["d"] // cfg["heads"],
-    )
+    torch_model = TorchLlama.of(coda_model)
     print(f"model: {cfg}, {steps} steps, {device}, {dtype}")
     print("path:", "kernel (SM90)" if gpu else "reference (CPU: checks the math, not the speed)")
     data = dict(vocab=cfg["vocab"], batch=cfg["batch"], seq=cfg["seq"], steps=steps, device=device)

@@ -25,6 +25,21 @@ def rotation_tables(positions, freq_turns_hi, freq_turns_lo, head_dim, dtype=tor
     return theta.cos().to(dtype), theta.sin().to(dtype)
 
 
+def head_rotation(positions, freq, head_dim, dtype=torch.float32):
+    """cos/sin (M, hd/2) from the RoPE epilogue's per-column frequency table ``freq``
+    (``gemm_rope.rope_freq_table``): every rotated head carries the same frequencies, so the
+    first head's (hi, lo) pairs give them."""
+    head = freq[:head_dim]
+    return rotation_tables(positions, head[0::2], head[1::2], head_dim, dtype)
+
+
+def rotate_pairs(x1, x2, cos, sin, inverse: bool = False):
+    """Adjacent-pair rotation by theta (RoPE), or by -theta (its transpose, dRoPE)."""
+    if inverse:
+        return x1 * cos + x2 * sin, x2 * cos - x1 * sin
+    return x1 * cos - x2 * sin, x1 * sin + x2 * cos
+
+
 def drope_rows(dqkv, qkv, rstd, cos, sin, n_rot_heads: int, head_dim: int, d: int):
     """Returns (dz~0 bf16 M x Nqkv, corr0 fp32 M). dqkv, qkv: (M, Nqkv) bf16."""
     M = dqkv.shape[0]
@@ -33,10 +48,9 @@ def drope_rows(dqkv, qkv, rstd, cos, sin, n_rot_heads: int, head_dim: int, d: in
     S0 = (dqkv.to(acc) * qkv.to(acc)).sum(-1) / rstd
     out = torch.empty_like(dqkv)
     rot = dqkv[:, :n_rot].to(acc).view(M, n_rot_heads, head_dim // 2, 2)
-    d1, d2 = rot[..., 0], rot[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
+    p1, p2 = rotate_pairs(rot[..., 0], rot[..., 1], cos[:, None, :], sin[:, None, :], True)
     r = rstd[:, None, None]
-    out[:, :n_rot] = torch.stack([(d1 * c + d2 * s) * r, (d2 * c - d1 * s) * r], -1).view(M, -1)
+    out[:, :n_rot] = torch.stack([p1 * r, p2 * r], -1).view(M, -1)
     out[:, n_rot:] = (dqkv[:, n_rot:].to(acc) * rstd[:, None]).to(dqkv.dtype)
     return out, norm_correction(rstd, S0, d)
 

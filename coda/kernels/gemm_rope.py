@@ -63,13 +63,6 @@ def cached_freq_table(head_dim, rotated_heads, plain_heads, base, device) -> tor
     return rope_freq_table(head_dim, rotated_heads, plain_heads, base, device=device)
 
 
-@functools.lru_cache(maxsize=64)
-def cached_zero_freq(n_columns: int, device) -> torch.Tensor:
-    """An all-zero frequency table: ``rope_scaled`` then rotates by angle 0 (cos 1, sin 0,
-    exactly), i.e. stores rstd * acc: the QKV GEMM when a row pass applies RoPE later."""
-    return torch.zeros(n_columns, dtype=torch.float32, device=device)
-
-
 def gemm_rope_kernel(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT, dry=False):
     """Returns qkv (M x Nqkv, rotated q and k, plain v); with ``dry`` only compiles."""
     qkv = torch.empty(a.shape[0], w_qkv.shape[1], dtype=a.dtype, device=a.device)

@@ -47,6 +47,14 @@ def lm_head_stats_kernel(a, w_lm, rstd, target, config: GemmConfig = DEFAULT, dr
     return compiled if dry else (outputs["lse"], outputs["target_logit"])
 
 
+def logits_row_sum(a, w_lm, rstd=None):
+    """sum_n l_n per row, l = rstd * (a @ w_lm): rstd * (a . sum_n W[:, n]), one GEMV instead
+    of a pass over the logits (label smoothing's uniform term); rstd None means 1."""
+    acc = acc_dtype(a)
+    s = a.to(acc) @ w_lm.sum(1, dtype=acc)
+    return s if rstd is None else rstd * s
+
+
 def linear_cross_entropy_kernel(
     a,
     w_lm,
@@ -58,14 +66,12 @@ def linear_cross_entropy_kernel(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
 ):
-    """F6 + A3. With label smoothing, sum_n l_n = rstd * (a . sum_n W[:, n]) is one GEMV."""
+    """F6 + A3 (+ ``logits_row_sum`` with label smoothing)."""
     from coda.kernels import library  # its custom op while torch.compile traces
 
     parts, tl = library.lm_head_stats(a, w_lm, rstd, target, config)
     lse = combine_lse(parts)
-    logit_sum = None
-    if label_smoothing:
-        logit_sum = rstd * (a.to(rstd.dtype) @ w_lm.sum(1, dtype=rstd.dtype))
+    logit_sum = logits_row_sum(a, w_lm, rstd) if label_smoothing else None
     loss = ce_loss_from_stats(
         lse,
         tl,

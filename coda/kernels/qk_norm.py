@@ -1,6 +1,6 @@
 """Qwen3's per-head QK-norm with RoPE on the kernel path, and its backward (v1: row passes).
 
-Forward, after F1 ran without rotation (``gemm_rope`` with a zero frequency table stores
+Forward, after F1 ran without rotation (the ``scale_rows`` epilogue GEMM stores
 z = rstd0 * acc, the entry norm's deferred row scale applied):
 
     s[m, h]   = (mean_{j in head h} z[m, j]^2 + eps)^-1/2      q and k heads only
@@ -35,14 +35,10 @@ import torch
 
 from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import GemmConfig
-from coda.kernels.drope import pack_heads
+from coda.kernels.drope import pack_heads, rotate_pairs
 from coda.primitives import ColLoad, GroupRstd, RowLoad, epilogue_program, pack, unpack
 from coda.primitives.aux import norm_correction
 from coda.primitives.math import rotation
-
-
-def _rotate(x1, x2, c, s):
-    return x1 * c - x2 * s, x1 * s + x2 * c
 
 
 def _head_weights(q_norm, k_norm, n_q, n_k, dtype):
@@ -60,7 +56,7 @@ def qk_norm_rope_rows(z, q_norm, k_norm, cos, sin, n_q: int, n_k: int, head_dim:
     s = torch.rsqrt(zr.pow(2).mean(-1) + eps)
     qn = zr * s[..., None] * _head_weights(q_norm, k_norm, n_q, n_k, acc)
     x1, x2 = qn[..., 0::2], qn[..., 1::2]
-    y1, y2 = _rotate(x1, x2, cos[:, None, :], sin[:, None, :])
+    y1, y2 = rotate_pairs(x1, x2, cos[:, None, :], sin[:, None, :])
     out = torch.empty_like(z)
     out[:, :n_rot] = torch.stack([y1, y2], -1).view(M, n_rot)
     out[:, n_rot:] = z[:, n_rot:]
@@ -75,9 +71,9 @@ def dqk_norm_rope_rows(
     acc = acc_dtype(z)
     n_rot = (n_q + n_k) * head_dim
     dr = dout[:, :n_rot].to(acc).view(M, n_q + n_k, head_dim)
-    d1, d2 = dr[..., 0::2], dr[..., 1::2]
-    c, sn = cos[:, None, :], sin[:, None, :]
-    dqn = torch.stack([d1 * c + d2 * sn, d2 * c - d1 * sn], -1).view_as(dr)  # RoPE^T
+    dqn = torch.stack(
+        rotate_pairs(dr[..., 0::2], dr[..., 1::2], cos[:, None, :], sin[:, None, :], True), -1
+    ).view_as(dr)  # RoPE^T
     q_hat = z[:, :n_rot].to(acc).view_as(dr) * s[..., None]
     dq_hat = dqn * _head_weights(q_norm, k_norm, n_q, n_k, acc)
     g = s[..., None] * (dq_hat - q_hat * (dq_hat * q_hat).mean(-1, keepdim=True))
@@ -123,12 +119,27 @@ def qk_norm_rope_program(eps: float):
 
 
 def column_rows(q_norm, k_norm, n_q: int, n_k: int, n_v: int, dtype=torch.float32):
-    """(head_w, plain): the per-column rows of ``qk_norm_rope_program`` (length Nqkv)."""
+    """(head_w, plain): the per-column rows of ``qk_norm_rope_program`` (length Nqkv). Only
+    head_w depends on the weights; plain depends on the shape and is built once."""
     hd = q_norm.shape[0]
-    w = torch.cat([q_norm.to(dtype).repeat(n_q), k_norm.to(dtype).repeat(n_k)])
-    head_w = torch.cat([w, w.new_zeros(n_v * hd)])
-    plain = torch.cat([w.new_zeros((n_q + n_k) * hd), w.new_ones(n_v * hd)])
-    return head_w, plain
+    head_w = torch.cat(
+        [
+            q_norm.to(dtype).repeat(n_q),
+            k_norm.to(dtype).repeat(n_k),
+            torch.zeros(n_v * hd, dtype=dtype, device=q_norm.device),
+        ]
+    )
+    return head_w, _plain_row((n_q + n_k) * hd, n_v * hd, dtype, q_norm.device)
+
+
+@functools.lru_cache(maxsize=16)
+def _plain_row(n_rot_cols: int, n_v_cols: int, dtype, device):
+    return torch.cat(
+        [
+            torch.zeros(n_rot_cols, dtype=dtype, device=device),
+            torch.ones(n_v_cols, dtype=dtype, device=device),
+        ]
+    )
 
 
 def gemm_qk_norm_rope_kernel(a, w_qkv, rstd, pos, freq, head_w, plain, head_dim, eps, config):

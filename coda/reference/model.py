@@ -76,6 +76,23 @@ class TorchLlama(nn.Module):
         self.norm = nn.Parameter(sd["model.norm.weight"].detach().clone())
         self.lm_head = nn.Parameter(sd["lm_head.weight"].detach().clone())
 
+    @classmethod
+    def of(cls, model, ops: dict | None = None) -> "TorchLlama":
+        """The same model in plain PyTorch, from a coda model (anything with
+        ``hf_state_dict()`` and ``layers`` of ``DecoderLayer`` shape attributes, e.g.
+        ``coda.nn.CausalLM``): same weights, same function."""
+        layer = model.layers[0]
+        return cls(
+            model.hf_state_dict(),
+            n_layers=len(model.layers),
+            n_heads=layer.n_heads,
+            n_kv_heads=layer.n_kv_heads,
+            head_dim=layer.head_dim,
+            eps=layer.eps,
+            rope_base=layer.rope_base,
+            ops=ops,
+        )
+
     def _norm(self, h, gamma):
         if "rms_norm" in self.ops:
             return self.ops["rms_norm"](h, gamma, self.eps)
