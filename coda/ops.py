@@ -245,16 +245,12 @@ def gemm_rope(
         pos = positions.to(torch.float32)
         if q_norm is None:
             return lib.gemm_rope(x, w_qkv, r, pos, freq, config or DEFAULT)
-        if config is None and (head_dim > 256 or 256 % head_dim):
-            raise v.CodaInputError(
-                f"head_dim: the QK-norm epilogue needs a head inside one output tile "
-                f"(head_dim dividing 128 or 256), got {head_dim}; use backend='reference'"
-            )
         cfg = config or qk_norm_config(head_dim)
-        if cfg.tile_n % head_dim:
+        if cfg is None or cfg.tile_n % head_dim:
             raise v.CodaInputError(
-                f"config: tile_n ({cfg.tile_n}) must be a multiple of head_dim ({head_dim}) "
-                "for the QK-norm epilogue (a head inside one tile)"
+                f"head_dim ({head_dim}): the QK-norm epilogue needs whole heads in one output "
+                f"tile (a tile_n multiple of head_dim, 128 or 256 by default); got "
+                f"{'no such default' if cfg is None else f'tile_n {cfg.tile_n}'}"
             )
         head_w, plain = column_rows(q_norm, k_norm, n_heads, n_kv_heads, n_kv_heads)
         return lib.gemm_qk_norm_rope(x, w_qkv, r, pos, freq, head_w, plain, head_dim, eps, cfg)

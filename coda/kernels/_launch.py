@@ -17,7 +17,6 @@ import torch
 from coda import _quack
 from coda.kernels.config import GemmConfig
 from coda.primitives.lowering import epi_args, lower
-from coda.primitives.vocabulary import ColSelect
 
 
 def launch(
@@ -72,16 +71,13 @@ def _interpret_into(program, x, w, config, d, c, operands, outputs, add_to_outpu
             d.add_(out["D"].to(d.dtype))
         else:
             d.copy_(out["D"])
-    sinks = {p.name: p for p in program.sinks}
+    declared = {p.name: p for p in (*program.stores, *program.sinks)}
     for name, buf in outputs.items():
-        value = out[name]
-        p = sinks.get(name)
-        if isinstance(p, ColSelect):  # only rows whose index lies in some tile are written
-            idx = ops[p.index]
-            hit = (idx >= 0) & (idx < w.shape[1])
-            buf.copy_(torch.where(hit, value.to(buf.dtype), buf))
+        p = declared.get(name)
+        if p is None:  # an output written by an input primitive (a GroupRstd statistic)
+            buf.copy_(out[name])
         else:
-            buf.copy_(value)
+            p.write_back(buf, out[name], ops, w.shape[1])
     return None
 
 

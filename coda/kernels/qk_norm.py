@@ -159,15 +159,14 @@ def gemm_qk_norm_rope_interpreted(a, w_qkv, rstd, pos, freq, head_w, plain, head
     return interpret_gemm(program, a, w_qkv, config=config, operands=operands)["D"]
 
 
-def qk_norm_config(head_dim: int) -> GemmConfig:
-    """A tile config whose tile_n holds whole heads (128 or 256 columns, ping-pong up to 208)."""
-    if head_dim > 256 or 256 % head_dim and 128 % head_dim:
-        raise ValueError(f"head_dim {head_dim}: no tile_n holds whole heads")
-    return (
-        GemmConfig(128, 128, 2, 1, True)
-        if 128 % head_dim == 0
-        else GemmConfig(128, 256, 2, 1, False)
-    )
+def qk_norm_config(head_dim: int) -> GemmConfig | None:
+    """A tile config whose tile_n holds whole heads (128 columns ping-pong, or 256
+    cooperative), or None when head_dim divides neither."""
+    if 128 % head_dim == 0:
+        return GemmConfig(128, 128, 2, 1, True)
+    if 256 % head_dim == 0:
+        return GemmConfig(128, 256, 2, 1, False)
+    return None
 
 
 def compile_gemm_qk_norm_rope(k, n, head_dim, *, eps=1e-6, m=256) -> int:

@@ -85,6 +85,11 @@ class Primitive:
         """Its entries of quack's ``epi_args``."""
         return {self.name: operands[self.name]}
 
+    def write_back(self, buf, value, operands: dict, n_cols: int) -> None:
+        """An interpreted output into the kernel's own buffer ``buf``, as the kernel leaves
+        it (``coda.kernels._launch`` runs CPU tensors through the interpreter)."""
+        buf.copy_(value)
+
 
 # -- VEC: rank-1 loads and stores ----------------------------------------------------------------
 @dataclass(frozen=True)
@@ -142,6 +147,11 @@ class ColSelect(Primitive):
 
     def host_args(self, operands, outputs):
         return {self.index: operands[self.index].unsqueeze(0), self.name: outputs[self.name]}
+
+    def write_back(self, buf, value, operands, n_cols):
+        idx = operands[self.index]  # only rows whose index lies in some tile are written
+        hit = (idx >= 0) & (idx < n_cols)
+        buf.copy_(torch.where(hit, value.to(buf.dtype), buf))
 
 
 # -- TILE: rank-2 loads and stores ---------------------------------------------------------------
