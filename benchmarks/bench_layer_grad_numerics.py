@@ -26,7 +26,6 @@ from coda.reference.rope import head_perm
 
 CASES = ((2, 600, 1024, 8, 2, 128), (2, 512, 768, 12, 4, 64), (1, 700, 1024, 16, 4, 64))
 _SDPA = F.scaled_dot_product_attention
-DEVICE, BACKEND = "cuda", "kernel"  # the CPU smoke test sets ("cpu", "auto")
 
 
 def _fro(got, ref):
@@ -86,16 +85,18 @@ def _observed(fn, *args, adjacent=False):
     return out, grads, stages
 
 
-def run() -> list[dict]:
+def run(cases=CASES, device="cuda", backend="kernel") -> list[dict]:
+    """The suite entry (H200, kernel path); ``device="cpu", backend="auto"`` runs the same
+    comparison on the reference path, a quick check of this script itself."""
     rows = []
-    for case, (B, S, d, H, Hkv, hd) in enumerate(CASES):
+    for case, (B, S, d, H, Hkv, hd) in enumerate(cases):
         torch.manual_seed(case)
-        layer = cnn.DecoderLayer(d, H, Hkv, 2 * d, head_dim=hd, device=DEVICE, backend=BACKEND)
+        layer = cnn.DecoderLayer(d, H, Hkv, 2 * d, head_dim=hd, device=device, backend=backend)
         with torch.no_grad():
             for w in (layer.w_qkv, layer.w_o, layer.w_il, layer.w_d):
                 w.normal_(std=w.shape[0] ** -0.5)
-        x = torch.randn(B, S, d, device=DEVICE).to(torch.bfloat16)
-        dy = torch.randn(B, S, d, device=DEVICE).to(torch.bfloat16)
+        x = torch.randn(B, S, d, device=device).to(torch.bfloat16)
+        dy = torch.randn(B, S, d, device=device).to(torch.bfloat16)
         layer64 = copy.deepcopy(layer).double()
         with sdpa_kernel([SDPBackend.MATH]):
             _, g64, s64 = _observed(_run_peer, layer64, x.double(), dy.double())
