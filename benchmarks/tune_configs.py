@@ -3,10 +3,16 @@ head (M = 16384) and print the winners as ``coda/kernels/tuned.py`` entries.
 
 For each shape and candidate config: quack's raw GEMM (identity epilogue) and the coda
 epilogue kernel that runs at that shape in the layer, next to cuBLAS. The winner minimizes the
-coda kernel's time. Run by ``gpu_suite.py --tune``.
+coda kernel's time. Run by ``gpu_suite.py --tune``; ``CODA_TUNE_ONLY=name,name`` (prefixes of
+the GEMM names below, e.g. ``dswiglu,wgrad``) restricts the sweep.
+
+Shapes: the layer benchmark's (head_dim 128, ffn = 8d/3 rounded to 256) at d = 2048, 4096,
+8192, and the 1B-shaped model's layer (d = 2048, 32/8 heads of 64, ffn 8192) as ``..._1b``.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -34,48 +40,53 @@ CANDIDATES = [
 ]
 
 
+# (suffix, d, ffn, heads, kv heads, head_dim, vocabularies)
+SHAPES = [(f"_d{d}", d, ffn(d), *heads(d), 128, VOCABS) for d in HIDDEN] + [
+    ("_1b", 2048, 8192, 32, 8, 64, ())
+]
+
+
 def layer_gemms():
     """(name, K, N, kernel(a, w, cfg)[, M]) for the layer's GEMMs and the LM head."""
     out = []
-    for d in HIDDEN:
-        f, (H, Hkv) = ffn(d), heads(d)
+    for tag, d, f, H, Hkv, hd, vocabs in SHAPES:
         r = torch.rand(M, device="cuda") + 0.5
         pos = (torch.arange(M, device="cuda") % 4096).float()
-        freq = rp.rope_freq_table(128, H + Hkv, Hkv, device="cuda")
+        freq = rp.rope_freq_table(hd, H + Hkv, Hkv, device="cuda")
         res = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
         gamma = torch.ones(d, device="cuda", dtype=torch.bfloat16)
         out += [
             (
-                f"qkv_rope_d{d}",
+                f"qkv_rope{tag}",
                 d,
-                (H + 2 * Hkv) * 128,
+                (H + 2 * Hkv) * hd,
                 lambda a, w, c, r=r, pos=pos, freq=freq: rp.gemm_rope_kernel(a, w, r, pos, freq, c),
             ),
             (
-                f"o_proj_d{d}",
-                H * 128,
+                f"o_proj{tag}",
+                H * hd,
                 d,
                 lambda a, w, c, res=res, g=gamma: grr.epilogue_gemm(a, w, res, g, c),
             ),
             (
-                f"gate_up_swiglu_d{d}",
+                f"gate_up_swiglu{tag}",
                 d,
                 2 * f,
                 lambda a, w, c, r=r: sw.gemm_swiglu_kernel(a, w, r, True, c),
             ),
             (
-                f"down_proj_d{d}",
+                f"down_proj{tag}",
                 f,
                 d,
                 lambda a, w, c, res=res, g=gamma: grr.epilogue_gemm(a, w, res, g, c),
             ),
         ]
-        out += backward_gemms(d, f, H, Hkv, r)
-        for V in VOCABS:
+        out += backward_gemms(tag, d, f, H * hd, Hkv * hd, r)
+        for V in vocabs:
             t = torch.randint(0, V, (M,), device="cuda")
             out.append(
                 (
-                    f"lm_head_ce_d{d}_V{V}",
+                    f"lm_head_ce{tag}_V{V}",
                     d,
                     V,
                     lambda a, w, c, r=r, t=t: lce.lm_head_stats_kernel(a, w, r, t, c),
@@ -84,7 +95,7 @@ def layer_gemms():
     return out
 
 
-def backward_gemms(d, f, H, Hkv, r):
+def backward_gemms(tag, d, f, q_cols, kv_cols, r):
     """The backward's epilogue GEMMs at the layer's shapes (their operands built here: a
     kernel's own layouts, the sweep's (a, w) only set the raw GEMM's FLOPs beside it):
     B4 dSwiGLU (dx2 @ W_d^T), B6/B12 norm-backward dgrads (dz~ @ W^T with the residual
@@ -93,35 +104,38 @@ def backward_gemms(d, f, H, Hkv, r):
     def bf(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
 
-    nqkv = (H + 2 * Hkv) * 128
+    nqkv = q_cols + 2 * kv_cols
     dx2, w_d, u = bf(M, d), bf(f, d), bf(M, 2 * f)
     dz1, w_il, x1, g = bf(M, 2 * f), bf(d, 2 * f), bf(M, d), bf(d)
     dz0, w_qkv = bf(M, nqkv), bf(d, nqkv)
     corr = torch.randn(M, device="cuda")
     return [
-        (f"dswiglu_d{d}", d, f, lambda a, w, c: dsw.dswiglu_kernel(dx2, w_d, u, r, c)),
+        (f"dswiglu{tag}", d, f, lambda a, w, c: dsw.dswiglu_kernel(dx2, w_d, u, r, c)),
         (
-            f"norm_bwd_gate_up_d{d}",
+            f"norm_bwd_gate_up{tag}",
             2 * f,
             d,
             lambda a, w, c: nb.norm_bwd_kernel(dz1, w_il, x1, g, corr, dx2, c),
         ),
         (
-            f"norm_bwd_qkv_d{d}",
+            f"norm_bwd_qkv{tag}",
             nqkv,
             d,
             lambda a, w, c: nb.norm_bwd_kernel(dz0, w_qkv, x1, g, corr, dx2, c),
         ),
         # weight gradients: output (d, N), K = M tokens (the raw GEMM gets d rows, 5th field)
-        (f"wgrad_gate_up_d{d}", M, 2 * f, lambda a, w, c: wg.wgrad_gamma_rows(x1, dz1, g, c), d),
-        (f"wgrad_qkv_d{d}", M, nqkv, lambda a, w, c: wg.wgrad_gamma_rows(x1, dz0, g, c), d),
+        (f"wgrad_gate_up{tag}", M, 2 * f, lambda a, w, c: wg.wgrad_gamma_rows(x1, dz1, g, c), d),
+        (f"wgrad_qkv{tag}", M, nqkv, lambda a, w, c: wg.wgrad_gamma_rows(x1, dz0, g, c), d),
     ]
 
 
 def run() -> list[dict]:
     raw = _quack.identity_mod()
+    only = [p for p in os.environ.get("CODA_TUNE_ONLY", "").split(",") if p]
     rows = []
     for name, K, N, kernel, *rows_m in layer_gemms():
+        if only and not any(name.startswith(p) for p in only):
+            continue
         m = rows_m[0] if rows_m else M  # the GEMM's own M (d for a weight gradient)
         a = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) * K**-0.5

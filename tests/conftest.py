@@ -66,11 +66,22 @@ def random_dims(seed: int, **ranges) -> dict:
     return {k: int(torch.randint(lo, hi + 1, (1,), generator=g)) for k, (lo, hi) in ranges.items()}
 
 
-def tie_band(numel: int) -> float:
-    """How far above 1.0 a ratio of two relative Frobenius errors over ``numel`` elements can
-    land by chance when both paths make errors of the same size: each error is an estimate
-    from numel independent roundings, with a relative spread of ~1/sqrt(2 numel), so their
-    ratio spreads by ~1/sqrt(numel); two standard deviations of it. A ratio inside the band
+def tie_band(ref) -> float:
+    """How far above 1.0 a ratio of two relative Frobenius errors can land by chance when both
+    paths make errors of the same size: two standard deviations of that ratio.
+
+    Each error is an estimate from independent roundings. A rounding error scales with the
+    value rounded, so the squared Frobenius error is a weighted sum dominated by the largest
+    entries: its effective number of samples is n_eff = (sum r^2)^2 / sum r^4 over the
+    reference ``ref`` (= numel when every entry has the same size, far fewer when a few
+    columns dominate, as the target columns of an LM head's dW do). Each error then has a
+    relative spread of ~1/sqrt(2 n_eff) and their ratio ~1/sqrt(n_eff). A ratio inside the band
     is a tie (neither path is measurably more accurate); a systematic excess, such as 1.03 on
-    a million elements, is outside it. Scalars (numel 1) have their own floor in ``_ratio``."""
-    return 0.0 if numel <= 1 else 2.0 / numel**0.5
+    a million elements, is outside it. ``ref`` may be an element count (n_eff = numel).
+    Scalars (n_eff 1) have their own floor in the callers."""
+    if isinstance(ref, torch.Tensor):
+        r2 = ref.detach().double().pow(2)
+        n_eff = float(r2.sum() ** 2 / r2.pow(2).sum().clamp(min=1e-300))
+    else:
+        n_eff = float(ref)
+    return 0.0 if n_eff <= 1 else 2.0 / n_eff**0.5

@@ -10,7 +10,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(*args):
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    # keep what PYTHONPATH already holds (on the GPU host: the dependency bundle)
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.run(
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600
     )

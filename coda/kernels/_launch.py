@@ -110,8 +110,13 @@ def example_operands(m: int, k: int, n: int, w_major: str = "n", dtype=None):
 def fused(fn):
     """A row kernel (F0, B11, the final-norm apply, CE-C's softmax gradient) compiled by
     torch.compile on the GPU: its elementwise ops and row reductions become one or two Triton
-    kernels instead of one pass over memory per torch op. On the CPU it runs as written."""
-    compiled = torch.compile(fn, dynamic=True)
+    kernels instead of one pass over memory per torch op. On the CPU it runs as written.
+
+    Inductor's coalescing analysis is off: it does not apply to dynamic shapes anyway, and in
+    torch 2.11 it fails an internal assertion on the QK-norm row pass (H200, 2026-11-30)."""
+    compiled = torch.compile(
+        fn, dynamic=True, options={"triton.coalesce_tiling_analysis": False}
+    )
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
