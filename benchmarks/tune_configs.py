@@ -171,3 +171,7 @@ def run() -> list[dict]:
                 flush=True,
             )
     return rows
+
+
+if __name__ == "__main__":
+    run()

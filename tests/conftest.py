@@ -80,7 +80,7 @@ def tie_band(ref) -> float:
     a million elements, is outside it. ``ref`` may be an element count (n_eff = numel).
     Scalars (n_eff 1) have their own floor in the callers."""
     if isinstance(ref, torch.Tensor):
-        r2 = ref.detach().double().pow(2)
+        r2 = ref.detach().double().nan_to_num(0.0).pow(2)  # an all-NaN mean: band 0
         n_eff = float(r2.sum() ** 2 / r2.pow(2).sum().clamp(min=1e-300))
     else:
         n_eff = float(ref)
