@@ -114,9 +114,7 @@ def fused(fn):
 
     Inductor's coalescing analysis is off: it does not apply to dynamic shapes anyway, and in
     torch 2.11 it fails an internal assertion on the QK-norm row pass (H200, 2026-11-30)."""
-    compiled = torch.compile(
-        fn, dynamic=True, options={"triton.coalesce_tiling_analysis": False}
-    )
+    compiled = torch.compile(fn, dynamic=True, options={"triton.coalesce_tiling_analysis": False})
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
