@@ -75,7 +75,9 @@ def check_tma_operand(name: str, t: torch.Tensor, *, either_major: bool = False)
     """The TMA unit reads 2-D tiles: one unit stride, the other stride and the base address
     16-byte aligned. ``either_major`` accepts a unit stride on either axis (weights)."""
     es = t.element_size()
-    unit = [ax for ax in (1, 0) if t.stride(ax) == 1 or t.shape[ax] == 1]
+    # a unit stride on a dim longer than 1 first: a dim of length 1 has no meaningful stride
+    unit = [ax for ax in (1, 0) if t.stride(ax) == 1 and t.shape[ax] > 1]
+    unit += [ax for ax in (1, 0) if ax not in unit and (t.stride(ax) == 1 or t.shape[ax] == 1)]
     if not unit or (not either_major and 1 not in unit):
         want = "one unit stride" if either_major else "a unit stride on its last dim"
         raise CodaInputError(
@@ -83,7 +85,7 @@ def check_tma_operand(name: str, t: torch.Tensor, *, either_major: bool = False)
             f"{t.stride()}; call .contiguous()"
         )
     other = 0 if unit[0] == 1 else 1
-    if (t.stride(other) * es) % 16:
+    if t.shape[other] > 1 and (t.stride(other) * es) % 16:  # one row: its stride is never used
         raise CodaInputError(
             f"{name}: rows must be 16-byte aligned for the TMA: dim {unit[0]} of length "
             f"{t.shape[unit[0]]} x {es} B (stride {t.stride(other)}) is not a multiple of 16 B; "

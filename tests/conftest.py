@@ -2,6 +2,7 @@
 quack's on-disk cache off, so every compile test really compiles. ``gpu`` tests skip cleanly
 without an SM90 GPU."""
 
+import math
 import os
 import warnings
 
@@ -66,7 +67,7 @@ def random_dims(seed: int, **ranges) -> dict:
     return {k: int(torch.randint(lo, hi + 1, (1,), generator=g)) for k, (lo, hi) in ranges.items()}
 
 
-def tie_band(ref) -> float:
+def tie_band(ref, dof: int | None = None) -> float:
     """How far above 1.0 a ratio of two relative Frobenius errors can land by chance when both
     paths make errors of the same size: two standard deviations of that ratio.
 
@@ -78,10 +79,21 @@ def tie_band(ref) -> float:
     relative spread of ~1/sqrt(2 n_eff) and their ratio ~1/sqrt(n_eff). A ratio inside the band
     is a tie (neither path is measurably more accurate); a systematic excess, such as 1.03 on
     a million elements, is outside it. ``ref`` may be an element count (n_eff = numel).
-    Scalars (n_eff 1) have their own floor in the callers."""
+    Scalars (n_eff 1) have their own floor in the callers.
+
+    ``dof`` caps n_eff where the errors are correlated by construction: a weight gradient
+    dW = sum_t a_t g_t^T over T tokens carries the errors of T pairs of vectors, so at most
+    T (rows + cols) independent ones however many entries it has; attention's q/k gradients
+    come through the score gradient dS (B H S (S + 1) / 2 entries under a causal mask), which
+    on a short sequence is a small difference of nearly equal terms whose few roundings
+    dominate (tests/test_fuzz_gpu.py, NOTES.md)."""
     if isinstance(ref, torch.Tensor):
         r2 = ref.detach().double().nan_to_num(0.0).pow(2)  # an all-NaN mean: band 0
         n_eff = float(r2.sum() ** 2 / r2.pow(2).sum().clamp(min=1e-300))
     else:
         n_eff = float(ref)
-    return 0.0 if n_eff <= 1 else 2.0 / n_eff**0.5
+    if dof is not None:
+        n_eff = min(n_eff, float(dof))
+    # each error ~ sqrt(chi^2_n / n): log of their ratio has a spread of ~1/sqrt(n); two of it
+    # (2/sqrt(n) for large n, and still honest for the few-sample cases dof describes)
+    return 0.0 if n_eff <= 1 else math.expm1(2.0 / n_eff**0.5)

@@ -16,6 +16,7 @@ from coda.kernels import gemm_rmsnorm_gemm as rg
 from coda.kernels import linear_cross_entropy_bwd as ceb
 from coda.kernels import linear_cross_entropy_chunked as cec
 from coda.kernels.config import GemmConfig
+from coda.kernels.tuned import config_for
 from coda.primitives.interpreter import interpret
 from coda.reference import cross_entropy as ce_ref
 from coda.reference import layer as L
@@ -236,6 +237,10 @@ def test_module_dtype_mismatch_is_an_error():
 # -- level 2 ----------------------------------------------------------------------------------
 COMPILES = {
     "dswiglu": lambda: dswiglu.compile_dswiglu(512, 768),
+    # the tuned config of the layer's dSwiGLU (coda/kernels/tuned.py): 128 x 128 tiles
+    "dswiglu_tuned": lambda: dswiglu.compile_dswiglu(
+        512, 768, config=config_for(16384, 2048, 8192)
+    ),
     "norm_bwd": lambda: rmsnorm_bwd.compile_norm_bwd(1024, 512, residual=False),
     "norm_bwd_residual": lambda: rmsnorm_bwd.compile_norm_bwd(1024, 512, residual=True),
     "ce_grad_logits": lambda: ceb.compile_grad_logits(256, 1000),

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from coda.kernels.config import DEFAULT, GemmConfig
 
-SOURCE = "benchmarks/results/2026-11-29_h200_tuning.json (commit 3bd391b)"
+SOURCE = (
+    "benchmarks/results/2026-11-29_h200_tuning.json (commit 3bd391b); "
+    "2026-11-30_h200_run11.json tuning_winners (commit 162ba43: dSwiGLU)"
+)
 _PP, _COOP = True, False
 TUNED: dict[tuple[int, int], GemmConfig] = {
     # d = 2048 (16/8 heads, f = 5632)
@@ -20,6 +23,10 @@ TUNED: dict[tuple[int, int], GemmConfig] = {
     (5632, 2048): GemmConfig(128, 192, 2, 1, _PP),  # down proj + residual + norm partials
     (2048, 32768): GemmConfig(128, 192, 2, 1, _PP),  # LM head + CE
     (2048, 128256): GemmConfig(128, 192, 2, 1, _PP),
+    # backward: B4 dSwiGLU (dx2 @ W_d^T + dSwiGLU), K = d, N = ffn; 0.724 ms on the default
+    # config's 1.06 ms (run 6 profile); d = 2048 with ffn 5632 (layer bench) and 8192 (1B)
+    (2048, 5632): GemmConfig(128, 128, 2, 1, _PP),
+    (2048, 8192): GemmConfig(128, 128, 2, 1, _PP),
     # d = 4096 (32/8 heads, f = 11008)
     (4096, 6144): GemmConfig(128, 192, 2, 1, _PP),
     (4096, 4096): GemmConfig(128, 192, 1, 2, _PP),

@@ -1,0 +1,41 @@
+"""The GPU protocol's tie band (``conftest.tie_band``) on CPU simulations: two paths that make
+errors of the same size land inside it nearly always; a path that is measurably worse lands
+outside it; the caps for correlated errors (``dof``) widen it only where they apply."""
+
+import torch
+from conftest import fro_err, tie_band
+
+
+def _rounded(ref, g, rel=2.0**-9):
+    """ref with an independent relative rounding-sized error on every entry."""
+    return ref * (1 + rel * torch.randn(ref.shape, generator=g, dtype=ref.dtype))
+
+
+def test_equal_errors_are_ties():
+    g = torch.Generator().manual_seed(0)
+    inside = 0
+    for trial in range(200):
+        ref = torch.randn(64, 96, generator=g, dtype=torch.float64)
+        ref[:, :3] *= 30  # a few dominant columns (as an LM head's target columns)
+        ratio = fro_err(_rounded(ref, g), ref) / fro_err(_rounded(ref, g), ref)
+        inside += ratio <= 1 + tie_band(ref)
+    assert inside >= 190, inside  # a 2-sigma band: ~97.7 % one-sided
+
+
+def test_systematic_excess_is_not_a_tie():
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(1000, 1000, generator=g, dtype=torch.float64)
+    worse = fro_err(_rounded(ref, g, rel=1.03 * 2.0**-9), ref)
+    ratio = worse / fro_err(_rounded(ref, g), ref)
+    assert ratio > 1 + tie_band(ref), (ratio, tie_band(ref))
+
+
+def test_band_shrinks_with_samples_and_widens_with_correlation():
+    ref = torch.ones(4096, dtype=torch.float64)
+    assert abs(tie_band(ref) - tie_band(4096)) < 1e-12
+    assert tie_band(ref) < tie_band(ref[:64])
+    assert tie_band(ref, dof=6) > tie_band(ref) and tie_band(ref, dof=10**9) == tie_band(ref)
+    spiky = ref.clone()
+    spiky[:4] = 1000.0  # four entries carry the error: n_eff ~ 4
+    assert tie_band(spiky) > 0.9
+    assert tie_band(torch.full((8,), float("nan"))) == 0.0
