@@ -103,14 +103,15 @@ def test_pluggable_attention_on_both_paths_float64():
         cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, attention="sdpa")
 
 
-def test_bf16_kernel_path_runs_on_cpu_with_the_tma_layouts():
+@pytest.mark.parametrize("B, S", [(2, 24), (1, 1)])
+def test_bf16_kernel_path_runs_on_cpu_with_the_tma_layouts(B, S):
     """bf16 through the interpreter: every GEMM's operands pass the TMA layout checks the GPU
     enforces (16-byte rows, a unit stride), and the loss and gradients are finite and close to
-    the reference path's."""
+    the reference path's; also for a one-token batch (its wgrad operand is a single column)."""
     torch.manual_seed(0)
     layer = cnn.DecoderLayer(64, 4, 2, 96, head_dim=16)
-    x = torch.randn(2, 24, 64, dtype=torch.bfloat16, requires_grad=True)
-    t = torch.randint(0, 256, (2, 24))
+    x = torch.randn(B, S, 64, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 256, (B, S))
     for method in ("recompute", "chunked"):
         head = cnn.LMHeadLoss(64, 256, method=method)
 
@@ -170,3 +171,17 @@ def test_causal_lm_checkpoint_option_gives_the_same_gradients():
         grads.append([loss.detach()] + [p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_tma_check_ignores_the_stride_of_a_length_one_dim():
+    """A one-token batch's wgrad operand h^T, (d, 1) with strides (1, d): one column, so its
+    column stride is never used (the H200 ran it in the layer fuzz); a (d, 3) view whose
+    columns are not 16 bytes apart is still refused."""
+    from coda._validate import check_tma_operand
+
+    h = torch.randn(1, 40).bfloat16()
+    check_tma_operand("A", h.t(), either_major=True)
+    check_tma_operand("D", h)
+    bad = torch.randn(3, 44).bfloat16()[:, :40].t()  # (40, 3), columns 88 B apart
+    with pytest.raises(coda.CodaInputError, match="16-byte aligned"):
+        check_tma_operand("A", bad, either_major=True)
