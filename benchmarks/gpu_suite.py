@@ -24,8 +24,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def run_tests(out_dir: str, select: str = "") -> dict:
-    """Run the whole test suite on the GPU host; count what ran, by marker."""
+RESULT_LINE = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", re.M)
+
+
+def run_tests(out_dir: str, select: str = "", budget_s: float | None = None) -> dict:
+    """Run the whole test suite on the GPU host; count what ran, by marker.
+
+    ``budget_s``: stop pytest after that many seconds and count what had finished from its
+    streamed ``-v`` lines (a device call has a hard time limit; a cut run keeps its results)."""
     xml = os.path.join(out_dir, "pytest_gpu.xml")
     log = os.path.join(out_dir, "pytest_gpu.log")
     cmd = [
@@ -33,7 +39,7 @@ def run_tests(out_dir: str, select: str = "") -> dict:
         "-m",
         "pytest",
         "tests",
-        "-q",
+        "-v",  # one line per finished test: a cut run is still counted
         "-m",
         "gpu",
         *(["-k", select] if select else []),
@@ -51,14 +57,30 @@ def run_tests(out_dir: str, select: str = "") -> dict:
         "CODA_DETERMINISM_REPORT": reports["determinism"],
     }
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    timed_out = False
+    if os.path.exists(xml):
+        os.remove(xml)  # a previous run's report must not stand in for this one
     with open(log, "w") as f:
-        f.write(proc.stdout + proc.stderr)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+        try:
+            proc.wait(timeout=budget_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            timed_out = True
+    with open(log) as f:
+        text = f.read()
     import xml.etree.ElementTree as ET
 
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     failures = []
-    if os.path.exists(xml):
+    if timed_out or not os.path.exists(xml):  # what finished before the cut
+        key = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped"}
+        for m in RESULT_LINE.finditer(text.replace("\r", "")):
+            counts[key[m.group(2)]] += 1
+            if m.group(2) in ("FAILED", "ERROR"):
+                failures.append(m.group(1))
+    else:
         for case in ET.parse(xml).getroot().iter("testcase"):
             kids = {c.tag for c in case}
             name = f"{case.get('classname')}::{case.get('name')}"
@@ -72,13 +94,16 @@ def run_tests(out_dir: str, select: str = "") -> dict:
                 counts["skipped"] += 1
             else:
                 counts["passed"] += 1
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+    tail = text.strip().splitlines()[-1:] or [""]
+    if timed_out:
+        tail = [f"cut after {budget_s:.0f} s: {counts} finished"]
     seconds = round(time.time() - t0, 1)
     shown = ["python", *cmd[1:]]  # no machine paths in the record
     shown = [a.replace(out_dir, "$OUT") for a in shown]
     return {
         "command": shlex.join(shown),
         "returncode": proc.returncode,
+        "timed_out": timed_out,
         **counts,
         "failures": failures,
         "summary": tail[0],
@@ -95,7 +120,15 @@ def main():
     ap.add_argument("--tests", default="", help="pytest -k expression: run only these gpu tests")
     ap.add_argument("--tune", action="store_true", help="also sweep tile configs")
     ap.add_argument("--only", default="", help="comma-separated benchmark names to run")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="time budget of the whole call: the tests are cut at it and no benchmark starts "
+        "after it (each is recorded as skipped), so a call under a hard limit keeps its results",
+    )
     args = ap.parse_args()
+    t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
 
     import torch
@@ -110,7 +143,7 @@ def main():
         "torch_cuda": torch.version.cuda,
     }
     if not args.skip_tests:
-        record["gpu_tests"] = run_tests(args.out, args.tests)
+        record["gpu_tests"] = run_tests(args.out, args.tests, args.budget_s)
         print("gpu tests:", record["gpu_tests"]["summary"], flush=True)
 
     from benchmarks import (
@@ -153,6 +186,9 @@ def main():
     record["benchmarks"] = {}
     for name, mod in suites:
         t0 = time.time()
+        if args.budget_s is not None and t0 - t_start > args.budget_s:
+            record["benchmarks"][name] = {"skipped": f"time budget {args.budget_s:.0f} s spent"}
+            continue
         try:
             record["benchmarks"][name] = mod.run()
         except Exception as e:  # recorded, never hidden
@@ -192,6 +228,7 @@ class Demo:
                 "name": os.path.basename(self.argv[0]),
                 "command": shlex.join(["python", *self.argv]),
                 "returncode": proc.returncode,
+        "timed_out": timed_out,
                 "stdout": lines[-20:],
                 "stderr_lines": len(proc.stderr.splitlines()),
                 "stderr_tail": proc.stderr.splitlines()[-5:],

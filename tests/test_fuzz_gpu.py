@@ -65,6 +65,7 @@ class Report:
 
     def __init__(self, name):
         self.name, self.cases, self.worst, self.failures = name, 0, (0.0, None, None), []
+        self.ties = []  # every (case, output, ratio, band) with ratio > 1, for the record
         # output name -> [worst, count over 1, worst on >= 2^16 elements, count over the band]
         self.by_output = {}
         self.over_1 = 0
@@ -76,10 +77,12 @@ class Report:
         b = self.by_output.setdefault(key, [0.0, 0, 0.0, 0])
         b[0] = max(b[0], ratio)
         b[2] = max(b[2], ratio) if ref.numel() >= 2**16 else b[2]
+        band = tie_band(ref, dof)
         if not ratio <= 1.0:
             b[1] += 1
             self.over_1 += 1
-        if not ratio <= 1.0 + tie_band(ref, dof):
+            self.ties.append((case, label, round(ratio, 4), round(band, 4)))
+        if not ratio <= 1.0 + band:
             b[3] += 1
             self.failures.append((case, label, ratio))
 
@@ -92,6 +95,7 @@ class Report:
             "worst_output": self.worst[2],
             "over_1": self.over_1,
             "over_tie_band": len(self.failures),
+            "over_1_cases": self.ties[:200],
             "by_output": {
                 k: {
                     "worst": w,

@@ -39,4 +39,3 @@ def test_band_shrinks_with_samples_and_widens_with_correlation():
     spiky[:4] = 1000.0  # four entries carry the error: n_eff ~ 4
     assert tie_band(spiky) > 0.9
     assert tie_band(torch.full((8,), float("nan"))) == 0.0
-
