@@ -228,7 +228,6 @@ class Demo:
                 "name": os.path.basename(self.argv[0]),
                 "command": shlex.join(["python", *self.argv]),
                 "returncode": proc.returncode,
-        "timed_out": timed_out,
                 "stdout": lines[-20:],
                 "stderr_lines": len(proc.stderr.splitlines()),
                 "stderr_tail": proc.stderr.splitlines()[-5:],
