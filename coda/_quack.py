@@ -7,10 +7,12 @@ coda (the CPU reference path) does not load cutlass.
 
 What is used, and why:
 - ``gemm_epilogue`` and the EpiOps (RowVecLoad, ColVecLoad, TileLoad, TileStore,
-  ColVecReduce, RowVecReduce, OnlineLSEReduce, ColVecSelect, HeadRstd with the prepass):
+  ColVecReduce, RowVecReduce, OnlineLSEReduce, ColVecSelect, HeadRstd and MaxLog2 with the
+  prepass):
   the GPU lowering target of a
   ``coda.primitives`` program (``coda/primitives/lowering.py``);
-- ``pack`` / ``unpack`` / ``pexp`` / ``sigmoid``: trace-time math on accumulator values;
+- ``pack`` / ``unpack`` / ``pexp`` / ``pexp2`` / ``sigmoid``: trace-time math on accumulator
+  values;
 - ``identity_epi``: the same mainloop with an empty epilogue, the "raw GEMM" ceiling;
 - ``_compile_gemm_epi``'s jit cache: proof that a compile happened on a GPU-less machine.
 """
@@ -43,6 +45,7 @@ def _modules():
         import quack.epilogue.math as math
         import quack.epilogue.ops as ops
         import quack.epilogue.rotary as rotary
+        import quack.epilogue.scaled_exp as scaled_exp
         import quack.gemm_runtime.host as host
         from quack.epilogue.frontend import gemm_epilogue
 
@@ -58,6 +61,7 @@ def _modules():
         "math": math,
         "ops": ops,
         "rotary": rotary,
+        "scaled_exp": scaled_exp,
         "host": host,
         "gemm_epilogue": gemm_epilogue,
     }
@@ -87,6 +91,10 @@ def exp(value):
     return _modules()["math"].pexp(value)
 
 
+def exp2(value):
+    return _modules()["math"].pexp2(value)
+
+
 def sigmoid(value):
     return _modules()["activation"].sigmoid(value)
 
@@ -111,6 +119,7 @@ def op_classes():
         "OnlineLSE": ops.OnlineLSEReduce,
         "ColSelect": ops.ColVecSelect,
         "GroupRstd": _modules()["head_rmsnorm"].HeadRstd,  # a grouped prepass statistic
+        "TileMaxLog2": _modules()["scaled_exp"].MaxLog2,  # a whole-tile max prepass statistic
     }
 
 

@@ -7,7 +7,7 @@
 - ``aux``: the fixed-order reductions over partials.
 """
 
-from coda.primitives.math import exp, pack, sigmoid, silu, unpack  # noqa: F401
+from coda.primitives.math import exp, exp2, pack, sigmoid, silu, unpack  # noqa: F401
 from coda.primitives.vocabulary import (  # noqa: F401
     ColLoad,
     ColPartials,
@@ -19,6 +19,7 @@ from coda.primitives.vocabulary import (  # noqa: F401
     RowPartials,
     TileC,
     TileLoad,
+    TileMaxLog2,
     TileStore,
     epilogue_program,
 )

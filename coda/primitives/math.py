@@ -79,6 +79,10 @@ def exp(x):
     return torch.exp(x) if _is_interpreted(x) else _quack.exp(x)
 
 
+def exp2(x):
+    return torch.exp2(x) if _is_interpreted(x) else _quack.exp2(x)
+
+
 def sigmoid(x):
     return torch.sigmoid(x) if _is_interpreted(x) else _quack.sigmoid(x)
 

@@ -22,6 +22,8 @@ RED    ``RowPartials(name)``    RED_m: sum over a tile's columns, one fp32 parti
                                 (M-tile i, column n) -> a T_M x N array
        ``GroupRstd(name)``      a per-(row, column group) rstd of a ``prepass`` value, complete
                                 inside the tile, read back by ``fn`` (per-head RMSNorm)
+       ``TileMaxLog2(name)``    the tile's row max of a ``prepass`` value in log2 units,
+                                rounded (the scaled-exp softmax's power-of-two offset)
 LSE    ``OnlineLSE(name)``      stateful online (max, sum-exp) over a tile's columns, emitted
                                 as one log-sum-exp partial per (row m, N-tile t)
 =====  =======================  ==============================================================
@@ -40,6 +42,7 @@ a quack EpiOp coda has not used before, one entry in ``coda._quack.op_classes``)
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,6 +51,7 @@ import torch
 from coda.primitives.math import TilePair
 
 MODES = ("element", "pair", "widen")
+LOG2E = 1.0 / math.log(2.0)
 
 
 def as_pairs(x: torch.Tensor) -> TilePair:
@@ -269,36 +273,31 @@ class OnlineLSE(Primitive):
 
 # -- RED, finalized in the tile: a per-(row, column group) statistic of a prepass value -------
 @dataclass(frozen=True)
-class GroupRstd(Primitive):
-    """rstd[m, g] = (mean over the ``group`` adjacent columns of group g of v[m, n] + eps)^-1/2,
-    with v the value the program's ``prepass`` returns under this name (e.g. z^2). Each group
-    lies inside one output tile (tile_n and N multiples of the group), so the statistic is
-    complete in the tile: ``fn`` reads it as an input (broadcast over the group's columns;
-    per-head RMSNorm, Qwen3's QK-norm). The group width is the operand under this name (an
-    int); ``out`` optionally names an (M, N / group) fp32 output of the statistic itself."""
+class _GroupStat(Primitive):
+    """A per-(row, column group) statistic of the value the program's ``prepass`` returns
+    under this name, complete inside the tile (each group lies in one output tile: tile_n and
+    N multiples of the group) and read back by ``fn`` as an input, broadcast over the group's
+    columns. The group width is the operand under this name (an int); ``out`` optionally
+    names an (M, N / group) fp32 output of the statistic itself."""
 
-    eps: float = 1e-6
     out: str | None = None
     family = "RED"
     from_prepass = True
 
-    def cache_key(self) -> tuple:
-        return (*super().cache_key(), self.eps, self.out)
+    def statistic(self, grouped: torch.Tensor) -> torch.Tensor:
+        """(rows, groups, group) prepass values -> (rows, groups) statistic."""
+        raise NotImplementedError
 
     def finish(self, value, group: int, rows, cols, mode, out_buf):
         """The tile's statistic from its prepass ``value``, as ``fn`` sees it."""
         if cols.start % group or (cols.stop - cols.start) % group:
             raise ValueError(f"{self.name}: group {group} must divide tile_n and N")
         v = as_lanes(value)
-        r = torch.rsqrt(v.reshape(v.shape[0], -1, group).mean(-1) + self.eps)
+        r = self.statistic(v.reshape(v.shape[0], -1, group))
         if out_buf is not None:
             out_buf[rows, cols.start // group : cols.stop // group] = r
         full = r.repeat_interleave(group, dim=1)
         return as_pairs(full) if mode == "pair" else full
-
-    def lower(self, ops, mode):
-        op = ops["GroupRstd"](self.name, eps=self.eps)
-        return op, ((op.out(self.out),) if self.out else ())
 
     def host_args(self, operands, outputs):
         args = {self.name: int(operands[self.name])}  # the group width, a compile-time int
@@ -307,7 +306,48 @@ class GroupRstd(Primitive):
         return args
 
 
-INPUTS = (RowLoad, ColLoad, TileC, TileLoad, GroupRstd)
+@dataclass(frozen=True)
+class GroupRstd(_GroupStat):
+    """rstd[m, g] = (mean over the ``group`` adjacent columns of group g of v[m, n] + eps)^-1/2,
+    with v the prepass value (e.g. z^2): per-head RMSNorm, Qwen3's QK-norm."""
+
+    eps: float = 1e-6
+
+    def cache_key(self) -> tuple:
+        return (*super().cache_key(), self.eps, self.out)
+
+    def statistic(self, grouped):
+        return torch.rsqrt(grouped.mean(-1) + self.eps)
+
+    def lower(self, ops, mode):
+        op = ops["GroupRstd"](self.name, eps=self.eps)
+        return op, ((op.out(self.out),) if self.out else ())
+
+
+@dataclass(frozen=True)
+class TileMaxLog2(_GroupStat):
+    """k[m, t] = round-half-even(log2(e) * max over N-tile t of v[m, n]): the row maximum of a
+    whole output tile in log2 units, rounded to an integer, so 2^(v log2 e - k) is a
+    softmax numerator scaled by an exact power of two (the scaled-exp cross-entropy: quack's
+    MaxLog2). The group is the whole tile: its width operand must equal tile_n."""
+
+    def cache_key(self) -> tuple:
+        return (*super().cache_key(), self.out)
+
+    def statistic(self, grouped):
+        return torch.round(grouped.amax(-1) * LOG2E)  # torch.round is half-to-even
+
+    def finish(self, value, group, rows, cols, mode, out_buf):
+        if cols.stop - cols.start != group:
+            raise ValueError(f"{self.name}: the group ({group}) must be the whole tile_n")
+        return super().finish(value, group, rows, cols, mode, out_buf)
+
+    def lower(self, ops, mode):
+        op = ops["TileMaxLog2"](self.name)
+        return op, ((op.out(self.out),) if self.out else ())
+
+
+INPUTS = (RowLoad, ColLoad, TileC, TileLoad, GroupRstd, TileMaxLog2)
 SINKS = (RowPartials, ColPartials, OnlineLSE, ColSelect)
 
 

@@ -1,0 +1,90 @@
+"""The scaled-exp LM-head GEMM (``coda.kernels.ce_scaled_exp``) and its ``TileMaxLog2``
+primitive: level 1 (float64 through the tile interpreter, against the definitions and against
+the softmax / logsumexp they reparameterize) and level 2 (sm_90a compiles). Not yet run on
+the H200 and not yet used by ``LMHeadLoss`` (NOTES.md, issue 9)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import rel_err
+
+from coda.kernels import ce_scaled_exp as cse
+from coda.kernels.config import GemmConfig
+
+F64 = torch.float64
+
+
+def _case(seed, M, d, V, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(M, d, generator=g, dtype=F64)
+    w = torch.randn(d, V, generator=g, dtype=F64) * (scale / math.sqrt(d))
+    rstd = torch.rand(M, generator=g, dtype=F64) + 0.5
+    t = torch.randint(0, V, (M,), generator=g)
+    t[torch.rand(M, generator=g) < 0.2] = -100  # ignored rows: never selected
+    return a, w, rstd, t
+
+
+@pytest.mark.parametrize(
+    "seed, M, d, V, tile_m, tile_n",
+    [
+        (0, 1, 8, 64, 64, 64),
+        (1, 37, 24, 192, 64, 64),
+        (2, 130, 40, 384, 128, 192),
+        (3, 257, 16, 256, 128, 128),
+        (4, 64, 8, 512, 64, 256),
+    ],
+)
+def test_kernel_equals_its_definition_and_the_softmax(seed, M, d, V, tile_m, tile_n):
+    a, w, rstd, t = _case(seed, M, d, V, scale=8.0)
+    cfg = GemmConfig(tile_m=tile_m, tile_n=tile_n)
+    e, s, k, tl = cse.scaled_exp_logits_kernel(a, w, rstd, t, cfg)
+    want = cse.scaled_exp_reference(a, w, rstd, t, tile_n)
+    for got, ref in zip((e, s, k, tl), want):
+        assert rel_err(got, ref, floor=1.0) < 1e-12
+    # the reparameterization: k integers, E <= sqrt 2, E 2^k = exp(l), lse and softmax exact
+    assert torch.equal(k, k.round()) and float(e.max()) <= math.sqrt(2) * (1 + 1e-12)
+    logits = rstd[:, None] * (a @ w)
+    T = V // tile_n
+    k_cols = k.repeat_interleave(tile_n, dim=1)
+    assert rel_err(e * torch.exp2(k_cols), logits.exp()) < 1e-12
+    lse = cse.lse_from_scaled(s, k)
+    assert rel_err(lse, torch.logsumexp(logits, dim=1)) < 1e-14
+    K = k.amax(1, keepdim=True)
+    v = torch.exp2(K[:, 0]) * torch.exp(-lse)
+    p = torch.exp2(k - K).repeat_interleave(tile_n, dim=1) * v[:, None] * e
+    assert rel_err(p, torch.softmax(logits, dim=1)) < 1e-12
+    assert s.shape == k.shape == (M, T)
+    hit = t >= 0
+    assert torch.equal(tl[~hit], torch.zeros_like(tl[~hit]))
+
+
+def test_no_overflow_at_large_logits_in_fp32():
+    """Logits in the thousands: exp(l) overflows fp32, the scaled form does not."""
+    a, w, rstd, t = _case(5, 64, 16, 128, scale=4000.0)
+    cfg = GemmConfig(tile_m=64, tile_n=64)
+    e, s, k, _ = cse.scaled_exp_logits_kernel(a.float(), w.float(), rstd.float(), t, cfg)
+    assert torch.isfinite(e).all() and torch.isfinite(s).all()
+    logits = rstd[:, None] * (a @ w)
+    assert float(logits.abs().max()) > 1000
+    lse = cse.lse_from_scaled(s.double(), k.double())
+    assert rel_err(lse, torch.logsumexp(logits, dim=1)) < 1e-6
+
+
+def test_tile_must_divide_the_vocabulary():
+    a, w, rstd, t = _case(6, 8, 8, 200)
+    with pytest.raises(ValueError, match="multiple of tile_n"):
+        cse.scaled_exp_logits_kernel(a, w, rstd, t, GemmConfig(tile_m=64, tile_n=64))
+    assert cse.scaled_exp_config(128256, GemmConfig()).tile_n == 192
+    assert cse.scaled_exp_config(32768, GemmConfig()).tile_n == 128
+    with pytest.raises(ValueError, match="divisible by 64"):
+        cse.scaled_exp_config(200, GemmConfig())
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("v, tile_n", [(768, 192), (512, 128)])
+def test_scaled_exp_logits_compiles_for_sm90(v, tile_n):
+    cfg = GemmConfig(tile_n=tile_n)
+    assert cse.compile_scaled_exp_logits(512, v, config=cfg) in (0, 1)
