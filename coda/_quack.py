@@ -152,8 +152,34 @@ _PLANS: dict = {}
 MAX_PLANS = 4096
 
 
+def _scale_a(x, u):
+    """The A-operand value transform x -> x * u (u: the strip's value for x's block)."""
+    return x * u
+
+
+@functools.cache
+def scale_a_mod(kind: str):
+    """quack's ``@a_transform`` of ``_scale_a`` with its strip of ``kind`` ("colvec_ktile":
+    one value per (row, k-tile); "kvec_m64": one per (64-row block, column))."""
+    _modules()
+    from quack.operand_transform import a_transform
+
+    return a_transform(vec_size=8, args={"u": kind})(_scale_a)
+
+
 def run_epi_gemm(
-    mod, A, B, D, C, epi_args, config, *, launch=True, add_to_output=False, replay=True
+    mod,
+    A,
+    B,
+    D,
+    C,
+    epi_args,
+    config,
+    *,
+    launch=True,
+    add_to_output=False,
+    replay=True,
+    a_scale=None,
 ):
     """Run (or, with ``launch=False``, only compile and plan) ``mod`` on the quack SM90 GEMM.
 
@@ -164,12 +190,22 @@ def run_epi_gemm(
     same dtypes, shapes and strides replays it through quack's ``run_gemm_epi_plan``, which
     makes no host decisions. coda's key is built from its own few arguments, about a fifth of
     what quack's generic warm-path key reads (its ~40 fields, every op's host key).
-    ``replay=False`` always takes quack's frontend (the benchmarks' "quack raw" baseline)."""
+    ``replay=False`` always takes quack's frontend (the benchmarks' "quack raw" baseline).
+    ``a_scale`` = (kind, strip, tile_k): A enters as quack's transform bundle and the mainloop
+    scales it (``scale_a_mod``); such calls always take quack's frontend (no replay)."""
+    transform, device = {}, A.device
+    if a_scale is not None:
+        kind, strip, tile_k = a_scale
+        tmod = scale_a_mod(kind)
+        from quack.operand_transform.host import transform_a_operand
+
+        A = transform_a_operand(tmod, A, {"u": strip}, config.tile_m, tile_k)
+        transform, replay = {"transform_a": tmod, "tile_K": tile_k}, False
     key = (
         mod,
         config,
         add_to_output,
-        A.device,
+        device,
         _meta(A),
         _meta(B),
         _meta(D),
@@ -196,6 +232,7 @@ def run_epi_gemm(
         max_swizzle_size=config.max_swizzle_size,
         add_to_output=add_to_output,
         _launch=launch,
+        **transform,
     )
     if launch and replay:
         if len(_PLANS) >= MAX_PLANS:
@@ -204,7 +241,7 @@ def run_epi_gemm(
     return plan
 
 
-def compile_only(mod, A, B, D, C, epi_args, config, add_to_output=False) -> int:
+def compile_only(mod, A, B, D, C, epi_args, config, add_to_output=False, a_scale=None) -> int:
     """Compile ``mod`` for sm_90a on a machine with no GPU; returns the number of kernel
     compiles this call performed (0 when the jit cache already held it).
 
@@ -214,7 +251,18 @@ def compile_only(mod, A, B, D, C, epi_args, config, add_to_output=False) -> int:
     compile_fn = _modules()["host"]._compile_gemm_epi
     before = compile_fn.cache_info()
     try:
-        run_epi_gemm(mod, A, B, D, C, epi_args, config, launch=False, add_to_output=add_to_output)
+        run_epi_gemm(
+            mod,
+            A,
+            B,
+            D,
+            C,
+            epi_args,
+            config,
+            launch=False,
+            add_to_output=add_to_output,
+            a_scale=a_scale,
+        )
     except Exception as e:
         after = compile_fn.cache_info()
         looked_up = (after.hits + after.misses) > (before.hits + before.misses)

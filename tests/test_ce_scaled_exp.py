@@ -88,3 +88,72 @@ def test_tile_must_divide_the_vocabulary():
 def test_scaled_exp_logits_compiles_for_sm90(v, tile_n):
     cfg = GemmConfig(tile_n=tile_n)
     assert cse.compile_scaled_exp_logits(512, v, config=cfg) in (0, 1)
+
+
+def _autograd_reference(a, w, rstd, t, weight, smoothing, z_loss):
+    """G = dL/da and dW = dL/dW of L = sum_m w_m ce_m(r_m (a_m W)) by autograd (float64)."""
+    a, w = a.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    logits = rstd[:, None] * (a @ w)
+    lse = torch.logsumexp(logits, dim=1)
+    valid = (t >= 0) & (t < w.shape[1])
+    ly = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
+    ce = lse - (1 - smoothing) * ly - smoothing * logits.mean(1) + z_loss * lse**2
+    (weight * torch.where(valid, ce, 0.0)).sum().backward()
+    return lse.detach(), ly.detach(), a.grad, w.grad
+
+
+@pytest.mark.parametrize(
+    "seed, M, d, V, rows, smoothing, z_loss",
+    [
+        (0, 1, 8, 128, 128, 0.0, 0.0),
+        (1, 37, 24, 384, 128, 0.0, 0.0),
+        (2, 300, 16, 256, 128, 0.1, 0.0),  # three chunks, the last one padded
+        (3, 130, 40, 128, 256, 0.0, 1e-3),
+        (4, 257, 8, 384, 128, 0.05, 1e-2),
+    ],
+)
+def test_three_gemm_method_equals_autograd(seed, M, d, V, rows, smoothing, z_loss):
+    """CE-S end to end in float64 (GEMM1, the glue with the target fix, the dX and dW GEMMs
+    through their A-operand transform, the rank-1 smoothing terms): lse, the target logit,
+    dL/da, S and dL/dW equal autograd's through the canonical loss."""
+    from coda.kernels.linear_cross_entropy_chunked import row_dot
+    from coda.primitives.aux import ce_row_weights
+
+    a, w, rstd, t = _case(seed, M, d, V, scale=3.0)
+    weight = ce_row_weights(t, -100, "mean", F64)
+    lse, tl, G, S, dw = cse.linear_cross_entropy_scaled(
+        a, w, rstd, t, weight, rows=rows, interpreted=True, label_smoothing=smoothing, z_loss=z_loss
+    )
+    lse_r, ly_r, G_r, dw_r = _autograd_reference(a, w, rstd, t, weight, smoothing, z_loss)
+    valid = t >= 0
+    assert rel_err(lse, lse_r) < 1e-12
+    assert rel_err(tl[valid], ly_r[valid]) < 1e-12
+    assert rel_err(G, G_r) < 1e-11
+    assert rel_err(dw, dw_r) < 1e-11
+    assert rel_err(S, row_dot(G_r, a, rstd)) < 1e-11
+
+
+def test_scale_a_strip_rules_are_coda_errors():
+    import coda
+
+    a, w, rstd, t = _case(7, 100, 8, 128)
+    weight = torch.ones(100, dtype=F64)
+    with pytest.raises(coda.CodaInputError, match="V % 128 == 0"):
+        cse.linear_cross_entropy_scaled(a, w[:, :120], rstd, t.clamp(max=119), weight)
+    e = torch.zeros(100, 128, dtype=F64)
+    u = torch.ones(2, 100, dtype=F64)
+    with pytest.raises(coda.CodaInputError, match="multiple of tile_m = 128"):
+        cse.scaled_grad_dx_kernel(e, w, u, torch.ones(100, dtype=F64), torch.empty(100, 8))
+    e = torch.zeros(128, 128, dtype=F64)
+    with pytest.raises(coda.CodaInputError, match=r"shape \(2, 128\)"):
+        cse.scaled_grad_dx_kernel(e, w, u, torch.ones(128, dtype=F64), torch.empty(128, 8))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("which", ["dx", "dw", "dw_accumulate"])
+def test_gradient_gemms_compile_for_sm90(which):
+    if which == "dx":
+        n = cse.compile_scaled_grad_dx(512, 768)
+    else:
+        n = cse.compile_scaled_grad_dw(512, 768, accumulate=which == "dw_accumulate")
+    assert n in (0, 1)

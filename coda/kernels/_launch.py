@@ -35,14 +35,21 @@ def launch(
     """acc = x @ w (x (M, K) either major, w (K, N) either major); run ``program`` on it.
     ``add_to_output``: D += the program's D (TMA reduce-add store; no C operand).
     Returns the number of compiles done when ``dry`` (0 on a jit-cache hit), else None."""
+    operands = operands or {}
+    xf = program.a_transform
+    if xf is not None:
+        xf.check(operands[xf.name], x, config.tile_m)
     if not dry and x.device.type == "cpu":
-        return _interpret_into(
-            program, x, w, config, d, c, operands or {}, outputs or {}, add_to_output
-        )
-    args = epi_args(program, operands or {}, outputs or {})
+        return _interpret_into(program, x, w, config, d, c, operands, outputs or {}, add_to_output)
+    args = epi_args(program, operands, outputs or {})
+    a_scale = (xf.kind, operands[xf.name], xf.tile_k) if xf is not None else None
     if dry:
-        return _quack.compile_only(lower(program), x, w, d, c, args, config, add_to_output)
-    _quack.run_epi_gemm(lower(program), x, w, d, c, args, config, add_to_output=add_to_output)
+        return _quack.compile_only(
+            lower(program), x, w, d, c, args, config, add_to_output, a_scale=a_scale
+        )
+    _quack.run_epi_gemm(
+        lower(program), x, w, d, c, args, config, add_to_output=add_to_output, a_scale=a_scale
+    )
     return None
 
 
@@ -83,14 +90,19 @@ def _interpret_into(program, x, w, config, d, c, operands, outputs, add_to_outpu
 
 def interpret_gemm(program, x, w, *, config: GemmConfig, operands=None, out_dtype=None):
     """The CPU twin of ``launch``: acc = x @ w in float64 for float64 inputs (algebra proofs),
-    else float32 (as the kernel's accumulator), then ``program`` through the tile interpreter
-    on ``config``'s tile grid. Returns every output the program declares."""
+    else float32 (as the kernel's accumulator), with x first scaled by the program's A-operand
+    transform if it declares one, then ``program`` through the tile interpreter on
+    ``config``'s tile grid. Returns every output the program declares."""
     from coda.primitives.interpreter import interpret
 
     dt = acc_dtype(x)
+    a = x.to(dt)
+    if program.a_transform is not None:  # the mainloop's A-operand transform
+        xf = program.a_transform
+        a = a * xf.expand((operands or {})[xf.name].to(dt), *x.shape)
     return interpret(
         program,
-        x.to(dt) @ w.to(dt),
+        a @ w.to(dt),
         operands or {},
         tile_m=config.tile_m,
         tile_n=config.tile_n,

@@ -25,9 +25,17 @@ import math
 
 import torch
 
-from coda.kernels._launch import acc_dtype, example_operands, launch
+from coda.kernels._launch import acc_dtype, example_operands, fused, launch
 from coda.kernels.config import GemmConfig
-from coda.primitives import ColLoad, ColSelect, RowPartials, TileMaxLog2, epilogue_program, exp2
+from coda.primitives import (
+    ColLoad,
+    ColSelect,
+    RowPartials,
+    ScaleA,
+    TileMaxLog2,
+    epilogue_program,
+    exp2,
+)
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -105,6 +113,170 @@ def scaled_exp_reference(a, w_lm, rstd, target, tile_n: int):
     hit = (target >= 0) & (target < V)
     tl = torch.where(hit, logits.gather(1, target.clamp(0, V - 1).long()[:, None])[:, 0], 0.0)
     return e.reshape(M, V), e.sum(-1), k, tl
+
+
+# -- the two gradient GEMMs, reading E through an A-operand transform -----------------------------
+# The glue gives, per row m, the softmax gradient's E' (E with the target entry fixed) and a
+# strip u[b, m] = 2^(k[m, t(b)] - K[m]) per 64-column block b of the vocabulary (exact powers of
+# two, bf16), so that dl = c_m * u * E' / r_m with c the per-row fp32 factor r w v.
+STRIP = 64  # vocabulary columns per strip value: the transform's k-tile in dx, 64 rows in dW
+
+
+@epilogue_program(inputs=[ColLoad("row_scale")], a_transform=ScaleA("u", tile_k=STRIP))
+def scaled_grad_dx(acc, row_scale):
+    """G = c (.) ((u (.) E') @ W^T), c the per-row scale: dX before the final norm, fp32."""
+    return {"D": acc * row_scale}
+
+
+@epilogue_program(a_transform=ScaleA("u", rows=STRIP, cols=1, tile_k=STRIP))
+def scaled_grad_dw(acc):
+    """dW^T (+)= (u (.) E')^T @ xs, xs = c (.) a: the weight gradient in (V, d) layout."""
+    return {"D": acc}
+
+
+def dx_config(d: int) -> GemmConfig:
+    """dX GEMM (rows x d, K = V): tile_m 128 (the strip's row blocks), tile_n over d."""
+    return GemmConfig(128, 192 if d % 192 == 0 else 128, 2, 1, False)
+
+
+def dw_config(d: int) -> GemmConfig:
+    """dW GEMM (V x d, K = rows)."""
+    return GemmConfig(128, 192 if d % 192 == 0 else 128, 1, 2, False)
+
+
+def scaled_grad_dx_kernel(e, w_lm, u, c, out, dry=False):
+    """out (rows, d) fp32 = c (.) ((u (.) e) @ w_lm^T); e (rows, V) bf16, u (V / 64, rows)."""
+    return launch(
+        scaled_grad_dx,
+        e,
+        w_lm.t(),
+        config=dx_config(w_lm.shape[0]),
+        d=out,
+        operands={"row_scale": c, "u": u},
+        dry=dry,
+    )
+
+
+def scaled_grad_dw_kernel(e, xs, u, out, accumulate: bool, dry=False):
+    """out (V, d) fp32 (+)= (u^T (.) e^T) @ xs; ``accumulate``: TMA reduce-add into out."""
+    return launch(
+        scaled_grad_dw,
+        e.t(),
+        xs,
+        config=dw_config(xs.shape[1]),
+        d=out,
+        operands={"u": u},
+        add_to_output=accumulate,
+        dry=dry,
+    )
+
+
+# -- the glue and the chunked driver (the same contract as CE-C's) --------------------------------
+def chunk_rows_scaled(vocab: int) -> int:
+    """Token rows per chunk: ~1 GiB of bf16 E (a multiple of 128, at least 128)."""
+    return max(128, (2**30 // (2 * vocab)) // 128 * 128)
+
+
+def scaled_glue(sum_exp, k, tl, target, rstd, weight, a, tile_n: int, z_loss, smoothing):
+    """Per row, from GEMM1's partials (C x T_N values, no pass over C x V): lse, the strip
+    u (V / 64, C) bf16 = 2^(k - K) per 64-column block, the per-row factor c = r w v (fp32;
+    v = 2^K e^-lse (1 + 2 z lse)), xs = c a (bf16: dW's B operand), and the target entry's
+    target entry E'_y with u_y v E'_y = alpha p_y - (1 - eps) (label smoothing eps; its
+    uniform -eps / V share of every entry is a rank-1 term the caller adds)."""
+    lse = lse_from_scaled(sum_exp, k)
+    K = k.amax(dim=1)
+    alpha = 1.0 + 2.0 * z_loss * lse if z_loss else torch.ones_like(lse)
+    v = torch.exp2(K) * torch.exp(-lse) * alpha
+    c = rstd * weight * v
+    uk = torch.exp2(k - K[:, None])  # (C, T_N): exact powers of two
+    u = uk.repeat_interleave(tile_n // STRIP, dim=1).t().contiguous().to(a.dtype)
+    V = u.shape[0] * STRIP
+    y = target.clamp(0, V - 1).long()
+    u_y = uk.gather(1, (y // tile_n)[:, None])[:, 0]
+    # alpha p_y - (1 - eps), with p_y - 1 = expm1(l_y - lse): no cancellation near p_y = 1
+    hot_entry = (alpha * torch.expm1(tl - lse) + (alpha - 1.0 + smoothing)) / (u_y * v)
+    xs = (c[:, None] * a.to(c.dtype)).to(a.dtype)
+    return lse, u, c, xs, hot_entry
+
+
+def linear_cross_entropy_scaled(
+    a,
+    w_lm,
+    rstd,
+    target,
+    weight,
+    rows: int = 4096,
+    config: GemmConfig | None = None,
+    interpreted: bool = False,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+):
+    """CE-S, forward stats and g = 1 gradients in three GEMMs per token chunk (GEMM1 storing
+    E, dX and dW reading E through the A-operand transform). Returns (lse, target_logit,
+    G (M x d, fp32), S, dW_lm) as ``linear_cross_entropy_chunked`` does. ``weight``: the
+    per-row loss weight (1/M_valid or 1; 0 on ignored rows). V must be a multiple of 128."""
+    from coda._validate import CodaInputError
+    from coda.kernels.linear_cross_entropy_chunked import row_dot
+
+    M, d = a.shape
+    V = w_lm.shape[1]
+    if V % 128:
+        raise CodaInputError(f"w_lm: method 'scaled_exp' needs V % 128 == 0, got V = {V}")
+    cfg = scaled_exp_config(V, config or GemmConfig())
+    acc = acc_dtype(a)
+    rows = max(128, rows // 128 * 128)
+    lse = torch.empty(M, dtype=acc, device=a.device)
+    tl = torch.empty_like(lse)
+    G = torch.empty(M, d, dtype=acc, device=a.device)
+    dw_t = torch.empty(V, d, dtype=acc, device=a.device)  # dW^T, summed over chunks in fp32
+    smooth_sum = torch.zeros(d, dtype=acc, device=a.device)  # sum_m r w a (label smoothing)
+    glue = scaled_glue if interpreted else fused(scaled_glue)
+    for r0 in range(0, M, rows):
+        n = min(rows, M - r0)
+        C = -(-n // 128) * 128  # the strips' row blocks: pad the chunk to whole 128-row tiles
+        R = slice(r0, r0 + n)
+        a_c, r_c, t_c, w_c = a[R], rstd[R], target[R], weight[R].to(acc)
+        if C != n:  # zero rows of weight 0: no loss, no gradient
+            a_c = torch.cat([a_c, a_c.new_zeros(C - n, d)])
+            r_c = torch.cat([r_c, r_c.new_ones(C - n)])
+            t_c = torch.cat([t_c, t_c.new_full((C - n,), -1)])
+            w_c = torch.cat([w_c, w_c.new_zeros(C - n)])
+        e, sum_exp, k, tl_c = scaled_exp_logits_kernel(a_c, w_lm, r_c, t_c, cfg)
+        lse_c, u, c, xs, hot = glue(
+            sum_exp, k, tl_c, t_c, r_c, w_c, a_c, cfg.tile_n, z_loss, label_smoothing
+        )
+        valid = (t_c >= 0) & (t_c < V)  # E' = E with each valid row's target entry replaced
+        e[torch.arange(C, device=a.device)[valid], t_c[valid].long()] = hot[valid].to(e.dtype)
+        G_c = torch.empty(C, d, dtype=acc, device=a.device)
+        scaled_grad_dx_kernel(e, w_lm, u, c, G_c)
+        scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
+        G[R], lse[R], tl[R] = G_c[:n], lse_c[:n], tl_c[:n]
+        if label_smoothing:
+            smooth_sum += (r_c * w_c) @ a_c.to(acc)
+    if label_smoothing:  # the uniform -eps/V of every dl: rank-1 in both gradients
+        shift = label_smoothing / V
+        G -= shift * (rstd * weight.to(acc))[:, None] * w_lm.sum(1, dtype=acc)[None, :]
+        dw_t -= shift * smooth_sum[None, :]
+    S = row_dot(G, a, rstd) if interpreted else fused(row_dot)(G, a, rstd)
+    dw = torch.empty_like(w_lm)
+    dw.copy_(dw_t.t())
+    return lse, tl, G, S, dw
+
+
+def compile_scaled_grad_dx(d: int, v: int, *, m: int = 256) -> int:
+    e = torch.empty(m, v, dtype=torch.bfloat16)
+    w = torch.empty(d, v, dtype=torch.bfloat16)
+    u = torch.empty(v // STRIP, m, dtype=torch.bfloat16)
+    out = torch.empty(m, d, dtype=torch.float32)
+    return scaled_grad_dx_kernel(e, w, u, torch.empty(m), out, dry=True)
+
+
+def compile_scaled_grad_dw(d: int, v: int, *, accumulate: bool, m: int = 256) -> int:
+    e = torch.empty(m, v, dtype=torch.bfloat16)
+    xs = torch.empty(m, d, dtype=torch.bfloat16)
+    u = torch.empty(v // STRIP, m, dtype=torch.bfloat16)
+    out = torch.empty(v, d, dtype=torch.float32)
+    return scaled_grad_dw_kernel(e, xs, u, out, accumulate, dry=True)
 
 
 def compile_scaled_exp_logits(d: int, v: int, *, config: GemmConfig, m: int = 256) -> int:

@@ -17,6 +17,7 @@ from coda.primitives.vocabulary import (  # noqa: F401
     OnlineLSE,
     RowLoad,
     RowPartials,
+    ScaleA,
     TileC,
     TileLoad,
     TileMaxLog2,

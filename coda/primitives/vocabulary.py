@@ -26,6 +26,8 @@ RED    ``RowPartials(name)``    RED_m: sum over a tile's columns, one fp32 parti
                                 rounded (the scaled-exp softmax's power-of-two offset)
 LSE    ``OnlineLSE(name)``      stateful online (max, sum-exp) over a tile's columns, emitted
                                 as one log-sum-exp partial per (row m, N-tile t)
+XFORM  ``ScaleA(name, ...)``    not an epilogue primitive: A's blocks scaled by a strip on
+                                their way into the mainloop (``a_transform=``)
 =====  =======================  ==============================================================
 
 A reduction declared ``scaled=True`` takes a pair ``(x, y)`` from ``fn`` and folds ``x*y``
@@ -347,6 +349,73 @@ class TileMaxLog2(_GroupStat):
         return op, ((op.out(self.out),) if self.out else ())
 
 
+# -- XFORM: the A operand scaled on its way into the mainloop -------------------------------------
+_SCALE_KINDS = {(1, None): "colvec_ktile", (64, 1): "kvec_m64"}  # quack's strip kinds
+
+
+@dataclass(frozen=True)
+class ScaleA:
+    """An A-operand transform (mainloop side, not epilogue): the GEMM multiplies
+    (u (.) A) @ B, with one value of the strip ``u`` per block of ``rows`` A rows by ``cols``
+    A columns (``cols`` None: the mainloop's whole k-tile, ``tile_k`` columns). Two shapes:
+    ``ScaleA(name)`` per (row, k-tile), and ``ScaleA(name, rows=64, cols=1)`` per (64-row
+    block, column). The strip is a contiguous bf16 tensor, finer axis last: (K / cols, M)
+    blocks for the first shape (transposed: rows vary fastest), (M / 64, K) for the second,
+    with K padded to whole k-tiles. Lowered to quack's ``@a_transform`` value transform (the
+    register-sourced SM90 mainloop scales A's fragments); M must be a multiple of tile_m.
+    Used by the scaled-exp cross-entropy, whose softmax is E times powers of two."""
+
+    name: str
+    rows: int = 1
+    cols: int | None = None
+    tile_k: int = 64
+    family = "XFORM"
+
+    def __post_init__(self):
+        if (self.rows, self.cols) not in _SCALE_KINDS:
+            raise ValueError(f"ScaleA: (rows, cols) must be one of {sorted(_SCALE_KINDS)}")
+
+    def cache_key(self) -> tuple:
+        return ("ScaleA", self.name, self.rows, self.cols, self.tile_k)
+
+    @property
+    def kind(self) -> str:
+        """quack's name for this strip shape."""
+        return _SCALE_KINDS[(self.rows, self.cols)]
+
+    def _k_inner(self) -> bool:
+        return (self.cols or self.tile_k) < self.rows
+
+    def strip_shape(self, m: int, k: int) -> tuple[int, int]:
+        gk = self.cols or self.tile_k
+        kg = -(-k // self.tile_k) * (self.tile_k // gk)
+        return (m // self.rows, kg) if self._k_inner() else (kg, m // self.rows)
+
+    def check(self, u: torch.Tensor, a: torch.Tensor, tile_m: int) -> None:
+        """The strip's rules (quack's), as coda errors naming the argument."""
+        from coda._validate import CodaInputError
+
+        m, k = a.shape
+        if m % tile_m or m % self.rows:
+            raise CodaInputError(
+                f"{self.name}: A has {m} rows; a scaled A operand needs a multiple of "
+                f"tile_m = {tile_m}"
+            )
+        want = self.strip_shape(m, k)
+        if tuple(u.shape) != want or u.dtype != a.dtype or not u.is_contiguous():
+            raise CodaInputError(
+                f"{self.name}: the strip must be a contiguous {a.dtype} tensor of shape {want}, "
+                f"got {u.dtype} {tuple(u.shape)}"
+            )
+
+    def expand(self, u: torch.Tensor, m: int, k: int) -> torch.Tensor:
+        """The interpreter's meaning: the (m, k) tensor of per-element scale values."""
+        gk = self.cols or self.tile_k
+        blocks = u if self._k_inner() else u.t()  # (m / rows, k-groups)
+        full = blocks.repeat_interleave(self.rows, dim=0).repeat_interleave(gk, dim=1)
+        return full[:m, :k]
+
+
 INPUTS = (RowLoad, ColLoad, TileC, TileLoad, GroupRstd, TileMaxLog2)
 SINKS = (RowPartials, ColPartials, OnlineLSE, ColSelect)
 
@@ -366,6 +435,7 @@ class EpilogueProgram:
     mode: str = "element"
     writes_d: bool = True
     prepass: Callable | None = None  # prepass(acc, **some inputs) -> {statistic name: value}
+    a_transform: ScaleA | None = None  # A scaled in the mainloop; its strip is an operand
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -396,6 +466,11 @@ class EpilogueProgram:
         stats = {p.name for p in self.inputs if p.from_prepass}
         if stats and self.prepass is None:
             raise ValueError(f"{self.fn.__name__}: {sorted(stats)} need a prepass")
+        if self.a_transform is not None:
+            if not isinstance(self.a_transform, ScaleA):
+                raise TypeError(f"{self.a_transform!r} is not an A-operand transform (ScaleA)")
+            if self.a_transform.name in declared or self.a_transform.name in params:
+                raise ValueError(f"{self.fn.__name__}: {self.a_transform.name!r} declared twice")
         if self.prepass is not None:
             pre = list(inspect.signature(self.prepass).parameters)
             if not pre or pre[0] != "acc" or not set(pre[1:]) <= inputs - stats:
@@ -415,11 +490,12 @@ class EpilogueProgram:
             self.mode,
             self.writes_d,
             tuple(p.cache_key() for p in (*self.inputs, *self.stores, *self.sinks)),
+            self.a_transform.cache_key() if self.a_transform else None,
         )
 
 
 def epilogue_program(
-    *, inputs=(), stores=(), sinks=(), mode="element", writes_d=True, prepass=None
+    *, inputs=(), stores=(), sinks=(), mode="element", writes_d=True, prepass=None, a_transform=None
 ):
     """Decorator: ``@epilogue_program(inputs=[...], ...)`` over ``fn(acc, ...)``."""
 
@@ -432,6 +508,7 @@ def epilogue_program(
             mode=mode,
             writes_d=writes_d,
             prepass=prepass,
+            a_transform=a_transform,
         )
 
     return wrap
