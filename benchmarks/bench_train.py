@@ -189,7 +189,9 @@ def lm_head_rows(liger) -> list[dict]:
     for d, V, quack_chunk in LM_HEAD_SHAPES:
         head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel")
         head_c = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="chunked")
-        head_c.gf, head_c.w_lm = head.gf, head.w_lm  # one set of weights, two programs
+        head_s = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="scaled_exp")
+        head_c.gf, head_c.w_lm = head.gf, head.w_lm  # one set of weights, three programs
+        head_s.gf, head_s.w_lm = head.gf, head.w_lm
         x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         t = torch.randint(0, V, (M,), device="cuda")
         t[::IGNORE_EVERY] = -100
@@ -204,6 +206,7 @@ def lm_head_rows(liger) -> list[dict]:
         variants = {
             "coda": (lambda: head(x, t), [head.gf, head.w_lm]),
             "coda_chunked": (lambda: head_c(x, t), [head.gf, head.w_lm]),
+            "coda_scaled_exp": (lambda: head_s(x, t), [head.gf, head.w_lm]),
             "torch_eager": (torch_loss, [gf, w_lin]),
             "torch_compile": (compiled, [gf, w_lin]),
             "quack_chunked_lce": (
@@ -268,7 +271,7 @@ def lm_head_rows(liger) -> list[dict]:
                     extra_peak_gib=extra,
                 )
             )
-        for name in ("coda", "coda_chunked"):
+        for name in ("coda", "coda_chunked", "coda_scaled_exp"):
 
             def step(fn=variants[name][0], params=variants[name][1]):
                 for p in (*params, x):

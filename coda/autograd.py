@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype, fused
+from coda.kernels.ce_scaled_exp import chunk_rows_scaled
 from coda.kernels.drope import drope_heads, head_rotation
 from coda.kernels.gemm_rope import cached_freq_table
 from coda.kernels.linear_cross_entropy import logits_row_sum
@@ -264,7 +265,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     logit); the backward recomputes the logits chunk by chunk over the vocabulary (4 GEMMs,
     least memory). ``method="chunked"`` (CE-C): the forward also forms the g = 1 gradients,
     chunk by chunk over tokens, and the backward scales them (3 GEMMs; with reduction "none"
-    the recompute program runs)."""
+    the recompute program runs). ``method="scaled_exp"`` (CE-S): as chunked, but the dX and
+    dW GEMMs read the forward's stored softmax numerators E through an A-operand transform
+    (``kernels/ce_scaled_exp.py``): no pass over the logits outside the GEMMs."""
+
+    METHODS = ("recompute", "chunked", "scaled_exp")
 
     @staticmethod
     def forward(
@@ -275,19 +280,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         y, r = fused(final_norm)(x2, gf, eps)
         ones = torch.ones_like(r)  # the row scale is already in y
         cfg = config_for(M, d, V)
-        if method == "chunked" and reduction == "none":
+        if method in ("chunked", "scaled_exp") and reduction == "none":
             # per-token losses need per-token weights in dW and dgamma, which the chunked
             # program (gradients formed at weight 1 in the forward) cannot apply
             method = "recompute"
         ctx.method = method
         logit_sum = logits_row_sum(y, w_lm) if smooth else None
         stats = dict(logit_sum=logit_sum, vocab=V, label_smoothing=smooth, z_loss=z_loss)
-        if method == "chunked":
+        if method in ("chunked", "scaled_exp"):
             weight = ce_row_weights(target, ignore_index, reduction, r.dtype)  # at g = 1
-            rows = chunk_rows(V)
-            lse, tl, G, S, dw = lib.lm_head_chunked(
-                y, w_lm, ones, target, weight, rows, cfg, smooth, z_loss
-            )
+            if method == "chunked":
+                rows, op = chunk_rows(V), lib.lm_head_chunked
+            else:
+                rows, op = chunk_rows_scaled(V), lib.lm_head_scaled
+            lse, tl, G, S, dw = op(y, w_lm, ones, target, weight, rows, cfg, smooth, z_loss)
             dx2, dgf = fused(final_norm_bwd_normed)(G.to(r.dtype), S, x2, gf, r)
             ctx.save_for_backward(dx2, dgf, dw)
             return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
@@ -300,7 +306,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         nones = (None,) * 8
-        if ctx.method == "chunked":
+        if ctx.method in ("chunked", "scaled_exp"):
             dx2, dgf, dw = ctx.saved_tensors
             gf_dtype = dx2.dtype
             return (dx2 * g.to(dx2.dtype), (dgf * g).to(gf_dtype), dw * g.to(dw.dtype), *nones)

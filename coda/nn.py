@@ -341,9 +341,11 @@ class LMHeadLoss(nn.Module):
 
     ``method`` picks the kernel path's cross-entropy program: "recompute" (CE-A, the default:
     the logits are recomputed in the backward, 4 GEMMs, least memory, any reduction; the
-    faster of the two at every shape measured, benchmarks/NOTES.md) or "chunked" (CE-C:
+    faster of the two at every shape measured, benchmarks/NOTES.md), "chunked" (CE-C:
     3 GEMMs, gradients formed in the forward chunk by chunk, an fp32 d x V gradient buffer;
-    with reduction "none" it runs the recompute program). The chunked program forms its
+    with reduction "none" it runs the recompute program) or "scaled_exp" (CE-S: as chunked,
+    but no pass over the logits outside the GEMMs; vocab a multiple of 128 on the kernel path;
+    built and proven on the CPU, not yet measured on the H200). The chunked programs form their
     gradients at an upstream gradient g = 1 and multiplies by g in the backward: exact for
     g = +-2^k (a mean loss, or one scaled for 2^k accumulation steps); any other g rounds
     the bf16 gradients a second time (up to ~2x PyTorch's error): use "recompute" there.
@@ -370,7 +372,7 @@ class LMHeadLoss(nn.Module):
         v.check_positive_int("vocab", vocab)
         v.check_positive_int("chunk", chunk)
         v.check_eps(eps)
-        v.check_choice("method", method, ("recompute", "chunked"))
+        v.check_choice("method", method, LinearCrossEntropyFunction.METHODS)
         v.check_choice("backend", backend, BACKENDS)
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise v.CodaInputError(f"ignore_index: must be an int, got {ignore_index!r}")
@@ -462,12 +464,14 @@ def lm_head_loss(
     v.check_activation("lm_head_loss", x, d, w_lm, ndim=(2, 3))
     v.check_vector("gamma", gamma, ("d", d))
     v.check_choice("reduction", reduction, v.REDUCTIONS)
-    v.check_choice("method", method, ("recompute", "chunked"))
+    v.check_choice("method", method, LinearCrossEntropyFunction.METHODS)
     label_smoothing, z_loss = v.check_ce_options(label_smoothing, z_loss)
     t = v.check_targets(target, x.shape[:-1], vocab, ignore_index)
     xf = x.reshape(-1, d)
     if resolve_backend("LMHeadLoss", backend, x.device, x.dtype) == "kernel":
         rule = _tma_rule(d=d, vocab=vocab)
+        if method == "scaled_exp" and vocab % 128:
+            rule = f"method 'scaled_exp' needs vocab % 128 == 0 (its strips), got {vocab}"
         if rule:
             raise v.CodaInputError(f"LMHeadLoss (kernel path): {rule}")
         loss = _kernel_lm_head_loss(

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from coda import _validate as v
+from coda.autograd import LinearCrossEntropyFunction
 from coda.nn import DecoderLayer, lm_head_loss
 
 SUPPORTED = ("LlamaForCausalLM", "LlamaModel", "Qwen3ForCausalLM", "Qwen3Model")
@@ -194,12 +195,13 @@ def apply_coda(model, *, method: str = "recompute"):
     """Patch a transformers Llama or Qwen3 model (``SUPPORTED``) in place; returns it.
 
     ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "recompute" (the default:
-    least memory, and the faster of the two on the H200 at every measured shape, see
-    benchmarks/NOTES.md) or "chunked". Each decoder layer becomes a ``CodaLlamaDecoderLayer``."""
+    least memory, and the faster of recompute and chunked on the H200 at every measured shape,
+    see benchmarks/NOTES.md), "chunked" or "scaled_exp" (not yet measured). Each decoder layer
+    becomes a ``CodaLlamaDecoderLayer``."""
     name = type(model).__name__
     if name not in SUPPORTED:
         raise v.CodaInputError(f"apply_coda: {name} is not supported ({', '.join(SUPPORTED)})")
-    v.check_choice("method", method, ("recompute", "chunked"))
+    v.check_choice("method", method, LinearCrossEntropyFunction.METHODS)
     base = model.model if name.endswith("ForCausalLM") else model
     config = model.config
     _check_config(config, base.rotary_emb)

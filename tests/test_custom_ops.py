@@ -75,6 +75,17 @@ def op_samples():
             0.1,
             1e-3,
         ),
+        "lm_head_scaled": (  # V a multiple of 128 (its strips)
+            _r(M, d),
+            _r(d, 128),
+            torch.ones(M),
+            t,
+            torch.rand(M),
+            128,
+            CFG,
+            0.1,
+            1e-3,
+        ),
     }
 
 
@@ -89,16 +100,18 @@ def test_every_op_is_sampled():
 
 
 @pytest.mark.parametrize(
-    "method,qk_norm", [("recompute", False), ("chunked", False), ("recompute", True)]
+    "method,qk_norm",
+    [("recompute", False), ("chunked", False), ("scaled_exp", False), ("recompute", True)],
 )
 def test_compiled_kernel_path_equals_eager_float64(method, qk_norm):
     torch.manual_seed(0)
     F64 = torch.float64
+    V = 128  # a multiple of 128 for scaled_exp's strips
     layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64, qk_norm=qk_norm)
-    head = cnn.LMHeadLoss(40, 96, method=method, chunk=50, dtype=F64, label_smoothing=0.1)
+    head = cnn.LMHeadLoss(40, V, method=method, chunk=50, dtype=F64, label_smoothing=0.1)
     params = [*layer.parameters(), *head.parameters()]
     x = torch.randn(2, 9, 40, dtype=F64, requires_grad=True)
-    t = torch.randint(0, 96, (18,))
+    t = torch.randint(0, V, (18,))
     t[::4] = -100
 
     def step(x):

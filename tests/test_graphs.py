@@ -24,7 +24,7 @@ def _capture(step):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["recompute", "chunked"])
+@pytest.mark.parametrize("method", ["recompute", "chunked", "scaled_exp"])
 def test_gpu_graph_replay_equals_eager_step(method):
     torch.manual_seed(0)
     layer = cnn.DecoderLayer(1024, 8, 4, 2816, device="cuda")

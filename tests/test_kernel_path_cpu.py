@@ -52,11 +52,14 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("method", ["recompute", "chunked"])
+@pytest.mark.parametrize("method", ["recompute", "chunked", "scaled_exp"])
 def test_lm_head_kernel_sequence_equals_reference_float64(seed, method):
     rng = random.Random(seed)
     d, V, M = rng.randrange(2, 50), rng.randrange(2, 300), rng.randrange(1, 70)
+    if method == "scaled_exp":  # its vocabulary is a multiple of 128
+        V = -(-V // 128) * 128
     reduction = rng.choice(["mean", "sum"] + (["none"] if method == "recompute" else []))
+    reduction = "none" if method == "scaled_exp" and seed == 3 else reduction  # via recompute
     torch.manual_seed(seed)
     head = cnn.LMHeadLoss(d, V, method=method, chunk=rng.choice([7, 64, 16384]), dtype=F64)
     with torch.no_grad():

@@ -38,6 +38,7 @@ from coda.primitives import (
 )
 
 LOG2E = 1.0 / math.log(2.0)
+STRIP = 64  # vocabulary columns per strip value: the transform's k-tile in dx, 64 rows in dW
 
 
 def _row_logits(acc, rstd):
@@ -56,12 +57,12 @@ def scaled_exp_logits(acc, rstd, k):
 
 
 def scaled_exp_config(v: int, config: GemmConfig) -> GemmConfig:
-    """``config`` with a tile_n that divides V (192, 128, 256 or 64, in that order of
-    preference); raises when none does."""
+    """``config`` with a tile_n that divides V and is a multiple of the strip's 64 columns
+    (its own, else 192, 128, 256 or 64, in that order); raises when none does."""
     from dataclasses import replace
 
     for tn in (config.tile_n, 192, 128, 256, 64):
-        if v % tn == 0:
+        if v % tn == 0 and tn % STRIP == 0:
             return replace(config, tile_n=tn)
     raise ValueError(f"V = {v}: the scaled-exp LM head needs V divisible by 64")
 
@@ -119,7 +120,6 @@ def scaled_exp_reference(a, w_lm, rstd, target, tile_n: int):
 # The glue gives, per row m, the softmax gradient's E' (E with the target entry fixed) and a
 # strip u[b, m] = 2^(k[m, t(b)] - K[m]) per 64-column block b of the vocabulary (exact powers of
 # two, bf16), so that dl = c_m * u * E' / r_m with c the per-row fp32 factor r w v.
-STRIP = 64  # vocabulary columns per strip value: the transform's k-tile in dx, 64 rows in dW
 
 
 @epilogue_program(inputs=[ColLoad("row_scale")], a_transform=ScaleA("u", tile_k=STRIP))
@@ -190,7 +190,7 @@ def scaled_glue(sum_exp, k, tl, target, rstd, weight, a, tile_n: int, z_loss, sm
     c = rstd * weight * v
     uk = torch.exp2(k - K[:, None])  # (C, T_N): exact powers of two
     u = uk.repeat_interleave(tile_n // STRIP, dim=1).t().contiguous().to(a.dtype)
-    V = u.shape[0] * STRIP
+    V = k.shape[1] * tile_n
     y = target.clamp(0, V - 1).long()
     u_y = uk.gather(1, (y // tile_n)[:, None])[:, 0]
     # alpha p_y - (1 - eps), with p_y - 1 = expm1(l_y - lse): no cancellation near p_y = 1

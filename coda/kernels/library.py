@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from coda.kernels import ce_scaled_exp as _cse
 from coda.kernels import dswiglu as _dsw
 from coda.kernels import gemm_residual_rms as _grr
 from coda.kernels import gemm_rmsnorm_gemm as _rg
@@ -264,7 +265,7 @@ def _lm_head_chunked(
 
 
 @_lm_head_chunked.register_fake
-def _(a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss):
+def _lm_head_chunked_fake(a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss):
     M, d, acc = a.shape[0], a.shape[1], acc_dtype(a)
     stat = _empty(M, like=a, dtype=acc)
     return (
@@ -274,6 +275,26 @@ def _(a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss):
         torch.empty_like(stat),
         (torch.empty_like(w)),
     )
+
+
+@torch.library.custom_op("coda::lm_head_scaled", mutates_args=())
+def _lm_head_scaled(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    rstd: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor,
+    rows: int,
+    cfg: list[int],
+    label_smoothing: float,
+    z_loss: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _cse.linear_cross_entropy_scaled(
+        a, w, rstd, target, weight, rows, _gc(cfg), label_smoothing=label_smoothing, z_loss=z_loss
+    )
+
+
+_lm_head_scaled.register_fake(_lm_head_chunked_fake)
 
 
 # -- what coda.autograd calls: the kernel directly, or the op while torch.compile traces --------
@@ -337,6 +358,12 @@ lm_head_chunked = _either(
         a, w, r, t, wt, rows, c, label_smoothing=ls, z_loss=z
     ),
 )
+lm_head_scaled = _either(
+    lambda a, w, r, t, wt, rows, c, ls, z: _lm_head_scaled(a, w, r, t, wt, rows, _cfg(c), ls, z),
+    lambda a, w, r, t, wt, rows, c, ls, z: _cse.linear_cross_entropy_scaled(
+        a, w, r, t, wt, rows, c, label_smoothing=ls, z_loss=z
+    ),
+)
 
 # every op, for tests (opcheck) and reports
 OPS = {
@@ -353,4 +380,5 @@ OPS = {
     "wgrad_gamma_rows": _wgrad_gamma_rows,
     "lm_head_bwd": _lm_head_bwd,
     "lm_head_chunked": _lm_head_chunked,
+    "lm_head_scaled": _lm_head_scaled,
 }
