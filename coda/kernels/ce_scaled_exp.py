@@ -245,8 +245,12 @@ def linear_cross_entropy_scaled(
         lse_c, u, c, xs, hot = glue(
             sum_exp, k, tl_c, t_c, r_c, w_c, a_c, cfg.tile_n, z_loss, label_smoothing
         )
-        valid = (t_c >= 0) & (t_c < V)  # E' = E with each valid row's target entry replaced
-        e[torch.arange(C, device=a.device)[valid], t_c[valid].long()] = hot[valid].to(e.dtype)
+        # E' = E with each valid row's target entry replaced (every row written: no boolean
+        # indexing, so no host sync; other rows write back their own entry)
+        valid = (t_c >= 0) & (t_c < V)
+        y = t_c.clamp(0, V - 1).long()
+        r_idx = torch.arange(C, device=a.device)
+        e[r_idx, y] = torch.where(valid, hot.to(e.dtype), e[r_idx, y])
         G_c = torch.empty(C, d, dtype=acc, device=a.device)
         scaled_grad_dx_kernel(e, w_lm, u, c, G_c)
         scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
