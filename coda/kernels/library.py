@@ -239,33 +239,7 @@ def _(a, w, rstd, lse, tl, target, scale, chunk, cfg, hot, shift):
     return _empty(M, d, like=a, dtype=acc), _empty(M, like=a, dtype=acc), _empty(d, V, like=a)
 
 
-@torch.library.custom_op("coda::lm_head_chunked", mutates_args=())
-def _lm_head_chunked(
-    a: torch.Tensor,
-    w: torch.Tensor,
-    rstd: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor,
-    rows: int,
-    cfg: list[int],
-    label_smoothing: float,
-    z_loss: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _cec.linear_cross_entropy_chunked(
-        a,
-        w,
-        rstd,
-        target,
-        weight,
-        rows,
-        _gc(cfg),
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-    )
-
-
-@_lm_head_chunked.register_fake
-def _lm_head_chunked_fake(a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss):
+def _lm_head_gradients_fake(a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss):
     M, d, acc = a.shape[0], a.shape[1], acc_dtype(a)
     stat = _empty(M, like=a, dtype=acc)
     return (
@@ -277,24 +251,33 @@ def _lm_head_chunked_fake(a, w, rstd, target, weight, rows, cfg, label_smoothing
     )
 
 
-@torch.library.custom_op("coda::lm_head_scaled", mutates_args=())
-def _lm_head_scaled(
-    a: torch.Tensor,
-    w: torch.Tensor,
-    rstd: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor,
-    rows: int,
-    cfg: list[int],
-    label_smoothing: float,
-    z_loss: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _cse.linear_cross_entropy_scaled(
-        a, w, rstd, target, weight, rows, _gc(cfg), label_smoothing=label_smoothing, z_loss=z_loss
-    )
+def _lm_head_gradients_op(name: str, program):
+    """The custom op of an LM-head program that forms its g = 1 gradients in the forward
+    (CE-C, CE-S): (lse, target logit, G, S, dW) with one schema."""
+
+    @torch.library.custom_op(f"coda::{name}", mutates_args=())
+    def op(
+        a: torch.Tensor,
+        w: torch.Tensor,
+        rstd: torch.Tensor,
+        target: torch.Tensor,
+        weight: torch.Tensor,
+        rows: int,
+        cfg: list[int],
+        label_smoothing: float,
+        z_loss: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg_ = _gc(cfg)
+        return program(
+            a, w, rstd, target, weight, rows, cfg_, label_smoothing=label_smoothing, z_loss=z_loss
+        )
+
+    op.register_fake(_lm_head_gradients_fake)
+    return op
 
 
-_lm_head_scaled.register_fake(_lm_head_chunked_fake)
+_lm_head_chunked = _lm_head_gradients_op("lm_head_chunked", _cec.linear_cross_entropy_chunked)
+_lm_head_scaled = _lm_head_gradients_op("lm_head_scaled", _cse.linear_cross_entropy_scaled)
 
 
 # -- what coda.autograd calls: the kernel directly, or the op while torch.compile traces --------
@@ -352,18 +335,19 @@ lm_head_bwd = _either(
         _ceb.linear_cross_entropy_bwd_kernel(a, w, r, lse, tl, t, s, chunk, c, hot=hot, shift=shift)
     ),
 )
-lm_head_chunked = _either(
-    lambda a, w, r, t, wt, rows, c, ls, z: _lm_head_chunked(a, w, r, t, wt, rows, _cfg(c), ls, z),
-    lambda a, w, r, t, wt, rows, c, ls, z: _cec.linear_cross_entropy_chunked(
-        a, w, r, t, wt, rows, c, label_smoothing=ls, z_loss=z
-    ),
-)
-lm_head_scaled = _either(
-    lambda a, w, r, t, wt, rows, c, ls, z: _lm_head_scaled(a, w, r, t, wt, rows, _cfg(c), ls, z),
-    lambda a, w, r, t, wt, rows, c, ls, z: _cse.linear_cross_entropy_scaled(
-        a, w, r, t, wt, rows, c, label_smoothing=ls, z_loss=z
-    ),
-)
+
+
+def _lm_head_gradients(op, program):
+    return _either(
+        lambda a, w, r, t, wt, rows, c, ls, z: op(a, w, r, t, wt, rows, _cfg(c), ls, z),
+        lambda a, w, r, t, wt, rows, c, ls, z: program(
+            a, w, r, t, wt, rows, c, label_smoothing=ls, z_loss=z
+        ),
+    )
+
+
+lm_head_chunked = _lm_head_gradients(_lm_head_chunked, _cec.linear_cross_entropy_chunked)
+lm_head_scaled = _lm_head_gradients(_lm_head_scaled, _cse.linear_cross_entropy_scaled)
 
 # every op, for tests (opcheck) and reports
 OPS = {
