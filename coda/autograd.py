@@ -258,6 +258,9 @@ def decoder_layer(
     return MLP.apply(x1, a1, r1, g2, w_il, w_d)
 
 
+LM_HEAD_METHODS = ("recompute", "chunked", "scaled_exp")  # LinearCrossEntropyFunction's
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Final RMSNorm + LM head + cross-entropy, logits never stored whole.
 
@@ -268,8 +271,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     the recompute program runs). ``method="scaled_exp"`` (CE-S): as chunked, but the dX and
     dW GEMMs read the forward's stored softmax numerators E through an A-operand transform
     (``kernels/ce_scaled_exp.py``): no pass over the logits outside the GEMMs."""
-
-    METHODS = ("recompute", "chunked", "scaled_exp")
 
     @staticmethod
     def forward(

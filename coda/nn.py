@@ -24,7 +24,12 @@ from torch import nn
 
 from coda import _validate as v
 from coda import layouts
-from coda.autograd import LayerDims, LinearCrossEntropyFunction, decoder_layer
+from coda.autograd import (
+    LM_HEAD_METHODS,
+    LayerDims,
+    LinearCrossEntropyFunction,
+    decoder_layer,
+)
 from coda.env import BACKENDS, resolve_backend
 from coda.kernels.gemm_rope import rope_freq_table_from_inv
 from coda.reference.cross_entropy import cross_entropy_ref
@@ -372,7 +377,7 @@ class LMHeadLoss(nn.Module):
         v.check_positive_int("vocab", vocab)
         v.check_positive_int("chunk", chunk)
         v.check_eps(eps)
-        v.check_choice("method", method, LinearCrossEntropyFunction.METHODS)
+        v.check_choice("method", method, LM_HEAD_METHODS)
         v.check_choice("backend", backend, BACKENDS)
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise v.CodaInputError(f"ignore_index: must be an int, got {ignore_index!r}")
@@ -464,7 +469,7 @@ def lm_head_loss(
     v.check_activation("lm_head_loss", x, d, w_lm, ndim=(2, 3))
     v.check_vector("gamma", gamma, ("d", d))
     v.check_choice("reduction", reduction, v.REDUCTIONS)
-    v.check_choice("method", method, LinearCrossEntropyFunction.METHODS)
+    v.check_choice("method", method, LM_HEAD_METHODS)
     label_smoothing, z_loss = v.check_ce_options(label_smoothing, z_loss)
     t = v.check_targets(target, x.shape[:-1], vocab, ignore_index)
     xf = x.reshape(-1, d)

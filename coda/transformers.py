@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from coda import _validate as v
-from coda.autograd import LinearCrossEntropyFunction
+from coda.autograd import LM_HEAD_METHODS
 from coda.nn import DecoderLayer, lm_head_loss
 
 SUPPORTED = ("LlamaForCausalLM", "LlamaModel", "Qwen3ForCausalLM", "Qwen3Model")
@@ -201,7 +201,7 @@ def apply_coda(model, *, method: str = "recompute"):
     name = type(model).__name__
     if name not in SUPPORTED:
         raise v.CodaInputError(f"apply_coda: {name} is not supported ({', '.join(SUPPORTED)})")
-    v.check_choice("method", method, LinearCrossEntropyFunction.METHODS)
+    v.check_choice("method", method, LM_HEAD_METHODS)
     base = model.model if name.endswith("ForCausalLM") else model
     config = model.config
     _check_config(config, base.rotary_emb)
