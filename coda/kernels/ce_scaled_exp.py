@@ -251,10 +251,13 @@ def linear_cross_entropy_scaled(
         y = t_c.clamp(0, V - 1).long()
         r_idx = torch.arange(C, device=a.device)
         e[r_idx, y] = torch.where(valid, hot.to(e.dtype), e[r_idx, y])
-        G_c = torch.empty(C, d, dtype=acc, device=a.device)
+        # dX straight into G's rows, except for a padded last chunk
+        G_c = G[R] if C == n else torch.empty(C, d, dtype=acc, device=a.device)
         scaled_grad_dx_kernel(e, w_lm, u, c, G_c)
         scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
-        G[R], lse[R], tl[R] = G_c[:n], lse_c[:n], tl_c[:n]
+        lse[R], tl[R] = lse_c[:n], tl_c[:n]
+        if C != n:
+            G[R] = G_c[:n]
         if label_smoothing:
             smooth_sum += (r_c * w_c) @ a_c.to(acc)
     if label_smoothing:  # the uniform -eps/V of every dl: rank-1 in both gradients
