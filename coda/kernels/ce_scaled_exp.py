@@ -1,5 +1,6 @@
-"""The scaled-exp LM-head GEMM: softmax numerators stored with power-of-two row offsets, the
-first kernel of the three-GEMM cross-entropy design in benchmarks/NOTES.md (issue 9, "CE-S").
+"""CE-S, the three-GEMM LM head + cross-entropy (issue 9; design and traffic model in
+benchmarks/NOTES.md): softmax numerators stored with power-of-two row offsets, read back by
+the two gradient GEMMs through an A-operand transform. GEMM1:
 
     acc = a @ W_lm                       a = x * gamma_f, W_lm (d x V)
     l   = rstd * acc                     VEC-LD COL rstd (the final norm's deferred row scale)
@@ -10,13 +11,20 @@ first kernel of the three-GEMM cross-entropy design in benchmarks/NOTES.md (issu
 
 From them, with K[m] = max_t k[m, t]:  lse[m] = ln 2 * (K + log2 sum_t 2^(k - K) s)
 (``lse_from_scaled``), and softmax p[m, n] = 2^(k[m, t] - K[m]) * v[m] * E[m, n] with the
-per-row v = 2^K e^-lse: a power of two per (row, N-tile) times a per-row fp32 factor. That is
-what lets the two backward GEMMs read E itself (scaled per (row, k-tile) on the way into the
-mainloop, an A-operand transform; not built yet, NOTES.md) instead of a dlogits tensor.
+per-row v = 2^K e^-lse: a power of two per (row, N-tile) times a per-row fp32 factor. So
+the gradient GEMMs read E itself, scaled per (row, 64 columns) on its way into the mainloop
+(``ScaleA``), instead of a dlogits tensor:
 
-The tile must cover whole N-tiles of V (tile_n | V): the maximum is over the tile's own
-columns, which a ragged last tile would pad with zeros. Oracle: ``scaled_exp_reference``.
-Tests: tests/test_ce_scaled_exp.py (float64 through the interpreter, sm_90a compile).
+    glue  u[b, m] = 2^(k[m, t(b)] - K[m]) (bf16 strip), c = r w v, xs = c a, and E's target
+          entry replaced so that u v E' = alpha p - (1 - eps) onehot   (``scaled_glue``)
+    dX    G = c (.) ((u (.) E') @ W^T)        fp32, the final norm's backward follows
+    dW    dW^T (+)= (u (.) E')^T @ xs         fp32, TMA reduce-add over token chunks
+
+GEMM1's tile must cover whole N-tiles of V (tile_n | V): the maximum is over the tile's own
+columns, which a ragged last tile would pad with zeros; the strips need V % 128 == 0.
+Oracles: ``scaled_exp_reference`` (GEMM1) and autograd through the canonical loss (the
+method). Tests: tests/test_ce_scaled_exp.py (float64 through the interpreter, sm_90a compile);
+GPU: the LM-head tests' "scaled_exp" cases. Not yet run on the H200.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from coda.primitives import (
 
 LOG2E = 1.0 / math.log(2.0)
 STRIP = 64  # vocabulary columns per strip value: the transform's k-tile in dx, 64 rows in dW
+U_FLOOR = 100  # strips hold 2^(k - K) >= 2^-100: normal in bf16, whose floor is 2^-126
 
 
 def _row_logits(acc, rstd):
@@ -97,11 +106,17 @@ def scaled_exp_logits_kernel(a, w_lm, rstd, target, config: GemmConfig, dry=Fals
     return e, outputs["sum_exp"], outputs["k_tile"], outputs["target_logit"]
 
 
-def lse_from_scaled(sum_exp, k):
-    """lse[m] = ln 2 * (K + log2 sum_t 2^(k[m, t] - K) s[m, t]), K = max_t k[m, t]: every
-    term <= the largest partial, nothing overflows."""
+def scaled_total(sum_exp, k):
+    """(K, T): K[m] = max_t k[m, t] and T[m] = sum_t 2^(k[m, t] - K) s[m, t] = 2^-K sum_n e^l,
+    in [1, V sqrt 2]: the softmax denominator with its power of two split off."""
     K = k.amax(dim=1, keepdim=True)
-    return math.log(2.0) * (K[:, 0] + torch.log2((torch.exp2(k - K) * sum_exp).sum(dim=1)))
+    return K[:, 0], (torch.exp2(k - K) * sum_exp).sum(dim=1)
+
+
+def lse_from_scaled(sum_exp, k):
+    """lse[m] = ln 2 * (K + log2 T) (``scaled_total``): nothing overflows, however large."""
+    K, T = scaled_total(sum_exp, k)
+    return math.log(2.0) * (K + torch.log2(T))
 
 
 def scaled_exp_reference(a, w_lm, rstd, target, tile_n: int):
@@ -180,15 +195,18 @@ def chunk_rows_scaled(vocab: int) -> int:
 def scaled_glue(sum_exp, k, tl, target, rstd, weight, a, tile_n: int, z_loss, smoothing):
     """Per row, from GEMM1's partials (C x T_N values, no pass over C x V): lse, the strip
     u (V / 64, C) bf16 = 2^(k - K) per 64-column block, the per-row factor c = r w v (fp32;
-    v = 2^K e^-lse (1 + 2 z lse)), xs = c a (bf16: dW's B operand), and the target entry's
+    v = 2^K e^-lse (1 + 2 z lse)), xs = c a (bf16: dW's B operand), and the value of the
     target entry E'_y with u_y v E'_y = alpha p_y - (1 - eps) (label smoothing eps; its
     uniform -eps / V share of every entry is a rank-1 term the caller adds)."""
-    lse = lse_from_scaled(sum_exp, k)
-    K = k.amax(dim=1)
+    K, T = scaled_total(sum_exp, k)
+    lse = math.log(2.0) * (K + torch.log2(T))
     alpha = 1.0 + 2.0 * z_loss * lse if z_loss else torch.ones_like(lse)
-    v = torch.exp2(K) * torch.exp(-lse) * alpha
+    v = alpha / T  # 2^K e^-lse alpha, without forming 2^K (which overflows fp32 past K = 127)
     c = rstd * weight * v
-    uk = torch.exp2(k - K[:, None])  # (C, T_N): exact powers of two
+    # (C, T_N): exact powers of two, floored at 2^-100 so that bf16 holds them (a tile whose
+    # max is > 69 nats under the row's then reads p 2^30 x too large: < 1e-30, and its
+    # target entry below stays finite and exact, being formed with the same u)
+    uk = torch.exp2((k - K[:, None]).clamp(min=-U_FLOOR))
     u = uk.repeat_interleave(tile_n // STRIP, dim=1).t().contiguous().to(a.dtype)
     V = k.shape[1] * tile_n
     y = target.clamp(0, V - 1).long()
