@@ -1,0 +1,158 @@
+"""CPU models of the GPU's numerics, the evidence behind benchmarks/NOTES.md's CPU-only claims.
+
+The kernel path runs on the CPU through the tile interpreter (``coda.kernels._launch``); in
+bf16 it rounds every stored tile once, as the kernels do, so CODA's error protocol (error
+against float64, divided by the plain PyTorch bf16 path's) can be estimated before device time
+is spent. Not a substitute for the H200 runs: attention is math SDPA here, GEMMs accumulate in
+fp32 on the CPU's own order.
+
+    python benchmarks/cpu_numerics.py lm-head      # LMHeadLoss methods vs PyTorch bf16
+    python benchmarks/cpu_numerics.py qk-short     # DecoderLayer q/k/v weight gradients,
+                                                   #   the GPU fuzz's short-sequence cases
+    python benchmarks/cpu_numerics.py hf           # patched HF Llama / Qwen3, loss + grads
+    python benchmarks/cpu_numerics.py dw-neff      # effective samples of an LM head's dW
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import random
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+BF = torch.bfloat16
+
+
+def _kernel_path_on_cpu():
+    """Route the modules' 'auto' backend to the kernel path (the interpreter on CPU)."""
+    import coda.nn as cnn
+
+    cnn.resolve_backend = lambda *a, **k: "kernel"
+
+
+def lm_head(seeds=3):
+    from conftest import fro_err
+    from test_fuzz import canonical_head
+
+    import coda.nn as cnn
+
+    M, d, V = 1024, 256, 2048
+    for method in ("recompute", "chunked", "scaled_exp"):
+        for seed in range(seeds):
+            torch.manual_seed(seed)
+            head = cnn.LMHeadLoss(d, V, method=method, dtype=BF)
+            with torch.no_grad():
+                head.gf.add_(0.1 * torch.randn_like(head.gf))
+                head.w_lm.normal_(std=2 * d**-0.5)
+            x = torch.randn(M, d, dtype=BF, requires_grad=True)
+            t = torch.randint(0, V, (M,))
+            t[::7] = -100
+            loss = head._kernel_loss(x, t, "mean")
+            loss.backward()
+            got = (loss.detach(), x.grad, head.gf.grad, head.w_lm.grad.t())
+            one = torch.tensor(1.0, dtype=torch.float64)
+            ref = canonical_head(copy.deepcopy(head).double(), x.detach().double(), t, "mean", one)
+            peer = canonical_head(head, x.detach(), t, "mean", torch.tensor(1.0))
+            ratios = [fro_err(a, b) / max(fro_err(c, b), 1e-30) for a, b, c in zip(got, ref, peer)]
+            print(
+                f"lm-head {method:10s} seed {seed}: "
+                + " ".join(f"{n} {r:.3f}" for n, r in zip(("loss", "dx", "dgamma", "dW"), ratios))
+            )
+
+
+def qk_short(limit=25):
+    from conftest import fro_err
+    from test_fuzz import canonical_layer, hf_layer_grads, layer_case, randn
+
+    shown = 0
+    for case in range(200):
+        rng, g = random.Random(10_000 + case), torch.Generator().manual_seed(case)
+        layer, x = layer_case(rng, g, BF, "cpu", big=True)
+        B, S, d = x.shape
+        if S > 17 or S < 2:
+            continue
+        dy = randn(g, *x.shape, dtype=BF, device="cpu")
+        x.requires_grad_(True)
+        layer._kernel_forward(x).backward(dy)
+        got = hf_layer_grads(layer)
+        _, _, g64 = canonical_layer(copy.deepcopy(layer).double(), x.detach().double(), dy.double())
+        _, _, g16 = canonical_layer(layer, x.detach(), dy)
+        keys = [f"self_attn.{p}_proj.weight" for p in "qkv"]
+        ratios = {k[10]: fro_err(got[k], g64[k]) / fro_err(g16[k], g64[k]) for k in keys}
+        print(
+            f"qk-short case {case} x {tuple(x.shape)} heads {layer.n_heads}/{layer.n_kv_heads}: "
+            + " ".join(f"{k} {r:.3f}" for k, r in ratios.items())
+        )
+        shown += 1
+        if shown >= limit:
+            break
+
+
+def hf(seeds=4):
+    from conftest import fro_err
+    from test_transformers import _step, model_class, tiny_config
+
+    import coda.transformers as ct
+
+    _kernel_path_on_cpu()
+    for family in ("llama", "qwen3"):
+        for seed in range(seeds):
+            shape = dict(
+                hidden_size=256,
+                intermediate_size=512,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=1024,
+                num_hidden_layers=2,
+            )
+            cfg = tiny_config(family, **shape, **({"head_dim": 64} if family == "qwen3" else {}))
+            torch.manual_seed(seed)
+            ref = model_class(cfg)(cfg).to(BF)
+            ref64 = copy.deepcopy(ref).double()
+            patched = ct.apply_coda(copy.deepcopy(ref))
+            ids = torch.randint(0, cfg.vocab_size, (4, 256))
+            mask = torch.ones_like(ids)
+            mask[1, :37] = 0
+            batch = dict(
+                input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)
+            )
+            l64, l16, lc = (_step(m, **batch) for m in (ref64, ref, patched))
+            g64 = {n: p.grad for n, p in ref64.named_parameters()}
+            g16 = {n: p.grad for n, p in ref.named_parameters()}
+            gc = ct.hf_gradients(patched)
+            floor = 2.0**-9 / int((batch["labels"] != -100).sum()) ** 0.5
+            worst = max(
+                ((n, fro_err(gc[n], g) / fro_err(g16[n], g)) for n, g in g64.items()),
+                key=lambda kv: kv[1],
+            )
+            print(
+                f"hf {family} seed {seed}: loss err coda {fro_err(lc, l64):.3g} "
+                f"torch {fro_err(l16, l64):.3g} (scalar floor {floor:.3g}); "
+                f"worst gradient ratio {worst[1]:.3f} ({worst[0]})"
+            )
+
+
+def dw_neff():
+    torch.manual_seed(0)
+    M, d, V = 3917, 1880, 8192
+    x = torch.randn(M, d)
+    w = torch.randn(V, d) / d**0.5
+    p = torch.softmax(x @ w.t(), -1)
+    t = torch.randint(0, V, (M,))
+    p[torch.arange(M), t] -= 1
+    r2 = (p.t() @ x).double().pow(2)
+    n_eff = float(r2.sum() ** 2 / r2.pow(2).sum())
+    print(f"dw-neff: LM head dW {V} x {d}: n_eff {n_eff:.4g} of {V * d} entries")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=("lm-head", "qk-short", "hf", "dw-neff"))
+    what = ap.parse_args().what
+    {"lm-head": lm_head, "qk-short": qk_short, "hf": hf, "dw-neff": dw_neff}[what]()
