@@ -221,8 +221,11 @@ def model_rows(liger) -> list[dict]:
         coda_ckpt = copy.deepcopy(coda_model)
         coda_ckpt.checkpoint = True  # activation checkpointing per layer (issue 11)
         coda_compiled = torch.compile(copy.deepcopy(coda_model))  # coda under torch.compile
+        coda_scaled = copy.deepcopy(coda_model)
+        coda_scaled.head.method = "scaled_exp"  # CE-S, the three-GEMM LM head (issue 9)
         peers = {
             "coda": coda_model,
+            "coda_scaled_exp": coda_scaled,
             "coda_checkpointed": coda_ckpt,
             "coda_compile": coda_compiled,
             "torch_eager": TorchLlama.of(coda_model),
