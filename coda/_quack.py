@@ -13,6 +13,8 @@ What is used, and why:
   ``coda.primitives`` program (``coda/primitives/lowering.py``);
 - ``pack`` / ``unpack`` / ``pexp`` / ``pexp2`` / ``sigmoid``: trace-time math on accumulator
   values;
+- ``operand_transform.a_transform`` / ``host.transform_a_operand``: the mainloop's A-operand
+  value transform and its strip bundle, the lowering of coda's ``ScaleA`` (CE-S);
 - ``identity_epi``: the same mainloop with an empty epilogue, the "raw GEMM" ceiling;
 - ``_compile_gemm_epi``'s jit cache: proof that a compile happened on a GPU-less machine.
 """
