@@ -96,37 +96,12 @@ def qk_short(limit=25):
 
 def hf(seeds=4):
     from conftest import fro_err
-    from test_transformers import _step, model_class, tiny_config
-
-    import coda.transformers as ct
+    from test_transformers import protocol_run
 
     _kernel_path_on_cpu()
     for family in ("llama", "qwen3"):
         for seed in range(seeds):
-            shape = dict(
-                hidden_size=256,
-                intermediate_size=512,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=1024,
-                num_hidden_layers=2,
-            )
-            cfg = tiny_config(family, **shape, **({"head_dim": 64} if family == "qwen3" else {}))
-            torch.manual_seed(seed)
-            ref = model_class(cfg)(cfg).to(BF)
-            ref64 = copy.deepcopy(ref).double()
-            patched = ct.apply_coda(copy.deepcopy(ref))
-            ids = torch.randint(0, cfg.vocab_size, (4, 256))
-            mask = torch.ones_like(ids)
-            mask[1, :37] = 0
-            batch = dict(
-                input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)
-            )
-            l64, l16, lc = (_step(m, **batch) for m in (ref64, ref, patched))
-            g64 = {n: p.grad for n, p in ref64.named_parameters()}
-            g16 = {n: p.grad for n, p in ref.named_parameters()}
-            gc = ct.hf_gradients(patched)
-            floor = 2.0**-9 / int((batch["labels"] != -100).sum()) ** 0.5
+            (l64, l16, lc), (g64, g16, gc), floor = protocol_run(family, "cpu", seed)
             worst = max(
                 ((n, fro_err(gc[n], g) / fro_err(g16[n], g)) for n, g in g64.items()),
                 key=lambda kv: kv[1],

@@ -258,14 +258,11 @@ def test_unsupported_models_and_configs_are_named():
         ct.apply_coda(model_class(qwen)(qwen))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_gpu_patched_model_protocol(family):
-    """H200: a patched bf16 Llama / Qwen3 (coda's kernels, HF's sdpa) against the unpatched
-    bf16 model, both against a float64 copy: loss and every gradient no worse than the
-    unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask."""
-    from conftest import fro_err, tie_band
-
+def protocol_run(family: str, device: str, seed: int = 0):
+    """One training step of a 2-layer bf16 ``family`` model, unpatched, patched by coda and as a
+    float64 copy, with a padding mask: ((loss64, loss16, loss_coda), (g64, g16, g_coda), the
+    scalar loss's error floor 2^-9 / sqrt(rows)). The GPU protocol test and
+    ``benchmarks/cpu_numerics.py hf`` (the CPU bf16 model of the same run) share it."""
     shape = dict(
         hidden_size=256,
         intermediate_size=512,
@@ -275,19 +272,30 @@ def test_gpu_patched_model_protocol(family):
         num_hidden_layers=2,
     )
     cfg = tiny_config(family, **shape, **({"head_dim": 64} if family == "qwen3" else {}))
-    torch.manual_seed(0)
-    ref = model_class(cfg)(cfg).to("cuda", torch.bfloat16)
+    torch.manual_seed(seed)
+    ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
     ref64 = copy.deepcopy(ref).double()
     patched = ct.apply_coda(copy.deepcopy(ref))
-    ids = torch.randint(0, cfg.vocab_size, (4, 256), device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (4, 256), device=device)
     mask = torch.ones_like(ids)
     mask[1, :37] = 0
     batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-    loss64, loss16, loss_c = (_step(m, **batch) for m in (ref64, ref, patched))
+    losses = tuple(_step(m, **batch) for m in (ref64, ref, patched))
     g64 = {n: p.grad for n, p in ref64.named_parameters()}
     g16 = {n: p.grad for n, p in ref.named_parameters()}
-    gc = ct.hf_gradients(patched)
     floor = 2.0**-9 / int((batch["labels"] != -100).sum()) ** 0.5
+    return losses, (g64, g16, ct.hf_gradients(patched)), floor
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_patched_model_protocol(family):
+    """H200: a patched bf16 Llama / Qwen3 (coda's kernels, HF's sdpa) against the unpatched
+    bf16 model, both against a float64 copy: loss and every gradient no worse than the
+    unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask."""
+    from conftest import fro_err, tie_band
+
+    (loss64, loss16, loss_c), (g64, g16, gc), floor = protocol_run(family, "cuda")
     assert max(fro_err(loss_c, loss64), floor) <= max(fro_err(loss16, loss64), floor)
     ratios = {n: fro_err(gc[n], g) / fro_err(g16[n], g) for n, g in g64.items()}
     worse = {n: r for n, r in ratios.items() if r > 1.0 + tie_band(g64[n])}
