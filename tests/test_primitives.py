@@ -187,3 +187,24 @@ def test_every_family_lowers_and_compiles_for_sm90():
         every_family, x, w, config=DEFAULT, d=d, c=c, operands=operands, outputs=outputs, dry=True
     )
     assert compiled in (0, 1)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, None), (64, 1)])
+def test_scale_a_expands_as_quacks_strip_layouts(rows, cols):
+    """``ScaleA``'s interpreter meaning, element by element, in quack's strip layouts:
+    per (row, k-tile) the strip is (K-tiles, M), u[kt, m] scales A[m, kt*64:(kt+1)*64]; per
+    (64-row block, column) it is (M / 64, K), u[mb, k] scales A[mb*64:(mb+1)*64, k]."""
+    from coda.primitives import ScaleA
+
+    xf = ScaleA("u", rows=rows, cols=cols, tile_k=64)
+    M, K = 128, 200  # K padded to whole k-tiles in the per-(row, k-tile) strip
+    shape = xf.strip_shape(M, K)
+    assert shape == ((4, 128) if rows == 1 else (2, 200))
+    u = torch.randn(*shape, dtype=torch.float64)
+    full = xf.expand(u, M, K)
+    for m, k in [(0, 0), (5, 63), (5, 64), (127, 199), (64, 130), (63, 129)]:
+        want = u[k // 64, m] if rows == 1 else u[m // 64, k]
+        assert full[m, k] == want
+    assert xf.kind == ("colvec_ktile" if rows == 1 else "kvec_m64")
+    with pytest.raises(ValueError, match="rows, cols"):
+        ScaleA("u", rows=2, cols=1)
