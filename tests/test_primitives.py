@@ -197,9 +197,9 @@ def test_scale_a_expands_as_quacks_strip_layouts(rows, cols):
     from coda.primitives import ScaleA
 
     xf = ScaleA("u", rows=rows, cols=cols, tile_k=64)
-    M, K = 128, 200  # K padded to whole k-tiles in the per-(row, k-tile) strip
+    M, K = 128, 200  # both strips pad K to whole k-tiles (4 of 64)
     shape = xf.strip_shape(M, K)
-    assert shape == ((4, 128) if rows == 1 else (2, 200))
+    assert shape == ((4, 128) if rows == 1 else (2, 256))
     u = torch.randn(*shape, dtype=torch.float64)
     full = xf.expand(u, M, K)
     for m, k in [(0, 0), (5, 63), (5, 64), (127, 199), (64, 130), (63, 129)]:
