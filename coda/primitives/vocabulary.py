@@ -286,6 +286,9 @@ class _GroupStat(Primitive):
     family = "RED"
     from_prepass = True
 
+    def cache_key(self) -> tuple:
+        return (*super().cache_key(), self.out)
+
     def statistic(self, grouped: torch.Tensor) -> torch.Tensor:
         """(rows, groups, group) prepass values -> (rows, groups) statistic."""
         raise NotImplementedError
@@ -316,7 +319,7 @@ class GroupRstd(_GroupStat):
     eps: float = 1e-6
 
     def cache_key(self) -> tuple:
-        return (*super().cache_key(), self.eps, self.out)
+        return (*super().cache_key(), self.eps)
 
     def statistic(self, grouped):
         return torch.rsqrt(grouped.mean(-1) + self.eps)
@@ -332,9 +335,6 @@ class TileMaxLog2(_GroupStat):
     whole output tile in log2 units, rounded to an integer, so 2^(v log2 e - k) is a
     softmax numerator scaled by an exact power of two (the scaled-exp cross-entropy: quack's
     MaxLog2). The group is the whole tile: its width operand must equal tile_n."""
-
-    def cache_key(self) -> tuple:
-        return (*super().cache_key(), self.out)
 
     def statistic(self, grouped):
         return torch.round(grouped.amax(-1) * LOG2E)  # torch.round is half-to-even
