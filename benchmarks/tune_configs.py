@@ -38,6 +38,12 @@ CANDIDATES = [
     GemmConfig(256, 128, 2, 1, False),
     GemmConfig(256, 192, 2, 1, False),
 ]
+# weight gradients (K = 16384 tokens against a d x N output): also split-K (Cleave's Split)
+SPLIT_K = [
+    GemmConfig(128, 192, 2, 1, True, split_k=2),
+    GemmConfig(128, 192, 2, 1, False, split_k=2),
+    GemmConfig(128, 128, 2, 1, True, split_k=2),
+]
 
 
 # (suffix, d, ffn, heads, kv heads, head_dim, vocabularies)
@@ -142,7 +148,7 @@ def run() -> list[dict]:
         out = torch.empty(m, N, device="cuda", dtype=torch.bfloat16)
         t_mm = bench(lambda: a @ w)["ms"]
         best = None
-        for cfg in CANDIDATES:
+        for cfg in CANDIDATES + (SPLIT_K if name.startswith("wgrad") else []):
             try:
                 t_raw = bench(lambda: _quack.run_epi_gemm(raw, a, w, out, None, {}, cfg))["ms"]
                 t_k = bench(lambda: kernel(a, w, cfg))["ms"]
@@ -164,9 +170,10 @@ def run() -> list[dict]:
                 best = (cfg, t_k, t_raw)
         if best:
             cfg, t_k, t_raw = best
+            split = f", split_k={cfg.split_k}" if cfg.split_k > 1 else ""
             print(
                 f"    ({K}, {N}): GemmConfig({cfg.tile_m}, {cfg.tile_n}, {cfg.cluster_m}, "
-                f"{cfg.cluster_n}, {cfg.pingpong}),  # {name}: kernel {t_k:.4f} ms, raw "
+                f"{cfg.cluster_n}, {cfg.pingpong}{split}),  # {name}: kernel {t_k:.4f} ms, raw "
                 f"{t_raw:.4f}, cuBLAS {t_mm:.4f}",
                 flush=True,
             )

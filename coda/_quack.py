@@ -169,6 +169,15 @@ def scale_a_mod(kind: str):
     return a_transform(vec_size=8, args={"u": kind})(_scale_a)
 
 
+def _split_k(config) -> dict:
+    """quack's split-K arguments for ``config.split_k`` (SERIAL: deterministic combine)."""
+    if config.split_k == 1:
+        return {}
+    from quack.gemm_config import SplitKMode
+
+    return {"split_k": config.split_k, "split_k_mode": SplitKMode.SERIAL}
+
+
 def run_epi_gemm(
     mod,
     A,
@@ -235,6 +244,7 @@ def run_epi_gemm(
         add_to_output=add_to_output,
         _launch=launch,
         **transform,
+        **_split_k(config),
     )
     if launch and replay:
         if len(_PLANS) >= MAX_PLANS:

@@ -247,6 +247,10 @@ COMPILES = {
     "ce_accumulate_fp32": lambda: ceb.compile_accumulate(1000, 512),
     "ce_dw_column_block": lambda: ceb.compile_dw_block(256, 2048),
     "wgrad_gamma_rows": lambda: wgrad.compile_wgrad_gamma_rows(512, 768),
+    # Cleave's Split: the K = tokens loop cut in two, partials combined in split order
+    "wgrad_gamma_rows_split_k": lambda: wgrad.compile_wgrad_gamma_rows(
+        512, 768, config=GemmConfig(128, 192, 2, 1, False, split_k=2)
+    ),
     "ce_chunked_logits": lambda: cec.compile_logits_chunk(256, 1000),
     "ce_chunked_g_fp32": lambda: cec.compile_g(256, 1000),
     "ce_chunked_dw_first": lambda: cec.compile_dw(256, 1000, accumulate=False),

@@ -14,7 +14,7 @@ import coda.nn as cnn
 from coda.kernels import library
 from coda.kernels.config import GemmConfig
 
-CFG = [64, 32, 1, 1, 1, 8]  # a small tile config (GemmConfig fields)
+CFG = [64, 32, 1, 1, 1, 8, 1]  # a small tile config (GemmConfig fields)
 BF = torch.bfloat16
 
 
@@ -132,5 +132,5 @@ def test_compiled_kernel_path_equals_eager_float64(method, qk_norm):
 
 
 def test_config_round_trip():
-    c = GemmConfig(128, 192, 2, 1, True, 8)
-    assert library._gc(library._cfg(c)) == c
+    for c in (GemmConfig(128, 192, 2, 1, True, 8), GemmConfig(128, 192, 2, 1, False, 8, 2)):
+        assert library._gc(library._cfg(c)) == c

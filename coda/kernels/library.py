@@ -29,11 +29,19 @@ from coda.kernels.config import GemmConfig
 
 
 def _cfg(c: GemmConfig) -> list[int]:
-    return [c.tile_m, c.tile_n, c.cluster_m, c.cluster_n, int(c.pingpong), c.max_swizzle_size]
+    return [
+        c.tile_m,
+        c.tile_n,
+        c.cluster_m,
+        c.cluster_n,
+        int(c.pingpong),
+        c.max_swizzle_size,
+        c.split_k,
+    ]
 
 
 def _gc(c: list[int]) -> GemmConfig:
-    return GemmConfig(c[0], c[1], c[2], c[3], bool(c[4]), c[5])
+    return GemmConfig(c[0], c[1], c[2], c[3], bool(c[4]), c[5], c[6])
 
 
 def _tiles(n: int, tile: int) -> int:
