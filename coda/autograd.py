@@ -30,7 +30,13 @@ from coda.kernels.linear_cross_entropy_bwd import (
     row_scale,
 )
 from coda.kernels.linear_cross_entropy_chunked import chunk_rows
-from coda.kernels.qk_norm import dqk_norm_rope_heads, qk_norm_rope_rows
+from coda.kernels.qk_norm import (
+    column_rows,
+    dqk_norm_rope_heads,
+    dqk_norm_rope_heads_split_z,
+    qk_norm_config,
+    qk_norm_rope_rows,
+)
 from coda.kernels.rmsnorm_bwd import norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad
@@ -131,34 +137,48 @@ class AttentionInput(torch.autograd.Function):
 
 
 class AttentionInputQKNorm(torch.autograd.Function):
-    """``AttentionInput`` for Qwen3's per-head QK-norm (``coda.kernels.qk_norm``): F1 runs
-    without rotation (z = rstd0 * acc), a row pass applies the head norms and RoPE; backward:
-    the head norms' backward and dRoPE in one row pass (with the entry norm's statistic),
-    then B12 and B13 as in ``AttentionInput``. Saves z in place of the rotated qkv."""
+    """``AttentionInput`` for Qwen3's per-head QK-norm (``coda.kernels.qk_norm``).
+
+    Forward: F1 with the head norms and RoPE in its epilogue (the head statistic in a
+    prepass), also storing z = rstd0 * acc (as its even and odd columns) and the statistic s
+    for the backward; when head_dim divides no tile width (``qk_norm_config``), F1 without
+    rotation and one row pass instead. Backward: the head norms' backward and dRoPE in one
+    row pass (with the entry norm's statistic), then B12 and B13 as in ``AttentionInput``."""
 
     @staticmethod
     def forward(ctx, x0, g1, w_qkv, q_norm, k_norm, positions, freq, dims: LayerDims):
         M, d = x0.shape
-        hd = dims.head_dim
+        hd, n_q, n_k = dims.head_dim, dims.heads, dims.kv_heads
         pos = positions.float()
         a0, r0 = fused(entry_norm)(x0, g1, dims.eps)  # F0
-        z = lib.gemm_scale_rows(a0, w_qkv, r0, config_for(M, d, w_qkv.shape[1]))  # F1, no RoPE
-        cos, sin = head_rotation(pos, freq, hd, r0.dtype)
-        qkv, s = fused(qk_norm_rope_rows)(
-            z, q_norm, k_norm, cos, sin, dims.heads, dims.kv_heads, hd, dims.eps
-        )
-        ctx.save_for_backward(x0, r0, z, s, g1, w_qkv, q_norm, k_norm, cos, sin)
+        cfg = qk_norm_config(hd)
+        if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue, z kept
+            head_w, plain = column_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype)
+            qkv, z_even, z_odd, s = lib.gemm_qk_norm_rope_keep_z(
+                a0, w_qkv, r0, pos, freq, head_w, plain, hd, dims.eps, cfg
+            )
+            s = s[:, : n_q + n_k]  # the v heads' statistic is computed and unused
+        else:  # F1 without rotation, then the head norms and RoPE as a row pass
+            z = lib.gemm_scale_rows(a0, w_qkv, r0, config_for(M, d, w_qkv.shape[1]))
+            cos, sin = head_rotation(pos, freq, hd, r0.dtype)
+            qkv, s = fused(qk_norm_rope_rows)(z, q_norm, k_norm, cos, sin, n_q, n_k, hd, dims.eps)
+            z_even, z_odd = z, None  # z saved whole
+        ctx.save_for_backward(x0, r0, z_even, z_odd, s, g1, w_qkv, q_norm, k_norm, pos, freq)
         ctx.dims = dims
         return (*split_heads(qkv, dims), x0.view_as(x0))
 
     @staticmethod
     def backward(ctx, dq, dk, dv, dres):
-        x0, r0, z, s, g1, w_qkv, q_norm, k_norm, cos, sin = ctx.saved_tensors
+        x0, r0, z_even, z_odd, s, g1, w_qkv, q_norm, k_norm, pos, freq = ctx.saved_tensors
         dims = ctx.dims
-        heads = (dims.heads, dims.kv_heads, dims.head_dim, x0.shape[1])
-        dz0, corr0, dqn, dkn = fused(dqk_norm_rope_heads)(
-            dq, dk, dv, z, s, r0, cos, sin, q_norm, k_norm, *heads
-        )  # B11 with the head norms' backward
+        cos, sin = head_rotation(pos, freq, dims.head_dim, r0.dtype)
+        rest = (s, r0, cos, sin, q_norm, k_norm, dims.heads, dims.kv_heads, dims.head_dim)
+        d = x0.shape[1]
+        if z_odd is None:  # z saved whole (the row-pass forward)
+            out = fused(dqk_norm_rope_heads)(dq, dk, dv, z_even, *rest, d)
+        else:
+            out = fused(dqk_norm_rope_heads_split_z)(dq, dk, dv, z_even, z_odd, *rest, d)
+        dz0, corr0, dqn, dkn = out  # B11 with the head norms' backward
         dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres)
         return (
             dx0,

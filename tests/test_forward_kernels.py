@@ -86,6 +86,15 @@ def test_qk_norm_rope_program(seed):
     cs = rope_ref.rope_table(pos, hd)
     want = rope_ref.gemm_qk_norm_rope_ref(a, w, r, cs, H, Hkv, hd, qn, kn, eps)
     assert rel_err(got, want) < 1e-10
+    # the training variant also keeps z (even and odd columns) and the head statistic
+    qkv, z_even, z_odd, s = qkn.gemm_qk_norm_rope_keep_z_kernel(
+        a, w, r, pos.double(), freq, head_w, plain, hd, eps, config
+    )
+    z = r[:, None] * (a @ w)
+    assert rel_err(qkv, want) < 1e-10
+    assert rel_err(torch.stack([z_even, z_odd], -1).view_as(z), z) < 1e-12
+    s_want = torch.rsqrt(z.view(d["M"], -1, hd).pow(2).mean(-1) + eps)
+    assert rel_err(s, s_want) < 1e-12
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -271,6 +280,7 @@ QK_NORM_COMPILES = {64: (256, 512), 128: (256, 1024)}
 def test_qk_norm_rope_compiles_for_sm90(head_dim):
     k, n = QK_NORM_COMPILES[head_dim]
     assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim) in (0, 1)
+    assert qkn.compile_gemm_qk_norm_rope_keep_z(k, n, head_dim) in (0, 1)  # training F1
 
 
 @pytest.mark.compile

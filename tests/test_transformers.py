@@ -218,13 +218,20 @@ def test_patched_qwen3_sliding_window_and_eager_attention(kw):
     assert_same_step(ref, patched, input_ids=ids, labels=ids)
 
 
-def test_qwen3_kernel_sequence_equals_reference_float64():
-    """The kernel path's QK-norm Function (F1 without rotation, the head-norm + RoPE row pass,
-    its backward) on the CPU through the tile interpreter equals the reference path."""
+@pytest.mark.parametrize("head_dim", [16, 12], ids=["epilogue", "row-pass"])
+def test_qwen3_kernel_sequence_equals_reference_float64(head_dim):
+    """The kernel path's QK-norm Function on the CPU through the tile interpreter equals the
+    reference path, both ways it runs: F1 with the head norms and RoPE in its epilogue
+    (head_dim 16: whole heads in a 128-column tile) and F1 without rotation plus a row pass
+    (head_dim 12: no tile width holds whole heads); the backward of each."""
     import coda.nn as cnn
+    from coda.kernels.qk_norm import qk_norm_config
 
+    assert (qk_norm_config(head_dim) is None) == (head_dim == 12)
     torch.manual_seed(5)
-    layer = cnn.DecoderLayer(48, 4, 2, 40, head_dim=12, eps=1e-2, dtype=torch.float64, qk_norm=True)
+    layer = cnn.DecoderLayer(
+        48, 4, 2, 40, head_dim=head_dim, eps=1e-2, dtype=torch.float64, qk_norm=True
+    )
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(0.1 * torch.randn_like(p))

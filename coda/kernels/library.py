@@ -93,6 +93,36 @@ def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg):
     return _empty(a.shape[0], w.shape[1], like=a)
 
 
+@torch.library.custom_op("coda::gemm_qk_norm_rope_keep_z", mutates_args=())
+def _gemm_qk_norm_rope_keep_z(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    rstd: torch.Tensor,
+    pos: torch.Tensor,
+    freq: torch.Tensor,
+    head_w: torch.Tensor,
+    plain: torch.Tensor,
+    head_dim: int,
+    eps: float,
+    cfg: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _qkn.gemm_qk_norm_rope_keep_z_kernel(
+        a, w, rstd, pos, freq, head_w, plain, head_dim, eps, _gc(cfg)
+    )
+
+
+@_gemm_qk_norm_rope_keep_z.register_fake
+def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg):
+    M, N = a.shape[0], w.shape[1]
+    half = _empty(M, N // 2, like=a)
+    return (
+        _empty(M, N, like=a),
+        half,
+        torch.empty_like(half),
+        _empty(M, N // head_dim, like=a, dtype=acc_dtype(a)),
+    )
+
+
 @torch.library.custom_op("coda::gemm_residual_rms", mutates_args=())
 def _gemm_residual_rms(
     x: torch.Tensor,
@@ -305,6 +335,12 @@ gemm_qk_norm_rope = _either(
     ),
     _qkn.gemm_qk_norm_rope_kernel,
 )
+gemm_qk_norm_rope_keep_z = _either(
+    lambda a, w, r, p, f, hw, pl, hd, eps, c: _gemm_qk_norm_rope_keep_z(
+        a, w, r, p, f, hw, pl, hd, eps, _cfg(c)
+    ),
+    _qkn.gemm_qk_norm_rope_keep_z_kernel,
+)
 gemm_residual_rms = _either(
     lambda x, w, res, g, eps, c: _gemm_residual_rms(x, w, res, g, eps, _cfg(c)),
     _grr.gemm_residual_rms_kernel,
@@ -361,6 +397,7 @@ lm_head_scaled = _lm_head_gradients(_lm_head_scaled, _cse.linear_cross_entropy_s
 OPS = {
     "gemm_rope": _gemm_rope,
     "gemm_qk_norm_rope": _gemm_qk_norm_rope,
+    "gemm_qk_norm_rope_keep_z": _gemm_qk_norm_rope_keep_z,
     "gemm_residual_rms": _gemm_residual_rms,
     "gemm_residual": _gemm_residual,
     "gemm_swiglu": _gemm_swiglu,

@@ -36,7 +36,15 @@ import torch
 from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import GemmConfig
 from coda.kernels.drope import pack_heads, rotate_pairs
-from coda.primitives import ColLoad, GroupRstd, RowLoad, epilogue_program, pack, unpack
+from coda.primitives import (
+    ColLoad,
+    GroupRstd,
+    RowLoad,
+    TileStore,
+    epilogue_program,
+    pack,
+    unpack,
+)
 from coda.primitives.aux import norm_correction
 from coda.primitives.math import rotation
 
@@ -102,20 +110,36 @@ def _qk_norm_rope(acc, rstd, pos, freq, head_w, plain, head_rstd):
     return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
 
 
+def _qk_norm_rope_keep_z(acc, rstd, pos, freq, head_w, plain, head_rstd):
+    z = acc * rstd
+    x1, x2 = unpack(z * (head_rstd * head_w + plain))
+    s, c = rotation(pos, freq)
+    z_even, z_odd = unpack(z)
+    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c), "z_even": z_even, "z_odd": z_odd}
+
+
 @functools.lru_cache(maxsize=None)
-def qk_norm_rope_program(eps: float):
+def qk_norm_rope_program(eps: float, keep_z: bool = False):
     """F1 with QK-norm (one program per eps: it is a compile-time constant of the statistic).
     Per output column: ``head_w`` = the q or k norm weight (0 on v columns), ``plain`` = 1 on
-    v columns (0 elsewhere), so v is stored as z; freq is 0 on v columns (no rotation)."""
+    v columns (0 elsewhere), so v is stored as z; freq is 0 on v columns (no rotation).
+    ``keep_z`` (training): also stores z = rstd * acc, what the backward needs, as its even
+    and odd columns (two half-width tiles beside the rotated output), and the head statistic
+    s (M x Nqkv / hd, fp32)."""
     inputs = [
         ColLoad("rstd"),
         ColLoad("pos"),
         RowLoad("freq"),
         RowLoad("head_w"),
         RowLoad("plain"),
-        GroupRstd("head_rstd", eps=float(eps)),
+        GroupRstd("head_rstd", eps=float(eps), out="head_s" if keep_z else None),
     ]
-    return epilogue_program(inputs=inputs, mode="pair", prepass=_z_squared)(_qk_norm_rope)
+    if not keep_z:
+        return epilogue_program(inputs=inputs, mode="pair", prepass=_z_squared)(_qk_norm_rope)
+    stores = [TileStore("z_even"), TileStore("z_odd")]
+    return epilogue_program(inputs=inputs, stores=stores, mode="pair", prepass=_z_squared)(
+        _qk_norm_rope_keep_z
+    )
 
 
 def column_rows(q_norm, k_norm, n_q: int, n_k: int, n_v: int, dtype=torch.float32):
@@ -152,6 +176,37 @@ def gemm_qk_norm_rope_kernel(a, w_qkv, rstd, pos, freq, head_w, plain, head_dim,
     return qkv
 
 
+def gemm_qk_norm_rope_keep_z_kernel(
+    a, w_qkv, rstd, pos, freq, head_w, plain, head_dim, eps, config, dry=False
+):
+    """The training F1: returns (qkv, z_even, z_odd, s): qkv as ``gemm_qk_norm_rope_kernel``,
+    z's even and odd columns (M x Nqkv / 2 each, a.dtype) and the head statistic s
+    (M x Nqkv / hd, fp32; its v-head columns are computed and unused)."""
+    M, N = a.shape[0], w_qkv.shape[1]
+    qkv = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    outputs = {
+        "z_even": torch.empty(M, N // 2, dtype=a.dtype, device=a.device),
+        "z_odd": torch.empty(M, N // 2, dtype=a.dtype, device=a.device),
+        "head_s": torch.empty(M, N // head_dim, dtype=acc_dtype(a), device=a.device),
+    }
+    operands = {"rstd": rstd, "pos": pos, "freq": freq, "head_w": head_w, "plain": plain}
+    operands["head_rstd"] = head_dim
+    program = qk_norm_rope_program(eps, keep_z=True)
+    compiled = launch(
+        program, a, w_qkv, config=config, d=qkv, operands=operands, outputs=outputs, dry=dry
+    )
+    if dry:
+        return compiled
+    return qkv, outputs["z_even"], outputs["z_odd"], outputs["head_s"]
+
+
+def dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, s, *args):
+    """``dqk_norm_rope_heads`` with z given as its even and odd columns (the training F1's
+    stores; inside a ``fused`` row pass the interleave is index math on the loads)."""
+    z = torch.stack([z_even, z_odd], dim=-1).view(z_even.shape[0], -1)
+    return dqk_norm_rope_heads(dq, dk, dv, z, s, *args)
+
+
 def gemm_qk_norm_rope_interpreted(a, w_qkv, rstd, pos, freq, head_w, plain, head_dim, eps, config):
     operands = {"rstd": rstd, "pos": pos, "freq": freq, "head_w": head_w, "plain": plain}
     operands["head_rstd"] = head_dim
@@ -167,6 +222,24 @@ def qk_norm_config(head_dim: int) -> GemmConfig | None:
     if 256 % head_dim == 0:
         return GemmConfig(128, 256, 2, 1, False)
     return None
+
+
+def compile_gemm_qk_norm_rope_keep_z(k, n, head_dim, *, eps=1e-6, m=256) -> int:
+    a, w = example_operands(m, k, n)
+    f = torch.empty(n)
+    return gemm_qk_norm_rope_keep_z_kernel(
+        a,
+        w,
+        torch.empty(m),
+        torch.empty(m),
+        f,
+        f,
+        f,
+        head_dim,
+        eps,
+        qk_norm_config(head_dim),
+        dry=True,
+    )
 
 
 def compile_gemm_qk_norm_rope(k, n, head_dim, *, eps=1e-6, m=256) -> int:
