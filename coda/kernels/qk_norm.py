@@ -1,11 +1,18 @@
-"""Qwen3's per-head QK-norm with RoPE on the kernel path, and its backward (v1: row passes).
+"""Qwen3's per-head QK-norm with RoPE on the kernel path, and its backward.
 
-Forward, after F1 ran without rotation (the ``scale_rows`` epilogue GEMM stores
-z = rstd0 * acc, the entry norm's deferred row scale applied):
+Forward, with z = rstd0 * acc (the QKV GEMM's output, the entry norm's deferred row scale
+applied):
 
     s[m, h]   = (mean_{j in head h} z[m, j]^2 + eps)^-1/2      q and k heads only
     q_n       = z * s * w_h                                    w_h: q_norm or k_norm (hd,)
     out       = RoPE(q_n) for q and k heads, z for v heads      (bf16, the attention input)
+
+It runs in F1's epilogue (``qk_norm_rope_program``): the head statistic in a prepass
+(``GroupRstd``: a head is hd adjacent columns inside one output tile, so tile_n must be a
+multiple of hd, ``qk_norm_config``), then RoPE(z * s * w) is stored. For training
+(``keep_z=True``) the epilogue also stores z, as its even and odd columns (two half-width
+tiles beside the rotated pairs), and s. Where no tile width holds whole heads, F1 runs
+without rotation (``scale_rows``) and ``qk_norm_rope_rows`` does the rest as a row pass.
 
 Backward, from dout (attention's dq, dk, dv), per q/k head with q_hat = z * s:
 
@@ -15,16 +22,9 @@ Backward, from dout (attention's dq, dk, dv), per q/k head with q_hat = z * s:
     dz~0   = rstd0 * [g | dv]                                   B12/B13's A operand, as B11's
     S0     = sum_n [g | dv] * z / rstd0                         the entry norm's statistic
 
-z is saved by the forward in place of the rotated qkv (same size). Both passes are torch code
-(``fused``: one or two Triton kernels on the GPU). Oracle: ``decoder_layer_ref`` in
-``coda.reference.layer`` with q_norm / k_norm (the float64 tests).
-
-The forward alone is also one GEMM (``qk_norm_rope_program``): F1's epilogue computes the
-head statistic in a prepass (``GroupRstd``: a head is hd adjacent columns inside one output
-tile, so tile_n must be a multiple of hd), then stores RoPE(z * s * w). The public op
-``coda.gemm_rope(..., q_norm=, k_norm=)`` runs it; training keeps the row passes because the
-backward needs z, which a pair-mode epilogue cannot store beside the rotated output.
-Oracle of the program: ``coda.reference.rope.gemm_qk_norm_rope_ref``.
+one row pass (``fused``: one or two Triton kernels on the GPU). Oracles:
+``coda.reference.rope.gemm_qk_norm_rope_ref`` (the epilogue) and ``decoder_layer_ref`` in
+``coda.reference.layer`` with q_norm / k_norm (the float64 layer tests).
 """
 
 from __future__ import annotations
