@@ -10,6 +10,21 @@ from __future__ import annotations
 import torch
 
 
+def out_of_time() -> bool:
+    """True once the GPU suite's time budget is spent (``gpu_suite.py --budget-s`` sets
+    ``CODA_SUITE_DEADLINE``, seconds since the epoch): long benchmarks check it between
+    variants and record the rest as skipped, so a device call under a hard limit keeps what
+    it measured."""
+    import os
+    import time
+
+    deadline = os.environ.get("CODA_SUITE_DEADLINE")
+    return deadline is not None and time.time() > float(deadline)
+
+
+SKIPPED = {"skipped": "time budget spent"}
+
+
 def bench(fn, warmup_ms: int = 50, rep_ms: int = 300) -> dict:
     """Median and p20/p80 milliseconds of ``fn()``."""
     import triton.testing

@@ -24,7 +24,7 @@ import torch
 
 import coda
 import coda.nn as cnn
-from benchmarks._common import bench, kernel_table, liger_functional, row
+from benchmarks._common import SKIPPED, bench, kernel_table, liger_functional, out_of_time, row
 from coda import _quack
 from coda.kernels.config import DEFAULT
 from coda.reference.model import TorchLlama
@@ -257,6 +257,9 @@ def model_rows(liger) -> list[dict]:
             )
 
         for peer, model in peers.items():
+            if out_of_time():
+                rows.append({"name": f"model/{name}/{peer}", **SKIPPED})
+                continue
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
             def fwd_bwd(model=model):
