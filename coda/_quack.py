@@ -204,7 +204,7 @@ def run_epi_gemm(
     ``replay=False`` always takes quack's frontend (the benchmarks' "quack raw" baseline).
     ``a_scale`` = (kind, strip, tile_k): A enters as quack's transform bundle and the mainloop
     scales it (``scale_a_mod``); such calls always take quack's frontend (no replay)."""
-    transform, device = {}, A.device
+    transform = {}
     if a_scale is not None:
         kind, strip, tile_k = a_scale
         tmod = scale_a_mod(kind)
@@ -212,21 +212,23 @@ def run_epi_gemm(
 
         A = transform_a_operand(tmod, A, {"u": strip}, config.tile_m, tile_k)
         transform, replay = {"transform_a": tmod, "tile_K": tile_k}, False
-    key = (
-        mod,
-        config,
-        add_to_output,
-        device,
-        _meta(A),
-        _meta(B),
-        _meta(D),
-        _meta(C),
-        *[(k, _meta(v)) for k, v in epi_args.items()],
-    )
-    plan = _PLANS.get(key) if launch and replay else None
-    if plan is not None:
-        _modules()["host"].run_gemm_epi_plan(plan, A, B, D, C, epi_args)
-        return plan
+    key = None
+    if launch and replay:  # the key only where a plan is looked up and kept
+        key = (
+            mod,
+            config,
+            add_to_output,
+            A.device,
+            _meta(A),
+            _meta(B),
+            _meta(D),
+            _meta(C),
+            *[(k, _meta(v)) for k, v in epi_args.items()],
+        )
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _modules()["host"].run_gemm_epi_plan(plan, A, B, D, C, epi_args)
+            return plan
     plan = mod.gemm(
         A,
         B,
@@ -246,7 +248,7 @@ def run_epi_gemm(
         **transform,
         **_split_k(config),
     )
-    if launch and replay:
+    if key is not None:
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
