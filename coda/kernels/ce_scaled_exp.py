@@ -22,8 +22,8 @@ the gradient GEMMs read E itself, scaled per (row, 64 columns) on its way into t
 
 GEMM1's tile must cover whole N-tiles of V (tile_n | V): the maximum is over the tile's own
 columns, which a ragged last tile would pad with zeros; the strips need V % 128 == 0.
-Oracles: ``scaled_exp_reference`` (GEMM1) and autograd through the canonical loss (the
-method). Tests: tests/test_ce_scaled_exp.py (float64 through the interpreter, sm_90a compile);
+Oracles: ``coda.reference.cross_entropy.scaled_exp_logits_ref`` (GEMM1) and autograd
+through the canonical loss (the method). Tests: tests/test_ce_scaled_exp.py (float64 through the interpreter, sm_90a compile);
 GPU: the LM-head tests' "scaled_exp" cases. Not yet run on the H200.
 """
 
@@ -44,8 +44,8 @@ from coda.primitives import (
     epilogue_program,
     exp2,
 )
+from coda.primitives.vocabulary import LOG2E
 
-LOG2E = 1.0 / math.log(2.0)
 STRIP = 64  # vocabulary columns per strip value: the transform's k-tile in dx, 64 rows in dW
 U_FLOOR = 100  # strips hold 2^(k - K) >= 2^-100: normal in bf16, whose floor is 2^-126
 
@@ -113,22 +113,13 @@ def scaled_total(sum_exp, k):
     return K[:, 0], (torch.exp2(k - K) * sum_exp).sum(dim=1)
 
 
-def lse_from_scaled(sum_exp, k):
-    """lse[m] = ln 2 * (K + log2 T) (``scaled_total``): nothing overflows, however large."""
-    K, T = scaled_total(sum_exp, k)
+def _lse(K, T):
     return math.log(2.0) * (K + torch.log2(T))
 
 
-def scaled_exp_reference(a, w_lm, rstd, target, tile_n: int):
-    """The kernel's outputs from their definitions, in a's precision (float64 for proofs)."""
-    logits = rstd[:, None] * (a @ w_lm)
-    M, V = logits.shape
-    tiles = logits.view(M, V // tile_n, tile_n)
-    k = torch.round(tiles.amax(-1) * LOG2E)
-    e = torch.exp2(tiles * LOG2E - k[..., None])
-    hit = (target >= 0) & (target < V)
-    tl = torch.where(hit, logits.gather(1, target.clamp(0, V - 1).long()[:, None])[:, 0], 0.0)
-    return e.reshape(M, V), e.sum(-1), k, tl
+def lse_from_scaled(sum_exp, k):
+    """lse[m] = ln 2 * (K + log2 T) (``scaled_total``): nothing overflows, however large."""
+    return _lse(*scaled_total(sum_exp, k))
 
 
 # -- the two gradient GEMMs, reading E through an A-operand transform -----------------------------
@@ -199,7 +190,7 @@ def scaled_glue(sum_exp, k, tl, target, rstd, weight, a, tile_n: int, z_loss, sm
     target entry E'_y with u_y v E'_y = alpha p_y - (1 - eps) (label smoothing eps; its
     uniform -eps / V share of every entry is a rank-1 term the caller adds)."""
     K, T = scaled_total(sum_exp, k)
-    lse = math.log(2.0) * (K + torch.log2(T))
+    lse = _lse(K, T)
     alpha = 1.0 + 2.0 * z_loss * lse if z_loss else torch.ones_like(lse)
     v = alpha / T  # 2^K e^-lse alpha, without forming 2^K (which overflows fp32 past K = 127)
     c = rstd * weight * v

@@ -6,6 +6,7 @@ L = sum_m w[m] loss_m with w = 1/M_valid on rows whose target is not ``ignore_in
 
 - F6 epilogue: per-(row, N-tile) log-sum-exp partials and the target logit (VEC-ST COL)
 - A3 combine:  lse = logsumexp over tiles [I4.2]; loss as above [I4.3]
+- CE-S GEMM1:  softmax numerators with power-of-two per-tile offsets (``scaled_exp_logits_ref``)
 - backward:    dl = g * w * (softmax(l) - onehot(y)) [I4.4]
 """
 
@@ -50,6 +51,20 @@ def lse_partials_ref(logits: torch.Tensor, tile_n: int) -> torch.Tensor:
     pad = (-V) % tile_n
     lp = torch.nn.functional.pad(logits, (0, pad), value=-math.inf)
     return torch.logsumexp(lp.view(M, -1, tile_n), dim=-1)
+
+
+def scaled_exp_logits_ref(a, w_lm, rstd, target, tile_n: int):
+    """The scaled-exp GEMM's outputs (``kernels/ce_scaled_exp.py``) from their definitions,
+    in a's precision: E = 2^(l log2 e - k) with k = rne(log2 e * max of l over each
+    tile_n-column tile), its per-tile sums, k, and the target logit (0 where y is outside V)."""
+    logits = rstd[:, None] * (a @ w_lm)
+    M, V = logits.shape
+    tiles = logits.view(M, V // tile_n, tile_n)
+    k = torch.round(tiles.amax(-1) / math.log(2.0))  # torch.round is half-to-even
+    e = torch.exp2(tiles / math.log(2.0) - k[..., None])
+    hit = (target >= 0) & (target < V)
+    tl = torch.where(hit, logits.gather(1, target.clamp(0, V - 1).long()[:, None])[:, 0], 0.0)
+    return e.reshape(M, V), e.sum(-1), k, tl
 
 
 def lse_combine_ref(partials: torch.Tensor) -> torch.Tensor:
