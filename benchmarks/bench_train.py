@@ -241,16 +241,21 @@ def lm_head_rows(liger) -> list[dict]:
                 **{f"{k}_ms": v["ms"] for k, v in floor_parts.items()},
             }
         )
-        for name, (fn, params) in variants.items():
-            if out_of_time():
-                rows.append({"name": f"lm_head_train/{name}", **shape, **SKIPPED})
-                continue
 
-            def step(fn=fn, params=params):
+        def make_step(fn, params):
+            def step():
                 for p in (*params, x):
                     p.grad = None
                 fn().backward()
 
+            return step
+
+        steps = {name: make_step(fn, params) for name, (fn, params) in variants.items()}
+        for name, (_, params) in variants.items():
+            if out_of_time():
+                rows.append({"name": f"lm_head_train/{name}", **shape, **SKIPPED})
+                continue
+            step = steps[name]
             try:
                 step()
                 torch.cuda.synchronize()
@@ -275,20 +280,15 @@ def lm_head_rows(liger) -> list[dict]:
                 )
             )
         for name in ("coda", "coda_chunked", "coda_scaled_exp"):
-
-            def step(fn=variants[name][0], params=variants[name][1]):
-                for p in (*params, x):
-                    p.grad = None
-                fn().backward()
-
-            rows.append(
-                {
-                    "name": f"lm_head_train/{name}_kernels",
-                    **shape,
-                    "kernels": kernel_table(step),
-                }
-            )
-        variants = g = None
+            if not out_of_time():
+                rows.append(
+                    {
+                        "name": f"lm_head_train/{name}_kernels",
+                        **shape,
+                        "kernels": kernel_table(steps[name]),
+                    }
+                )
+        variants = steps = g = None
         torch.cuda.empty_cache()
     return rows
 

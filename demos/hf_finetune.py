@@ -23,6 +23,7 @@ import torch
 from train import add_step_args, check_step_args, markov_batches  # demos/train.py
 
 import coda
+import coda.nn
 import coda.transformers as ct
 
 
@@ -35,7 +36,7 @@ def parse_args(argv=None):
     ap.add_argument(
         "--method",
         default="recompute",
-        choices=("recompute", "chunked"),
+        choices=coda.nn.LM_HEAD_METHODS,
         help="coda's LM-head loss program (default recompute)",
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
