@@ -351,7 +351,7 @@ class LMHeadLoss(nn.Module):
     with reduction "none" it runs the recompute program) or "scaled_exp" (CE-S: as chunked,
     but no pass over the logits outside the GEMMs; vocab a multiple of 128 on the kernel path;
     built and proven on the CPU, not yet measured on the H200). The chunked programs form their
-    gradients at an upstream gradient g = 1 and multiplies by g in the backward: exact for
+    gradients at an upstream gradient g = 1 and multiply by g in the backward: exact for
     g = +-2^k (a mean loss, or one scaled for 2^k accumulation steps); any other g rounds
     the bf16 gradients a second time (up to ~2x PyTorch's error): use "recompute" there.
     ``label_smoothing`` is ``F.cross_entropy``'s; ``z_loss`` adds z * logsumexp(logits)^2 per

@@ -229,3 +229,14 @@ def test_three_gemm_method_fuzz_float64():
         scale = max(float(G_r.abs().max()), float(dw_r.abs().max()), 1e-300)
         assert rel_err(G, G_r, floor=scale) < 1e-11, what
         assert rel_err(dw, dw_r, floor=scale) < 1e-11, what
+
+
+def test_lm_head_loss_names_the_vocabulary_rule(monkeypatch):
+    """The module's kernel path refuses a vocabulary the strips cannot tile, before any work."""
+    import coda
+    import coda.nn as cnn
+
+    monkeypatch.setattr(cnn, "resolve_backend", lambda *a, **k: "kernel")
+    head = cnn.LMHeadLoss(16, 200, method="scaled_exp", dtype=F64)
+    with pytest.raises(coda.CodaInputError, match="vocab % 128 == 0"):
+        head(torch.randn(4, 16, dtype=F64), torch.zeros(4, dtype=torch.long))
