@@ -14,8 +14,8 @@ naming it: nothing is silently left unpatched.
 
 Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel`` and ``Qwen3ForCausalLM`` /
 ``Qwen3Model`` (silu MLP, no biases, RoPE "default" or "llama3"; Qwen3's per-head QK-norm runs
-as a row pass after the QKV GEMM, ``coda.kernels.qk_norm``, and its sliding-window layers,
-when configured, keep the model's own masks and window).
+in the QKV GEMM's epilogue, ``coda.kernels.qk_norm``, and its sliding-window layers, when
+configured, keep the model's own masks and window).
 """
 
 from __future__ import annotations
