@@ -80,15 +80,13 @@ def test_qk_norm_rope_program(seed):
     head_w, plain = qkn.column_rows(qn, kn, H, Hkv, Hkv, F64)
     eps = [1e-6, 1e-2][seed % 2]
     config = GemmConfig(tile_m=64, tile_n=hd * [1, 2, 4][seed % 3])
-    got = qkn.gemm_qk_norm_rope_interpreted(
-        a, w, r, pos.double(), freq, head_w, plain, hd, eps, config
-    )
+    got = qkn.gemm_qk_norm_rope_kernel(a, w, r, pos.double(), freq, head_w, plain, hd, eps, config)
     cs = rope_ref.rope_table(pos, hd)
     want = rope_ref.gemm_qk_norm_rope_ref(a, w, r, cs, H, Hkv, hd, qn, kn, eps)
     assert rel_err(got, want) < 1e-10
     # the training variant also keeps z (even and odd columns) and the head statistic
-    qkv, z_even, z_odd, s = qkn.gemm_qk_norm_rope_keep_z_kernel(
-        a, w, r, pos.double(), freq, head_w, plain, hd, eps, config
+    qkv, z_even, z_odd, s = qkn.gemm_qk_norm_rope_kernel(
+        a, w, r, pos.double(), freq, head_w, plain, hd, eps, config, keep_z=True
     )
     z = r[:, None] * (a @ w)
     assert rel_err(qkv, want) < 1e-10
@@ -280,7 +278,7 @@ QK_NORM_COMPILES = {64: (256, 512), 128: (256, 1024)}
 def test_qk_norm_rope_compiles_for_sm90(head_dim):
     k, n = QK_NORM_COMPILES[head_dim]
     assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim) in (0, 1)
-    assert qkn.compile_gemm_qk_norm_rope_keep_z(k, n, head_dim) in (0, 1)  # training F1
+    assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim, keep_z=True) in (0, 1)  # training F1
 
 
 @pytest.mark.compile

@@ -106,8 +106,8 @@ def _gemm_qk_norm_rope_keep_z(
     eps: float,
     cfg: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _qkn.gemm_qk_norm_rope_keep_z_kernel(
-        a, w, rstd, pos, freq, head_w, plain, head_dim, eps, _gc(cfg)
+    return _qkn.gemm_qk_norm_rope_kernel(
+        a, w, rstd, pos, freq, head_w, plain, head_dim, eps, _gc(cfg), keep_z=True
     )
 
 
@@ -339,7 +339,7 @@ gemm_qk_norm_rope_keep_z = _either(
     lambda a, w, r, p, f, hw, pl, hd, eps, c: _gemm_qk_norm_rope_keep_z(
         a, w, r, p, f, hw, pl, hd, eps, _cfg(c)
     ),
-    _qkn.gemm_qk_norm_rope_keep_z_kernel,
+    lambda *args: _qkn.gemm_qk_norm_rope_kernel(*args, keep_z=True),
 )
 gemm_residual_rms = _either(
     lambda x, w, res, g, eps, c: _gemm_residual_rms(x, w, res, g, eps, _cfg(c)),

@@ -33,7 +33,7 @@ import functools
 
 import torch
 
-from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
+from coda.kernels._launch import acc_dtype, example_operands, launch
 from coda.kernels.config import GemmConfig
 from coda.kernels.drope import pack_heads, rotate_pairs
 from coda.primitives import (
@@ -166,38 +166,31 @@ def _plain_row(n_rot_cols: int, n_v_cols: int, dtype, device):
     )
 
 
-def gemm_qk_norm_rope_kernel(a, w_qkv, rstd, pos, freq, head_w, plain, head_dim, eps, config):
-    """Returns qkv (M x Nqkv: normed and rotated q, k; plain v). ``config.tile_n`` must be a
-    multiple of ``head_dim`` (a head inside one tile)."""
-    qkv = torch.empty(a.shape[0], w_qkv.shape[1], dtype=a.dtype, device=a.device)
-    operands = {"rstd": rstd, "pos": pos, "freq": freq, "head_w": head_w, "plain": plain}
-    operands["head_rstd"] = head_dim
-    launch(qk_norm_rope_program(eps), a, w_qkv, config=config, d=qkv, operands=operands)
-    return qkv
-
-
-def gemm_qk_norm_rope_keep_z_kernel(
-    a, w_qkv, rstd, pos, freq, head_w, plain, head_dim, eps, config, dry=False
+def gemm_qk_norm_rope_kernel(
+    a, w_qkv, rstd, pos, freq, head_w, plain, head_dim, eps, config, keep_z=False, dry=False
 ):
-    """The training F1: returns (qkv, z_even, z_odd, s): qkv as ``gemm_qk_norm_rope_kernel``,
-    z's even and odd columns (M x Nqkv / 2 each, a.dtype) and the head statistic s
-    (M x Nqkv / hd, fp32; its v-head columns are computed and unused)."""
+    """Returns qkv (M x Nqkv: normed and rotated q, k; plain v). ``config.tile_n`` must be a
+    multiple of ``head_dim`` (a head inside one tile). ``keep_z`` (the training F1): returns
+    (qkv, z_even, z_odd, s) with z's even and odd columns (M x Nqkv / 2 each, a.dtype) and the
+    head statistic s (M x Nqkv / hd, fp32; its v-head columns are computed and unused)."""
     M, N = a.shape[0], w_qkv.shape[1]
     qkv = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    outputs = {
-        "z_even": torch.empty(M, N // 2, dtype=a.dtype, device=a.device),
-        "z_odd": torch.empty(M, N // 2, dtype=a.dtype, device=a.device),
-        "head_s": torch.empty(M, N // head_dim, dtype=acc_dtype(a), device=a.device),
-    }
     operands = {"rstd": rstd, "pos": pos, "freq": freq, "head_w": head_w, "plain": plain}
     operands["head_rstd"] = head_dim
-    program = qk_norm_rope_program(eps, keep_z=True)
+    outputs = {}
+    if keep_z:
+        outputs = {
+            "z_even": torch.empty(M, N // 2, dtype=a.dtype, device=a.device),
+            "z_odd": torch.empty(M, N // 2, dtype=a.dtype, device=a.device),
+            "head_s": torch.empty(M, N // head_dim, dtype=acc_dtype(a), device=a.device),
+        }
+    program = qk_norm_rope_program(eps, keep_z)
     compiled = launch(
         program, a, w_qkv, config=config, d=qkv, operands=operands, outputs=outputs, dry=dry
     )
     if dry:
         return compiled
-    return qkv, outputs["z_even"], outputs["z_odd"], outputs["head_s"]
+    return (qkv, *outputs.values()) if keep_z else qkv
 
 
 def dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, s, *args):
@@ -205,13 +198,6 @@ def dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, s, *args):
     stores; inside a ``fused`` row pass the interleave is index math on the loads)."""
     z = torch.stack([z_even, z_odd], dim=-1).view(z_even.shape[0], -1)
     return dqk_norm_rope_heads(dq, dk, dv, z, s, *args)
-
-
-def gemm_qk_norm_rope_interpreted(a, w_qkv, rstd, pos, freq, head_w, plain, head_dim, eps, config):
-    operands = {"rstd": rstd, "pos": pos, "freq": freq, "head_w": head_w, "plain": plain}
-    operands["head_rstd"] = head_dim
-    program = qk_norm_rope_program(eps)
-    return interpret_gemm(program, a, w_qkv, config=config, operands=operands)["D"]
 
 
 def qk_norm_config(head_dim: int) -> GemmConfig | None:
@@ -224,31 +210,8 @@ def qk_norm_config(head_dim: int) -> GemmConfig | None:
     return None
 
 
-def compile_gemm_qk_norm_rope_keep_z(k, n, head_dim, *, eps=1e-6, m=256) -> int:
+def compile_gemm_qk_norm_rope(k, n, head_dim, *, keep_z=False, eps=1e-6, m=256) -> int:
     a, w = example_operands(m, k, n)
-    f = torch.empty(n)
-    return gemm_qk_norm_rope_keep_z_kernel(
-        a,
-        w,
-        torch.empty(m),
-        torch.empty(m),
-        f,
-        f,
-        f,
-        head_dim,
-        eps,
-        qk_norm_config(head_dim),
-        dry=True,
-    )
-
-
-def compile_gemm_qk_norm_rope(k, n, head_dim, *, eps=1e-6, m=256) -> int:
-    a, w = example_operands(m, k, n)
-    f = torch.empty(n)
-    operands = {"rstd": torch.empty(m), "pos": torch.empty(m), "freq": f, "head_w": f}
-    operands.update(plain=f, head_rstd=head_dim)
-    qkv = torch.empty(m, n, dtype=torch.bfloat16)
-    program = qk_norm_rope_program(eps)
-    return launch(
-        program, a, w, config=qk_norm_config(head_dim), d=qkv, operands=operands, dry=True
-    )
+    f, r = torch.empty(n), torch.empty(m)
+    cfg = qk_norm_config(head_dim)
+    return gemm_qk_norm_rope_kernel(a, w, r, r, f, f, f, head_dim, eps, cfg, keep_z, dry=True)
