@@ -192,7 +192,7 @@ def scaled_glue(sum_exp, k, tl, target, rstd, weight, a, tile_n: int, z_loss, sm
     uniform -eps / V share of every entry is a rank-1 term the caller adds)."""
     K, T = scaled_total(sum_exp, k)
     lse = _lse(K, T)
-    alpha = 1.0 + 2.0 * z_loss * lse if z_loss else torch.ones_like(lse)
+    alpha = 1.0 + 2.0 * z_loss * lse if z_loss else 1.0
     v = alpha / T  # 2^K e^-lse alpha, without forming 2^K (which overflows fp32 past K = 127)
     c = rstd * weight * v
     # (C, T_N): exact powers of two, floored at 2^-100 so that bf16 holds them (a tile whose
@@ -241,6 +241,7 @@ def linear_cross_entropy_scaled(
     dw_t = torch.empty(V, d, dtype=acc, device=a.device)  # dW^T, summed over chunks in fp32
     smooth_sum = torch.zeros(d, dtype=acc, device=a.device)  # sum_m r w a (label smoothing)
     glue = scaled_glue if interpreted else fused(scaled_glue)
+    row_index = torch.arange(min(rows, -(-M // 128) * 128), device=a.device)
     for r0 in range(0, M, rows):
         n = min(rows, M - r0)
         C = -(-n // 128) * 128  # the strips' row blocks: pad the chunk to whole 128-row tiles
@@ -258,8 +259,7 @@ def linear_cross_entropy_scaled(
         # E' = E with each valid row's target entry replaced (every row written: no boolean
         # indexing, so no host sync; other rows write back their own entry)
         valid = (t_c >= 0) & (t_c < V)
-        y = t_c.clamp(0, V - 1).long()
-        r_idx = torch.arange(C, device=a.device)
+        y, r_idx = t_c.clamp(0, V - 1).long(), row_index[:C]
         e[r_idx, y] = torch.where(valid, hot.to(e.dtype), e[r_idx, y])
         # dX straight into G's rows, except for a padded last chunk
         G_c = G[R] if C == n else torch.empty(C, d, dtype=acc, device=a.device)
