@@ -147,6 +147,7 @@ def main():
     if not args.skip_tests:
         record["gpu_tests"] = run_tests(args.out, args.tests, args.budget_s)
         print("gpu tests:", record["gpu_tests"]["summary"], flush=True)
+        write_record(record, args.out)
 
     from benchmarks import (
         bench_attention_numerics,
@@ -190,6 +191,7 @@ def main():
         t0 = time.time()
         if args.budget_s is not None and t0 - t_start > args.budget_s:
             record["benchmarks"][name] = {"skipped": f"time budget {args.budget_s:.0f} s spent"}
+            write_record(record, args.out)
             continue
         try:
             record["benchmarks"][name] = mod.run()
@@ -292,8 +294,8 @@ def print_table(record):
         "error",
     )
     for name, rows in record["benchmarks"].items():
-        if isinstance(rows, dict):
-            print(name, "ERROR", rows["error"])
+        if isinstance(rows, dict):  # an error or a skip, recorded as such
+            print(name, "ERROR" if "error" in rows else "SKIPPED", rows.get("error", rows.get("skipped")))
             continue
         for r in rows:
             vals = " ".join(f"{k}={_fmt(r[k])}" for k in keys if r.get(k) is not None)
