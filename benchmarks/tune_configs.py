@@ -180,5 +180,11 @@ def run() -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":
-    run()
+if __name__ == "__main__":  # python benchmarks/tune_configs.py [rows.json]
+    import json
+    import sys
+
+    rows = run()
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(rows, f, indent=1)
