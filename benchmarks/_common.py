@@ -80,3 +80,54 @@ def kernel_table(fn, steps: int = 3, top: int = 40) -> list[dict]:
     ]
     rows.sort(key=lambda r: -r["us"])
     return rows[:top]
+
+
+def idle_report(fn, top: int = 5) -> dict:
+    """Where the GPU waits inside one call of ``fn``: every host synchronization it makes
+    (``torch.cuda.set_sync_debug_mode``, with the Python line that made it), and the idle time
+    between its kernels (profiler timeline, after a warm-up: the span from the first kernel's
+    start to the last one's end, minus the kernels' busy time), with the largest gaps named by
+    the kernel before and after them."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    syncs = [
+        f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno} {str(w.message)[:80]}"
+        for w in caught
+        if "synchroniz" in str(w.message)
+    ]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ev = sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0),
+        key=lambda e: e.time_range.start,
+    )
+    gaps, busy_end, busy = [], None, 0.0
+    for a, b in zip(ev, ev[1:]):
+        busy_end = max(busy_end or a.time_range.end, a.time_range.end)
+        gap = b.time_range.start - busy_end
+        if gap > 0:
+            gaps.append((gap, a.name[:60], b.name[:60]))
+    for e in ev:
+        busy += e.device_time
+    span = (ev[-1].time_range.end - ev[0].time_range.start) if ev else 0.0
+    gaps.sort(reverse=True)
+    return {
+        "host_syncs": len(syncs),
+        "sync_sites": sorted(set(syncs))[:10],
+        "span_us": span,
+        "idle_us": sum(g for g, *_ in gaps),
+        "largest_gaps": [{"us": g, "after": a, "before": b} for g, a, b in gaps[:top]],
+    }

@@ -14,7 +14,15 @@ import torch
 import torch.nn.functional as F
 
 import coda.nn as cnn
-from benchmarks._common import SKIPPED, bench, kernel_table, liger_functional, out_of_time, row
+from benchmarks._common import (
+    SKIPPED,
+    bench,
+    idle_report,
+    kernel_table,
+    liger_functional,
+    out_of_time,
+    row,
+)
 from benchmarks.bench_forward import ffn, heads
 from benchmarks.bench_layer import HD, S, attention, split_heads
 from coda import _quack
@@ -170,6 +178,7 @@ def layer_rows(liger) -> list[dict]:
                 "name": "layer_train/coda_kernels",
                 **shape,
                 "kernels": kernel_table(variants["coda"][0]),
+                **idle_report(variants["coda"][0]),
             }
         )
         variants = None  # free this width's weights before the next
@@ -286,6 +295,7 @@ def lm_head_rows(liger) -> list[dict]:
                         "name": f"lm_head_train/{name}_kernels",
                         **shape,
                         "kernels": kernel_table(steps[name]),
+                        **idle_report(steps[name]),
                     }
                 )
         variants = steps = g = None

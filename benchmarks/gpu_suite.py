@@ -295,7 +295,11 @@ def print_table(record):
     )
     for name, rows in record["benchmarks"].items():
         if isinstance(rows, dict):  # an error or a skip, recorded as such
-            print(name, "ERROR" if "error" in rows else "SKIPPED", rows.get("error", rows.get("skipped")))
+            print(
+                name,
+                "ERROR" if "error" in rows else "SKIPPED",
+                rows.get("error", rows.get("skipped")),
+            )
             continue
         for r in rows:
             vals = " ".join(f"{k}={_fmt(r[k])}" for k in keys if r.get(k) is not None)
