@@ -27,7 +27,9 @@ from coda.kernels.linear_cross_entropy import logits_row_sum
 from coda.kernels.linear_cross_entropy_bwd import (
     ce_grad_weights,
     final_norm_bwd_normed,
+    final_norm_bwd_normed_scaled,
     row_scale,
+    weight_grad_from_acc,
 )
 from coda.kernels.linear_cross_entropy_chunked import chunk_rows
 from coda.kernels.qk_norm import (
@@ -278,7 +280,15 @@ def decoder_layer(
     return MLP.apply(x1, a1, r1, g2, w_il, w_d)
 
 
-LM_HEAD_METHODS = ("recompute", "chunked", "scaled_exp")  # LinearCrossEntropyFunction's
+LM_HEAD_METHODS = ("auto", "recompute", "chunked", "scaled_exp")  # LinearCrossEntropyFunction's
+
+
+def resolve_lm_head_method(method: str, vocab: int) -> str:
+    """"auto": CE-S ("scaled_exp", the fastest on the H200 at every measured shape,
+    benchmarks/NOTES.md) where it applies (vocab a multiple of 128), else "recompute"."""
+    if method != "auto":
+        return method
+    return "scaled_exp" if vocab % 128 == 0 else "recompute"
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -301,6 +311,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         y, r = fused(final_norm)(x2, gf, eps)
         ones = torch.ones_like(r)  # the row scale is already in y
         cfg = config_for(M, d, V)
+        method = resolve_lm_head_method(method, V)
         if method in ("chunked", "scaled_exp") and reduction == "none":
             # per-token losses need per-token weights in dW and dgamma, which the chunked
             # program (gradients formed at weight 1 in the forward) cannot apply
@@ -314,9 +325,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 rows, op = chunk_rows(V), lib.lm_head_chunked
             else:
                 rows, op = chunk_rows_scaled(V), lib.lm_head_scaled
-            lse, tl, G, S, dw = op(y, w_lm, ones, target, weight, rows, cfg, smooth, z_loss)
-            dx2, dgf = fused(final_norm_bwd_normed)(G.to(r.dtype), S, x2, gf, r)
-            ctx.save_for_backward(dx2, dgf, dw)
+            lse, tl, G, S, dw_acc = op(y, w_lm, ones, target, weight, rows, cfg, smooth, z_loss)
+            # kept unrounded (G, S and dW in fp32): the backward applies the upstream
+            # gradient before the one rounding to bf16
+            ctx.save_for_backward(G, S, x2, gf, r, dw_acc, w_lm)
             return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
         parts, tl = lib.lm_head_stats(y, w_lm, ones, target, cfg)  # F6
         lse = combine_lse(parts)  # A3
@@ -328,9 +340,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, g):
         nones = (None,) * 8
         if ctx.method in ("chunked", "scaled_exp"):
-            dx2, dgf, dw = ctx.saved_tensors
-            gf_dtype = dx2.dtype
-            return (dx2 * g.to(dx2.dtype), (dgf * g).to(gf_dtype), dw * g.to(dw.dtype), *nones)
+            G, S, x2, gf, r, dw_acc, w_lm = ctx.saved_tensors
+            dx2, dgf = fused(final_norm_bwd_normed_scaled)(G, S, x2, gf, r, g)
+            return dx2, dgf.to(gf.dtype), weight_grad_from_acc(dw_acc, g, w_lm), *nones
         x2, y, r, ones, lse, tl, target, gf, w_lm = ctx.saved_tensors
         ignore_index, reduction, chunk, cfg, smooth, z_loss = ctx.cfg
         scale = row_scale(target, ignore_index, reduction, g)

@@ -344,16 +344,16 @@ class DecoderLayer(nn.Module):
 class LMHeadLoss(nn.Module):
     """Final RMSNorm + LM head + cross-entropy. ``w_lm`` is (d, vocab).
 
-    ``method`` picks the kernel path's cross-entropy program: "recompute" (CE-A, the default:
-    the logits are recomputed in the backward, 4 GEMMs, least memory, any reduction; the
-    faster of the two at every shape measured, benchmarks/NOTES.md), "chunked" (CE-C:
-    3 GEMMs, gradients formed in the forward chunk by chunk, an fp32 d x V gradient buffer;
-    with reduction "none" it runs the recompute program) or "scaled_exp" (CE-S: as chunked,
-    but no pass over the logits outside the GEMMs; vocab a multiple of 128 on the kernel path;
-    built and proven on the CPU, not yet measured on the H200). The chunked programs form their
-    gradients at an upstream gradient g = 1 and multiply by g in the backward: exact for
-    g = +-2^k (a mean loss, or one scaled for 2^k accumulation steps); any other g rounds
-    the bf16 gradients a second time (up to ~2x PyTorch's error): use "recompute" there.
+    ``method`` picks the kernel path's cross-entropy program: "auto" (the default: "scaled_exp"
+    when vocab % 128 == 0, else "recompute"), "scaled_exp" (CE-S: three GEMMs, the forward
+    stores the softmax numerators and the dX and dW GEMMs read them back; the fastest coda
+    method on the H200 at every measured shape, benchmarks/NOTES.md; an fp32 vocab x d
+    gradient buffer and ~1 GiB of numerators per token chunk), "recompute" (CE-A: the logits
+    are recomputed in the backward, 4 GEMMs, least memory) or "chunked" (CE-C: 3 GEMMs, the
+    logits stored per token chunk). With reduction "none" every method runs the recompute
+    program. The three-GEMM programs form their gradients in fp32 at an upstream gradient
+    g = 1 and apply g in the backward before the one rounding to bf16, so any g (a mean loss,
+    gradient accumulation, loss scaling) gives PyTorch's rounding.
     ``label_smoothing`` is ``F.cross_entropy``'s; ``z_loss`` adds z * logsumexp(logits)^2 per
     non-ignored token (PaLM's auxiliary loss), reduced with the loss."""
 
@@ -364,7 +364,7 @@ class LMHeadLoss(nn.Module):
         eps: float = 1e-5,
         ignore_index: int = -100,
         chunk: int = 16384,
-        method: str = "recompute",
+        method: str = "auto",
         device=None,
         dtype=torch.bfloat16,
         backend: str = "auto",
@@ -453,7 +453,7 @@ def lm_head_loss(
     eps: float = 1e-5,
     ignore_index: int = -100,
     reduction: str = "mean",
-    method: str = "recompute",
+    method: str = "auto",
     chunk: int = 16384,
     backend: str = "auto",
     label_smoothing: float = 0.0,
@@ -509,7 +509,7 @@ class CausalLM(nn.Module):
         head_dim: int = None,
         eps: float = 1e-5,
         rope_base: float = 10000.0,
-        method: str = "recompute",
+        method: str = "auto",
         device=None,
         dtype=torch.bfloat16,
         backend: str = "auto",

@@ -191,12 +191,12 @@ def _causal_lm_forward(original):
     return forward
 
 
-def apply_coda(model, *, method: str = "recompute"):
+def apply_coda(model, *, method: str = "auto"):
     """Patch a transformers Llama or Qwen3 model (``SUPPORTED``) in place; returns it.
 
-    ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "recompute" (the default:
-    least memory, and the faster of recompute and chunked on the H200 at every measured shape,
-    see benchmarks/NOTES.md), "chunked" or "scaled_exp" (not yet measured). Each decoder layer
+    ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "auto" (the default: CE-S,
+    "scaled_exp", the fastest on the H200, where the vocabulary is a multiple of 128, else
+    "recompute"), "scaled_exp", "recompute" (least memory) or "chunked". Each decoder layer
     becomes a ``CodaLlamaDecoderLayer``."""
     name = type(model).__name__
     if name not in SUPPORTED:

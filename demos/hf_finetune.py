@@ -35,9 +35,9 @@ def parse_args(argv=None):
     add_step_args(ap, 200, 20)
     ap.add_argument(
         "--method",
-        default="recompute",
+        default="auto",
         choices=coda.nn.LM_HEAD_METHODS,
-        help="coda's LM-head loss program (default recompute)",
+        help="coda's LM-head loss program (default auto: scaled_exp when vocab %% 128 == 0)",
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)

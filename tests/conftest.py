@@ -67,7 +67,7 @@ def random_dims(seed: int, **ranges) -> dict:
     return {k: int(torch.randint(lo, hi + 1, (1,), generator=g)) for k, (lo, hi) in ranges.items()}
 
 
-def tie_band(ref, dof: int | None = None) -> float:
+def tie_band(ref, dof: int | None = None, z: float = 2.0) -> float:
     """How far above 1.0 a ratio of two relative Frobenius errors can land by chance when both
     paths make errors of the same size: two standard deviations of that ratio.
 
@@ -87,13 +87,30 @@ def tie_band(ref, dof: int | None = None) -> float:
     come through the score gradient dS (B H S (S + 1) / 2 entries under a causal mask), which
     on a short sequence is a small difference of nearly equal terms whose few roundings
     dominate (tests/test_fuzz_gpu.py, NOTES.md)."""
+    return band_of(effective_samples(ref, dof), z)
+
+
+def effective_samples(ref, dof: int | None = None) -> float:
+    """``tie_band``'s n_eff of ``ref`` (a tensor, or an element count), capped at ``dof``."""
     if isinstance(ref, torch.Tensor):
         r2 = ref.detach().double().nan_to_num(0.0).pow(2)  # an all-NaN mean: band 0
         n_eff = float(r2.sum() ** 2 / r2.pow(2).sum().clamp(min=1e-300))
     else:
         n_eff = float(ref)
-    if dof is not None:
-        n_eff = min(n_eff, float(dof))
-    # each error ~ sqrt(chi^2_n / n): log of their ratio has a spread of ~1/sqrt(n); two of it
-    # (2/sqrt(n) for large n, and still honest for the few-sample cases dof describes)
-    return 0.0 if n_eff <= 1 else math.expm1(2.0 / n_eff**0.5)
+    return n_eff if dof is None else min(n_eff, float(dof))
+
+
+def band_of(n_eff: float, z: float = 2.0) -> float:
+    """z standard deviations of the ratio of two errors of n_eff samples each: each error is
+    ~ sqrt(chi^2_n / n), so the log of their ratio has a spread of ~1/sqrt(n)."""
+    return 0.0 if n_eff <= 1 else math.expm1(z / n_eff**0.5)
+
+
+def family_z(checks: int, alpha: float = 0.05) -> float:
+    """The band's z for a family of ``checks`` comparisons (a fuzz test's cases x outputs):
+    one-sided, Bonferroni, so that a path that merely ties fails the whole family with
+    probability <= ``alpha`` (z = 2 per check would fail ~2 % of checks by chance: dozens in
+    a 200-case fuzz of 13 outputs). Never below 2."""
+    from statistics import NormalDist
+
+    return max(2.0, NormalDist().inv_cdf(1.0 - alpha / max(1, checks)))

@@ -52,13 +52,13 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("method", ["recompute", "chunked", "scaled_exp"])
+@pytest.mark.parametrize("method", ["auto", "recompute", "chunked", "scaled_exp"])
 def test_lm_head_kernel_sequence_equals_reference_float64(seed, method):
     rng = random.Random(seed)
     d, V, M = rng.randrange(2, 50), rng.randrange(2, 300), rng.randrange(1, 70)
     if method == "scaled_exp":  # its vocabulary is a multiple of 128
         V = -(-V // 128) * 128
-    reduction = rng.choice(["mean", "sum"] + (["none"] if method == "recompute" else []))
+    reduction = rng.choice(["mean", "sum"] + (["none"] if method in ("recompute", "auto") else []))
     reduction = "none" if method == "scaled_exp" and seed == 3 else reduction  # via recompute
     torch.manual_seed(seed)
     head = cnn.LMHeadLoss(d, V, method=method, chunk=rng.choice([7, 64, 16384]), dtype=F64)
@@ -67,7 +67,8 @@ def test_lm_head_kernel_sequence_equals_reference_float64(seed, method):
     t = torch.randint(0, V, (M,))
     t[torch.rand(M) < 0.2] = -100
     x = torch.randn(M, d, dtype=F64, requires_grad=True)
-    dl = torch.randn(M, dtype=F64) if reduction == "none" else None
+    # any upstream gradient (the three-GEMM programs form theirs at 1 and apply it after)
+    dl = torch.randn(M if reduction == "none" else (), dtype=F64)
     out_k, g_k = _grads(head, x, lambda: head._kernel_loss(x, t, reduction), dl)
     out_r, g_r = _grads(head, x, lambda: head(x, t, reduction), dl)
     if torch.isnan(out_r).all():
@@ -188,3 +189,12 @@ def test_tma_check_ignores_the_stride_of_a_length_one_dim():
     bad = torch.randn(3, 44).bfloat16()[:, :40].t()  # (40, 3), columns 88 B apart
     with pytest.raises(coda.CodaInputError, match="16-byte aligned"):
         check_tma_operand("A", bad, either_major=True)
+
+
+def test_auto_lm_head_method_is_scaled_exp_where_it_applies():
+    from coda.autograd import resolve_lm_head_method
+
+    assert resolve_lm_head_method("auto", 128256) == "scaled_exp"
+    assert resolve_lm_head_method("auto", 50257) == "recompute"  # V % 128 != 0
+    assert resolve_lm_head_method("chunked", 128256) == "chunked"
+    assert cnn.LMHeadLoss(8, 256, dtype=F64).method == "auto"

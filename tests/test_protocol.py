@@ -39,3 +39,32 @@ def test_band_shrinks_with_samples_and_widens_with_correlation():
     spiky[:4] = 1000.0  # four entries carry the error: n_eff ~ 4
     assert tie_band(spiky) > 0.9
     assert tie_band(torch.full((8,), float("nan"))) == 0.0
+
+
+def _fuzz_report(bias: float, cases: int = 300, seed: int = 2):
+    """A fuzz Report over simulated cases: coda's error = PyTorch's-sized noise x ``bias``."""
+    from test_fuzz_gpu import Report
+
+    g = torch.Generator().manual_seed(seed)
+    rep = Report("simulated")
+    for case in range(cases):
+        ref = torch.randn(32, 40, generator=g, dtype=torch.float64)
+        for out in ("a", "b", "c"):
+            ratio = fro_err(_rounded(ref, g, rel=bias * 2.0**-9), ref) / fro_err(
+                _rounded(ref, g), ref
+            )
+            rep.add(case, f"{out}, case {case}", ratio, ref)
+        rep.cases += 1
+    return rep
+
+
+def test_fuzz_family_of_ties_passes():
+    # 900 tie checks: a per-check z of 2 would fail ~20 of them; the family's z fails none
+    _fuzz_report(1.0).write()
+
+
+def test_fuzz_small_systematic_bias_fails_though_no_single_case_does():
+    import pytest
+
+    with pytest.raises(AssertionError, match="systematic"):
+        _fuzz_report(1.03).write()

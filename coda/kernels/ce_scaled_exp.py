@@ -223,7 +223,8 @@ def linear_cross_entropy_scaled(
 ):
     """CE-S, forward stats and g = 1 gradients in three GEMMs per token chunk (GEMM1 storing
     E, dX and dW reading E through the A-operand transform). Returns (lse, target_logit,
-    G (M x d, fp32), S, dW_lm) as ``linear_cross_entropy_chunked`` does. ``weight``: the
+    G (M x d, fp32), S, dW_lm) as ``linear_cross_entropy_chunked`` does, dW_lm the fp32
+    accumulator as a (d, V) view of its (V, d) storage. ``weight``: the
     per-row loss weight (1/M_valid or 1; 0 on ignored rows). V must be a multiple of 128."""
     from coda._validate import CodaInputError
     from coda.kernels.linear_cross_entropy_chunked import row_dot
@@ -275,9 +276,7 @@ def linear_cross_entropy_scaled(
         G -= shift * (rstd * weight.to(acc))[:, None] * w_lm.sum(1, dtype=acc)[None, :]
         dw_t -= shift * smooth_sum[None, :]
     S = row_dot(G, a, rstd) if interpreted else fused(row_dot)(G, a, rstd)
-    dw = torch.empty_like(w_lm)
-    dw.copy_(dw_t.t())
-    return lse, tl, G, S, dw
+    return lse, tl, G, S, dw_t.t()
 
 
 def compile_scaled_grad_dx(d: int, v: int, *, m: int = 256) -> int:

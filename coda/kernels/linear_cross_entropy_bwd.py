@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
+from coda.kernels._launch import acc_dtype, example_operands, fused, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.tuned import config_for
 from coda.primitives import ColLoad, RowPartials, epilogue_program, exp
@@ -171,6 +171,35 @@ def final_norm_bwd_normed(G, S, h, gamma, rstd):
     (rstd applied before the GEMM, not deferred): then G = dl @ W^T = dy and S = rstd * the
     deferred form's statistic, so both are converted in the same elementwise pass."""
     return final_norm_bwd(G * rstd[:, None].to(G.dtype), S / rstd, h, gamma, rstd)
+
+
+def final_norm_bwd_normed_scaled(G, S, h, gamma, rstd, g):
+    """``final_norm_bwd_normed`` of the gradients G, S formed at an upstream gradient of 1,
+    for the true upstream gradient ``g`` (0-d): the pass is linear in (G, S), so g enters in
+    fp32 before the one rounding to h's dtype (no second rounding, whatever g is)."""
+    g = g.to(G.dtype)
+    return final_norm_bwd_normed(G * g, S * g, h, gamma, rstd)
+
+
+def _scaled_cast(acc, g, dtype):
+    return (acc * g.to(acc.dtype)).to(dtype).contiguous()
+
+
+_scaled_cast_fused = fused(_scaled_cast)  # runs as written on CPU tensors
+
+
+def weight_grad_from_acc(acc, g, like):
+    """``g * acc`` rounded once to ``like``'s dtype, in ``like``'s layout: the LM head's
+    weight gradient from its fp32 accumulator (formed at an upstream gradient of 1). One pass
+    when the layouts agree (an HF ``lm_head.weight.t()`` view against CE-S's (V, d)
+    accumulator); a transposing pass (Inductor's tiled kernel on the GPU) into a contiguous
+    ``like`` otherwise."""
+    out = torch.empty_like(like)
+    if acc.stride() == out.stride():
+        return torch.mul(acc, g.to(acc.dtype), out=out)
+    if out.is_contiguous():
+        return _scaled_cast_fused(acc, g, like.dtype)
+    return out.copy_(acc * g.to(acc.dtype))
 
 
 def grad_logits_interpreted(a, w, rstd, lse, scale, config: GemmConfig = DEFAULT, shift=None):

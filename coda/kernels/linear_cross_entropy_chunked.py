@@ -129,18 +129,19 @@ def linear_cross_entropy_chunked(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
 ):
-    """Forward stats and g = 1 gradients. Returns (lse, target_logit, G (M x d), S, dW_lm).
-    ``weight`` is the per-row loss weight (1/M_valid or 1; 0 on ignored rows)."""
+    """Forward stats and g = 1 gradients. Returns (lse, target_logit, G (M x d), S, dW_lm),
+    dW_lm fp32 in w_lm's layout (rounded once, with the upstream gradient, by
+    ``weight_grad_from_acc``). ``weight`` is the per-row loss weight (1/M_valid or 1; 0 on
+    ignored rows)."""
     M, d = a.shape
     V = w_lm.shape[1]
     lse = torch.empty(M, dtype=acc_dtype(a), device=a.device)
     tl = torch.empty_like(lse)
     G = torch.empty(M, d, dtype=acc_dtype(a), device=a.device)
     dz = torch.empty(min(rows, M), V, dtype=a.dtype, device=a.device)
-    # dW sums one partial product per token chunk: in fp32 when there are several (the GEMM
-    # reduce-adds its fp32 tile into it), rounded to w_lm's dtype once at the end
-    n_chunks = -(-M // rows)
-    dw = torch.empty_like(w_lm, dtype=acc_dtype(a) if n_chunks > 1 else w_lm.dtype)
+    # dW sums one partial product per token chunk in fp32 (the GEMM reduce-adds its fp32 tile
+    # into it); the backward rounds it to w_lm's dtype once, with the upstream gradient
+    dw = torch.empty_like(w_lm, dtype=acc_dtype(a))
     row_kernel = softmax_grad_rows if interpreted else fused(softmax_grad_rows)
     chunk = logits_chunk_interpreted if interpreted else logits_chunk
     for r0 in range(0, M, rows):
@@ -170,7 +171,7 @@ def linear_cross_entropy_chunked(
             add_to_output=r0 > 0,
         )
     S = row_dot(G, a, rstd) if interpreted else fused(row_dot)(G, a, rstd)
-    return lse, tl, G, S, dw.to(w_lm.dtype)
+    return lse, tl, G, S, dw
 
 
 def compile_logits_chunk(d, v, *, w_major="n", config=DEFAULT, m=256) -> int:
