@@ -6,7 +6,7 @@ against float64, divided by the plain PyTorch bf16 path's) can be estimated befo
 is spent. Not a substitute for the H200 runs: attention is math SDPA here, GEMMs accumulate in
 fp32 on the CPU's own order.
 
-    python benchmarks/cpu_numerics.py lm-head      # LMHeadLoss methods vs PyTorch bf16
+    python benchmarks/cpu_numerics.py lm-head [--g G] [--confident]  # LMHeadLoss vs PyTorch
     python benchmarks/cpu_numerics.py qk-short     # DecoderLayer q/k/v weight gradients,
                                                    #   the GPU fuzz's short-sequence cases
     python benchmarks/cpu_numerics.py hf           # patched HF Llama / Qwen3, loss + grads
@@ -36,7 +36,9 @@ def _kernel_path_on_cpu():
     cnn.resolve_backend = lambda *a, **k: "kernel"
 
 
-def lm_head(seeds=3):
+def lm_head(seeds=3, g=1.0, confident=False):
+    """``confident``: logits 8x larger and 3 in 4 targets at the row's argmax (p_y near 1, a
+    trained model's regime) instead of random logits (p near uniform, early training)."""
     from conftest import fro_err
     from test_fuzz import canonical_head
 
@@ -49,16 +51,19 @@ def lm_head(seeds=3):
             head = cnn.LMHeadLoss(d, V, method=method, dtype=BF)
             with torch.no_grad():
                 head.gf.add_(0.1 * torch.randn_like(head.gf))
-                head.w_lm.normal_(std=2 * d**-0.5)
+                head.w_lm.normal_(std=(16 if confident else 2) * d**-0.5)
             x = torch.randn(M, d, dtype=BF, requires_grad=True)
             t = torch.randint(0, V, (M,))
+            if confident:
+                top = (x.detach().float() @ head.w_lm.float()).argmax(1)
+                t = torch.where(torch.rand(M) < 0.75, top, t)
             t[::7] = -100
             loss = head._kernel_loss(x, t, "mean")
-            loss.backward()
+            loss.backward(torch.tensor(g))
             got = (loss.detach(), x.grad, head.gf.grad, head.w_lm.grad.t())
-            one = torch.tensor(1.0, dtype=torch.float64)
-            ref = canonical_head(copy.deepcopy(head).double(), x.detach().double(), t, "mean", one)
-            peer = canonical_head(head, x.detach(), t, "mean", torch.tensor(1.0))
+            g64 = torch.tensor(g, dtype=torch.float64)
+            ref = canonical_head(copy.deepcopy(head).double(), x.detach().double(), t, "mean", g64)
+            peer = canonical_head(head, x.detach(), t, "mean", torch.tensor(g))
             ratios = [fro_err(a, b) / max(fro_err(c, b), 1e-30) for a, b, c in zip(got, ref, peer)]
             print(
                 f"lm-head {method:10s} seed {seed}: "
@@ -129,5 +134,10 @@ def dw_neff():
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=("lm-head", "qk-short", "hf", "dw-neff"))
-    what = ap.parse_args().what
-    {"lm-head": lm_head, "qk-short": qk_short, "hf": hf, "dw-neff": dw_neff}[what]()
+    ap.add_argument("--g", type=float, default=1.0, help="lm-head: the upstream gradient")
+    ap.add_argument("--confident", action="store_true", help="lm-head: p_y near 1")
+    args = ap.parse_args()
+    if args.what == "lm-head":
+        lm_head(g=args.g, confident=args.confident)
+    else:
+        {"qk-short": qk_short, "hf": hf, "dw-neff": dw_neff}[args.what]()

@@ -284,7 +284,7 @@ LM_HEAD_METHODS = ("auto", "recompute", "chunked", "scaled_exp")  # LinearCrossE
 
 
 def resolve_lm_head_method(method: str, vocab: int) -> str:
-    """"auto": CE-S ("scaled_exp", the fastest on the H200 at every measured shape,
+    """ "auto": CE-S ("scaled_exp", the fastest on the H200 at every measured shape,
     benchmarks/NOTES.md) where it applies (vocab a multiple of 128), else "recompute"."""
     if method != "auto":
         return method

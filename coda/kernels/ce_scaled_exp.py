@@ -15,10 +15,12 @@ per-row v = 2^K e^-lse: a power of two per (row, N-tile) times a per-row fp32 fa
 the gradient GEMMs read E itself, scaled per (row, 64 columns) on its way into the mainloop
 (``ScaleA``), instead of a dlogits tensor:
 
-    glue  u[b, m] = 2^(k[m, t(b)] - K[m]) (bf16 strip), c = r w v, xs = c a, and E's target
-          entry replaced so that u v E' = alpha p - (1 - eps) onehot   (``scaled_glue``)
+    glue  u[b, m] = 2^(k[m, t(b)] - K[m]) (bf16 strip), c = r w v, xs = c a, and E' = E with
+          each row's target entry zeroed, so that u v E' = alpha p off the target (``scaled_glue``)
     dX    G = c (.) ((u (.) E') @ W^T)        fp32, the final norm's backward follows
     dW    dW^T (+)= (u (.) E')^T @ xs         fp32, TMA reduce-add over token chunks
+    hot   G[m] += h_m W[:, y_m], dW^T[y_m] += h_m a_m with h = r w (alpha p_y - (1 - eps)) in
+          fp32 (``add_target_terms``): the one large entry per row never rounded to bf16
 
 GEMM1's tile must cover whole N-tiles of V (tile_n | V): the maximum is over the tile's own
 columns, which a ragged last tile would pad with zeros; the strips need V % 128 == 0.
@@ -36,6 +38,7 @@ import torch
 
 from coda.kernels._launch import acc_dtype, example_operands, fused, launch
 from coda.kernels.config import GemmConfig
+from coda.kernels.linear_cross_entropy_chunked import add_target_terms, row_dot, target_coef
 from coda.primitives import (
     ColLoad,
     ColSelect,
@@ -124,7 +127,7 @@ def lse_from_scaled(sum_exp, k):
 
 
 # -- the two gradient GEMMs, reading E through an A-operand transform -----------------------------
-# The glue gives, per row m, the softmax gradient's E' (E with the target entry fixed) and a
+# The glue gives, per row m, the softmax gradient's E' (E with the target entry zeroed) and a
 # strip u[b, m] = 2^(k[m, t(b)] - K[m]) per 64-column block b of the vocabulary (exact powers of
 # two, bf16), so that dl = c_m * u * E' / r_m with c the per-row fp32 factor r w v.
 
@@ -187,9 +190,10 @@ def chunk_rows_scaled(vocab: int) -> int:
 def scaled_glue(sum_exp, k, tl, target, rstd, weight, a, tile_n: int, z_loss, smoothing):
     """Per row, from GEMM1's partials (C x T_N values, no pass over C x V): lse, the strip
     u (V / 64, C) bf16 = 2^(k - K) per 64-column block, the per-row factor c = r w v (fp32;
-    v = 2^K e^-lse (1 + 2 z lse)), xs = c a (bf16: dW's B operand), and the value of the
-    target entry E'_y with u_y v E'_y = alpha p_y - (1 - eps) (label smoothing eps; its
-    uniform -eps / V share of every entry is a rank-1 term the caller adds)."""
+    v = 2^K e^-lse (1 + 2 z lse)), xs = c a (bf16: dW's B operand), and the target entry's
+    gradient r w (alpha p_y - (1 - eps)) in fp32 (``target_coef``; label smoothing eps: its
+    uniform -eps / V share of every entry is a rank-1 term the caller adds).
+    """
     K, T = scaled_total(sum_exp, k)
     lse = _lse(K, T)
     alpha = 1.0 + 2.0 * z_loss * lse if z_loss else 1.0
@@ -200,13 +204,8 @@ def scaled_glue(sum_exp, k, tl, target, rstd, weight, a, tile_n: int, z_loss, sm
     # target entry below stays finite and exact, being formed with the same u)
     uk = torch.exp2((k - K[:, None]).clamp(min=-U_FLOOR))
     u = uk.repeat_interleave(tile_n // STRIP, dim=1).t().contiguous().to(a.dtype)
-    V = k.shape[1] * tile_n
-    y = target.clamp(0, V - 1).long()
-    u_y = uk.gather(1, (y // tile_n)[:, None])[:, 0]
-    # alpha p_y - (1 - eps), with p_y - 1 = expm1(l_y - lse): no cancellation near p_y = 1
-    hot_entry = (alpha * torch.expm1(tl - lse) + (alpha - 1.0 + smoothing)) / (u_y * v)
     xs = (c[:, None] * a.to(c.dtype)).to(a.dtype)
-    return lse, u, c, xs, hot_entry
+    return lse, u, c, xs, target_coef(tl, lse, rstd, weight, smoothing, z_loss)
 
 
 def linear_cross_entropy_scaled(
@@ -227,7 +226,6 @@ def linear_cross_entropy_scaled(
     accumulator as a (d, V) view of its (V, d) storage. ``weight``: the
     per-row loss weight (1/M_valid or 1; 0 on ignored rows). V must be a multiple of 128."""
     from coda._validate import CodaInputError
-    from coda.kernels.linear_cross_entropy_chunked import row_dot
 
     M, d = a.shape
     V = w_lm.shape[1]
@@ -254,18 +252,17 @@ def linear_cross_entropy_scaled(
             t_c = torch.cat([t_c, t_c.new_full((C - n,), -1)])
             w_c = torch.cat([w_c, w_c.new_zeros(C - n)])
         e, sum_exp, k, tl_c = scaled_exp_logits_kernel(a_c, w_lm, r_c, t_c, cfg)
-        lse_c, u, c, xs, hot = glue(
+        lse_c, u, c, xs, coef = glue(
             sum_exp, k, tl_c, t_c, r_c, w_c, a_c, cfg.tile_n, z_loss, label_smoothing
         )
-        # E' = E with each valid row's target entry replaced (every row written: no boolean
-        # indexing, so no host sync; other rows write back their own entry)
-        valid = (t_c >= 0) & (t_c < V)
-        y, r_idx = t_c.clamp(0, V - 1).long(), row_index[:C]
-        e[r_idx, y] = torch.where(valid, hot.to(e.dtype), e[r_idx, y])
+        # E' = E with each row's target entry zeroed (ignored and padded rows have c = 0, so
+        # their clamped entry may be zeroed too: no mask, no boolean indexing, no host sync)
+        e[row_index[:C], t_c.clamp(0, V - 1).long()] = 0
         # dX straight into G's rows, except for a padded last chunk
         G_c = G[R] if C == n else torch.empty(C, d, dtype=acc, device=a.device)
         scaled_grad_dx_kernel(e, w_lm, u, c, G_c)
         scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
+        add_target_terms(G_c, dw_t, a_c, t_c, coef, w_lm)  # exact, in fp32
         lse[R], tl[R] = lse_c[:n], tl_c[:n]
         if C != n:
             G[R] = G_c[:n]

@@ -88,17 +88,43 @@ def logits_chunk_interpreted(a, w_lm, rstd, target, config: GemmConfig = DEFAULT
 
 def softmax_grad_rows(dz, logits, lse, target, rstd, weight, label_smoothing=0.0, z_loss=0.0):
     """The row pass, pointwise: dz = rstd * dl (written into ``dz``, a.dtype) from the fp32
-    logits, dl = w * ((1 + 2 z lse) exp(l - lse) - (1 - eps) onehot(y) - eps / V) (z-loss z,
-    label smoothing eps). Rows with w = 0 (ignored) give zeros."""
+    logits, dl = w * ((1 + 2 z lse) exp(l - lse) - eps / V) (z-loss z, label smoothing eps),
+    and 0 in each row's target column (``add_target_terms`` adds that entry exactly). Rows with
+    w = 0 (ignored) give zeros."""
     V = logits.shape[1]
     lse = lse[:, None]
     p = torch.exp(logits - lse)
     if z_loss:
         p = p * (1.0 + 2.0 * z_loss * lse)
     cols = torch.arange(V, device=logits.device)
-    hot = (cols[None, :] == target[:, None]).to(logits.dtype) * (1.0 - label_smoothing)
-    dl = weight[:, None] * (p - hot - label_smoothing / V)
-    dz.copy_(rstd[:, None] * dl)
+    dl = weight[:, None] * (p - label_smoothing / V)
+    dz.copy_(torch.where(cols[None, :] == target[:, None], 0.0, rstd[:, None] * dl))
+
+
+def target_coef(tl, lse, rstd, weight, label_smoothing=0.0, z_loss=0.0, shift=0.0):
+    """The target entry's gradient per row, r w (alpha p_y - (1 - eps) - shift), in fp32 from
+    the exact target logit: alpha (p_y - 1) = alpha expm1(l_y - lse) has no cancellation
+    when p_y is near 1 (a confident model), where a bf16 p_y minus 1 would keep none of it."""
+    alpha = 1.0 + 2.0 * z_loss * lse if z_loss else 1.0
+    return rstd * weight * (alpha * torch.expm1(tl - lse) + (alpha - 1.0 + label_smoothing - shift))
+
+
+def add_target_terms(G, dw_t, a, target, coef, w_lm):
+    """The target entries' share of both gradients, added in fp32 outside the GEMMs (whose
+    operands hold 0 there): G[m] += coef_m W[:, y_m] and dW^T[y_m] += coef_m a_m.
+
+    Why: a bf16 target entry is the one large value of its row, and on near-uniform rows
+    (early training) all rows' entries are nearly the same number, so their roundings add up
+    coherently in dX and dW instead of averaging out; PyTorch's bf16 dlogits round them too,
+    so the comparison went either way depending on the upstream gradient's mantissa. Exact
+    here, these terms are never the larger error. ``dw_t``: a (V, d) view of the fp32 dW
+    accumulator; index_put_'s accumulation is deterministic (sorted) on CUDA."""
+    V = w_lm.shape[1]
+    valid = (target >= 0) & (target < V)
+    y = target.clamp(0, V - 1).long()
+    coef = torch.where(valid, coef, torch.zeros_like(coef))
+    G.addcmul_(coef[:, None], w_lm.t()[y].to(G.dtype))
+    dw_t.index_put_((y,), coef[:, None] * a.to(dw_t.dtype), accumulate=True)
 
 
 def row_dot(G, a, rstd):
@@ -170,6 +196,16 @@ def linear_cross_entropy_chunked(
             d=dw,
             add_to_output=r0 > 0,
         )
+        coef = target_coef(
+            tl[R],
+            lse[R],
+            rstd[R],
+            weight[R].to(lse.dtype),
+            label_smoothing,
+            z_loss,
+            label_smoothing / V,
+        )
+        add_target_terms(G[R], dw.t(), a[R], target[R], coef, w_lm)
     S = row_dot(G, a, rstd) if interpreted else fused(row_dot)(G, a, rstd)
     return lse, tl, G, S, dw
 
