@@ -439,8 +439,15 @@ class LMHeadLoss(nn.Module):
         self.w_lm.copy_(sd["lm_head.weight"].t())
 
 
-def _kernel_lm_head_loss(xf, gamma, w_lm, t, *args):
-    """The LM head's kernel sequence on validated (tokens, d) rows (``coda.autograd``)."""
+def _kernel_lm_head_loss(xf, gamma, w_lm, t, eps, ignore_index, reduction, chunk, method, *opts):
+    """The LM head's kernel sequence on validated (tokens, d) rows (``coda.autograd``). When no
+    gradient will be taken (``torch.no_grad``, or no input requires one: an evaluation loss),
+    the three-GEMM programs, which form their gradients in the forward, would do two GEMMs for
+    nothing: the loss then comes from the recompute program's forward alone (one GEMM)."""
+    needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in (xf, gamma, w_lm))
+    if not needs_grad:
+        method = "recompute"
+    args = (eps, ignore_index, reduction, chunk, method, *opts)
     return LinearCrossEntropyFunction.apply(xf.contiguous(), gamma, w_lm, t, *args)
 
 

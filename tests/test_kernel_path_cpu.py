@@ -198,3 +198,25 @@ def test_auto_lm_head_method_is_scaled_exp_where_it_applies():
     assert resolve_lm_head_method("auto", 50257) == "recompute"  # V % 128 != 0
     assert resolve_lm_head_method("chunked", 128256) == "chunked"
     assert cnn.LMHeadLoss(8, 256, dtype=F64).method == "auto"
+
+
+def test_lm_head_without_gradients_runs_the_one_gemm_program(monkeypatch):
+    """An evaluation loss (no_grad, or nothing requiring grad) skips the gradient GEMMs."""
+    from coda.kernels import library as lib
+
+    head = cnn.LMHeadLoss(16, 256, method="scaled_exp", dtype=F64)
+    x, t = torch.randn(10, 16, dtype=F64), torch.randint(0, 256, (10,))
+    with_grads = head._kernel_loss(x, t, "mean")
+
+    def refuse(*a, **k):
+        raise AssertionError("the three-GEMM program ran without gradients")
+
+    monkeypatch.setattr(lib, "lm_head_scaled", refuse)
+    with torch.no_grad():
+        assert rel_err(head._kernel_loss(x, t, "mean"), with_grads, floor=1.0) < 1e-12
+    for p in head.parameters():
+        p.requires_grad_(False)
+    assert rel_err(head._kernel_loss(x, t, "mean"), with_grads, floor=1.0) < 1e-12
+    with pytest.raises(AssertionError, match="without gradients"):
+        x.requires_grad_(True)
+        head._kernel_loss(x, t, "mean")
