@@ -105,7 +105,7 @@ def idle_report(fn, top: int = 5) -> dict:
     syncs = [
         f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno} {str(w.message)[:80]}"
         for w in caught
-        if "synchroniz" in str(w.message)
+        if "called a synchronizing CUDA operation" in str(w.message)
     ]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()

@@ -199,6 +199,9 @@ def main():
             import traceback
 
             record["benchmarks"][name] = {"error": repr(e), "trace": traceback.format_exc()}
+        if isinstance(record["benchmarks"][name], dict):
+            record["benchmarks"][name]["seconds"] = round(time.time() - t0, 1)
+        record.setdefault("suite_seconds", {})[name] = round(time.time() - t0, 1)
         print(f"{name}: {time.time() - t0:.0f}s", flush=True)
         write_record(record, args.out)  # after every suite: a run cut short keeps what it did
 
