@@ -192,15 +192,26 @@ LM_HEAD_SHAPES = ((2048, 32768, 4096), (4096, 128256, 2048), (8192, 128256, 2048
 IGNORE_EVERY = 7  # 1 in 7 targets is ignore_index, as in issue 9's protocol
 
 
+def _with_e_chunk(nbytes, head, x, t):
+    """``head(x, t)`` with CE-S storing ``nbytes`` of E per token chunk."""
+    from coda.kernels import ce_scaled_exp
+
+    saved, ce_scaled_exp.E_CHUNK_BYTES = ce_scaled_exp.E_CHUNK_BYTES, nbytes
+    try:
+        return head(x, t)
+    finally:
+        ce_scaled_exp.E_CHUNK_BYTES = saved
+
+
 def lm_head_rows(liger) -> list[dict]:
     rows = []
     quack_lce = _quack.chunked_linear_cross_entropy()
     for d, V, quack_chunk in LM_HEAD_SHAPES:
-        head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel")
+        head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel")  # "auto": CE-S here
         head_c = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="chunked")
-        head_s = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="scaled_exp")
+        head_r = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="recompute")
         head_c.gf, head_c.w_lm = head.gf, head.w_lm  # one set of weights, three programs
-        head_s.gf, head_s.w_lm = head.gf, head.w_lm
+        head_r.gf, head_r.w_lm = head.gf, head.w_lm
         x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         t = torch.randint(0, V, (M,), device="cuda")
         t[::IGNORE_EVERY] = -100
@@ -214,8 +225,17 @@ def lm_head_rows(liger) -> list[dict]:
         compiled = torch.compile(torch_loss)
         variants = {
             "coda": (lambda: head(x, t), [head.gf, head.w_lm]),
+            # CE-S storing 2 GiB of E per token chunk (fewer fp32 dW reduce-adds)
+            "coda_e2g": (lambda: _with_e_chunk(2**31, head, x, t), [head.gf, head.w_lm]),
+            # the weight as HF holds it, lm_head.weight (V, d): what apply_coda passes
+            "coda_hf_layout": (
+                lambda x=x, gf=gf, w_lin=w_lin, t=t: cnn.lm_head_loss(
+                    x, gf, w_lin.t(), t, backend="kernel"
+                ),
+                [gf, w_lin],
+            ),
+            "coda_recompute": (lambda: head_r(x, t), [head.gf, head.w_lm]),
             "coda_chunked": (lambda: head_c(x, t), [head.gf, head.w_lm]),
-            "coda_scaled_exp": (lambda: head_s(x, t), [head.gf, head.w_lm]),
             "torch_eager": (torch_loss, [gf, w_lin]),
             "torch_compile": (compiled, [gf, w_lin]),
             "quack_chunked_lce": (
@@ -288,7 +308,7 @@ def lm_head_rows(liger) -> list[dict]:
                     extra_peak_gib=extra,
                 )
             )
-        for name in ("coda", "coda_chunked", "coda_scaled_exp"):
+        for name in ("coda", "coda_e2g", "coda_recompute"):
             if not out_of_time():
                 rows.append(
                     {

@@ -182,9 +182,16 @@ def scaled_grad_dw_kernel(e, xs, u, out, accumulate: bool, dry=False):
 
 
 # -- the glue and the chunked driver (the same contract as CE-C's) --------------------------------
+# Bytes of E (bf16, rows x V) stored per token chunk: the memory / time trade of CE-S. Each
+# chunk after the first reduce-adds its dW into the fp32 V x d accumulator (8 V d bytes of
+# traffic: 8.4 GB at d = 8192, V = 128256); a larger budget means fewer chunks. Measured at
+# 1 GiB (benchmarks/NOTES.md: "CE-S on the H200"); lm_head_train also times 2 GiB.
+E_CHUNK_BYTES = 2**30
+
+
 def chunk_rows_scaled(vocab: int) -> int:
-    """Token rows per chunk: ~1 GiB of bf16 E (a multiple of 128, at least 128)."""
-    return max(128, (2**30 // (2 * vocab)) // 128 * 128)
+    """Token rows per chunk: ~``E_CHUNK_BYTES`` of bf16 E (a multiple of 128, at least 128)."""
+    return max(128, (E_CHUNK_BYTES // (2 * vocab)) // 128 * 128)
 
 
 def scaled_glue(sum_exp, k, tl, target, rstd, weight, a, tile_n: int, z_loss, smoothing):
