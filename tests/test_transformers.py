@@ -265,11 +265,7 @@ def test_unsupported_models_and_configs_are_named():
         ct.apply_coda(model_class(qwen)(qwen))
 
 
-def protocol_run(family: str, device: str, seed: int = 0):
-    """One training step of a 2-layer bf16 ``family`` model, unpatched, patched by coda and as a
-    float64 copy, with a padding mask: ((loss64, loss16, loss_coda), (g64, g16, g_coda), the
-    scalar loss's error floor 2^-9 / sqrt(rows)). The GPU protocol test and
-    ``benchmarks/cpu_numerics.py hf`` (the CPU bf16 model of the same run) share it."""
+def _protocol_models(family: str, device: str, seed: int = 0):
     shape = dict(
         hidden_size=256,
         intermediate_size=512,
@@ -281,8 +277,35 @@ def protocol_run(family: str, device: str, seed: int = 0):
     cfg = tiny_config(family, **shape, **({"head_dim": 64} if family == "qwen3" else {}))
     torch.manual_seed(seed)
     ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
-    ref64 = copy.deepcopy(ref).double()
-    patched = ct.apply_coda(copy.deepcopy(ref))
+    return cfg, copy.deepcopy(ref).double(), ref, ct.apply_coda(copy.deepcopy(ref))
+
+
+def loss_error_rms(family: str, device: str, batches: int = 64):
+    """The scalar loss's relative error against float64, as an RMS over ``batches`` random
+    batches (4 x 256 tokens, the training forward: gradients enabled, none taken), for the
+    unpatched bf16 model and the patched one: (rms coda, rms PyTorch, the floor
+    2^-9 / sqrt(rows)). One batch gives one sample of each error, too few to rank two paths
+    whose errors are the same size; ``batches`` samples give a ratio with a spread of
+    ~1/sqrt(batches) (``conftest.band_of``)."""
+    cfg, ref64, ref, patched = _protocol_models(family, device)
+    errs = {"coda": [], "torch": []}
+    g = torch.Generator().manual_seed(1234)
+    for _ in range(batches):
+        ids = torch.randint(0, cfg.vocab_size, (4, 256), generator=g).to(device)
+        batch = dict(input_ids=ids, labels=ids)
+        l64 = float(ref64(**batch).loss.detach())
+        for key, m in (("torch", ref), ("coda", patched)):
+            errs[key].append(abs(float(m(**batch).loss.detach()) - l64) / abs(l64))
+    rms = {k: (sum(e * e for e in v) / len(v)) ** 0.5 for k, v in errs.items()}
+    return rms["coda"], rms["torch"], 2.0**-9 / (4 * 256) ** 0.5
+
+
+def protocol_run(family: str, device: str, seed: int = 0):
+    """One training step of a 2-layer bf16 ``family`` model, unpatched, patched by coda and as a
+    float64 copy, with a padding mask: ((loss64, loss16, loss_coda), (g64, g16, g_coda), the
+    scalar loss's error floor 2^-9 / sqrt(rows)). The GPU protocol test and
+    ``benchmarks/cpu_numerics.py hf`` (the CPU bf16 model of the same run) share it."""
+    cfg, ref64, ref, patched = _protocol_models(family, device, seed)
     ids = torch.randint(0, cfg.vocab_size, (4, 256), device=device)
     mask = torch.ones_like(ids)
     mask[1, :37] = 0
@@ -299,11 +322,15 @@ def protocol_run(family: str, device: str, seed: int = 0):
 def test_gpu_patched_model_protocol(family):
     """H200: a patched bf16 Llama / Qwen3 (coda's kernels, HF's sdpa) against the unpatched
     bf16 model, both against a float64 copy: loss and every gradient no worse than the
-    unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask."""
-    from conftest import fro_err, tie_band
+    unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask.
+    The scalar loss is ranked over 64 batches (``loss_error_rms``), not on the one step's
+    single sample of each error."""
+    from conftest import band_of, fro_err, tie_band
 
-    (loss64, loss16, loss_c), (g64, g16, gc), floor = protocol_run(family, "cuda")
-    assert max(fro_err(loss_c, loss64), floor) <= max(fro_err(loss16, loss64), floor)
+    batches = 64
+    e_c, e_t, floor = loss_error_rms(family, "cuda", batches)
+    assert max(e_c, floor) <= max(e_t, floor) * (1.0 + band_of(batches)), (e_c, e_t, floor)
+    _, (g64, g16, gc), _ = protocol_run(family, "cuda")
     ratios = {n: fro_err(gc[n], g) / fro_err(g16[n], g) for n, g in g64.items()}
     worse = {n: r for n, r in ratios.items() if r > 1.0 + tie_band(g64[n])}
     assert not worse, worse
