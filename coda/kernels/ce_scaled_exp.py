@@ -26,8 +26,9 @@ GEMM1's tile must cover whole N-tiles of V (tile_n | V): the maximum is over the
 columns, which a ragged last tile would pad with zeros; the strips need V % 128 == 0.
 Oracles: ``coda.reference.cross_entropy.scaled_exp_logits_ref`` (GEMM1) and autograd
 through the canonical loss (the method). Tests: tests/test_ce_scaled_exp.py (float64
-through the interpreter, sm_90a compile); GPU: the LM-head tests' "scaled_exp" cases. Not yet
-run on the H200.
+through the interpreter, sm_90a compile); GPU: the LM-head tests' "scaled_exp" cases. The
+default LM-head program since the H200 measured it fastest of coda's three (benchmarks/NOTES.md,
+session 5); the exact target entries ("hot" above) are proven on the CPU, not yet run there.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """LM head + cross-entropy forward AND backward in three GEMMs, chunked over tokens
 (KERNELS.md section 4, CE-C), against CE-A's four. Measured on the H200 (benchmarks/NOTES.md)
-it is not yet faster: each token chunk adds a read-modify-write of the fp32 d x V gradient,
-and the stored logits add a pass over M x V; CE-A is the default.
+it is the slowest of coda's three: the stored fp32 logits add a pass over M x V that CE-S
+(``ce_scaled_exp``, the default) avoids. Its row pass, target entries and dW accumulator are
+the ones CE-S shares.
 
 The upstream gradient of a "mean" or "sum" loss is a scalar g, and every gradient is linear
 in it, so the forward computes them for g = 1 and the backward only scales (the Liger /
