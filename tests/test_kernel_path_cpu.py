@@ -220,3 +220,51 @@ def test_lm_head_without_gradients_runs_the_one_gemm_program(monkeypatch):
     with pytest.raises(AssertionError, match="without gradients"):
         x.requires_grad_(True)
         head._kernel_loss(x, t, "mean")
+
+
+@pytest.mark.parametrize("method", ["scaled_exp", "chunked"])
+def test_lm_head_hf_weight_layout_kernel_path_float64(method):
+    """The functional LM head with an HF ``lm_head.weight`` (V, d) passed as its (d, V) view (what
+    ``apply_coda`` does): the kernel sequence equals the reference, the weight's gradient lands in
+    its own (V, d) layout, and the upstream gradient is any number."""
+    from coda.nn import _kernel_lm_head_loss, lm_head_loss
+
+    torch.manual_seed(3)
+    M, d, V = 37, 24, 256
+    w = torch.randn(V, d, dtype=F64, requires_grad=True)  # HF layout
+    gam = (1 + 0.1 * torch.randn(d, dtype=F64)).requires_grad_(True)
+    x = torch.randn(M, d, dtype=F64, requires_grad=True)
+    t = torch.randint(0, V, (M,))
+    t[::5] = -100
+    g = torch.tensor(-0.613, dtype=F64)
+
+    def grads(fn):
+        for p in (w, gam, x):
+            p.grad = None
+        loss = fn()
+        loss.backward(g)
+        return loss.detach(), [p.grad.clone() for p in (x, gam, w)]
+
+    args = (1e-5, -100, "mean", 16384, method, 0.0, 0.0)
+    out_k, g_k = grads(lambda: _kernel_lm_head_loss(x, gam, w.t(), t, *args))
+    out_r, g_r = grads(lambda: lm_head_loss(x, gam, w.t(), t))
+    assert rel_err(out_k, out_r, floor=1.0) < 1e-12
+    for name, a, b in zip(("x", "gamma", "w"), g_k, g_r):
+        assert rel_err(a, b, floor=float(b.abs().max())) < 1e-11, name
+    assert w.grad.is_contiguous()
+
+
+def test_weight_grad_from_acc_every_layout():
+    from coda.kernels.linear_cross_entropy_bwd import weight_grad_from_acc
+
+    acc_vd = torch.randn(12, 5, dtype=torch.float32)  # a (V, d) accumulator
+    g = torch.tensor(0.37)
+    want = (acc_vd * g).to(torch.bfloat16)
+    for like in (
+        torch.empty(12, 5, dtype=torch.bfloat16).t(),  # same strides: one pass
+        torch.empty(5, 12, dtype=torch.bfloat16),  # contiguous (d, V): transposing pass
+        torch.empty(5, 24, dtype=torch.bfloat16)[:, ::2],  # anything else
+    ):
+        out = weight_grad_from_acc(acc_vd.t(), g, like)
+        assert out.dtype == torch.bfloat16 and out.shape == (5, 12)
+        assert torch.equal(out, want.t())
