@@ -7,10 +7,9 @@ coda (the CPU reference path) does not load cutlass.
 
 What is used, and why:
 - ``gemm_epilogue`` and the EpiOps (RowVecLoad, ColVecLoad, TileLoad, TileStore,
-  ColVecReduce, RowVecReduce, OnlineLSEReduce, ColVecSelect, HeadRstd and MaxLog2 with the
-  prepass):
-  the GPU lowering target of a
-  ``coda.primitives`` program (``coda/primitives/lowering.py``);
+  ColVecReduce, RowVecReduce, OnlineLSEReduce, ColVecSelect, and HeadRstd and MaxLog2 with
+  the prepass): the GPU lowering target of a ``coda.primitives`` program
+  (``coda/primitives/lowering.py``);
 - ``pack`` / ``unpack`` / ``pexp`` / ``pexp2`` / ``sigmoid``: trace-time math on accumulator
   values;
 - ``operand_transform.a_transform`` / ``host.transform_a_operand``: the mainloop's A-operand

@@ -10,19 +10,20 @@ QuACK chunked design). For each chunk of rows R (one chunk of logits live at a t
 
     F6'  acc = a[R] @ W_lm                 l = rstd * acc: TILE-ST l in fp32, LSE partials and
                                            the target logit (the loss's stats)
-    row  dz~ = rstd * dl, dl = w (exp(l - lse) - onehot): pointwise over the chunk (read fp32
-         l, write bf16 dz~); lse is F6''s, from the same fp32 values, so p sums to 1 without a
-         pass over the vocabulary, and p has fp32 accuracy (bf16 logits would give it an
-         error of |l| 2^-9, PyTorch's own)
+    row  dz~ = rstd * dl, dl = w exp(l - lse) off the target column, 0 on it: pointwise over
+         the chunk (read fp32 l, write bf16 dz~); lse is F6''s, from the same fp32 values, so
+         p sums to 1 without a pass over the vocabulary, and p has fp32 accuracy (bf16 logits
+         would give it an error of |l| 2^-9, PyTorch's own)
     B2'  G[R] = dz~ @ W_lm^T               (quack GEMM, fp32 M x d: no bf16 rounding of dy)
     B3'  dW_lm (+)= a[R]^T @ dz~           quack GEMM whose TMA store reduce-adds the fp32
                                            result into one fp32 dW (the first chunk stores):
                                            no bf16 rounding per chunk, no separate add pass
+    hot  the target entries, exact in fp32 (``add_target_terms``, shared with CE-S)
 then   S = sum_j G_j a_j / rstd (the final norm's statistic, = sum_n dl_n l_n / rstd, one
        pass over M x d) and dh = gamma * G + corr * h, dgamma = sum_m G * h.
 
 Extra memory: one chunk of fp32 logits and its bf16 dz~ (``chunk_rows``: 384 MiB together),
-the fp32 G, and with several chunks an fp32 d x V dW (one chunk: the bf16 dW is stored directly).
+the fp32 G and the fp32 d x V dW, both kept to the backward (which applies g and rounds once).
 Tests: tests/test_backward_kernels.py (CPU loop), tests/test_forward_kernels.py (compile).
 """
 
@@ -119,11 +120,9 @@ def add_target_terms(G, dw_t, a, target, coef, w_lm):
     coherently in dX and dW instead of averaging out; PyTorch's bf16 dlogits round them too,
     so the comparison went either way depending on the upstream gradient's mantissa. Exact
     here, these terms are never the larger error. ``dw_t``: a (V, d) view of the fp32 dW
-    accumulator; index_put_'s accumulation is deterministic (sorted) on CUDA."""
-    V = w_lm.shape[1]
-    valid = (target >= 0) & (target < V)
-    y = target.clamp(0, V - 1).long()
-    coef = torch.where(valid, coef, torch.zeros_like(coef))
+    accumulator; index_put_'s accumulation is deterministic (sorted) on CUDA. Rows whose
+    target is ignored (or padding) have weight 0, so coef 0: their clamped index adds 0."""
+    y = target.clamp(0, w_lm.shape[1] - 1).long()
     G.addcmul_(coef[:, None], w_lm.t()[y].to(G.dtype))
     dw_t.index_put_((y,), coef[:, None] * a.to(dw_t.dtype), accumulate=True)
 

@@ -104,18 +104,22 @@ def _z_squared(acc, rstd):
     return {"head_rstd": z * z}
 
 
-def _qk_norm_rope(acc, rstd, pos, freq, head_w, plain, head_rstd):
-    x1, x2 = unpack(acc * rstd * (head_rstd * head_w + plain))
+def _normed_rotated(z, pos, freq, head_w, plain, head_rstd):
+    """RoPE(z * s * w) on q/k columns, z on v columns (head_w 0, plain 1, freq 0 there)."""
+    x1, x2 = unpack(z * (head_rstd * head_w + plain))
     s, c = rotation(pos, freq)
-    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+    return pack(x1 * c - x2 * s, x1 * s + x2 * c)
+
+
+def _qk_norm_rope(acc, rstd, pos, freq, head_w, plain, head_rstd):
+    return {"D": _normed_rotated(acc * rstd, pos, freq, head_w, plain, head_rstd)}
 
 
 def _qk_norm_rope_keep_z(acc, rstd, pos, freq, head_w, plain, head_rstd):
     z = acc * rstd
-    x1, x2 = unpack(z * (head_rstd * head_w + plain))
-    s, c = rotation(pos, freq)
     z_even, z_odd = unpack(z)
-    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c), "z_even": z_even, "z_odd": z_odd}
+    out = _normed_rotated(z, pos, freq, head_w, plain, head_rstd)
+    return {"D": out, "z_even": z_even, "z_odd": z_odd}
 
 
 @functools.lru_cache(maxsize=None)
