@@ -85,9 +85,9 @@ def kernel_table(fn, steps: int = 3, top: int = 40) -> list[dict]:
 def idle_report(fn, top: int = 5) -> dict:
     """Where the GPU waits inside one call of ``fn``: every host synchronization it makes
     (``torch.cuda.set_sync_debug_mode``, with the Python line that made it), and the idle time
-    between its kernels (profiler timeline, after a warm-up: the span from the first kernel's
-    start to the last one's end, minus the kernels' busy time), with the largest gaps named by
-    the kernel before and after them."""
+    between its kernels (profiler timeline, after a warm-up: the sum of the gaps in which no
+    kernel runs, between the first kernel's start and the last one's end), with the largest
+    gaps named by the kernel before and after them."""
     import warnings
 
     from torch.profiler import ProfilerActivity, profile
@@ -114,14 +114,12 @@ def idle_report(fn, top: int = 5) -> dict:
         (e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0),
         key=lambda e: e.time_range.start,
     )
-    gaps, busy_end, busy = [], None, 0.0
+    gaps, busy_end = [], None
     for a, b in zip(ev, ev[1:]):
         busy_end = max(busy_end or a.time_range.end, a.time_range.end)
         gap = b.time_range.start - busy_end
         if gap > 0:
             gaps.append((gap, a.name[:60], b.name[:60]))
-    for e in ev:
-        busy += e.device_time
     span = (ev[-1].time_range.end - ev[0].time_range.start) if ev else 0.0
     gaps.sort(reverse=True)
     return {
