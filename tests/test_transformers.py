@@ -284,9 +284,8 @@ def loss_error_rms(family: str, device: str, batches: int = 64):
     """The scalar loss's relative error against float64, as an RMS over ``batches`` random
     batches (4 x 256 tokens, the training forward: gradients enabled, none taken), for the
     unpatched bf16 model and the patched one: (rms coda, rms PyTorch, the floor
-    2^-9 / sqrt(rows)). One batch gives one sample of each error, too few to rank two paths
-    whose errors are the same size; ``batches`` samples give a ratio with a spread of
-    ~1/sqrt(batches) (``conftest.band_of``)."""
+    2^-9 / sqrt(rows)). One batch gives one sample of each error; ``batches`` samples give an
+    RMS whose ratio has a spread of ~1/sqrt(batches)."""
     cfg, ref64, ref, patched = _protocol_models(family, device)
     errs = {"coda": [], "torch": []}
     g = torch.Generator().manual_seed(1234)
@@ -323,13 +322,13 @@ def test_gpu_patched_model_protocol(family):
     """H200: a patched bf16 Llama / Qwen3 (coda's kernels, HF's sdpa) against the unpatched
     bf16 model, both against a float64 copy: loss and every gradient no worse than the
     unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask.
-    The scalar loss is ranked over 64 batches (``loss_error_rms``), not on the one step's
-    single sample of each error."""
-    from conftest import band_of, fro_err, tie_band
+    The scalar loss is compared as an RMS over 64 batches (``loss_error_rms``), with the same
+    bound as before (no worse than PyTorch's, above the scalar floor), instead of on the one
+    step's single sample of each error."""
+    from conftest import fro_err, tie_band
 
-    batches = 64
-    e_c, e_t, floor = loss_error_rms(family, "cuda", batches)
-    assert max(e_c, floor) <= max(e_t, floor) * (1.0 + band_of(batches)), (e_c, e_t, floor)
+    e_c, e_t, floor = loss_error_rms(family, "cuda", 64)
+    assert max(e_c, floor) <= max(e_t, floor), (e_c, e_t, floor)
     _, (g64, g16, gc), _ = protocol_run(family, "cuda")
     ratios = {n: fro_err(gc[n], g) / fro_err(g16[n], g) for n, g in g64.items()}
     worse = {n: r for n, r in ratios.items() if r > 1.0 + tie_band(g64[n])}
