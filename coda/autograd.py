@@ -283,9 +283,13 @@ def decoder_layer(
 LM_HEAD_METHODS = ("auto", "recompute", "chunked", "scaled_exp")  # LinearCrossEntropyFunction's
 
 
-def resolve_lm_head_method(method: str, vocab: int) -> str:
-    """ "auto": CE-S ("scaled_exp", the fastest on the H200 at every measured shape,
-    benchmarks/NOTES.md) where it applies (vocab a multiple of 128), else "recompute"."""
+def resolve_lm_head_method(method: str, vocab: int, needs_grad: bool = True) -> str:
+    """The LM-head program that runs. "auto": CE-S ("scaled_exp", the fastest on the H200 at
+    every measured shape, benchmarks/NOTES.md) where it applies (vocab a multiple of 128),
+    else "recompute". Without gradients (an evaluation loss) always "recompute": its forward
+    is one GEMM, where the three-GEMM programs would form gradients for nothing."""
+    if not needs_grad:
+        return "recompute"
     if method != "auto":
         return method
     return "scaled_exp" if vocab % 128 == 0 else "recompute"

@@ -29,6 +29,7 @@ from coda.autograd import (
     LayerDims,
     LinearCrossEntropyFunction,
     decoder_layer,
+    resolve_lm_head_method,
 )
 from coda.env import BACKENDS, resolve_backend
 from coda.kernels.gemm_rope import rope_freq_table_from_inv
@@ -440,13 +441,11 @@ class LMHeadLoss(nn.Module):
 
 
 def _kernel_lm_head_loss(xf, gamma, w_lm, t, eps, ignore_index, reduction, chunk, method, *opts):
-    """The LM head's kernel sequence on validated (tokens, d) rows (``coda.autograd``). When no
-    gradient will be taken (``torch.no_grad``, or no input requires one: an evaluation loss),
-    the three-GEMM programs, which form their gradients in the forward, would do two GEMMs for
-    nothing: the loss then comes from the recompute program's forward alone (one GEMM)."""
+    """The LM head's kernel sequence on validated (tokens, d) rows (``coda.autograd``); the
+    program is chosen once here, knowing whether a gradient will be taken
+    (``resolve_lm_head_method``)."""
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in (xf, gamma, w_lm))
-    if not needs_grad:
-        method = "recompute"
+    method = resolve_lm_head_method(method, w_lm.shape[1], needs_grad)
     args = (eps, ignore_index, reduction, chunk, method, *opts)
     return LinearCrossEntropyFunction.apply(xf.contiguous(), gamma, w_lm, t, *args)
 
