@@ -74,6 +74,7 @@ def run_tests(out_dir: str, select: str = "", budget_s: float | None = None) -> 
 
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     failures = []
+    test_seconds = {}  # from the junit report: what each test cost the call
     if timed_out or not os.path.exists(xml):  # what finished before the cut
         key = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped"}
         for m in RESULT_LINE.finditer(text.replace("\r", "")):
@@ -84,6 +85,7 @@ def run_tests(out_dir: str, select: str = "", budget_s: float | None = None) -> 
         for case in ET.parse(xml).getroot().iter("testcase"):
             kids = {c.tag for c in case}
             name = f"{case.get('classname')}::{case.get('name')}"
+            test_seconds[name] = round(float(case.get("time", 0)), 1)
             if "failure" in kids:
                 counts["failed"] += 1
                 failures.append(name)
@@ -105,6 +107,7 @@ def run_tests(out_dir: str, select: str = "", budget_s: float | None = None) -> 
         "returncode": proc.returncode,
         "timed_out": timed_out,
         **counts,
+        "test_seconds": test_seconds,
         "failures": failures,
         "summary": tail[0],
         "seconds": seconds,
