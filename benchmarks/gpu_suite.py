@@ -24,10 +24,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-RESULT_LINE = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", re.M)
+# a finished test in pytest's -v stream; under xdist: "[gw0] [ 50%] PASSED tests/...::name"
+RESULT_LINE = re.compile(
+    r"^(?:(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)"
+    r"|\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|ERROR|SKIPPED) (tests/\S+::\S+))",
+    re.M,
+)
 
 
-def run_tests(out_dir: str, select: str = "", budget_s: float | None = None) -> dict:
+def _finished(text: str):
+    """(test id, outcome) for each finished test in a -v log, with or without xdist."""
+    for m in RESULT_LINE.finditer(text):
+        yield (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
+
+
+def run_tests(
+    out_dir: str, select: str = "", budget_s: float | None = None, workers: int = 1
+) -> dict:
     """Run the whole test suite on the GPU host; count what ran, by marker.
 
     ``budget_s``: stop pytest after that many seconds and count what had finished from its
@@ -43,6 +56,7 @@ def run_tests(out_dir: str, select: str = "", budget_s: float | None = None) -> 
         "-m",
         "gpu",
         *(["-k", select] if select else []),
+        *(["-n", str(workers)] if workers > 1 else []),
         f"--junitxml={xml}",
         "-p",
         "no:cacheprovider",
@@ -77,10 +91,10 @@ def run_tests(out_dir: str, select: str = "", budget_s: float | None = None) -> 
     test_seconds = {}  # from the junit report: what each test cost the call
     if timed_out or not os.path.exists(xml):  # what finished before the cut
         key = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped"}
-        for m in RESULT_LINE.finditer(text.replace("\r", "")):
-            counts[key[m.group(2)]] += 1
-            if m.group(2) in ("FAILED", "ERROR"):
-                failures.append(m.group(1))
+        for test, outcome in _finished(text.replace("\r", "")):
+            counts[key[outcome]] += 1
+            if outcome in ("FAILED", "ERROR"):
+                failures.append(test)
     else:
         for case in ET.parse(xml).getroot().iter("testcase"):
             kids = {c.tag for c in case}
@@ -121,6 +135,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, ".out")))
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--tests", default="", help="pytest -k expression: run only these gpu tests")
+    ap.add_argument("--workers", type=int, default=1, help="pytest-xdist workers for the tests")
     ap.add_argument("--tune", action="store_true", help="also sweep tile configs")
     ap.add_argument("--only", default="", help="comma-separated benchmark names to run")
     ap.add_argument(
@@ -148,7 +163,7 @@ def main():
         "torch_cuda": torch.version.cuda,
     }
     if not args.skip_tests:
-        record["gpu_tests"] = run_tests(args.out, args.tests, args.budget_s)
+        record["gpu_tests"] = run_tests(args.out, args.tests, args.budget_s, args.workers)
         print("gpu tests:", record["gpu_tests"]["summary"], flush=True)
         write_record(record, args.out)
 

@@ -100,6 +100,44 @@ def effective_samples(ref, dof: int | None = None) -> float:
     return n_eff if dof is None else min(n_eff, float(dof))
 
 
+def weight_grad_samples(x: torch.Tensor, g: torch.Tensor) -> float:
+    """n_eff of the roundings a weight gradient dW = g^T x over T tokens carries (x: (T, in),
+    the layer input; g: (T, out), the output gradient): the entries of x and g, each rounding
+    error as large as the value rounded and reaching dW multiplied by the other operand's row
+    at that token. The weighted form of ``tie_band``'s T (rows + cols) count: two tokens of a
+    heavy-tailed activation (a SwiGLU output) carry far fewer effective roundings than entries."""
+    x, g = x.detach().double().flatten(0, -2), g.detach().double().flatten(0, -2)
+    via_x = g.norm(dim=1, keepdim=True) * x
+    via_g = x.norm(dim=1, keepdim=True) * g
+    return effective_samples(torch.cat([via_x.flatten(), via_g.flatten()]))
+
+
+class LinearOperands(torch.overrides.TorchFunctionMode):
+    """Records, for each weight passed to ``F.linear`` inside the mode, the layer input and
+    (once backward has run) the output gradient: the two operands of its weight gradient.
+    ``samples(w)`` is their ``weight_grad_samples``."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []  # [weight, input, output gradient]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.linear:
+            rec = [args[1], args[0].detach(), None]
+            self.seen.append(rec)
+            if out.requires_grad:
+                out.register_hook(lambda grad, rec=rec: rec.__setitem__(2, grad.detach()))
+        return out
+
+    def samples(self, grad: torch.Tensor) -> float | None:
+        """``weight_grad_samples`` of the weight whose ``.grad`` is ``grad`` (None if unseen)."""
+        for w, x, g in self.seen:
+            if w.grad is grad and g is not None:
+                return weight_grad_samples(x, g)
+        return None
+
+
 def band_of(n_eff: float, z: float = 2.0) -> float:
     """z standard deviations of the ratio of two errors of n_eff samples each: each error is
     ~ sqrt(chi^2_n / n), so the log of their ratio has a spread of ~1/sqrt(n)."""

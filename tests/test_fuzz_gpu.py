@@ -6,6 +6,7 @@ worst ratio of each op and module goes to ``CODA_FUZZ_REPORT`` (the GPU suite re
 from __future__ import annotations
 
 import copy
+import fcntl
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import random
 
 import pytest
 import torch
-from conftest import band_of, effective_samples, family_z, fro_err
+from conftest import LinearOperands, band_of, effective_samples, family_z, fro_err
 from test_fuzz import (
     CASES,
     OPS,
@@ -128,11 +129,13 @@ class Report:
             },
         }
         path = os.environ.get("CODA_FUZZ_REPORT")
-        if path:
-            data = json.load(open(path)) if os.path.exists(path) else {}
-            data[self.name] = entry
-            with open(path, "w") as f:
-                json.dump(data, f, indent=1)
+        if path:  # one file for every fuzz test, which may run side by side (pytest-xdist)
+            with open(path + ".lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                data = json.load(open(path)) if os.path.exists(path) else {}
+                data[self.name] = entry
+                with open(path, "w") as f:
+                    json.dump(data, f, indent=1)
         assert not failures, f"{self.name}: ratio > 1 + tie band in {failures[:5]}"
 
 
@@ -163,14 +166,18 @@ def test_gpu_fuzz_op_protocol(op):
     rep.write()
 
 
-def layer_dof(label, ref, B, S, H):
+def layer_dof(label, ref, B, S, H, operands=None):
     """The independent error sources of a layer output (``tie_band``'s ``dof``): None for the
-    activations; T (rows + cols) for a weight gradient over T = B S tokens; attention's q/k
-    side (q_proj, k_proj, q_norm, k_norm) also at most the B H S (S + 1) / 2 entries of the
-    causal score gradient."""
+    activations; for a weight gradient over T = B S tokens, T (rows + cols), or, when the
+    reference run's ``operands`` (``LinearOperands``) saw its GEMM, their size-weighted count
+    (``weight_grad_samples``); attention's q/k side (q_proj, k_proj, q_norm, k_norm) also at
+    most the B H S (S + 1) / 2 entries of the causal score gradient."""
     if label in ("out", "dx"):
         return None
     dof = B * S * sum(ref.shape)
+    weighted = operands.samples(ref) if operands is not None else None
+    if weighted is not None:
+        dof = min(dof, weighted)
     if any(k in label for k in ("q_proj", "k_proj", "q_norm", "k_norm")):
         dof = min(dof, B * H * S * (S + 1) // 2)
     return dof
@@ -188,7 +195,8 @@ def test_gpu_fuzz_decoder_layer_protocol():
         out.backward(dy)
         got = (out.detach(), x.grad, *hf_layer_grads(layer).values())
         layer32 = copy.deepcopy(layer).double()  # the same weights, in float64
-        o32, dx32, g32 = canonical_layer(layer32, x.detach().double(), dy.double())
+        with LinearOperands() as operands:  # each weight gradient's two GEMM operands
+            o32, dx32, g32 = canonical_layer(layer32, x.detach().double(), dy.double())
         o16, dx16, g16 = canonical_layer(layer, x.detach(), dy)
         shape = tuple(x.shape)
         scale = max(float(t.double().norm()) for t in g32.values())
@@ -202,7 +210,7 @@ def test_gpu_fuzz_decoder_layer_protocol():
                 f"{label}, x {shape}, hd {layer.head_dim}",
                 ratio,
                 b,
-                layer_dof(label, b, B, S, layer.n_heads),
+                layer_dof(label, b, B, S, layer.n_heads, operands),
             )
         rep.cases += 1
     rep.write()

@@ -3,7 +3,7 @@ errors of the same size land inside it nearly always; a path that is measurably 
 outside it; the caps for correlated errors (``dof``) widen it only where they apply."""
 
 import torch
-from conftest import fro_err, tie_band
+from conftest import LinearOperands, band_of, fro_err, tie_band, weight_grad_samples
 
 
 def _rounded(ref, g, rel=2.0**-9):
@@ -68,3 +68,54 @@ def test_fuzz_small_systematic_bias_fails_though_no_single_case_does():
 
     with pytest.raises(AssertionError, match="systematic"):
         _fuzz_report(1.03).write()
+
+
+def _heavy_tailed_grad_case(g, T=2, n_in=328, n_out=168):
+    """A weight gradient dW = g^T x over T tokens whose input x is a product of two normals
+    (as a SwiGLU output is): a few large entries carry most of each token's rounding error."""
+    x = torch.randn(T, n_in, generator=g, dtype=torch.float64)
+    x = x * torch.randn(T, n_in, generator=g, dtype=torch.float64)
+    dy = torch.randn(T, n_out, generator=g, dtype=torch.float64)
+    return x, dy
+
+
+def test_weight_gradient_band_counts_roundings_by_size():
+    """Two paths that round both operands of dW = g^T x equally: the band from the
+    size-weighted count of those roundings (``weight_grad_samples``) holds them; the bare
+    count T (rows + cols) is too narrow for a heavy-tailed input at a few tokens."""
+    g = torch.Generator().manual_seed(2)
+    inside = {"weighted": 0, "count": 0}
+    for trial in range(200):
+        x, dy = _heavy_tailed_grad_case(g)
+        ref = dy.t() @ x
+        ratio = fro_err(_rounded(dy, g).t() @ _rounded(x, g), ref) / fro_err(
+            _rounded(dy, g).t() @ _rounded(x, g), ref
+        )
+        n = weight_grad_samples(x, dy)
+        assert n < x.numel() + dy.numel()
+        inside["weighted"] += ratio <= 1 + band_of(n)
+        inside["count"] += ratio <= 1 + band_of(x.numel() + dy.numel())
+    assert inside["weighted"] >= 190, inside  # one-sided 2 sigma: ~97.7 %
+    assert inside["count"] < inside["weighted"], inside
+
+
+def test_weight_gradient_samples_of_equal_entries_is_their_count():
+    x, dy = torch.ones(3, 6, dtype=torch.float64), torch.ones(3, 6, dtype=torch.float64)
+    assert abs(weight_grad_samples(x, dy) - 3 * (6 + 6)) < 1e-9
+    x[0, 0] = 1e6  # token 0 carries the error: x[0, 0]'s rounding and its 6 products with g
+    assert abs(weight_grad_samples(x, dy) - (6 + 6) ** 2 / (6**2 + 6)) < 1e-3
+
+
+def test_linear_operands_sees_each_weight_gradients_operands():
+    g = torch.Generator().manual_seed(3)
+    x, dy = _heavy_tailed_grad_case(g)
+    w = torch.randn(dy.shape[1], x.shape[1], dtype=torch.float64, requires_grad=True)
+    other = torch.randn(4, dy.shape[1], dtype=torch.float64, requires_grad=True)
+    with LinearOperands() as ops:
+        y = torch.nn.functional.linear(x, w)
+        z = torch.nn.functional.linear(y, other)
+    torch.autograd.backward(z, torch.ones_like(z))
+    dy_seen = torch.ones(x.shape[0], 4, dtype=torch.float64) @ other.detach()
+    assert ops.samples(w.grad) == weight_grad_samples(x, dy_seen)
+    assert ops.samples(other.grad) == weight_grad_samples(y, torch.ones_like(z))
+    assert ops.samples(torch.zeros(1)) is None
