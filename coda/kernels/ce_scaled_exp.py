@@ -265,7 +265,9 @@ def linear_cross_entropy_scaled(
         )
         # E' = E with each row's target entry zeroed (ignored and padded rows have c = 0, so
         # their clamped entry may be zeroed too: no mask, no boolean indexing, no host sync)
-        e[row_index[:C], t_c.clamp(0, V - 1).long()] = 0
+        # (the zero is a device scalar: a Python 0 is a host-to-device copy, which a CUDA graph
+        # capture refuses)
+        e.index_put_((row_index[:C], t_c.clamp(0, V - 1).long()), e.new_zeros(()))
         # dX straight into G's rows, except for a padded last chunk
         G_c = G[R] if C == n else torch.empty(C, d, dtype=acc, device=a.device)
         scaled_grad_dx_kernel(e, w_lm, u, c, G_c)
