@@ -3,7 +3,8 @@
 ``LlamaForCausalLM`` and a Qwen3-0.6B-shaped ``Qwen3ForCausalLM`` (random init, bf16, sdpa),
 in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and loss stay
 eager, as users compile it), with Liger's instance patch, and patched by
-``coda.transformers.apply_coda``. Every variant starts from the same weights.
+``coda.transformers.apply_coda``. Every variant starts from the same weights. coda's and
+Liger's rows also carry one step's per-kernel table and GPU idle time (after the timing).
 
 Liger's patch also replaces the model class's forward for the whole process, so it runs last.
 """
@@ -14,7 +15,7 @@ import copy
 
 import torch
 
-from benchmarks._common import SKIPPED, out_of_time
+from benchmarks._common import SKIPPED, idle_report, kernel_table, out_of_time
 
 SHAPES = {
     "llama-3.2-1B": (
@@ -45,6 +46,7 @@ SHAPES = {
     ),
 }
 BATCH, SEQ = 4, 4096
+PROFILED = ("hf_coda", "hf_liger")  # per-kernel tables, after the timed steps
 
 
 def build(family: str, shape: dict, device, dtype):
@@ -89,13 +91,31 @@ def variants(family: str, base):
     return out
 
 
-def step_time(model, ids, warmup: int = 2, steps: int = 5):
-    """Mean seconds of one forward+backward after ``warmup`` steps, and peak GiB."""
-
+def _step(model, ids):
     def step():
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
 
+    return step
+
+
+def where_time_goes(model, ids, top: int = 25) -> dict:
+    """One step's CUDA kernels, largest first (``kernel_table``: the ``top`` of them and the
+    sum of all), and the GPU's idle time inside it (``idle_report``)."""
+    step = _step(model, ids)
+    kernels = kernel_table(step, steps=2, top=10_000)
+    idle = idle_report(step)
+    return {
+        "kernel_ms": sum(k["us"] * 1e-3 for k in kernels),
+        "idle_ms": idle["idle_us"] * 1e-3,
+        "host_syncs": idle["host_syncs"],
+        "kernels": kernels[:top],
+    }
+
+
+def step_time(model, ids, warmup: int = 2, steps: int = 5):
+    """Mean seconds of one forward+backward after ``warmup`` steps, and peak GiB."""
+    step = _step(model, ids)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -119,10 +139,15 @@ def run() -> list[dict]:
             if out_of_time():
                 rows.append({"name": f"hf/{name}/{label}", **SKIPPED})
                 continue
-            model = None
+            model, profile = None, {}
             try:
                 model = make()
                 seconds, peak = step_time(model, ids)
+                if label in PROFILED:
+                    try:  # a failed profile must not cost the timing
+                        profile = where_time_goes(model, ids)
+                    except Exception as e:
+                        profile = {"profile_error": repr(e)[:300]}
             except Exception as e:  # recorded, never hidden
                 rows.append({"name": f"hf/{name}/{label}", "error": repr(e)[:300]})
                 continue
@@ -137,6 +162,7 @@ def run() -> list[dict]:
                     "ms": seconds * 1e3,
                     "tokens_per_s": BATCH * SEQ / seconds,
                     "peak_gib": peak,
+                    **profile,
                 }
             )
         peers = [t for k, t in times.items() if k in ("hf_torch_compile", "hf_liger")]

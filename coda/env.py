@@ -31,7 +31,28 @@ _LAST: dict = {}
 _WARNED: set = set()
 
 
-@functools.lru_cache(maxsize=64)
+def host_cache(maxsize: int | None = None):
+    """``functools.lru_cache`` for a host-side helper of plain values (a device's capability, a
+    positions table, a compiled row kernel): cached in eager calls; inside a torch.compile
+    trace it runs uncached, as Dynamo runs it anyway (Dynamo ignores an lru_cache wrapper and
+    warns each time it meets one). ``cache_clear`` / ``cache_info`` as lru_cache's."""
+
+    def decorate(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            return cached(*args, **kwargs)
+
+        call.cache_clear, call.cache_info = cached.cache_clear, cached.cache_info
+        return call
+
+    return decorate
+
+
+@host_cache(maxsize=64)
 def kernel_support(device: torch.device, dtype: torch.dtype | None = None) -> tuple[bool, str]:
     """(True, "") when coda's kernels can run on ``device`` (and ``dtype``, if given), else
     (False, the reason). Cached: a device's capability does not change within a process, and

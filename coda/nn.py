@@ -16,8 +16,6 @@ with HF's key names.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -31,14 +29,14 @@ from coda.autograd import (
     decoder_layer,
     resolve_lm_head_method,
 )
-from coda.env import BACKENDS, resolve_backend
+from coda.env import BACKENDS, host_cache, resolve_backend
 from coda.kernels.gemm_rope import rope_freq_table_from_inv
 from coda.reference.cross_entropy import cross_entropy_ref
 from coda.reference.layer import LayerShape, decoder_layer_ref
 from coda.reference.rmsnorm import rmsnorm_ref
 
 
-@functools.lru_cache(maxsize=16)
+@host_cache(maxsize=16)
 def _positions(batch: int, seq: int, device) -> torch.Tensor:
     """The default positions 0..seq-1 of every sequence, as the float32 rows the RoPE epilogue
     reads: built once per (batch, seq, device), not by two kernels in every layer call."""

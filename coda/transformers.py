@@ -20,7 +20,6 @@ configured, keep the model's own masks and window).
 
 from __future__ import annotations
 
-import functools
 import types
 
 import torch
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 
 from coda import _validate as v
 from coda.autograd import LM_HEAD_METHODS
+from coda.env import host_cache
 from coda.nn import DecoderLayer, lm_head_loss
 
 SUPPORTED = ("LlamaForCausalLM", "LlamaModel", "Qwen3ForCausalLM", "Qwen3Model")
@@ -126,7 +126,7 @@ class CodaLlamaDecoderLayer(DecoderLayer):
         return super().forward(hidden_states, position_ids, position_embeddings, attention)
 
 
-@functools.cache
+@host_cache()
 def _hf_attention_functions():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward

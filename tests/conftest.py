@@ -2,6 +2,7 @@
 quack's on-disk cache off, so every compile test really compiles. ``gpu`` tests skip cleanly
 without an SM90 GPU."""
 
+import contextlib
 import math
 import os
 import warnings
@@ -35,6 +36,18 @@ def _quiet_reference_path():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CodaReferencePathWarning)
         yield
+
+
+@contextlib.contextmanager
+def no_cache_warnings_from_dynamo():
+    """Fails if torch.compile met a ``functools.lru_cache`` wrapper inside the block: Dynamo
+    warns at every such call site (a user compiling a coda model would see one warning per
+    site); coda's host caches (``coda.env.host_cache``) step aside while it traces."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    sites = [str(w.message)[:120] for w in caught if "lru_cache" in str(w.message)]
+    assert not sites, sites
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:

@@ -15,6 +15,7 @@ import functools
 import torch
 
 from coda import _quack
+from coda.env import host_cache
 from coda.kernels.config import GemmConfig
 from coda.primitives.lowering import epi_args, lower
 
@@ -118,14 +119,19 @@ def example_operands(m: int, k: int, n: int, w_major: str = "n", dtype=None):
     return x, w
 
 
-@functools.cache
 def fused(fn):
     """A row kernel (F0, B11, the final-norm apply, CE-C's softmax gradient) compiled by
     torch.compile on the GPU: its elementwise ops and row reductions become one or two Triton
-    kernels instead of one pass over memory per torch op. On the CPU it runs as written.
+    kernels instead of one pass over memory per torch op. On the CPU it runs as written, and
+    inside a user's torch.compile trace as well (Inductor fuses it with its neighbours).
 
     Inductor's coalescing analysis is off: it does not apply to dynamic shapes anyway, and in
     torch 2.11 it fails an internal assertion on the QK-norm row pass (H200, 2026-11-30)."""
+    return fn if torch.compiler.is_compiling() else _compiled_row_kernel(fn)
+
+
+@host_cache()
+def _compiled_row_kernel(fn):
     compiled = torch.compile(fn, dynamic=True, options={"triton.coalesce_tiling_analysis": False})
 
     @functools.wraps(fn)
