@@ -12,6 +12,7 @@ Liger's patch also replaces the model class's forward for the whole process, so 
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
@@ -130,8 +131,15 @@ def step_time(model, ids, warmup: int = 2, steps: int = 5):
 
 
 def run() -> list[dict]:
+    """Every shape, or those named in ``CODA_HF_SHAPES`` (comma-separated keys of SHAPES)."""
+    chosen = os.environ.get("CODA_HF_SHAPES", "")
+    unknown = set(chosen.split(",")) - set(SHAPES) - {""}
+    if unknown:
+        raise ValueError(f"CODA_HF_SHAPES: unknown {sorted(unknown)}; known: {sorted(SHAPES)}")
     rows = []
     for name, (family, shape) in SHAPES.items():
+        if chosen and name not in chosen.split(","):
+            continue
         base = build(family, shape, "cuda", torch.bfloat16)
         ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
         times = {}
