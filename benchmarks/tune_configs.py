@@ -4,10 +4,12 @@ head (M = 16384) and print the winners as ``coda/kernels/tuned.py`` entries.
 For each shape and candidate config: quack's raw GEMM (identity epilogue) and the coda
 epilogue kernel that runs at that shape in the layer, next to cuBLAS. The winner minimizes the
 coda kernel's time. Run by ``gpu_suite.py --tune``; ``CODA_TUNE_ONLY=name,name`` (prefixes of
-the GEMM names below, e.g. ``dswiglu,wgrad``) restricts the sweep.
+the GEMM names below, e.g. ``dswiglu,wgrad``) restricts the sweep, and
+``CODA_TUNE_SHAPES=tag,tag`` (``d2048``, ``1b``, ``qwen3``, ...) its shapes.
 
 Shapes: the layer benchmark's (head_dim 128, ffn = 8d/3 rounded to 256) at d = 2048, 4096,
-8192, and the 1B-shaped model's layer (d = 2048, 32/8 heads of 64, ffn 8192) as ``..._1b``.
+8192, the 1B-shaped model's layer (d = 2048, 32/8 heads of 64, ffn 8192) as ``..._1b``, and
+Qwen3-0.6B's (d = 1024, 16/8 heads of 128, ffn 3072) as ``..._qwen3``.
 """
 
 from __future__ import annotations
@@ -48,14 +50,20 @@ SPLIT_K = [
 
 # (suffix, d, ffn, heads, kv heads, head_dim, vocabularies)
 SHAPES = [(f"_d{d}", d, ffn(d), *heads(d), 128, VOCABS) for d in HIDDEN] + [
-    ("_1b", 2048, 8192, 32, 8, 64, ())
+    ("_1b", 2048, 8192, 32, 8, 64, ()),
+    # Qwen3-0.6B's layer (d = 1024, 16/8 heads of 128, ffn 3072): untuned so far; its N = d
+    # outputs leave the default 192-wide tile a ragged sixth column tile (1152 for 1024)
+    ("_qwen3", 1024, 3072, 16, 8, 128, ()),
 ]
 
 
 def layer_gemms():
     """(name, K, N, kernel(a, w, cfg)[, M]) for the layer's GEMMs and the LM head."""
     out = []
+    tags = [t for t in os.environ.get("CODA_TUNE_SHAPES", "").split(",") if t]
     for tag, d, f, H, Hkv, hd, vocabs in SHAPES:
+        if tags and tag.lstrip("_") not in tags:
+            continue
         r = torch.rand(M, device="cuda") + 0.5
         pos = (torch.arange(M, device="cuda") % 4096).float()
         freq = rp.rope_freq_table(hd, H + Hkv, Hkv, device="cuda")
