@@ -154,7 +154,7 @@ def check_heads(
 # -- modules: activations, targets, state dicts ------------------------------------------------
 def check_activation(owner: str, x, d: int, like: torch.Tensor, *, ndim=(3,)) -> None:
     """A module input: a tensor of ``ndim`` dims with last dim d, on the parameters' device
-    and of their dtype."""
+    and of their dtype (or any float dtype inside ``torch.autocast``, which casts both)."""
     check_tensor("x", x)
     if x.dim() not in ndim or x.shape[-1] != d:
         want = " or ".join("(batch, seq, d)" if n == 3 else "(tokens, d)" for n in ndim)
@@ -167,7 +167,7 @@ def check_activation(owner: str, x, d: int, like: torch.Tensor, *, ndim=(3,)) ->
             f"{owner}: x is on {x.device} but the parameters are on {like.device}; "
             f"move one to the other"
         )
-    if x.dtype != like.dtype:
+    if x.dtype != like.dtype and not torch.is_autocast_enabled(x.device.type):
         raise CodaInputError(
             f"{owner}: x is {x.dtype} but the parameters are {like.dtype}; cast one to the other"
         )

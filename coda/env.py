@@ -11,6 +11,7 @@ kernel path and raises ``UnsupportedDeviceError`` where it cannot run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -66,6 +67,28 @@ def kernel_support(device: torch.device, dtype: torch.dtype | None = None) -> tu
     if dtype is not None and dtype != torch.bfloat16:
         return False, f"dtype is {dtype}; coda's kernels take torch.bfloat16"
     return True, ""
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a module call computes in: bfloat16 inside ``torch.autocast`` for x's device
+    type with dtype bfloat16 (fp32 activations and parameters are then cast per call, as
+    autocast casts a linear layer's: the standard mixed-precision recipe, fp32 master weights,
+    runs the bf16 kernels); otherwise x's own dtype. Another autocast dtype (float16) keeps
+    x's: coda's kernels are bf16 only, and the reference path is plain torch under autocast."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16:
+        return torch.bfloat16
+    return x.dtype
+
+
+def autocast_off(device: torch.device):
+    """A context without autocast on ``device``'s type, for a kernel sequence whose tensors
+    are already in its compute dtype (its fp32 glue must stay fp32); a no-op context, with no
+    host cost, when autocast is off."""
+    kind = device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()
 
 
 def resolve_backend(op: str, backend: str, device: torch.device, dtype=None) -> str:

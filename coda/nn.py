@@ -29,7 +29,7 @@ from coda.autograd import (
     decoder_layer,
     resolve_lm_head_method,
 )
-from coda.env import BACKENDS, host_cache, resolve_backend
+from coda.env import BACKENDS, autocast_off, compute_dtype, host_cache, resolve_backend
 from coda.kernels.gemm_rope import rope_freq_table_from_inv
 from coda.reference.cross_entropy import cross_entropy_ref
 from coda.reference.layer import LayerShape, decoder_layer_ref
@@ -169,7 +169,7 @@ class DecoderLayer(nn.Module):
         v.check_activation("DecoderLayer", x, self.d, self.w_qkv)
         B, S, d = x.shape
         pos = self._positions(positions, B, S, x.device)
-        if resolve_backend("DecoderLayer", self.backend, x.device, x.dtype) == "kernel":
+        if resolve_backend("DecoderLayer", self.backend, x.device, compute_dtype(x)) == "kernel":
             if self._kernel_rule:
                 raise v.CodaInputError(f"DecoderLayer (kernel path): {self._kernel_rule}")
             return self._kernel_forward(x, pos, attention)
@@ -225,26 +225,34 @@ class DecoderLayer(nn.Module):
     def _kernel_forward(self, x: torch.Tensor, positions=None, attention=None) -> torch.Tensor:
         """The kernel sequence (``coda.autograd``). On an SM90 GPU its GEMMs are the SM90
         kernels; with CPU tensors every epilogue program runs through the tile interpreter
-        (``coda.kernels._launch``), which is how CI tests this exact code path."""
+        (``coda.kernels._launch``), which is how CI tests this exact code path. Inside
+        ``torch.autocast`` (bf16) x and the parameters are cast to bf16 first (``compute_dtype``;
+        the casts are differentiable: fp32 parameters get fp32 gradients, as under autocast)."""
         B, S, d = x.shape
         pos = _positions(B, S, x.device) if positions is None else positions
         dims = LayerDims(
             B, S, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.rope_base
         )
-        out = decoder_layer(
-            x.reshape(B * S, d).contiguous(),
-            self.g1,
-            self.w_qkv,
-            self.w_o,
-            self.g2,
-            self.w_il,
-            self.w_d,
-            pos,
-            dims,
-            attention or self.attention,
-            self._freq_table(x.device),
-            (self.q_norm, self.k_norm) if self.qk_norm else None,
+        dtype = compute_dtype(x)
+        g1, w_qkv, w_o, g2, w_il, w_d = (
+            p.to(dtype) for p in (self.g1, self.w_qkv, self.w_o, self.g2, self.w_il, self.w_d)
         )
+        qk = (self.q_norm.to(dtype), self.k_norm.to(dtype)) if self.qk_norm else None
+        with autocast_off(x.device):
+            out = decoder_layer(
+                x.to(dtype).reshape(B * S, d).contiguous(),
+                g1,
+                w_qkv,
+                w_o,
+                g2,
+                w_il,
+                w_d,
+                pos,
+                dims,
+                attention or self.attention,
+                self._freq_table(x.device),
+                qk,
+            )
         return out.view(B, S, d)
 
     # -- Hugging Face weights ------------------------------------------------------------------
@@ -445,7 +453,10 @@ def _kernel_lm_head_loss(xf, gamma, w_lm, t, eps, ignore_index, reduction, chunk
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in (xf, gamma, w_lm))
     method = resolve_lm_head_method(method, w_lm.shape[1], needs_grad)
     args = (eps, ignore_index, reduction, chunk, method, *opts)
-    return LinearCrossEntropyFunction.apply(xf.contiguous(), gamma, w_lm, t, *args)
+    dtype = compute_dtype(xf)  # bf16 inside torch.autocast: cast as DecoderLayer's kernel path
+    xf, gamma, w_lm = (u.to(dtype) for u in (xf, gamma, w_lm))
+    with autocast_off(xf.device):
+        return LinearCrossEntropyFunction.apply(xf.contiguous(), gamma, w_lm, t, *args)
 
 
 def lm_head_loss(
@@ -477,7 +488,7 @@ def lm_head_loss(
     label_smoothing, z_loss = v.check_ce_options(label_smoothing, z_loss)
     t = v.check_targets(target, x.shape[:-1], vocab, ignore_index)
     xf = x.reshape(-1, d)
-    if resolve_backend("LMHeadLoss", backend, x.device, x.dtype) == "kernel":
+    if resolve_backend("LMHeadLoss", backend, x.device, compute_dtype(x)) == "kernel":
         rule = _tma_rule(d=d, vocab=vocab)
         if method == "scaled_exp" and vocab % 128:
             rule = f"method 'scaled_exp' needs vocab % 128 == 0 (its strips), got {vocab}"

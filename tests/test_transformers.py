@@ -255,6 +255,26 @@ def test_qwen3_kernel_sequence_equals_reference_float64(head_dim):
         assert rel_err(a, b, floor=floor) < 1e-11, name
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_patched_model_under_autocast_trains_like_unpatched(family):
+    """fp32 weights under torch.autocast (bf16), as HF's Trainer runs bf16=True: the patched
+    model's loss and gradients (fp32, HF layout) stay within bf16 distance of the unpatched
+    model's under the same autocast (on the GPU its layers then run the bf16 kernels)."""
+    ref, patched = pair(tiny_config(family))
+    ref, patched = ref.float(), patched.float()
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_r, loss_p = (
+            _step(ref, input_ids=ids, labels=ids),
+            _step(patched, input_ids=ids, labels=ids),
+        )
+    assert abs(float(loss_p) - float(loss_r)) < 5e-3 * abs(float(loss_r))
+    grads_p = ct.hf_gradients(patched)
+    for name, g in ref.named_parameters():
+        assert grads_p[name].dtype == torch.float32, name
+        assert rel_err(grads_p[name], g.grad, floor=float(g.grad.abs().max())) < 0.05, name
+
+
 def test_unsupported_models_and_configs_are_named():
     with pytest.raises(coda.CodaInputError, match="mlp_bias=True is not supported"):
         ct.apply_coda(LlamaForCausalLM(tiny_config(mlp_bias=True)))

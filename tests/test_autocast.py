@@ -1,0 +1,110 @@
+"""torch.autocast (bf16) over fp32 parameters, the standard mixed-precision recipe: coda's
+kernel path casts x and the parameters to bf16 per call (``coda.env.compute_dtype``) and runs
+its bf16 kernels, with autocast off inside (its fp32 glue stays fp32). On the CPU, through the
+tile interpreter: an fp32 module under autocast equals its bf16 copy bitwise, the output and
+every gradient (the fp32 parameters' gradients are the bf16 copy's, cast to fp32: autocast's
+own rule for a cast weight). The reference path stays plain torch under autocast."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import coda.nn as cnn
+from coda import CodaInputError
+from coda.env import compute_dtype
+
+BF16 = torch.bfloat16
+
+
+def test_compute_dtype_is_bf16_inside_bf16_autocast_only():
+    x = torch.randn(2, 3)
+    assert compute_dtype(x) == torch.float32
+    with torch.autocast("cpu", dtype=BF16):
+        assert compute_dtype(x) == BF16
+    with torch.autocast("cpu", dtype=torch.float16):  # not a kernel dtype: x's own
+        assert compute_dtype(x) == torch.float32
+    with torch.autocast("cpu", dtype=BF16, enabled=False):
+        assert compute_dtype(x) == torch.float32
+
+
+def _step(fn, x, params, dy=None):
+    x = x.detach().clone().requires_grad_(True)
+    for p in params:
+        p.grad = None
+    out = fn(x)
+    out.backward(torch.ones_like(out) if dy is None else dy)
+    return out.detach(), x.grad, [p.grad for p in params]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_decoder_layer_under_autocast_is_its_bf16_copy(qk_norm):
+    torch.manual_seed(0)
+    layer32 = cnn.DecoderLayer(64, 4, 2, 96, head_dim=16, dtype=torch.float32, qk_norm=qk_norm)
+    layer16 = copy.deepcopy(layer32).to(BF16)
+    x = torch.randn(2, 5, 64)
+    dy = torch.randn(2, 5, 64, dtype=BF16)
+
+    def autocast_fp32(x):
+        with torch.autocast("cpu", dtype=BF16):
+            return layer32._kernel_forward(x)
+
+    out_a, dx_a, g_a = _step(autocast_fp32, x, list(layer32.parameters()), dy)
+    out_b, dx_b, g_b = _step(layer16._kernel_forward, x.to(BF16), list(layer16.parameters()), dy)
+    assert out_a.dtype == BF16 and torch.equal(out_a, out_b)
+    assert dx_a.dtype == torch.float32 and torch.equal(dx_a, dx_b.float())
+    for (name, p), a, b in zip(layer32.named_parameters(), g_a, g_b):
+        assert a.dtype == torch.float32 and torch.equal(a, b.float()), name
+
+
+@pytest.mark.parametrize("method", ["recompute", "chunked", "scaled_exp"])
+def test_lm_head_loss_under_autocast_is_its_bf16_copy(method):
+    torch.manual_seed(1)
+    head32 = cnn.LMHeadLoss(64, 256, method=method, dtype=torch.float32, label_smoothing=0.1)
+    head16 = copy.deepcopy(head32).to(BF16)
+    x = torch.randn(10, 64)
+    t = torch.randint(0, 256, (10,))
+    t[::3] = -100
+
+    def autocast_fp32(x):
+        with torch.autocast("cpu", dtype=BF16):
+            return head32._kernel_loss(x, t, "mean")
+
+    loss_a, dx_a, g_a = _step(autocast_fp32, x, list(head32.parameters()))
+    loss_b, dx_b, g_b = _step(
+        lambda x: head16._kernel_loss(x, t, "mean"), x.to(BF16), list(head16.parameters())
+    )
+    assert torch.equal(loss_a, loss_b)
+    assert torch.equal(dx_a, dx_b.float())
+    for a, b in zip(g_a, g_b):
+        assert a.dtype == torch.float32 and torch.equal(a, b.float())
+
+
+def test_public_calls_accept_autocast_mixed_dtypes_and_reject_them_outside():
+    """Inside autocast a bf16 activation meets fp32 parameters (the previous layer's output):
+    accepted on either path; outside autocast the mismatch is still an error naming it."""
+    torch.manual_seed(2)
+    model = cnn.CausalLM(256, 64, 2, 4, 2, 96, head_dim=16, dtype=torch.float32)
+    tokens, targets = torch.randint(0, 256, (2, 7)), torch.randint(0, 256, (2, 7))
+    with torch.autocast("cpu", dtype=BF16):
+        loss = model(tokens, targets)
+        h = model.layers[0](torch.randn(2, 7, 64, dtype=BF16))
+    assert torch.isfinite(loss) and h.shape == (2, 7, 64)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    with pytest.raises(CodaInputError, match="x is torch.bfloat16 but the parameters are"):
+        model.layers[0](torch.randn(2, 7, 64, dtype=BF16))
+
+
+def test_kernel_path_under_autocast_traces_without_graph_breaks():
+    torch.manual_seed(3)
+    layer = cnn.DecoderLayer(64, 4, 2, 96, head_dim=16, dtype=torch.float32)
+
+    def step(x):
+        with torch.autocast("cpu", dtype=BF16):
+            return layer._kernel_forward(x)
+
+    explained = torch._dynamo.explain(step)(torch.randn(2, 5, 64))
+    assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
