@@ -312,6 +312,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     ):
         M, d = x2.shape
         V = w_lm.shape[1]
+        # the GEMMs' weight in x2's dtype; the gradient returns in w_lm's own (under autocast
+        # an fp32 weight gets the three-GEMM programs' fp32 accumulator, never rounded to bf16)
+        w = w_lm.to(x2.dtype)
         y, r = fused(final_norm)(x2, gf, eps)
         ones = torch.ones_like(r)  # the row scale is already in y
         cfg = config_for(M, d, V)
@@ -321,7 +324,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # program (gradients formed at weight 1 in the forward) cannot apply
             method = "recompute"
         ctx.method = method
-        logit_sum = logits_row_sum(y, w_lm) if smooth else None
+        logit_sum = logits_row_sum(y, w) if smooth else None
         stats = dict(logit_sum=logit_sum, vocab=V, label_smoothing=smooth, z_loss=z_loss)
         if method in ("chunked", "scaled_exp"):
             weight = ce_row_weights(target, ignore_index, reduction, r.dtype)  # at g = 1
@@ -329,14 +332,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 rows, op = chunk_rows(V), lib.lm_head_chunked
             else:
                 rows, op = chunk_rows_scaled(V), lib.lm_head_scaled
-            lse, tl, G, S, dw_acc = op(y, w_lm, ones, target, weight, rows, cfg, smooth, z_loss)
+            lse, tl, G, S, dw_acc = op(y, w, ones, target, weight, rows, cfg, smooth, z_loss)
             # kept unrounded (G, S and dW in fp32): the backward applies the upstream
             # gradient before the one rounding to bf16
             ctx.save_for_backward(G, S, x2, gf, r, dw_acc, w_lm)
             return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
-        parts, tl = lib.lm_head_stats(y, w_lm, ones, target, cfg)  # F6
+        parts, tl = lib.lm_head_stats(y, w, ones, target, cfg)  # F6
         lse = combine_lse(parts)  # A3
-        ctx.save_for_backward(x2, y, r, ones, lse, tl, target, gf, w_lm)
+        ctx.save_for_backward(x2, y, r, ones, lse, tl, target, gf, w)
+        ctx.w_dtype = w_lm.dtype
         ctx.cfg = (ignore_index, reduction, chunk, cfg, smooth, z_loss)
         return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
 
@@ -347,12 +351,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             G, S, x2, gf, r, dw_acc, w_lm = ctx.saved_tensors
             dx2, dgf = fused(final_norm_bwd_normed_scaled)(G, S, x2, gf, r, g)
             return dx2, dgf.to(gf.dtype), weight_grad_from_acc(dw_acc, g, w_lm), *nones
-        x2, y, r, ones, lse, tl, target, gf, w_lm = ctx.saved_tensors
+        x2, y, r, ones, lse, tl, target, gf, w = ctx.saved_tensors
         ignore_index, reduction, chunk, cfg, smooth, z_loss = ctx.cfg
         scale = row_scale(target, ignore_index, reduction, g)
-        p_scale, hot, shift = ce_grad_weights(scale, lse, w_lm.shape[1], smooth, z_loss)
+        p_scale, hot, shift = ce_grad_weights(scale, lse, w.shape[1], smooth, z_loss)
         G, S, dw = lib.lm_head_bwd(
-            y, w_lm, ones, lse, tl, target, p_scale, chunk, cfg, hot=hot, shift=shift
+            y, w, ones, lse, tl, target, p_scale, chunk, cfg, hot=hot, shift=shift
         )  # B1 + B3 + B2
         dx2, dgf = fused(final_norm_bwd_normed)(G, S, x2, gf, r)  # A4 + A5
-        return dx2, dgf.to(gf.dtype), dw, *nones
+        return dx2, dgf.to(gf.dtype), dw.to(ctx.w_dtype), *nones

@@ -453,8 +453,10 @@ def _kernel_lm_head_loss(xf, gamma, w_lm, t, eps, ignore_index, reduction, chunk
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in (xf, gamma, w_lm))
     method = resolve_lm_head_method(method, w_lm.shape[1], needs_grad)
     args = (eps, ignore_index, reduction, chunk, method, *opts)
-    dtype = compute_dtype(xf)  # bf16 inside torch.autocast: cast as DecoderLayer's kernel path
-    xf, gamma, w_lm = (u.to(dtype) for u in (xf, gamma, w_lm))
+    # bf16 inside torch.autocast, as DecoderLayer's kernel path; w_lm is cast inside the
+    # Function, which returns its gradient in w_lm's own dtype (fp32 unrounded, for CE-C/CE-S)
+    dtype = compute_dtype(xf)
+    xf, gamma = xf.to(dtype), gamma.to(dtype)
     with autocast_off(xf.device):
         return LinearCrossEntropyFunction.apply(xf.contiguous(), gamma, w_lm, t, *args)
 

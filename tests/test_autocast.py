@@ -3,7 +3,8 @@ kernel path casts x and the parameters to bf16 per call (``coda.env.compute_dtyp
 its bf16 kernels, with autocast off inside (its fp32 glue stays fp32). On the CPU, through the
 tile interpreter: an fp32 module under autocast equals its bf16 copy bitwise, the output and
 every gradient (the fp32 parameters' gradients are the bf16 copy's, cast to fp32: autocast's
-own rule for a cast weight). The reference path stays plain torch under autocast."""
+own rule for a cast weight; the LM head's weight gets the three-GEMM programs' fp32
+accumulator itself, which the bf16 copy rounds). The reference path stays plain torch."""
 
 from __future__ import annotations
 
@@ -78,8 +79,12 @@ def test_lm_head_loss_under_autocast_is_its_bf16_copy(method):
     )
     assert torch.equal(loss_a, loss_b)
     assert torch.equal(dx_a, dx_b.float())
-    for a, b in zip(g_a, g_b):
-        assert a.dtype == torch.float32 and torch.equal(a, b.float())
+    (dgf_a, dw_a), (dgf_b, dw_b) = g_a, g_b
+    assert dgf_a.dtype == torch.float32 and torch.equal(dgf_a, dgf_b.float())
+    # the weight's gradient comes in its own dtype: for the three-GEMM programs the fp32
+    # accumulator itself, which the bf16 copy rounds once (recompute's is bf16, cast)
+    assert dw_a.dtype == torch.float32 and torch.equal(dw_a.to(BF16), dw_b)
+    assert torch.equal(dw_a, dw_b.float()) == (method == "recompute")
 
 
 def test_public_calls_accept_autocast_mixed_dtypes_and_reject_them_outside():
@@ -101,10 +106,12 @@ def test_public_calls_accept_autocast_mixed_dtypes_and_reject_them_outside():
 def test_kernel_path_under_autocast_traces_without_graph_breaks():
     torch.manual_seed(3)
     layer = cnn.DecoderLayer(64, 4, 2, 96, head_dim=16, dtype=torch.float32)
+    head = cnn.LMHeadLoss(64, 256, dtype=torch.float32)  # "auto": CE-S
+    t = torch.randint(0, 256, (10,))
 
     def step(x):
         with torch.autocast("cpu", dtype=BF16):
-            return layer._kernel_forward(x)
+            return head._kernel_loss(layer._kernel_forward(x).reshape(-1, 64), t, "mean")
 
-    explained = torch._dynamo.explain(step)(torch.randn(2, 5, 64))
+    explained = torch._dynamo.explain(step)(torch.randn(2, 5, 64, requires_grad=True))
     assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
