@@ -40,16 +40,17 @@ def _step(fn, x, params, dy=None):
     return out.detach(), x.grad, [p.grad for p in params]
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_decoder_layer_under_autocast_is_its_bf16_copy(qk_norm):
+def _layer_under_autocast_is_its_bf16_copy(qk_norm, device, d=64, H=4, Hkv=2, f=96, hd=16):
     torch.manual_seed(0)
-    layer32 = cnn.DecoderLayer(64, 4, 2, 96, head_dim=16, dtype=torch.float32, qk_norm=qk_norm)
+    layer32 = cnn.DecoderLayer(
+        d, H, Hkv, f, head_dim=hd, dtype=torch.float32, qk_norm=qk_norm, device=device
+    )
     layer16 = copy.deepcopy(layer32).to(BF16)
-    x = torch.randn(2, 5, 64)
-    dy = torch.randn(2, 5, 64, dtype=BF16)
+    x = torch.randn(2, 5, d, device=device)
+    dy = torch.randn(2, 5, d, dtype=BF16, device=device)
 
     def autocast_fp32(x):
-        with torch.autocast("cpu", dtype=BF16):
+        with torch.autocast(device, dtype=BF16):
             return layer32._kernel_forward(x)
 
     out_a, dx_a, g_a = _step(autocast_fp32, x, list(layer32.parameters()), dy)
@@ -60,17 +61,23 @@ def test_decoder_layer_under_autocast_is_its_bf16_copy(qk_norm):
         assert a.dtype == torch.float32 and torch.equal(a, b.float()), name
 
 
-@pytest.mark.parametrize("method", ["recompute", "chunked", "scaled_exp"])
-def test_lm_head_loss_under_autocast_is_its_bf16_copy(method):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_decoder_layer_under_autocast_is_its_bf16_copy(qk_norm):
+    _layer_under_autocast_is_its_bf16_copy(qk_norm, "cpu")
+
+
+def _head_under_autocast_is_its_bf16_copy(method, device, d=64, V=256, M=10):
     torch.manual_seed(1)
-    head32 = cnn.LMHeadLoss(64, 256, method=method, dtype=torch.float32, label_smoothing=0.1)
+    head32 = cnn.LMHeadLoss(
+        d, V, method=method, dtype=torch.float32, label_smoothing=0.1, device=device
+    )
     head16 = copy.deepcopy(head32).to(BF16)
-    x = torch.randn(10, 64)
-    t = torch.randint(0, 256, (10,))
+    x = torch.randn(M, d, device=device)
+    t = torch.randint(0, V, (M,), device=device)
     t[::3] = -100
 
     def autocast_fp32(x):
-        with torch.autocast("cpu", dtype=BF16):
+        with torch.autocast(device, dtype=BF16):
             return head32._kernel_loss(x, t, "mean")
 
     loss_a, dx_a, g_a = _step(autocast_fp32, x, list(head32.parameters()))
@@ -85,6 +92,28 @@ def test_lm_head_loss_under_autocast_is_its_bf16_copy(method):
     # accumulator itself, which the bf16 copy rounds once (recompute's is bf16, cast)
     assert dw_a.dtype == torch.float32 and torch.equal(dw_a.to(BF16), dw_b)
     assert torch.equal(dw_a, dw_b.float()) == (method == "recompute")
+
+
+@pytest.mark.parametrize("method", ["recompute", "chunked", "scaled_exp"])
+def test_lm_head_loss_under_autocast_is_its_bf16_copy(method):
+    _head_under_autocast_is_its_bf16_copy(method, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_gpu_decoder_layer_under_autocast_is_its_bf16_copy(qk_norm):
+    """H200: the same, on the SM90 kernels (math SDPA: flash's dQ uses atomics, and two runs
+    of it are not bitwise equal even at one dtype)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        _layer_under_autocast_is_its_bf16_copy(qk_norm, "cuda", 512, 8, 4, 1408, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["recompute", "chunked", "scaled_exp"])
+def test_gpu_lm_head_loss_under_autocast_is_its_bf16_copy(method):
+    _head_under_autocast_is_its_bf16_copy(method, "cuda", 512, 32768, 777)
 
 
 def test_public_calls_accept_autocast_mixed_dtypes_and_reject_them_outside():
