@@ -144,3 +144,30 @@ def test_kernel_path_under_autocast_traces_without_graph_breaks():
 
     explained = torch._dynamo.explain(step)(torch.randn(2, 5, 64, requires_grad=True))
     assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+
+
+@pytest.mark.parametrize("method", ["chunked", "scaled_exp"])
+def test_hf_layout_lm_head_weight_under_autocast_gets_the_fp32_accumulator(method):
+    """An HF ``lm_head.weight`` (V, d) in fp32, passed as its (d, V) view (what
+    ``apply_coda`` does): its gradient under autocast is the fp32 accumulator, in the (V, d)
+    layout, and rounds to the bf16 copy's exactly."""
+    torch.manual_seed(4)
+    d, V, M = 64, 256, 12
+    w32 = torch.nn.Parameter(torch.randn(V, d) * 0.05)
+    g32 = torch.nn.Parameter(1 + 0.1 * torch.randn(d))
+    w16, g16 = (torch.nn.Parameter(p.detach().to(BF16)) for p in (w32, g32))
+    x = torch.randn(M, d)
+    t = torch.randint(0, V, (M,))
+
+    def loss(x, w, g):
+        return cnn._kernel_lm_head_loss(x, g, w.t(), t, 1e-5, -100, "mean", 16384, method, 0, 0)
+
+    with torch.autocast("cpu", dtype=BF16):
+        la = loss(x, w32, g32)
+    la.backward()
+    lb = loss(x.to(BF16), w16, g16)
+    lb.backward()
+    assert torch.equal(la, lb)
+    assert w32.grad.dtype == torch.float32 and w32.grad.shape == (V, d)
+    assert torch.equal(w32.grad.to(BF16), w16.grad) and not torch.equal(w32.grad, w16.grad.float())
+    assert torch.equal(g32.grad, g16.grad.float())

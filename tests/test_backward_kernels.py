@@ -255,6 +255,9 @@ COMPILES = {
     "ce_chunked_g_fp32": lambda: cec.compile_g(256, 1000),
     "ce_chunked_dw_first": lambda: cec.compile_dw(256, 1000, accumulate=False),
     "ce_chunked_dw_accumulate": lambda: cec.compile_dw(256, 1000, accumulate=True),
+    "ce_chunked_dw_accumulate_hf_layout": lambda: cec.compile_dw(
+        256, 1000, accumulate=True, hf_layout=True
+    ),
     "ce_chunked_dw_one_chunk_bf16": lambda: cec.compile_dw(
         256, 1000, accumulate=False, dw_dtype=torch.bfloat16
     ),

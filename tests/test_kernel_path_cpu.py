@@ -254,6 +254,36 @@ def test_lm_head_hf_weight_layout_kernel_path_float64(method):
     assert w.grad.is_contiguous()
 
 
+@pytest.mark.parametrize("method", ["recompute", "chunked", "scaled_exp"])
+def test_lm_head_hf_weight_layout_kernel_path_bf16(method):
+    """The same in bf16, where the interpreter enforces the TMA's layout rules: every GEMM of
+    every method accepts the HF weight's column-major view (CE-C's dW GEMM used to be handed a
+    column-major output, which the TMA cannot store), and lands near the reference."""
+    from coda.nn import _kernel_lm_head_loss, lm_head_loss
+
+    torch.manual_seed(4)
+    M, d, V = 37, 64, 256
+    w = (0.05 * torch.randn(V, d)).to(torch.bfloat16).requires_grad_(True)  # HF layout
+    gam = torch.ones(d, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(M, d, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, V, (M,))
+
+    def grads(fn):
+        for p in (w, gam, x):
+            p.grad = None
+        loss = fn()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in (x, gam, w)]
+
+    args = (1e-5, -100, "mean", 16384, method, 0.0, 0.0)
+    out_k, g_k = grads(lambda: _kernel_lm_head_loss(x, gam, w.t(), t, *args))
+    out_r, g_r = grads(lambda: lm_head_loss(x, gam, w.t(), t))
+    assert rel_err(out_k, out_r) < 1e-2
+    for name, a, b in zip(("x", "gamma", "w"), g_k, g_r):
+        assert rel_err(a, b, floor=float(b.abs().max())) < 5e-2, name
+    assert w.grad.is_contiguous()
+
+
 def test_weight_grad_from_acc_every_layout():
     from coda.kernels.linear_cross_entropy_bwd import weight_grad_from_acc
 

@@ -166,8 +166,15 @@ def linear_cross_entropy_chunked(
     G = torch.empty(M, d, dtype=acc_dtype(a), device=a.device)
     dz = torch.empty(min(rows, M), V, dtype=a.dtype, device=a.device)
     # dW sums one partial product per token chunk in fp32 (the GEMM reduce-adds its fp32 tile
-    # into it); the backward rounds it to w_lm's dtype once, with the upstream gradient
-    dw = torch.empty_like(w_lm, dtype=acc_dtype(a))
+    # into it); the backward rounds it to w_lm's dtype once, with the upstream gradient. It
+    # takes w_lm's layout, and the GEMM writes it row-major: (d, V) = a^T dz~ for coda's own
+    # weight, its transpose (V, d) = dz~^T a for an HF lm_head.weight's (d, V) view
+    hf_layout = w_lm.stride(0) == 1 and w_lm.stride(1) != 1
+    dw = (
+        torch.empty(V, d, dtype=acc_dtype(a), device=a.device).t()
+        if hf_layout
+        else torch.empty(d, V, dtype=acc_dtype(a), device=a.device)
+    )
     row_kernel = softmax_grad_rows if interpreted else fused(softmax_grad_rows)
     chunk = logits_chunk_interpreted if interpreted else logits_chunk
     for r0 in range(0, M, rows):
@@ -188,14 +195,13 @@ def linear_cross_entropy_chunked(
         # B2': G[R] = dz~ @ W_lm^T, stored in fp32 (a bf16 G would carry the same rounding
         # as PyTorch's dy and tie its dx error instead of beating it)
         launch(passthrough, dzr, w_lm.t(), config=g_config(rows, V, d), d=G[R])
-        launch(  # B3': dW (+)= a[R]^T @ dz~, fp32 reduce-add by the TMA store after chunk 0
-            passthrough,
-            a[R].t(),
-            dzr,
-            config=dw_config(d, rows, V),
-            d=dw,
-            add_to_output=r0 > 0,
-        )
+        # B3': dW (+)= a[R]^T @ dz~ (or its transpose), fp32 reduce-add by the TMA store after
+        # chunk 0
+        if hf_layout:
+            A, B, D, cfg = dzr.t(), a[R], dw.t(), dw_config(V, rows, d)
+        else:
+            A, B, D, cfg = a[R].t(), dzr, dw, dw_config(d, rows, V)
+        launch(passthrough, A, B, config=cfg, d=D, add_to_output=r0 > 0)
         coef = target_coef(
             tl[R],
             lse[R],
@@ -223,11 +229,16 @@ def compile_g(d, v, *, m=256) -> int:
     return launch(passthrough, dz, w.t(), config=g_config(m, v, d), d=G, dry=True)
 
 
-def compile_dw(d, v, *, accumulate: bool, dw_dtype=torch.float32, m=256) -> int:
+def compile_dw(
+    d, v, *, accumulate: bool, dw_dtype=torch.float32, m=256, hf_layout: bool = False
+) -> int:
     """B3': dW (d x V, ``dw_dtype``) = a^T @ dz~ with a (m, d) row-major entering as an
-    M-major A operand; ``accumulate``: the fp32 reduce-add store of chunks after the first."""
+    M-major A operand; ``accumulate``: the fp32 reduce-add store of chunks after the first.
+    ``hf_layout``: its transpose (V x d) = dz~^T @ a, dz~ entering M-major (an HF weight)."""
     a = torch.empty(m, d, dtype=torch.bfloat16)
     dz = torch.empty(m, v, dtype=torch.bfloat16)
-    dw = torch.empty(d, v, dtype=dw_dtype)
-    config = dw_config(d, m, v)
-    return launch(passthrough, a.t(), dz, config=config, d=dw, add_to_output=accumulate, dry=True)
+    if hf_layout:
+        A, B, D, config = dz.t(), a, torch.empty(v, d, dtype=dw_dtype), dw_config(v, m, d)
+    else:
+        A, B, D, config = a.t(), dz, torch.empty(d, v, dtype=dw_dtype), dw_config(d, m, v)
+    return launch(passthrough, A, B, config=config, d=D, add_to_output=accumulate, dry=True)
