@@ -10,14 +10,19 @@ shares no code with the op under test beyond the exact layout permutations.
 - CPU (CI): float64 inputs; the public op (reference path) and the kernel's own epilogue
   program through the tile interpreter (random tile configs) must equal the canonical math to
   float64 round-off.
+- CPU (CI), bf16: the nn modules' kernel sequences through the interpreter, which enforces
+  the TMA's layout rules as the GPU does (float64 skips them), within bf16 distance of the
+  float64 canonical math; the LM head with either weight layout.
 - H200 (``gpu``): the same cases in bf16 on the kernel path, against a float64 reference,
   with CODA's protocol: ``test_fuzz_gpu.py``.
 
-``CODA_FUZZ_CASES`` sets the number of cases per op (default 200).
+``CODA_FUZZ_CASES`` sets the number of cases per op (default 200), ``CODA_FUZZ_BF16_CASES``
+the bf16 layout cases (default 200).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 
@@ -478,3 +483,61 @@ def test_fuzz_lm_head_loss_float64():
         assert rel_err(x.grad, dx, floor=floor) < 1e-10, what
         assert rel_err(head.gf.grad, dgf, floor=floor) < 1e-10, what
         assert rel_err(head.w_lm.grad.t(), dw, floor=floor) < 1e-10, what
+
+
+# -- the kernel path in bf16 through the interpreter: TMA layout rules on random shapes ----------
+BF16_CASES = int(os.environ.get("CODA_FUZZ_BF16_CASES", "200"))
+
+
+def _near(got, ref64, what, floor=0.0, tol=0.1):
+    """Within bf16 distance of the float64 canonical value, on the scale of the tensor or of
+    its sibling gradients (``floor``: a q/k gradient at one token is identically zero): a wrong
+    layout or a dropped term is O(1) off; bf16 rounding is ~1e-2 at these sizes."""
+    if ref64.numel() and torch.isnan(ref64).all():
+        assert torch.isnan(got).all(), what
+        return
+    assert torch.isfinite(got).all(), what
+    assert rel_err(got, ref64, floor=max(float(ref64.abs().max()), floor) or 1.0) < tol, what
+
+
+def test_fuzz_kernel_path_bf16_layouts():
+    """The nn modules' kernel sequences in bf16 on random shapes (the interpreter enforces the
+    TMA's 16-byte rows and unit strides on every GEMM operand, as the GPU does; float64 skips
+    those rules): the LM head with coda's (d, V) weight or an HF (V, d) weight's view, every
+    method, and the DecoderLayer; each within bf16 distance of the float64 canonical math."""
+    from coda.nn import _kernel_lm_head_loss
+
+    for case in range(BF16_CASES):
+        rng, g = random.Random(30_000 + case), torch.Generator().manual_seed(case)
+        head, x, t, reduction = head_case(rng, g, torch.bfloat16, "cpu", big=False)
+        hf = rng.random() < 0.5
+        w = head.w_lm.detach().t().contiguous().requires_grad_(True) if hf else head.w_lm
+        x.requires_grad_(True)
+        args = (head.eps, head.ignore_index, reduction, head.chunk, head.method, 0.0, 0.0)
+        loss = _kernel_lm_head_loss(x, head.gf, w.t() if hf else w, t, *args)
+        dloss = randn(g, *loss.shape, dtype=torch.float32, device="cpu")
+        loss.backward(dloss)
+        head64 = copy.deepcopy(head).double()
+        want = canonical_head(head64, x.detach().double(), t, reduction, dloss.double())
+        dw = w.grad if hf else w.grad.t()
+        what = f"LMHeadLoss {head.method} {'HF' if hf else 'coda'} layout case {case}"
+        floor = max(float(u.nan_to_num().abs().max()) for u in want[1:])
+        got = (loss.detach(), x.grad, head.gf.grad, dw)
+        for name, a, b in zip(("loss", "dx", "dgamma", "dW"), got, want):
+            _near(a, b, f"{what}: {name}", floor if name != "loss" else 0.0)
+
+        rng, g = random.Random(40_000 + case), torch.Generator().manual_seed(case)
+        layer, x = layer_case(rng, g, torch.bfloat16, "cpu", big=False)
+        x.requires_grad_(True)
+        dy = randn(g, *x.shape, dtype=torch.bfloat16, device="cpu")
+        out = layer._kernel_forward(x)
+        out.backward(dy)
+        out64, dx64, g64 = canonical_layer(
+            copy.deepcopy(layer).double(), x.detach().double(), dy.double()
+        )
+        what = f"DecoderLayer case {case} x {tuple(x.shape)}"
+        floor = max(float(u.abs().max()) for u in (dx64, *g64.values()))
+        _near(out.detach(), out64, f"{what}: out")
+        _near(x.grad, dx64, f"{what}: dx", floor)
+        for k, t_ in hf_layer_grads(layer).items():
+            _near(t_, g64[k], f"{what}: {k}", floor)
