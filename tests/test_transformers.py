@@ -3,7 +3,8 @@ here (no downloads), on the CPU in float64 (coda's reference path): the patched 
 logits, loss, every parameter gradient (in HF's layout) and greedy generation equal the
 unpatched model's, with padding masks and with packed sequences (positions restarting per
 document); its state dict and ``save_pretrained`` are HF's, and load back into an unpatched
-model exactly.
+model exactly. With the kernel path forced on the CPU (GEMMs through the tile interpreter),
+the whole patched model, every LM-head method, in float64, bf16 and under bf16 autocast.
 
 Tolerance: 1e-5 relative. HF computes RMSNorm and the loss in fp32 even in a float64 model
 (``LlamaRMSNorm`` upcasts to fp32; ``ForCausalLMLoss`` calls ``logits.float()``) and its RoPE
@@ -253,6 +254,43 @@ def test_qwen3_kernel_sequence_equals_reference_float64(head_dim):
     assert "q_norm" in names and "k_norm" in names
     for name, a, b in zip(names, g_k, g_r):
         assert rel_err(a, b, floor=floor) < 1e-11, name
+
+
+@pytest.mark.parametrize("method", ["scaled_exp", "chunked", "recompute"])
+@pytest.mark.parametrize("mode", ["float64", "bfloat16", "autocast"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_patched_model_kernel_path_on_cpu(family, mode, method, monkeypatch):
+    """The patched model with its kernel path forced on the CPU (``kernel_support`` answers
+    yes, so every layer and the loss run the kernel sequence, GEMMs through the interpreter,
+    with HF's attention function and position ids): a whole-model integration test of what
+    the H200 runs. float64: equal to the unpatched model to HF's fp32 floor; bf16 (the
+    interpreter then enforces the TMA's layout rules) and fp32 weights under bf16 autocast:
+    within bf16 distance, fp32 gradients in the autocast case."""
+    import coda.env
+
+    def kernel_everywhere(device, dtype=None):
+        if dtype in (None, torch.bfloat16, torch.float64):
+            return True, ""
+        return False, f"{dtype}: not a kernel dtype"
+
+    monkeypatch.setattr(coda.env, "kernel_support", kernel_everywhere)
+    cfg = tiny_config(family, vocab_size=128)  # TMA: 16-byte rows (V a multiple of 8)
+    torch.manual_seed(0)
+    dtype = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(mode, torch.float32)
+    ref = model_class(cfg)(cfg).to(dtype)
+    patched = ct.apply_coda(copy.deepcopy(ref), method=method)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        loss_r = _step(ref, input_ids=ids, labels=ids)
+        loss_p = _step(patched, input_ids=ids, labels=ids)
+    assert coda.last_path("DecoderLayer")[0] == coda.last_path("LMHeadLoss")[0] == "kernel"
+    tol = TOL if mode == "float64" else 3e-2
+    assert rel_err(loss_p, loss_r) < tol
+    grads_p = ct.hf_gradients(patched)
+    floor = max(float(p.grad.abs().max()) for p in ref.parameters())
+    for name, p in ref.named_parameters():
+        assert grads_p[name].dtype == p.dtype, name
+        assert rel_err(grads_p[name], p.grad, floor=floor) < tol, name
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
