@@ -177,6 +177,42 @@ def test_causal_lm_checkpoint_option_gives_the_same_gradients():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", ["float64", "bfloat16", "autocast"])
+def test_causal_lm_kernel_path_forced_on_cpu(mode, monkeypatch):
+    """A whole ``CausalLM`` (embedding, layers, checkpointing, LM head) through its public
+    forward with the kernel path forced on the CPU (``kernel_support`` answers yes: every
+    layer and the loss run the kernel sequence through the interpreter), against the same
+    model on its reference path in float64: equal to round-off in float64; within bf16
+    distance in bf16 (TMA layout rules enforced) and for fp32 parameters under bf16 autocast
+    (their gradients fp32)."""
+    import copy
+
+    import coda.env
+
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    torch.manual_seed(7)
+    kw = dict(vocab=128, d=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=96)
+    dtype = {"float64": F64, "bfloat16": torch.bfloat16}.get(mode, torch.float32)
+    model = cnn.CausalLM(**kw, dtype=dtype, checkpoint=True)
+    ref = copy.deepcopy(model).double()
+    for m in ref.modules():
+        if hasattr(m, "backend"):
+            m.backend = "reference"
+    tokens, targets = torch.randint(0, 128, (2, 9)), torch.randint(0, 128, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        loss = model(tokens, targets)
+    loss.backward()
+    assert coda.last_path("DecoderLayer")[0] == coda.last_path("LMHeadLoss")[0] == "kernel"
+    loss_r = ref(tokens, targets)
+    loss_r.backward()
+    tol = 1e-10 if mode == "float64" else 3e-2
+    assert rel_err(loss, loss_r) < tol
+    floor = max(float(p.grad.abs().max()) for p in ref.parameters())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == dtype, name
+        assert rel_err(p.grad, q.grad, floor=floor) < tol, name
+
+
 def test_tma_check_ignores_the_stride_of_a_length_one_dim():
     """A one-token batch's wgrad operand h^T, (d, 1) with strides (1, d): one column, so its
     column stride is never used (the H200 ran it in the layer fuzz); a (d, 3) view whose
