@@ -541,3 +541,24 @@ def test_fuzz_kernel_path_bf16_layouts():
         _near(x.grad, dx64, f"{what}: dx", floor)
         for k, t_ in hf_layer_grads(layer).items():
             _near(t_, g64[k], f"{what}: {k}", floor)
+
+
+@pytest.mark.parametrize("op", OPS, ids=[o.name for o in OPS])
+def test_fuzz_op_kernel_path_bf16(op, monkeypatch):
+    """The public op's kernel path (its validation, layouts and launches) in bf16, forced on
+    the CPU (``kernel_support`` answers yes: GEMMs through the interpreter, TMA rules
+    enforced), on the float64 fuzz's shapes: within bf16 distance of the canonical math."""
+    import coda.env
+
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    for case in range(BF16_CASES):
+        rng, g = random.Random(case), torch.Generator().manual_seed(case)
+        i = op.inputs(rng, g, torch.bfloat16, "cpu", big=False)
+        got = op.coda(i)
+        assert coda.last_path(op.name)[0] == "kernel"
+        f64 = {
+            k: t.double() if torch.is_tensor(t) and t.is_floating_point() else t
+            for k, t in i.items()
+        }
+        for n, (a, b) in enumerate(zip(got, op.canonical(f64))):
+            _near(a.double(), b, f"{op.name} case {case} output {n}")
