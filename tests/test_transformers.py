@@ -49,6 +49,23 @@ def tiny_config(family: str = "llama", **kw):
     return LlamaConfig(**{**base, **kw})
 
 
+@pytest.fixture(params=["reference", "kernel"])
+def coda_path(request, monkeypatch):
+    """Run a float64 parity test on coda's reference path (the CPU default), and again with
+    the kernel path forced (``kernel_support`` answers yes: the patched layers and the loss
+    run the kernel sequence, GEMMs through the tile interpreter). Returns the config overrides
+    the kernel path needs (a vocabulary of 16-byte rows)."""
+    import coda.env
+
+    if request.param == "reference":
+        yield {}
+        return
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    coda.env._LAST.clear()
+    yield {"vocab_size": 128}
+    assert coda.last_path("DecoderLayer")[0] == coda.last_path("LMHeadLoss")[0] == "kernel"
+
+
 def model_class(config):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -99,9 +116,10 @@ def _step(model, **batch):
     ],
     ids=["default", "llama3"],
 )
-def test_patched_llama_matches_unpatched_float64(rope):
+def test_patched_llama_matches_unpatched_float64(rope, coda_path):
     cfg = tiny_config(
-        **({} if rope is None else {"rope_parameters": {**rope, "rope_theta": 500000.0}})
+        **({} if rope is None else {"rope_parameters": {**rope, "rope_theta": 500000.0}}),
+        **coda_path,
     )
     ref, patched = pair(cfg)
     assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in patched.model.layers)
@@ -111,8 +129,8 @@ def test_patched_llama_matches_unpatched_float64(rope):
     assert_same_step(ref, patched, input_ids=ids, labels=ids)
 
 
-def test_padding_and_packed_sequences_behave_as_unpatched():
-    cfg = tiny_config()
+def test_padding_and_packed_sequences_behave_as_unpatched(coda_path):
+    cfg = tiny_config(**coda_path)
     ref, patched = pair(cfg, seed=1)
     ids = torch.randint(0, cfg.vocab_size, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
@@ -174,10 +192,11 @@ def test_qwen3_save_pretrained_loads_unpatched(tmp_path):
     assert all(torch.equal(other.state_dict()[k], sd_r[k]) for k in sd_r)
 
 
-def test_patched_qwen3_matches_unpatched_float64():
+def test_patched_qwen3_matches_unpatched_float64(coda_path):
     """Qwen3's per-head QK-norm (before RoPE): logits, loss and every gradient (q_norm and
     k_norm included), with padding and with packed sequences; generation; HF state dict."""
-    cfg = tiny_config("qwen3", tie_word_embeddings=True)  # as Qwen3-0.6B: one embedding / head
+    # as Qwen3-0.6B: one embedding / head
+    cfg = tiny_config("qwen3", tie_word_embeddings=True, **coda_path)
     ref, patched = pair(cfg)
     assert all(layer.qk_norm for layer in patched.model.layers)
     assert patched.lm_head.weight is patched.model.embed_tokens.weight
