@@ -143,6 +143,16 @@ def dw_config(d: int, rows: int, v: int) -> GemmConfig:
     return config_for(d, rows, v)
 
 
+def dw_gemm(a, dz, dw, rows: int):
+    """B3's operands (A, B, D, config) for dW (+)= a^T @ dz~, D written row-major: dw (d, V)
+    row-major as is, or, when dw is the (d, V) view of a (V, d) buffer (an HF weight's
+    layout), its transpose dz~^T @ a into that buffer. ``rows``: the chunk's K."""
+    d, V = dw.shape
+    if dw.stride(0) == 1 and dw.stride(1) != 1:
+        return dz.t(), a, dw.t(), dw_config(V, rows, d)
+    return a.t(), dz, dw, dw_config(d, rows, V)
+
+
 def linear_cross_entropy_chunked(
     a,
     w_lm,
@@ -197,10 +207,7 @@ def linear_cross_entropy_chunked(
         launch(passthrough, dzr, w_lm.t(), config=g_config(rows, V, d), d=G[R])
         # B3': dW (+)= a[R]^T @ dz~ (or its transpose), fp32 reduce-add by the TMA store after
         # chunk 0
-        if hf_layout:
-            A, B, D, cfg = dzr.t(), a[R], dw.t(), dw_config(V, rows, d)
-        else:
-            A, B, D, cfg = a[R].t(), dzr, dw, dw_config(d, rows, V)
+        A, B, D, cfg = dw_gemm(a[R], dzr, dw, rows)
         launch(passthrough, A, B, config=cfg, d=D, add_to_output=r0 > 0)
         coef = target_coef(
             tl[R],
@@ -237,8 +244,6 @@ def compile_dw(
     ``hf_layout``: its transpose (V x d) = dz~^T @ a, dz~ entering M-major (an HF weight)."""
     a = torch.empty(m, d, dtype=torch.bfloat16)
     dz = torch.empty(m, v, dtype=torch.bfloat16)
-    if hf_layout:
-        A, B, D, config = dz.t(), a, torch.empty(v, d, dtype=dw_dtype), dw_config(v, m, d)
-    else:
-        A, B, D, config = a.t(), dz, torch.empty(d, v, dtype=dw_dtype), dw_config(d, m, v)
+    dw = torch.empty(v, d, dtype=dw_dtype).t() if hf_layout else torch.empty(d, v, dtype=dw_dtype)
+    A, B, D, config = dw_gemm(a, dz, dw, m)
     return launch(passthrough, A, B, config=config, d=D, add_to_output=accumulate, dry=True)
