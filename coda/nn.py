@@ -492,6 +492,11 @@ def lm_head_loss(
     xf = x.reshape(-1, d)
     if resolve_backend("LMHeadLoss", backend, x.device, compute_dtype(x)) == "kernel":
         rule = _tma_rule(d=d, vocab=vocab)
+        if rule and vocab % 8:  # the usual case: a token added to a vocabulary
+            rule += (
+                "; an HF model can pad its embedding and head: "
+                "model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=128)"
+            )
         if method == "scaled_exp" and vocab % 128:
             rule = f"method 'scaled_exp' needs vocab % 128 == 0 (its strips), got {vocab}"
         if rule:

@@ -334,3 +334,15 @@ def test_weight_grad_from_acc_every_layout():
         out = weight_grad_from_acc(acc_vd.t(), g, like)
         assert out.dtype == torch.bfloat16 and out.shape == (5, 12)
         assert torch.equal(out, want.t())
+
+
+def test_kernel_path_names_the_vocabulary_rule_and_the_hf_remedy(monkeypatch):
+    """An LM head whose vocabulary is not a multiple of 8 cannot take the kernel path (16-byte
+    TMA rows): the error names the rule and, since a token added to a vocabulary is the usual
+    cause, HF's way to pad it."""
+    import coda.env
+
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    head = cnn.LMHeadLoss(64, 97)
+    with pytest.raises(coda.CodaInputError, match=r"vocab = 97 .*resize_token_embeddings"):
+        head(torch.randn(5, 64, dtype=torch.bfloat16), torch.randint(0, 97, (5,)))
