@@ -304,21 +304,22 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     chunk by chunk over tokens, and the backward scales them (3 GEMMs; with reduction "none"
     the recompute program runs). ``method="scaled_exp"`` (CE-S): as chunked, but the dX and
     dW GEMMs read the forward's stored softmax numerators E through an A-operand transform
-    (``kernels/ce_scaled_exp.py``): no pass over the logits outside the GEMMs."""
+    (``kernels/ce_scaled_exp.py``): no pass over the logits outside the GEMMs. ``method``
+    arrives resolved by the caller (``resolve_lm_head_method``), never "auto"."""
 
     @staticmethod
     def forward(
         ctx, x2, gf, w_lm, target, eps, ignore_index, reduction, chunk, method, smooth, z_loss
     ):
+        assert method != "auto", "resolve_lm_head_method first"
         M, d = x2.shape
         V = w_lm.shape[1]
         # the GEMMs' weight in x2's dtype; the gradient returns in w_lm's own (under autocast
         # an fp32 weight gets the three-GEMM programs' fp32 accumulator, never rounded to bf16)
-        w = w_lm.to(x2.dtype)
+        w = w_lm if w_lm.dtype == x2.dtype else w_lm.to(x2.dtype)
         y, r = fused(final_norm)(x2, gf, eps)
         ones = torch.ones_like(r)  # the row scale is already in y
         cfg = config_for(M, d, V)
-        method = resolve_lm_head_method(method, V)
         if method in ("chunked", "scaled_exp") and reduction == "none":
             # per-token losses need per-token weights in dW and dgamma, which the chunked
             # program (gradients formed at weight 1 in the forward) cannot apply

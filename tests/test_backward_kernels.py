@@ -258,9 +258,6 @@ COMPILES = {
     "ce_chunked_dw_accumulate_hf_layout": lambda: cec.compile_dw(
         256, 1000, accumulate=True, hf_layout=True
     ),
-    "ce_chunked_dw_one_chunk_bf16": lambda: cec.compile_dw(
-        256, 1000, accumulate=False, dw_dtype=torch.bfloat16
-    ),
 }
 
 

@@ -15,7 +15,6 @@ import functools
 import torch
 
 from coda import _quack
-from coda.env import host_cache
 from coda.kernels.config import GemmConfig
 from coda.primitives.lowering import epi_args, lower
 
@@ -130,7 +129,7 @@ def fused(fn):
     return fn if torch.compiler.is_compiling() else _compiled_row_kernel(fn)
 
 
-@host_cache()
+@functools.cache  # reached only outside a torch.compile trace (``fused``)
 def _compiled_row_kernel(fn):
     compiled = torch.compile(fn, dynamic=True, options={"triton.coalesce_tiling_analysis": False})
 

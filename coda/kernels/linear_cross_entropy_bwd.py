@@ -185,21 +185,17 @@ def _scaled_cast(acc, g, dtype):
     return (acc * g.to(acc.dtype)).to(dtype).contiguous()
 
 
-_scaled_cast_fused = fused(_scaled_cast)  # runs as written on CPU tensors
-
-
 def weight_grad_from_acc(acc, g, like):
     """``g * acc`` rounded once to ``like``'s dtype, in ``like``'s layout: the LM head's
     weight gradient from its fp32 accumulator (formed at an upstream gradient of 1). One pass
     when the layouts agree (an HF ``lm_head.weight.t()`` view against CE-S's (V, d)
     accumulator); a transposing pass (Inductor's tiled kernel on the GPU) into a contiguous
     ``like`` otherwise."""
-    out = torch.empty_like(like)
-    if acc.stride() == out.stride():
-        return torch.mul(acc, g.to(acc.dtype), out=out)
-    if out.is_contiguous():
-        return _scaled_cast_fused(acc, g, like.dtype)
-    return out.copy_(acc * g.to(acc.dtype))
+    if acc.stride() == like.stride():
+        return torch.mul(acc, g.to(acc.dtype), out=torch.empty_like(like))
+    if like.is_contiguous():
+        return fused(_scaled_cast)(acc, g, like.dtype)
+    return torch.empty_like(like).copy_(acc * g.to(acc.dtype))
 
 
 def grad_logits_interpreted(a, w, rstd, lse, scale, config: GemmConfig = DEFAULT, shift=None):

@@ -177,14 +177,8 @@ def linear_cross_entropy_chunked(
     dz = torch.empty(min(rows, M), V, dtype=a.dtype, device=a.device)
     # dW sums one partial product per token chunk in fp32 (the GEMM reduce-adds its fp32 tile
     # into it); the backward rounds it to w_lm's dtype once, with the upstream gradient. It
-    # takes w_lm's layout, and the GEMM writes it row-major: (d, V) = a^T dz~ for coda's own
-    # weight, its transpose (V, d) = dz~^T a for an HF lm_head.weight's (d, V) view
-    hf_layout = w_lm.stride(0) == 1 and w_lm.stride(1) != 1
-    dw = (
-        torch.empty(V, d, dtype=acc_dtype(a), device=a.device).t()
-        if hf_layout
-        else torch.empty(d, V, dtype=acc_dtype(a), device=a.device)
-    )
+    # takes w_lm's layout, which ``dw_gemm`` writes row-major either way
+    dw = torch.empty_like(w_lm, dtype=acc_dtype(a))
     row_kernel = softmax_grad_rows if interpreted else fused(softmax_grad_rows)
     chunk = logits_chunk_interpreted if interpreted else logits_chunk
     for r0 in range(0, M, rows):
@@ -236,14 +230,12 @@ def compile_g(d, v, *, m=256) -> int:
     return launch(passthrough, dz, w.t(), config=g_config(m, v, d), d=G, dry=True)
 
 
-def compile_dw(
-    d, v, *, accumulate: bool, dw_dtype=torch.float32, m=256, hf_layout: bool = False
-) -> int:
-    """B3': dW (d x V, ``dw_dtype``) = a^T @ dz~ with a (m, d) row-major entering as an
-    M-major A operand; ``accumulate``: the fp32 reduce-add store of chunks after the first.
-    ``hf_layout``: its transpose (V x d) = dz~^T @ a, dz~ entering M-major (an HF weight)."""
+def compile_dw(d, v, *, accumulate: bool, m=256, hf_layout: bool = False) -> int:
+    """B3': the fp32 dW (d x V) = a^T @ dz~ with a (m, d) row-major entering as an M-major A
+    operand; ``accumulate``: the reduce-add store of chunks after the first. ``hf_layout``:
+    its transpose (V x d) = dz~^T @ a, dz~ entering M-major (an HF weight)."""
     a = torch.empty(m, d, dtype=torch.bfloat16)
     dz = torch.empty(m, v, dtype=torch.bfloat16)
-    dw = torch.empty(v, d, dtype=dw_dtype).t() if hf_layout else torch.empty(d, v, dtype=dw_dtype)
+    dw = torch.empty(v, d).t() if hf_layout else torch.empty(d, v)
     A, B, D, config = dw_gemm(a, dz, dw, m)
     return launch(passthrough, A, B, config=config, d=D, add_to_output=accumulate, dry=True)
