@@ -82,6 +82,40 @@ def kernel_table(fn, steps: int = 3, top: int = 40) -> list[dict]:
     return rows[:top]
 
 
+KERNEL_GROUPS = (  # (group, substrings of a CUDA kernel's name, lower case), first match wins
+    ("attention", ("flash", "fmha", "sdpa", "attn", "attention")),
+    ("gemm", ("quack", "gemm", "nvjet", "xmma", "cutlass", "cublas")),
+    ("optimizer", ("multi_tensor", "adam")),
+)
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    for group, keys in KERNEL_GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other"  # the memory-bound rest: row kernels, copies, casts, fills
+
+
+def where_time_goes(fn, top: int = 25) -> dict:
+    """One call's CUDA kernels: milliseconds per group (GEMMs, attention, optimizer, the rest),
+    the ``top`` kernels, and the GPU's idle time inside the call (``idle_report``)."""
+    kernels = kernel_table(fn, steps=2, top=100_000)
+    groups: dict = {}
+    for k in kernels:
+        g = groups.setdefault(kernel_group(k["kernel"]), {"ms": 0.0, "launches": 0.0})
+        g["ms"] += k["us"] * 1e-3
+        g["launches"] += k["calls"]
+    idle = idle_report(fn)
+    return {
+        "kernel_ms": sum(k["us"] * 1e-3 for k in kernels),
+        "idle_ms": idle["idle_us"] * 1e-3,
+        "host_syncs": idle["host_syncs"],
+        "groups": groups,
+        "kernels": kernels[:top],
+    }
+
+
 def idle_report(fn, top: int = 5) -> dict:
     """Where the GPU waits inside one call of ``fn``: every host synchronization it makes
     (``torch.cuda.set_sync_debug_mode``, with the Python line that made it), and the idle time

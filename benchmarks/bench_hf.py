@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from benchmarks._common import SKIPPED, idle_report, kernel_table, out_of_time
+from benchmarks._common import SKIPPED, out_of_time, where_time_goes
 
 SHAPES = {
     "llama-3.2-1B": (
@@ -100,20 +100,6 @@ def _step(model, ids):
     return step
 
 
-def where_time_goes(model, ids, top: int = 25) -> dict:
-    """One step's CUDA kernels, largest first (``kernel_table``: the ``top`` of them and the
-    sum of all), and the GPU's idle time inside it (``idle_report``)."""
-    step = _step(model, ids)
-    kernels = kernel_table(step, steps=2, top=10_000)
-    idle = idle_report(step)
-    return {
-        "kernel_ms": sum(k["us"] * 1e-3 for k in kernels),
-        "idle_ms": idle["idle_us"] * 1e-3,
-        "host_syncs": idle["host_syncs"],
-        "kernels": kernels[:top],
-    }
-
-
 def step_time(model, ids, warmup: int = 2, steps: int = 5):
     """Mean seconds of one forward+backward after ``warmup`` steps, and peak GiB."""
     step = _step(model, ids)
@@ -153,7 +139,7 @@ def run() -> list[dict]:
                 seconds, peak = step_time(model, ids)
                 if label in PROFILED:
                     try:  # a failed profile must not cost the timing
-                        profile = where_time_goes(model, ids)
+                        profile = where_time_goes(_step(model, ids))
                     except Exception as e:
                         profile = {"profile_error": repr(e)[:300]}
             except Exception as e:  # recorded, never hidden

@@ -18,19 +18,29 @@
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import torch
 
 import coda
 import coda.nn as cnn
-from benchmarks._common import SKIPPED, bench, kernel_table, liger_functional, out_of_time, row
+from benchmarks._common import (
+    SKIPPED,
+    bench,
+    kernel_table,
+    liger_functional,
+    out_of_time,
+    row,
+    where_time_goes,
+)
 from coda import _quack
 from coda.kernels.config import DEFAULT
 from coda.reference.model import TorchLlama
 
 BF = torch.bfloat16
 PEAK_TFLOPS = 989.0
+PROFILED = ("coda", "torch_compile", "liger")  # model steps with a per-kernel table
 
 
 def _per_call_us(fn, n=300) -> float:
@@ -204,8 +214,15 @@ def model_rows(liger) -> list[dict]:
             vocab=8192, d=1024, layers=4, heads=8, kv_heads=4, hd=128, ffn=2816, batch=8, seq=1024
         ),
     }
+    chosen = [c for c in os.environ.get("CODA_MODEL_SHAPES", "").split(",") if c]
+    only_peers = [c for c in os.environ.get("CODA_MODEL_PEERS", "").split(",") if c]
+    unknown = set(chosen) - set(configs)
+    if unknown:
+        raise ValueError(f"CODA_MODEL_SHAPES: unknown {sorted(unknown)}; known: {sorted(configs)}")
     rows = []
     for name, cfg in configs.items():
+        if chosen and name not in chosen:
+            continue
         torch.manual_seed(0)
         tokens_n = cfg["batch"] * cfg["seq"]
         coda_model = cnn.CausalLM(
@@ -239,6 +256,8 @@ def model_rows(liger) -> list[dict]:
         peers["coda_compile"] = coda_compiled
         peers["coda_recompute"] = coda_recompute
         peers["coda_checkpointed"] = coda_ckpt
+        if only_peers:
+            peers = {k: v for k, v in peers.items() if k in only_peers}
         tok = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device="cuda")
         tgt = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device="cuda")
         flops = _model_flops(cfg, tokens_n)
@@ -283,6 +302,13 @@ def model_rows(liger) -> list[dict]:
                 continue
             for what, t in (("step+adamw", t_full), ("fwd+bwd", t_fb)):
                 rows.append(model_row(f"{peer}/{what}", t, peak))
+            if peer in PROFILED and not out_of_time():
+                try:  # where the forward+backward's time goes, beside the peers' (issue 8)
+                    rows.append(
+                        {"name": f"model/{name}/{peer}/kernels", **where_time_goes(fwd_bwd)}
+                    )
+                except Exception as e:
+                    rows.append({"name": f"model/{name}/{peer}/kernels", "error": repr(e)[:300]})
             opt = None
             if peer == "coda":
                 try:

@@ -129,6 +129,9 @@ def run_tests(
     }
 
 
+SELECTIONS = ("CODA_HF_SHAPES", "CODA_MODEL_SHAPES", "CODA_MODEL_PEERS", "CODA_TUNE_SHAPES")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--commit", default="unknown")
@@ -158,7 +161,10 @@ def main():
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": args.commit,
-        "command": "python " + shlex.join(a.replace(args.out, "$OUT") for a in sys.argv),
+        "command": " ".join(  # the CODA_* selections (shapes, peers) are part of the command
+            [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k in SELECTIONS]
+            + ["python", shlex.join(a.replace(args.out, "$OUT") for a in sys.argv)]
+        ),
         "env": describe(),
         "torch_cuda": torch.version.cuda,
     }
