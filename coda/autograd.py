@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype, fused
 from coda.kernels.ce_scaled_exp import chunk_rows_scaled
-from coda.kernels.drope import drope_heads, head_rotation
+from coda.kernels.drope import head_rotation
 from coda.kernels.gemm_rope import cached_freq_table
 from coda.kernels.linear_cross_entropy import logits_row_sum
 from coda.kernels.linear_cross_entropy_bwd import (
@@ -34,8 +34,6 @@ from coda.kernels.linear_cross_entropy_bwd import (
 from coda.kernels.linear_cross_entropy_chunked import chunk_rows
 from coda.kernels.qk_norm import (
     column_rows,
-    dqk_norm_rope_heads,
-    dqk_norm_rope_heads_split_z,
     qk_norm_config,
     qk_norm_rope_rows,
 )
@@ -132,8 +130,7 @@ class AttentionInput(torch.autograd.Function):
         d = x0.shape[1]
         hd = dims.head_dim
         cos, sin = head_rotation(pos, freq, hd, r0.dtype)
-        n_rot = dims.heads + dims.kv_heads
-        dz0, corr0 = fused(drope_heads)(dq, dk, dv, qkv, r0, cos, sin, n_rot, hd, d)  # B11
+        dz0, corr0 = lib.drope_rows(dq, dk, dv, qkv, r0, cos, sin, d)  # B11
         dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres)
         return dx0, dg1, dw_qkv, None, None, None
 
@@ -174,13 +171,11 @@ class AttentionInputQKNorm(torch.autograd.Function):
         x0, r0, z_even, z_odd, s, g1, w_qkv, q_norm, k_norm, pos, freq = ctx.saved_tensors
         dims = ctx.dims
         cos, sin = head_rotation(pos, freq, dims.head_dim, r0.dtype)
-        rest = (s, r0, cos, sin, q_norm, k_norm, dims.heads, dims.kv_heads, dims.head_dim)
         d = x0.shape[1]
-        if z_odd is None:  # z saved whole (the row-pass forward)
-            out = fused(dqk_norm_rope_heads)(dq, dk, dv, z_even, *rest, d)
-        else:
-            out = fused(dqk_norm_rope_heads_split_z)(dq, dk, dv, z_even, z_odd, *rest, d)
-        dz0, corr0, dqn, dkn = out  # B11 with the head norms' backward
+        # B11 with the head norms' backward (z_odd None: z saved whole, the row-pass forward)
+        dz0, corr0, dqn, dkn = lib.dqk_norm_rows(
+            dq, dk, dv, z_even, z_odd, s, r0, cos, sin, q_norm, k_norm, d
+        )
         dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres)
         return (
             dx0,

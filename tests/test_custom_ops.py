@@ -87,6 +87,25 @@ def op_samples():
             1e-3,
         ),
     }
+    B, S, H, Hkv, hd = 2, 5, 2, 1, 16  # attention's head gradients, as views of one buffer
+    heads = _r(B, S, H + 2 * Hkv, hd).transpose(1, 2)
+    dq, dk, dv = heads[:, :H], heads[:, H : H + Hkv], heads[:, H + Hkv :]
+    rows, n_qkv = B * S, (H + 2 * Hkv) * hd
+    theta = torch.randn(rows, hd // 2)
+    rot = (torch.rand(rows) + 0.5, theta.cos(), theta.sin())
+    samples["drope_rows"] = (dq, dk, dv, _r(rows, n_qkv), *rot, d)
+    samples["dqk_norm_rows"] = (
+        dq,
+        dk,
+        dv,
+        _r(rows, n_qkv // 2),
+        _r(rows, n_qkv // 2),
+        torch.rand(rows, H + Hkv) + 0.5,
+        *rot,
+        _r(hd),
+        _r(hd),
+        d,
+    )
     # the training variant of the QK-norm epilogue takes the same inputs
     samples["gemm_qk_norm_rope_keep_z"] = samples["gemm_qk_norm_rope"]
     return samples

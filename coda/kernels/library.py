@@ -23,6 +23,7 @@ from coda.kernels import linear_cross_entropy_bwd as _ceb
 from coda.kernels import linear_cross_entropy_chunked as _cec
 from coda.kernels import qk_norm as _qkn
 from coda.kernels import rmsnorm_bwd as _nb
+from coda.kernels import row_passes as _rp
 from coda.kernels import wgrad as _wg
 from coda.kernels._launch import acc_dtype
 from coda.kernels.config import GemmConfig
@@ -327,6 +328,58 @@ _lm_head_scaled = _lm_head_gradients_op(
 )
 
 
+# -- row passes (Triton on the GPU, torch on the CPU) ------------------------------------------
+@torch.library.custom_op("coda::drope_rows", mutates_args=())
+def _drope_rows(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    qkv: torch.Tensor,
+    rstd: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    d: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rp.drope_pass(dq, dk, dv, qkv, rstd, cos, sin, d)
+
+
+@_drope_rows.register_fake
+def _(dq, dk, dv, qkv, rstd, cos, sin, d):
+    return _empty(*qkv.shape, like=qkv), _empty(qkv.shape[0], like=rstd)
+
+
+@torch.library.custom_op("coda::dqk_norm_rows", mutates_args=())
+def _dqk_norm_rows(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    z_even: torch.Tensor,
+    z_odd: torch.Tensor | None,
+    s: torch.Tensor,
+    rstd: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    d: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _rp.dqk_norm_pass(dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, d)
+
+
+@_dqk_norm_rows.register_fake
+def _(dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, d):
+    M, hd = z_even.shape[0], dq.shape[-1]
+    n_heads = dq.shape[1] + 2 * dk.shape[1]
+    acc = acc_dtype(z_even)
+    stat = _empty(hd, like=z_even, dtype=acc)
+    return (
+        _empty(M, n_heads * hd, like=z_even),
+        _empty(M, like=z_even, dtype=acc),
+        stat,
+        torch.empty_like(stat),
+    )
+
+
 # -- what coda.autograd calls: the kernel directly, or the op while torch.compile traces --------
 def _either(op, direct):
     def call(*args, **kwargs):
@@ -389,6 +442,9 @@ lm_head_bwd = _either(
     ),
 )
 
+drope_rows = _either(_drope_rows, _rp.drope_pass)
+dqk_norm_rows = _either(_dqk_norm_rows, _rp.dqk_norm_pass)
+
 
 def _lm_head_gradients(op, program):
     return _either(
@@ -419,4 +475,6 @@ OPS = {
     "lm_head_bwd": _lm_head_bwd,
     "lm_head_chunked": _lm_head_chunked,
     "lm_head_scaled": _lm_head_scaled,
+    "drope_rows": _drope_rows,
+    "dqk_norm_rows": _dqk_norm_rows,
 }

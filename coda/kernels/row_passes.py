@@ -1,0 +1,269 @@
+"""B11, the attention-input backward's row pass, as hand-written Triton kernels (GPU).
+
+What they compute is ``drope.drope_heads`` (dRoPE and the entry norm's statistic) and
+``qk_norm.dqk_norm_rope_heads`` (the same with Qwen3's per-head norms): those torch functions
+stay the CPU path and the oracle. On the H200 they used to run through ``fused``
+(torch.compile), where Inductor split each into three to five kernels that re-read the head
+gradients through the (batch, heads, seq, hd) -> (tokens, Nqkv) transpose and the even/odd
+pair views: 1.5 ms per Llama-1B layer and 3.2 ms per Qwen3-0.6B layer for ~0.1 ms of traffic
+(benchmarks/NOTES.md, session 7). Here each is one pass over memory:
+
+- grid (head, block of BM token rows): each program reads one head's gradient tile
+  (BM x hd, any strides of attention's output) and the matching tile of the saved forward
+  tensor, and writes one tile of dz~0 = rstd0 * [RoPE^T(...) | dv] (the B12/B13 operand);
+- the row statistic S0 = sum_n [...] * z / rstd0 leaves as per-head partials (M x heads,
+  fp32), summed by one small torch reduction: no atomics, so the pass is deterministic;
+- the QK-norm weights' gradients leave as per-(row block, head) partials, summed likewise.
+
+The pair rotation is ``tl.split`` / ``tl.join`` of a tile's adjacent columns: loads and
+stores stay whole contiguous head rows. Statistics in fp32 (float64 for float64 inputs: the
+kernels also run in Triton's interpreter on the CPU, which is how CI tests them against the
+torch oracle, and they compile for sm_90 on the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from coda.kernels._launch import acc_dtype
+from coda.kernels.drope import drope_heads
+from coda.kernels.qk_norm import dqk_norm_rope_heads, dqk_norm_rope_heads_split_z
+from coda.primitives.aux import norm_correction
+
+BLOCK_ROWS = 64  # token rows per program: a 64 x hd tile, 16-32 values per thread
+
+
+def _drope_kernel(
+    dq, dk, dv, qkv, rstd, cos, sin, out, s_part,
+    M, S, n_q, n_k,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+    HD: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(0)  # the head: q heads, then k, then v (the QKV GEMM's column order)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    live = rows < M
+    b, s = rows.to(tl.int64) // S, rows.to(tl.int64) % S  # int64: tensors past 2^31 entries
+    if h < n_q:
+        src = dq + b * sqb + h * sqh + s * sqs
+    elif h < n_q + n_k:
+        src = dk + b * skb + (h - n_q) * skh + s * sks
+    else:
+        src = dv + b * svb + (h - n_q - n_k) * svh + s * svs
+    j = tl.arange(0, HD)
+    i = tl.arange(0, HD // 2)
+    mask = live[:, None]
+    x = tl.load(src[:, None] + j[None, :], mask=mask, other=0.0).to(ACC)
+    n_cols = (n_q + 2 * n_k) * HD
+    at = rows.to(tl.int64)[:, None] * n_cols + h * HD + j[None, :]
+    fwd = tl.load(qkv + at, mask=mask, other=0.0).to(ACC)
+    tl.store(s_part + rows.to(tl.int64) * (n_q + 2 * n_k) + h, tl.sum(x * fwd, 1), mask=live)
+    rot = h < n_q + n_k  # v heads: no rotation (cos 1, sin 0)
+    half = rows.to(tl.int64)[:, None] * (HD // 2) + i[None, :]
+    c = tl.where(rot, tl.load(cos + half, mask=mask, other=1.0).to(ACC), 1.0)
+    sn = tl.where(rot, tl.load(sin + half, mask=mask, other=0.0).to(ACC), 0.0)
+    r = tl.load(rstd + rows, mask=live, other=1.0).to(ACC)[:, None]
+    x1, x2 = tl.split(tl.reshape(x, (BM, HD // 2, 2)))
+    y = tl.reshape(tl.join((x1 * c + x2 * sn) * r, (x2 * c - x1 * sn) * r), (BM, HD))
+    tl.store(out + at, y.to(out.dtype.element_ty), mask=mask)
+
+
+def _dqk_norm_kernel(
+    dq, dk, dv, z_even, z_odd, s_head, rstd, cos, sin, q_norm, k_norm, out, s_part, dw_part,
+    M, S, n_q, n_k, z_row, z_col, s_row,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+    HD: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(0)
+    blk = tl.program_id(1)
+    rows = blk * BM + tl.arange(0, BM)
+    live = rows < M
+    b, s = rows.to(tl.int64) // S, rows.to(tl.int64) % S  # int64: tensors past 2^31 entries
+    if h < n_q:
+        src = dq + b * sqb + h * sqh + s * sqs
+    elif h < n_q + n_k:
+        src = dk + b * skb + (h - n_q) * skh + s * sks
+    else:
+        src = dv + b * svb + (h - n_q - n_k) * svh + s * svs
+    j = tl.arange(0, HD)
+    i = tl.arange(0, HD // 2)
+    mask = live[:, None]
+    r64 = rows.to(tl.int64)[:, None]
+    d1, d2 = tl.split(
+        tl.reshape(
+            tl.load(src[:, None] + j[None, :], mask=mask, other=0.0).to(ACC), (BM, HD // 2, 2)
+        )
+    )
+    zc = r64 * z_row + (h * (HD // 2) + i[None, :]) * z_col  # z's pair (2i, 2i + 1) of head h
+    z1 = tl.load(z_even + zc, mask=mask, other=0.0).to(ACC)
+    z2 = tl.load(z_odd + zc, mask=mask, other=0.0).to(ACC)
+    r = tl.load(rstd + rows, mask=live, other=1.0).to(ACC)[:, None]
+    n_heads = n_q + 2 * n_k
+    at = r64 * (n_heads * HD) + h * HD + j[None, :]
+    part = rows.to(tl.int64) * n_heads + h
+    if h < n_q + n_k:  # a normed, rotated head: RoPE^T, then the head norm's backward
+        half = r64 * (HD // 2) + i[None, :]
+        c = tl.load(cos + half, mask=mask, other=1.0).to(ACC)
+        sn = tl.load(sin + half, mask=mask, other=0.0).to(ACC)
+        n1, n2 = d1 * c + d2 * sn, d2 * c - d1 * sn  # dq_n = RoPE^T(dout)
+        sh = tl.load(s_head + rows.to(tl.int64) * s_row + h, mask=live, other=0.0).to(ACC)[:, None]
+        if h < n_q:
+            w1 = tl.load(q_norm + 2 * i).to(ACC)[None, :]
+            w2 = tl.load(q_norm + 2 * i + 1).to(ACC)[None, :]
+        else:
+            w1 = tl.load(k_norm + 2 * i).to(ACC)[None, :]
+            w2 = tl.load(k_norm + 2 * i + 1).to(ACC)[None, :]
+        q1, q2 = z1 * sh, z2 * sh  # q_hat
+        e1, e2 = n1 * w1, n2 * w2  # dq_hat
+        mean = tl.sum(e1 * q1 + e2 * q2, 1)[:, None] / HD
+        g1, g2 = sh * (e1 - q1 * mean), sh * (e2 - q2 * mean)
+        dw = tl.join(tl.sum(n1 * q1, 0), tl.sum(n2 * q2, 0))  # (hd/2, 2): this block's dw_h
+        tl.store(dw_part + (blk * (n_q + n_k) + h) * HD + j, tl.reshape(dw, (HD,)))
+    else:  # a v head passes through
+        g1, g2 = d1, d2
+    tl.store(s_part + part, tl.sum(g1 * z1 + g2 * z2, 1), mask=live)
+    y = tl.reshape(tl.join(g1 * r, g2 * r), (BM, HD))
+    tl.store(out + at, y.to(out.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _kernel(fn):
+    """``fn`` as a Triton kernel: compiled for the GPU, or Triton's interpreter (numpy on the
+    CPU) when ``TRITON_INTERPRET=1`` was set before triton was imported."""
+    return triton.jit(fn)
+
+
+def interpreted() -> bool:
+    """True in Triton's interpreter mode (the CPU tests of these kernels)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _warps(head_dim: int) -> int:
+    """Warps per program: 16 fp32 values of each (BM x hd/2) tile per thread."""
+    return max(4, BLOCK_ROWS * head_dim // 2 // 16 // 32)
+
+
+def _acc(t):
+    return tl.float64 if t.dtype == torch.float64 else tl.float32
+
+
+def _head_strides(dq, dk, dv):
+    """(batch, head, seq) strides of the three head gradients, in elements; a tensor whose hd
+    axis is not unit-stride is made so first (attention outputs are)."""
+    ts = [t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv)]
+    return ts, [st for t in ts for st in t.stride()[:3]]
+
+
+def _row_statistic(s_part, rstd, d):
+    """corr0 from the per-head partials of S0 * rstd0 (M x heads)."""
+    return norm_correction(rstd, s_part.sum(-1) / rstd, d)
+
+
+def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d):
+    """``drope.drope_heads`` in one pass. Returns (dz~0 (M, Nqkv) in qkv's dtype, corr0 (M,))."""
+    B, n_q, S, hd = dq.shape
+    n_k = dk.shape[1]
+    assert n_rot_heads == n_q + n_k and hd == head_dim
+    M, n_cols = qkv.shape
+    assert qkv.stride() == (n_cols, 1) and n_cols == (n_q + 2 * n_k) * hd
+    (dq, dk, dv), strides = _head_strides(dq, dk, dv)
+    out = torch.empty_like(qkv)
+    s_part = torch.empty(M, n_q + 2 * n_k, dtype=acc_dtype(qkv), device=qkv.device)
+    grid = (n_q + 2 * n_k, triton.cdiv(M, BLOCK_ROWS))
+    _kernel(_drope_kernel)[grid](
+        dq, dk, dv, qkv, rstd, cos, sin, out, s_part, M, S, n_q, n_k, *strides,
+        HD=hd, BM=BLOCK_ROWS, ACC=_acc(qkv), num_warps=_warps(hd),
+    )  # fmt: skip
+    return out, _row_statistic(s_part, rstd, d)
+
+
+def dqk_norm_rope_heads_triton(
+    dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, head_dim, d
+):
+    """``qk_norm.dqk_norm_rope_heads`` in one pass, z given as its even and odd columns
+    (M, Nqkv / 2 each: the training F1's stores) or whole (``z_odd`` None). Returns
+    (dz~0 (M, Nqkv) in z's dtype, corr0 (M,), dq_norm (hd,), dk_norm (hd,)), the last two
+    fp32 (float64 for float64 inputs)."""
+    B, _, S, hd = dq.shape
+    assert hd == head_dim and dq.shape[1] == n_q and dk.shape[1] == n_k
+    M = z_even.shape[0]
+    if z_odd is None:  # z whole: its even and odd columns are stride-2 views
+        z_row, z_col = z_even.stride(0), 2
+        z_odd = z_even[:, 1:]
+    else:
+        assert z_even.stride() == z_odd.stride() and z_even.stride(1) == 1
+        z_row, z_col = z_even.stride(0), 1
+    (dq, dk, dv), strides = _head_strides(dq, dk, dv)
+    n_heads = n_q + 2 * n_k
+    acc = acc_dtype(z_even)
+    out = torch.empty(M, n_heads * hd, dtype=z_even.dtype, device=z_even.device)
+    s_part = torch.empty(M, n_heads, dtype=acc, device=out.device)
+    blocks = triton.cdiv(M, BLOCK_ROWS)
+    dw_part = torch.empty(blocks, n_q + n_k, hd, dtype=acc, device=out.device)
+    _kernel(_dqk_norm_kernel)[(n_heads, blocks)](
+        dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, out, s_part, dw_part,
+        M, S, n_q, n_k, z_row, z_col, s.stride(0), *strides,
+        HD=hd, BM=BLOCK_ROWS, ACC=_acc(z_even), num_warps=_warps(hd),
+    )  # fmt: skip
+    dw = dw_part.sum(0)
+    return out, _row_statistic(s_part, rstd, d), dw[:n_q].sum(0), dw[n_q:].sum(0)
+
+
+def _on_triton(t) -> bool:
+    return t.is_cuda or interpreted()
+
+
+def drope_pass(dq, dk, dv, qkv, rstd, cos, sin, d: int):
+    """B11: (dz~0, corr0) from attention's dq (B, H, S, hd), dk, dv (B, Hkv, S, hd) and the
+    saved rotated qkv (M, Nqkv): the Triton kernel on the GPU, the torch oracle on the CPU."""
+    n_rot, hd = dq.shape[1] + dk.shape[1], dq.shape[-1]
+    if _on_triton(qkv):
+        return drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot, hd, d)
+    return drope_heads(dq, dk, dv, qkv, rstd, cos, sin, n_rot, hd, d)
+
+
+def dqk_norm_pass(dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, d: int):
+    """B11 with Qwen3's head norms: (dz~0, corr0, dq_norm, dk_norm) from attention's dq, dk,
+    dv and the forward's z (as its even and odd columns, or whole: ``z_odd`` None) and head
+    statistic s: the Triton kernel on the GPU, the torch oracle on the CPU."""
+    rest = (s, rstd, cos, sin, q_norm, k_norm, dq.shape[1], dk.shape[1], dq.shape[-1], d)
+    if _on_triton(z_even):
+        return dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, *rest)
+    if z_odd is None:
+        return dqk_norm_rope_heads(dq, dk, dv, z_even, *rest)
+    return dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, *rest)
+
+
+INT_ARGS = {"M", "S", "n_q", "n_k", "z_row", "z_col", "s_row"}  # and the s{q,k,v}{b,h,s} strides
+FP32_ARGS = {"rstd", "cos", "sin", "s_part", "dw_part", "s_head"}  # statistics and tables
+
+
+def compile_row_passes(head_dim: int, arch: int = 90) -> list[int]:
+    """Compile both kernels (bf16 tensors) for ``sm_{arch}`` without a GPU (Triton ships
+    ptxas): the CPU compile test. Returns the cubins' sizes in bytes."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = {"HD": head_dim, "BM": BLOCK_ROWS, "ACC": tl.float32}
+    sizes = []
+    for fn in (_drope_kernel, _dqk_norm_kernel):
+        sig = {}
+        for name in inspect.signature(fn).parameters:
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name in INT_ARGS or (len(name) == 3 and name[0] == "s" and name[2] in "bhs"):
+                sig[name] = "i32"
+            else:
+                sig[name] = "*fp32" if name in FP32_ARGS else "*bf16"
+        src = ASTSource(fn=triton.jit(fn), signature=sig, constexprs=consts)
+        target = GPUTarget("cuda", arch, 32)
+        compiled = triton.compile(src, target=target, options={"num_warps": _warps(head_dim)})
+        sizes.append(len(compiled.asm["cubin"]))
+    return sizes
