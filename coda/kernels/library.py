@@ -278,24 +278,17 @@ def _(a, w, rstd, lse, tl, target, scale, chunk, cfg, hot, shift):
     return _empty(M, d, like=a, dtype=acc), _empty(M, like=a, dtype=acc), _empty(d, V, like=a)
 
 
-def _lm_head_gradients_fake(vocab_major: bool):
-    """The fake of an LM-head gradients op: dW is the fp32 accumulator, in w's layout (CE-C)
-    or as a (d, V) view of (V, d) storage (CE-S, ``vocab_major``)."""
-
-    def fake(a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss):
-        M, d, acc = a.shape[0], a.shape[1], acc_dtype(a)
-        stat = _empty(M, like=a, dtype=acc)
-        if vocab_major:
-            dw = _empty(w.shape[1], w.shape[0], like=a, dtype=acc).t()
-        else:
-            dw = torch.empty_like(w, dtype=acc)
-        g = _empty(M, d, like=a, dtype=acc)
-        return stat, torch.empty_like(stat), g, torch.empty_like(stat), dw
-
-    return fake
+def _lm_head_gradients_fake(a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss):
+    """The fake of an LM-head gradients op: dW is the fp32 accumulator, a (d, V) view of
+    (V, d) storage (both programs scatter-add the target entries into its rows)."""
+    M, d, acc = a.shape[0], a.shape[1], acc_dtype(a)
+    stat = _empty(M, like=a, dtype=acc)
+    dw = _empty(w.shape[1], w.shape[0], like=a, dtype=acc).t()
+    g = _empty(M, d, like=a, dtype=acc)
+    return stat, torch.empty_like(stat), g, torch.empty_like(stat), dw
 
 
-def _lm_head_gradients_op(name: str, program, vocab_major: bool):
+def _lm_head_gradients_op(name: str, program):
     """The custom op of an LM-head program that forms its g = 1 gradients in the forward
     (CE-C, CE-S): (lse, target logit, G, S, dW fp32) with one schema."""
 
@@ -316,16 +309,12 @@ def _lm_head_gradients_op(name: str, program, vocab_major: bool):
             a, w, rstd, target, weight, rows, cfg_, label_smoothing=label_smoothing, z_loss=z_loss
         )
 
-    op.register_fake(_lm_head_gradients_fake(vocab_major))
+    op.register_fake(_lm_head_gradients_fake)
     return op
 
 
-_lm_head_chunked = _lm_head_gradients_op(
-    "lm_head_chunked", _cec.linear_cross_entropy_chunked, vocab_major=False
-)
-_lm_head_scaled = _lm_head_gradients_op(
-    "lm_head_scaled", _cse.linear_cross_entropy_scaled, vocab_major=True
-)
+_lm_head_chunked = _lm_head_gradients_op("lm_head_chunked", _cec.linear_cross_entropy_chunked)
+_lm_head_scaled = _lm_head_gradients_op("lm_head_scaled", _cse.linear_cross_entropy_scaled)
 
 
 # -- row passes (Triton on the GPU, torch on the CPU) ------------------------------------------
