@@ -251,6 +251,13 @@ COMPILES = {
     "wgrad_gamma_rows_split_k": lambda: wgrad.compile_wgrad_gamma_rows(
         512, 768, config=GemmConfig(128, 192, 2, 1, False, split_k=2)
     ),
+    # the 1B-shaped layer's tuned wgrad configs (256-row cooperative tiles)
+    "wgrad_gamma_rows_tuned_1b": lambda: wgrad.compile_wgrad_gamma_rows(
+        512, 768, config=config_for(2048, 16384, 16384)
+    ),
+    "norm_bwd_tuned_1b": lambda: rmsnorm_bwd.compile_norm_bwd(
+        768, 512, residual=True, config=config_for(16384, 3072, 2048)
+    ),
     "ce_chunked_logits": lambda: cec.compile_logits_chunk(256, 1000),
     "ce_chunked_g_fp32": lambda: cec.compile_g(256, 1000),
     "ce_chunked_dw_first": lambda: cec.compile_dw(256, 1000, accumulate=False),
