@@ -1,5 +1,7 @@
-"""B11's Triton row passes (``coda.kernels.row_passes``) against their torch oracles
-(``drope.drope_heads``, ``qk_norm.dqk_norm_rope_heads``): on the CPU through Triton's
+"""The hand-written Triton kernels against their torch oracles: B11's row passes
+(``coda.kernels.row_passes`` vs ``drope.drope_heads``, ``qk_norm.dqk_norm_rope_heads``) and the
+LM head's exact target entries (``coda.kernels.target_terms`` vs the torch form of
+``add_target_terms``): on the CPU through Triton's
 interpreter (it must be switched on before triton is imported, so those cases run in a child
 process), compiled for sm_90 without a GPU, and on the H200.
 
@@ -74,11 +76,56 @@ def _bound(dtype):
     return 1e-13 if dtype == torch.float64 else 2**-7
 
 
+TARGET_CASES = [  # (M, d, V, how the targets are drawn)
+    (37, 24, 50, "uniform"),
+    (200, 40, 7, "skewed"),  # runs longer than a program's 16 sorted rows
+    (64, 520, 300, "one"),  # a single run over every row; d past one 512-column block
+    (33, 16, 90, "ignored"),  # every target ignored: nothing added
+]
+
+
+def target_terms_case(M, d, V, how, hf_layout, seed=0, device="cpu"):
+    """Largest error of (G, dW^T) after the Triton form against the torch form, in units of
+    the largest added term, and whether anything was added at all."""
+    from coda.kernels.target_terms import add_target_terms_triton
+
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    a = torch.randn(M, d, generator=g, dtype=f64)
+    w = (
+        torch.randn(V, d, generator=g, dtype=f64).t()
+        if hf_layout
+        else torch.randn(d, V, generator=g, dtype=f64)
+    )
+    if how == "skewed":
+        target = (torch.rand(M, generator=g) ** 4 * V).long()
+    elif how == "one":
+        target = torch.full((M,), V // 2)
+    else:
+        target = torch.randint(0, V, (M,), generator=g)
+    target[::5] = -100
+    if how == "ignored":
+        target[:] = -100
+    coef = torch.randn(M, generator=g, dtype=f64) * (target >= 0)
+    G0, D0 = torch.randn(M, d, generator=g, dtype=f64), torch.randn(V, d, generator=g, dtype=f64)
+    a, w, target, coef, G0, D0 = (t.to(device) for t in (a, w, target, coef, G0, D0))
+    G1, D1, G2, D2 = G0.clone(), D0.clone(), G0.clone(), D0.clone()
+    add_target_terms_triton(G1, D1, a, target, coef, w)
+    G2.addcmul_(coef[:, None], w.t()[target.clamp(0, V - 1)])  # the torch form, spelled out
+    D2.index_put_((target.clamp(0, V - 1),), coef[:, None] * a, accumulate=True)
+    scale = max((G2 - G0).abs().max().item(), (D2 - D0).abs().max().item(), 1e-300)
+    err = max((G1 - G2).abs().max().item(), (D1 - D2).abs().max().item()) / scale
+    return err, scale > 1e-300
+
+
 _CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
-from test_row_passes import CASES, row_pass_case
+from test_row_passes import CASES, TARGET_CASES, row_pass_case, target_terms_case
 out = []
+for i, case in enumerate(TARGET_CASES):
+    for hf_layout in (False, True):
+        out.append(["target_terms", case, {"err": list(target_terms_case(*case, hf_layout, i))}])
 for dtype in (torch.float64, torch.bfloat16):
     for i, case in enumerate(CASES):
         errs = row_pass_case(*case, dtype=dtype, contiguous_q=bool(i % 2), seed=i)
@@ -97,8 +144,12 @@ def test_row_passes_in_triton_interpreter_equal_oracles():
     import json
 
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 2 * len(CASES)
+    assert len(results) == 2 * len(CASES) + 2 * len(TARGET_CASES)
     for dtype, case, errs in results:
+        if dtype == "target_terms":
+            err, added = errs["err"]
+            assert err <= 1e-13 and added == (case[3] != "ignored"), (case, err, added)
+            continue
         bound = _bound(torch.float64 if "float64" in dtype else torch.bfloat16)
         for name, e in errs.items():
             assert max(e) <= bound, (dtype, case, name, e)
@@ -120,6 +171,13 @@ def test_row_passes_detect_a_wrong_rotation():
 
 
 @pytest.mark.compile
+def test_target_terms_compile_for_sm90():
+    from coda.kernels.target_terms import compile_target_terms
+
+    assert all(n > 0 for n in compile_target_terms())
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_row_passes_compile_for_sm90(head_dim):
     from coda.kernels.row_passes import compile_row_passes
@@ -135,3 +193,11 @@ def test_gpu_row_passes_equal_oracles(case):
             errs = row_pass_case(*case, dtype=dtype, device="cuda", contiguous_q=contiguous_q)
             for name, e in errs.items():
                 assert max(e) <= _bound(dtype), (dtype, case, name, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["uniform", "skewed"])
+def test_gpu_target_terms_equal_torch_form(how):
+    for hf_layout in (False, True):
+        err, added = target_terms_case(16384, 2048, 32768, how, hf_layout, device="cuda")
+        assert added and err <= 1e-13, (how, hf_layout, err)

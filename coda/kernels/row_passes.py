@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coda.kernels._launch import acc_dtype
+from coda.kernels._launch import acc_dtype, interpreted
 from coda.kernels.drope import drope_heads
 from coda.kernels.qk_norm import dqk_norm_rope_heads, dqk_norm_rope_heads_split_z
 from coda.primitives.aux import norm_correction
@@ -134,13 +134,6 @@ def _kernel(fn):
     """``fn`` as a Triton kernel: compiled for the GPU, or Triton's interpreter (numpy on the
     CPU) when ``TRITON_INTERPRET=1`` was set before triton was imported."""
     return triton.jit(fn)
-
-
-def interpreted() -> bool:
-    """True in Triton's interpreter mode (the CPU tests of these kernels)."""
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _warps(head_dim: int) -> int:
