@@ -127,7 +127,7 @@ def interpreted() -> bool:
 
 
 def fused(fn):
-    """A row kernel (F0, B11, the final-norm apply, CE-C's softmax gradient) compiled by
+    """A row kernel (F0, the final-norm apply, CE-C's softmax gradient) compiled by
     torch.compile on the GPU: its elementwise ops and row reductions become one or two Triton
     kernels instead of one pass over memory per torch op. On the CPU it runs as written, and
     inside a user's torch.compile trace as well (Inductor fuses it with its neighbours).

@@ -5,8 +5,9 @@
     S0   = (1 / rstd0) * sum_n (dqkv * qkv_rot)              rotation invariance [I5.3]
     corr0 = -(rstd0^3 / d) * S0
 
-It reads the attention backward's dq, dk, dv and the saved rotated q, k, v. v1 runs it as
-torch elementwise ops; the v2 plan (KERNELS.md) folds it into the attention backward.
+It reads the attention backward's dq, dk, dv and the saved rotated q, k, v. These torch
+functions are the CPU path and the oracle; on the GPU the same pass runs as one Triton kernel
+(``row_passes.drope_heads_triton``). KERNELS.md's v2 plan folds it into the attention backward.
 """
 
 from __future__ import annotations
