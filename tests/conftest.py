@@ -14,6 +14,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     os.environ.setdefault("QUACK_ARCH", "90")
     os.environ.setdefault("QUACK_CACHE_ENABLED", "0")
+    # Triton's own default since its 3.x line (the H200 image's 3.6 fuses mul+add into fma),
+    # said explicitly: newer Triton warns that its default will change
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 from coda.env import CodaReferencePathWarning  # noqa: E402
 

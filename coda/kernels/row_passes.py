@@ -37,6 +37,25 @@ from coda.primitives.aux import norm_correction
 BLOCK_ROWS = 64  # token rows per program: a 64 x hd tile, 16-32 values per thread
 
 
+@triton.jit
+def _head_gradient_tile(
+    dq, dk, dv, h, rows, M, S, n_q, n_k,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+    HD: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Head h's gradient (q heads, then k, then v: the QKV GEMM's column order) at token
+    ``rows``, a (rows x hd) tile in ACC read at attention's own strides (0 past M)."""
+    b, s = rows.to(tl.int64) // S, rows.to(tl.int64) % S  # int64: tensors past 2^31 entries
+    if h < n_q:
+        src = dq + b * sqb + h * sqh + s * sqs
+    elif h < n_q + n_k:
+        src = dk + b * skb + (h - n_q) * skh + s * sks
+    else:
+        src = dv + b * svb + (h - n_q - n_k) * svh + s * svs
+    j = tl.arange(0, HD)
+    return tl.load(src[:, None] + j[None, :], mask=(rows < M)[:, None], other=0.0).to(ACC)
+
+
 def _drope_kernel(
     dq, dk, dv, qkv, rstd, cos, sin, out, s_part,
     M, S, n_q, n_k,
@@ -46,17 +65,12 @@ def _drope_kernel(
     h = tl.program_id(0)  # the head: q heads, then k, then v (the QKV GEMM's column order)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     live = rows < M
-    b, s = rows.to(tl.int64) // S, rows.to(tl.int64) % S  # int64: tensors past 2^31 entries
-    if h < n_q:
-        src = dq + b * sqb + h * sqh + s * sqs
-    elif h < n_q + n_k:
-        src = dk + b * skb + (h - n_q) * skh + s * sks
-    else:
-        src = dv + b * svb + (h - n_q - n_k) * svh + s * svs
+    x = _head_gradient_tile(
+        dq, dk, dv, h, rows, M, S, n_q, n_k, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, HD, ACC
+    )
     j = tl.arange(0, HD)
     i = tl.arange(0, HD // 2)
     mask = live[:, None]
-    x = tl.load(src[:, None] + j[None, :], mask=mask, other=0.0).to(ACC)
     n_cols = (n_q + 2 * n_k) * HD
     at = rows.to(tl.int64)[:, None] * n_cols + h * HD + j[None, :]
     fwd = tl.load(qkv + at, mask=mask, other=0.0).to(ACC)
@@ -81,22 +95,14 @@ def _dqk_norm_kernel(
     blk = tl.program_id(1)
     rows = blk * BM + tl.arange(0, BM)
     live = rows < M
-    b, s = rows.to(tl.int64) // S, rows.to(tl.int64) % S  # int64: tensors past 2^31 entries
-    if h < n_q:
-        src = dq + b * sqb + h * sqh + s * sqs
-    elif h < n_q + n_k:
-        src = dk + b * skb + (h - n_q) * skh + s * sks
-    else:
-        src = dv + b * svb + (h - n_q - n_k) * svh + s * svs
+    x = _head_gradient_tile(
+        dq, dk, dv, h, rows, M, S, n_q, n_k, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, HD, ACC
+    )
+    d1, d2 = tl.split(tl.reshape(x, (BM, HD // 2, 2)))
     j = tl.arange(0, HD)
     i = tl.arange(0, HD // 2)
     mask = live[:, None]
     r64 = rows.to(tl.int64)[:, None]
-    d1, d2 = tl.split(
-        tl.reshape(
-            tl.load(src[:, None] + j[None, :], mask=mask, other=0.0).to(ACC), (BM, HD // 2, 2)
-        )
-    )
     zc = r64 * z_row + (h * (HD // 2) + i[None, :]) * z_col  # z's pair (2i, 2i + 1) of head h
     z1 = tl.load(z_even + zc, mask=mask, other=0.0).to(ACC)
     z2 = tl.load(z_odd + zc, mask=mask, other=0.0).to(ACC)
