@@ -151,6 +151,11 @@ def _acc(t):
     return tl.float64 if t.dtype == torch.float64 else tl.float32
 
 
+def _rows_contiguous(*tensors):
+    """The per-row tables (rstd, cos, sin) and the norm weights are read at unit strides."""
+    assert all(t.is_contiguous() for t in tensors), [tuple(t.stride()) for t in tensors]
+
+
 def _head_strides(dq, dk, dv):
     """(batch, head, seq) strides of the three head gradients, in elements; a tensor whose hd
     axis is not unit-stride is made so first (attention outputs are)."""
@@ -170,6 +175,7 @@ def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d
     assert n_rot_heads == n_q + n_k and hd == head_dim
     M, n_cols = qkv.shape
     assert qkv.stride() == (n_cols, 1) and n_cols == (n_q + 2 * n_k) * hd
+    _rows_contiguous(rstd, cos, sin)
     (dq, dk, dv), strides = _head_strides(dq, dk, dv)
     out = torch.empty_like(qkv)
     s_part = torch.empty(M, n_q + 2 * n_k, dtype=acc_dtype(qkv), device=qkv.device)
@@ -197,6 +203,7 @@ def dqk_norm_rope_heads_triton(
     else:
         assert z_even.stride() == z_odd.stride() and z_even.stride(1) == 1
         z_row, z_col = z_even.stride(0), 1
+    _rows_contiguous(rstd, cos, sin, q_norm, k_norm)
     (dq, dk, dv), strides = _head_strides(dq, dk, dv)
     n_heads = n_q + 2 * n_k
     acc = acc_dtype(z_even)
