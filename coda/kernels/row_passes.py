@@ -41,10 +41,11 @@ BLOCK_ROWS = 64  # token rows per program: a 64 x hd tile, 16-32 values per thre
 def _head_gradient_tile(
     dq, dk, dv, h, rows, M, S, n_q, n_k,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-    HD: tl.constexpr, ACC: tl.constexpr,
+    HD: tl.constexpr, HP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Head h's gradient (q heads, then k, then v: the QKV GEMM's column order) at token
-    ``rows``, a (rows x hd) tile in ACC read at attention's own strides (0 past M)."""
+    ``rows``, a (rows x HP) tile in ACC read at attention's own strides (0 past M and past
+    the head's HD columns: HP is HD rounded up to a power of two, as Triton's ranges are)."""
     b, s = rows.to(tl.int64) // S, rows.to(tl.int64) % S  # int64: tensors past 2^31 entries
     if h < n_q:
         src = dq + b * sqb + h * sqh + s * sqs
@@ -52,36 +53,58 @@ def _head_gradient_tile(
         src = dk + b * skb + (h - n_q) * skh + s * sks
     else:
         src = dv + b * svb + (h - n_q - n_k) * svh + s * svs
-    j = tl.arange(0, HD)
-    return tl.load(src[:, None] + j[None, :], mask=(rows < M)[:, None], other=0.0).to(ACC)
+    j = tl.arange(0, HP)
+    mask = (rows < M)[:, None] & (j < HD)[None, :]
+    return tl.load(src[:, None] + j[None, :], mask=mask, other=0.0).to(ACC)
 
 
 def _drope_kernel(
     dq, dk, dv, qkv, rstd, cos, sin, out, s_part,
     M, S, n_q, n_k,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-    HD: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
+    HD: tl.constexpr, HP: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)  # the head: q heads, then k, then v (the QKV GEMM's column order)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     live = rows < M
     x = _head_gradient_tile(
-        dq, dk, dv, h, rows, M, S, n_q, n_k, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, HD, ACC
+        dq,
+        dk,
+        dv,
+        h,
+        rows,
+        M,
+        S,
+        n_q,
+        n_k,
+        sqb,
+        sqh,
+        sqs,
+        skb,
+        skh,
+        sks,
+        svb,
+        svh,
+        svs,
+        HD,
+        HP,
+        ACC,
     )
-    j = tl.arange(0, HD)
-    i = tl.arange(0, HD // 2)
-    mask = live[:, None]
+    j = tl.arange(0, HP)
+    i = tl.arange(0, HP // 2)
+    mask = live[:, None] & (j < HD)[None, :]
+    half_mask = live[:, None] & (i < HD // 2)[None, :]
     n_cols = (n_q + 2 * n_k) * HD
     at = rows.to(tl.int64)[:, None] * n_cols + h * HD + j[None, :]
     fwd = tl.load(qkv + at, mask=mask, other=0.0).to(ACC)
     tl.store(s_part + rows.to(tl.int64) * (n_q + 2 * n_k) + h, tl.sum(x * fwd, 1), mask=live)
     rot = h < n_q + n_k  # v heads: no rotation (cos 1, sin 0)
     half = rows.to(tl.int64)[:, None] * (HD // 2) + i[None, :]
-    c = tl.where(rot, tl.load(cos + half, mask=mask, other=1.0).to(ACC), 1.0)
-    sn = tl.where(rot, tl.load(sin + half, mask=mask, other=0.0).to(ACC), 0.0)
+    c = tl.where(rot, tl.load(cos + half, mask=half_mask, other=1.0).to(ACC), 1.0)
+    sn = tl.where(rot, tl.load(sin + half, mask=half_mask, other=0.0).to(ACC), 0.0)
     r = tl.load(rstd + rows, mask=live, other=1.0).to(ACC)[:, None]
-    x1, x2 = tl.split(tl.reshape(x, (BM, HD // 2, 2)))
-    y = tl.reshape(tl.join((x1 * c + x2 * sn) * r, (x2 * c - x1 * sn) * r), (BM, HD))
+    x1, x2 = tl.split(tl.reshape(x, (BM, HP // 2, 2)))
+    y = tl.reshape(tl.join((x1 * c + x2 * sn) * r, (x2 * c - x1 * sn) * r), (BM, HP))
     tl.store(out + at, y.to(out.dtype.element_ty), mask=mask)
 
 
@@ -89,49 +112,71 @@ def _dqk_norm_kernel(
     dq, dk, dv, z_even, z_odd, s_head, rstd, cos, sin, q_norm, k_norm, out, s_part, dw_part,
     M, S, n_q, n_k, z_row, z_col, s_row,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-    HD: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
+    HD: tl.constexpr, HP: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)
     blk = tl.program_id(1)
     rows = blk * BM + tl.arange(0, BM)
     live = rows < M
     x = _head_gradient_tile(
-        dq, dk, dv, h, rows, M, S, n_q, n_k, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, HD, ACC
+        dq,
+        dk,
+        dv,
+        h,
+        rows,
+        M,
+        S,
+        n_q,
+        n_k,
+        sqb,
+        sqh,
+        sqs,
+        skb,
+        skh,
+        sks,
+        svb,
+        svh,
+        svs,
+        HD,
+        HP,
+        ACC,
     )
-    d1, d2 = tl.split(tl.reshape(x, (BM, HD // 2, 2)))
-    j = tl.arange(0, HD)
-    i = tl.arange(0, HD // 2)
-    mask = live[:, None]
+    d1, d2 = tl.split(tl.reshape(x, (BM, HP // 2, 2)))
+    j = tl.arange(0, HP)
+    i = tl.arange(0, HP // 2)
+    mask = live[:, None] & (j < HD)[None, :]
+    half_mask = live[:, None] & (i < HD // 2)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     zc = r64 * z_row + (h * (HD // 2) + i[None, :]) * z_col  # z's pair (2i, 2i + 1) of head h
-    z1 = tl.load(z_even + zc, mask=mask, other=0.0).to(ACC)
-    z2 = tl.load(z_odd + zc, mask=mask, other=0.0).to(ACC)
+    z1 = tl.load(z_even + zc, mask=half_mask, other=0.0).to(ACC)
+    z2 = tl.load(z_odd + zc, mask=half_mask, other=0.0).to(ACC)
     r = tl.load(rstd + rows, mask=live, other=1.0).to(ACC)[:, None]
     n_heads = n_q + 2 * n_k
     at = r64 * (n_heads * HD) + h * HD + j[None, :]
     part = rows.to(tl.int64) * n_heads + h
     if h < n_q + n_k:  # a normed, rotated head: RoPE^T, then the head norm's backward
         half = r64 * (HD // 2) + i[None, :]
-        c = tl.load(cos + half, mask=mask, other=1.0).to(ACC)
-        sn = tl.load(sin + half, mask=mask, other=0.0).to(ACC)
+        c = tl.load(cos + half, mask=half_mask, other=1.0).to(ACC)
+        sn = tl.load(sin + half, mask=half_mask, other=0.0).to(ACC)
         n1, n2 = d1 * c + d2 * sn, d2 * c - d1 * sn  # dq_n = RoPE^T(dout)
         sh = tl.load(s_head + rows.to(tl.int64) * s_row + h, mask=live, other=0.0).to(ACC)[:, None]
+        wm = i < HD // 2
         if h < n_q:
-            w1 = tl.load(q_norm + 2 * i).to(ACC)[None, :]
-            w2 = tl.load(q_norm + 2 * i + 1).to(ACC)[None, :]
+            w1 = tl.load(q_norm + 2 * i, mask=wm, other=0.0).to(ACC)[None, :]
+            w2 = tl.load(q_norm + 2 * i + 1, mask=wm, other=0.0).to(ACC)[None, :]
         else:
-            w1 = tl.load(k_norm + 2 * i).to(ACC)[None, :]
-            w2 = tl.load(k_norm + 2 * i + 1).to(ACC)[None, :]
+            w1 = tl.load(k_norm + 2 * i, mask=wm, other=0.0).to(ACC)[None, :]
+            w2 = tl.load(k_norm + 2 * i + 1, mask=wm, other=0.0).to(ACC)[None, :]
         q1, q2 = z1 * sh, z2 * sh  # q_hat
         e1, e2 = n1 * w1, n2 * w2  # dq_hat
         mean = tl.sum(e1 * q1 + e2 * q2, 1)[:, None] / HD
         g1, g2 = sh * (e1 - q1 * mean), sh * (e2 - q2 * mean)
         dw = tl.join(tl.sum(n1 * q1, 0), tl.sum(n2 * q2, 0))  # (hd/2, 2): this block's dw_h
-        tl.store(dw_part + (blk * (n_q + n_k) + h) * HD + j, tl.reshape(dw, (HD,)))
+        tl.store(dw_part + (blk * (n_q + n_k) + h) * HD + j, tl.reshape(dw, (HP,)), mask=j < HD)
     else:  # a v head passes through
         g1, g2 = d1, d2
     tl.store(s_part + part, tl.sum(g1 * z1 + g2 * z2, 1), mask=live)
-    y = tl.reshape(tl.join(g1 * r, g2 * r), (BM, HD))
+    y = tl.reshape(tl.join(g1 * r, g2 * r), (BM, HP))
     tl.store(out + at, y.to(out.dtype.element_ty), mask=mask)
 
 
@@ -144,7 +189,7 @@ def _kernel(fn):
 
 def _warps(head_dim: int) -> int:
     """Warps per program: 16 fp32 values of each (BM x hd/2) tile per thread."""
-    return max(4, BLOCK_ROWS * head_dim // 2 // 16 // 32)
+    return max(4, BLOCK_ROWS * triton.next_power_of_2(head_dim) // 2 // 16 // 32)
 
 
 def _acc(t):
@@ -182,7 +227,8 @@ def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d
     grid = (n_q + 2 * n_k, triton.cdiv(M, BLOCK_ROWS))
     _kernel(_drope_kernel)[grid](
         dq, dk, dv, qkv, rstd, cos, sin, out, s_part, M, S, n_q, n_k, *strides,
-        HD=hd, BM=BLOCK_ROWS, ACC=_acc(qkv), num_warps=_warps(hd),
+        HD=hd, HP=triton.next_power_of_2(hd), BM=BLOCK_ROWS, ACC=_acc(qkv),
+        num_warps=_warps(hd),
     )  # fmt: skip
     return out, _row_statistic(s_part, rstd, d)
 
@@ -214,7 +260,8 @@ def dqk_norm_rope_heads_triton(
     _kernel(_dqk_norm_kernel)[(n_heads, blocks)](
         dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, out, s_part, dw_part,
         M, S, n_q, n_k, z_row, z_col, s.stride(0), *strides,
-        HD=hd, BM=BLOCK_ROWS, ACC=_acc(z_even), num_warps=_warps(hd),
+        HD=hd, HP=triton.next_power_of_2(hd), BM=BLOCK_ROWS, ACC=_acc(z_even),
+        num_warps=_warps(hd),
     )  # fmt: skip
     dw = dw_part.sum(0)
     return out, _row_statistic(s_part, rstd, d), dw[:n_q].sum(0), dw[n_q:].sum(0)
@@ -257,7 +304,8 @@ def compile_row_passes(head_dim: int, arch: int = 90) -> list[int]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    consts = {"HD": head_dim, "BM": BLOCK_ROWS, "ACC": tl.float32}
+    hp = triton.next_power_of_2(head_dim)
+    consts = {"HD": head_dim, "HP": hp, "BM": BLOCK_ROWS, "ACC": tl.float32}
     sizes = []
     for fn in (_drope_kernel, _dqk_norm_kernel):
         sig = {}
