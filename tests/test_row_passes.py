@@ -8,7 +8,8 @@ process), compiled for sm_90 without a GPU, and on the H200.
 Cases: odd token counts that are not a multiple of the kernels' 64-row block, batch
 boundaries inside a block, every head gradient layout attention produces (views of one
 (B, S, heads, hd) buffer, or contiguous (B, heads, S, hd)), z whole or as its even/odd
-columns, head_dim 6 to 128 (powers of two and not), float64 (to round-off) and bf16 (within one bf16 step)."""
+columns, head_dim 6 to 128 (powers of two and not), float64 (to round-off) and bf16 (within
+one bf16 step)."""
 
 from __future__ import annotations
 
@@ -155,6 +156,21 @@ def test_row_passes_in_triton_interpreter_equal_oracles():
         bound = _bound(torch.float64 if "float64" in dtype else torch.bfloat16)
         for name, e in errs.items():
             assert max(e) <= bound, (dtype, case, name, e)
+
+
+def test_kernel_path_runs_the_triton_kernels_in_the_interpreter():
+    """The layer's and LM head's whole kernel sequences (``test_kernel_path_cpu.py``, float64
+    against the reference path) with B11 and the target entries run by the Triton kernels in
+    the interpreter instead of their torch forms: the kernels' wiring into the autograd
+    Functions (argument order, attention's gradient layouts), not only the kernels alone.
+    A sign flipped in either kernel fails most of these cases."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k"]
+    cmd += ["layer_kernel_sequence or lm_head_kernel_sequence", "tests/test_kernel_path_cpu.py"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "22 passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]
 
 
 def test_row_passes_detect_a_wrong_rotation():
