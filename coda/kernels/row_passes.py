@@ -250,6 +250,7 @@ def dqk_norm_rope_heads_triton(
         assert z_even.stride() == z_odd.stride() and z_even.stride(1) == 1
         z_row, z_col = z_even.stride(0), 1
     _rows_contiguous(rstd, cos, sin, q_norm, k_norm)
+    assert s.stride(1) == 1  # the head statistic: (M, heads) rows, possibly a column slice
     (dq, dk, dv), strides = _head_strides(dq, dk, dv)
     n_heads = n_q + 2 * n_k
     acc = acc_dtype(z_even)
