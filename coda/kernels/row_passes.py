@@ -68,28 +68,9 @@ def _drope_kernel(
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     live = rows < M
     x = _head_gradient_tile(
-        dq,
-        dk,
-        dv,
-        h,
-        rows,
-        M,
-        S,
-        n_q,
-        n_k,
-        sqb,
-        sqh,
-        sqs,
-        skb,
-        skh,
-        sks,
-        svb,
-        svh,
-        svs,
-        HD,
-        HP,
-        ACC,
-    )
+        dq, dk, dv, h, rows, M, S, n_q, n_k,
+        sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, HD, HP, ACC,
+    )  # fmt: skip
     j = tl.arange(0, HP)
     i = tl.arange(0, HP // 2)
     mask = live[:, None] & (j < HD)[None, :]
@@ -119,28 +100,9 @@ def _dqk_norm_kernel(
     rows = blk * BM + tl.arange(0, BM)
     live = rows < M
     x = _head_gradient_tile(
-        dq,
-        dk,
-        dv,
-        h,
-        rows,
-        M,
-        S,
-        n_q,
-        n_k,
-        sqb,
-        sqh,
-        sqs,
-        skb,
-        skh,
-        sks,
-        svb,
-        svh,
-        svs,
-        HD,
-        HP,
-        ACC,
-    )
+        dq, dk, dv, h, rows, M, S, n_q, n_k,
+        sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, HD, HP, ACC,
+    )  # fmt: skip
     d1, d2 = tl.split(tl.reshape(x, (BM, HP // 2, 2)))
     j = tl.arange(0, HP)
     i = tl.arange(0, HP // 2)
