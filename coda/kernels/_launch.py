@@ -118,14 +118,6 @@ def example_operands(m: int, k: int, n: int, w_major: str = "n", dtype=None):
     return x, w
 
 
-def interpreted() -> bool:
-    """True in Triton's interpreter mode (``TRITON_INTERPRET=1`` before triton is imported):
-    the hand-written Triton kernels then run on CPU tensors, which is how CI tests them."""
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def fused(fn):
     """A row kernel (F0, the final-norm apply, CE-C's softmax gradient) compiled by
     torch.compile on the GPU: its elementwise ops and row reductions become one or two Triton

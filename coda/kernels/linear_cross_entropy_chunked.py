@@ -31,14 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import (
-    acc_dtype,
-    example_operands,
-    fused,
-    interpret_gemm,
-    interpreted,
-    launch,
-)
+from coda.kernels._launch import acc_dtype, example_operands, fused, interpret_gemm, launch
+from coda.kernels._triton import on_triton
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.linear_cross_entropy_bwd import passthrough
 from coda.kernels.target_terms import add_target_terms_triton
@@ -130,8 +124,13 @@ def add_target_terms(G, dw_t, a, target, coef, w_lm):
     here, these terms are never the larger error. ``dw_t``: a (V, d) view of the fp32 dW
     accumulator; the sums run in a fixed order (sorted by target), so deterministically. Rows whose
     target is ignored (or padding) have weight 0, so coef 0: their clamped index adds 0."""
-    if G.is_cuda or interpreted():  # the same in two Triton kernels (``target_terms``)
+    if on_triton(G):  # the same in two Triton kernels (``target_terms``)
         return add_target_terms_triton(G, dw_t, a, target, coef, w_lm)
+    return add_target_terms_torch(G, dw_t, a, target, coef, w_lm)
+
+
+def add_target_terms_torch(G, dw_t, a, target, coef, w_lm):
+    """``add_target_terms`` in torch: the CPU path, and the Triton kernels' oracle."""
     y = target.clamp(0, w_lm.shape[1] - 1).long()
     G.addcmul_(coef[:, None], w_lm.t()[y].to(G.dtype))
     dw_t.index_put_((y,), coef[:, None] * a.to(dw_t.dtype), accumulate=True)

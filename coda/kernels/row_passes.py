@@ -23,13 +23,12 @@ torch oracle, and they compile for sm_90 on the CPU).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from coda.kernels._launch import acc_dtype, interpreted
+from coda.kernels._launch import acc_dtype
+from coda.kernels._triton import acc_type, compile_sm90, kernel, on_triton
 from coda.kernels.drope import drope_heads
 from coda.kernels.qk_norm import dqk_norm_rope_heads, dqk_norm_rope_heads_split_z
 from coda.primitives.aux import norm_correction
@@ -142,20 +141,9 @@ def _dqk_norm_kernel(
     tl.store(out + at, y.to(out.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _kernel(fn):
-    """``fn`` as a Triton kernel: compiled for the GPU, or Triton's interpreter (numpy on the
-    CPU) when ``TRITON_INTERPRET=1`` was set before triton was imported."""
-    return triton.jit(fn)
-
-
 def _warps(head_dim: int) -> int:
     """Warps per program: 16 fp32 values of each (BM x hd/2) tile per thread."""
     return max(4, BLOCK_ROWS * triton.next_power_of_2(head_dim) // 2 // 16 // 32)
-
-
-def _acc(t):
-    return tl.float64 if t.dtype == torch.float64 else tl.float32
 
 
 def _rows_contiguous(*tensors):
@@ -187,9 +175,9 @@ def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d
     out = torch.empty_like(qkv)
     s_part = torch.empty(M, n_q + 2 * n_k, dtype=acc_dtype(qkv), device=qkv.device)
     grid = (n_q + 2 * n_k, triton.cdiv(M, BLOCK_ROWS))
-    _kernel(_drope_kernel)[grid](
+    kernel(_drope_kernel)[grid](
         dq, dk, dv, qkv, rstd, cos, sin, out, s_part, M, S, n_q, n_k, *strides,
-        HD=hd, HP=triton.next_power_of_2(hd), BM=BLOCK_ROWS, ACC=_acc(qkv),
+        HD=hd, HP=triton.next_power_of_2(hd), BM=BLOCK_ROWS, ACC=acc_type(qkv),
         num_warps=_warps(hd),
     )  # fmt: skip
     return out, _row_statistic(s_part, rstd, d)
@@ -220,25 +208,21 @@ def dqk_norm_rope_heads_triton(
     s_part = torch.empty(M, n_heads, dtype=acc, device=out.device)
     blocks = triton.cdiv(M, BLOCK_ROWS)
     dw_part = torch.empty(blocks, n_q + n_k, hd, dtype=acc, device=out.device)
-    _kernel(_dqk_norm_kernel)[(n_heads, blocks)](
+    kernel(_dqk_norm_kernel)[(n_heads, blocks)](
         dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, out, s_part, dw_part,
         M, S, n_q, n_k, z_row, z_col, s.stride(0), *strides,
-        HD=hd, HP=triton.next_power_of_2(hd), BM=BLOCK_ROWS, ACC=_acc(z_even),
+        HD=hd, HP=triton.next_power_of_2(hd), BM=BLOCK_ROWS, ACC=acc_type(z_even),
         num_warps=_warps(hd),
     )  # fmt: skip
     dw = dw_part.sum(0)
     return out, _row_statistic(s_part, rstd, d), dw[:n_q].sum(0), dw[n_q:].sum(0)
 
 
-def _on_triton(t) -> bool:
-    return t.is_cuda or interpreted()
-
-
 def drope_pass(dq, dk, dv, qkv, rstd, cos, sin, d: int):
     """B11: (dz~0, corr0) from attention's dq (B, H, S, hd), dk, dv (B, Hkv, S, hd) and the
     saved rotated qkv (M, Nqkv): the Triton kernel on the GPU, the torch oracle on the CPU."""
     n_rot, hd = dq.shape[1] + dk.shape[1], dq.shape[-1]
-    if _on_triton(qkv):
+    if on_triton(qkv):
         return drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot, hd, d)
     return drope_heads(dq, dk, dv, qkv, rstd, cos, sin, n_rot, hd, d)
 
@@ -248,39 +232,24 @@ def dqk_norm_pass(dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, 
     dv and the forward's z (as its even and odd columns, or whole: ``z_odd`` None) and head
     statistic s: the Triton kernel on the GPU, the torch oracle on the CPU."""
     rest = (s, rstd, cos, sin, q_norm, k_norm, dq.shape[1], dk.shape[1], dq.shape[-1], d)
-    if _on_triton(z_even):
+    if on_triton(z_even):
         return dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, *rest)
     if z_odd is None:
         return dqk_norm_rope_heads(dq, dk, dv, z_even, *rest)
     return dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, *rest)
 
 
-INT_ARGS = {"M", "S", "n_q", "n_k", "z_row", "z_col", "s_row"}  # and the s{q,k,v}{b,h,s} strides
-FP32_ARGS = {"rstd", "cos", "sin", "s_part", "dw_part", "s_head"}  # statistics and tables
+# pointer arguments: bf16 tensors, fp32 statistics and tables (every other argument an i32)
+POINTERS = {n: "*bf16" for n in ("dq", "dk", "dv", "qkv", "out", "z_even", "z_odd")}
+POINTERS.update({n: "*bf16" for n in ("q_norm", "k_norm")})
+POINTERS.update({n: "*fp32" for n in ("rstd", "cos", "sin", "s_part", "dw_part", "s_head")})
 
 
 def compile_row_passes(head_dim: int, arch: int = 90) -> list[int]:
-    """Compile both kernels (bf16 tensors) for ``sm_{arch}`` without a GPU (Triton ships
-    ptxas): the CPU compile test. Returns the cubins' sizes in bytes."""
-    import inspect
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """Both kernels (bf16 tensors) compiled for ``sm_{arch}`` on the CPU: cubin sizes."""
     hp = triton.next_power_of_2(head_dim)
     consts = {"HD": head_dim, "HP": hp, "BM": BLOCK_ROWS, "ACC": tl.float32}
-    sizes = []
-    for fn in (_drope_kernel, _dqk_norm_kernel):
-        sig = {}
-        for name in inspect.signature(fn).parameters:
-            if name in consts:
-                sig[name] = "constexpr"
-            elif name in INT_ARGS or (len(name) == 3 and name[0] == "s" and name[2] in "bhs"):
-                sig[name] = "i32"
-            else:
-                sig[name] = "*fp32" if name in FP32_ARGS else "*bf16"
-        src = ASTSource(fn=triton.jit(fn), signature=sig, constexprs=consts)
-        target = GPUTarget("cuda", arch, 32)
-        compiled = triton.compile(src, target=target, options={"num_warps": _warps(head_dim)})
-        sizes.append(len(compiled.asm["cubin"]))
-    return sizes
+    return [
+        compile_sm90(fn, POINTERS, consts, _warps(head_dim), arch)
+        for fn in (_drope_kernel, _dqk_norm_kernel)
+    ]

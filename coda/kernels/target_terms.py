@@ -22,11 +22,11 @@ H200 (run 19), and the gather three launches. Here:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from coda.kernels._triton import acc_type, compile_sm90, kernel
 
 ROWS, COLS = 32, 256  # the gather's tile
 CH, BD = 16, 512  # the scatter: sorted rows per program, columns per program
@@ -73,15 +73,6 @@ def _scatter_kernel(
         tl.store(at, tl.load(at, mask=cm, other=0.0) + acc, mask=cm)
 
 
-@functools.cache
-def _kernel(fn):
-    return triton.jit(fn)
-
-
-def _acc(t):
-    return tl.float64 if t.dtype == torch.float64 else tl.float32
-
-
 def add_target_terms_triton(G, dw_t, a, target, coef, w_lm):
     """``add_target_terms`` (same arguments) in two kernels. G (M, d) and dw_t (V, d) fp32
     (float64 in proofs) with unit column stride; w_lm (d, V) in either layout."""
@@ -91,41 +82,27 @@ def add_target_terms_triton(G, dw_t, a, target, coef, w_lm):
     if M == 0:
         return
     y = target.clamp(0, V - 1)
-    acc = _acc(G)
+    acc = acc_type(G)
     grid = (triton.cdiv(M, ROWS), triton.cdiv(d, COLS))
-    _kernel(_gather_kernel)[grid](
+    kernel(_gather_kernel)[grid](
         G, w_lm, y, coef, M, d, G.stride(0), w_lm.stride(0), w_lm.stride(1),
         BM=ROWS, BD=COLS, ACC=acc,
     )  # fmt: skip
     keys = torch.where((target >= 0) & (target < V), target, V)
     keys, order = torch.sort(keys, stable=True)
     grid = (triton.cdiv(M, CH), triton.cdiv(d, BD))
-    _kernel(_scatter_kernel)[grid](
+    kernel(_scatter_kernel)[grid](
         dw_t, a, keys, order, coef, M, V, d, dw_t.stride(0), a.stride(0),
         CH=CH, BD=BD, ACC=acc,
     )  # fmt: skip
 
 
 def compile_target_terms(arch: int = 90) -> list[int]:
-    """Compile both kernels (fp32 G / dW, bf16 W and a, int64 targets) for ``sm_{arch}``
-    without a GPU: the CPU compile test. Returns the cubins' sizes in bytes."""
-    import inspect
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    types = {"G": "*fp32", "W": "*bf16", "y": "*i64", "coef": "*fp32", "dw": "*fp32"}
-    types.update({"a": "*bf16", "keys": "*i64", "order": "*i64"})
-    consts = {
-        _gather_kernel: {"BM": ROWS, "BD": COLS, "ACC": tl.float32},
-        _scatter_kernel: {"CH": CH, "BD": BD, "ACC": tl.float32},
-    }
-    sizes = []
-    for fn, const in consts.items():
-        sig = {
-            n: "constexpr" if n in const else types.get(n, "i32")
-            for n in inspect.signature(fn).parameters
-        }
-        src = ASTSource(fn=triton.jit(fn), signature=sig, constexprs=const)
-        sizes.append(len(triton.compile(src, target=GPUTarget("cuda", arch, 32)).asm["cubin"]))
-    return sizes
+    """Both kernels (fp32 G / dW, bf16 W and a, int64 targets) compiled for ``sm_{arch}`` on
+    the CPU: cubin sizes."""
+    pointers = {"G": "*fp32", "W": "*bf16", "y": "*i64", "coef": "*fp32", "dw": "*fp32"}
+    pointers.update({"a": "*bf16", "keys": "*i64", "order": "*i64"})
+    return [
+        compile_sm90(_gather_kernel, pointers, {"BM": ROWS, "BD": COLS, "ACC": tl.float32}),
+        compile_sm90(_scatter_kernel, pointers, {"CH": CH, "BD": BD, "ACC": tl.float32}),
+    ]
