@@ -255,6 +255,9 @@ COMPILES = {
     "wgrad_gamma_rows_tuned_1b": lambda: wgrad.compile_wgrad_gamma_rows(
         512, 768, config=config_for(2048, 16384, 16384)
     ),
+    "wgrad_gamma_rows_tuned_1b_qkv": lambda: wgrad.compile_wgrad_gamma_rows(
+        512, 768, config=config_for(2048, 16384, 3072)
+    ),
     "norm_bwd_tuned_1b": lambda: rmsnorm_bwd.compile_norm_bwd(
         768, 512, residual=True, config=config_for(16384, 3072, 2048)
     ),

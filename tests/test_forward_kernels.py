@@ -17,6 +17,7 @@ from coda.kernels import gemm_swiglu as sw
 from coda.kernels import linear_cross_entropy as ce
 from coda.kernels import qk_norm as qkn
 from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.tuned import config_for
 from coda.primitives.interpreter import interpret
 from coda.reference import cross_entropy as ce_ref
 from coda.reference import rmsnorm as rn_ref
@@ -269,6 +270,13 @@ COMPILES = {
     "lm_head_stats": lambda m: ce.compile_lm_head_stats(256, 1000, w_major=m),
     "scale_rows": lambda m: rg.compile_gemm_scale_rows(256, 520, w_major=m),
 }
+# the tuned configs of the 1B-shaped layer's forward GEMMs (coda/kernels/tuned.py)
+TUNED_1B = {
+    "rope_tuned_1b": lambda: rp.compile_gemm_rope(256, 640, config=config_for(16384, 2048, 3072)),
+    "swiglu_tuned_1b": lambda: sw.compile_gemm_swiglu(
+        256, 512, save_preact=True, config=config_for(16384, 2048, 16384)
+    ),
+}
 # F1 with QK-norm in the epilogue (prepass statistic): head_dim 64 and 128 (Qwen3's)
 QK_NORM_COMPILES = {64: (256, 512), 128: (256, 1024)}
 
@@ -279,6 +287,12 @@ def test_qk_norm_rope_compiles_for_sm90(head_dim):
     k, n = QK_NORM_COMPILES[head_dim]
     assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim) in (0, 1)
     assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim, keep_z=True) in (0, 1)  # training F1
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kernel", sorted(TUNED_1B))
+def test_tuned_configs_compile_for_sm90(kernel):
+    assert TUNED_1B[kernel]() in (0, 1)
 
 
 @pytest.mark.compile
