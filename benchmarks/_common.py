@@ -37,6 +37,38 @@ def bench(fn, warmup_ms: int = 50, rep_ms: int = 300) -> dict:
     return {"ms": med, "p20_ms": p20, "p80_ms": p80}
 
 
+def host_ms(fn, reps: int = 7) -> float:
+    """Host milliseconds of one call of ``fn`` started on an idle GPU (median of ``reps``): the
+    time until it returns, kernels queued but not awaited. A call that synchronizes inside
+    shows its GPU time here; one that does not, the Python, dispatch and launch cost alone."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def graphed(fn, warmup: int = 3):
+    """``fn`` (a whole forward+backward) captured once as a CUDA graph; returns its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def row(name: str, shape: dict, timing: dict, flops: float, **extra) -> dict:
     return {
         "name": name,

@@ -28,6 +28,7 @@ import coda.nn as cnn
 from benchmarks._common import (
     SKIPPED,
     bench,
+    graphed,
     kernel_table,
     liger_functional,
     out_of_time,
@@ -121,20 +122,6 @@ def host_rows() -> list[dict]:
     return rows
 
 
-def _graphed_step(fn, warmup=3):
-    """Capture ``fn`` (a whole forward+backward) once; return the replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def graph_rows() -> list[dict]:
     rows = []
     for d, H, Hkv, f, B, S in ((1024, 8, 4, 2816, 8, 1024), (2048, 16, 8, 5632, 4, 4096)):
@@ -149,8 +136,8 @@ def graph_rows() -> list[dict]:
 
         eager = bench(step)
         try:
-            replay = _graphed_step(step)
-            graphed = bench(replay)
+            replay = graphed(step)
+            t_graphed = bench(replay)
         except Exception as e:
             rows.append({"name": "graph/DecoderLayer", "d": d, "error": repr(e)[:300]})
             continue
@@ -160,9 +147,9 @@ def graph_rows() -> list[dict]:
             row(
                 "graph/DecoderLayer/graphed",
                 shape,
-                graphed,
+                t_graphed,
                 0.0,
-                speedup=eager["ms"] / graphed["ms"],
+                speedup=eager["ms"] / t_graphed["ms"],
             )
         )
     return rows

@@ -17,6 +17,8 @@ import coda.nn as cnn
 from benchmarks._common import (
     SKIPPED,
     bench,
+    graphed,
+    host_ms,
     idle_report,
     kernel_table,
     liger_functional,
@@ -189,6 +191,20 @@ def layer_rows(liger) -> list[dict]:
 # (d, V) of issue 9's table, plus the largest Llama width; quack's chunk for its LCE peer
 # (chunk == d is refused by its operand inference, "m == n makes row/col inference ambiguous").
 LM_HEAD_SHAPES = ((2048, 32768, 4096), (4096, 128256, 2048), (8192, 128256, 2048))
+
+
+def lm_head_shapes():
+    """Every LM-head shape, or those named in ``CODA_LM_HEAD_SHAPES`` ("d2048", "d4096", ...)."""
+    import os
+
+    chosen = [c for c in os.environ.get("CODA_LM_HEAD_SHAPES", "").split(",") if c]
+    known = {f"d{s[0]}": s for s in LM_HEAD_SHAPES}
+    unknown = set(chosen) - set(known)
+    if unknown:
+        raise ValueError(f"CODA_LM_HEAD_SHAPES: unknown {sorted(unknown)}; known: {sorted(known)}")
+    return [known[c] for c in chosen] if chosen else list(LM_HEAD_SHAPES)
+
+
 IGNORE_EVERY = 7  # 1 in 7 targets is ignore_index, as in issue 9's protocol
 
 
@@ -203,10 +219,17 @@ def _with_e_chunk(nbytes, head, x, t):
         ce_scaled_exp.E_CHUNK_BYTES = saved
 
 
+def _graphed_ms(step):
+    try:
+        return bench(graphed(step))["ms"]
+    except Exception as e:  # recorded beside the eager numbers, never hidden
+        return repr(e)[:200]
+
+
 def lm_head_rows(liger) -> list[dict]:
     rows = []
     quack_lce = _quack.chunked_linear_cross_entropy()
-    for d, V, quack_chunk in LM_HEAD_SHAPES:
+    for d, V, quack_chunk in lm_head_shapes():
         head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel")  # "auto": CE-S here
         head_c = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="chunked")
         head_r = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="recompute")
@@ -314,6 +337,10 @@ def lm_head_rows(liger) -> list[dict]:
                     {
                         "name": f"lm_head_train/{name}_kernels",
                         **shape,
+                        # the call's host time on an idle GPU, and its CUDA-graph replay: the
+                        # GPU time alone, without the host's share of the call
+                        "host_ms": host_ms(steps[name]),
+                        "graphed_ms": _graphed_ms(steps[name]),
                         "kernels": kernel_table(steps[name]),
                         **idle_report(steps[name]),
                     }

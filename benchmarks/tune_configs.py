@@ -5,7 +5,8 @@ For each shape and candidate config: quack's raw GEMM (identity epilogue) and th
 epilogue kernel that runs at that shape in the layer, next to cuBLAS. The winner minimizes the
 coda kernel's time. Run by ``gpu_suite.py --tune``; ``CODA_TUNE_ONLY=name,name`` (prefixes of
 the GEMM names below, e.g. ``dswiglu,wgrad``) restricts the sweep, and
-``CODA_TUNE_SHAPES=tag,tag`` (``d2048``, ``1b``, ``qwen3``, ...) its shapes.
+``CODA_TUNE_SHAPES=tag,tag`` (``d2048``, ``1b``, ``qwen3``, ...) its shapes. The sweep also
+times B11's Triton row passes at each launch shape (``row_pass_*``, for ``row_passes.TUNED``).
 
 Shapes: the layer benchmark's (head_dim 128, ffn = 8d/3 rounded to 256) at d = 2048, 4096,
 8192, the 1B-shaped model's layer (d = 2048, 32/8 heads of 64, ffn 8192) as ``..._1b``, and
@@ -143,10 +144,84 @@ def backward_gemms(tag, d, f, q_cols, kv_cols, r):
     ]
 
 
-def run() -> list[dict]:
-    raw = _quack.identity_mod()
-    only = [p for p in os.environ.get("CODA_TUNE_ONLY", "").split(",") if p]
+def row_pass_rows(only) -> list[dict]:
+    """B11's Triton passes (``coda.kernels.row_passes``) at each launch shape of
+    ``LAUNCH_SHAPES``, at the swept layers' shapes (M = 16384): drope for every layer, the
+    QK-norm pass too for head_dim 128 (Qwen3's), each beside its traffic time at 4.8 TB/s."""
+    from coda.kernels import row_passes as rpk
+
+    tags = [t for t in os.environ.get("CODA_TUNE_SHAPES", "").split(",") if t]
     rows = []
+    for tag, d, _f, H, Hkv, hd, _v in SHAPES:
+        if tags and tag.lstrip("_") not in tags:
+            continue
+        B, S = M // 4096, 4096
+        nh, N = H + 2 * Hkv, (H + 2 * Hkv) * hd
+
+        def bf(*s):
+            return torch.randn(*s, device="cuda", dtype=torch.bfloat16)
+
+        heads = bf(B, S, nh, hd).transpose(1, 2)  # attention's gradient layout
+        dq, dk, dv = heads[:, :H], heads[:, H : H + Hkv], heads[:, H + Hkv :]
+        rstd = torch.rand(M, device="cuda") + 0.5
+        theta = torch.randn(M, hd // 2, device="cuda")
+        cos, sin = theta.cos(), theta.sin()
+        qkv, z = bf(M, N), bf(M, N)
+        z_even, z_odd = z[:, 0::2].contiguous(), z[:, 1::2].contiguous()
+        s_head = torch.rand(M, H + Hkv, device="cuda") + 0.5
+        qn, kn = bf(hd), bf(hd)
+        passes = {
+            "drope": lambda sh: rpk.drope_heads_triton(
+                dq, dk, dv, qkv, rstd, cos, sin, H + Hkv, hd, d, shape=sh
+            ),
+            "dqk_norm": lambda sh: rpk.dqk_norm_rope_heads_triton(
+                dq,
+                dk,
+                dv,
+                z_even,
+                z_odd,
+                s_head,
+                rstd,
+                cos,
+                sin,
+                qn,
+                kn,
+                H,
+                Hkv,
+                hd,
+                d,
+                shape=sh,
+            ),
+        }
+        traffic = 3 * M * N * 2  # head gradients and the saved tensor in, dz~0 out (bf16)
+        for name, fn in passes.items():
+            if only and not any(f"row_pass_{name}".startswith(p) for p in only):
+                continue
+            for shape in rpk.LAUNCH_SHAPES:
+                if out_of_time():
+                    rows.append({"name": f"row_pass_{name}{tag}", **SKIPPED})
+                    break
+                t = bench(lambda fn=fn, shape=shape: fn(shape))
+                rows.append(
+                    {
+                        "name": f"row_pass_{name}{tag}",
+                        "M": M,
+                        "N": N,
+                        "head_dim": hd,
+                        "rows_per_program": shape[0],
+                        "warps": shape[1],
+                        **t,
+                        "traffic_ms": traffic / 4.8e12 * 1e3,
+                        "default": shape == rpk.launch_shape(name, hd),
+                    }
+                )
+    return rows
+
+
+def run() -> list[dict]:
+    only = [p for p in os.environ.get("CODA_TUNE_ONLY", "").split(",") if p]
+    rows = row_pass_rows(only) if not only or any(p.startswith("row_pass") for p in only) else []
+    raw = _quack.identity_mod()
     for name, K, N, kernel, *rows_m in layer_gemms():
         if only and not any(name.startswith(p) for p in only):
             continue

@@ -30,9 +30,10 @@ CASES = [  # (B, S, H, Hkv, hd)
 ]
 
 
-def row_pass_case(B, S, H, Hkv, hd, dtype, device="cpu", contiguous_q=False, seed=0):
+def row_pass_case(B, S, H, Hkv, hd, dtype, device="cpu", contiguous_q=False, seed=0, shape=None):
     """Inputs of both passes, and the largest error of each output against its oracle, in
-    units of the output's largest magnitude."""
+    units of the output's largest magnitude. ``shape``: the kernels' (rows per program,
+    warps), else their default."""
     from coda.kernels.drope import drope_heads
     from coda.kernels.qk_norm import dqk_norm_rope_heads
     from coda.kernels.row_passes import dqk_norm_rope_heads_triton, drope_heads_triton
@@ -59,16 +60,18 @@ def row_pass_case(B, S, H, Hkv, hd, dtype, device="cpu", contiguous_q=False, see
     out = {}
     qkv = r(M, N)
     args = (dq, dk, dv, qkv, rstd, cos, sin, H + Hkv, hd, d)
-    out["drope"] = errs(drope_heads_triton(*args), drope_heads(*args))
+    out["drope"] = errs(drope_heads_triton(*args, shape=shape), drope_heads(*args))
     z, s = r(M, N), torch.rand(M, H + Hkv, generator=g, device=device, dtype=acc) + 0.5
     qn, kn = r(hd), r(hd)
     rest = (rstd, cos, sin, qn, kn, H, Hkv, hd, d)
     ref = dqk_norm_rope_heads(dq, dk, dv, z, s, *rest)
-    out["qk_whole_z"] = errs(dqk_norm_rope_heads_triton(dq, dk, dv, z, None, s, *rest), ref)
+    whole = dqk_norm_rope_heads_triton(dq, dk, dv, z, None, s, *rest, shape=shape)
+    out["qk_whole_z"] = errs(whole, ref)
     s_wide = torch.rand(M, N // hd, generator=g, device=device, dtype=acc)  # as F1 stores it
     s_wide[:, : H + Hkv] = s
     z_even, z_odd = z[:, 0::2].contiguous(), z[:, 1::2].contiguous()
-    split = dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, s_wide[:, : H + Hkv], *rest)
+    s_q = s_wide[:, : H + Hkv]
+    split = dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, s_q, *rest, shape=shape)
     out["qk_split_z"] = errs(split, ref)
     return out
 
@@ -125,7 +128,10 @@ _CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
 from test_row_passes import CASES, TARGET_CASES, row_pass_case, target_terms_case
+from coda.kernels.row_passes import LAUNCH_SHAPES
 out = []
+for shape in LAUNCH_SHAPES:  # every launch shape the sweep may pick: rows across programs
+    out.append(["shape", shape, row_pass_case(2, 45, 2, 1, 16, torch.float64, shape=shape)])
 for i, case in enumerate(TARGET_CASES):
     for hf_layout in (False, True):
         out.append(["target_terms", case, {"err": list(target_terms_case(*case, hf_layout, i))}])
@@ -147,13 +153,15 @@ def test_row_passes_in_triton_interpreter_equal_oracles():
     import json
 
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 2 * len(CASES) + 2 * len(TARGET_CASES)
+    from coda.kernels.row_passes import LAUNCH_SHAPES
+
+    assert len(results) == len(LAUNCH_SHAPES) + 2 * len(CASES) + 2 * len(TARGET_CASES)
     for dtype, case, errs in results:
         if dtype == "target_terms":
             err, added = errs["err"]
             assert err <= 1e-13 and added == (case[3] != "ignored"), (case, err, added)
             continue
-        bound = _bound(torch.float64 if "float64" in dtype else torch.bfloat16)
+        bound = _bound(torch.bfloat16 if "bfloat16" in dtype else torch.float64)
         for name, e in errs.items():
             assert max(e) <= bound, (dtype, case, name, e)
 
@@ -201,6 +209,14 @@ def test_row_passes_compile_for_sm90(head_dim):
     from coda.kernels.row_passes import compile_row_passes
 
     assert all(n > 0 for n in compile_row_passes(head_dim))
+
+
+@pytest.mark.compile
+def test_row_passes_compile_at_every_launch_shape():
+    from coda.kernels.row_passes import LAUNCH_SHAPES, compile_row_passes
+
+    for shape in LAUNCH_SHAPES:
+        assert all(n > 0 for n in compile_row_passes(128, shape=shape)), shape
 
 
 @pytest.mark.gpu

@@ -33,7 +33,13 @@ from coda.kernels.drope import drope_heads
 from coda.kernels.qk_norm import dqk_norm_rope_heads, dqk_norm_rope_heads_split_z
 from coda.primitives.aux import norm_correction
 
-BLOCK_ROWS = 64  # token rows per program: a 64 x hd tile, 16-32 values per thread
+BLOCK_ROWS = 64  # token rows per program by default: a 64 x hd tile
+# (kernel, head_dim) -> (token rows per program, warps), where an H200 sweep found better than
+# the default (``benchmarks/tune_configs.py``, CODA_TUNE_ONLY=row_pass; the record in ``SWEPT``)
+TUNED: dict[tuple[str, int], tuple[int, int]] = {}
+SWEPT = "not yet swept"
+# the sweep's candidates (every one tested in the interpreter, tests/test_row_passes.py)
+LAUNCH_SHAPES = ((16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (128, 16))
 
 
 @triton.jit
@@ -141,9 +147,15 @@ def _dqk_norm_kernel(
     tl.store(out + at, y.to(out.dtype.element_ty), mask=mask)
 
 
-def _warps(head_dim: int) -> int:
-    """Warps per program: 16 fp32 values of each (BM x hd/2) tile per thread."""
-    return max(4, BLOCK_ROWS * triton.next_power_of_2(head_dim) // 2 // 16 // 32)
+def _warps(head_dim: int, rows: int = BLOCK_ROWS) -> int:
+    """Default warps per program: 16 fp32 values of each (rows x hd/2) tile per thread."""
+    return max(4, rows * triton.next_power_of_2(head_dim) // 2 // 16 // 32)
+
+
+def launch_shape(name: str, head_dim: int, shape=None) -> tuple[int, int]:
+    """(token rows per program, warps) of kernel ``name`` ("drope" or "dqk_norm"): ``shape``
+    if given (the sweep), else the tuned entry, else (BLOCK_ROWS, the default warps)."""
+    return shape or TUNED.get((name, head_dim)) or (BLOCK_ROWS, _warps(head_dim))
 
 
 def _rows_contiguous(*tensors):
@@ -163,8 +175,9 @@ def _row_statistic(s_part, rstd, d):
     return norm_correction(rstd, s_part.sum(-1) / rstd, d)
 
 
-def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d):
-    """``drope.drope_heads`` in one pass. Returns (dz~0 (M, Nqkv) in qkv's dtype, corr0 (M,))."""
+def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d, shape=None):
+    """``drope.drope_heads`` in one pass. Returns (dz~0 (M, Nqkv) in qkv's dtype, corr0 (M,)).
+    ``shape``: (rows per program, warps) instead of ``launch_shape``'s."""
     B, n_q, S, hd = dq.shape
     n_k = dk.shape[1]
     assert n_rot_heads == n_q + n_k and hd == head_dim
@@ -174,22 +187,23 @@ def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d
     (dq, dk, dv), strides = _head_strides(dq, dk, dv)
     out = torch.empty_like(qkv)
     s_part = torch.empty(M, n_q + 2 * n_k, dtype=acc_dtype(qkv), device=qkv.device)
-    grid = (n_q + 2 * n_k, triton.cdiv(M, BLOCK_ROWS))
+    bm, warps = launch_shape("drope", hd, shape)
+    grid = (n_q + 2 * n_k, triton.cdiv(M, bm))
     kernel(_drope_kernel)[grid](
         dq, dk, dv, qkv, rstd, cos, sin, out, s_part, M, S, n_q, n_k, *strides,
-        HD=hd, HP=triton.next_power_of_2(hd), BM=BLOCK_ROWS, ACC=acc_type(qkv),
-        num_warps=_warps(hd),
+        HD=hd, HP=triton.next_power_of_2(hd), BM=bm, ACC=acc_type(qkv), num_warps=warps,
     )  # fmt: skip
     return out, _row_statistic(s_part, rstd, d)
 
 
 def dqk_norm_rope_heads_triton(
-    dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, head_dim, d
-):
+    dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, head_dim, d,
+    shape=None,
+):  # fmt: skip
     """``qk_norm.dqk_norm_rope_heads`` in one pass, z given as its even and odd columns
     (M, Nqkv / 2 each: the training F1's stores) or whole (``z_odd`` None). Returns
     (dz~0 (M, Nqkv) in z's dtype, corr0 (M,), dq_norm (hd,), dk_norm (hd,)), the last two
-    fp32 (float64 for float64 inputs)."""
+    fp32 (float64 for float64 inputs). ``shape``: as ``drope_heads_triton``'s."""
     B, _, S, hd = dq.shape
     assert hd == head_dim and dq.shape[1] == n_q and dk.shape[1] == n_k
     M = z_even.shape[0]
@@ -206,13 +220,13 @@ def dqk_norm_rope_heads_triton(
     acc = acc_dtype(z_even)
     out = torch.empty(M, n_heads * hd, dtype=z_even.dtype, device=z_even.device)
     s_part = torch.empty(M, n_heads, dtype=acc, device=out.device)
-    blocks = triton.cdiv(M, BLOCK_ROWS)
+    bm, warps = launch_shape("dqk_norm", hd, shape)
+    blocks = triton.cdiv(M, bm)
     dw_part = torch.empty(blocks, n_q + n_k, hd, dtype=acc, device=out.device)
     kernel(_dqk_norm_kernel)[(n_heads, blocks)](
         dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, out, s_part, dw_part,
         M, S, n_q, n_k, z_row, z_col, s.stride(0), *strides,
-        HD=hd, HP=triton.next_power_of_2(hd), BM=BLOCK_ROWS, ACC=acc_type(z_even),
-        num_warps=_warps(hd),
+        HD=hd, HP=triton.next_power_of_2(hd), BM=bm, ACC=acc_type(z_even), num_warps=warps,
     )  # fmt: skip
     dw = dw_part.sum(0)
     return out, _row_statistic(s_part, rstd, d), dw[:n_q].sum(0), dw[n_q:].sum(0)
@@ -245,11 +259,13 @@ POINTERS.update({n: "*bf16" for n in ("q_norm", "k_norm")})
 POINTERS.update({n: "*fp32" for n in ("rstd", "cos", "sin", "s_part", "dw_part", "s_head")})
 
 
-def compile_row_passes(head_dim: int, arch: int = 90) -> list[int]:
-    """Both kernels (bf16 tensors) compiled for ``sm_{arch}`` on the CPU: cubin sizes."""
-    hp = triton.next_power_of_2(head_dim)
-    consts = {"HD": head_dim, "HP": hp, "BM": BLOCK_ROWS, "ACC": tl.float32}
-    return [
-        compile_sm90(fn, POINTERS, consts, _warps(head_dim), arch)
-        for fn in (_drope_kernel, _dqk_norm_kernel)
-    ]
+def compile_row_passes(head_dim: int, arch: int = 90, shape=None) -> list[int]:
+    """Both kernels (bf16 tensors) at their launch shapes (``launch_shape``) compiled for
+    ``sm_{arch}`` on the CPU: cubin sizes."""
+    sizes = []
+    for name, fn in (("drope", _drope_kernel), ("dqk_norm", _dqk_norm_kernel)):
+        bm, warps = launch_shape(name, head_dim, shape)
+        hp = triton.next_power_of_2(head_dim)
+        consts = {"HD": head_dim, "HP": hp, "BM": bm, "ACC": tl.float32}
+        sizes.append(compile_sm90(fn, POINTERS, consts, warps, arch))
+    return sizes
