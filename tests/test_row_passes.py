@@ -235,3 +235,10 @@ def test_gpu_target_terms_equal_torch_form(how):
     for hf_layout in (False, True):
         err, added = target_terms_case(16384, 2048, 32768, how, hf_layout, device="cuda")
         assert added and err <= 1e-13, (how, hf_layout, err)
+
+
+def test_tuned_launch_shapes_are_tested_candidates():
+    """Every tuned (rows, warps) is one of the candidates the interpreter test runs."""
+    from coda.kernels.row_passes import LAUNCH_SHAPES, TUNED
+
+    assert TUNED and all(shape in LAUNCH_SHAPES for shape in TUNED.values()), TUNED

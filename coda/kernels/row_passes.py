@@ -36,8 +36,14 @@ from coda.primitives.aux import norm_correction
 BLOCK_ROWS = 64  # token rows per program by default: a 64 x hd tile
 # (kernel, head_dim) -> (token rows per program, warps), where an H200 sweep found better than
 # the default (``benchmarks/tune_configs.py``, CODA_TUNE_ONLY=row_pass; the record in ``SWEPT``)
-TUNED: dict[tuple[str, int], tuple[int, int]] = {}
-SWEPT = "not yet swept"
+# medians, ms at M = 16384 (default -> tuned): the QK-norm pass at Qwen3-0.6B's layer 0.339 ->
+# 0.214 (32 rows, 2 warps); drope at the 1B layer (hd 64) 0.118 -> 0.107, at hd 128 0.156 -> 0.143
+TUNED: dict[tuple[str, int], tuple[int, int]] = {
+    ("dqk_norm", 128): (32, 2),
+    ("drope", 64): (16, 2),
+    ("drope", 128): (16, 2),
+}
+SWEPT = "benchmarks/results/2026-11-30_h200_run23.json (commit bdba4f2), tuning row_pass_*"
 # the sweep's candidates (every one tested in the interpreter, tests/test_row_passes.py)
 LAUNCH_SHAPES = ((16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (128, 16))
 
