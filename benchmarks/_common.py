@@ -195,3 +195,41 @@ def idle_report(fn, top: int = 5) -> dict:
         "idle_us": sum(g for g, *_ in gaps),
         "largest_gaps": [{"us": g, "after": a, "before": b} for g, a, b in gaps[:top]],
     }
+
+
+def steady_idle(fn, calls: int = 6, top: int = 5) -> dict:
+    """The GPU's idle time per call when ``fn`` runs back to back, as a benchmark loop and a
+    training loop run it (no synchronization between calls, so a host that keeps ahead hides
+    its own time): ``calls`` calls profiled after a warm-up, the first one left out (it starts
+    on an idle GPU, ``idle_report``'s case). Also the GPU span and kernel time per call, and
+    the largest gaps named by the kernels around them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    ev = sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0),
+        key=lambda e: e.time_range.start,
+    )
+    per_call = len(ev) // calls
+    ev = ev[per_call:]  # calls 2 .. n
+    gaps, busy_end = [], None
+    for a, b in zip(ev, ev[1:]):
+        busy_end = max(busy_end or a.time_range.end, a.time_range.end)
+        gap = b.time_range.start - busy_end
+        if gap > 0:
+            gaps.append((gap, a.name[:60], b.name[:60]))
+    n = calls - 1
+    gaps.sort(reverse=True)
+    return {
+        "steady_calls": n,
+        "steady_span_ms": (ev[-1].time_range.end - ev[0].time_range.start) / n * 1e-3 if ev else 0,
+        "steady_kernel_ms": sum(e.device_time for e in ev) / n * 1e-3,
+        "steady_idle_ms": sum(g for g, *_ in gaps) / n * 1e-3,
+        "steady_largest_gaps": [{"us": g, "after": a, "before": b} for g, a, b in gaps[:top]],
+    }

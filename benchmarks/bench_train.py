@@ -24,6 +24,7 @@ from benchmarks._common import (
     liger_functional,
     out_of_time,
     row,
+    steady_idle,
 )
 from benchmarks.bench_forward import ffn, heads
 from benchmarks.bench_layer import HD, S, attention, split_heads
@@ -341,6 +342,7 @@ def lm_head_rows(liger) -> list[dict]:
                         # GPU time alone, without the host's share of the call
                         "host_ms": host_ms(steps[name]),
                         "graphed_ms": _graphed_ms(steps[name]),
+                        **steady_idle(steps[name]),
                         "kernels": kernel_table(steps[name]),
                         **idle_report(steps[name]),
                     }

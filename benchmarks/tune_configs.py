@@ -218,9 +218,71 @@ def row_pass_rows(only) -> list[dict]:
     return rows
 
 
+# CE-S's gradient GEMMs, (d, V, token rows per chunk): the LM-head bench's d = 2048 call
+# (one chunk), the 1B model's head, d = 4096 (chunks of 1 GiB of E)
+CE_GRAD_SHAPES = ((2048, 32768, 16384), (2048, 128256, 4096), (4096, 128256, 4096))
+
+
+def ce_grad_rows(only) -> list[dict]:
+    """CE-S's dX and dW GEMMs (``ce_scaled_exp``: E through the A-operand transform) at each
+    config of ``GRAD_CANDIDATES``, beside cuBLAS's plain GEMM of the same shape."""
+    from coda.kernels import ce_scaled_exp as cse
+
+    rows = []
+    for d, V, C in CE_GRAD_SHAPES:
+        bf = torch.bfloat16
+        e = torch.rand(C, V, device="cuda", dtype=bf)
+        w = torch.randn(d, V, device="cuda", dtype=bf) * d**-0.5
+        u = torch.exp2(-torch.randint(0, 4, (V // cse.STRIP, C), device="cuda").float()).to(bf)
+        c = torch.rand(C, device="cuda")
+        xs = torch.randn(C, d, device="cuda", dtype=bf)
+        g = torch.empty(C, d, device="cuda")
+        dw_t = torch.zeros(V, d, device="cuda")
+        gemms = {
+            "ce_grad_dx": (
+                lambda cfg: cse.scaled_grad_dx_kernel(e, w, u, c, g, config=cfg),
+                lambda: e @ w.t(),
+            ),
+            "ce_grad_dw": (
+                lambda cfg: cse.scaled_grad_dw_kernel(e, xs, u, dw_t, True, config=cfg),
+                lambda: e.t() @ xs,
+            ),
+        }
+        for name, (kernel, cublas) in gemms.items():
+            if only and not any(name.startswith(p) for p in only):
+                continue
+            t_mm = bench(cublas)["ms"]
+            for cfg in cse.GRAD_CANDIDATES:
+                if out_of_time():
+                    rows.append({"name": name, **SKIPPED})
+                    break
+                try:
+                    t = bench(lambda cfg=cfg: kernel(cfg))
+                except Exception as ex:  # a config quack rejects is recorded and skipped
+                    rows.append({"name": name, "config": cfg.__dict__, "error": repr(ex)[:200]})
+                    continue
+                default = cse.dx_config(d) if name == "ce_grad_dx" else cse.dw_config(d)
+                rows.append(
+                    {
+                        "name": name,
+                        "d": d,
+                        "V": V,
+                        "rows": C,
+                        "config": cfg.__dict__,
+                        "kernel_ms": t["ms"],
+                        "cublas_ms": t_mm,
+                        "default": cfg == default,
+                    }
+                )
+        e = w = u = xs = g = dw_t = None
+    return rows
+
+
 def run() -> list[dict]:
     only = [p for p in os.environ.get("CODA_TUNE_ONLY", "").split(",") if p]
     rows = row_pass_rows(only) if not only or any(p.startswith("row_pass") for p in only) else []
+    if not only or any(p.startswith("ce_grad") for p in only):
+        rows += ce_grad_rows(only)
     raw = _quack.identity_mod()
     for name, K, N, kernel, *rows_m in layer_gemms():
         if only and not any(name.startswith(p) for p in only):

@@ -152,12 +152,26 @@ def test_scale_a_strip_rules_are_coda_errors():
 
 @pytest.mark.compile
 @pytest.mark.parametrize("which", ["dx", "dw", "dw_accumulate"])
-def test_gradient_gemms_compile_for_sm90(which):
+@pytest.mark.parametrize("d", [512, 768, 1000])  # tile_n 256, 192, 128 (``_grad_tile_n``)
+def test_gradient_gemms_compile_for_sm90(which, d):
     if which == "dx":
-        n = cse.compile_scaled_grad_dx(512, 768)
+        n = cse.compile_scaled_grad_dx(d, 768)
     else:
-        n = cse.compile_scaled_grad_dw(512, 768, accumulate=which == "dw_accumulate")
+        n = cse.compile_scaled_grad_dw(d, 768, accumulate=which == "dw_accumulate")
     assert n in (0, 1)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("config", cse.GRAD_CANDIDATES)
+def test_gradient_gemms_compile_at_every_swept_config(config):
+    """Each config ``benchmarks/tune_configs.py`` sweeps for the two gradient GEMMs compiles."""
+    assert cse.compile_scaled_grad_dx(512, 768, config=config) in (0, 1)
+    assert cse.compile_scaled_grad_dw(512, 768, accumulate=True, config=config) in (0, 1)
+
+
+def test_grad_tile_n_divides_d():
+    for d, tn in ((2048, 256), (4096, 256), (8192, 256), (1536, 192), (3072, 192), (1000, 128)):
+        assert cse._grad_tile_n(d) == tn, d
 
 
 def test_far_tiles_stay_finite_in_bf16():

@@ -146,36 +146,54 @@ def scaled_grad_dw(acc):
     return {"D": acc}
 
 
+def _grad_tile_n(d: int) -> int:
+    """The gradient GEMMs' tile_n over d: the widest that divides d (192, else 256, else 128).
+    Their A operand (E) passes through the mainloop's transform once per output tile, so a
+    wide tile transforms each E tile fewer times (d / tile_n): 128 ran 9-15 % slower than the
+    logits GEMM of the same FLOPs (run 23)."""
+    return next((tn for tn in (192, 256, 128) if d % tn == 0), 128)
+
+
+# what ``benchmarks/tune_configs.py`` sweeps for the two gradient GEMMs (tile_m 128: the
+# strip's row blocks; cooperative: quack's A transform has no ping-pong schedule)
+GRAD_CANDIDATES = tuple(
+    GemmConfig(128, tn, cm, cn, False) for tn in (128, 256) for cm, cn in ((2, 1), (1, 2), (1, 1))
+)
+
+
 def dx_config(d: int) -> GemmConfig:
-    """dX GEMM (rows x d, K = V): tile_m 128 (the strip's row blocks), tile_n over d."""
-    return GemmConfig(128, 192 if d % 192 == 0 else 128, 2, 1, False)
+    """dX GEMM (rows x d, K = V): tile_m 128 (the strip's row blocks), tile_n over d,
+    cooperative (quack's A transform has no ping-pong schedule)."""
+    return GemmConfig(128, _grad_tile_n(d), 2, 1, False)
 
 
 def dw_config(d: int) -> GemmConfig:
     """dW GEMM (V x d, K = rows)."""
-    return GemmConfig(128, 192 if d % 192 == 0 else 128, 1, 2, False)
+    return GemmConfig(128, _grad_tile_n(d), 1, 2, False)
 
 
-def scaled_grad_dx_kernel(e, w_lm, u, c, out, dry=False):
-    """out (rows, d) fp32 = c (.) ((u (.) e) @ w_lm^T); e (rows, V) bf16, u (V / 64, rows)."""
+def scaled_grad_dx_kernel(e, w_lm, u, c, out, dry=False, config=None):
+    """out (rows, d) fp32 = c (.) ((u (.) e) @ w_lm^T); e (rows, V) bf16, u (V / 64, rows).
+    ``config``: instead of ``dx_config``'s (the sweep)."""
     return launch(
         scaled_grad_dx,
         e,
         w_lm.t(),
-        config=dx_config(w_lm.shape[0]),
+        config=config or dx_config(w_lm.shape[0]),
         d=out,
         operands={"row_scale": c, "u": u},
         dry=dry,
     )
 
 
-def scaled_grad_dw_kernel(e, xs, u, out, accumulate: bool, dry=False):
-    """out (V, d) fp32 (+)= (u^T (.) e^T) @ xs; ``accumulate``: TMA reduce-add into out."""
+def scaled_grad_dw_kernel(e, xs, u, out, accumulate: bool, dry=False, config=None):
+    """out (V, d) fp32 (+)= (u^T (.) e^T) @ xs; ``accumulate``: TMA reduce-add into out.
+    ``config``: instead of ``dw_config``'s (the sweep)."""
     return launch(
         scaled_grad_dw,
         e.t(),
         xs,
-        config=dw_config(xs.shape[1]),
+        config=config or dw_config(xs.shape[1]),
         d=out,
         operands={"u": u},
         add_to_output=accumulate,
@@ -287,20 +305,20 @@ def linear_cross_entropy_scaled(
     return lse, tl, G, S, dw_t.t()
 
 
-def compile_scaled_grad_dx(d: int, v: int, *, m: int = 256) -> int:
+def compile_scaled_grad_dx(d: int, v: int, *, m: int = 256, config=None) -> int:
     e = torch.empty(m, v, dtype=torch.bfloat16)
     w = torch.empty(d, v, dtype=torch.bfloat16)
     u = torch.empty(v // STRIP, m, dtype=torch.bfloat16)
     out = torch.empty(m, d, dtype=torch.float32)
-    return scaled_grad_dx_kernel(e, w, u, torch.empty(m), out, dry=True)
+    return scaled_grad_dx_kernel(e, w, u, torch.empty(m), out, dry=True, config=config)
 
 
-def compile_scaled_grad_dw(d: int, v: int, *, accumulate: bool, m: int = 256) -> int:
+def compile_scaled_grad_dw(d: int, v: int, *, accumulate: bool, m: int = 256, config=None) -> int:
     e = torch.empty(m, v, dtype=torch.bfloat16)
     xs = torch.empty(m, d, dtype=torch.bfloat16)
     u = torch.empty(v // STRIP, m, dtype=torch.bfloat16)
     out = torch.empty(v, d, dtype=torch.float32)
-    return scaled_grad_dw_kernel(e, xs, u, out, accumulate, dry=True)
+    return scaled_grad_dw_kernel(e, xs, u, out, accumulate, dry=True, config=config)
 
 
 def compile_scaled_exp_logits(d: int, v: int, *, config: GemmConfig, m: int = 256) -> int:
