@@ -332,7 +332,7 @@ def lm_head_rows(liger) -> list[dict]:
                     extra_peak_gib=extra,
                 )
             )
-        for name in ("coda", "coda_e2g", "coda_recompute"):
+        for name in ("coda", "coda_hf_layout", "coda_e2g", "coda_recompute"):
             if not out_of_time():
                 rows.append(
                     {
