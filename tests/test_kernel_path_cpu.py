@@ -334,6 +334,11 @@ def test_weight_grad_from_acc_every_layout():
         out = weight_grad_from_acc(acc_vd.t(), g, like)
         assert out.dtype == torch.bfloat16 and out.shape == (5, 12)
         assert torch.equal(out, want.t())
+        if like.stride() == (1, 5):  # the HF layout keeps its strides (no transposing pass)
+            assert out.stride() == like.stride()
+    acc_dv = acc_vd.t().contiguous()  # a (d, V) accumulator against a (d, V) weight
+    out = weight_grad_from_acc(acc_dv, g, torch.empty(5, 12, dtype=torch.bfloat16))
+    assert out.is_contiguous() and torch.equal(out, want.t())
 
 
 def test_kernel_path_names_the_vocabulary_rule_and_the_hf_remedy(monkeypatch):

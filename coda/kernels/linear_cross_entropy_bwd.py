@@ -187,11 +187,17 @@ def _scaled_cast(acc, g, dtype):
 
 def weight_grad_from_acc(acc, g, like):
     """``g * acc`` rounded once to ``like``'s dtype, in ``like``'s layout: the LM head's
-    weight gradient from its fp32 accumulator (formed at an upstream gradient of 1). One pass
-    when the layouts agree (an HF ``lm_head.weight.t()`` view against CE-S's (V, d)
-    accumulator); a transposing pass (Inductor's tiled kernel on the GPU) into a contiguous
-    ``like`` otherwise."""
+    weight gradient from its fp32 accumulator (formed at an upstream gradient of 1), one
+    fused pass on the GPU (Inductor: ``fused``). When the layouts agree (an HF
+    ``lm_head.weight.t()`` view against CE-S's (V, d) accumulator) it runs on the underlying
+    contiguous storage: torch's own mul into a bf16 ``out`` took 2.4 ms at V = 128256,
+    d = 4096 where this takes under 1 (run 25). Otherwise a transposing pass (Inductor's
+    tiled kernel) into a contiguous ``like``."""
     if acc.stride() == like.stride():
+        if acc.is_contiguous():
+            return fused(_scaled_cast)(acc, g, like.dtype)
+        if acc.t().is_contiguous():
+            return fused(_scaled_cast)(acc.t(), g, like.dtype).t()
         return torch.mul(acc, g.to(acc.dtype), out=torch.empty_like(like))
     if like.is_contiguous():
         return fused(_scaled_cast)(acc, g, like.dtype)
