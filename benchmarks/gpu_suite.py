@@ -181,6 +181,7 @@ def main():
         write_record(record, args.out)
 
     from benchmarks import (
+        bench_attention_layout,
         bench_attention_numerics,
         bench_forward,
         bench_gemm_residual_rms,
@@ -197,6 +198,7 @@ def main():
         ("main_demo", Demo(["demos/main.py"])),
         ("numerics", bench_numerics),
         ("attention_numerics", bench_attention_numerics),
+        ("attention_layout", bench_attention_layout),
         ("layer_grad_numerics", bench_layer_grad_numerics),
     ]
     if args.tune:
