@@ -99,18 +99,8 @@ def liger_functional():
 def kernel_table(fn, steps: int = 3, top: int = 40) -> list[dict]:
     """CUDA kernels of one call of ``fn`` (profiled over ``steps`` calls after a warm-up):
     each kernel's name, launches per call and microseconds per call, largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
     table: dict = {}
-    for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
+    for e in _profiled_kernels(fn, steps):
         t = table.setdefault(e.name, [0, 0.0])
         t[0] += 1
         t[1] += e.device_time
@@ -156,6 +146,35 @@ def where_time_goes(fn, top: int = 25) -> dict:
     }
 
 
+def _profiled_kernels(fn, calls: int):
+    """The CUDA events of ``calls`` back-to-back calls of ``fn`` (after a warm-up), in start
+    order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0),
+        key=lambda e: e.time_range.start,
+    )
+
+
+def _gaps(ev) -> list:
+    """(us, kernel before, kernel after) for every stretch in which no kernel of the
+    start-ordered events ``ev`` runs, largest first."""
+    gaps, busy_end = [], None
+    for a, b in zip(ev, ev[1:]):
+        busy_end = max(busy_end or a.time_range.end, a.time_range.end)
+        gap = b.time_range.start - busy_end
+        if gap > 0:
+            gaps.append((gap, a.name[:60], b.name[:60]))
+    return sorted(gaps, reverse=True)
+
+
 def idle_report(fn, top: int = 5) -> dict:
     """Where the GPU waits inside one call of ``fn``: every host synchronization it makes
     (``torch.cuda.set_sync_debug_mode``, with the Python line that made it), and the idle time
@@ -163,8 +182,6 @@ def idle_report(fn, top: int = 5) -> dict:
     kernel runs, between the first kernel's start and the last one's end), with the largest
     gaps named by the kernel before and after them."""
     import warnings
-
-    from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
@@ -181,21 +198,9 @@ def idle_report(fn, top: int = 5) -> dict:
         for w in caught
         if "called a synchronizing CUDA operation" in str(w.message)
     ]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    ev = sorted(
-        (e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0),
-        key=lambda e: e.time_range.start,
-    )
-    gaps, busy_end = [], None
-    for a, b in zip(ev, ev[1:]):
-        busy_end = max(busy_end or a.time_range.end, a.time_range.end)
-        gap = b.time_range.start - busy_end
-        if gap > 0:
-            gaps.append((gap, a.name[:60], b.name[:60]))
+    ev = _profiled_kernels(fn, 1)
+    gaps = _gaps(ev)
     span = (ev[-1].time_range.end - ev[0].time_range.start) if ev else 0.0
-    gaps.sort(reverse=True)
     return {
         "host_syncs": len(syncs),
         "sync_sites": sorted(set(syncs))[:10],
@@ -211,29 +216,11 @@ def steady_idle(fn, calls: int = 6, top: int = 5) -> dict:
     its own time): ``calls`` calls profiled after a warm-up, the first one left out (it starts
     on an idle GPU, ``idle_report``'s case). Also the GPU span and kernel time per call, and
     the largest gaps named by the kernels around them."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    ev = sorted(
-        (e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0),
-        key=lambda e: e.time_range.start,
-    )
-    per_call = len(ev) // calls
-    ev = ev[per_call:]  # calls 2 .. n
-    gaps, busy_end = [], None
-    for a, b in zip(ev, ev[1:]):
-        busy_end = max(busy_end or a.time_range.end, a.time_range.end)
-        gap = b.time_range.start - busy_end
-        if gap > 0:
-            gaps.append((gap, a.name[:60], b.name[:60]))
+    fn()  # a second warm-up call: ``_profiled_kernels`` makes the first
+    ev = _profiled_kernels(fn, calls)
+    ev = ev[len(ev) // calls :]  # calls 2 .. n
+    gaps = _gaps(ev)
     n = calls - 1
-    gaps.sort(reverse=True)
     return {
         "steady_calls": n,
         "steady_span_ms": (ev[-1].time_range.end - ev[0].time_range.start) / n * 1e-3 if ev else 0,

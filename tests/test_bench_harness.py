@@ -1,0 +1,42 @@
+"""The benchmark harness's timeline arithmetic (``benchmarks/_common.py``), on made-up profiler
+events: the idle time it reports is the time in which no kernel runs, overlapping kernels
+count once, and the steady-state report leaves the first call out. The timings themselves
+need the GPU; these rules do not."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import _common
+
+
+def _event(name, start, end):
+    return SimpleNamespace(
+        name=name,
+        time_range=SimpleNamespace(start=start, end=end),
+        device_time=end - start,
+        device_type=SimpleNamespace(name="CUDA"),
+    )
+
+
+def test_gaps_count_the_time_no_kernel_runs():
+    # b overlaps a and ends after it; the gap before c starts at b's end, not a's
+    events = [_event("a", 0, 10), _event("b", 5, 12), _event("c", 20, 30), _event("d", 31, 40)]
+    assert _common._gaps(events) == [(8, "b", "c"), (1, "c", "d")]
+    # a long kernel covering a short one: no gap after the short one
+    events = [_event("long", 0, 100), _event("short", 10, 20), _event("next", 100, 110)]
+    assert _common._gaps(events) == []
+
+
+def test_steady_idle_leaves_out_the_first_call(monkeypatch):
+    calls = 3  # two kernels per call, 8 us each, 2 us apart; the first call starts late
+    events = [_event("k0", 0, 8), _event("k1", 500, 508)]
+    events += [_event(f"k{i}", 500 + (i - 1) * 10, 508 + (i - 1) * 10) for i in range(2, 6)]
+    monkeypatch.setattr(_common, "_profiled_kernels", lambda fn, n: events)
+    monkeypatch.setattr(_common.torch.cuda, "synchronize", lambda: None)
+    report = _common.steady_idle(lambda: None, calls=calls)
+    assert report["steady_calls"] == 2
+    assert report["steady_idle_ms"] == pytest.approx(3 * 2 / 2 * 1e-3)  # 3 gaps of 2 us
+    assert report["steady_kernel_ms"] == pytest.approx(4 * 8 / 2 * 1e-3)
