@@ -150,7 +150,7 @@ def _grad_tile_n(d: int) -> int:
     """The gradient GEMMs' tile_n over d: the widest that divides d (192, else 256, else 128).
     Their A operand (E) passes through the mainloop's transform once per output tile, so a
     wide tile transforms each E tile fewer times (d / tile_n): 128 ran 9-15 % slower than the
-    logits GEMM of the same FLOPs (run 23); 256 runs them within 1-10 % of cuBLAS's plain GEMM
+    logits GEMM of the same FLOPs (run 23); 256 runs them within 4-10 % of cuBLAS's plain GEMM
     (run 24's sweep, ``benchmarks/tune_configs.py`` ce_grad_*)."""
     return next((tn for tn in (192, 256, 128) if d % tn == 0), 128)
 

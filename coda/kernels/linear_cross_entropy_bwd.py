@@ -190,9 +190,9 @@ def weight_grad_from_acc(acc, g, like):
     weight gradient from its fp32 accumulator (formed at an upstream gradient of 1), one
     fused pass on the GPU (Inductor: ``fused``). When the layouts agree (an HF
     ``lm_head.weight.t()`` view against CE-S's (V, d) accumulator) it runs on the underlying
-    contiguous storage: torch's own mul into a bf16 ``out`` took 2.4 ms at V = 128256,
-    d = 4096 where this takes under 1 (run 25). Otherwise a transposing pass (Inductor's
-    tiled kernel) into a contiguous ``like``."""
+    contiguous storage (torch's own mul into a bf16 ``out`` took 1.30 ms in the HF Llama-1B
+    step, this 0.54: runs 21, 27). Otherwise a transposing pass (Inductor's tiled kernel)
+    into a contiguous ``like``."""
     if acc.stride() == like.stride():
         if acc.is_contiguous():
             return fused(_scaled_cast)(acc, g, like.dtype)

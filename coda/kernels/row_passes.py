@@ -153,9 +153,9 @@ def _dqk_norm_kernel(
     tl.store(out + at, y.to(out.dtype.element_ty), mask=mask)
 
 
-def _warps(head_dim: int, rows: int = BLOCK_ROWS) -> int:
-    """Default warps per program: 16 fp32 values of each (rows x hd/2) tile per thread."""
-    return max(4, rows * triton.next_power_of_2(head_dim) // 2 // 16 // 32)
+def _warps(head_dim: int) -> int:
+    """Default warps per program: 16 fp32 values of each (BLOCK_ROWS x hd/2) tile per thread."""
+    return max(4, BLOCK_ROWS * triton.next_power_of_2(head_dim) // 2 // 16 // 32)
 
 
 def launch_shape(name: str, head_dim: int, shape=None) -> tuple[int, int]:
