@@ -220,6 +220,21 @@ def _with_e_chunk(nbytes, head, x, t):
         ce_scaled_exp.E_CHUNK_BYTES = saved
 
 
+def _with_one_pass_norm(step):
+    """``step`` (forward and backward) with the LM head's final-norm backward as the one-pass
+    Triton kernel (``final_norm_rows.ONE_PASS``, off by default until measured)."""
+    from coda.kernels import final_norm_rows
+
+    def run():
+        saved, final_norm_rows.ONE_PASS = final_norm_rows.ONE_PASS, True
+        try:
+            step()
+        finally:
+            final_norm_rows.ONE_PASS = saved
+
+    return run
+
+
 def _graphed_ms(step):
     try:
         return bench(graphed(step))["ms"]
@@ -258,6 +273,8 @@ def lm_head_rows(liger) -> list[dict]:
                 ),
                 [gf, w_lin],
             ),
+            # the final norm's backward as the one-pass Triton kernel (``final_norm_rows``)
+            "coda_norm_pass": (lambda: head(x, t), [head.gf, head.w_lm]),
             "coda_recompute": (lambda: head_r(x, t), [head.gf, head.w_lm]),
             "coda_chunked": (lambda: head_c(x, t), [head.gf, head.w_lm]),
             "torch_eager": (torch_loss, [gf, w_lin]),
@@ -304,6 +321,7 @@ def lm_head_rows(liger) -> list[dict]:
             return step
 
         steps = {name: make_step(fn, params) for name, (fn, params) in variants.items()}
+        steps["coda_norm_pass"] = _with_one_pass_norm(steps["coda_norm_pass"])
         for name, (_, params) in variants.items():
             if out_of_time():
                 rows.append({"name": f"lm_head_train/{name}", **shape, **SKIPPED})
@@ -332,7 +350,7 @@ def lm_head_rows(liger) -> list[dict]:
                     extra_peak_gib=extra,
                 )
             )
-        for name in ("coda", "coda_hf_layout", "coda_e2g", "coda_recompute"):
+        for name in ("coda", "coda_norm_pass", "coda_hf_layout", "coda_e2g", "coda_recompute"):
             if not out_of_time():
                 rows.append(
                     {

@@ -22,12 +22,11 @@ from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype, fused
 from coda.kernels.ce_scaled_exp import chunk_rows_scaled
 from coda.kernels.drope import head_rotation
+from coda.kernels.final_norm_rows import final_norm_backward
 from coda.kernels.gemm_rope import cached_freq_table
 from coda.kernels.linear_cross_entropy import logits_row_sum
 from coda.kernels.linear_cross_entropy_bwd import (
     ce_grad_weights,
-    final_norm_bwd_normed,
-    final_norm_bwd_normed_scaled,
     row_scale,
     weight_grad_from_acc,
 )
@@ -345,7 +344,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         nones = (None,) * 8
         if ctx.method in ("chunked", "scaled_exp"):
             G, S, x2, gf, r, dw_acc, w_lm = ctx.saved_tensors
-            dx2, dgf = fused(final_norm_bwd_normed_scaled)(G, S, x2, gf, r, g)
+            dx2, dgf = final_norm_backward(G, S, x2, gf, r, g)
             return dx2, dgf.to(gf.dtype), weight_grad_from_acc(dw_acc, g, w_lm), *nones
         x2, y, r, ones, lse, tl, target, gf, w = ctx.saved_tensors
         ignore_index, reduction, chunk, cfg, smooth, z_loss = ctx.cfg
@@ -354,5 +353,5 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         G, S, dw = lib.lm_head_bwd(
             y, w, ones, lse, tl, target, p_scale, chunk, cfg, hot=hot, shift=shift
         )  # B1 + B3 + B2
-        dx2, dgf = fused(final_norm_bwd_normed)(G, S, x2, gf, r)  # A4 + A5
+        dx2, dgf = final_norm_backward(G, S, x2, gf, r)  # A4 + A5
         return dx2, dgf.to(gf.dtype), dw.to(ctx.w_dtype), *nones
