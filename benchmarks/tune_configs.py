@@ -6,7 +6,8 @@ epilogue kernel that runs at that shape in the layer, next to cuBLAS. The winner
 coda kernel's time. Run by ``gpu_suite.py --tune``; ``CODA_TUNE_ONLY=name,name`` (prefixes of
 the GEMM names below, e.g. ``dswiglu,wgrad``) restricts the sweep, and
 ``CODA_TUNE_SHAPES=tag,tag`` (``d2048``, ``1b``, ``qwen3``, ...) its shapes. The sweep also
-times B11's Triton row passes at each launch shape (``row_pass_*``, for ``row_passes.TUNED``).
+times B11's Triton row passes at each launch shape (``row_pass_*``, for ``row_passes.TUNED``)
+and CE-S's two gradient GEMMs at each of their candidate configs (``ce_grad_*``).
 
 Shapes: the layer benchmark's (head_dim 128, ffn = 8d/3 rounded to 256) at d = 2048, 4096,
 8192, the 1B-shaped model's layer (d = 2048, 32/8 heads of 64, ffn 8192) as ``..._1b``, and
@@ -170,28 +171,11 @@ def row_pass_rows(only) -> list[dict]:
         z_even, z_odd = z[:, 0::2].contiguous(), z[:, 1::2].contiguous()
         s_head = torch.rand(M, H + Hkv, device="cuda") + 0.5
         qn, kn = bf(hd), bf(hd)
+        drope_args = (dq, dk, dv, qkv, rstd, cos, sin, H + Hkv, hd, d)
+        qk_args = (dq, dk, dv, z_even, z_odd, s_head, rstd, cos, sin, qn, kn, H, Hkv, hd, d)
         passes = {
-            "drope": lambda sh: rpk.drope_heads_triton(
-                dq, dk, dv, qkv, rstd, cos, sin, H + Hkv, hd, d, shape=sh
-            ),
-            "dqk_norm": lambda sh: rpk.dqk_norm_rope_heads_triton(
-                dq,
-                dk,
-                dv,
-                z_even,
-                z_odd,
-                s_head,
-                rstd,
-                cos,
-                sin,
-                qn,
-                kn,
-                H,
-                Hkv,
-                hd,
-                d,
-                shape=sh,
-            ),
+            "drope": lambda sh: rpk.drope_heads_triton(*drope_args, shape=sh),
+            "dqk_norm": lambda sh: rpk.dqk_norm_rope_heads_triton(*qk_args, shape=sh),
         }
         traffic = 3 * M * N * 2  # head gradients and the saved tensor in, dz~0 out (bf16)
         for name, fn in passes.items():
