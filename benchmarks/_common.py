@@ -25,6 +25,19 @@ def out_of_time() -> bool:
 SKIPPED = {"skipped": "time budget spent"}
 
 
+def selected(var: str, known) -> list[str]:
+    """The names listed in the environment variable ``var`` (comma-separated; none listed:
+    an empty list, meaning all), each checked against ``known``: a benchmark's choice of
+    shapes or peers (``gpu_suite.SELECTIONS`` writes them into the record's command)."""
+    import os
+
+    chosen = [c for c in os.environ.get(var, "").split(",") if c]
+    unknown = set(chosen) - set(known)
+    if unknown:
+        raise ValueError(f"{var}: unknown {sorted(unknown)}; known: {sorted(known)}")
+    return chosen
+
+
 def bench(fn, warmup_ms: int = 50, rep_ms: int = 300, min_reps: int = 15) -> dict:
     """Median and p20/p80 milliseconds of ``fn()`` over ``rep_ms`` of calls, and at least
     ``min_reps`` calls: a 80 ms call would otherwise get 3 samples, whose median moved by

@@ -12,11 +12,10 @@ Liger's patch also replaces the model class's forward for the whole process, so 
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 
-from benchmarks._common import SKIPPED, out_of_time, where_time_goes
+from benchmarks._common import SKIPPED, out_of_time, selected, where_time_goes
 
 SHAPES = {
     "llama-3.2-1B": (
@@ -118,13 +117,10 @@ def step_time(model, ids, warmup: int = 2, steps: int = 5):
 
 def run() -> list[dict]:
     """Every shape, or those named in ``CODA_HF_SHAPES`` (comma-separated keys of SHAPES)."""
-    chosen = os.environ.get("CODA_HF_SHAPES", "")
-    unknown = set(chosen.split(",")) - set(SHAPES) - {""}
-    if unknown:
-        raise ValueError(f"CODA_HF_SHAPES: unknown {sorted(unknown)}; known: {sorted(SHAPES)}")
+    chosen = selected("CODA_HF_SHAPES", SHAPES)
     rows = []
     for name, (family, shape) in SHAPES.items():
-        if chosen and name not in chosen.split(","):
+        if chosen and name not in chosen:
             continue
         base = build(family, shape, "cuda", torch.bfloat16)
         ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import time
 
 import torch
@@ -33,6 +32,7 @@ from benchmarks._common import (
     liger_functional,
     out_of_time,
     row,
+    selected,
     where_time_goes,
 )
 from coda import _quack
@@ -42,6 +42,16 @@ from coda.reference.model import TorchLlama
 BF = torch.bfloat16
 PEAK_TFLOPS = 989.0
 PROFILED = ("coda", "torch_compile", "liger")  # model steps with a per-kernel table
+# every model-step variant, in the order run (``CODA_MODEL_PEERS`` picks among them)
+MODEL_PEERS = (
+    "coda",
+    "torch_compile",
+    "liger",
+    "torch_eager",
+    "coda_compile",
+    "coda_recompute",
+    "coda_checkpointed",
+)
 
 
 def _per_call_us(fn, n=300) -> float:
@@ -201,11 +211,8 @@ def model_rows(liger) -> list[dict]:
             vocab=8192, d=1024, layers=4, heads=8, kv_heads=4, hd=128, ffn=2816, batch=8, seq=1024
         ),
     }
-    chosen = [c for c in os.environ.get("CODA_MODEL_SHAPES", "").split(",") if c]
-    only_peers = [c for c in os.environ.get("CODA_MODEL_PEERS", "").split(",") if c]
-    unknown = set(chosen) - set(configs)
-    if unknown:
-        raise ValueError(f"CODA_MODEL_SHAPES: unknown {sorted(unknown)}; known: {sorted(configs)}")
+    chosen = selected("CODA_MODEL_SHAPES", configs)
+    only_peers = selected("CODA_MODEL_PEERS", MODEL_PEERS)
     rows = []
     for name, cfg in configs.items():
         if chosen and name not in chosen:

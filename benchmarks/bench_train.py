@@ -10,6 +10,8 @@ during forward+backward beyond inputs, weights and their gradients.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 import torch.nn.functional as F
 
@@ -24,11 +26,13 @@ from benchmarks._common import (
     liger_functional,
     out_of_time,
     row,
+    selected,
     steady_idle,
 )
 from benchmarks.bench_forward import ffn, heads
 from benchmarks.bench_layer import HD, S, attention, split_heads
 from coda import _quack
+from coda.kernels import ce_scaled_exp, final_norm_rows
 from coda.reference.rope import apply_rope_hf, hf_cos_sin
 
 B = 4
@@ -196,43 +200,12 @@ LM_HEAD_SHAPES = ((2048, 32768, 4096), (4096, 128256, 2048), (8192, 128256, 2048
 
 def lm_head_shapes():
     """Every LM-head shape, or those named in ``CODA_LM_HEAD_SHAPES`` ("d2048", "d4096", ...)."""
-    import os
-
-    chosen = [c for c in os.environ.get("CODA_LM_HEAD_SHAPES", "").split(",") if c]
     known = {f"d{s[0]}": s for s in LM_HEAD_SHAPES}
-    unknown = set(chosen) - set(known)
-    if unknown:
-        raise ValueError(f"CODA_LM_HEAD_SHAPES: unknown {sorted(unknown)}; known: {sorted(known)}")
+    chosen = selected("CODA_LM_HEAD_SHAPES", known)
     return [known[c] for c in chosen] if chosen else list(LM_HEAD_SHAPES)
 
 
 IGNORE_EVERY = 7  # 1 in 7 targets is ignore_index, as in issue 9's protocol
-
-
-def _with_e_chunk(nbytes, head, x, t):
-    """``head(x, t)`` with CE-S storing ``nbytes`` of E per token chunk."""
-    from coda.kernels import ce_scaled_exp
-
-    saved, ce_scaled_exp.E_CHUNK_BYTES = ce_scaled_exp.E_CHUNK_BYTES, nbytes
-    try:
-        return head(x, t)
-    finally:
-        ce_scaled_exp.E_CHUNK_BYTES = saved
-
-
-def _with_one_pass_norm(step):
-    """``step`` (forward and backward) with the LM head's final-norm backward as the one-pass
-    Triton kernel (``final_norm_rows.ONE_PASS``, off by default until measured)."""
-    from coda.kernels import final_norm_rows
-
-    def run():
-        saved, final_norm_rows.ONE_PASS = final_norm_rows.ONE_PASS, True
-        try:
-            step()
-        finally:
-            final_norm_rows.ONE_PASS = saved
-
-    return run
 
 
 def _graphed_ms(step):
@@ -265,7 +238,10 @@ def lm_head_rows(liger) -> list[dict]:
         variants = {
             "coda": (lambda: head(x, t), [head.gf, head.w_lm]),
             # CE-S storing 2 GiB of E per token chunk (fewer fp32 dW reduce-adds)
-            "coda_e2g": (lambda: _with_e_chunk(2**31, head, x, t), [head.gf, head.w_lm]),
+            "coda_e2g": (
+                mock.patch.object(ce_scaled_exp, "E_CHUNK_BYTES", 2**31)(lambda: head(x, t)),
+                [head.gf, head.w_lm],
+            ),
             # the weight as HF holds it, lm_head.weight (V, d): what apply_coda passes
             "coda_hf_layout": (
                 lambda x=x, gf=gf, w_lin=w_lin, t=t: cnn.lm_head_loss(
@@ -321,7 +297,10 @@ def lm_head_rows(liger) -> list[dict]:
             return step
 
         steps = {name: make_step(fn, params) for name, (fn, params) in variants.items()}
-        steps["coda_norm_pass"] = _with_one_pass_norm(steps["coda_norm_pass"])
+        # the switch holds through the backward too: the whole step runs under it
+        steps["coda_norm_pass"] = mock.patch.object(final_norm_rows, "ONE_PASS", True)(
+            steps["coda_norm_pass"]
+        )
         for name, (_, params) in variants.items():
             if out_of_time():
                 rows.append({"name": f"lm_head_train/{name}", **shape, **SKIPPED})

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from benchmarks._common import SKIPPED, bench, out_of_time
+from benchmarks._common import SKIPPED, bench, out_of_time, selected
 from benchmarks.bench_forward import HIDDEN, VOCABS, ffn, heads
 from coda import _quack
 from coda.kernels import dswiglu as dsw
@@ -59,10 +59,15 @@ SHAPES = [(f"_d{d}", d, ffn(d), *heads(d), 128, VOCABS) for d in HIDDEN] + [
 ]
 
 
+def _tags() -> list[str]:
+    """The shape tags named in ``CODA_TUNE_SHAPES`` (none: every shape)."""
+    return selected("CODA_TUNE_SHAPES", [s[0].lstrip("_") for s in SHAPES])
+
+
 def layer_gemms():
     """(name, K, N, kernel(a, w, cfg)[, M]) for the layer's GEMMs and the LM head."""
     out = []
-    tags = [t for t in os.environ.get("CODA_TUNE_SHAPES", "").split(",") if t]
+    tags = _tags()
     for tag, d, f, H, Hkv, hd, vocabs in SHAPES:
         if tags and tag.lstrip("_") not in tags:
             continue
@@ -151,7 +156,7 @@ def row_pass_rows(only) -> list[dict]:
     QK-norm pass too for head_dim 128 (Qwen3's), each beside its traffic time at 4.8 TB/s."""
     from coda.kernels import row_passes as rpk
 
-    tags = [t for t in os.environ.get("CODA_TUNE_SHAPES", "").split(",") if t]
+    tags = _tags()
     rows = []
     for tag, d, _f, H, Hkv, hd, _v in SHAPES:
         if tags and tag.lstrip("_") not in tags:

@@ -40,3 +40,13 @@ def test_steady_idle_leaves_out_the_first_call(monkeypatch):
     assert report["steady_calls"] == 2
     assert report["steady_idle_ms"] == pytest.approx(3 * 2 / 2 * 1e-3)  # 3 gaps of 2 us
     assert report["steady_kernel_ms"] == pytest.approx(4 * 8 / 2 * 1e-3)
+
+
+def test_selected_names_are_checked(monkeypatch):
+    monkeypatch.delenv("CODA_X", raising=False)
+    assert _common.selected("CODA_X", ["a", "b"]) == []  # none listed: all
+    monkeypatch.setenv("CODA_X", "b,a,")
+    assert _common.selected("CODA_X", ["a", "b"]) == ["b", "a"]
+    monkeypatch.setenv("CODA_X", "a,llama-1B")  # a wrong key names itself and the known ones
+    with pytest.raises(ValueError, match=r"CODA_X: unknown \['llama-1B'\]; known: \['a', 'b'\]"):
+        _common.selected("CODA_X", ["a", "b"])

@@ -147,12 +147,12 @@ def scaled_grad_dw(acc):
 
 
 def _grad_tile_n(d: int) -> int:
-    """The gradient GEMMs' tile_n over d: the widest that divides d (192, else 256, else 128).
-    Their A operand (E) passes through the mainloop's transform once per output tile, so a
-    wide tile transforms each E tile fewer times (d / tile_n): 128 ran 9-15 % slower than the
-    logits GEMM of the same FLOPs (run 23); 256 runs them within 4-10 % of cuBLAS's plain GEMM
-    (run 24's sweep, ``benchmarks/tune_configs.py`` ce_grad_*)."""
-    return next((tn for tn in (192, 256, 128) if d % tn == 0), 128)
+    """The gradient GEMMs' tile_n over d: 192 where it divides d (quack's own pipeline's
+    choice), else 256, else 128. Their A operand (E) passes through the mainloop's transform
+    once per output tile, so a wide tile transforms each E tile fewer times (d / tile_n): at
+    128 they ran 9-15 % slower than the logits GEMM of the same FLOPs (run 23); at 256, 4-10 %
+    over cuBLAS's plain GEMM (run 24's sweep, ``benchmarks/tune_configs.py`` ce_grad_*)."""
+    return next((tn for tn in (192, 256) if d % tn == 0), 128)
 
 
 # what ``benchmarks/tune_configs.py`` sweeps for the two gradient GEMMs (tile_m 128: the

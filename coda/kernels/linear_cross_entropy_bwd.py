@@ -188,19 +188,15 @@ def _scaled_cast(acc, g, dtype):
 def weight_grad_from_acc(acc, g, like):
     """``g * acc`` rounded once to ``like``'s dtype, in ``like``'s layout: the LM head's
     weight gradient from its fp32 accumulator (formed at an upstream gradient of 1), one
-    fused pass on the GPU (Inductor: ``fused``). When the layouts agree (an HF
-    ``lm_head.weight.t()`` view against CE-S's (V, d) accumulator) it runs on the underlying
-    contiguous storage (torch's own mul into a bf16 ``out`` took 1.30 ms in the HF Llama-1B
-    step, this 0.54: runs 21, 27). Otherwise a transposing pass (Inductor's tiled kernel)
-    into a contiguous ``like``."""
-    if acc.stride() == like.stride():
-        if acc.is_contiguous():
-            return fused(_scaled_cast)(acc, g, like.dtype)
-        if acc.t().is_contiguous():
-            return fused(_scaled_cast)(acc.t(), g, like.dtype).t()
-        return torch.mul(acc, g.to(acc.dtype), out=torch.empty_like(like))
+    fused pass on the GPU (Inductor: ``fused``) in whichever orientation ``like`` is
+    contiguous: coda's (d, V) weight against CE-S's (V, d) accumulator is a transposing pass;
+    an HF ``lm_head.weight.t()`` view runs on both tensors' contiguous (V, d) storage (torch's
+    own mul into a bf16 ``out`` took 1.30 ms in the HF Llama-1B step, this 0.54: runs 21, 27).
+    Any other layout: a copy."""
     if like.is_contiguous():
         return fused(_scaled_cast)(acc, g, like.dtype)
+    if like.t().is_contiguous():
+        return fused(_scaled_cast)(acc.t(), g, like.dtype).t()
     return torch.empty_like(like).copy_(acc * g.to(acc.dtype))
 
 
