@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import json
 import os
+import shlex
+import sys
 import time
 
 import torch
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import coda.nn as cnn
+from coda.env import describe
 from coda.reference.model import TorchLlama
 
 
@@ -47,6 +51,7 @@ def parse_args(argv=None):
     ap.add_argument("--check", action="store_true", help="compare with one unsharded process")
     ap.add_argument("--peers", action="store_true", help="also time PyTorch eager / compile")
     ap.add_argument("--out", default=None, help="write the result JSON here (rank 0)")
+    ap.add_argument("--commit", default="unknown", help="the git commit, for the record")
     return ap.parse_args(argv)
 
 
@@ -115,6 +120,14 @@ def shard(model, gpu: bool):
     return model
 
 
+def command(world: int, out) -> str:
+    """This run's command line as a record names it: the output folder as ``$OUT``."""
+    argv = [a if a != out else "$OUT/" + os.path.basename(a) for a in sys.argv[1:]]
+    return f"torchrun --standalone --nproc_per_node {world} benchmarks/fsdp_step.py " + " ".join(
+        shlex.quote(a) if not a.startswith("$OUT/") else a for a in argv
+    )
+
+
 def main(argv=None):
     args = parse_args(argv)
     gpu = torch.cuda.is_available()
@@ -142,7 +155,15 @@ def main(argv=None):
     dist.all_reduce(global_loss)
     global_loss /= world
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    result = {"world": world, "device": str(device), "loss": float(global_loss)}
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": args.commit,
+        "command": command(world, args.out),
+        "env": {**describe(), "gpus": world},
+        "world": world,
+        "device": str(device),
+        "loss": float(global_loss),
+    }
 
     if args.check and rank == 0:
         ref_model = reference
