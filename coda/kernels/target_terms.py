@@ -85,7 +85,8 @@ def add_target_terms_triton(G, dw_t, a, target, coef, w_lm):
     assert G.stride(1) == 1 and dw_t.stride(1) == 1 and a.stride(1) == 1
     if M == 0:
         return
-    keys = torch.where((target >= 0) & (target < V), target, V)
+    # int32 keys: the radix sort makes half the passes it makes over int64 (V < 2^31)
+    keys = torch.where((target >= 0) & (target < V), target, V).to(torch.int32)
     keys, order = torch.sort(keys, stable=True)
     acc = acc_type(G)
     grid = (triton.cdiv(M, ROWS), triton.cdiv(d, COLS))
@@ -101,10 +102,10 @@ def add_target_terms_triton(G, dw_t, a, target, coef, w_lm):
 
 
 def compile_target_terms(arch: int = 90) -> list[int]:
-    """Both kernels (fp32 G / dW, bf16 W and a, int64 targets) compiled for ``sm_{arch}`` on
+    """Both kernels (fp32 G / dW, bf16 W and a, int32 sorted targets) compiled for ``sm_{arch}`` on
     the CPU: cubin sizes."""
     pointers = {"G": "*fp32", "W": "*bf16", "coef": "*fp32", "dw": "*fp32"}
-    pointers.update({"a": "*bf16", "keys": "*i64", "order": "*i64"})
+    pointers.update({"a": "*bf16", "keys": "*i32", "order": "*i64"})
     return [
         compile_sm90(_gather_kernel, pointers, {"BM": ROWS, "BD": COLS, "ACC": tl.float32}),
         compile_sm90(_scatter_kernel, pointers, {"CH": CH, "BD": BD, "ACC": tl.float32}),
