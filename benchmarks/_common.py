@@ -58,6 +58,41 @@ def bench(fn, warmup_ms: int = 50, rep_ms: int = 300, min_reps: int = 15) -> dic
     return {"ms": med, "p20_ms": p20, "p80_ms": p80, "reps_ms": rep}
 
 
+ROUNDS = 3  # interleaved rounds of ``interleaved``
+
+
+def interleaved(fns: dict, rounds: int = ROUNDS, timer=None) -> dict:
+    """Every function of ``fns`` timed ``rounds`` times, round-robin (each round starts one
+    name later, so no function always follows the same neighbour or runs first): a clock or
+    power state of the GPU that drifts during a run then touches every variant alike instead
+    of whichever was timed at the time. Why: run 30 timed one code path twice in one run
+    (the LM head's ``coda`` and ``coda_e2g``, identical at d = 2048) 4 % apart.
+
+    Returns, per name, the median of its round medians (``ms``), those medians
+    (``rounds_ms``), their spread ((max - min) / median) and the p20/p80 of the round nearest
+    the median. ``timer``: ``bench`` unless given (the CPU tests pass a fake)."""
+    import statistics
+
+    timer = timer or bench
+    names = list(fns)
+    got: dict = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            got[n].append(timer(fns[n]))
+    out = {}
+    for n, ts in got.items():
+        ms = [t["ms"] for t in ts]
+        med = statistics.median(ms)
+        mid = min(ts, key=lambda t: abs(t["ms"] - med))
+        out[n] = {
+            **mid,
+            "ms": med,
+            "rounds_ms": ms,
+            "spread": (max(ms) - min(ms)) / med,
+        }
+    return out
+
+
 def host_ms(fn, reps: int = 7) -> float:
     """Host milliseconds of one call of ``fn`` started on an idle GPU (median of ``reps``): the
     time until it returns, kernels queued but not awaited. A call that synchronizes inside

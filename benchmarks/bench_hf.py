@@ -6,7 +6,10 @@ eager, as users compile it), with Liger's instance patch, and patched by
 ``coda.transformers.apply_coda``. Every variant starts from the same weights. coda's and
 Liger's rows also carry one step's per-kernel table and GPU idle time (after the timing).
 
-Liger's patch also replaces the model class's forward for the whole process, so it runs last.
+Each variant's peak memory is measured alone (no other variant's gradients resident), then
+every variant is timed in interleaved rounds (``_common.interleaved``). Liger's patch also
+rebinds process-wide names (the model class's forward, RoPE), so ``LigerSwitch`` applies them
+around Liger's own steps only.
 """
 
 from __future__ import annotations
@@ -15,7 +18,14 @@ import copy
 
 import torch
 
-from benchmarks._common import SKIPPED, out_of_time, selected, where_time_goes
+from benchmarks._common import (
+    SKIPPED,
+    bench,
+    interleaved,
+    out_of_time,
+    selected,
+    where_time_goes,
+)
 
 SHAPES = {
     "llama-3.2-1B": (
@@ -60,15 +70,61 @@ def build(family: str, shape: dict, device, dtype):
     return model_cls(config).to(device, dtype)
 
 
-def _liger_patch(family: str, model):
-    import liger_kernel.transformers as lk
+def _module_state(module) -> dict:
+    """Every attribute of a modeling module and of the classes it defines, by (owner, name)."""
+    state = {(module, k): v for k, v in vars(module).items()}
+    for cls in [v for v in vars(module).values() if isinstance(v, type)]:
+        if cls.__module__ == module.__name__:
+            state.update({(cls, k): v for k, v in vars(cls).items()})
+    return state
 
-    patch = lk.apply_liger_kernel_to_llama if family == "llama" else lk.apply_liger_kernel_to_qwen3
-    patch(model=model)
-    return model
+
+class LigerSwitch:
+    """Liger's instance patch also rebinds process-wide names (the causal LM class's forward,
+    the RoPE function of the modeling module), which would change every other variant timed
+    after it. This applies the patch once, records what it rebound, puts the originals back,
+    and ``wrap`` runs Liger's step with its bindings and every other step without them."""
+
+    def __init__(self, module, apply):
+        self.module, self.apply = module, apply  # apply(model=...): the patch
+
+    @classmethod
+    def of(cls, family: str) -> "LigerSwitch":
+        import importlib
+
+        import liger_kernel.transformers as lk
+
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        return cls(module, getattr(lk, f"apply_liger_kernel_to_{family}"))
+
+    def patch(self, model):
+        before = _module_state(self.module)
+        self.apply(model=model)
+        after = _module_state(self.module)
+        self.theirs = {k: v for k, v in after.items() if before.get(k, self) is not v}
+        self.ours = {k: before.get(k, self) for k in self.theirs}
+        self._bind(self.ours)
+        return model
+
+    def _bind(self, state):
+        for (owner, name), value in state.items():
+            if value is self:  # a name the patch added
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+    def wrap(self, step):
+        def run():
+            self._bind(self.theirs)
+            try:
+                step()
+            finally:
+                self._bind(self.ours)
+
+        return run
 
 
-def variants(family: str, base):
+def variants(family: str, base, liger: "LigerSwitch | None"):
     """(name, make) in run order; ``make`` returns a fresh model from ``base``'s weights."""
     import coda.transformers as ct
 
@@ -82,12 +138,8 @@ def variants(family: str, base):
         ("hf_torch_compile", compiled),
         ("hf_coda", lambda: ct.apply_coda(copy.deepcopy(base))),
     ]
-    try:
-        import liger_kernel.transformers  # noqa: F401
-
-        out.append(("hf_liger", lambda: _liger_patch(family, copy.deepcopy(base))))
-    except ImportError:
-        pass
+    if liger is not None:
+        out.append(("hf_liger", lambda: liger.patch(copy.deepcopy(base))))
     return out
 
 
@@ -99,9 +151,8 @@ def _step(model, ids):
     return step
 
 
-def step_time(model, ids, warmup: int = 2, steps: int = 5):
-    """Mean seconds of one forward+backward after ``warmup`` steps, and peak GiB."""
-    step = _step(model, ids)
+def step_time(step, warmup: int = 2, steps: int = 5):
+    """Mean seconds of ``step`` after ``warmup`` steps, and peak GiB."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -124,37 +175,50 @@ def run() -> list[dict]:
             continue
         base = build(family, shape, "cuda", torch.bfloat16)
         ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
-        times = {}
-        for label, make in variants(family, base):
+        # pass 1, one variant at a time: its peak memory (every model's weights resident, no
+        # other variant's gradients) and its kernel table; pass 2 times every variant in
+        # interleaved rounds (``_common.interleaved``)
+        steps, peaks, profiles = {}, {}, {}
+        try:
+            liger = LigerSwitch.of(family)
+        except ImportError:  # no liger-kernel here: the other variants still run
+            liger = None
+        for label, make in variants(family, base, liger):
             if out_of_time():
                 rows.append({"name": f"hf/{name}/{label}", **SKIPPED})
                 continue
-            model, profile = None, {}
             try:
                 model = make()
-                seconds, peak = step_time(model, ids)
+                step = _step(model, ids)
+                step = liger.wrap(step) if label == "hf_liger" else step
+                _, peaks[label] = step_time(step)
                 if label in PROFILED:
                     try:  # a failed profile must not cost the timing
-                        profile = where_time_goes(_step(model, ids))
+                        profiles[label] = where_time_goes(step)
                     except Exception as e:
-                        profile = {"profile_error": repr(e)[:300]}
+                        profiles[label] = {"profile_error": repr(e)[:300]}
+                model.zero_grad(set_to_none=True)
+                steps[label] = step
             except Exception as e:  # recorded, never hidden
                 rows.append({"name": f"hf/{name}/{label}", "error": repr(e)[:300]})
-                continue
-            finally:
-                del model
-                torch.cuda.empty_cache()
-            times[label] = seconds
+            model = None
+            torch.cuda.empty_cache()
+        timed = {}
+        if steps and not out_of_time():
+            timed = interleaved(steps, timer=lambda f: bench(f, warmup_ms=100, rep_ms=1500))
+        times = {label: t["ms"] * 1e-3 for label, t in timed.items()}
+        for label, t in timed.items():
             rows.append(
                 {
                     "name": f"hf/{name}/{label}",
                     "tokens": BATCH * SEQ,
-                    "ms": seconds * 1e3,
-                    "tokens_per_s": BATCH * SEQ / seconds,
-                    "peak_gib": peak,
-                    **profile,
+                    **t,
+                    "tokens_per_s": BATCH * SEQ / (t["ms"] * 1e-3),
+                    "peak_gib": peaks[label],
+                    **profiles.get(label, {}),
                 }
             )
+        steps = timed = None
         peers = [t for k, t in times.items() if k in ("hf_torch_compile", "hf_liger")]
         for r in rows:
             if peers and r["name"].startswith(f"hf/{name}/") and "ms" in r:

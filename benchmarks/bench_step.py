@@ -28,6 +28,7 @@ from benchmarks._common import (
     SKIPPED,
     bench,
     graphed,
+    interleaved,
     kernel_table,
     liger_functional,
     out_of_time,
@@ -269,6 +270,9 @@ def model_rows(liger) -> list[dict]:
                 peak_gib=peak,
             )
 
+        # pass 1, one peer at a time: its peak memory (every model's weights resident, no
+        # other peer's gradients or optimizer state) and its kernel table
+        fns, peaks = {}, {}
         for peer, model in peers.items():
             if out_of_time():
                 rows.append({"name": f"model/{name}/{peer}", **SKIPPED})
@@ -288,14 +292,14 @@ def model_rows(liger) -> list[dict]:
                     full()
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-                t_full = bench(full, warmup_ms=100, rep_ms=1500)
-                peak = torch.cuda.max_memory_allocated() / 2**30
-                t_fb = bench(fwd_bwd, warmup_ms=100, rep_ms=1500)
+                for _ in range(2):
+                    full()
+                torch.cuda.synchronize()
+                peaks[peer] = torch.cuda.max_memory_allocated() / 2**30
             except Exception as e:
                 rows.append({"name": f"model/{name}/{peer}", "error": repr(e)[:300]})
                 continue
-            for what, t in (("step+adamw", t_full), ("fwd+bwd", t_fb)):
-                rows.append(model_row(f"{peer}/{what}", t, peak))
+            fns[f"{peer}/step+adamw"], fns[f"{peer}/fwd+bwd"] = full, fwd_bwd
             if peer in PROFILED and not out_of_time():
                 try:  # where the forward+backward's time goes, beside the peers' (issue 8)
                     rows.append(
@@ -303,18 +307,28 @@ def model_rows(liger) -> list[dict]:
                     )
                 except Exception as e:
                     rows.append({"name": f"model/{name}/{peer}/kernels", "error": repr(e)[:300]})
-            opt = None
-            if peer == "coda":
-                try:
-                    replay = graphed_train_step(model, tok, tgt)
-                    torch.cuda.reset_peak_memory_stats()
-                    t = bench(replay, warmup_ms=100, rep_ms=1500)
-                    peak = torch.cuda.max_memory_allocated() / 2**30
-                    rows.append(model_row("coda_graphed/step+adamw", t, peak))
-                except Exception as e:
-                    rows.append({"name": f"model/{name}/coda_graphed", "error": repr(e)[:300]})
-                replay = None
-            model = None
+            model.zero_grad(set_to_none=True)  # nothing of this peer's step stays resident
+            opt.state.clear()  # while the next one is measured; pass 2 keeps the optimizer
+            model = opt = None
+        # coda as one CUDA graph, captured after pass 1 (its memory pool stays resident)
+        if "coda/step+adamw" in fns and not out_of_time():
+            try:
+                replay = graphed_train_step(peers["coda"], tok, tgt)
+                torch.cuda.reset_peak_memory_stats()
+                for _ in range(2):
+                    replay()
+                torch.cuda.synchronize()
+                peaks["coda_graphed"] = torch.cuda.max_memory_allocated() / 2**30
+                fns["coda_graphed/step+adamw"] = replay
+            except Exception as e:
+                rows.append({"name": f"model/{name}/coda_graphed", "error": repr(e)[:300]})
+            replay = None
+        # pass 2: every peer's step timed in interleaved rounds (``_common.interleaved``)
+        if fns and not out_of_time():
+            timed = interleaved(fns, timer=lambda f: bench(f, warmup_ms=100, rep_ms=1500))
+            for label, t in timed.items():
+                rows.append(model_row(label, t, peaks[label.split("/")[0]]))
+        fns = timed = None
         peers = None
         torch.cuda.empty_cache()
         mine = [r for r in rows if r["name"].startswith(f"model/{name}/") and "ms" in r]

@@ -5,7 +5,9 @@ Layer floor: its 12 GEMMs in the layouts autograd uses (forward Y = X W, dgrad d
 X^T dY; cuBLAS) plus SDPA flash attention forward+backward. LM-head floor: its three GEMMs
 (logits, dX, dW). Peers: torch eager (HF-style modules), torch.compile, Liger. Memory: the
 activation memory a layer's forward keeps for backward, and the LM head's extra peak memory
-during forward+backward beyond inputs, weights and their gradients.
+during forward+backward beyond inputs, weights and their gradients. The LM head's variants and
+its floor's GEMMs are timed in interleaved rounds (``_common.interleaved``), each row with its
+round medians and their spread.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from benchmarks._common import (
     graphed,
     host_ms,
     idle_report,
+    interleaved,
     kernel_table,
     liger_functional,
     out_of_time,
@@ -272,21 +275,12 @@ def lm_head_rows(liger) -> list[dict]:
         a = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(d, V, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(M, V, device="cuda", dtype=torch.bfloat16)
-        floor_parts = {
-            "fwd": bench(lambda: a @ w),
-            "dgrad": bench(lambda: g @ w.t()),
-            "wgrad": bench(lambda: a.t() @ g),
+        floor_fns = {
+            "fwd": lambda: a @ w,
+            "dgrad": lambda: g @ w.t(),
+            "wgrad": lambda: a.t() @ g,
         }
-        floor = sum(p["ms"] for p in floor_parts.values())
         shape = {"M": M, "d": d, "V": V}
-        rows.append(
-            {
-                "name": "lm_head_train/floor",
-                **shape,
-                "ms": floor,
-                **{f"{k}_ms": v["ms"] for k, v in floor_parts.items()},
-            }
-        )
 
         def make_step(fn, params):
             def step():
@@ -301,6 +295,9 @@ def lm_head_rows(liger) -> list[dict]:
         steps["coda_norm_pass"] = mock.patch.object(final_norm_rows, "ONE_PASS", True)(
             steps["coda_norm_pass"]
         )
+        # each variant once for its extra memory (and to surface an error), then every
+        # variant and the floor's three GEMMs timed in interleaved rounds (``interleaved``)
+        extra, failed = {}, []
         for name, (_, params) in variants.items():
             if out_of_time():
                 rows.append({"name": f"lm_head_train/{name}", **shape, **SKIPPED})
@@ -314,11 +311,24 @@ def lm_head_rows(liger) -> list[dict]:
                 step()
                 torch.cuda.synchronize()
                 grads = sum(p.numel() * p.element_size() for p in (*params, x))
-                extra = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
-                tm = bench(step)
+                extra[name] = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
             except Exception as e:
+                failed.append(name)
                 rows.append({"name": f"lm_head_train/{name}", **shape, "error": repr(e)[:300]})
-                continue
+        timed = interleaved({**{f"floor_{k}": f for k, f in floor_fns.items()},
+                             **{n: steps[n] for n in extra}})  # fmt: skip
+        floor = sum(timed[f"floor_{k}"]["ms"] for k in floor_fns)
+        rows.append(
+            {
+                "name": "lm_head_train/floor",
+                **shape,
+                "ms": floor,
+                **{f"{k}_ms": timed[f"floor_{k}"]["ms"] for k in floor_fns},
+                "spread": max(timed[f"floor_{k}"]["spread"] for k in floor_fns),
+            }
+        )
+        for name in extra:
+            tm = timed[name]
             rows.append(
                 row(
                     f"lm_head_train/{name}",
@@ -326,7 +336,7 @@ def lm_head_rows(liger) -> list[dict]:
                     tm,
                     0.0,
                     ratio_vs_floor=tm["ms"] / floor,
-                    extra_peak_gib=extra,
+                    extra_peak_gib=extra[name],
                 )
             )
         for name in ("coda", "coda_norm_pass", "coda_hf_layout", "coda_e2g", "coda_recompute"):

@@ -50,3 +50,49 @@ def test_selected_names_are_checked(monkeypatch):
     monkeypatch.setenv("CODA_X", "a,llama-1B")  # a wrong key names itself and the known ones
     with pytest.raises(ValueError, match=r"CODA_X: unknown \['llama-1B'\]; known: \['a', 'b'\]"):
         _common.selected("CODA_X", ["a", "b"])
+
+
+def test_interleaved_rounds_rotate_and_take_the_median():
+    order, clock = [], iter([5.0, 1.0, 9.0, 2.0, 6.0, 3.0, 7.0, 4.0, 8.0])
+
+    def timer(fn):
+        order.append(fn)
+        return {"ms": next(clock), "p20_ms": 0.0, "p80_ms": 0.0}
+
+    out = _common.interleaved({"a": "a", "b": "b", "c": "c"}, rounds=3, timer=timer)
+    # each round starts one name later: a b c | b c a | c a b
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert out["a"]["rounds_ms"] == [5.0, 3.0, 4.0] and out["a"]["ms"] == 4.0
+    assert out["b"]["rounds_ms"] == [1.0, 2.0, 8.0] and out["b"]["ms"] == 2.0
+    assert out["c"]["rounds_ms"] == [9.0, 6.0, 7.0] and out["c"]["ms"] == 7.0
+    assert out["b"]["spread"] == pytest.approx((8.0 - 1.0) / 2.0)
+
+
+def test_liger_switch_binds_the_patch_around_its_own_steps_only():
+    import types
+
+    from benchmarks.bench_hf import LigerSwitch
+
+    module = types.ModuleType("fake_modeling")
+
+    class CausalLM:
+        def forward(self):
+            return "hf"
+
+    CausalLM.__module__ = module.__name__
+    module.CausalLM, module.rope = CausalLM, "hf rope"
+
+    def apply(model):  # rebinds a class method and a module name, adds a name
+        module.CausalLM.forward = lambda self: "liger"
+        module.rope, module.extra = "liger rope", 1
+
+    seen = []
+    liger = LigerSwitch(module, apply)
+    liger.patch(model=None)
+    assert CausalLM().forward() == "hf" and module.rope == "hf rope"
+    assert not hasattr(module, "extra")
+    theirs = liger.wrap(lambda: seen.append((CausalLM().forward(), module.rope, module.extra)))
+    theirs()
+    assert seen == [("liger", "liger rope", 1)]
+    assert CausalLM().forward() == "hf" and module.rope == "hf rope"
+    assert not hasattr(module, "extra")
