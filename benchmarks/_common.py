@@ -38,6 +38,36 @@ def selected(var: str, known) -> list[str]:
     return chosen
 
 
+def own_bytes(module) -> int:
+    """Bytes of ``module``'s parameters and buffers (each storage once)."""
+    seen = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class PeakAlone:
+    """A step's peak memory as if its model were the only one on the GPU: the peak allocated
+    inside the block, less what was resident on entry and is not the model's own weights
+    (other peers' models, kept for interleaved timing). Its gradients, optimizer state and
+    activations count; ``gib`` holds the figure after the block."""
+
+    def __init__(self, module):
+        self.own = own_bytes(module)
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        self.before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        self.gib = (peak - self.before + self.own) / 2**30
+
+
 def bench(fn, warmup_ms: int = 50, rep_ms: int = 300, min_reps: int = 15) -> dict:
     """Median and p20/p80 milliseconds of ``fn()`` over ``rep_ms`` of calls, and at least
     ``min_reps`` calls: a 80 ms call would otherwise get 3 samples, whose median moved by

@@ -6,7 +6,7 @@ eager, as users compile it), with Liger's instance patch, and patched by
 ``coda.transformers.apply_coda``. Every variant starts from the same weights. coda's and
 Liger's rows also carry one step's per-kernel table and GPU idle time (after the timing).
 
-Each variant's peak memory is measured alone (no other variant's gradients resident), then
+Each variant's peak memory is measured as if it were alone (``_common.PeakAlone``), then
 every variant is timed in interleaved rounds (``_common.interleaved``). Liger's patch also
 rebinds process-wide names (the model class's forward, RoPE), so ``LigerSwitch`` applies them
 around Liger's own steps only.
@@ -20,6 +20,7 @@ import torch
 
 from benchmarks._common import (
     SKIPPED,
+    PeakAlone,
     bench,
     interleaved,
     out_of_time,
@@ -151,19 +152,14 @@ def _step(model, ids):
     return step
 
 
-def step_time(step, warmup: int = 2, steps: int = 5):
-    """Mean seconds of ``step`` after ``warmup`` steps, and peak GiB."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps * 1e-3, torch.cuda.max_memory_allocated() / 2**30
+def step_peak(step, model, steps: int = 4) -> float:
+    """Peak GiB of ``steps`` runs of ``step`` (the first ones compile) as if ``model`` were
+    alone on the GPU (``PeakAlone``: the variants kept for interleaved timing not counted)."""
+    model.zero_grad(set_to_none=True)
+    with PeakAlone(model) as mem:
+        for _ in range(steps):
+            step()
+    return mem.gib
 
 
 def run() -> list[dict]:
@@ -175,8 +171,8 @@ def run() -> list[dict]:
             continue
         base = build(family, shape, "cuda", torch.bfloat16)
         ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
-        # pass 1, one variant at a time: its peak memory (every model's weights resident, no
-        # other variant's gradients) and its kernel table; pass 2 times every variant in
+        # pass 1, one variant at a time: its peak memory as if alone (``PeakAlone``) and its
+        # kernel table; pass 2 times every variant in
         # interleaved rounds (``_common.interleaved``)
         steps, peaks, profiles = {}, {}, {}
         try:
@@ -191,7 +187,7 @@ def run() -> list[dict]:
                 model = make()
                 step = _step(model, ids)
                 step = liger.wrap(step) if label == "hf_liger" else step
-                _, peaks[label] = step_time(step)
+                peaks[label] = step_peak(step, model)
                 if label in PROFILED:
                     try:  # a failed profile must not cost the timing
                         profiles[label] = where_time_goes(step)

@@ -26,6 +26,7 @@ import coda
 import coda.nn as cnn
 from benchmarks._common import (
     SKIPPED,
+    PeakAlone,
     bench,
     graphed,
     interleaved,
@@ -253,6 +254,7 @@ def model_rows(liger) -> list[dict]:
         peers["coda_checkpointed"] = coda_ckpt
         if only_peers:
             peers = {k: v for k, v in peers.items() if k in only_peers}
+        coda_ckpt = coda_compiled = coda_recompute = None  # unselected copies: not kept
         tok = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device="cuda")
         tgt = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device="cuda")
         flops = _model_flops(cfg, tokens_n)
@@ -270,8 +272,8 @@ def model_rows(liger) -> list[dict]:
                 peak_gib=peak,
             )
 
-        # pass 1, one peer at a time: its peak memory (every model's weights resident, no
-        # other peer's gradients or optimizer state) and its kernel table
+        # pass 1, one peer at a time: its peak memory as if alone (``PeakAlone``: the other
+        # peers' weights stay resident for pass 2 and are not counted) and its kernel table
         fns, peaks = {}, {}
         for peer, model in peers.items():
             if out_of_time():
@@ -288,14 +290,10 @@ def model_rows(liger) -> list[dict]:
                 opt.zero_grad(set_to_none=True)
 
             try:
-                for _ in range(3):
-                    full()
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                for _ in range(2):
-                    full()
-                torch.cuda.synchronize()
-                peaks[peer] = torch.cuda.max_memory_allocated() / 2**30
+                with PeakAlone(model) as mem:
+                    for _ in range(5):
+                        full()
+                peaks[peer] = mem.gib
             except Exception as e:
                 rows.append({"name": f"model/{name}/{peer}", "error": repr(e)[:300]})
                 continue
@@ -312,13 +310,12 @@ def model_rows(liger) -> list[dict]:
             model = opt = None
         # coda as one CUDA graph, captured after pass 1 (its memory pool stays resident)
         if "coda/step+adamw" in fns and not out_of_time():
-            try:
-                replay = graphed_train_step(peers["coda"], tok, tgt)
-                torch.cuda.reset_peak_memory_stats()
-                for _ in range(2):
-                    replay()
-                torch.cuda.synchronize()
-                peaks["coda_graphed"] = torch.cuda.max_memory_allocated() / 2**30
+            try:  # its peak over warm-up, capture and replay: the pool holds the capture's
+                with PeakAlone(peers["coda"]) as mem:
+                    replay = graphed_train_step(peers["coda"], tok, tgt)
+                    for _ in range(2):
+                        replay()
+                peaks["coda_graphed"] = mem.gib
                 fns["coda_graphed/step+adamw"] = replay
             except Exception as e:
                 rows.append({"name": f"model/{name}/coda_graphed", "error": repr(e)[:300]})

@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from benchmarks import _common
 
@@ -96,3 +97,27 @@ def test_liger_switch_binds_the_patch_around_its_own_steps_only():
     assert seen == [("liger", "liger rope", 1)]
     assert CausalLM().forward() == "hf" and module.rope == "hf rope"
     assert not hasattr(module, "extra")
+
+
+def test_peak_alone_counts_the_model_and_its_step_not_other_residents():
+    from unittest import mock
+
+    from benchmarks._common import PeakAlone, own_bytes
+
+    model = torch.nn.Linear(64, 32)  # 64*32 + 32 fp32 values
+    tied = torch.nn.Module()
+    tied.a, tied.b = model, model  # a storage counted once
+    assert own_bytes(model) == own_bytes(tied) == (64 * 32 + 32) * 4
+    gib = 2**30
+    fake = {"memory_allocated": 10 * gib, "max_memory_allocated": 13 * gib}
+    with mock.patch.multiple(
+        torch.cuda,
+        synchronize=lambda: None,
+        reset_peak_memory_stats=lambda: None,
+        memory_allocated=lambda: fake["memory_allocated"],
+        max_memory_allocated=lambda: fake["max_memory_allocated"],
+    ):
+        with PeakAlone(model) as mem:
+            pass
+    # 3 GiB above everything resident on entry, plus the model's own weights
+    assert mem.gib == pytest.approx(3 + own_bytes(model) / gib)
