@@ -1,5 +1,5 @@
-"""The LM head's final-norm backward (A4 + A5) as one Triton pass: a candidate, off until the
-H200 measures it against the Inductor form it would replace (``ONE_PASS``).
+"""The LM head's final-norm backward (A4 + A5) as one Triton pass: a candidate, off
+(``ONE_PASS``) because on the H200 it was not faster than the Inductor form it would replace.
 
 From the LM head's fp32 gradients at an upstream gradient of 1, G = dL/dy (M, d) and the row
 statistic S = sum_j G y (y = h rstd gamma, the GEMMs' normed operand), and the upstream g:
@@ -28,7 +28,12 @@ from coda.kernels.linear_cross_entropy_bwd import (
     final_norm_bwd_normed_scaled,
 )
 
-ONE_PASS = False  # the Triton pass on the GPU instead of Inductor's form: not yet measured
+# the Triton pass on the GPU instead of Inductor's form: off. The whole LM-head call with it
+# (the bench's coda_norm_pass) read 1.085x its floor against the default's 1.069x at d=2048
+# and 1.041x against 1.041x at d=4096 (run 31, interleaved); its kernel took 0.118 ms and the
+# partials' reduction 0.020 at d=2048, against Inductor's 0.066 + 0.064 + 0.002 (run 31's
+# kernel tables): at ~2x its traffic time, this tile shape is not yet a win
+ONE_PASS = False
 BM, BD = 32, 256  # a program's tile: token rows x columns of d
 
 
