@@ -11,7 +11,8 @@ and CE-S's two gradient GEMMs at each of their candidate configs (``ce_grad_*``)
 
 Shapes: the layer benchmark's (head_dim 128, ffn = 8d/3 rounded to 256) at d = 2048, 4096,
 8192, the 1B-shaped model's layer (d = 2048, 32/8 heads of 64, ffn 8192) as ``..._1b``, and
-Qwen3-0.6B's (d = 1024, 16/8 heads of 128, ffn 3072) as ``..._qwen3``.
+Qwen3-0.6B's (d = 1024, 16/8 heads of 128, ffn 3072) as ``..._qwen3``, the d=1024 demo
+model's (8/4 heads of 128, ffn 2816, V = 8192) as ``..._demo``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ SHAPES = [(f"_d{d}", d, ffn(d), *heads(d), 128, VOCABS) for d in HIDDEN] + [
     # Qwen3-0.6B's layer (d = 1024, 16/8 heads of 128, ffn 3072): untuned so far; its N = d
     # outputs leave the default 192-wide tile a ragged sixth column tile (1152 for 1024)
     ("_qwen3", 1024, 3072, 16, 8, 128, ()),
+    # the d=1024 demo model's layer and LM head (8/4 heads of 128, ffn 2816, V = 8192): its
+    # GEMMs ran 1.30x torch.compile's cuBLAS ones (run 30); the same ragged 192-wide tile
+    ("_demo", 1024, 2816, 8, 4, 128, (8192,)),
 ]
 
 
