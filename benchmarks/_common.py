@@ -7,6 +7,11 @@ process right next to the others. Rows are plain dicts; ``gpu_suite.py`` writes 
 
 from __future__ import annotations
 
+import os
+import statistics
+import time
+import warnings
+
 import torch
 
 
@@ -15,9 +20,6 @@ def out_of_time() -> bool:
     ``CODA_SUITE_DEADLINE``, seconds since the epoch): long benchmarks check it between
     variants and record the rest as skipped, so a device call under a hard limit keeps what
     it measured."""
-    import os
-    import time
-
     deadline = os.environ.get("CODA_SUITE_DEADLINE")
     return deadline is not None and time.time() > float(deadline)
 
@@ -29,8 +31,6 @@ def selected(var: str, known) -> list[str]:
     """The names listed in the environment variable ``var`` (comma-separated; none listed:
     an empty list, meaning all), each checked against ``known``: a benchmark's choice of
     shapes or peers (``gpu_suite.SELECTIONS`` writes them into the record's command)."""
-    import os
-
     chosen = [c for c in os.environ.get(var, "").split(",") if c]
     unknown = set(chosen) - set(known)
     if unknown:
@@ -88,6 +88,11 @@ def bench(fn, warmup_ms: int = 50, rep_ms: int = 300, min_reps: int = 15) -> dic
     return {"ms": med, "p20_ms": p20, "p80_ms": p80, "reps_ms": rep}
 
 
+def bench_long(fn) -> dict:
+    """``bench`` for a whole training step (hundreds of ms): a longer warm-up and window."""
+    return bench(fn, warmup_ms=100, rep_ms=1500)
+
+
 ROUNDS = 3  # interleaved rounds of ``interleaved``
 
 
@@ -95,14 +100,13 @@ def interleaved(fns: dict, rounds: int = ROUNDS, timer=None) -> dict:
     """Every function of ``fns`` timed ``rounds`` times, round-robin (each round starts one
     name later, so no function always follows the same neighbour or runs first): a clock or
     power state of the GPU that drifts during a run then touches every variant alike instead
-    of whichever was timed at the time. Why: run 30 timed one code path twice in one run
-    (the LM head's ``coda`` and ``coda_e2g``, identical at d = 2048) 4 % apart.
+    of whichever was timed at the time. Why: a session-9 run (record lost: benchmarks/NOTES.md,
+    sessions 9-10) timed one code path twice, the LM head's ``coda`` and ``coda_e2g`` (one
+    token chunk either way at d = 2048), 4 % apart.
 
     Returns, per name, the median of its round medians (``ms``), those medians
     (``rounds_ms``), their spread ((max - min) / median) and the p20/p80 of the round nearest
     the median. ``timer``: ``bench`` unless given (the CPU tests pass a fake)."""
-    import statistics
-
     timer = timer or bench
     names = list(fns)
     got: dict = {n: [] for n in names}
@@ -127,9 +131,6 @@ def host_ms(fn, reps: int = 7) -> float:
     """Host milliseconds of one call of ``fn`` started on an idle GPU (median of ``reps``): the
     time until it returns, kernels queued but not awaited. A call that synchronizes inside
     shows its GPU time here; one that does not, the Python, dispatch and launch cost alone."""
-    import statistics
-    import time
-
     fn()
     times = []
     for _ in range(reps):
@@ -259,8 +260,6 @@ def idle_report(fn, top: int = 5) -> dict:
     between its kernels (profiler timeline, after a warm-up: the sum of the gaps in which no
     kernel runs, between the first kernel's start and the last one's end), with the largest
     gaps named by the kernel before and after them."""
-    import warnings
-
     fn()
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:

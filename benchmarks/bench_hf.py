@@ -21,7 +21,7 @@ import torch
 from benchmarks._common import (
     SKIPPED,
     PeakAlone,
-    bench,
+    bench_long,
     interleaved,
     out_of_time,
     selected,
@@ -201,7 +201,7 @@ def run() -> list[dict]:
             torch.cuda.empty_cache()
         timed = {}
         if steps and not out_of_time():
-            timed = interleaved(steps, timer=lambda f: bench(f, warmup_ms=100, rep_ms=1500))
+            timed = interleaved(steps, timer=bench_long)
         times = {label: t["ms"] * 1e-3 for label, t in timed.items()}
         for label, t in timed.items():
             rows.append(

@@ -28,6 +28,7 @@ from benchmarks._common import (
     SKIPPED,
     PeakAlone,
     bench,
+    bench_long,
     graphed,
     interleaved,
     kernel_table,
@@ -167,25 +168,28 @@ def graph_rows() -> list[dict]:
     return rows
 
 
+def _liger_ops(liger) -> dict:
+    """Liger's functional kernels in ``TorchLlama``'s op slots."""
+    return {
+        "rms_norm": lambda h, g, eps: liger.liger_rms_norm(h, g, eps, in_place=False),
+        "rope": liger.liger_rope,
+        "swiglu": liger.liger_swiglu,
+        "linear_ce": liger.liger_fused_linear_cross_entropy,
+    }
+
+
 def graphed_train_step(model, tokens, targets, lr=1e-4):
     """The whole training step (forward, backward, AdamW) captured once as a CUDA graph;
     returns its replay. AdamW runs ``capturable`` (its step count lives on the GPU); the
     gradients live in the graph's memory pool. The documented recipe of README "CUDA graphs"."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):  # compiles, optimizer state and allocator warm-up, off the graph
-            opt.zero_grad(set_to_none=True)
-            model(tokens, targets).backward()
-            opt.step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
+
+    def step():  # gradients set to None first: the capture allocates them in its pool
+        opt.zero_grad(set_to_none=True)
         model(tokens, targets).backward()
         opt.step()
-    return graph.replay
+
+    return graphed(step)  # warm-up off the graph (compiles, optimizer state), then capture
 
 
 def _model_flops(cfg, tokens) -> float:
@@ -231,30 +235,31 @@ def model_rows(liger) -> list[dict]:
             head_dim=cfg["hd"],
             device="cuda",
         )
-        coda_ckpt = copy.deepcopy(coda_model)
-        coda_ckpt.checkpoint = True  # activation checkpointing per layer (issue 11)
-        coda_compiled = torch.compile(copy.deepcopy(coda_model))  # coda under torch.compile
-        coda_recompute = copy.deepcopy(coda_model)
-        coda_recompute.head.method = "recompute"  # the four-GEMM LM head, least memory
-        # coda's default first, then the peers, then coda's variants: a run cut by its time
-        # budget still has the same-run comparison
-        peers = {"coda": coda_model}
-        peers["torch_compile"] = torch.compile(TorchLlama.of(coda_model))
-        if liger is not None:
-            ops = {
-                "rms_norm": lambda h, g, eps: liger.liger_rms_norm(h, g, eps, in_place=False),
-                "rope": liger.liger_rope,
-                "swiglu": liger.liger_swiglu,
-                "linear_ce": liger.liger_fused_linear_cross_entropy,
-            }
-            peers["liger"] = TorchLlama.of(coda_model, ops=ops)
-        peers["torch_eager"] = TorchLlama.of(coda_model)
-        peers["coda_compile"] = coda_compiled
-        peers["coda_recompute"] = coda_recompute
-        peers["coda_checkpointed"] = coda_ckpt
-        if only_peers:
-            peers = {k: v for k, v in peers.items() if k in only_peers}
-        coda_ckpt = coda_compiled = coda_recompute = None  # unselected copies: not kept
+
+        def coda_copy(edit):
+            model = copy.deepcopy(coda_model)
+            edit(model)
+            return model
+
+        # coda's default first, then the peers, then coda's variants (``MODEL_PEERS``'s
+        # order): a run cut by its time budget still has the same-run comparison. Only the
+        # selected ones are built.
+        makers = {
+            "coda": lambda: coda_model,
+            "torch_compile": lambda: torch.compile(TorchLlama.of(coda_model)),
+            "liger": lambda: TorchLlama.of(coda_model, ops=_liger_ops(liger)),
+            "torch_eager": lambda: TorchLlama.of(coda_model),
+            "coda_compile": lambda: torch.compile(copy.deepcopy(coda_model)),
+            # the four-GEMM LM head, least memory
+            "coda_recompute": lambda: coda_copy(lambda m: setattr(m.head, "method", "recompute")),
+            # activation checkpointing per layer (issue 11)
+            "coda_checkpointed": lambda: coda_copy(lambda m: setattr(m, "checkpoint", True)),
+        }
+        peers = {
+            k: make()
+            for k, make in makers.items()
+            if (not only_peers or k in only_peers) and (k != "liger" or liger is not None)
+        }
         tok = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device="cuda")
         tgt = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device="cuda")
         flops = _model_flops(cfg, tokens_n)
@@ -322,7 +327,7 @@ def model_rows(liger) -> list[dict]:
             replay = None
         # pass 2: every peer's step timed in interleaved rounds (``_common.interleaved``)
         if fns and not out_of_time():
-            timed = interleaved(fns, timer=lambda f: bench(f, warmup_ms=100, rep_ms=1500))
+            timed = interleaved(fns, timer=bench_long)
             for label, t in timed.items():
                 rows.append(model_row(label, t, peaks[label.split("/")[0]]))
         fns = timed = None

@@ -297,7 +297,7 @@ def lm_head_rows(liger) -> list[dict]:
         )
         # each variant once for its extra memory (and to surface an error), then every
         # variant and the floor's three GEMMs timed in interleaved rounds (``interleaved``)
-        extra, failed = {}, []
+        extra = {}
         for name, (_, params) in variants.items():
             if out_of_time():
                 rows.append({"name": f"lm_head_train/{name}", **shape, **SKIPPED})
@@ -313,7 +313,6 @@ def lm_head_rows(liger) -> list[dict]:
                 grads = sum(p.numel() * p.element_size() for p in (*params, x))
                 extra[name] = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
             except Exception as e:
-                failed.append(name)
                 rows.append({"name": f"lm_head_train/{name}", **shape, "error": repr(e)[:300]})
         timed = interleaved({**{f"floor_{k}": f for k, f in floor_fns.items()},
                              **{n: steps[n] for n in extra}})  # fmt: skip

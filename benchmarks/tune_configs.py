@@ -171,8 +171,8 @@ def row_pass_rows(only) -> list[dict]:
         def bf(*s):
             return torch.randn(*s, device="cuda", dtype=torch.bfloat16)
 
-        heads = bf(B, S, nh, hd).transpose(1, 2)  # attention's gradient layout
-        dq, dk, dv = heads[:, :H], heads[:, H : H + Hkv], heads[:, H + Hkv :]
+        grads = bf(B, S, nh, hd).transpose(1, 2)  # attention's gradient layout
+        dq, dk, dv = grads[:, :H], grads[:, H : H + Hkv], grads[:, H + Hkv :]
         rstd = torch.rand(M, device="cuda") + 0.5
         theta = torch.randn(M, hd // 2, device="cuda")
         cos, sin = theta.cos(), theta.sin()
