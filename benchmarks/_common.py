@@ -100,9 +100,9 @@ def interleaved(fns: dict, rounds: int = ROUNDS, timer=None) -> dict:
     """Every function of ``fns`` timed ``rounds`` times, round-robin (each round starts one
     name later, so no function always follows the same neighbour or runs first): a clock or
     power state of the GPU that drifts during a run then touches every variant alike instead
-    of whichever was timed at the time. Why: a session-9 run (record lost: benchmarks/NOTES.md,
-    sessions 9-10) timed one code path twice, the LM head's ``coda`` and ``coda_e2g`` (one
-    token chunk either way at d = 2048), 4 % apart.
+    of whichever was timed at the time. Why: the LM head's ``coda`` and ``coda_e2g`` run one code
+    path at d = 2048 (one token chunk either way) and, timed one after the other, read
+    further apart than their spread (benchmarks/NOTES.md, sessions 9-10).
 
     Returns, per name, the median of its round medians (``ms``), those medians
     (``rounds_ms``), their spread ((max - min) / median) and the p20/p80 of the round nearest
