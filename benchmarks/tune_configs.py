@@ -1,5 +1,6 @@
 """Sweep tile configs for every epilogue GEMM of the layer, forward and backward, and the LM
-head (M = 16384) and print the winners as ``coda/kernels/tuned.py`` entries.
+head (M = 16384 tokens unless the shape says otherwise) and print the winners as
+``coda/kernels/tuned.py`` entries.
 
 For each shape and candidate config: quack's raw GEMM (identity epilogue) and the coda
 epilogue kernel that runs at that shape in the layer, next to cuBLAS. The winner minimizes the
@@ -12,7 +13,7 @@ and CE-S's two gradient GEMMs at each of their candidate configs (``ce_grad_*``)
 Shapes: the layer benchmark's (head_dim 128, ffn = 8d/3 rounded to 256) at d = 2048, 4096,
 8192, the 1B-shaped model's layer (d = 2048, 32/8 heads of 64, ffn 8192) as ``..._1b``, and
 Qwen3-0.6B's (d = 1024, 16/8 heads of 128, ffn 3072) as ``..._qwen3``, the d=1024 demo
-model's (8/4 heads of 128, ffn 2816, V = 8192) as ``..._demo``.
+model's (8/4 heads of 128, ffn 2816, V = 8192) as ``..._demo`` at its own 8 x 1024 tokens.
 """
 
 from __future__ import annotations
@@ -51,15 +52,17 @@ SPLIT_K = [
 ]
 
 
-# (suffix, d, ffn, heads, kv heads, head_dim, vocabularies)
-SHAPES = [(f"_d{d}", d, ffn(d), *heads(d), 128, VOCABS) for d in HIDDEN] + [
-    ("_1b", 2048, 8192, 32, 8, 64, ()),
+# (suffix, d, ffn, heads, kv heads, head_dim, vocabularies, tokens M)
+SHAPES = [(f"_d{d}", d, ffn(d), *heads(d), 128, VOCABS, M) for d in HIDDEN] + [
+    ("_1b", 2048, 8192, 32, 8, 64, (), M),
     # Qwen3-0.6B's layer (d = 1024, 16/8 heads of 128, ffn 3072): untuned so far; its N = d
     # outputs leave the default 192-wide tile a ragged sixth column tile (1152 for 1024)
-    ("_qwen3", 1024, 3072, 16, 8, 128, ()),
+    ("_qwen3", 1024, 3072, 16, 8, 128, (), M),
     # the d=1024 demo model's layer and LM head (8/4 heads of 128, ffn 2816, V = 8192): its
-    # GEMMs ran 1.30x torch.compile's cuBLAS ones (run 30); the same ragged 192-wide tile
-    ("_demo", 1024, 2816, 8, 4, 128, (8192,)),
+    # GEMMs ran 1.30x torch.compile's cuBLAS ones (run 30; its dSwiGLU 275 us against ~120 for
+    # cuBLAS's dgrad + Inductor's SwiGLU backward); the same ragged 192-wide tile. Swept at the
+    # demo's own 8 x 1024 tokens: at K = d = 1024 the tile count sets the waves
+    ("_demo", 1024, 2816, 8, 4, 128, (8192,), 8192),
 ]
 
 
@@ -69,10 +72,10 @@ def _tags() -> list[str]:
 
 
 def layer_gemms():
-    """(name, K, N, kernel(a, w, cfg)[, M]) for the layer's GEMMs and the LM head."""
+    """(name, K, N, kernel(a, w, cfg), M) for the layer's GEMMs and the LM head."""
     out = []
     tags = _tags()
-    for tag, d, f, H, Hkv, hd, vocabs in SHAPES:
+    for tag, d, f, H, Hkv, hd, vocabs, M in SHAPES:
         if tags and tag.lstrip("_") not in tags:
             continue
         r = torch.rand(M, device="cuda") + 0.5
@@ -80,7 +83,7 @@ def layer_gemms():
         freq = rp.rope_freq_table(hd, H + Hkv, Hkv, device="cuda")
         res = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
         gamma = torch.ones(d, device="cuda", dtype=torch.bfloat16)
-        out += [
+        fwd = [
             (
                 f"qkv_rope{tag}",
                 d,
@@ -106,7 +109,8 @@ def layer_gemms():
                 lambda a, w, c, res=res, g=gamma: grr.epilogue_gemm(a, w, res, g, c),
             ),
         ]
-        out += backward_gemms(tag, d, f, H * hd, Hkv * hd, r)
+        out += [(*g, M) for g in fwd]
+        out += backward_gemms(tag, M, d, f, H * hd, Hkv * hd, r)
         for V in vocabs:
             t = torch.randint(0, V, (M,), device="cuda")
             out.append(
@@ -115,12 +119,13 @@ def layer_gemms():
                     d,
                     V,
                     lambda a, w, c, r=r, t=t: lce.lm_head_stats_kernel(a, w, r, t, c),
+                    M,
                 )
             )
     return out
 
 
-def backward_gemms(tag, d, f, q_cols, kv_cols, r):
+def backward_gemms(tag, M, d, f, q_cols, kv_cols, r):
     """The backward's epilogue GEMMs at the layer's shapes (their operands built here: a
     kernel's own layouts, the sweep's (a, w) only set the raw GEMM's FLOPs beside it):
     B4 dSwiGLU (dx2 @ W_d^T), B6/B12 norm-backward dgrads (dz~ @ W^T with the residual
@@ -135,20 +140,22 @@ def backward_gemms(tag, d, f, q_cols, kv_cols, r):
     dz0, w_qkv = bf(M, nqkv), bf(d, nqkv)
     corr = torch.randn(M, device="cuda")
     return [
-        (f"dswiglu{tag}", d, f, lambda a, w, c: dsw.dswiglu_kernel(dx2, w_d, u, r, c)),
+        (f"dswiglu{tag}", d, f, lambda a, w, c: dsw.dswiglu_kernel(dx2, w_d, u, r, c), M),
         (
             f"norm_bwd_gate_up{tag}",
             2 * f,
             d,
             lambda a, w, c: nb.norm_bwd_kernel(dz1, w_il, x1, g, corr, dx2, c),
+            M,
         ),
         (
             f"norm_bwd_qkv{tag}",
             nqkv,
             d,
             lambda a, w, c: nb.norm_bwd_kernel(dz0, w_qkv, x1, g, corr, dx2, c),
+            M,
         ),
-        # weight gradients: output (d, N), K = M tokens (the raw GEMM gets d rows, 5th field)
+        # weight gradients: output (d, N), K = M tokens (the raw GEMM gets d rows)
         (f"wgrad_gate_up{tag}", M, 2 * f, lambda a, w, c: wg.wgrad_gamma_rows(x1, dz1, g, c), d),
         (f"wgrad_qkv{tag}", M, nqkv, lambda a, w, c: wg.wgrad_gamma_rows(x1, dz0, g, c), d),
     ]
@@ -156,16 +163,17 @@ def backward_gemms(tag, d, f, q_cols, kv_cols, r):
 
 def row_pass_rows(only) -> list[dict]:
     """B11's Triton passes (``coda.kernels.row_passes``) at each launch shape of
-    ``LAUNCH_SHAPES``, at the swept layers' shapes (M = 16384): drope for every layer, the
+    ``LAUNCH_SHAPES``, at the swept layers' shapes and token counts: drope for every layer, the
     QK-norm pass too for head_dim 128 (Qwen3's), each beside its traffic time at 4.8 TB/s."""
     from coda.kernels import row_passes as rpk
 
     tags = _tags()
     rows = []
-    for tag, d, _f, H, Hkv, hd, _v in SHAPES:
+    for tag, d, _f, H, Hkv, hd, _v, M in SHAPES:
         if tags and tag.lstrip("_") not in tags:
             continue
-        B, S = M // 4096, 4096
+        S = min(M, 4096)
+        B = M // S
         nh, N = H + 2 * Hkv, (H + 2 * Hkv) * hd
 
         def bf(*s):
@@ -277,13 +285,12 @@ def run() -> list[dict]:
     if not only or any(p.startswith("ce_grad") for p in only):
         rows += ce_grad_rows(only)
     raw = _quack.identity_mod()
-    for name, K, N, kernel, *rows_m in layer_gemms():
+    for name, K, N, kernel, m in layer_gemms():
         if only and not any(name.startswith(p) for p in only):
             continue
         if out_of_time():  # the suite's budget: what was swept stays in the record
             rows.append({"name": name, **SKIPPED})
             continue
-        m = rows_m[0] if rows_m else M  # the GEMM's own M (d for a weight gradient)
         a = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) * K**-0.5
         out = torch.empty(m, N, device="cuda", dtype=torch.bfloat16)
@@ -299,6 +306,7 @@ def run() -> list[dict]:
             rows.append(
                 {
                     "name": name,
+                    "M": m,
                     "K": K,
                     "N": N,
                     "config": cfg.__dict__,
