@@ -37,7 +37,7 @@ from coda.kernels.qk_norm import (
     qk_norm_rope_rows,
 )
 from coda.kernels.rmsnorm_bwd import norm_corr
-from coda.kernels.tuned import config_for
+from coda.kernels.tuned import DSWIGLU, config_for
 from coda.kernels.wgrad import wgrad
 from coda.primitives.aux import ce_loss_from_stats, ce_row_weights, combine_lse
 
@@ -232,7 +232,7 @@ class MLP(torch.autograd.Function):
         M, d = x1.shape
         f = w_d.shape[0]
         dx2 = dx2.contiguous()
-        dz1, s, stat1 = lib.dswiglu(dx2, w_d, u, r1, config_for(M, d, f))  # B4
+        dz1, s, stat1 = lib.dswiglu(dx2, w_d, u, r1, config_for(M, d, f, DSWIGLU))  # B4
         dw_d = wgrad(s, dx2)  # B5
         corr1 = norm_corr(r1, stat1, d)  # A6
         dx1, dg2 = lib.norm_bwd(dz1, w_il, x1, g2, corr1, dx2, config_for(M, 2 * f, d))  # B6 + A7

@@ -16,7 +16,7 @@ from coda.kernels import gemm_rmsnorm_gemm as rg
 from coda.kernels import linear_cross_entropy_bwd as ceb
 from coda.kernels import linear_cross_entropy_chunked as cec
 from coda.kernels.config import GemmConfig
-from coda.kernels.tuned import config_for
+from coda.kernels.tuned import DSWIGLU, config_for
 from coda.primitives.interpreter import interpret
 from coda.reference import cross_entropy as ce_ref
 from coda.reference import layer as L
@@ -237,10 +237,8 @@ def test_module_dtype_mismatch_is_an_error():
 # -- level 2 ----------------------------------------------------------------------------------
 COMPILES = {
     "dswiglu": lambda: dswiglu.compile_dswiglu(512, 768),
-    # the tuned config of the layer's dSwiGLU (coda/kernels/tuned.py): 128 x 128 tiles
-    "dswiglu_tuned": lambda: dswiglu.compile_dswiglu(
-        512, 768, config=config_for(16384, 2048, 8192)
-    ),
+    # dSwiGLU's own config (coda/kernels/tuned.py): 128 x 128 tiles at every shape
+    "dswiglu_tuned": lambda: dswiglu.compile_dswiglu(512, 768, config=DSWIGLU),
     "norm_bwd": lambda: rmsnorm_bwd.compile_norm_bwd(1024, 512, residual=False),
     "norm_bwd_residual": lambda: rmsnorm_bwd.compile_norm_bwd(1024, 512, residual=True),
     "ce_grad_logits": lambda: ceb.compile_grad_logits(256, 1000),
@@ -257,6 +255,10 @@ COMPILES = {
     ),
     "wgrad_gamma_rows_tuned_1b_qkv": lambda: wgrad.compile_wgrad_gamma_rows(
         512, 768, config=config_for(2048, 16384, 3072)
+    ),
+    # the demo model's QKV wgrad: 128 x 128 ping-pong tiles over K = 8192 tokens
+    "wgrad_gamma_rows_tuned_demo_qkv": lambda: wgrad.compile_wgrad_gamma_rows(
+        512, 768, config=config_for(1024, 8192, 2048)
     ),
     "norm_bwd_tuned_1b": lambda: rmsnorm_bwd.compile_norm_bwd(
         768, 512, residual=True, config=config_for(16384, 3072, 2048)

@@ -11,6 +11,7 @@ from conftest import fro_err, random_dims, rel_err
 
 import coda
 from coda import layouts
+from coda.kernels import gemm_residual_rms as grr
 from coda.kernels import gemm_rmsnorm_gemm as rg
 from coda.kernels import gemm_rope as rp
 from coda.kernels import gemm_swiglu as sw
@@ -270,11 +271,19 @@ COMPILES = {
     "lm_head_stats": lambda m: ce.compile_lm_head_stats(256, 1000, w_major=m),
     "scale_rows": lambda m: rg.compile_gemm_scale_rows(256, 520, w_major=m),
 }
-# the tuned configs of the 1B-shaped layer's forward GEMMs (coda/kernels/tuned.py)
+# the tuned configs of the forward GEMMs (coda/kernels/tuned.py)
 TUNED_1B = {
     "rope_tuned_1b": lambda: rp.compile_gemm_rope(256, 640, config=config_for(16384, 2048, 3072)),
     "swiglu_tuned_1b": lambda: sw.compile_gemm_swiglu(
         256, 512, save_preact=True, config=config_for(16384, 2048, 16384)
+    ),
+    # d = 1024 (Qwen3's layer, the demo model's): 128 x 128 tiles for the N = 1024 outputs
+    "rope_tuned_demo": lambda: rp.compile_gemm_rope(256, 640, config=config_for(8192, 1024, 2048)),
+    "residual_rms_tuned_qwen3": lambda: grr.compile_gemm_residual_rms(
+        256, 520, gamma=True, config=config_for(16384, 2048, 1024)
+    ),
+    "residual_tuned_qwen3": lambda: grr.compile_gemm_residual_rms(
+        256, 520, gamma=False, config=config_for(16384, 3072, 1024)
     ),
 }
 # F1 with QK-norm in the epilogue (prepass statistic): head_dim 64 and 128 (Qwen3's)
