@@ -107,6 +107,31 @@ def test_pluggable_attention_on_both_paths_float64():
         cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, attention="sdpa")
 
 
+def test_dswiglu_runs_its_own_tile_and_stays_exact(monkeypatch):
+    """The MLP's backward asks for dSwiGLU's own config (``tuned.DSWIGLU``, 128 x 128: its
+    widen epilogue ran 2x slower on the 192-wide default, run 32) at a shape with no tuned
+    entry, and at an ffn where that tile cuts the columns differently from the default's (300:
+    3 column tiles of 128 against 2 of 192) the kernel sequence still equals the reference."""
+    from coda.kernels import library as lib
+    from coda.kernels.config import DEFAULT
+    from coda.kernels.tuned import DSWIGLU
+
+    assert DSWIGLU.grid(8, 300)[1] != DEFAULT.grid(8, 300)[1]
+    seen, dswiglu = [], lib.dswiglu
+    monkeypatch.setattr(lib, "dswiglu", lambda *a: seen.append(a[-1]) or dswiglu(*a))
+    torch.manual_seed(3)
+    layer = cnn.DecoderLayer(24, 2, 1, 300, head_dim=12, dtype=F64)
+    x = torch.randn(1, 5, 24, dtype=F64, requires_grad=True)
+    dy = torch.randn(1, 5, 24, dtype=F64)
+    out_k, g_k = _grads(layer, x, lambda: layer._kernel_forward(x), dy)
+    assert seen == [DSWIGLU]
+    out_r, g_r = _grads(layer, x, lambda: layer(x), dy)
+    assert rel_err(out_k, out_r) < 1e-12
+    floor = max(float(g.abs().max()) for g in g_r)
+    for a, b in zip(g_k, g_r):
+        assert rel_err(a, b, floor=floor) < 1e-11
+
+
 @pytest.mark.parametrize("B, S", [(2, 24), (1, 1)])
 def test_bf16_kernel_path_runs_on_cpu_with_the_tma_layouts(B, S):
     """bf16 through the interpreter: every GEMM's operands pass the TMA layout checks the GPU
