@@ -83,9 +83,19 @@ def _mem_kept_by_forward(fn) -> float:
     return kept / 2**30
 
 
+LAYER_WIDTHS = (2048, 4096)
+
+
+def layer_widths() -> list[int]:
+    """Every layer width, or those named in ``CODA_LAYER_SHAPES`` ("d2048", "d4096")."""
+    known = {f"d{d}": d for d in LAYER_WIDTHS}
+    chosen = selected("CODA_LAYER_SHAPES", known)
+    return [known[c] for c in chosen] if chosen else list(LAYER_WIDTHS)
+
+
 def layer_rows(liger) -> list[dict]:
     rows = []
-    for d in (2048, 4096):
+    for d in layer_widths():
         f, (H, Hkv) = ffn(d), heads(d)
         layer = cnn.DecoderLayer(d, H, Hkv, f, device="cuda", backend="kernel")
         x = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -362,8 +372,16 @@ def run() -> list[dict]:
     return layer_rows(liger_functional()) + lm_head_rows(liger_functional())
 
 
+class LayerOnly:
+    """The layer half alone, as a suite entry (``gpu_suite``'s "layer_train")."""
+
+    @staticmethod
+    def run() -> list[dict]:
+        return layer_rows(liger_functional())
+
+
 class LMHeadOnly:
-    """The LM-head half alone, as a suite entry."""
+    """The LM-head half alone, as a suite entry (``gpu_suite``'s "lm_head_train")."""
 
     @staticmethod
     def run() -> list[dict]:

@@ -129,8 +129,29 @@ def run_tests(
     }
 
 
+# every benchmark suite, in run order ("tuning" only with --tune); --only picks among them,
+# and "none" (no benchmark, the tests alone)
+SUITES = (
+    "main_demo",
+    "numerics",
+    "attention_numerics",
+    "attention_layout",
+    "layer_grad_numerics",
+    "tuning",
+    "gemm_residual_rms",
+    "forward",
+    "layer_forward",
+    "layer_train",
+    "lm_head_train",
+    "host",
+    "graph",
+    "model",
+    "hf",
+    "train_demo",
+)
 SELECTIONS = (
     "CODA_HF_SHAPES",
+    "CODA_LAYER_SHAPES",
     "CODA_LM_HEAD_SHAPES",
     "CODA_MODEL_SHAPES",
     "CODA_MODEL_PEERS",
@@ -156,6 +177,9 @@ def main():
         "after it (each is recorded as skipped), so a call under a hard limit keeps its results",
     )
     args = ap.parse_args()
+    unknown = set(args.only.split(",")) - set(SUITES) - {"", "none"}
+    if unknown:  # before any test runs: a misspelt suite would cost a device call
+        ap.error(f"--only: unknown {sorted(unknown)}; known: {', '.join(SUITES)}, none")
     t_start = time.time()
     if args.budget_s is not None:  # long benchmarks skip their remaining variants past it
         os.environ["CODA_SUITE_DEADLINE"] = str(t_start + args.budget_s)
@@ -207,7 +231,7 @@ def main():
         ("gemm_residual_rms", bench_gemm_residual_rms),
         ("forward", bench_forward),
         ("layer_forward", bench_layer),
-        ("train", bench_train),
+        ("layer_train", bench_train.LayerOnly),
         ("lm_head_train", bench_train.LMHeadOnly),
         ("host", StepPart("host")),
         ("graph", StepPart("graph")),
@@ -215,6 +239,7 @@ def main():
         ("hf", bench_hf),
         ("train_demo", Demo(["demos/train.py", "--png", os.path.join(args.out, "train_loss.png")])),
     ]
+    assert [n for n, _ in suites] == [n for n in SUITES if n != "tuning" or args.tune]
     if args.only:
         suites = [(n, m) for n, m in suites if n in args.only.split(",")]
     from coda.kernels import tuned

@@ -53,6 +53,23 @@ def test_selected_names_are_checked(monkeypatch):
         _common.selected("CODA_X", ["a", "b"])
 
 
+def test_suite_and_layer_selections_are_checked(monkeypatch, capsys):
+    """``gpu_suite --only`` refuses an unknown suite before any test or benchmark runs (the old
+    "train" suite among them: it is "layer_train" now, the LM head its own suite), and
+    ``CODA_LAYER_SHAPES`` picks the layer bench's widths."""
+    from benchmarks import bench_train, gpu_suite
+
+    monkeypatch.setattr("sys.argv", ["gpu_suite.py", "--skip-tests", "--only", "hf,train"])
+    with pytest.raises(SystemExit) as stop:
+        gpu_suite.main()
+    assert stop.value.code == 2
+    assert "--only: unknown ['train']; known: main_demo" in capsys.readouterr().err
+    monkeypatch.setenv("CODA_LAYER_SHAPES", "d4096")
+    assert bench_train.layer_widths() == [4096]
+    monkeypatch.delenv("CODA_LAYER_SHAPES")
+    assert bench_train.layer_widths() == [2048, 4096]
+
+
 def test_interleaved_rounds_rotate_and_take_the_median():
     order, clock = [], iter([5.0, 1.0, 9.0, 2.0, 6.0, 3.0, 7.0, 4.0, 8.0])
 
