@@ -9,8 +9,10 @@ Conventions: tokens are rows (M = batch * seq); weights are (in, out) matrices, 
 order); ``rstd`` is RMSNorm's deferred row scale (M,) fp32, from ``gemm_residual_rms``.
 W_qkv and W_il are in coda's paired layouts (``coda.layouts`` converts HF weights exactly).
 
-These ops are forward only; they refuse inputs that require grad (the autograd layers are
-``coda.nn``'s).
+``config`` (a ``GemmConfig``: tile, cluster, schedule of quack's mainloop) defaults to None:
+the tile measured fastest for the GEMM's (K, N) on the H200 (``coda.kernels.tuned``), as the
+layers use, else quack's default. These ops are forward only; they refuse inputs that require
+grad (the autograd layers are ``coda.nn``'s).
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from coda import _validate as v
 from coda.env import resolve_backend
 from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype
-from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.config import GemmConfig
 from coda.kernels.gemm_rmsnorm_gemm import gemm_rmsnorm_gemm_kernel
 from coda.kernels.gemm_rope import cached_freq_table
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
 from coda.kernels.qk_norm import column_rows, qk_norm_config
+from coda.kernels.tuned import config_for
 from coda.primitives.aux import rstd_from_sumsq
 from coda.reference.cross_entropy import linear_cross_entropy_ref
 from coda.reference.rmsnorm import gemm_residual_rms_ref, gemm_rmsnorm_gemm_ref
@@ -89,7 +92,7 @@ def gemm_residual_rms(
     *,
     eps: float = 1e-5,
     backend: str = "auto",
-    config: GemmConfig = DEFAULT,
+    config: Optional[GemmConfig] = None,
 ) -> ResidualRMS:
     """h = residual + x @ w; normed = h * gamma; rstd = RMSNorm's row scale of h.
 
@@ -106,6 +109,7 @@ def gemm_residual_rms(
     named = {"x": x, "w": w, "residual": residual, "gamma": gamma}
     if _start("gemm_residual_rms", backend, named) == "kernel":
         _kernel_layout({"x": x, "residual": residual}, {"w": w}, {"gamma": gamma})
+        config = config or config_for(M, K, N)
         if gamma is None:
             h, sumsq = lib.gemm_residual(x, w, residual, config)
             return ResidualRMS(h, None, rstd_from_sumsq(sumsq, w.shape[1], eps))
@@ -129,8 +133,8 @@ def gemm_rmsnorm_gemm(
     *,
     eps: float = 1e-5,
     backend: str = "auto",
-    config1: GemmConfig = DEFAULT,
-    config2: GemmConfig = DEFAULT,
+    config1: Optional[GemmConfig] = None,
+    config2: Optional[GemmConfig] = None,
 ) -> RMSNormGemm:
     """The GEMM-Residual-RMSNorm-GEMM block: h = residual + x @ w1; z = RMSNorm(h) gamma @ w2.
 
@@ -146,6 +150,8 @@ def gemm_rmsnorm_gemm(
     named = {"x": x, "w1": w1, "residual": residual, "gamma": gamma, "w2": w2}
     if _start("gemm_rmsnorm_gemm", backend, named) == "kernel":
         _kernel_layout({"x": x, "residual": residual}, {"w1": w1, "w2": w2}, {"gamma": gamma})
+        config1 = config1 or config_for(M, K, d)
+        config2 = config2 or config_for(M, d, w2.shape[1])
         return RMSNormGemm(
             *gemm_rmsnorm_gemm_kernel(x, w1, residual, gamma, w2, eps, config1, config2)
         )
@@ -165,7 +171,7 @@ def gemm_swiglu(
     *,
     save_preact: bool = False,
     backend: str = "auto",
-    config: GemmConfig = DEFAULT,
+    config: Optional[GemmConfig] = None,
 ) -> SwiGLU:
     """s = SwiGLU(rstd * (x @ w_il)) with gate/up interleaved: column 2j gate j, 2j+1 up j.
 
@@ -179,6 +185,7 @@ def gemm_swiglu(
     r = _rstd(rstd, x)
     if _start("gemm_swiglu", backend, {"x": x, "w_il": w_il, "rstd": r}) == "kernel":
         _kernel_layout({"x": x}, {"w_il": w_il}, {"rstd": r})
+        config = config or config_for(M, K, w_il.shape[1])
         if config.tile_n % 32:
             raise v.CodaInputError(f"config.tile_n must be a multiple of 32, got {config.tile_n}")
         if save_preact:
@@ -202,7 +209,7 @@ def gemm_rope(
     k_norm=None,
     eps: float = 1e-6,
     backend: str = "auto",
-    config: GemmConfig = None,
+    config: Optional[GemmConfig] = None,
 ) -> torch.Tensor:
     """qkv = RoPE(rstd * (x @ w_qkv)) on the q and k heads; v unrotated. Returns (M, Nqkv).
 
@@ -244,7 +251,7 @@ def gemm_rope(
         freq = cached_freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads, rope_base, x.device)
         pos = positions.to(torch.float32)
         if q_norm is None:
-            return lib.gemm_rope(x, w_qkv, r, pos, freq, config or DEFAULT)
+            return lib.gemm_rope(x, w_qkv, r, pos, freq, config or config_for(M, K, n_cols))
         cfg = config or qk_norm_config(head_dim)
         if cfg is None or cfg.tile_n % head_dim:
             raise v.CodaInputError(
@@ -274,7 +281,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     backend: str = "auto",
-    config: GemmConfig = DEFAULT,
+    config: Optional[GemmConfig] = None,
 ) -> torch.Tensor:
     """Cross-entropy of the logits rstd * (x @ w_lm) against ``target``, logits never stored.
 
@@ -294,8 +301,9 @@ def linear_cross_entropy(
     named = {"x": x, "w_lm": w_lm, "rstd": r, "target": target}
     if _start("linear_cross_entropy", backend, named) == "kernel":
         _kernel_layout({"x": x}, {"w_lm": w_lm}, {"rstd": r, "target": target})
+        cfg = config or config_for(M, d, w_lm.shape[1])
         return linear_cross_entropy_kernel(
-            x, w_lm, r, target, ignore_index, reduction, config, label_smoothing, z_loss
+            x, w_lm, r, target, ignore_index, reduction, cfg, label_smoothing, z_loss
         )[0]
     loss = linear_cross_entropy_ref(
         x, w_lm, r, target, ignore_index, reduction, label_smoothing, z_loss

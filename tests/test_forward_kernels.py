@@ -198,6 +198,49 @@ def test_public_ops_reference_path_on_cpu():
         assert coda.last_path(op)[0] == "reference"
 
 
+def test_public_ops_take_the_tuned_tile_unless_given_one(monkeypatch):
+    """Without ``config`` each op's kernel path runs the tile ``tuned.config_for`` names for
+    its GEMM's (K, N), as the layers do; a given config wins. The kernels are stood in for by
+    spies (no GPU here): this checks the choice, the compile tests check those tiles build."""
+    from coda import ops
+    from coda.kernels import tuned
+
+    picks = {
+        (16, 48): GemmConfig(128, 128, 2, 1, True),
+        (48, 64): GemmConfig(256, 128, 2, 1, False),
+    }
+    for key, cfg in picks.items():
+        monkeypatch.setitem(tuned.TUNED, key, cfg)
+    seen = []
+    monkeypatch.setattr(ops, "_start", lambda *a: "kernel")
+    monkeypatch.setattr(ops, "_kernel_layout", lambda *a: None)
+    monkeypatch.setattr(ops.lib, "gemm_swiglu_only", lambda *a: seen.append(a[-1]))
+    monkeypatch.setattr(ops.lib, "gemm_residual_rms", lambda *a: seen.append(a[-1]) or (1, 2, 3))
+    monkeypatch.setattr(ops.lib, "gemm_rope", lambda *a: seen.append(a[-1]))
+    monkeypatch.setattr(
+        ops, "gemm_rmsnorm_gemm_kernel", lambda *a: seen.append(a[-2:]) or (1, 2, 3)
+    )
+    monkeypatch.setattr(ops, "linear_cross_entropy_kernel", lambda *a: seen.append(a[6]) or (0,))
+    bf = torch.bfloat16
+    x, w, w2 = (
+        torch.zeros(5, 16, dtype=bf),
+        torch.zeros(16, 48, dtype=bf),
+        torch.zeros(48, 64, dtype=bf),
+    )
+    res, g, pos = torch.zeros(5, 48, dtype=bf), torch.ones(48, dtype=bf), torch.arange(5)
+    coda.gemm_swiglu(x, w)
+    coda.gemm_residual_rms(x, w, res, g)
+    coda.gemm_rope(x, w, pos, head_dim=8, n_heads=2, n_kv_heads=2)
+    coda.gemm_rmsnorm_gemm(x, w, res, g, w2)
+    coda.linear_cross_entropy(x, w, torch.zeros(5, dtype=torch.long))
+    tuned_16_48, tuned_48_64 = picks[(16, 48)], picks[(48, 64)]
+    assert seen == [tuned_16_48] * 3 + [(tuned_16_48, tuned_48_64), tuned_16_48]
+    seen.clear()
+    coda.gemm_swiglu(x, w, config=DEFAULT)
+    coda.gemm_rmsnorm_gemm(x, w, res, g, w2, config2=DEFAULT)
+    assert seen == [DEFAULT, (tuned_16_48, DEFAULT)]
+
+
 def test_layouts_round_trip_and_attention_unchanged():
     g = gen(1)
     s = LayerShape(batch=2, seq=9, d=16, heads=4, kv_heads=2, head_dim=8, ffn=12, vocab=8)
