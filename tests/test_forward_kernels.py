@@ -315,7 +315,7 @@ COMPILES = {
     "scale_rows": lambda m: rg.compile_gemm_scale_rows(256, 520, w_major=m),
 }
 # the tuned configs of the forward GEMMs (coda/kernels/tuned.py)
-TUNED_1B = {
+TUNED_COMPILES = {
     "rope_tuned_1b": lambda: rp.compile_gemm_rope(256, 640, config=config_for(16384, 2048, 3072)),
     "swiglu_tuned_1b": lambda: sw.compile_gemm_swiglu(
         256, 512, save_preact=True, config=config_for(16384, 2048, 16384)
@@ -324,6 +324,14 @@ TUNED_1B = {
     "rope_tuned_demo": lambda: rp.compile_gemm_rope(256, 640, config=config_for(8192, 1024, 2048)),
     "residual_rms_tuned_qwen3": lambda: grr.compile_gemm_residual_rms(
         256, 520, gamma=True, config=config_for(16384, 2048, 1024)
+    ),
+    # the ops' tuned choices beyond the layers': SwiGLU without the pre-activation (128 x 128,
+    # d = 2048), the block's second GEMM (128 x 192 over a 1 x 2 cluster, d = 2048 QKV)
+    "swiglu_only_tuned": lambda: sw.compile_gemm_swiglu(
+        256, 512, save_preact=False, config=config_for(16384, 2048, 11264)
+    ),
+    "scale_rows_tuned": lambda: rg.compile_gemm_scale_rows(
+        256, 520, config=config_for(16384, 2048, 4096)
     ),
     "residual_tuned_qwen3": lambda: grr.compile_gemm_residual_rms(
         256, 520, gamma=False, config=config_for(16384, 3072, 1024)
@@ -342,9 +350,9 @@ def test_qk_norm_rope_compiles_for_sm90(head_dim):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("kernel", sorted(TUNED_1B))
+@pytest.mark.parametrize("kernel", sorted(TUNED_COMPILES))
 def test_tuned_configs_compile_for_sm90(kernel):
-    assert TUNED_1B[kernel]() in (0, 1)
+    assert TUNED_COMPILES[kernel]() in (0, 1)
 
 
 @pytest.mark.compile
