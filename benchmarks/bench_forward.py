@@ -2,7 +2,8 @@
 
 Kernel rows: each coda epilogue GEMM against quack's raw GEMM of the same shape and tile
 config (empty epilogue: the ceiling) and cuBLAS ``mm``. Block rows: each coda op against
-torch eager, torch.compile and Liger composing the same math (cuBLAS GEMM + their kernels).
+torch eager, torch.compile and Liger composing the same math (cuBLAS GEMM + their kernels),
+each op called as a user calls it (its tile chosen by shape, ``coda.kernels.tuned``).
 """
 
 from __future__ import annotations
@@ -147,24 +148,13 @@ def block_rows() -> list[dict]:
             return y[0] if isinstance(y, tuple) else y
 
         peers["swiglu"] = {
-            "coda": lambda: coda.gemm_swiglu(
-                a, w_il, r, backend="kernel", config=config_for(M, d, 2 * f)
-            ),
+            "coda": lambda: coda.gemm_swiglu(a, w_il, r, backend="kernel"),
             "torch_eager": lambda: _torch_swiglu(a, r, wg, wu),
             "torch_compile": lambda: c_swiglu(a, r, wg, wu),
             **({"liger": liger_swiglu} if liger else {}),
         }
         peers["rmsnorm_gemm"] = {
-            "coda": lambda: coda.gemm_rmsnorm_gemm(
-                x,
-                w1,
-                res,
-                gamma,
-                w2,
-                backend="kernel",
-                config1=config_for(M, d, d),
-                config2=config_for(M, d, 2 * f),
-            ),
+            "coda": lambda: coda.gemm_rmsnorm_gemm(x, w1, res, gamma, w2, backend="kernel"),
             "torch_eager": lambda: _torch_rmsnorm_gemm(x, w1, res, gamma, w2),
             "torch_compile": lambda: c_norm(x, w1, res, gamma, w2),
             **({"liger": lambda: liger_norm_gemm() @ w2} if liger else {}),
@@ -191,7 +181,6 @@ def block_rows() -> list[dict]:
                 n_kv_heads=Hkv,
                 rstd=r,
                 backend="kernel",
-                config=config_for(M, d, nqkv),
             ),
             "torch_eager": lambda: _torch_qkv_rope(a, r, w_qkv, cos, sin, H, Hkv),
             "torch_compile": lambda: c_rope(a, r, w_qkv, cos, sin, H, Hkv),
@@ -208,7 +197,7 @@ def block_rows() -> list[dict]:
 
             peers[f"lm_head_ce_V{V}"] = {
                 "coda": lambda w_lm=w_lm, tgt=tgt: coda.linear_cross_entropy(
-                    a, w_lm, tgt, rstd=r, backend="kernel", config=config_for(M, d, V)
+                    a, w_lm, tgt, rstd=r, backend="kernel"
                 ),
                 "torch_eager": lambda w_lm=w_lm, tgt=tgt: _torch_lm_ce(a, r, w_lm, tgt),
                 "torch_compile": lambda w_lm=w_lm, tgt=tgt: c_ce(a, r, w_lm, tgt),
