@@ -368,10 +368,6 @@ def lm_head_rows(liger) -> list[dict]:
     return rows
 
 
-def run() -> list[dict]:
-    return layer_rows(liger_functional()) + lm_head_rows(liger_functional())
-
-
 class LayerOnly:
     """The layer half alone, as a suite entry (``gpu_suite``'s "layer_train")."""
 

@@ -129,26 +129,6 @@ def run_tests(
     }
 
 
-# every benchmark suite, in run order ("tuning" only with --tune); --only picks among them,
-# and "none" (no benchmark, the tests alone)
-SUITES = (
-    "main_demo",
-    "numerics",
-    "attention_numerics",
-    "attention_layout",
-    "layer_grad_numerics",
-    "tuning",
-    "gemm_residual_rms",
-    "forward",
-    "layer_forward",
-    "layer_train",
-    "lm_head_train",
-    "host",
-    "graph",
-    "model",
-    "hf",
-    "train_demo",
-)
 SELECTIONS = (
     "CODA_HF_SHAPES",
     "CODA_LAYER_SHAPES",
@@ -158,6 +138,42 @@ SELECTIONS = (
     "CODA_TUNE_SHAPES",
     "CODA_TUNE_ONLY",
 )
+
+
+def suite_list(args) -> list:
+    """(name, runner) of every benchmark suite, in run order ("tuning" only with --tune);
+    ``--only`` picks among these names, or "none" (the tests alone)."""
+    from benchmarks import (
+        bench_attention_layout,
+        bench_attention_numerics,
+        bench_forward,
+        bench_gemm_residual_rms,
+        bench_hf,
+        bench_layer,
+        bench_layer_grad_numerics,
+        bench_numerics,
+        bench_train,
+        tune_configs,
+    )
+
+    return [
+        ("main_demo", Demo(["demos/main.py"])),
+        ("numerics", bench_numerics),
+        ("attention_numerics", bench_attention_numerics),
+        ("attention_layout", bench_attention_layout),
+        ("layer_grad_numerics", bench_layer_grad_numerics),
+        *([("tuning", tune_configs)] if args.tune else []),
+        ("gemm_residual_rms", bench_gemm_residual_rms),
+        ("forward", bench_forward),
+        ("layer_forward", bench_layer),
+        ("layer_train", bench_train.LayerOnly),
+        ("lm_head_train", bench_train.LMHeadOnly),
+        ("host", StepPart("host")),
+        ("graph", StepPart("graph")),
+        ("model", StepPart("model")),
+        ("hf", bench_hf),
+        ("train_demo", Demo(["demos/train.py", "--png", os.path.join(args.out, "train_loss.png")])),
+    ]
 
 
 def main():
@@ -177,9 +193,16 @@ def main():
         "after it (each is recorded as skipped), so a call under a hard limit keeps its results",
     )
     args = ap.parse_args()
-    unknown = set(args.only.split(",")) - set(SUITES) - {"", "none"}
+    suites = suite_list(args)
+    known = [n for n, _ in suites]
+    unknown = set(args.only.split(",")) - set(known) - {"", "none"}
     if unknown:  # before any test runs: a misspelt suite would cost a device call
-        ap.error(f"--only: unknown {sorted(unknown)}; known: {', '.join(SUITES)}, none")
+        ap.error(
+            f"--only: unknown {sorted(unknown)}; known: {', '.join(known)}, none"
+            + ("" if args.tune else " (and tuning, with --tune)")
+        )
+    if args.only:
+        suites = [(n, m) for n, m in suites if n in args.only.split(",")]
     t_start = time.time()
     if args.budget_s is not None:  # long benchmarks skip their remaining variants past it
         os.environ["CODA_SUITE_DEADLINE"] = str(t_start + args.budget_s)
@@ -204,44 +227,7 @@ def main():
         print("gpu tests:", record["gpu_tests"]["summary"], flush=True)
         write_record(record, args.out)
 
-    from benchmarks import (
-        bench_attention_layout,
-        bench_attention_numerics,
-        bench_forward,
-        bench_gemm_residual_rms,
-        bench_hf,
-        bench_layer,
-        bench_layer_grad_numerics,
-        bench_numerics,
-        bench_train,
-        tune_configs,
-    )
     from benchmarks._common import out_of_time
-
-    suites = [
-        ("main_demo", Demo(["demos/main.py"])),
-        ("numerics", bench_numerics),
-        ("attention_numerics", bench_attention_numerics),
-        ("attention_layout", bench_attention_layout),
-        ("layer_grad_numerics", bench_layer_grad_numerics),
-    ]
-    if args.tune:
-        suites.append(("tuning", tune_configs))
-    suites += [
-        ("gemm_residual_rms", bench_gemm_residual_rms),
-        ("forward", bench_forward),
-        ("layer_forward", bench_layer),
-        ("layer_train", bench_train.LayerOnly),
-        ("lm_head_train", bench_train.LMHeadOnly),
-        ("host", StepPart("host")),
-        ("graph", StepPart("graph")),
-        ("model", StepPart("model")),
-        ("hf", bench_hf),
-        ("train_demo", Demo(["demos/train.py", "--png", os.path.join(args.out, "train_loss.png")])),
-    ]
-    assert [n for n, _ in suites] == [n for n in SUITES if n != "tuning" or args.tune]
-    if args.only:
-        suites = [(n, m) for n, m in suites if n in args.only.split(",")]
     from coda.kernels import tuned
 
     record["tuned_configs_source"] = tuned.SOURCE

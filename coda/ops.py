@@ -301,9 +301,9 @@ def linear_cross_entropy(
     named = {"x": x, "w_lm": w_lm, "rstd": r, "target": target}
     if _start("linear_cross_entropy", backend, named) == "kernel":
         _kernel_layout({"x": x}, {"w_lm": w_lm}, {"rstd": r, "target": target})
-        cfg = config or config_for(M, d, w_lm.shape[1])
+        config = config or config_for(M, d, w_lm.shape[1])
         return linear_cross_entropy_kernel(
-            x, w_lm, r, target, ignore_index, reduction, cfg, label_smoothing, z_loss
+            x, w_lm, r, target, ignore_index, reduction, config, label_smoothing, z_loss
         )[0]
     loss = linear_cross_entropy_ref(
         x, w_lm, r, target, ignore_index, reduction, label_smoothing, z_loss
