@@ -325,10 +325,14 @@ TUNED_COMPILES = {
     "residual_rms_tuned_qwen3": lambda: grr.compile_gemm_residual_rms(
         256, 520, gamma=True, config=config_for(16384, 2048, 1024)
     ),
-    # the ops' tuned choices beyond the layers': SwiGLU without the pre-activation (128 x 128,
-    # d = 2048), the block's second GEMM (128 x 192 over a 1 x 2 cluster, d = 2048 QKV)
+    # the ops' tuned choices beyond the layers': SwiGLU without the pre-activation (128 x 128
+    # at d = 2048; 128 x 192 over a 1 x 2 cluster at Qwen3's), the block's second GEMM (128 x
+    # 192 over 1 x 2, d = 2048 QKV)
     "swiglu_only_tuned": lambda: sw.compile_gemm_swiglu(
         256, 512, save_preact=False, config=config_for(16384, 2048, 11264)
+    ),
+    "swiglu_only_tuned_cluster_n": lambda: sw.compile_gemm_swiglu(
+        256, 512, save_preact=False, config=config_for(16384, 1024, 6144)
     ),
     "scale_rows_tuned": lambda: rg.compile_gemm_scale_rows(
         256, 520, config=config_for(16384, 2048, 4096)
