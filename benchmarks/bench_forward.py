@@ -47,12 +47,17 @@ def kernel_rows() -> list[dict]:
         a = _rand(M, d)
         r = torch.rand(M, device="cuda") + 0.5
         pos = (torch.arange(M, device="cuda") % 4096).float()
-        cases = {
-            "scale_rows": (d, lambda w, c: rg.gemm_scale_rows_kernel(a, w, r, c)),
-            "swiglu_keep_preact": (2 * f, lambda w, c: sw.gemm_swiglu_kernel(a, w, r, True, c)),
-            "swiglu_only": (2 * f, lambda w, c: sw.gemm_swiglu_kernel(a, w, r, False, c)),
+        cases = {  # name: (N, its tuned-table kernel, the kernel call)
+            "scale_rows": (d, "scale_rows", lambda w, c: rg.gemm_scale_rows_kernel(a, w, r, c)),
+            "swiglu_keep_preact": (
+                2 * f,
+                "swiglu",
+                lambda w, c: sw.gemm_swiglu_kernel(a, w, r, True, c),
+            ),
+            "swiglu_only": (2 * f, "swiglu", lambda w, c: sw.gemm_swiglu_kernel(a, w, r, False, c)),
             "rope": (
                 (H + 2 * Hkv) * 128,
+                "rope",
                 lambda w, c: rp.gemm_rope_kernel(
                     a, w, r, pos, rp.rope_freq_table(128, H + Hkv, Hkv, device="cuda"), c
                 ),
@@ -62,11 +67,12 @@ def kernel_rows() -> list[dict]:
             tgt = torch.randint(0, V, (M,), device="cuda")
             cases[f"lm_head_ce_V{V}"] = (
                 V,
+                "lm_head",
                 lambda w, c, tgt=tgt: lce.lm_head_stats_kernel(a, w, r, tgt, c),
             )
-        for name, (N, fn) in cases.items():
+        for name, (N, kernel, fn) in cases.items():
             w = _rand(d, N, scale=d**-0.5)
-            cfg = config_for(M, d, N)
+            cfg = config_for(kernel, M, d, N)
             out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             t_raw = bench(lambda: _quack.run_epi_gemm(raw, a, w, out, None, {}, cfg))
             t_mm = bench(lambda: a @ w)

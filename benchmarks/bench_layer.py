@@ -52,13 +52,17 @@ def torch_layer(x0, w, cos, sin, H, Hkv, norm=None, rope=None, act=None):
 
 
 def coda_layer(x0, a0, r0, w, pos, freq, H, Hkv, d, f):
-    qkv = rp.gemm_rope_kernel(a0, w["wqkv"], r0, pos, freq, config_for(M, d, (H + 2 * Hkv) * HD))
+    qkv = rp.gemm_rope_kernel(
+        a0, w["wqkv"], r0, pos, freq, config_for("rope", M, d, (H + 2 * Hkv) * HD)
+    )
     o = attention(*split_heads(qkv, H, Hkv))
     x1, a1, r1 = grr.gemm_residual_rms_kernel(
-        o, w["wo"], x0, w["g2"], 1e-5, config_for(M, H * HD, d)
+        o, w["wo"], x0, w["g2"], 1e-5, config_for("residual", M, H * HD, d)
     )
-    s, u = sw.gemm_swiglu_kernel(a1, w["wil"], r1, True, config_for(M, d, 2 * f))
-    return grr.gemm_residual_rms_kernel(s, w["wd"], x1, w["g1"], 1e-5, config_for(M, f, d))
+    s, u = sw.gemm_swiglu_kernel(a1, w["wil"], r1, True, config_for("swiglu", M, d, 2 * f))
+    return grr.gemm_residual_rms_kernel(
+        s, w["wd"], x1, w["g1"], 1e-5, config_for("residual", M, f, d)
+    )
 
 
 def run() -> list[dict]:

@@ -278,6 +278,24 @@ def ce_grad_rows(only) -> list[dict]:
     return rows
 
 
+# the sweep's GEMM names (by prefix) -> the kernel their ``tuned.TUNED`` entries are keyed by
+KERNEL_OF = {
+    "qkv_rope": "rope",
+    "o_proj": "residual",
+    "gate_up_swiglu": "swiglu",
+    "down_proj": "residual",
+    "dswiglu": "dswiglu",
+    "norm_bwd": "norm_bwd",
+    "wgrad": "wgrad",
+    "lm_head_ce": "lm_head",
+}
+
+
+def tuned_kernel(name: str) -> str:
+    """The ``tuned.KERNELS`` name a swept GEMM's winner is entered under."""
+    return next(k for p, k in KERNEL_OF.items() if name.startswith(p))
+
+
 def run() -> list[dict]:
     only = [p for p in os.environ.get("CODA_TUNE_ONLY", "").split(",") if p]
     rows = row_pass_rows(only) if not only or any(p.startswith("row_pass") for p in only) else []
@@ -320,7 +338,8 @@ def run() -> list[dict]:
             cfg, t_k, t_raw = best
             split = f", split_k={cfg.split_k}" if cfg.split_k > 1 else ""
             print(
-                f"    ({K}, {N}): GemmConfig({cfg.tile_m}, {cfg.tile_n}, {cfg.cluster_m}, "
+                f'    ("{tuned_kernel(name)}", {K}, {N}): '
+                f"GemmConfig({cfg.tile_m}, {cfg.tile_n}, {cfg.cluster_m}, "
                 f"{cfg.cluster_n}, {cfg.pingpong}{split}),  # {name}: kernel {t_k:.4f} ms, raw "
                 f"{t_raw:.4f}, cuBLAS {t_mm:.4f}",
                 flush=True,

@@ -37,7 +37,7 @@ from coda.kernels.qk_norm import (
     qk_norm_rope_rows,
 )
 from coda.kernels.rmsnorm_bwd import norm_corr
-from coda.kernels.tuned import DSWIGLU, config_for
+from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad
 from coda.primitives.aux import ce_loss_from_stats, ce_row_weights, combine_lse
 
@@ -97,8 +97,10 @@ def _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres):
     dgamma1, and dW_qkv = gamma1 (rows) * (x0^T dz~0). Returns (dx0, dg1, dW_qkv)."""
     M, d = x0.shape
     dres = None if dres is None else dres.contiguous()
-    dx0, dg1 = lib.norm_bwd(dz0, w_qkv, x0, g1, corr0, dres, config_for(M, w_qkv.shape[1], d))
-    dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1, config_for(d, M, w_qkv.shape[1]))
+    dx0, dg1 = lib.norm_bwd(
+        dz0, w_qkv, x0, g1, corr0, dres, config_for("norm_bwd", M, w_qkv.shape[1], d)
+    )
+    dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1, config_for("wgrad", d, M, w_qkv.shape[1]))
     return dx0, dg1.to(g1.dtype), dw_qkv
 
 
@@ -117,7 +119,9 @@ class AttentionInput(torch.autograd.Function):
         M, d = x0.shape
         pos = positions.float()
         a0, r0 = fused(entry_norm)(x0, g1, dims.eps)  # F0
-        qkv = lib.gemm_rope(a0, w_qkv, r0, pos, freq, config_for(M, d, w_qkv.shape[1]))  # F1
+        qkv = lib.gemm_rope(
+            a0, w_qkv, r0, pos, freq, config_for("rope", M, d, w_qkv.shape[1])
+        )  # F1
         ctx.save_for_backward(x0, r0, qkv, g1, w_qkv, pos, freq)
         ctx.dims = dims
         return (*split_heads(qkv, dims), x0.view_as(x0))
@@ -157,7 +161,7 @@ class AttentionInputQKNorm(torch.autograd.Function):
             )
             s = s[:, : n_q + n_k]  # the v heads' statistic is computed and unused
         else:  # F1 without rotation, then the head norms and RoPE as a row pass
-            z = lib.gemm_scale_rows(a0, w_qkv, r0, config_for(M, d, w_qkv.shape[1]))
+            z = lib.gemm_scale_rows(a0, w_qkv, r0, config_for("scale_rows", M, d, w_qkv.shape[1]))
             cos, sin = head_rotation(pos, freq, hd, r0.dtype)
             qkv, s = fused(qk_norm_rope_rows)(z, q_norm, k_norm, cos, sin, n_q, n_k, hd, dims.eps)
             z_even, z_odd = z, None  # z saved whole
@@ -196,7 +200,9 @@ class AttentionOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o, w_o, x0, g2, eps: float):
         M, K = o.shape
-        x1, a1, r1 = lib.gemm_residual_rms(o, w_o, x0, g2, eps, config_for(M, K, w_o.shape[1]))
+        x1, a1, r1 = lib.gemm_residual_rms(
+            o, w_o, x0, g2, eps, config_for("residual", M, K, w_o.shape[1])
+        )
         ctx.mark_non_differentiable(a1, r1)
         ctx.save_for_backward(o, w_o)
         return x1, a1, r1
@@ -220,9 +226,9 @@ class MLP(torch.autograd.Function):
     def forward(ctx, x1, a1, r1, g2, w_il, w_d):
         M, d = x1.shape
         f = w_d.shape[0]
-        s, u = lib.gemm_swiglu(a1, w_il, r1, config_for(M, d, 2 * f))  # F4
+        s, u = lib.gemm_swiglu(a1, w_il, r1, config_for("swiglu", M, d, 2 * f))  # F4
         # F5: residual add only; this boundary's norm is the next layer's F0 (no AUX)
-        x2, _ = lib.gemm_residual(s, w_d, x1, config_for(M, f, d))
+        x2, _ = lib.gemm_residual(s, w_d, x1, config_for("residual", M, f, d))
         ctx.save_for_backward(x1, r1, u, g2, w_il, w_d)
         return x2
 
@@ -232,11 +238,13 @@ class MLP(torch.autograd.Function):
         M, d = x1.shape
         f = w_d.shape[0]
         dx2 = dx2.contiguous()
-        dz1, s, stat1 = lib.dswiglu(dx2, w_d, u, r1, config_for(M, d, f, DSWIGLU))  # B4
+        dz1, s, stat1 = lib.dswiglu(dx2, w_d, u, r1, config_for("dswiglu", M, d, f))  # B4
         dw_d = wgrad(s, dx2)  # B5
         corr1 = norm_corr(r1, stat1, d)  # A6
-        dx1, dg2 = lib.norm_bwd(dz1, w_il, x1, g2, corr1, dx2, config_for(M, 2 * f, d))  # B6 + A7
-        dw_il = lib.wgrad_gamma_rows(x1, dz1, g2, config_for(d, M, 2 * f))  # B7
+        dx1, dg2 = lib.norm_bwd(
+            dz1, w_il, x1, g2, corr1, dx2, config_for("norm_bwd", M, 2 * f, d)
+        )  # B6 + A7
+        dw_il = lib.wgrad_gamma_rows(x1, dz1, g2, config_for("wgrad", d, M, 2 * f))  # B7
         return dx1, None, None, dg2.to(g2.dtype), dw_il, dw_d
 
 
@@ -313,7 +321,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         w = w_lm if w_lm.dtype == x2.dtype else w_lm.to(x2.dtype)
         y, r = fused(final_norm)(x2, gf, eps)
         ones = torch.ones_like(r)  # the row scale is already in y
-        cfg = config_for(M, d, V)
+        cfg = config_for("lm_head", M, d, V)
         if method in ("chunked", "scaled_exp") and reduction == "none":
             # per-token losses need per-token weights in dW and dgamma, which the chunked
             # program (gradients formed at weight 1 in the forward) cannot apply

@@ -109,7 +109,7 @@ def gemm_residual_rms(
     named = {"x": x, "w": w, "residual": residual, "gamma": gamma}
     if _start("gemm_residual_rms", backend, named) == "kernel":
         _kernel_layout({"x": x, "residual": residual}, {"w": w}, {"gamma": gamma})
-        config = config or config_for(M, K, N)
+        config = config or config_for("residual", M, K, N)
         if gamma is None:
             h, sumsq = lib.gemm_residual(x, w, residual, config)
             return ResidualRMS(h, None, rstd_from_sumsq(sumsq, w.shape[1], eps))
@@ -150,8 +150,8 @@ def gemm_rmsnorm_gemm(
     named = {"x": x, "w1": w1, "residual": residual, "gamma": gamma, "w2": w2}
     if _start("gemm_rmsnorm_gemm", backend, named) == "kernel":
         _kernel_layout({"x": x, "residual": residual}, {"w1": w1, "w2": w2}, {"gamma": gamma})
-        config1 = config1 or config_for(M, K, d)
-        config2 = config2 or config_for(M, d, w2.shape[1])
+        config1 = config1 or config_for("residual", M, K, d)
+        config2 = config2 or config_for("scale_rows", M, d, w2.shape[1])
         return RMSNormGemm(
             *gemm_rmsnorm_gemm_kernel(x, w1, residual, gamma, w2, eps, config1, config2)
         )
@@ -185,7 +185,7 @@ def gemm_swiglu(
     r = _rstd(rstd, x)
     if _start("gemm_swiglu", backend, {"x": x, "w_il": w_il, "rstd": r}) == "kernel":
         _kernel_layout({"x": x}, {"w_il": w_il}, {"rstd": r})
-        config = config or config_for(M, K, w_il.shape[1])
+        config = config or config_for("swiglu", M, K, w_il.shape[1])
         if config.tile_n % 32:
             raise v.CodaInputError(f"config.tile_n must be a multiple of 32, got {config.tile_n}")
         if save_preact:
@@ -251,7 +251,7 @@ def gemm_rope(
         freq = cached_freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads, rope_base, x.device)
         pos = positions.to(torch.float32)
         if q_norm is None:
-            return lib.gemm_rope(x, w_qkv, r, pos, freq, config or config_for(M, K, n_cols))
+            return lib.gemm_rope(x, w_qkv, r, pos, freq, config or config_for("rope", M, K, n_cols))
         cfg = config or qk_norm_config(head_dim)
         if cfg is None or cfg.tile_n % head_dim:
             raise v.CodaInputError(
@@ -301,7 +301,7 @@ def linear_cross_entropy(
     named = {"x": x, "w_lm": w_lm, "rstd": r, "target": target}
     if _start("linear_cross_entropy", backend, named) == "kernel":
         _kernel_layout({"x": x}, {"w_lm": w_lm}, {"rstd": r, "target": target})
-        config = config or config_for(M, d, w_lm.shape[1])
+        config = config or config_for("lm_head", M, d, w_lm.shape[1])
         return linear_cross_entropy_kernel(
             x, w_lm, r, target, ignore_index, reduction, config, label_smoothing, z_loss
         )[0]

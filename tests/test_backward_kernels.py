@@ -16,7 +16,6 @@ from coda.kernels import gemm_rmsnorm_gemm as rg
 from coda.kernels import linear_cross_entropy_bwd as ceb
 from coda.kernels import linear_cross_entropy_chunked as cec
 from coda.kernels.config import GemmConfig
-from coda.kernels.tuned import DSWIGLU, config_for
 from coda.primitives.interpreter import interpret
 from coda.reference import cross_entropy as ce_ref
 from coda.reference import layer as L
@@ -237,8 +236,6 @@ def test_module_dtype_mismatch_is_an_error():
 # -- level 2 ----------------------------------------------------------------------------------
 COMPILES = {
     "dswiglu": lambda: dswiglu.compile_dswiglu(512, 768),
-    # dSwiGLU's own config (coda/kernels/tuned.py): 128 x 128 tiles at every shape
-    "dswiglu_tuned": lambda: dswiglu.compile_dswiglu(512, 768, config=DSWIGLU),
     "norm_bwd": lambda: rmsnorm_bwd.compile_norm_bwd(1024, 512, residual=False),
     "norm_bwd_residual": lambda: rmsnorm_bwd.compile_norm_bwd(1024, 512, residual=True),
     "ce_grad_logits": lambda: ceb.compile_grad_logits(256, 1000),
@@ -248,20 +245,6 @@ COMPILES = {
     # Cleave's Split: the K = tokens loop cut in two, partials combined in split order
     "wgrad_gamma_rows_split_k": lambda: wgrad.compile_wgrad_gamma_rows(
         512, 768, config=GemmConfig(128, 192, 2, 1, False, split_k=2)
-    ),
-    # the 1B-shaped layer's tuned wgrad configs (256-row cooperative tiles)
-    "wgrad_gamma_rows_tuned_1b": lambda: wgrad.compile_wgrad_gamma_rows(
-        512, 768, config=config_for(2048, 16384, 16384)
-    ),
-    "wgrad_gamma_rows_tuned_1b_qkv": lambda: wgrad.compile_wgrad_gamma_rows(
-        512, 768, config=config_for(2048, 16384, 3072)
-    ),
-    # the demo model's QKV wgrad: 128 x 128 ping-pong tiles over K = 8192 tokens
-    "wgrad_gamma_rows_tuned_demo_qkv": lambda: wgrad.compile_wgrad_gamma_rows(
-        512, 768, config=config_for(1024, 8192, 2048)
-    ),
-    "norm_bwd_tuned_1b": lambda: rmsnorm_bwd.compile_norm_bwd(
-        768, 512, residual=True, config=config_for(16384, 3072, 2048)
     ),
     "ce_chunked_logits": lambda: cec.compile_logits_chunk(256, 1000),
     "ce_chunked_g_fp32": lambda: cec.compile_g(256, 1000),

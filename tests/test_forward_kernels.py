@@ -11,14 +11,12 @@ from conftest import fro_err, random_dims, rel_err
 
 import coda
 from coda import layouts
-from coda.kernels import gemm_residual_rms as grr
 from coda.kernels import gemm_rmsnorm_gemm as rg
 from coda.kernels import gemm_rope as rp
 from coda.kernels import gemm_swiglu as sw
 from coda.kernels import linear_cross_entropy as ce
 from coda.kernels import qk_norm as qkn
 from coda.kernels.config import DEFAULT, GemmConfig
-from coda.kernels.tuned import config_for
 from coda.primitives.interpreter import interpret
 from coda.reference import cross_entropy as ce_ref
 from coda.reference import rmsnorm as rn_ref
@@ -200,17 +198,20 @@ def test_public_ops_reference_path_on_cpu():
 
 def test_public_ops_take_the_tuned_tile_unless_given_one(monkeypatch):
     """Without ``config`` each op's kernel path runs the tile ``tuned.config_for`` names for
-    its GEMM's (K, N), as the layers do; a given config wins. The kernels are stood in for by
-    spies (no GPU here): this checks the choice, the compile tests check those tiles build."""
+    its kernel at its GEMM's (K, N), as the layers do; a given config wins. The kernels are
+    stood in for by spies (no GPU here): this checks the choice, tests/test_tuned.py that
+    every tile of the table compiles."""
     from coda import ops
     from coda.kernels import tuned
 
-    picks = {
-        (16, 48): GemmConfig(128, 128, 2, 1, True),
-        (48, 64): GemmConfig(256, 128, 2, 1, False),
-    }
-    for key, cfg in picks.items():
-        monkeypatch.setitem(tuned.TUNED, key, cfg)
+    # one tile per kernel at (K, N) = (16, 48), so each op shows which kernel it asked for
+    kernels = ("swiglu", "residual", "rope", "lm_head")
+    picks = {k: GemmConfig(128, 64 * (i + 1), 2, 1, True) for i, k in enumerate(kernels)}
+    for kernel, cfg in picks.items():
+        monkeypatch.setitem(tuned.TUNED, (kernel, 16, 48), cfg)
+    second = GemmConfig(256, 128, 2, 1, False)  # gemm_rmsnorm_gemm's GEMM2, (48, 64)
+    monkeypatch.setitem(tuned.TUNED, ("scale_rows", 48, 64), second)
+    monkeypatch.setitem(tuned.TUNED, ("residual", 48, 64), DEFAULT)  # another kernel's: unused
     seen = []
     monkeypatch.setattr(ops, "_start", lambda *a: "kernel")
     monkeypatch.setattr(ops, "_kernel_layout", lambda *a: None)
@@ -233,12 +234,12 @@ def test_public_ops_take_the_tuned_tile_unless_given_one(monkeypatch):
     coda.gemm_rope(x, w, pos, head_dim=8, n_heads=2, n_kv_heads=2)
     coda.gemm_rmsnorm_gemm(x, w, res, g, w2)
     coda.linear_cross_entropy(x, w, torch.zeros(5, dtype=torch.long))
-    tuned_16_48, tuned_48_64 = picks[(16, 48)], picks[(48, 64)]
-    assert seen == [tuned_16_48] * 3 + [(tuned_16_48, tuned_48_64), tuned_16_48]
+    p = picks
+    assert seen == [p["swiglu"], p["residual"], p["rope"], (p["residual"], second), p["lm_head"]]
     seen.clear()
     coda.gemm_swiglu(x, w, config=DEFAULT)
     coda.gemm_rmsnorm_gemm(x, w, res, g, w2, config2=DEFAULT)
-    assert seen == [DEFAULT, (tuned_16_48, DEFAULT)]
+    assert seen == [DEFAULT, (p["residual"], DEFAULT)]
 
 
 def test_layouts_round_trip_and_attention_unchanged():
@@ -314,33 +315,7 @@ COMPILES = {
     "lm_head_stats": lambda m: ce.compile_lm_head_stats(256, 1000, w_major=m),
     "scale_rows": lambda m: rg.compile_gemm_scale_rows(256, 520, w_major=m),
 }
-# the tuned configs of the forward GEMMs (coda/kernels/tuned.py)
-TUNED_COMPILES = {
-    "rope_tuned_1b": lambda: rp.compile_gemm_rope(256, 640, config=config_for(16384, 2048, 3072)),
-    "swiglu_tuned_1b": lambda: sw.compile_gemm_swiglu(
-        256, 512, save_preact=True, config=config_for(16384, 2048, 16384)
-    ),
-    # d = 1024 (Qwen3's layer, the demo model's): 128 x 128 tiles for the N = 1024 outputs
-    "rope_tuned_demo": lambda: rp.compile_gemm_rope(256, 640, config=config_for(8192, 1024, 2048)),
-    "residual_rms_tuned_qwen3": lambda: grr.compile_gemm_residual_rms(
-        256, 520, gamma=True, config=config_for(16384, 2048, 1024)
-    ),
-    # the ops' tuned choices beyond the layers': SwiGLU without the pre-activation (128 x 128
-    # at d = 2048; 128 x 192 over a 1 x 2 cluster at Qwen3's), the block's second GEMM (128 x
-    # 192 over 1 x 2, d = 2048 QKV)
-    "swiglu_only_tuned": lambda: sw.compile_gemm_swiglu(
-        256, 512, save_preact=False, config=config_for(16384, 2048, 11264)
-    ),
-    "swiglu_only_tuned_cluster_n": lambda: sw.compile_gemm_swiglu(
-        256, 512, save_preact=False, config=config_for(16384, 1024, 6144)
-    ),
-    "scale_rows_tuned": lambda: rg.compile_gemm_scale_rows(
-        256, 520, config=config_for(16384, 2048, 4096)
-    ),
-    "residual_tuned_qwen3": lambda: grr.compile_gemm_residual_rms(
-        256, 520, gamma=False, config=config_for(16384, 3072, 1024)
-    ),
-}
+# every tile the tuned table hands out compiles in tests/test_tuned.py
 # F1 with QK-norm in the epilogue (prepass statistic): head_dim 64 and 128 (Qwen3's)
 QK_NORM_COMPILES = {64: (256, 512), 128: (256, 1024)}
 
@@ -351,12 +326,6 @@ def test_qk_norm_rope_compiles_for_sm90(head_dim):
     k, n = QK_NORM_COMPILES[head_dim]
     assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim) in (0, 1)
     assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim, keep_z=True) in (0, 1)  # training F1
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("kernel", sorted(TUNED_COMPILES))
-def test_tuned_configs_compile_for_sm90(kernel):
-    assert TUNED_COMPILES[kernel]() in (0, 1)
 
 
 @pytest.mark.compile

@@ -150,7 +150,13 @@ def linear_cross_entropy_bwd_kernel(
         _one_hot_fixup(dz, s, target, c0, rstd, scale, hot, target_logit, lse, shift)
         S += s
         # B3: dW_lm[:, C] = a^T @ dz~, stored straight into its column block of dW
-        launch(passthrough, a.t(), dz, config=config_for(d, M, V), d=dw[:, c0 : c0 + dz.shape[1]])
+        launch(
+            passthrough,
+            a.t(),
+            dz,
+            config=config_for("passthrough", d, M, V),
+            d=dw[:, c0 : c0 + dz.shape[1]],
+        )
         if interpreted:
             G += dz @ wc.t()
         else:  # B2: G += dz~ @ W_c^T, reduce-added by the TMA store into the fp32 G
@@ -220,7 +226,7 @@ def compile_dw_block(d, v, *, chunk=512, m=256) -> int:
     a = torch.empty(m, d, dtype=torch.bfloat16)
     dz = torch.empty(m, chunk, dtype=torch.bfloat16)
     dw = torch.empty(d, v, dtype=torch.bfloat16)
-    cfg = config_for(d, m, v)
+    cfg = config_for("passthrough", d, m, v)
     return launch(passthrough, a.t(), dz, config=cfg, d=dw[:, chunk : 2 * chunk], dry=True)
 
 

@@ -144,12 +144,12 @@ def row_dot(G, a, rstd):
 
 def g_config(rows: int, v: int, d: int) -> GemmConfig:
     """Tile config of B2' (rows x d, K = V)."""
-    return config_for(rows, v, d)
+    return config_for("passthrough", rows, v, d)
 
 
 def dw_config(d: int, rows: int, v: int) -> GemmConfig:
     """Tile config of B3' (d x V, K = rows): the LM head's tuned config for its shape."""
-    return config_for(d, rows, v)
+    return config_for("passthrough", d, rows, v)
 
 
 def dw_gemm(a, dz, dw, rows: int):

@@ -1,0 +1,78 @@
+"""The tuned tile table (``coda.kernels.tuned``): every (kernel, tile) pair it can hand out
+compiles for sm_90a (level 2, derived from the table itself, so a new entry is compiled by CI
+the day it is added), and lookups are keyed by kernel (a shape tuned for one kernel never
+gives its tile to another)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coda.kernels import ce_scaled_exp as cse
+from coda.kernels import dswiglu, rmsnorm_bwd, tuned, wgrad
+from coda.kernels import gemm_residual_rms as grr
+from coda.kernels import gemm_rmsnorm_gemm as rg
+from coda.kernels import gemm_rope as rp
+from coda.kernels import gemm_swiglu as sw
+from coda.kernels import linear_cross_entropy as ce
+from coda.kernels import linear_cross_entropy_chunked as cec
+from coda.kernels.config import DEFAULT, GemmConfig
+
+# kernel -> compile every program the kernel's lookups serve, at small shapes, on ``config``
+# (sum of compiles done: 0 when quack's jit cache already held them)
+COMPILE = {
+    "rope": lambda c: rp.compile_gemm_rope(256, 640, config=c),
+    "scale_rows": lambda c: rg.compile_gemm_scale_rows(256, 520, config=c),
+    "residual": lambda c: (
+        grr.compile_gemm_residual_rms(256, 520, gamma=True, config=c)
+        + grr.compile_gemm_residual_rms(256, 520, gamma=False, config=c)
+    ),
+    "swiglu": lambda c: (
+        sw.compile_gemm_swiglu(256, 512, save_preact=True, config=c)
+        + sw.compile_gemm_swiglu(256, 512, save_preact=False, config=c)
+    ),
+    "dswiglu": lambda c: dswiglu.compile_dswiglu(512, 768, config=c),
+    "norm_bwd": lambda c: rmsnorm_bwd.compile_norm_bwd(768, 512, residual=True, config=c),
+    "wgrad": lambda c: wgrad.compile_wgrad_gamma_rows(512, 768, config=c),
+    # CE-S's logits GEMM (the default method) and the recompute / chunked methods' stats GEMM
+    "lm_head": lambda c: (
+        cse.compile_scaled_exp_logits(512, 768, config=cse.scaled_exp_config(768, c))
+        + ce.compile_lm_head_stats(256, 1000, config=c)
+    ),
+    "passthrough": lambda c: cec.compile_logits_chunk(256, 1000, config=c),
+}
+
+PAIRS = sorted(
+    {(kernel, cfg) for (kernel, _, _), cfg in tuned.TUNED.items()} | set(tuned.DEFAULTS.items()),
+    key=lambda p: (p[0], tuple(vars(p[1]).values())),
+)
+
+
+def _id(pair) -> str:
+    k, c = pair
+    sched = "pp" if c.pingpong else "coop"
+    return f"{k}-{c.tile_m}x{c.tile_n}-c{c.cluster_m}x{c.cluster_n}-{sched}"
+
+
+def test_every_kernel_has_a_compile_and_every_key_names_one():
+    assert set(COMPILE) == set(tuned.KERNELS)
+    assert {k for k, _, _ in tuned.TUNED} <= set(tuned.KERNELS)
+    assert set(tuned.DEFAULTS) <= set(tuned.KERNELS)
+
+
+def test_lookups_are_keyed_by_kernel():
+    # K = 8192, N = 2048: the d = 1024 demo's QKV wgrad (tuned) and the 1B layer's down
+    # projection (swept in run 20: the default won) meet at one (K, N)
+    assert tuned.config_for("wgrad", 8192, 8192, 2048) == GemmConfig(128, 128, 2, 1, True)
+    assert tuned.config_for("residual", 16384, 8192, 2048) == DEFAULT
+    # a kernel with its own default takes it where no entry exists, others quack's
+    assert tuned.config_for("dswiglu", 16384, 2048, 5632) == tuned.DSWIGLU != DEFAULT
+    assert tuned.config_for("swiglu", 16384, 24, 40) == DEFAULT
+    with pytest.raises(ValueError, match="kernel: must be one of"):
+        tuned.config_for("gemm", 16384, 2048, 2048)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("pair", PAIRS, ids=[_id(p) for p in PAIRS])
+def test_every_tuned_tile_compiles_for_sm90(pair):
+    kernel, config = pair
+    assert COMPILE[kernel](config) in (0, 1, 2)  # a compile error raises
