@@ -4,7 +4,9 @@ run. Peers: the same layer in torch eager (HF style), torch.compile, and with Li
 
 coda's layer is the steady state of a stack: it takes x0 with a0 = x0 * gamma1 and r0 from the
 previous layer's last epilogue, and hands the next layer x2, a2, r2 (KERNELS.md F1..F5); the
-saved pre-activation u is written (training forward).
+saved pre-activation u is written (training forward). ``coda_decoder_layer`` is what a user
+calls, ``coda.nn.DecoderLayer`` under ``torch.no_grad()``: its entry norm is a row kernel of its
+own (no previous layer hands it a0, r0) and it keeps nothing for backward.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 
 from benchmarks._common import bench, row
 from benchmarks.bench_forward import ffn, heads
+from coda import nn as cnn
 from coda.kernels import gemm_residual_rms as grr
 from coda.kernels import gemm_rope as rp
 from coda.kernels import gemm_swiglu as sw
@@ -106,8 +109,12 @@ def run() -> list[dict]:
         }
         floor = sum(t["ms"] for t in parts.values())
         compiled = torch.compile(torch_layer)
+        layer = cnn.DecoderLayer(d, H, Hkv, f, device="cuda", backend="kernel")
+        x = x0.view(B, S, d)
         variants = {
             "coda": lambda: coda_layer(x0, a0, r0, w, pos, freq, H, Hkv, d, f),
+            # what a user calls: the module, its entry norm included (its own random weights)
+            "coda_decoder_layer": lambda: layer(x),
             "torch_eager": lambda: torch_layer(x0, w, cos, sin, H, Hkv),
             "torch_compile": lambda: compiled(x0, w, cos, sin, H, Hkv),
         }
