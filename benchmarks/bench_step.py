@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import torch
@@ -68,6 +69,39 @@ def _per_call_us(fn, n=300) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def host_profile(name: str, fn, calls: int = 200, top: int = 25, grad: bool = True) -> dict:
+    """Where one call's host time goes: ``cProfile`` over ``calls`` calls of ``fn`` (kernels
+    queued, not awaited), the ``top`` functions by their own time, in us per call."""
+    import cProfile
+    import pstats
+
+    with torch.set_grad_enabled(grad):
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # (file, line, fn) -> (cc, nc, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {
+        "name": f"host_profile/{name}",
+        "calls": calls,
+        "top_own_us_per_call": [
+            {
+                "fn": f"{os.path.basename(k[0])}:{k[1]}({k[2]})",
+                "own_us": v[2] / calls * 1e6,
+                "cum_us": v[3] / calls * 1e6,
+                "ncalls_per_call": v[1] / calls,
+            }
+            for k, v in rows
+        ],
+    }
+
+
 def host_rows() -> list[dict]:
     M, d, f, V = 256, 256, 512, 1024
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -113,6 +147,8 @@ def host_rows() -> list[dict]:
         "LMHeadLoss forward+backward": head_step,
     }
     rows, us = [], {}
+    rows.append(host_profile("DecoderLayer forward+backward", layer_step))
+    rows.append(host_profile("coda.gemm_swiglu", calls["coda.gemm_swiglu"], grad=False))
     with torch.no_grad():
         for name in list(calls)[:9]:
             us[name] = _per_call_us(calls[name])

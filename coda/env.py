@@ -92,13 +92,12 @@ def autocast_off(device: torch.device):
 
 
 def resolve_backend(op: str, backend: str, device: torch.device, dtype=None) -> str:
-    """'kernel' or 'reference' for one call of ``op``; records and reports the choice (not
-    while ``torch.compile`` traces: the choice is then fixed in the graph by its guards on the
-    device and dtype, and global bookkeeping would only force recompiles)."""
+    """'kernel' or 'reference' for one call of ``op``; records and reports the choice
+    (``record``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
-        path, reason = "reference", "backend='reference' was asked for"
+        path, reason = "reference", REFERENCE_ASKED
     else:
         ok, reason = kernel_support(device, dtype)
         if ok:
@@ -107,18 +106,28 @@ def resolve_backend(op: str, backend: str, device: torch.device, dtype=None) -> 
             raise UnsupportedDeviceError(f"{op}: backend='kernel' cannot run: {reason}")
         else:
             path = "reference"
-            if torch.compiler.is_compiling():
-                return path
-            if (op, reason) not in _WARNED:
-                _WARNED.add((op, reason))
-                warnings.warn(
-                    f"coda.{op} runs its pure-torch reference path: {reason}",
-                    CodaReferencePathWarning,
-                    stacklevel=3,
-                )
-    if not torch.compiler.is_compiling():
-        _LAST[op] = (path, reason)
+    record(op, path, reason)
     return path
+
+
+REFERENCE_ASKED = "backend='reference' was asked for"
+
+
+def record(op: str, path: str, reason: str) -> None:
+    """One call of ``op`` ran ``path`` for ``reason``: kept for ``last_path``, and the first
+    reference-path call of each (op, reason) not asked for warns. Nothing while
+    ``torch.compile`` traces: the choice is then fixed in the graph by its guards on the
+    device and dtype, and global bookkeeping would only force recompiles."""
+    if torch.compiler.is_compiling():
+        return
+    if path == "reference" and reason != REFERENCE_ASKED and (op, reason) not in _WARNED:
+        _WARNED.add((op, reason))
+        warnings.warn(
+            f"coda.{op} runs its pure-torch reference path: {reason}",
+            CodaReferencePathWarning,
+            stacklevel=4,
+        )
+    _LAST[op] = (path, reason)
 
 
 def last_path(op: str) -> tuple[str, str] | None:

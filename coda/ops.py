@@ -13,6 +13,11 @@ W_qkv and W_il are in coda's paired layouts (``coda.layouts`` converts HF weight
 the tile measured fastest for the GEMM's (K, N) on the H200 (``coda.kernels.tuned``), as the
 layers use, else quack's default. These ops are forward only; they refuse inputs that require
 grad (the autograd layers are ``coda.nn``'s).
+
+Host cost: every rule above depends only on the inputs' metadata (dtype, device, shape,
+strides, requires_grad), the op's plain arguments and the grad mode, so each op runs its checks
+once per such signature (``_checked``) and afterwards only what metadata cannot show, the TMA
+operands' base-address alignment. A call then costs little more than its kernel launches.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from coda import _validate as v
-from coda.env import resolve_backend
+from coda.env import last_path, record, resolve_backend
 from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype
 from coda.kernels.config import GemmConfig
@@ -66,16 +71,59 @@ def _kernel_layout(activations: dict, weights: dict, vectors: dict) -> None:
             raise v.CodaInputError(f"{name}: must be contiguous")
 
 
-def _rstd(rstd, x, name="rstd"):
-    M, want = x.shape[0], acc_dtype(x)
+def _check_rstd(rstd, x, name="rstd") -> None:
     if rstd is None:
-        return torch.ones(M, dtype=want, device=x.device)
-    v.check_vector(name, rstd, ("x.shape[0]", M))
+        return
+    v.check_vector(name, rstd, ("x.shape[0]", x.shape[0]))
+    want = acc_dtype(x)
     if rstd.dtype != want:
         raise v.CodaInputError(
             f"{name}: dtype must be {want} for {x.dtype} inputs, got {rstd.dtype}"
         )
-    return rstd
+
+
+def _rstd(rstd, x):
+    """``rstd``, or ones (no row scale) where it is None."""
+    return torch.ones(x.shape[0], dtype=acc_dtype(x), device=x.device) if rstd is None else rstd
+
+
+# (op, plain arguments, grad mode, each tensor's signature) -> (path, reason) of its checks
+_CHECKED: dict = {}
+MAX_CHECKED = 4096  # emptied when full (many distinct token counts), then refilled
+
+
+def _signature(t):
+    return None if t is None else (t.dtype, t.device, t.shape, t.stride(), t.requires_grad)
+
+
+def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = ()) -> str:
+    """The path of this call of ``op``: ``check()`` (all of the op's rules; raises on a
+    broken one, returns the path) runs on the first call of each signature, later calls
+    reuse its verdict and re-check only the base address of each TMA operand named in
+    ``tma``. Inside a torch.compile trace ``check()`` always runs (it is traced once)."""
+    if torch.compiler.is_compiling():
+        return check()
+    try:
+        typed = tuple((type(p), p) for p in plain)  # True is not 1, 2.0 is not 2
+        key = (op, typed, torch.is_grad_enabled(), *map(_signature, tensors.values()))
+        hit = _CHECKED.get(key)
+    except (AttributeError, TypeError):  # not a tensor, or unhashable: the checks name it
+        return check()
+    if hit is None:
+        path = check()
+        verdict = last_path(op)  # (path, reason) as ``check`` recorded it
+        if verdict is not None and verdict[0] == path:
+            if len(_CHECKED) >= MAX_CHECKED:
+                _CHECKED.clear()
+            _CHECKED[key] = verdict
+    else:
+        path = hit[0]
+        record(op, *hit)
+    if path == "kernel":
+        for name in tma:
+            if tensors[name].data_ptr() % 16:
+                raise v.CodaInputError(f"{name}: base address must be 16-byte aligned for the TMA")
+    return path
 
 
 class ResidualRMS(NamedTuple):
@@ -99,16 +147,24 @@ def gemm_residual_rms(
     x (M, K), w (K, N), residual (M, N), gamma (N,). RMSNorm(h) * gamma == rstd[:, None] *
     normed, and (RMSNorm(h) * gamma) @ w2 == rstd[:, None] * (normed @ w2): the row scale is
     deferred to the next GEMM's epilogue (KERNELS.md [I2.3])."""
-    v.check_matrix("x", x)
-    M, K = x.shape
-    v.check_matrix("w", w, rows=("x.shape[1]", K))
-    N = w.shape[1]
-    v.check_matrix("residual", residual, rows=("x.shape[0]", M), cols=("w.shape[1]", N))
-    if gamma is not None:
-        v.check_vector("gamma", gamma, ("w.shape[1]", N))
     named = {"x": x, "w": w, "residual": residual, "gamma": gamma}
-    if _start("gemm_residual_rms", backend, named) == "kernel":
-        _kernel_layout({"x": x, "residual": residual}, {"w": w}, {"gamma": gamma})
+
+    def check():
+        v.check_matrix("x", x)
+        M, K = x.shape
+        v.check_matrix("w", w, rows=("x.shape[1]", K))
+        N = w.shape[1]
+        v.check_matrix("residual", residual, rows=("x.shape[0]", M), cols=("w.shape[1]", N))
+        if gamma is not None:
+            v.check_vector("gamma", gamma, ("w.shape[1]", N))
+        path = _start("gemm_residual_rms", backend, named)
+        if path == "kernel":
+            _kernel_layout({"x": x, "residual": residual}, {"w": w}, {"gamma": gamma})
+        return path
+
+    tma = ("x", "residual", "w")
+    if _checked("gemm_residual_rms", check, (backend, eps, config), named, tma) == "kernel":
+        (M, K), N = x.shape, w.shape[1]
         config = config or config_for("residual", M, K, N)
         if gamma is None:
             h, sumsq = lib.gemm_residual(x, w, residual, config)
@@ -140,16 +196,26 @@ def gemm_rmsnorm_gemm(
 
     x (M, K), w1 (K, d), residual (M, d), gamma (d,), w2 (d, N2). On the kernel path the norm is
     the epilogue of GEMM1 (partials), an AUX reduction, and the row scale in GEMM2's epilogue."""
-    v.check_matrix("x", x)
-    M, K = x.shape
-    v.check_matrix("w1", w1, rows=("x.shape[1]", K))
-    d = w1.shape[1]
-    v.check_matrix("residual", residual, rows=("x.shape[0]", M), cols=("w1.shape[1]", d))
-    v.check_vector("gamma", gamma, ("w1.shape[1]", d))
-    v.check_matrix("w2", w2, rows=("w1.shape[1]", d))
     named = {"x": x, "w1": w1, "residual": residual, "gamma": gamma, "w2": w2}
-    if _start("gemm_rmsnorm_gemm", backend, named) == "kernel":
-        _kernel_layout({"x": x, "residual": residual}, {"w1": w1, "w2": w2}, {"gamma": gamma})
+
+    def check():
+        v.check_matrix("x", x)
+        M, K = x.shape
+        v.check_matrix("w1", w1, rows=("x.shape[1]", K))
+        d = w1.shape[1]
+        v.check_matrix("residual", residual, rows=("x.shape[0]", M), cols=("w1.shape[1]", d))
+        v.check_vector("gamma", gamma, ("w1.shape[1]", d))
+        v.check_matrix("w2", w2, rows=("w1.shape[1]", d))
+        path = _start("gemm_rmsnorm_gemm", backend, named)
+        if path == "kernel":
+            layout = ({"x": x, "residual": residual}, {"w1": w1, "w2": w2}, {"gamma": gamma})
+            _kernel_layout(*layout)
+        return path
+
+    tma = ("x", "residual", "w1", "w2")
+    plain = (backend, eps, config1, config2)
+    if _checked("gemm_rmsnorm_gemm", check, plain, named, tma) == "kernel":
+        (M, K), d = x.shape, w1.shape[1]
         config1 = config1 or config_for("residual", M, K, d)
         config2 = config2 or config_for("scale_rows", M, d, w2.shape[1])
         return RMSNormGemm(
@@ -177,17 +243,26 @@ def gemm_swiglu(
 
     x (M, K), w_il (K, 2f) (``coda.layouts.gate_up_weight_from_hf``), rstd (M,) fp32 or None
     (no norm). ``save_preact`` also returns x @ w_il, what the backward needs."""
-    v.check_matrix("x", x)
-    M, K = x.shape
-    v.check_matrix("w_il", w_il, rows=("x.shape[1]", K))
-    if w_il.shape[1] % 2:
-        raise v.CodaInputError(f"w_il: dim 1 (2f) must be even, got {w_il.shape[1]}")
+    named = {"x": x, "w_il": w_il, "rstd": rstd}
+
+    def check():
+        v.check_matrix("x", x)
+        v.check_matrix("w_il", w_il, rows=("x.shape[1]", x.shape[1]))
+        if w_il.shape[1] % 2:
+            raise v.CodaInputError(f"w_il: dim 1 (2f) must be even, got {w_il.shape[1]}")
+        _check_rstd(rstd, x)
+        path = _start("gemm_swiglu", backend, named)
+        if path == "kernel":
+            _kernel_layout({"x": x}, {"w_il": w_il}, {"rstd": rstd})
+            tile_n = (config or config_for("swiglu", *x.shape, w_il.shape[1])).tile_n
+            if tile_n % 32:
+                raise v.CodaInputError(f"config.tile_n must be a multiple of 32, got {tile_n}")
+        return path
+
+    path = _checked("gemm_swiglu", check, (backend, save_preact, config), named, ("x", "w_il"))
     r = _rstd(rstd, x)
-    if _start("gemm_swiglu", backend, {"x": x, "w_il": w_il, "rstd": r}) == "kernel":
-        _kernel_layout({"x": x}, {"w_il": w_il}, {"rstd": r})
-        config = config or config_for("swiglu", M, K, w_il.shape[1])
-        if config.tile_n % 32:
-            raise v.CodaInputError(f"config.tile_n must be a multiple of 32, got {config.tile_n}")
+    if path == "kernel":
+        config = config or config_for("swiglu", *x.shape, w_il.shape[1])
         if save_preact:
             return SwiGLU(*lib.gemm_swiglu(x, w_il, r, config))
         return SwiGLU(lib.gemm_swiglu_only(x, w_il, r, config), None)
@@ -222,43 +297,54 @@ def gemm_rope(
     converts Qwen3's): each q and k head is RMS-normalized over its head_dim values (eps) and
     scaled by them before RoPE, Qwen3's QK-norm, inside the GEMM's epilogue on the kernel
     path (the default tile config then holds whole heads: ``qk_norm.qk_norm_config``)."""
-    v.check_matrix("x", x)
-    M, K = x.shape
-    for name, val in (("head_dim", head_dim), ("n_heads", n_heads)):
-        v.check_positive_int(name, val)
-    if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or n_kv_heads < 0:
-        raise v.CodaInputError(f"n_kv_heads: must be an integer >= 0, got {n_kv_heads!r}")
-    n_cols = (n_heads + 2 * n_kv_heads) * head_dim
-    v.check_matrix(
-        "w_qkv", w_qkv, rows=("x.shape[1]", K), cols=("(n_heads + 2 n_kv_heads) head_dim", n_cols)
-    )
-    if head_dim % 2:
-        raise v.CodaInputError(f"head_dim must be even, got {head_dim}")
-    v.check_vector("positions", positions, ("x.shape[0]", M))
-    if positions.is_complex() or positions.dtype == torch.bool:
-        raise v.CodaInputError(f"positions: must be integer or float, got {positions.dtype}")
-    r = _rstd(rstd, x)
-    if (q_norm is None) != (k_norm is None):
-        raise v.CodaInputError("q_norm, k_norm: give both (Qwen3's QK-norm) or neither")
-    named = {"x": x, "w_qkv": w_qkv, "rstd": r, "positions": positions}
-    if q_norm is not None:
-        v.check_vector("q_norm", q_norm, ("head_dim", head_dim))
-        v.check_vector("k_norm", k_norm, ("head_dim", head_dim))
-        v.check_eps(eps)
+    named = {"x": x, "w_qkv": w_qkv, "rstd": rstd, "positions": positions}
+    if q_norm is not None or k_norm is not None:
         named.update(q_norm=q_norm, k_norm=k_norm)
-    if _start("gemm_rope", backend, named) == "kernel":
-        _kernel_layout({"x": x}, {"w_qkv": w_qkv}, {"rstd": r, "positions": positions})
+
+    def check():
+        v.check_matrix("x", x)
+        M, K = x.shape
+        for name, val in (("head_dim", head_dim), ("n_heads", n_heads)):
+            v.check_positive_int(name, val)
+        if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or n_kv_heads < 0:
+            raise v.CodaInputError(f"n_kv_heads: must be an integer >= 0, got {n_kv_heads!r}")
+        n_cols = (n_heads + 2 * n_kv_heads) * head_dim
+        cols = ("(n_heads + 2 n_kv_heads) head_dim", n_cols)
+        v.check_matrix("w_qkv", w_qkv, rows=("x.shape[1]", K), cols=cols)
+        if head_dim % 2:
+            raise v.CodaInputError(f"head_dim must be even, got {head_dim}")
+        v.check_vector("positions", positions, ("x.shape[0]", M))
+        if positions.is_complex() or positions.dtype == torch.bool:
+            raise v.CodaInputError(f"positions: must be integer or float, got {positions.dtype}")
+        _check_rstd(rstd, x)
+        if (q_norm is None) != (k_norm is None):
+            raise v.CodaInputError("q_norm, k_norm: give both (Qwen3's QK-norm) or neither")
+        if q_norm is not None:
+            v.check_vector("q_norm", q_norm, ("head_dim", head_dim))
+            v.check_vector("k_norm", k_norm, ("head_dim", head_dim))
+            v.check_eps(eps)
+        path = _start("gemm_rope", backend, named)
+        if path == "kernel":
+            _kernel_layout({"x": x}, {"w_qkv": w_qkv}, {"rstd": rstd, "positions": positions})
+            cfg = config or qk_norm_config(head_dim)
+            if q_norm is not None and (cfg is None or cfg.tile_n % head_dim):
+                raise v.CodaInputError(
+                    f"head_dim ({head_dim}): the QK-norm epilogue needs whole heads in one "
+                    f"output tile (a tile_n multiple of head_dim, 128 or 256 by default); got "
+                    f"{'no such default' if cfg is None else f'tile_n {cfg.tile_n}'}"
+                )
+        return path
+
+    args = (backend, head_dim, n_heads, n_kv_heads, rope_base, eps, config)
+    path = _checked("gemm_rope", check, args, named, ("x", "w_qkv"))
+    r = _rstd(rstd, x)
+    if path == "kernel":
         freq = cached_freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads, rope_base, x.device)
         pos = positions.to(torch.float32)
         if q_norm is None:
-            return lib.gemm_rope(x, w_qkv, r, pos, freq, config or config_for("rope", M, K, n_cols))
+            cfg = config or config_for("rope", *x.shape, w_qkv.shape[1])
+            return lib.gemm_rope(x, w_qkv, r, pos, freq, cfg)
         cfg = config or qk_norm_config(head_dim)
-        if cfg is None or cfg.tile_n % head_dim:
-            raise v.CodaInputError(
-                f"head_dim ({head_dim}): the QK-norm epilogue needs whole heads in one output "
-                f"tile (a tile_n multiple of head_dim, 128 or 256 by default); got "
-                f"{'no such default' if cfg is None else f'tile_n {cfg.tile_n}'}"
-            )
         head_w, plain = column_rows(q_norm, k_norm, n_heads, n_kv_heads, n_kv_heads)
         return lib.gemm_qk_norm_rope(x, w_qkv, r, pos, freq, head_w, plain, head_dim, eps, cfg)
     cs = rope_table(positions, head_dim, rope_base)
@@ -294,14 +380,23 @@ def linear_cross_entropy(
     v.check_choice("reduction", reduction, v.REDUCTIONS)
     label_smoothing, z_loss = v.check_ce_options(label_smoothing, z_loss)
     v.check_matrix("x", x)
-    M, d = x.shape
-    v.check_matrix("w_lm", w_lm, rows=("x.shape[1]", d))
-    target = v.check_targets(target, (M,), w_lm.shape[1], ignore_index)
+    v.check_matrix("w_lm", w_lm, rows=("x.shape[1]", x.shape[1]))
+    # every call: the range of the values (a device-side assertion on a GPU, no sync)
+    target = v.check_targets(target, (x.shape[0],), w_lm.shape[1], ignore_index)
+    named = {"x": x, "w_lm": w_lm, "rstd": rstd, "target": target}
+
+    def check():
+        _check_rstd(rstd, x)
+        path = _start("linear_cross_entropy", backend, named)
+        if path == "kernel":
+            _kernel_layout({"x": x}, {"w_lm": w_lm}, {"rstd": rstd, "target": target})
+        return path
+
+    args = (backend, config)
+    path = _checked("linear_cross_entropy", check, args, named, ("x", "w_lm"))
     r = _rstd(rstd, x)
-    named = {"x": x, "w_lm": w_lm, "rstd": r, "target": target}
-    if _start("linear_cross_entropy", backend, named) == "kernel":
-        _kernel_layout({"x": x}, {"w_lm": w_lm}, {"rstd": r, "target": target})
-        config = config or config_for("lm_head", M, d, w_lm.shape[1])
+    if path == "kernel":
+        config = config or config_for("lm_head", *x.shape, w_lm.shape[1])
         return linear_cross_entropy_kernel(
             x, w_lm, r, target, ignore_index, reduction, config, label_smoothing, z_loss
         )[0]

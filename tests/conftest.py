@@ -180,3 +180,14 @@ def family_z(checks: int, alpha: float = 0.05) -> float:
     from statistics import NormalDist
 
     return max(2.0, NormalDist().inv_cdf(1.0 - alpha / max(1, checks)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_op_checks():
+    """Each test starts with no memoized op checks (``coda.ops._checked``): a test that
+    monkeypatches a check or the backend choice must see its patch run, not an earlier
+    test's verdict for the same input signature."""
+    from coda import ops
+
+    ops._CHECKED.clear()
+    yield

@@ -1,0 +1,85 @@
+"""The public ops' check memo (``coda.ops._checked``): an op runs its rules once per input
+signature (dtypes, devices, shapes, strides, requires_grad, the grad mode and its plain
+arguments) and afterwards only the per-call one metadata cannot show (each TMA operand's base
+address). What must never happen: a later call with the same signature but a broken rule
+passing unchecked. The kernel path runs here on the CPU (the tile interpreter) with the device
+check stood in for."""
+
+import pytest
+import torch
+
+import coda
+from coda import env, ops
+
+BF = torch.bfloat16
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    """The kernel path on the CPU: SM90 support reported, launches through the interpreter."""
+    monkeypatch.setattr(env, "kernel_support", lambda device, dtype=None: (True, ""))
+    starts = []
+    start = ops._start
+    monkeypatch.setattr(ops, "_start", lambda *a: starts.append(a[0]) or start(*a))
+    return starts
+
+
+def _swiglu_inputs(m=8, k=16, f=24):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(BF)
+    w = (torch.randn(k, 2 * f, generator=g) / k**0.5).to(BF)
+    return x, w
+
+
+def test_checks_run_once_per_signature(kernel_path):
+    x, w = _swiglu_inputs()
+    with torch.no_grad():
+        first = coda.gemm_swiglu(x, w).s
+        again = coda.gemm_swiglu(x.clone(), w.clone()).s  # same signature, new tensors
+        coda.gemm_swiglu(x[:5], w)  # another token count: checked again
+    assert torch.equal(first, again)
+    assert kernel_path == ["gemm_swiglu", "gemm_swiglu"]
+    assert coda.last_path("gemm_swiglu")[0] == "kernel"
+
+
+def test_a_misaligned_base_address_fails_on_a_remembered_signature(kernel_path):
+    x, w = _swiglu_inputs()
+    coda.gemm_swiglu(x, w)
+    buf = torch.empty(x.numel() + 1, dtype=BF)
+    shifted = buf[1:].view_as(x).copy_(x)  # same shape and strides, base 2 bytes off
+    with pytest.raises(coda.CodaInputError, match="x: base address must be 16-byte aligned"):
+        coda.gemm_swiglu(shifted, w)
+
+
+def test_grad_mode_and_requires_grad_are_part_of_the_signature(kernel_path):
+    x, w = _swiglu_inputs()
+    wg = w.clone().requires_grad_(True)
+    with torch.no_grad():
+        coda.gemm_swiglu(x, wg)
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        coda.gemm_swiglu(x, wg)
+    coda.gemm_swiglu(x, w)  # grad mode on, nothing requires grad: allowed
+
+
+def test_plain_arguments_are_typed_in_the_signature():
+    x = torch.randn(6, 16, dtype=BF)
+    w = torch.randn(16, 3 * 8, dtype=BF)
+    pos = torch.arange(6)
+    coda.gemm_rope(x, w, pos, head_dim=8, n_heads=1, n_kv_heads=1, backend="reference")
+    with pytest.raises(coda.CodaInputError, match="n_kv_heads: must be an integer"):
+        coda.gemm_rope(x, w, pos, head_dim=8, n_heads=1, n_kv_heads=True, backend="reference")
+
+
+def test_a_non_tensor_after_a_remembered_call_gets_the_rule_not_a_crash():
+    x, w = _swiglu_inputs()
+    coda.gemm_swiglu(x, w, backend="reference")
+    with pytest.raises(coda.CodaInputError, match="x: expected a torch.Tensor"):
+        coda.gemm_swiglu(x.tolist(), w, backend="reference")
+
+
+def test_the_reference_warning_survives_the_memo(recwarn):
+    x, w = _swiglu_inputs()
+    coda.gemm_swiglu(x, w)
+    env._WARNED.clear()
+    with pytest.warns(coda.CodaReferencePathWarning):
+        coda.gemm_swiglu(x, w)  # a remembered signature still reports its path
