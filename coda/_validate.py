@@ -29,6 +29,8 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 def check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise CodaInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested:
+        raise CodaInputError(f"{name}: nested tensors are not supported; pass a padded tensor")
 
 
 def check_matrix(name: str, t, rows=None, cols=None) -> None:

@@ -93,7 +93,9 @@ MAX_CHECKED = 4096  # emptied when full (many distinct token counts), then refil
 
 
 def _signature(t):
-    return None if t is None else (t.dtype, t.device, t.shape, t.stride(), t.requires_grad)
+    if t is None:
+        return None
+    return (type(t), t.layout, t.dtype, t.device, t.shape, t.stride(), t.requires_grad)
 
 
 def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = ()) -> str:
@@ -107,7 +109,7 @@ def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = ()) -> st
         typed = tuple((type(p), p) for p in plain)  # True is not 1, 2.0 is not 2
         key = (op, typed, torch.is_grad_enabled(), *map(_signature, tensors.values()))
         hit = _CHECKED.get(key)
-    except (AttributeError, TypeError):  # not a tensor, or unhashable: the checks name it
+    except (AttributeError, TypeError, RuntimeError):  # no plain metadata: the checks say why
         return check()
     if hit is None:
         path = check()

@@ -83,3 +83,13 @@ def test_the_reference_warning_survives_the_memo(recwarn):
     env._WARNED.clear()
     with pytest.warns(coda.CodaReferencePathWarning):
         coda.gemm_swiglu(x, w)  # a remembered signature still reports its path
+
+
+def test_a_tensor_without_plain_metadata_gets_the_rule_not_a_memo_crash():
+    """A nested tensor has no shape or strides to key on (reading them raises): the op runs
+    its checks uncached, and they name the rule."""
+    x, w = _swiglu_inputs()
+    coda.gemm_swiglu(x, w, backend="reference")
+    nested = torch.nested.nested_tensor([x[:3], x[3:]])
+    with pytest.raises(coda.CodaInputError, match="x: nested tensors are not supported"):
+        coda.gemm_swiglu(nested, w, backend="reference")
