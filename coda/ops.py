@@ -82,6 +82,17 @@ def _check_rstd(rstd, x, name="rstd") -> None:
         )
 
 
+def _check_residual_gemm(x, w, residual, gamma, w_name="w") -> None:
+    """The shapes of residual + x @ w: x (M, K), w (K, N), residual (M, N), gamma (N,) or None."""
+    v.check_matrix("x", x)
+    M, K = x.shape
+    v.check_matrix(w_name, w, rows=("x.shape[1]", K))
+    n = (f"{w_name}.shape[1]", w.shape[1])
+    v.check_matrix("residual", residual, rows=("x.shape[0]", M), cols=n)
+    if gamma is not None:
+        v.check_vector("gamma", gamma, n)
+
+
 def _rstd(rstd, x):
     """``rstd``, or ones (no row scale) where it is None."""
     return torch.ones(x.shape[0], dtype=acc_dtype(x), device=x.device) if rstd is None else rstd
@@ -152,13 +163,7 @@ def gemm_residual_rms(
     named = {"x": x, "w": w, "residual": residual, "gamma": gamma}
 
     def check():
-        v.check_matrix("x", x)
-        M, K = x.shape
-        v.check_matrix("w", w, rows=("x.shape[1]", K))
-        N = w.shape[1]
-        v.check_matrix("residual", residual, rows=("x.shape[0]", M), cols=("w.shape[1]", N))
-        if gamma is not None:
-            v.check_vector("gamma", gamma, ("w.shape[1]", N))
+        _check_residual_gemm(x, w, residual, gamma)
         path = _start("gemm_residual_rms", backend, named)
         if path == "kernel":
             _kernel_layout({"x": x, "residual": residual}, {"w": w}, {"gamma": gamma})
@@ -201,13 +206,9 @@ def gemm_rmsnorm_gemm(
     named = {"x": x, "w1": w1, "residual": residual, "gamma": gamma, "w2": w2}
 
     def check():
-        v.check_matrix("x", x)
-        M, K = x.shape
-        v.check_matrix("w1", w1, rows=("x.shape[1]", K))
-        d = w1.shape[1]
-        v.check_matrix("residual", residual, rows=("x.shape[0]", M), cols=("w1.shape[1]", d))
-        v.check_vector("gamma", gamma, ("w1.shape[1]", d))
-        v.check_matrix("w2", w2, rows=("w1.shape[1]", d))
+        v.check_tensor("gamma", gamma)  # required here
+        _check_residual_gemm(x, w1, residual, gamma, w_name="w1")
+        v.check_matrix("w2", w2, rows=("w1.shape[1]", w1.shape[1]))
         path = _start("gemm_rmsnorm_gemm", backend, named)
         if path == "kernel":
             layout = ({"x": x, "residual": residual}, {"w1": w1, "w2": w2}, {"gamma": gamma})
