@@ -10,9 +10,9 @@ order); ``rstd`` is RMSNorm's deferred row scale (M,) fp32, from ``gemm_residual
 W_qkv and W_il are in coda's paired layouts (``coda.layouts`` converts HF weights exactly).
 
 ``config`` (a ``GemmConfig``: tile, cluster, schedule of quack's mainloop) defaults to None:
-the tile measured fastest for the GEMM's (K, N) on the H200 (``coda.kernels.tuned``), as the
-layers use, else quack's default. These ops are forward only; they refuse inputs that require
-grad (the autograd layers are ``coda.nn``'s).
+the tile measured fastest for the op's kernel at its GEMM's (K, N) on the H200
+(``coda.kernels.tuned``), as the layers use, else quack's default. These ops are forward only;
+they refuse inputs that require grad (the autograd layers are ``coda.nn``'s).
 
 Host cost: every rule above depends only on the inputs' metadata (dtype, device, shape,
 strides, requires_grad), the op's plain arguments and the grad mode, so each op runs its checks
