@@ -91,6 +91,9 @@ def autocast_off(device: torch.device):
     return contextlib.nullcontext()
 
 
+REFERENCE_ASKED = "backend='reference' was asked for"  # the one reference path not warned of
+
+
 def resolve_backend(op: str, backend: str, device: torch.device, dtype=None) -> str:
     """'kernel' or 'reference' for one call of ``op``; records and reports the choice
     (``record``)."""
@@ -108,9 +111,6 @@ def resolve_backend(op: str, backend: str, device: torch.device, dtype=None) -> 
             path = "reference"
     record(op, path, reason)
     return path
-
-
-REFERENCE_ASKED = "backend='reference' was asked for"
 
 
 def record(op: str, path: str, reason: str) -> None:

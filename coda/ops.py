@@ -331,7 +331,7 @@ def gemm_rope(
             _kernel_layout({"x": x}, {"w_qkv": w_qkv}, {"rstd": rstd, "positions": positions})
             cfg = config or qk_norm_config(head_dim)
             if q_norm is not None and (cfg is None or cfg.tile_n % head_dim):
-                raise v.CodaInputError(
+                raise v.CodaInputError(  # the QK-norm epilogue normalizes heads within a tile
                     f"head_dim ({head_dim}): the QK-norm epilogue needs whole heads in one "
                     f"output tile (a tile_n multiple of head_dim, 128 or 256 by default); got "
                     f"{'no such default' if cfg is None else f'tile_n {cfg.tile_n}'}"
