@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from coda.kernels import library as lib
-from coda.kernels._launch import acc_dtype, fused
+from coda.kernels._launch import fused
 from coda.kernels.ce_scaled_exp import chunk_rows_scaled
-from coda.kernels.drope import head_rotation
+from coda.kernels.drope import cached_head_rotation
 from coda.kernels.final_norm_rows import final_norm_backward
 from coda.kernels.gemm_rope import cached_freq_table
 from coda.kernels.linear_cross_entropy import logits_row_sum
@@ -31,6 +31,7 @@ from coda.kernels.linear_cross_entropy_bwd import (
     weight_grad_from_acc,
 )
 from coda.kernels.linear_cross_entropy_chunked import chunk_rows
+from coda.kernels.norm_rows import entry_norm, final_norm
 from coda.kernels.qk_norm import (
     column_rows,
     qk_norm_config,
@@ -51,29 +52,6 @@ class LayerDims:
     head_dim: int
     eps: float
     rope_base: float
-
-
-def _row_rstd(xf, eps):
-    return torch.rsqrt(xf.pow(2).mean(-1) + eps)
-
-
-def entry_norm(x, gamma, eps):
-    """F0: r = rstd(x) (fp32) and a = x * gamma (bf16): the norm of a layer's input when no
-    producing GEMM computed it."""
-    acc = acc_dtype(x)
-    xf = x.to(acc)
-    return (xf * gamma.to(acc)).to(x.dtype), _row_rstd(xf, eps)
-
-
-def final_norm(x, gamma, eps):
-    """The final norm before the LM head: y = x * rstd * gamma rounded once (as
-    ``F.rms_norm``), and rstd. The LM head takes y, not the deferred-scale x * gamma: the loss
-    gradient then enters its GEMMs unscaled, rounded exactly as PyTorch rounds it (folding
-    rstd into it rounds the gradient's dominant one-hot entries at other points)."""
-    acc = acc_dtype(x)
-    xf = x.to(acc)
-    r = _row_rstd(xf, eps)
-    return (xf * r[:, None] * gamma.to(acc)).to(x.dtype), r
 
 
 def sdpa_causal(q, k, v):
@@ -118,7 +96,7 @@ class AttentionInput(torch.autograd.Function):
     def forward(ctx, x0, g1, w_qkv, positions, freq, dims: LayerDims):
         M, d = x0.shape
         pos = positions.float()
-        a0, r0 = fused(entry_norm)(x0, g1, dims.eps)  # F0
+        a0, r0 = entry_norm(x0, g1, dims.eps)  # F0
         qkv = lib.gemm_rope(
             a0, w_qkv, r0, pos, freq, config_for("rope", M, d, w_qkv.shape[1])
         )  # F1
@@ -132,7 +110,7 @@ class AttentionInput(torch.autograd.Function):
         dims = ctx.dims
         d = x0.shape[1]
         hd = dims.head_dim
-        cos, sin = head_rotation(pos, freq, hd, r0.dtype)
+        cos, sin = cached_head_rotation(pos, freq, hd, r0.dtype)
         dz0, corr0 = lib.drope_rows(dq, dk, dv, qkv, r0, cos, sin, d)  # B11
         dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres)
         return dx0, dg1, dw_qkv, None, None, None
@@ -152,7 +130,7 @@ class AttentionInputQKNorm(torch.autograd.Function):
         M, d = x0.shape
         hd, n_q, n_k = dims.head_dim, dims.heads, dims.kv_heads
         pos = positions.float()
-        a0, r0 = fused(entry_norm)(x0, g1, dims.eps)  # F0
+        a0, r0 = entry_norm(x0, g1, dims.eps)  # F0
         cfg = qk_norm_config(hd)
         if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue, z kept
             head_w, plain = column_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype)
@@ -162,7 +140,7 @@ class AttentionInputQKNorm(torch.autograd.Function):
             s = s[:, : n_q + n_k]  # the v heads' statistic is computed and unused
         else:  # F1 without rotation, then the head norms and RoPE as a row pass
             z = lib.gemm_scale_rows(a0, w_qkv, r0, config_for("scale_rows", M, d, w_qkv.shape[1]))
-            cos, sin = head_rotation(pos, freq, hd, r0.dtype)
+            cos, sin = cached_head_rotation(pos, freq, hd, r0.dtype)
             qkv, s = fused(qk_norm_rope_rows)(z, q_norm, k_norm, cos, sin, n_q, n_k, hd, dims.eps)
             z_even, z_odd = z, None  # z saved whole
         ctx.save_for_backward(x0, r0, z_even, z_odd, s, g1, w_qkv, q_norm, k_norm, pos, freq)
@@ -173,7 +151,7 @@ class AttentionInputQKNorm(torch.autograd.Function):
     def backward(ctx, dq, dk, dv, dres):
         x0, r0, z_even, z_odd, s, g1, w_qkv, q_norm, k_norm, pos, freq = ctx.saved_tensors
         dims = ctx.dims
-        cos, sin = head_rotation(pos, freq, dims.head_dim, r0.dtype)
+        cos, sin = cached_head_rotation(pos, freq, dims.head_dim, r0.dtype)
         d = x0.shape[1]
         # B11 with the head norms' backward (z_odd None: z saved whole, the row-pass forward)
         dz0, corr0, dqn, dkn = lib.dqk_norm_rows(
@@ -319,7 +297,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # the GEMMs' weight in x2's dtype; the gradient returns in w_lm's own (under autocast
         # an fp32 weight gets the three-GEMM programs' fp32 accumulator, never rounded to bf16)
         w = w_lm if w_lm.dtype == x2.dtype else w_lm.to(x2.dtype)
-        y, r = fused(final_norm)(x2, gf, eps)
+        y, r = final_norm(x2, gf, eps)
         ones = torch.ones_like(r)  # the row scale is already in y
         cfg = config_for("lm_head", M, d, V)
         if method in ("chunked", "scaled_exp") and reduction == "none":

@@ -32,18 +32,28 @@ _LAST: dict = {}
 _WARNED: set = set()
 
 
-def host_cache(maxsize: int | None = None):
+def capturing(t: torch.Tensor | None = None) -> bool:
+    """Whether work (on ``t``'s device, if given) would be recorded into a CUDA graph now
+    instead of run: a device tensor built then holds nothing until the graph replays, so no
+    cache may keep one."""
+    on_cuda = t.is_cuda if t is not None else torch.cuda.is_initialized()
+    return on_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def host_cache(maxsize: int | None = None, device_tensors: bool = False):
     """``functools.lru_cache`` for a host-side helper of plain values (a device's capability, a
     positions table, a compiled row kernel): cached in eager calls; inside a torch.compile
     trace it runs uncached, as Dynamo runs it anyway (Dynamo ignores an lru_cache wrapper and
-    warns each time it meets one). ``cache_clear`` / ``cache_info`` as lru_cache's."""
+    warns each time it meets one). ``device_tensors``: it returns device tensors, so it also
+    runs uncached while a CUDA graph is captured (a tensor built then holds nothing until the
+    graph replays). ``cache_clear`` / ``cache_info`` as lru_cache's."""
 
     def decorate(fn):
         cached = functools.lru_cache(maxsize=maxsize)(fn)
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() or (device_tensors and capturing()):
                 return fn(*args, **kwargs)
             return cached(*args, **kwargs)
 
@@ -51,6 +61,36 @@ def host_cache(maxsize: int | None = None):
         return call
 
     return decorate
+
+
+class TensorMemo:
+    """``fn(t, *args)`` remembered while tensor ``t`` is the same object, unchanged
+    (``t._version``), with the same ``args`` (plain values, or tensors taken by identity):
+    for device tables derived from a tensor that every layer of a step is given (positions ->
+    their float rows, positions -> RoPE's cos/sin), so a stack computes them once per step,
+    or once in all when the tensor is reused. Keeps the ``maxsize`` latest entries (each
+    holds its tensors, so their ids stay unique); runs ``fn`` uncached inside a torch.compile
+    trace and while a CUDA graph is captured."""
+
+    def __init__(self, fn, maxsize: int = 8):
+        self.fn, self.maxsize, self._memo = fn, maxsize, {}
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, t: torch.Tensor, *args):
+        if torch.compiler.is_compiling() or capturing(t):
+            return self.fn(t, *args)
+        # tensors by identity; an entry holds them, so no id is reused while it lives
+        ids = tuple(id(a) if isinstance(a, torch.Tensor) else a for a in args)
+        key = (id(t), t._version, *ids)
+        hit = self._memo.get(key)
+        if hit is None:
+            if len(self._memo) >= self.maxsize:
+                self._memo.pop(next(iter(self._memo)))
+            hit = self._memo[key] = (t, args, self.fn(t, *args))
+        return hit[2]
+
+    def cache_clear(self) -> None:
+        self._memo.clear()
 
 
 @host_cache(maxsize=64)

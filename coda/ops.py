@@ -34,9 +34,9 @@ from coda.kernels.config import GemmConfig
 from coda.kernels.gemm_rmsnorm_gemm import gemm_rmsnorm_gemm_kernel
 from coda.kernels.gemm_rope import cached_freq_table
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
+from coda.kernels.norm_rows import row_stat
 from coda.kernels.qk_norm import column_rows, qk_norm_config
 from coda.kernels.tuned import config_for
-from coda.primitives.aux import rstd_from_sumsq
 from coda.reference.cross_entropy import linear_cross_entropy_ref
 from coda.reference.rmsnorm import gemm_residual_rms_ref, gemm_rmsnorm_gemm_ref
 from coda.reference.rope import gemm_qk_norm_rope_ref, gemm_rope_ref, rope_table
@@ -175,7 +175,7 @@ def gemm_residual_rms(
         config = config or config_for("residual", M, K, N)
         if gamma is None:
             h, sumsq = lib.gemm_residual(x, w, residual, config)
-            return ResidualRMS(h, None, rstd_from_sumsq(sumsq, w.shape[1], eps))
+            return ResidualRMS(h, None, row_stat(sumsq, None, w.shape[1], eps))
         return ResidualRMS(*lib.gemm_residual_rms(x, w, residual, gamma, eps, config))
     h, a, r = gemm_residual_rms_ref(x, w, residual, gamma, eps)
     return ResidualRMS(h.to(x.dtype), None if a is None else a.to(x.dtype), r.to(acc_dtype(x)))

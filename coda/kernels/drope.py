@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from coda.env import TensorMemo
 from coda.kernels._launch import acc_dtype
 from coda.primitives.aux import norm_correction
 from coda.primitives.math import turns_to_angle
@@ -32,6 +33,13 @@ def head_rotation(positions, freq, head_dim, dtype=torch.float32):
     first head's (hi, lo) pairs give them."""
     head = freq[:head_dim]
     return rotation_tables(positions, head[0::2], head[1::2], head_dim, dtype)
+
+
+# ``head_rotation`` once per (positions, freq) pair: every layer of a step is given the same
+# positions rows and frequency table, so a stack's backward builds its cos/sin tables (about
+# ten float64 kernels) once per step, or once in all for the default positions. Two entries:
+# the step's, and the one before (each holds M x hd fp32 of device memory)
+cached_head_rotation = TensorMemo(head_rotation, maxsize=2)
 
 
 def rotate_pairs(x1, x2, cos, sin, inverse: bool = False):

@@ -25,6 +25,7 @@ import torch
 
 from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.norm_rows import row_stat
 from coda.primitives import RowLoad, RowPartials, TileC, TileStore, epilogue_program
 from coda.primitives.aux import rstd_from_sumsq
 from coda.reference.rmsnorm import gemm_residual_rms_ref  # noqa: F401  (the op's reference)
@@ -77,7 +78,7 @@ def gemm_residual_rms_kernel(x, w, residual, gamma=None, eps=1e-5, config: GemmC
     """The SM90 kernel + AUX. Inputs must already be validated (``coda.ops``).
     Returns (h, a or None, r)."""
     h, a, sumsq = epilogue_gemm(x, w, residual, gamma, config)
-    return h, a, rstd_from_sumsq(sumsq, w.shape[1], eps)
+    return h, a, row_stat(sumsq, None, w.shape[1], eps)  # A1
 
 
 def gemm_residual_rms_interpreted(x, w, residual, gamma=None, eps=1e-5, config=DEFAULT):

@@ -17,8 +17,9 @@ import torch
 
 from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.norm_rows import CORR, row_stat
 from coda.primitives import ColLoad, ColPartials, RowLoad, TileC, TileLoad, epilogue_program
-from coda.primitives.aux import combine_col_partials, combine_row_partials, norm_correction
+from coda.primitives.aux import combine_col_partials
 from coda.reference.rmsnorm import norm_bwd_apply_ref  # noqa: F401  (the kernel's reference)
 
 
@@ -40,7 +41,7 @@ def norm_bwd(acc, h, gamma, corr):
 
 def norm_corr(rstd, stat_partials, d: int):
     """AUX: corr = -(rstd^3 / d) * sum_t S[m, t] (fp32)."""
-    return norm_correction(rstd, combine_row_partials(stat_partials), d)
+    return row_stat(stat_partials, rstd, d, mode=CORR)
 
 
 def norm_bwd_kernel(dz, w2, h, gamma, corr, dres=None, config: GemmConfig = DEFAULT, dry=False):

@@ -30,8 +30,8 @@ import triton.language as tl
 from coda.kernels._launch import acc_dtype
 from coda.kernels._triton import acc_type, compile_sm90, kernel, on_triton
 from coda.kernels.drope import drope_heads
+from coda.kernels.norm_rows import CORR_SCALED, row_stat
 from coda.kernels.qk_norm import dqk_norm_rope_heads, dqk_norm_rope_heads_split_z
-from coda.primitives.aux import norm_correction
 
 BLOCK_ROWS = 64  # token rows per program by default: a 64 x hd tile
 # (kernel, head_dim) -> (token rows per program, warps), where an H200 sweep found better than
@@ -178,7 +178,7 @@ def _head_strides(dq, dk, dv):
 
 def _row_statistic(s_part, rstd, d):
     """corr0 from the per-head partials of S0 * rstd0 (M x heads)."""
-    return norm_correction(rstd, s_part.sum(-1) / rstd, d)
+    return row_stat(s_part, rstd, d, mode=CORR_SCALED)
 
 
 def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d, shape=None):

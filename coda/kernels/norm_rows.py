@@ -1,0 +1,189 @@
+"""RMSNorm's row work outside the GEMMs, as hand-written Triton kernels on the GPU: the entry
+norm (F0), the final norm before the LM head, and the AUX statistics that finish an
+epilogue's per-tile partials (A1's rstd, A6/A9's correction).
+
+    F0:          a = x * gamma (x's dtype),          r = (mean_n x^2 + eps)^-1/2 (fp32)
+    final norm:  y = x * r * gamma, rounded once,    r as above
+    A1:          r[m]    = (sum_t P[m, t] / d + eps)^-1/2          (P: RED_m partials of h^2)
+    A6:          corr[m] = -(r^3 / d) * sum_t P[m, t]              (P: partials of S)
+    A9:          corr[m] = -(r^3 / d) * (sum_t P[m, t] / r)        (P: partials of S * r)
+
+Their torch forms (``entry_norm``, ``final_norm`` here, ``primitives.aux`` for the AUX) are
+the CPU path and the oracle. Why kernels of our own: through ``fused`` (torch.compile) each
+norm cost a Dynamo guard check and Inductor's launcher on every call, ~0.1-0.3 ms of host time
+per call on the H200's host, and each AUX statistic ran as three to five eager torch kernels
+(sum, mul, add, rsqrt / pow), each a launch: a Triton launch here is one. One program per
+block of rows reads the row (or its partials) once; sums are in a fixed order (no atomics).
+Inside a torch.compile trace the torch forms run, so Inductor fuses them with their
+neighbours. Float64 inputs accumulate in float64 (the interpreter proofs on the CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from coda.kernels._launch import acc_dtype
+from coda.kernels._triton import acc_type, compile_sm90, kernel, on_triton
+from coda.primitives.aux import norm_correction, rstd_from_sumsq
+
+MAX_ROW = 16384  # widest row one program holds in registers; wider rows take the torch form
+# the AUX statistics' modes
+RSTD, CORR, CORR_SCALED = 0, 1, 2
+
+
+# -- torch forms: the CPU path and the oracle ---------------------------------------------------
+def _row_rstd(xf, eps):
+    return torch.rsqrt(xf.pow(2).mean(-1) + eps)
+
+
+def entry_norm_torch(x, gamma, eps):
+    acc = acc_dtype(x)
+    xf = x.to(acc)
+    return (xf * gamma.to(acc)).to(x.dtype), _row_rstd(xf, eps)
+
+
+def final_norm_torch(x, gamma, eps):
+    acc = acc_dtype(x)
+    xf = x.to(acc)
+    r = _row_rstd(xf, eps)
+    return (xf * r[:, None] * gamma.to(acc)).to(x.dtype), r
+
+
+def row_stat_torch(partials, rstd, d: int, eps: float, mode: int):
+    if mode == RSTD:
+        return rstd_from_sumsq(partials, d, eps)
+    s = partials.sum(-1)
+    return norm_correction(rstd, s if mode == CORR else s / rstd, d)
+
+
+# -- the kernels --------------------------------------------------------------------------------
+def _norm_rows_kernel(
+    x, gamma, out, rstd, M, D, x_row, out_row, eps,
+    SCALED: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.arange(0, BD)
+    live = rows < M
+    mask = live[:, None] & (cols < D)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    xf = tl.load(x + r64 * x_row + cols[None, :], mask=mask, other=0.0).to(ACC)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / D + eps)
+    tl.store(rstd + rows, r, mask=live)
+    g = tl.load(gamma + cols, mask=cols < D, other=0.0).to(ACC)[None, :]
+    y = xf * r[:, None] * g if SCALED else xf * g
+    tl.store(out + r64 * out_row + cols[None, :], y.to(out.dtype.element_ty), mask=mask)
+
+
+def _row_stat_kernel(
+    P, rstd, out, M, T, p_row, d, eps,
+    MODE: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    live = rows < M
+    r64 = rows.to(tl.int64)[:, None]
+    s = tl.zeros([BM], dtype=ACC)
+    for t0 in range(0, T, BT):
+        cols = t0 + tl.arange(0, BT)
+        mask = live[:, None] & (cols < T)[None, :]
+        s += tl.sum(tl.load(P + r64 * p_row + cols[None, :], mask=mask, other=0.0).to(ACC), 1)
+    if MODE == 0:
+        res = 1.0 / tl.sqrt(s / d + eps)
+    else:
+        r = tl.load(rstd + rows, mask=live, other=1.0).to(ACC)
+        if MODE == 2:
+            s = s / r
+        res = -(s * (r * r * r)) / d
+    tl.store(out + rows, res, mask=live)
+
+
+def _rows_launch(d: int) -> tuple[int, int]:
+    """(rows per program, warps) for rows of ``d`` entries: ~4k values per program."""
+    bd = triton.next_power_of_2(max(d, 16))
+    return max(1, min(16, 4096 // bd)), 4 if bd <= 2048 else 8 if bd <= 8192 else 16
+
+
+def norm_rows_triton(x, gamma, eps: float, scaled: bool):
+    """F0 (``scaled`` False) or the final norm (True) in one pass: x (M, d) with unit column
+    stride, gamma (d,) contiguous. Returns (out in x's dtype, rstd fp32 / float64)."""
+    M, d = x.shape
+    assert x.stride(1) == 1 and gamma.is_contiguous() and d <= MAX_ROW
+    out = torch.empty(M, d, dtype=x.dtype, device=x.device)
+    r = torch.empty(M, dtype=acc_dtype(x), device=x.device)
+    if M:
+        bm, warps = _rows_launch(d)
+        kernel(_norm_rows_kernel)[(triton.cdiv(M, bm),)](
+            x, gamma, out, r, M, d, x.stride(0), d, eps,
+            SCALED=scaled, BM=bm, BD=triton.next_power_of_2(d), ACC=acc_type(x), num_warps=warps,
+        )  # fmt: skip
+    return out, r
+
+
+def row_stat_triton(partials, rstd, d: int, eps: float, mode: int):
+    """An AUX statistic (``mode``: RSTD, CORR or CORR_SCALED) from (M, T) per-tile partials
+    with unit column stride in one pass. Returns (M,) in the partials' dtype."""
+    M, T = partials.shape
+    assert partials.stride(1) == 1 or T == 1
+    out = torch.empty(M, dtype=partials.dtype, device=partials.device)
+    if M:
+        bm = 128
+        kernel(_row_stat_kernel)[(triton.cdiv(M, bm),)](
+            partials, partials if rstd is None else rstd, out, M, T, partials.stride(0), d, eps,
+            MODE=mode, BM=bm, BT=min(64, triton.next_power_of_2(max(T, 1))),
+            ACC=acc_type(partials), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+# -- what the kernel path calls -----------------------------------------------------------------
+def _on_kernel(t) -> bool:
+    """The Triton kernel runs on the GPU (and in the interpreter), outside a torch.compile
+    trace, where the torch form is traced and fused instead."""
+    return not torch.compiler.is_compiling() and on_triton(t)
+
+
+def entry_norm(x, gamma, eps: float):
+    """F0: (a = x * gamma in x's dtype, r fp32): the norm of a layer's input when no
+    producing GEMM computed it."""
+    if _on_kernel(x) and x.shape[1] <= MAX_ROW:
+        return norm_rows_triton(x, gamma, eps, scaled=False)
+    return entry_norm_torch(x, gamma, eps)
+
+
+def final_norm(x, gamma, eps: float):
+    """The final norm before the LM head: y = x * rstd * gamma rounded once (as
+    ``F.rms_norm``), and rstd. The LM head takes y, not the deferred-scale x * gamma: the loss
+    gradient then enters its GEMMs unscaled, rounded exactly as PyTorch rounds it."""
+    if _on_kernel(x) and x.shape[1] <= MAX_ROW:
+        return norm_rows_triton(x, gamma, eps, scaled=True)
+    return final_norm_torch(x, gamma, eps)
+
+
+def row_stat(partials, rstd, d: int, eps: float = 0.0, mode: int = RSTD):
+    """An AUX statistic from per-tile row partials (the module docstring's A1, A6, A9)."""
+    if _on_kernel(partials):
+        return row_stat_triton(partials, rstd, d, eps, mode)
+    return row_stat_torch(partials, rstd, d, eps, mode)
+
+
+def compile_norm_rows(d: int, arch: int = 90) -> list[int]:
+    """Both kernels (bf16 rows, fp32 statistics) at their launch shapes for rows of ``d``
+    entries, compiled for ``sm_{arch}`` on the CPU: cubin sizes."""
+    bm, warps = _rows_launch(d)
+    pointers = {"x": "*bf16", "gamma": "*bf16", "out": "*bf16", "rstd": "*fp32", "eps": "fp32"}
+    sizes = [
+        compile_sm90(
+            _norm_rows_kernel,
+            pointers,
+            {"SCALED": s, "BM": bm, "BD": triton.next_power_of_2(d), "ACC": tl.float32},
+            warps,
+            arch,
+        )
+        for s in (False, True)
+    ]
+    pointers = {"P": "*fp32", "rstd": "*fp32", "out": "*fp32", "eps": "fp32"}
+    for mode in (RSTD, CORR, CORR_SCALED):
+        consts = {"MODE": mode, "BM": 128, "BT": 64, "ACC": tl.float32}
+        sizes.append(compile_sm90(_row_stat_kernel, pointers, consts, 4, arch))
+    return sizes

@@ -1,0 +1,190 @@
+"""RMSNorm's row kernels (``coda.kernels.norm_rows``: the entry norm F0, the final norm, the
+AUX statistics A1 / A6 / A9) against their torch forms: in Triton's interpreter on the CPU
+(switched on before triton is imported, so in a child process), compiled for sm_90 without a
+GPU, and on the H200. Also the host-side memo that lets a stack of layers share its RoPE
+tables (``env.TensorMemo``).
+
+Cases: token counts that are not a multiple of a program's rows, row widths that are not
+powers of two, partial counts of 1, under one chunk and over several (the AUX loop), float64
+(to round-off) and bf16 (within one bf16 step of the torch form)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+NORM_CASES = [(37, 24), (5, 1000), (130, 256), (3, 2048)]  # (M, d)
+STAT_CASES = [(45, 1), (200, 17), (129, 64), (7, 150)]  # (M, T)
+
+
+def norm_case(M, d, dtype, device="cpu", seed=0) -> dict:
+    """Largest error of each output of both norm kernels against the torch forms, in units of
+    the output's largest magnitude."""
+    from coda.kernels import norm_rows as nr
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, d, generator=g, device=device, dtype=dtype) * 3
+    gamma = 1 + 0.1 * torch.randn(d, generator=g, device=device, dtype=dtype)
+    out = {}
+    for name, scaled, torch_form in (
+        ("entry", False, nr.entry_norm_torch),
+        ("final", True, nr.final_norm_torch),
+    ):
+        got = nr.norm_rows_triton(x, gamma, 1e-5, scaled)
+        ref = torch_form(x, gamma, 1e-5)
+        out[name] = [_rel(a, b) for a, b in zip(got, ref)]
+        out[name + " dtypes"] = [str(a.dtype) == str(b.dtype) for a, b in zip(got, ref)]
+    return out
+
+
+def stat_case(M, T, dtype, device="cpu", seed=0) -> dict:
+    from coda.kernels import norm_rows as nr
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    P = torch.rand(M, T, generator=g, device=device, dtype=dtype) * 5
+    if T > 1:
+        P = P[:, : T - 1]  # a column slice: rows at a stride wider than their length
+    rstd = torch.rand(M, generator=g, device=device, dtype=dtype) + 0.5
+    out = {}
+    for mode in (nr.RSTD, nr.CORR, nr.CORR_SCALED):
+        got = nr.row_stat_triton(P, rstd, 40, 1e-5, mode)
+        out[f"mode {mode}"] = [_rel(got, nr.row_stat_torch(P, rstd, 40, 1e-5, mode))]
+    return out
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def _bound(dtype) -> float:
+    return 1e-12 if dtype == torch.float64 else 2.0**-7  # one bf16 step
+
+
+_CHILD = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from test_norm_rows import NORM_CASES, STAT_CASES, norm_case, stat_case
+out = []
+for dtype in (torch.float64, torch.bfloat16):
+    for i, case in enumerate(NORM_CASES):
+        out.append([str(dtype), case, norm_case(*case, dtype, seed=i)])
+for dtype in (torch.float64, torch.float32):
+    for i, case in enumerate(STAT_CASES):
+        out.append([str(dtype), case, stat_case(*case, dtype, seed=i)])
+print(json.dumps(out))
+"""
+
+
+def test_norm_rows_in_triton_interpreter_equal_torch_forms():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 2 * len(NORM_CASES) + 2 * len(STAT_CASES)
+    for dtype, case, errs in results:
+        fp32 = "float32" in dtype  # the AUX statistics in fp32, as the kernel path's
+        bound = 1e-6 if fp32 else _bound(torch.bfloat16 if "bfloat16" in dtype else torch.float64)
+        for name, e in errs.items():
+            if name.endswith("dtypes"):
+                assert all(e), (dtype, case, name)
+            else:
+                assert max(e) <= bound, (dtype, case, name, e)
+
+
+def test_norm_rows_comparison_can_fail():
+    """The comparison above detects a wrong statistic: the torch forms at another eps, or
+    with the correction's sign flipped, differ beyond the bound."""
+    from coda.kernels import norm_rows as nr
+
+    torch.manual_seed(0)
+    x, gamma = torch.randn(9, 24, dtype=torch.float64) * 0.01, torch.ones(24, dtype=torch.float64)
+    a = nr.final_norm_torch(x, gamma, 1e-5)[1]
+    b = nr.final_norm_torch(x, gamma, 1e-3)[1]
+    assert _rel(a, b) > _bound(torch.float64)
+    P, r = torch.rand(9, 5, dtype=torch.float64), torch.rand(9, dtype=torch.float64) + 0.5
+    c = nr.row_stat_torch(P, r, 40, 0.0, nr.CORR)
+    assert _rel(c, -c) > _bound(torch.float64)
+    assert _rel(c, nr.row_stat_torch(P, r, 40, 0.0, nr.CORR_SCALED)) > _bound(torch.float64)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d", [1024, 2048, 4096, 8192])
+def test_norm_rows_compile_for_sm90(d):
+    from coda.kernels.norm_rows import compile_norm_rows
+
+    assert all(size > 0 for size in compile_norm_rows(d))
+
+
+def test_tensor_memo_keys_by_identity_version_and_args():
+    from coda.env import TensorMemo
+
+    calls = []
+
+    def fn(t, k, other):
+        calls.append(k)
+        return t * k + other
+
+    memo = TensorMemo(fn, maxsize=2)
+    t, o = torch.arange(4.0), torch.ones(4)
+    first = memo(t, 2, o)
+    assert memo(t, 2, o) is first and calls == [2]  # remembered
+    assert torch.equal(memo(t.clone(), 2, o), first) and calls == [2, 2]  # another tensor
+    memo(t, 3, o)  # another plain argument
+    memo(t, 2, o.clone())  # another tensor argument
+    assert calls == [2, 2, 3, 2]
+    t.add_(1)  # changed in place: its version moved
+    assert torch.equal(memo(t, 2, o), t * 2 + o) and len(calls) == 5
+    assert len(memo._memo) == 2  # bounded
+
+
+def test_layer_stack_builds_rope_tables_once_per_positions(monkeypatch):
+    """Layers given the same positions tensor share its float rows and their backward shares
+    the cos/sin tables (``drope.cached_head_rotation``): one build per step, not per layer."""
+    import coda.nn as cnn
+    from coda.kernels import drope
+
+    drope.cached_head_rotation.cache_clear()
+    builds = []
+    real = drope.cached_head_rotation.fn
+    monkeypatch.setattr(drope.cached_head_rotation, "fn", lambda *a: builds.append(1) or real(*a))
+    torch.manual_seed(0)
+    layers = [cnn.DecoderLayer(32, 2, 1, 48, dtype=torch.float64) for _ in "ab"]
+    x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
+    pos = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])  # packed: restarts per document
+
+    def stack(positions):  # the kernel path (the tile interpreter on the CPU)
+        h = x
+        for layer in layers:
+            h = layer._kernel_forward(h, layer._positions(positions, 2, 5, x.device))
+        return h
+
+    stack(pos).sum().backward()
+    assert len(builds) == 1, builds
+    grad = x.grad.clone()
+    x.grad = None
+    stack(pos.clone()).sum().backward()  # new positions: built again, same result
+    assert len(builds) == 2 and torch.equal(x.grad, grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M,d", [(16384, 2048), (4097, 4096), (333, 8192), (77, 1000)])
+def test_gpu_norm_rows_equal_torch_forms(M, d):
+    """The compiled kernels on the H200 against the torch forms at the layers' widths: bf16
+    outputs within one bf16 step, the fp32 statistics to fp32 round-off."""
+    for name, e in norm_case(M, d, torch.bfloat16, "cuda").items():
+        if name.endswith("dtypes"):
+            assert all(e), name
+        else:
+            assert e[0] <= _bound(torch.bfloat16) and e[1] <= 1e-5, (name, e)
+    for T in (1, d // 128, 3 * d // 128 + 1):
+        for name, e in stat_case(M, T, torch.float32, "cuda").items():
+            assert max(e) <= 1e-5, (T, name, e)
