@@ -305,3 +305,19 @@ def steady_idle(fn, calls: int = 6, top: int = 5) -> dict:
         "steady_idle_ms": sum(g for g, *_ in gaps) / n * 1e-3,
         "steady_largest_gaps": [{"us": g, "after": a, "before": b} for g, a, b in gaps[:top]],
     }
+
+
+def without_row_kernels(fn):
+    """``fn`` with coda's norm row kernels (``norm_rows.TRITON``) and the stack's shared RoPE
+    tables (``drope.cached_head_rotation``) switched off: the step as it ran before them
+    (session 12), a variant timed beside the current one in the same run."""
+    from coda.kernels import drope, norm_rows
+
+    def run():
+        norm_rows.TRITON, drope.cached_head_rotation.enabled = False, False
+        try:
+            return fn()
+        finally:
+            norm_rows.TRITON, drope.cached_head_rotation.enabled = True, True
+
+    return run

@@ -6,7 +6,10 @@ coda's layer is the steady state of a stack: it takes x0 with a0 = x0 * gamma1 a
 previous layer's last epilogue, and hands the next layer x2, a2, r2 (KERNELS.md F1..F5); the
 saved pre-activation u is written (training forward). ``coda_decoder_layer`` is what a user
 calls, ``coda.nn.DecoderLayer`` under ``torch.no_grad()``: its entry norm is a row kernel of its
-own (no previous layer hands it a0, r0) and it keeps nothing for backward.
+own (no previous layer hands it a0, r0) and it keeps nothing for backward;
+``coda_decoder_layer_before_row_kernels`` is the same call with this entry norm through
+Inductor as before ``coda.kernels.norm_rows`` (``without_row_kernels``). The floor's parts and
+every variant are timed round-robin (``interleaved``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import bench, row
+from benchmarks._common import interleaved, row, without_row_kernels
 from benchmarks.bench_forward import ffn, heads
 from coda import nn as cnn
 from coda.kernels import gemm_residual_rms as grr
@@ -101,13 +104,12 @@ def run() -> list[dict]:
         o = torch.randn(M, H * HD, device="cuda", dtype=torch.bfloat16)
         s = torch.randn(M, f, device="cuda", dtype=torch.bfloat16)
         parts = {
-            "gemm_qkv": bench(lambda: y @ w["wqkv"]),
-            "gemm_o": bench(lambda: o @ w["wo"]),
-            "gemm_gate_up": bench(lambda: y @ w["wgu"]),
-            "gemm_down": bench(lambda: s @ w["wd"]),
-            "attention": bench(lambda: attention(q, k, v)),
+            "gemm_qkv": lambda: y @ w["wqkv"],
+            "gemm_o": lambda: o @ w["wo"],
+            "gemm_gate_up": lambda: y @ w["wgu"],
+            "gemm_down": lambda: s @ w["wd"],
+            "attention": lambda: attention(q, k, v),
         }
-        floor = sum(t["ms"] for t in parts.values())
         compiled = torch.compile(torch_layer)
         layer = cnn.DecoderLayer(d, H, Hkv, f, device="cuda", backend="kernel")
         x = x0.view(B, S, d)
@@ -115,6 +117,7 @@ def run() -> list[dict]:
             "coda": lambda: coda_layer(x0, a0, r0, w, pos, freq, H, Hkv, d, f),
             # what a user calls: the module, its entry norm included (its own random weights)
             "coda_decoder_layer": lambda: layer(x),
+            "coda_decoder_layer_before_row_kernels": without_row_kernels(lambda: layer(x)),
             "torch_eager": lambda: torch_layer(x0, w, cos, sin, H, Hkv),
             "torch_compile": lambda: compiled(x0, w, cos, sin, H, Hkv),
         }
@@ -131,15 +134,21 @@ def run() -> list[dict]:
                 act=liger.liger_swiglu,
             )
         shape = {"M": M, "d": d, "ffn": f, "heads": H, "kv_heads": Hkv, "head_dim": HD}
-        for name, t in parts.items():
-            rows.append(row(f"layer_fwd/floor_part/{name}", shape, t, 0.0))
+        runnable = {}
+        with torch.no_grad():
+            for name, fn in variants.items():
+                try:
+                    fn()
+                    runnable[name] = fn
+                except Exception as e:
+                    rows.append({"name": f"layer_fwd/{name}", **shape, "error": repr(e)[:300]})
+            # the floor's parts and the variants round-robin, as ``bench_train``'s layer
+            timed = interleaved({**{"floor/" + k: fn for k, fn in parts.items()}, **runnable})
+        floor = sum(timed["floor/" + k]["ms"] for k in parts)
+        for name in parts:
+            rows.append(row(f"layer_fwd/floor_part/{name}", shape, timed["floor/" + name], 0.0))
         rows.append({"name": "layer_fwd/floor", **shape, "ms": floor})
-        for name, fn in variants.items():
-            try:
-                with torch.no_grad():
-                    t = bench(fn)
-            except Exception as e:
-                rows.append({"name": f"layer_fwd/{name}", **shape, "error": repr(e)[:300]})
-                continue
+        for name in runnable:
+            t = timed[name]
             rows.append(row(f"layer_fwd/{name}", shape, t, 0.0, ratio_vs_floor=t["ms"] / floor))
     return rows

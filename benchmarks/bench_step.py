@@ -38,6 +38,7 @@ from benchmarks._common import (
     row,
     selected,
     where_time_goes,
+    without_row_kernels,
 )
 from coda import _quack
 from coda.kernels.config import DEFAULT
@@ -145,6 +146,9 @@ def host_rows() -> list[dict]:
         "DecoderLayer forward (no_grad)": lambda: layer(xl.detach()),
         "DecoderLayer forward+backward": layer_step,
         "LMHeadLoss forward+backward": head_step,
+        # the same two as before coda's norm row kernels, timed in the same run
+        "DecoderLayer forward+backward, before the row kernels": without_row_kernels(layer_step),
+        "LMHeadLoss forward+backward, before the row kernels": without_row_kernels(head_step),
     }
     rows, us = [], {}
     rows.append(host_profile("DecoderLayer forward+backward", layer_step))

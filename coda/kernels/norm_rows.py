@@ -8,14 +8,15 @@ epilogue's per-tile partials (A1's rstd, A6/A9's correction).
     A6:          corr[m] = -(r^3 / d) * sum_t P[m, t]              (P: partials of S)
     A9:          corr[m] = -(r^3 / d) * (sum_t P[m, t] / r)        (P: partials of S * r)
 
-Their torch forms (``entry_norm``, ``final_norm`` here, ``primitives.aux`` for the AUX) are
-the CPU path and the oracle. Why kernels of our own: through ``fused`` (torch.compile) each
+Their torch forms (``entry_norm_torch``, ``final_norm_torch`` here, ``primitives.aux`` for
+the AUX) are the CPU path and the oracle. Why kernels of our own: through ``fused`` (torch.compile) each
 norm cost a Dynamo guard check and Inductor's launcher on every call, ~0.1-0.3 ms of host time
 per call on the H200's host, and each AUX statistic ran as three to five eager torch kernels
 (sum, mul, add, rsqrt / pow), each a launch: a Triton launch here is one. One program per
 block of rows reads the row (or its partials) once; sums are in a fixed order (no atomics).
 Inside a torch.compile trace the torch forms run, so Inductor fuses them with their
-neighbours. Float64 inputs accumulate in float64 (the interpreter proofs on the CPU).
+neighbours; rows wider than ``MAX_ROW`` take them through ``fused``. Float64 inputs
+accumulate in float64 (the interpreter proofs on the CPU).
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from coda.kernels._launch import acc_dtype
+from coda.kernels._launch import acc_dtype, fused
 from coda.kernels._triton import acc_type, compile_sm90, kernel, on_triton
 from coda.primitives.aux import norm_correction, rstd_from_sumsq
 
 MAX_ROW = 16384  # widest row one program holds in registers; wider rows take the torch form
+# the kernels on the GPU; False: the norms through ``fused`` (Inductor) and the statistics as
+# eager torch ops, as before these kernels (the benchmarks' same-run comparison)
+TRITON = True
 # the AUX statistics' modes
 RSTD, CORR, CORR_SCALED = 0, 1, 2
 
@@ -140,7 +144,7 @@ def row_stat_triton(partials, rstd, d: int, eps: float, mode: int):
 def _on_kernel(t) -> bool:
     """The Triton kernel runs on the GPU (and in the interpreter), outside a torch.compile
     trace, where the torch form is traced and fused instead."""
-    return not torch.compiler.is_compiling() and on_triton(t)
+    return TRITON and not torch.compiler.is_compiling() and on_triton(t)
 
 
 def entry_norm(x, gamma, eps: float):
@@ -148,7 +152,7 @@ def entry_norm(x, gamma, eps: float):
     producing GEMM computed it."""
     if _on_kernel(x) and x.shape[1] <= MAX_ROW:
         return norm_rows_triton(x, gamma, eps, scaled=False)
-    return entry_norm_torch(x, gamma, eps)
+    return fused(entry_norm_torch)(x, gamma, eps)
 
 
 def final_norm(x, gamma, eps: float):
@@ -157,7 +161,7 @@ def final_norm(x, gamma, eps: float):
     gradient then enters its GEMMs unscaled, rounded exactly as PyTorch rounds it."""
     if _on_kernel(x) and x.shape[1] <= MAX_ROW:
         return norm_rows_triton(x, gamma, eps, scaled=True)
-    return final_norm_torch(x, gamma, eps)
+    return fused(final_norm_torch)(x, gamma, eps)
 
 
 def row_stat(partials, rstd, d: int, eps: float = 0.0, mode: int = RSTD):
