@@ -9,11 +9,12 @@ epilogue's per-tile partials (A1's rstd, A6/A9's correction).
     A9:          corr[m] = -(r^3 / d) * (sum_t P[m, t] / r)        (P: partials of S * r)
 
 Their torch forms (``entry_norm_torch``, ``final_norm_torch`` here, ``primitives.aux`` for
-the AUX) are the CPU path and the oracle. Why kernels of our own: through ``fused`` (torch.compile) each
-norm cost a Dynamo guard check and Inductor's launcher on every call, ~0.1-0.3 ms of host time
-per call on the H200's host, and each AUX statistic ran as three to five eager torch kernels
-(sum, mul, add, rsqrt / pow), each a launch: a Triton launch here is one. One program per
-block of rows reads the row (or its partials) once; sums are in a fixed order (no atomics).
+the AUX) are the CPU path and the oracle. Why kernels of our own: through ``fused``
+(torch.compile) a norm paid a Dynamo guard check and Inductor's launcher on every call, and
+an AUX statistic ran as three to five eager torch kernels (sum, mul, add, rsqrt / pow), a
+launch each; here each is one launch (measured in benchmarks/NOTES.md, session 13). One
+program per block of rows reads the row (or its partials) once; sums are in a fixed order
+(no atomics).
 Inside a torch.compile trace the torch forms run, so Inductor fuses them with their
 neighbours; rows wider than ``MAX_ROW`` take them through ``fused``. Float64 inputs
 accumulate in float64 (the interpreter proofs on the CPU).
