@@ -93,7 +93,8 @@ def bench_long(fn) -> dict:
     return bench(fn, warmup_ms=100, rep_ms=1500)
 
 
-ROUNDS = 3  # interleaved rounds of ``interleaved``
+# interleaved rounds of ``interleaved``; ``CODA_BENCH_ROUNDS`` asks for more (a closer A/B)
+ROUNDS = int(os.environ.get("CODA_BENCH_ROUNDS", "3"))
 
 
 def interleaved(fns: dict, rounds: int = ROUNDS, timer=None) -> dict:
