@@ -129,7 +129,8 @@ def run_tests(
     }
 
 
-SELECTIONS = (
+SELECTIONS = (  # environment variables that change what runs: named in the recorded command
+    "CODA_BENCH_ROUNDS",
     "CODA_HF_SHAPES",
     "CODA_LAYER_SHAPES",
     "CODA_LM_HEAD_SHAPES",
