@@ -128,6 +128,29 @@ def interleaved(fns: dict, rounds: int = ROUNDS, timer=None) -> dict:
     return out
 
 
+def against_floor(
+    prefix: str, shape: dict, parts: dict, variants: dict, rows: list, timer=None
+) -> dict:
+    """A floor's parts (the plain GEMMs and attention) and every variant timed round-robin
+    (``interleaved``): a GPU clock that drifts during the run touches the floor and each
+    variant alike. A variant that raises on its first call gets an error row. Appends the
+    parts' rows and the floor's (their sum) to ``rows``; returns each variant that ran, as its
+    timing with ``ratio_vs_floor``. ``timer``: as ``interleaved``'s."""
+    runnable = {}
+    for name, fn in variants.items():
+        try:
+            fn()
+            runnable[name] = fn
+        except Exception as e:
+            rows.append({"name": f"{prefix}/{name}", **shape, "error": repr(e)[:300]})
+    timed = interleaved({**{"floor/" + k: fn for k, fn in parts.items()}, **runnable}, timer=timer)
+    floor = sum(timed["floor/" + k]["ms"] for k in parts)
+    for name in parts:
+        rows.append(row(f"{prefix}/floor_part/{name}", shape, timed["floor/" + name], 0.0))
+    rows.append({"name": f"{prefix}/floor", **shape, "ms": floor})
+    return {n: {**timed[n], "ratio_vs_floor": timed[n]["ms"] / floor} for n in runnable}
+
+
 def host_ms(fn, reps: int = 7) -> float:
     """Host milliseconds of one call of ``fn`` started on an idle GPU (median of ``reps``): the
     time until it returns, kernels queued but not awaited. A call that synchronizes inside

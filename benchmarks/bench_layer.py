@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import interleaved, row, without_row_kernels
+from benchmarks._common import against_floor, row, without_row_kernels
 from benchmarks.bench_forward import ffn, heads
 from coda import nn as cnn
 from coda.kernels import gemm_residual_rms as grr
@@ -134,21 +134,8 @@ def run() -> list[dict]:
                 act=liger.liger_swiglu,
             )
         shape = {"M": M, "d": d, "ffn": f, "heads": H, "kv_heads": Hkv, "head_dim": HD}
-        runnable = {}
         with torch.no_grad():
-            for name, fn in variants.items():
-                try:
-                    fn()
-                    runnable[name] = fn
-                except Exception as e:
-                    rows.append({"name": f"layer_fwd/{name}", **shape, "error": repr(e)[:300]})
-            # the floor's parts and the variants round-robin, as ``bench_train``'s layer
-            timed = interleaved({**{"floor/" + k: fn for k, fn in parts.items()}, **runnable})
-        floor = sum(timed["floor/" + k]["ms"] for k in parts)
-        for name in parts:
-            rows.append(row(f"layer_fwd/floor_part/{name}", shape, timed["floor/" + name], 0.0))
-        rows.append({"name": "layer_fwd/floor", **shape, "ms": floor})
-        for name in runnable:
-            t = timed[name]
-            rows.append(row(f"layer_fwd/{name}", shape, t, 0.0, ratio_vs_floor=t["ms"] / floor))
+            timed = against_floor("layer_fwd", shape, parts, variants, rows)
+        for name, t in timed.items():
+            rows.append(row(f"layer_fwd/{name}", shape, t, 0.0, ratio_vs_floor=t["ratio_vs_floor"]))
     return rows

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import coda.nn as cnn
 from benchmarks._common import (
     SKIPPED,
+    against_floor,
     bench,
     graphed,
     host_ms,
@@ -175,22 +176,10 @@ def layer_rows(liger) -> list[dict]:
             )
         shape = {"M": M, "d": d, "ffn": f, "heads": H, "kv_heads": Hkv}
         xm.requires_grad_(True)
-        runnable = {}
-        for name, (step, fwd) in variants.items():
-            try:
-                step()
-                runnable[name] = step
-            except Exception as e:
-                rows.append({"name": f"layer_train/{name}", **shape, "error": repr(e)[:300]})
-        # the floor's parts and every variant round-robin (``interleaved``): a GPU clock that
-        # drifts during the run touches the floor and each variant alike
-        timed = interleaved({**{"floor/" + k: fn for k, fn in parts.items()}, **runnable})
-        floor = sum(timed["floor/" + k]["ms"] for k in parts)
-        for name in parts:
-            rows.append(row(f"layer_train/floor_part/{name}", shape, timed["floor/" + name], 0.0))
-        rows.append({"name": "layer_train/floor", **shape, "ms": floor})
-        for name, step in runnable.items():
-            t = timed[name]
+        timed = against_floor(
+            "layer_train", shape, parts, {n: step for n, (step, _) in variants.items()}, rows
+        )
+        for name, t in timed.items():
             mem = _mem_kept_by_forward(variants[name][1])
             rows.append(
                 row(
@@ -198,7 +187,7 @@ def layer_rows(liger) -> list[dict]:
                     shape,
                     t,
                     0.0,
-                    ratio_vs_floor=t["ms"] / floor,
+                    ratio_vs_floor=t["ratio_vs_floor"],
                     activation_gib=mem,
                 )
             )

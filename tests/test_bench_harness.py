@@ -86,6 +86,32 @@ def test_interleaved_rounds_rotate_and_take_the_median():
     assert out["b"]["spread"] == pytest.approx((8.0 - 1.0) / 2.0)
 
 
+def test_against_floor_sums_the_parts_and_reports_a_failing_variant():
+    ms = {"gemm": 2.0, "attn": 1.0, "coda": 3.3, "peer": 3.6}
+
+    def timer(fn):
+        return {"ms": ms[fn()], "p20_ms": 0.0, "p80_ms": 0.0}
+
+    def broken():
+        raise RuntimeError("no kernel")
+
+    rows = []
+    parts = {"gemm": lambda: "gemm", "attn": lambda: "attn"}
+    variants = {"coda": lambda: "coda", "broken": broken, "peer": lambda: "peer"}
+    out = _common.against_floor("layer", {"d": 8}, parts, variants, rows, timer=timer)
+    assert set(out) == {"coda", "peer"}
+    assert out["coda"]["ratio_vs_floor"] == pytest.approx(1.1)
+    assert out["peer"]["ratio_vs_floor"] == pytest.approx(1.2)
+    names = [r["name"] for r in rows]
+    assert names == [
+        "layer/broken",
+        "layer/floor_part/gemm",
+        "layer/floor_part/attn",
+        "layer/floor",
+    ]
+    assert "no kernel" in rows[0]["error"] and rows[-1]["ms"] == pytest.approx(3.0)
+
+
 def test_liger_switch_binds_the_patch_around_its_own_steps_only():
     import types
 

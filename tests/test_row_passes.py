@@ -14,12 +14,9 @@ one bf16 step)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+import triton_child
 
 CASES = [  # (B, S, H, Hkv, hd)
     (2, 37, 4, 2, 16),
@@ -201,15 +198,7 @@ print(json.dumps(out))
 
 
 def test_row_passes_in_triton_interpreter_equal_oracles():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD], cwd=root, env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = triton_child.results(_CHILD)
     from coda.kernels.row_passes import LAUNCH_SHAPES
 
     n_cases = len(LAUNCH_SHAPES) + 2 * len(CASES) + 2 * len(TARGET_CASES)
@@ -230,11 +219,9 @@ def test_kernel_path_runs_the_triton_kernels_in_the_interpreter():
     the interpreter instead of their torch forms: the kernels' wiring into the autograd
     Functions (argument order, attention's gradient layouts), not only the kernels alone.
     A sign flipped in either kernel fails most of these cases."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k"]
+    cmd = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k"]
     cmd += ["layer_kernel_sequence or lm_head_kernel_sequence", "tests/test_kernel_path_cpu.py"]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    proc = triton_child.run(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "22 passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]
 
