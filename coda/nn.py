@@ -16,8 +16,6 @@ with HF's key names.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -33,50 +31,15 @@ from coda.autograd import (
 )
 from coda.env import (
     BACKENDS,
-    TensorMemo,
     autocast_off,
     capturing,
     compute_dtype,
-    host_cache,
     resolve_backend,
 )
-from coda.kernels.gemm_rope import rope_freq_table_from_inv
+from coda.kernels.gemm_rope import default_positions, position_rows, shared_freq_table
 from coda.reference.cross_entropy import cross_entropy_ref
 from coda.reference.layer import LayerShape, decoder_layer_ref
 from coda.reference.rmsnorm import rmsnorm_ref
-
-
-@host_cache(maxsize=16, device_tensors=True)
-def _positions(batch: int, seq: int, device) -> torch.Tensor:
-    """The default positions 0..seq-1 of every sequence, as the float32 rows the RoPE epilogue
-    reads: built once per (batch, seq, device), not by two kernels in every layer call."""
-    return torch.arange(seq, device=device, dtype=torch.float32).repeat(batch)
-
-
-_FREQ_TABLES: dict = {}  # (inverse frequencies' bytes, heads, device) -> the table
-
-
-def _freq_table(inv_freq: torch.Tensor, heads: tuple, device) -> torch.Tensor:
-    """The RoPE epilogue's frequency table for ``inv_freq`` (float64, CPU) and ``heads``
-    (rotated, kv): one tensor for every layer with the same ones, so what is remembered per
-    table (the backward's cos/sin, ``drope.cached_head_rotation``) is shared by a stack."""
-    if torch.compiler.is_compiling() or capturing():
-        return rope_freq_table_from_inv(inv_freq, *heads, device)
-    key = (inv_freq.numpy().tobytes(), heads, device)
-    if key not in _FREQ_TABLES:
-        _FREQ_TABLES[key] = rope_freq_table_from_inv(inv_freq, *heads, device)
-    return _FREQ_TABLES[key]
-
-
-@functools.partial(TensorMemo, maxsize=2)
-def _position_rows(positions, batch: int, device) -> torch.Tensor:
-    """A caller's integer positions ((batch, seq) or (seq,)) as the float32 token rows the
-    RoPE epilogue reads, exact below 2^24. Remembered per positions tensor: every layer of a
-    model is given the same one, and its backward's RoPE tables are remembered per these rows
-    (``drope.cached_head_rotation``), so a stack builds both once per step, not per layer."""
-    flat = positions.reshape(-1).to(device, torch.float32)
-    one_sequence = flat.numel() == positions.shape[-1]
-    return flat.repeat(batch) if one_sequence and batch > 1 else flat
 
 
 def _in_dtype(dtype, *tensors):
@@ -238,7 +201,7 @@ class DecoderLayer(nn.Module):
 
     def _positions(self, positions, B, S, device):
         if positions is None:
-            return _positions(B, S, device)
+            return default_positions(B, S, device)
         v.check_tensor("positions", positions)
         n = positions.numel()
         if positions.is_floating_point() or positions.shape[-1] != S or n not in (S, B * S):
@@ -246,7 +209,7 @@ class DecoderLayer(nn.Module):
                 f"positions: expected integer (batch, seq) = ({B}, {S}) or (seq,), got "
                 f"{positions.dtype} {tuple(positions.shape)}"
             )
-        return _position_rows(positions, B, device)
+        return position_rows(positions, B, device)
 
     def _on_device(self, name, device, build):
         """A RoPE table derived from the inverse frequencies, built once per device (a host to
@@ -261,7 +224,9 @@ class DecoderLayer(nn.Module):
     def _freq_table(self, device):
         """The RoPE epilogue's per-column frequency table (float-float turns)."""
         heads = (self.n_heads + self.n_kv_heads, self.n_kv_heads)
-        return self._on_device("freq", device, lambda d: _freq_table(self._inv_freq, heads, d))
+        return self._on_device(
+            "freq", device, lambda d: shared_freq_table(self._inv_freq, heads, d)
+        )
 
     def _kernel_forward(self, x: torch.Tensor, positions=None, attention=None) -> torch.Tensor:
         """The kernel sequence (``coda.autograd``). On an SM90 GPU its GEMMs are the SM90
@@ -270,7 +235,7 @@ class DecoderLayer(nn.Module):
         ``torch.autocast`` (bf16) x and the parameters are cast to bf16 first (``compute_dtype``;
         the casts are differentiable: fp32 parameters get fp32 gradients, as under autocast)."""
         B, S, d = x.shape
-        pos = _positions(B, S, x.device) if positions is None else positions
+        pos = default_positions(B, S, x.device) if positions is None else positions
         dims = LayerDims(
             B, S, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.rope_base
         )

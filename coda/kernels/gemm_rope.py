@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from coda.env import TensorMemo, capturing, host_cache
 from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, RowLoad, epilogue_program, pack, unpack
@@ -56,11 +57,44 @@ def rope_freq_table_from_inv(inv_freq, rotated_heads: int, plain_heads: int, dev
     return table.to(device=device, dtype=torch.float32)
 
 
-@functools.lru_cache(maxsize=64)
+@host_cache(maxsize=64, device_tensors=True)
 def cached_freq_table(head_dim, rotated_heads, plain_heads, base, device) -> torch.Tensor:
     """``rope_freq_table`` built once per configuration and device: building it is a host to
     device copy, which would stall the stream on every call."""
     return rope_freq_table(head_dim, rotated_heads, plain_heads, base, device=device)
+
+
+_FREQ_TABLES: dict = {}  # (inverse frequencies' bytes, heads, device) -> the table
+
+
+def shared_freq_table(inv_freq: torch.Tensor, heads: tuple, device) -> torch.Tensor:
+    """``rope_freq_table_from_inv`` for ``inv_freq`` (float64, CPU) and ``heads`` (rotated,
+    plain): one tensor for every layer with the same ones, so what is remembered per table
+    (the backward's cos/sin, ``drope.cached_head_rotation``) is shared by a stack."""
+    if torch.compiler.is_compiling() or capturing():
+        return rope_freq_table_from_inv(inv_freq, *heads, device)
+    key = (inv_freq.numpy().tobytes(), heads, device)
+    if key not in _FREQ_TABLES:
+        _FREQ_TABLES[key] = rope_freq_table_from_inv(inv_freq, *heads, device)
+    return _FREQ_TABLES[key]
+
+
+@host_cache(maxsize=16, device_tensors=True)
+def default_positions(batch: int, seq: int, device) -> torch.Tensor:
+    """The default positions 0..seq-1 of every sequence, as the float32 rows the RoPE epilogue
+    reads: built once per (batch, seq, device), not by two kernels in every layer call."""
+    return torch.arange(seq, device=device, dtype=torch.float32).repeat(batch)
+
+
+@functools.partial(TensorMemo, maxsize=2)
+def position_rows(positions, batch: int, device) -> torch.Tensor:
+    """A caller's integer positions ((batch, seq) or (seq,)) as the float32 token rows the
+    RoPE epilogue reads, exact below 2^24. Remembered per positions tensor: every layer of a
+    model is given the same one, and its backward's RoPE tables are remembered per these rows
+    (``drope.cached_head_rotation``), so a stack builds both once per step, not per layer."""
+    flat = positions.reshape(-1).to(device, torch.float32)
+    one_sequence = flat.numel() == positions.shape[-1]
+    return flat.repeat(batch) if one_sequence and batch > 1 else flat
 
 
 def gemm_rope_kernel(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT, dry=False):
