@@ -178,3 +178,33 @@ def test_gpu_norm_rows_equal_torch_forms(M, d):
     for T in (1, d // 128, 3 * d // 128 + 1):
         for name, e in stat_case(M, T, torch.float32, "cuda").items():
             assert max(e) <= 1e-5, (T, name, e)
+
+
+def test_device_table_caches_keep_nothing_built_during_a_graph_capture(monkeypatch):
+    """While a CUDA graph is captured, a device tensor built holds nothing until the graph
+    replays: the tensor caches then compute and keep nothing (``env.capturing`` stood in)."""
+    from coda import env
+    from coda.kernels import gemm_rope
+
+    built = []
+    memo = env.TensorMemo(lambda t: built.append(1) or t + 1)
+
+    @env.host_cache(device_tensors=True)
+    def table(n):
+        built.append(1)
+        return torch.zeros(n)
+
+    t = torch.zeros(3)
+    monkeypatch.setattr(env, "capturing", lambda t=None: True)
+    monkeypatch.setattr(gemm_rope, "capturing", lambda t=None: True)
+    for _ in range(2):
+        memo(t), table(4)
+    inv = torch.rand(4, dtype=torch.float64)
+    assert gemm_rope.shared_freq_table(inv, (2, 1), "cpu") is not gemm_rope.shared_freq_table(
+        inv, (2, 1), "cpu"
+    )
+    assert len(built) == 4 and not memo._memo and table.cache_info().currsize == 0
+    monkeypatch.undo()
+    for _ in range(2):
+        memo(t), table(4)
+    assert len(built) == 6  # outside a capture: each built once, then remembered
