@@ -128,7 +128,7 @@ def host_rows() -> list[dict]:
     def head_step():
         head(xl, t.view(1, M)).backward()
 
-    calls = {
+    calls = {  # timed under no_grad
         "torch.mm": lambda: torch.mm(x, w),
         "quack raw GEMM": lambda: _quack.run_epi_gemm(
             raw, x, w, d_raw, None, {}, DEFAULT, replay=False
@@ -144,24 +144,32 @@ def host_rows() -> list[dict]:
         ),
         "coda.linear_cross_entropy": lambda: coda.linear_cross_entropy(x, w_lm, t, rstd=rstd),
         "DecoderLayer forward (no_grad)": lambda: layer(xl.detach()),
+    }
+    steps = {  # timed with gradients
         "DecoderLayer forward+backward": layer_step,
         "LMHeadLoss forward+backward": head_step,
-        # the same two as before coda's norm row kernels, timed in the same run
-        "DecoderLayer forward+backward, before the row kernels": without_row_kernels(layer_step),
-        "LMHeadLoss forward+backward, before the row kernels": without_row_kernels(head_step),
     }
+    # the calls the norm row kernels changed, also as before them (``without_row_kernels``),
+    # timed in the same run
+    for group, names in (
+        (calls, ["coda.gemm_residual_rms", "coda.gemm_rmsnorm_gemm"]),
+        (steps, list(steps)),
+    ):
+        for name in names:
+            group[name + ", before the row kernels"] = without_row_kernels(group[name])
     rows, us = [], {}
     rows.append(host_profile("DecoderLayer forward+backward", layer_step))
     rows.append(host_profile("coda.gemm_swiglu", calls["coda.gemm_swiglu"], grad=False))
     with torch.no_grad():
-        for name in list(calls)[:9]:
-            us[name] = _per_call_us(calls[name])
-    for name in list(calls)[9:]:
-        us[name] = _per_call_us(calls[name], n=100)
+        for name, fn in calls.items():
+            us[name] = _per_call_us(fn)
+    for name, fn in steps.items():
+        us[name] = _per_call_us(fn, n=100)
     for name, v in us.items():
-        grad = torch.enable_grad() if name in list(calls)[9:] else torch.no_grad()
+        grad = torch.enable_grad() if name in steps else torch.no_grad()
         with grad:
-            kernels = sum(k["calls"] for k in kernel_table(calls[name], steps=2, top=1000))
+            fn = steps.get(name) or calls[name]
+            kernels = sum(k["calls"] for k in kernel_table(fn, steps=2, top=1000))
         rows.append(
             {
                 "name": f"host/{name}",
