@@ -65,12 +65,12 @@ def host_cache(maxsize: int | None = None, device_tensors: bool = False):
 
 class TensorMemo:
     """``fn(t, *args)`` remembered while tensor ``t`` is the same object, unchanged
-    (``t._version``), with the same ``args`` (plain values, or tensors taken by identity):
-    for device tables derived from a tensor that every layer of a step is given (positions ->
-    their float rows, positions -> RoPE's cos/sin), so a stack computes them once per step,
-    or once in all when the tensor is reused. Keeps the ``maxsize`` latest entries (each
-    holds its tensors, so their ids stay unique); runs ``fn`` uncached inside a torch.compile
-    trace and while a CUDA graph is captured."""
+    (``t._version``), with the same ``args`` (plain values, or tensors taken by identity only:
+    tables coda builds and never writes): for device tables derived from a tensor that every
+    layer of a step is given (positions -> their float rows, positions -> RoPE's cos/sin), so
+    a stack computes them once per step, or once in all when the tensor is reused. Keeps the
+    ``maxsize`` entries made last (each holds its tensors, so their ids stay unique); runs
+    ``fn`` uncached inside a torch.compile trace and while a CUDA graph is captured."""
 
     def __init__(self, fn, maxsize: int = 8):
         self.fn, self.maxsize, self._memo = fn, maxsize, {}

@@ -64,7 +64,7 @@ def _bound(dtype) -> float:
 _CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
-from test_norm_rows import NORM_CASES, STAT_CASES, norm_case, stat_case
+from test_norm_rows import NORM_CASES, STAT_CASES, norm_case, stat_case, strided_rows_case
 out = []
 for dtype in (torch.float64, torch.bfloat16):
     for i, case in enumerate(NORM_CASES):
@@ -72,13 +72,27 @@ for dtype in (torch.float64, torch.bfloat16):
 for dtype in (torch.float64, torch.float32):
     for i, case in enumerate(STAT_CASES):
         out.append([str(dtype), case, stat_case(*case, dtype, seed=i)])
+out.append(["fallback", None, strided_rows_case()])
 print(json.dumps(out))
 """
 
 
+def strided_rows_case() -> dict:
+    """Rows the kernel does not take (a column stride other than 1) through the public entry
+    points: the torch form's result, exactly, instead of the kernel's assertion."""
+    from coda.kernels import norm_rows as nr
+
+    x = torch.randn(24, 37, dtype=torch.float64).t()  # (37, 24) with column stride 37
+    gamma = torch.rand(24, dtype=torch.float64) + 0.5
+    got = [*nr.entry_norm(x, gamma, 1e-5), *nr.final_norm(x, gamma, 1e-5)]
+    ref = [*nr.entry_norm_torch(x, gamma, 1e-5), *nr.final_norm_torch(x, gamma, 1e-5)]
+    return {"exact": [float(torch.equal(a, b)) for a, b in zip(got, ref)]}
+
+
 def test_norm_rows_in_triton_interpreter_equal_torch_forms():
     results = triton_child.results(_CHILD)
-    assert len(results) == 2 * len(NORM_CASES) + 2 * len(STAT_CASES)
+    assert len(results) == 2 * len(NORM_CASES) + 2 * len(STAT_CASES) + 1
+    assert results.pop()[2]["exact"] == [1.0] * 4
     for dtype, case, errs in results:
         fp32 = "float32" in dtype  # the AUX statistics in fp32, as the kernel path's
         bound = 1e-6 if fp32 else _bound(torch.bfloat16 if "bfloat16" in dtype else torch.float64)

@@ -14,10 +14,10 @@ the AUX) are the CPU path and the oracle. Why kernels of our own: through ``fuse
 an AUX statistic ran as three to five eager torch kernels (sum, mul, add, rsqrt / pow), a
 launch each; here each is one launch (measured in benchmarks/NOTES.md, session 13). One
 program per block of rows reads the row (or its partials) once; sums are in a fixed order
-(no atomics).
-Inside a torch.compile trace the torch forms run, so Inductor fuses them with their
-neighbours; rows wider than ``MAX_ROW`` take them through ``fused``. Float64 inputs
-accumulate in float64 (the interpreter proofs on the CPU).
+(no atomics). Inside a torch.compile trace the torch forms run, so Inductor fuses them with
+their neighbours; rows the kernel does not take (wider than ``MAX_ROW``, strided columns) take
+them through ``fused``. Float64 inputs accumulate in float64 (the interpreter proofs on the
+CPU).
 """
 
 from __future__ import annotations
@@ -148,10 +148,16 @@ def _on_kernel(t) -> bool:
     return TRITON and not torch.compiler.is_compiling() and on_triton(t)
 
 
+def _rows_fit(x, gamma) -> bool:
+    """The norm kernel takes rows of unit column stride up to ``MAX_ROW`` wide and a
+    contiguous gamma; anything else takes the torch form."""
+    return x.shape[1] <= MAX_ROW and x.stride(1) == 1 and gamma.is_contiguous()
+
+
 def entry_norm(x, gamma, eps: float):
     """F0: (a = x * gamma in x's dtype, r fp32): the norm of a layer's input when no
     producing GEMM computed it."""
-    if _on_kernel(x) and x.shape[1] <= MAX_ROW:
+    if _on_kernel(x) and _rows_fit(x, gamma):
         return norm_rows_triton(x, gamma, eps, scaled=False)
     return fused(entry_norm_torch)(x, gamma, eps)
 
@@ -160,7 +166,7 @@ def final_norm(x, gamma, eps: float):
     """The final norm before the LM head: y = x * rstd * gamma rounded once (as
     ``F.rms_norm``), and rstd. The LM head takes y, not the deferred-scale x * gamma: the loss
     gradient then enters its GEMMs unscaled, rounded exactly as PyTorch rounds it."""
-    if _on_kernel(x) and x.shape[1] <= MAX_ROW:
+    if _on_kernel(x) and _rows_fit(x, gamma):
         return norm_rows_triton(x, gamma, eps, scaled=True)
     return fused(final_norm_torch)(x, gamma, eps)
 
