@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from coda.env import TensorMemo, capturing, host_cache
+from coda.env import TensorMemo, host_cache
 from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, RowLoad, epilogue_program, pack, unpack
@@ -64,19 +64,20 @@ def cached_freq_table(head_dim, rotated_heads, plain_heads, base, device) -> tor
     return rope_freq_table(head_dim, rotated_heads, plain_heads, base, device=device)
 
 
-_FREQ_TABLES: dict = {}  # (inverse frequencies' bytes, heads, device) -> the table
-
-
 def shared_freq_table(inv_freq: torch.Tensor, heads: tuple, device) -> torch.Tensor:
     """``rope_freq_table_from_inv`` for ``inv_freq`` (float64, CPU) and ``heads`` (rotated,
     plain): one tensor for every layer with the same ones, so what is remembered per table
-    (the backward's cos/sin, ``drope.cached_head_rotation``) is shared by a stack."""
-    if torch.compiler.is_compiling() or capturing():
+    (the backward's cos/sin, ``drope.cached_head_rotation``) is shared by a stack. Keyed by
+    the frequencies' values (their bytes); a torch.compile trace builds it in the graph."""
+    if torch.compiler.is_compiling():
         return rope_freq_table_from_inv(inv_freq, *heads, device)
-    key = (inv_freq.numpy().tobytes(), heads, device)
-    if key not in _FREQ_TABLES:
-        _FREQ_TABLES[key] = rope_freq_table_from_inv(inv_freq, *heads, device)
-    return _FREQ_TABLES[key]
+    return _freq_table_of(inv_freq.numpy().tobytes(), *heads, device)
+
+
+@host_cache(maxsize=64, device_tensors=True)
+def _freq_table_of(inv_freq: bytes, rotated_heads: int, plain_heads: int, device):
+    inv = torch.frombuffer(bytearray(inv_freq), dtype=torch.float64)
+    return rope_freq_table_from_inv(inv, rotated_heads, plain_heads, device)
 
 
 @host_cache(maxsize=16, device_tensors=True)
