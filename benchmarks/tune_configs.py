@@ -184,11 +184,13 @@ def row_pass_rows(only) -> list[dict]:
         theta = torch.randn(M, hd // 2, device="cuda")
         cos, sin = theta.cos(), theta.sin()
         qkv, z = bf(M, N), bf(M, N)
-        z_even, z_odd = z[:, 0::2].contiguous(), z[:, 1::2].contiguous()
+        n_rot = (H + Hkv) * hd  # z kept on the q and k columns, v read from qkv
+        z_even, z_odd = z[:, 0:n_rot:2].contiguous(), z[:, 1:n_rot:2].contiguous()
         s_head = torch.rand(M, H + Hkv, device="cuda") + 0.5
         qn, kn = bf(hd), bf(hd)
         drope_args = (dq, dk, dv, qkv, rstd, cos, sin, H + Hkv, hd, d)
-        qk_args = (dq, dk, dv, z_even, z_odd, s_head, rstd, cos, sin, qn, kn, H, Hkv, hd, d)
+        z_v = qkv[:, n_rot:]
+        qk_args = (dq, dk, dv, z_even, z_odd, z_v, s_head, rstd, cos, sin, qn, kn, H, Hkv, hd, d)
         passes = {
             "drope": lambda sh: rpk.drope_heads_triton(*drope_args, shape=sh),
             "dqk_norm": lambda sh: rpk.dqk_norm_rope_heads_triton(*qk_args, shape=sh),

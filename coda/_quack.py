@@ -190,6 +190,7 @@ def run_epi_gemm(
     add_to_output=False,
     replay=True,
     a_scale=None,
+    clipped=None,
 ):
     """Run (or, with ``launch=False``, only compile and plan) ``mod`` on the quack SM90 GEMM.
 
@@ -202,7 +203,10 @@ def run_epi_gemm(
     what quack's generic warm-path key reads (its ~40 fields, every op's host key).
     ``replay=False`` always takes quack's frontend (the benchmarks' "quack raw" baseline).
     ``a_scale`` = (kind, strip, tile_k): A enters as quack's transform bundle and the mainloop
-    scales it (``scale_a_mod``); such calls always take quack's frontend (no replay)."""
+    scales it (``scale_a_mod``); such calls always take quack's frontend (no replay).
+    ``clipped`` = {name: full shape} of tile stores given a narrower buffer: the frontend,
+    which checks every output's full shape, plans with empty stand-ins of that shape, and the
+    plan launches with the narrow buffers (the compiled TMA store clips at their bound)."""
     transform = {}
     if a_scale is not None:
         kind, strip, tile_k = a_scale
@@ -228,12 +232,15 @@ def run_epi_gemm(
         if plan is not None:
             _modules()["host"].run_gemm_epi_plan(plan, A, B, D, C, epi_args)
             return plan
+    if clipped:
+        assert replay and a_scale is None, "a clipped store launches through a plan"
+        stand_ins = {n: epi_args[n].new_empty(shape) for n, shape in clipped.items()}
     plan = mod.gemm(
         A,
         B,
         D,
         C,
-        epi_args=epi_args,
+        epi_args={**epi_args, **stand_ins} if clipped else epi_args,
         b_kn=True,
         tile_M=config.tile_m,
         tile_N=config.tile_n,
@@ -243,10 +250,12 @@ def run_epi_gemm(
         persistent=True,
         max_swizzle_size=config.max_swizzle_size,
         add_to_output=add_to_output,
-        _launch=launch,
+        _launch=launch and not clipped,
         **transform,
         **_split_k(config),
     )
+    if launch and clipped:
+        _modules()["host"].run_gemm_epi_plan(plan, A, B, D, C, epi_args)
     if key is not None:
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
@@ -254,7 +263,9 @@ def run_epi_gemm(
     return plan
 
 
-def compile_only(mod, A, B, D, C, epi_args, config, add_to_output=False, a_scale=None) -> int:
+def compile_only(
+    mod, A, B, D, C, epi_args, config, add_to_output=False, a_scale=None, clipped=None
+) -> int:
     """Compile ``mod`` for sm_90a on a machine with no GPU; returns the number of kernel
     compiles this call performed (0 when the jit cache already held it).
 
@@ -275,6 +286,7 @@ def compile_only(mod, A, B, D, C, epi_args, config, add_to_output=False, a_scale
             launch=False,
             add_to_output=add_to_output,
             a_scale=a_scale,
+            clipped=clipped,
         )
     except Exception as e:
         after = compile_fn.cache_info()

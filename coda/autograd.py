@@ -120,9 +120,10 @@ class AttentionInputQKNorm(torch.autograd.Function):
     """``AttentionInput`` for Qwen3's per-head QK-norm (``coda.kernels.qk_norm``).
 
     Forward: F1 with the head norms and RoPE in its epilogue (the head statistic in a
-    prepass), also storing z = rstd0 * acc (as its even and odd columns) and the statistic s
-    for the backward; when head_dim divides no tile width (``qk_norm_config``), F1 without
-    rotation and one row pass instead. Backward: the head norms' backward and dRoPE in one
+    prepass), also storing z = rstd0 * acc on the q and k columns (as its even and odd
+    columns; on v columns z is v) and the statistic s for the backward; when head_dim
+    divides no tile width (``qk_norm_config``), F1 without rotation and one row pass
+    instead. Backward: the head norms' backward and dRoPE in one
     row pass (with the entry norm's statistic), then B12 and B13 as in ``AttentionInput``."""
 
     @staticmethod
@@ -132,30 +133,37 @@ class AttentionInputQKNorm(torch.autograd.Function):
         pos = positions.float()
         a0, r0 = entry_norm(x0, g1, dims.eps)  # F0
         cfg = qk_norm_config(hd)
+        n_rot = (n_q + n_k) * hd
         if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue, z kept
             head_w, plain = column_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype)
+            # z on the q and k columns only (on v columns it is the stored v, which attention
+            # keeps anyway), unless that width breaks the TMA store's 16-byte rows
+            z_cols = n_rot if n_rot % 16 == 0 else w_qkv.shape[1]
             qkv, z_even, z_odd, s = lib.gemm_qk_norm_rope_keep_z(
-                a0, w_qkv, r0, pos, freq, head_w, plain, hd, dims.eps, cfg
+                a0, w_qkv, r0, pos, freq, head_w, plain, hd, dims.eps, cfg, z_cols=z_cols
             )
             s = s[:, : n_q + n_k]  # the v heads' statistic is computed and unused
         else:  # F1 without rotation, then the head norms and RoPE as a row pass
             z = lib.gemm_scale_rows(a0, w_qkv, r0, config_for("scale_rows", M, d, w_qkv.shape[1]))
             cos, sin = cached_head_rotation(pos, freq, hd, r0.dtype)
             qkv, s = fused(qk_norm_rope_rows)(z, q_norm, k_norm, cos, sin, n_q, n_k, hd, dims.eps)
-            z_even, z_odd = z, None  # z saved whole
-        ctx.save_for_backward(x0, r0, z_even, z_odd, s, g1, w_qkv, q_norm, k_norm, pos, freq)
+            z_even, z_odd = z[:, :n_rot], None  # z's q and k columns whole
+        # qkv (the attention input, whose v columns are z there) shares storage with the q, k,
+        # v views attention saves: keeping it costs no memory
+        ctx.save_for_backward(x0, r0, z_even, z_odd, s, qkv, g1, w_qkv, q_norm, k_norm, pos, freq)
         ctx.dims = dims
         return (*split_heads(qkv, dims), x0.view_as(x0))
 
     @staticmethod
     def backward(ctx, dq, dk, dv, dres):
-        x0, r0, z_even, z_odd, s, g1, w_qkv, q_norm, k_norm, pos, freq = ctx.saved_tensors
+        x0, r0, z_even, z_odd, s, qkv, g1, w_qkv, q_norm, k_norm, pos, freq = ctx.saved_tensors
         dims = ctx.dims
         cos, sin = cached_head_rotation(pos, freq, dims.head_dim, r0.dtype)
         d = x0.shape[1]
+        z_v = qkv[:, (dims.heads + dims.kv_heads) * dims.head_dim :]  # z on the v columns
         # B11 with the head norms' backward (z_odd None: z saved whole, the row-pass forward)
         dz0, corr0, dqn, dkn = lib.dqk_norm_rows(
-            dq, dk, dv, z_even, z_odd, s, r0, cos, sin, q_norm, k_norm, d
+            dq, dk, dv, z_even, z_odd, z_v, s, r0, cos, sin, q_norm, k_norm, d
         )
         dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres)
         return (

@@ -98,16 +98,18 @@ def op_samples():
         dq,
         dk,
         dv,
-        _r(rows, n_qkv // 2),
-        _r(rows, n_qkv // 2),
+        _r(rows, (H + Hkv) * hd // 2),  # z on the q and k columns, as F1 keeps it
+        _r(rows, (H + Hkv) * hd // 2),
+        _r(rows, n_qkv)[:, (H + Hkv) * hd :],  # the stored v, a column slice of qkv
         torch.rand(rows, H + Hkv) + 0.5,
         *rot,
         _r(hd),
         _r(hd),
         d,
     )
-    # the training variant of the QK-norm epilogue takes the same inputs
-    samples["gemm_qk_norm_rope_keep_z"] = samples["gemm_qk_norm_rope"]
+    # the training variant of the QK-norm epilogue: the same inputs, and z kept on the first
+    # 32 of N = 64 columns (the tiles past them clipped)
+    samples["gemm_qk_norm_rope_keep_z"] = (*samples["gemm_qk_norm_rope"], 32)
     return samples
 
 

@@ -84,13 +84,17 @@ def test_qk_norm_rope_program(seed):
     cs = rope_ref.rope_table(pos, hd)
     want = rope_ref.gemm_qk_norm_rope_ref(a, w, r, cs, H, Hkv, hd, qn, kn, eps)
     assert rel_err(got, want) < 1e-10
-    # the training variant also keeps z (even and odd columns) and the head statistic
+    # the training variant also keeps z (even and odd columns) on the q and k columns (a
+    # tile may hold k and v heads: its store is clipped) and the head statistic
+    n_rot = (H + Hkv) * hd
     qkv, z_even, z_odd, s = qkn.gemm_qk_norm_rope_kernel(
-        a, w, r, pos.double(), freq, head_w, plain, hd, eps, config, keep_z=True
+        a, w, r, pos.double(), freq, head_w, plain, hd, eps, config, keep_z=True, z_cols=n_rot
     )
     z = r[:, None] * (a @ w)
     assert rel_err(qkv, want) < 1e-10
-    assert rel_err(torch.stack([z_even, z_odd], -1).view_as(z), z) < 1e-12
+    assert z_even.shape == (d["M"], n_rot // 2)
+    assert rel_err(torch.stack([z_even, z_odd], -1).flatten(1), z[:, :n_rot]) < 1e-12
+    assert rel_err(qkv[:, n_rot:], z[:, n_rot:]) < 1e-12  # the v columns: z itself
     s_want = torch.rsqrt(z.view(d["M"], -1, hd).pow(2).mean(-1) + eps)
     assert rel_err(s, s_want) < 1e-12
 
@@ -383,6 +387,45 @@ def test_gpu_qk_norm_rope(M, K, H, Hkv, hd):
     qk = torch.cat([normed(z[:, :nq], H, qn), normed(z[:, nq : nq + nk], Hkv, kn)], 1)
     peer = torch.cat([rope_ref.rope_adjacent_ref(qk, cs.bfloat16()).flatten(1), z[:, nq + nk :]], 1)
     _no_worse("qkv", got, want, peer)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,Hkv", [(4, 2), (3, 2)])  # n_rot = 384: whole tiles; 320: one cut
+def test_gpu_training_f1_keeps_z_for_q_and_k_only(H, Hkv):
+    """The training F1 keeps z for the q and k columns only, in buffers narrower than its
+    tile grid (``launch`` plans with full-width stand-ins; the TMA store clips at the
+    buffer's bound). Given column slices of wider buffers holding a sentinel: the kept
+    columns equal the full-width F1's bitwise, and nothing past the bound is written."""
+    from coda.kernels._launch import launch
+
+    M, K, hd, eps = 777, 512, 64, 1e-6
+    N, n_rot = (H + 2 * Hkv) * hd, (H + Hkv) * hd
+    g, x, w, r = _gpu_inputs(M, K, N, 3)
+    qn, kn = (1 + 0.1 * torch.randn(2, hd, device="cuda", generator=g)).bfloat16()
+    head_w, plain = qkn.column_rows(qn, kn, H, Hkv, Hkv)
+    pos = (torch.arange(M, device="cuda") % 1000).float()
+    freq = rp.rope_freq_table(hd, H + Hkv, Hkv).cuda()
+    cfg = qkn.qk_norm_config(hd)
+    args = (x, w, r, pos, freq, head_w, plain, hd, eps, cfg)
+    qkv_all, ze_all, zo_all, s_all = qkn.gemm_qk_norm_rope_kernel(*args, keep_z=True)
+    qkv, ze, zo, s = qkn.gemm_qk_norm_rope_kernel(*args, keep_z=True, z_cols=n_rot)
+    assert ze.shape == (M, n_rot // 2)
+    for got, want in ((qkv, qkv_all), (ze, ze_all[:, : n_rot // 2]), (zo, zo_all[:, : n_rot // 2])):
+        assert torch.equal(got, want)
+    assert torch.equal(s, s_all)
+    sentinel = -7.0
+    wide = torch.full((2, M, N // 2 + 64), sentinel, device="cuda", dtype=torch.bfloat16)
+    outputs = {"z_even": wide[0, :, : n_rot // 2], "z_odd": wide[1, :, : n_rot // 2]}
+    outputs["head_s"] = torch.empty_like(s)
+    operands = {"rstd": r, "pos": pos, "freq": freq, "head_w": head_w, "plain": plain}
+    operands["head_rstd"] = hd
+    d = torch.empty_like(qkv)
+    launch(
+        qkn.qk_norm_rope_program(eps, True), x, w, config=cfg, d=d, operands=operands,
+        outputs=outputs,
+    )  # fmt: skip
+    assert torch.equal(wide[0, :, : n_rot // 2], ze) and torch.equal(wide[1, :, : n_rot // 2], zo)
+    assert (wide[:, :, n_rot // 2 :] == sentinel).all()  # the clipped tiles wrote nothing
 
 
 @pytest.mark.gpu

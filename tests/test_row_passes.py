@@ -63,14 +63,19 @@ def row_pass_case(B, S, H, Hkv, hd, dtype, device="cpu", contiguous_q=False, see
     qn, kn = r(hd), r(hd)
     rest = (rstd, cos, sin, qn, kn, H, Hkv, hd, d)
     ref = dqk_norm_rope_heads(dq, dk, dv, z, s, *rest)
-    whole = dqk_norm_rope_heads_triton(dq, dk, dv, z, None, s, *rest, shape=shape)
+    n_rot = (H + Hkv) * hd
+    # z's v columns from another buffer (the forward's stored v, a column slice of qkv)
+    qkv_v = torch.cat([r(M, n_rot), z[:, n_rot:]], dim=1)
+    z_v = qkv_v[:, n_rot:]
+    whole = dqk_norm_rope_heads_triton(dq, dk, dv, z[:, :n_rot], None, z_v, s, *rest, shape=shape)
     out["qk_whole_z"] = errs(whole, ref)
     s_wide = torch.rand(M, N // hd, generator=g, device=device, dtype=acc)  # as F1 stores it
     s_wide[:, : H + Hkv] = s
-    z_even, z_odd = z[:, 0::2].contiguous(), z[:, 1::2].contiguous()
     s_q = s_wide[:, : H + Hkv]
-    split = dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, s_q, *rest, shape=shape)
-    out["qk_split_z"] = errs(split, ref)
+    for name, cols in (("qk_split_z", N), ("qk_split_z_rot", n_rot)):  # as wide as F1 keeps
+        z_even, z_odd = z[:, 0:cols:2].contiguous(), z[:, 1:cols:2].contiguous()
+        split = dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, z_v, s_q, *rest, shape=shape)
+        out[name] = errs(split, ref)
     return out
 
 

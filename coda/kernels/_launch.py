@@ -43,14 +43,35 @@ def launch(
         return _interpret_into(program, x, w, config, d, c, operands, outputs or {}, add_to_output)
     args = epi_args(program, operands, outputs or {})
     a_scale = (xf.kind, operands[xf.name], xf.tile_k) if xf is not None else None
+    clipped = _clipped_stores(program, outputs or {}, x.shape[0], w.shape[1])
     if dry:
         return _quack.compile_only(
-            lower(program), x, w, d, c, args, config, add_to_output, a_scale=a_scale
+            lower(program), x, w, d, c, args, config, add_to_output, a_scale, clipped
         )
     _quack.run_epi_gemm(
-        lower(program), x, w, d, c, args, config, add_to_output=add_to_output, a_scale=a_scale
+        lower(program),
+        x,
+        w,
+        d,
+        c,
+        args,
+        config,
+        add_to_output=add_to_output,
+        a_scale=a_scale,
+        clipped=clipped,
     )
     return None
+
+
+def _clipped_stores(program, outputs, M, N) -> dict:
+    """{name: full shape} of every tile store given a buffer narrower than the tile grid."""
+    shapes = {}
+    for p in program.stores:
+        buf = outputs.get(p.name)
+        shape = None if buf is None else p.clipped_shape(buf, M, N, program.mode)
+        if shape is not None:
+            shapes[p.name] = shape
+    return shapes
 
 
 def acc_dtype(t) -> torch.dtype:

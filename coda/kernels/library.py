@@ -106,16 +106,17 @@ def _gemm_qk_norm_rope_keep_z(
     head_dim: int,
     eps: float,
     cfg: list[int],
+    z_cols: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _qkn.gemm_qk_norm_rope_kernel(
-        a, w, rstd, pos, freq, head_w, plain, head_dim, eps, _gc(cfg), keep_z=True
+        a, w, rstd, pos, freq, head_w, plain, head_dim, eps, _gc(cfg), keep_z=True, z_cols=z_cols
     )
 
 
 @_gemm_qk_norm_rope_keep_z.register_fake
-def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg):
+def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg, z_cols):
     M, N = a.shape[0], w.shape[1]
-    half = _empty(M, N // 2, like=a)
+    half = _empty(M, z_cols // 2, like=a)
     return (
         _empty(M, N, like=a),
         half,
@@ -344,6 +345,7 @@ def _dqk_norm_rows(
     dv: torch.Tensor,
     z_even: torch.Tensor,
     z_odd: torch.Tensor | None,
+    z_v: torch.Tensor,
     s: torch.Tensor,
     rstd: torch.Tensor,
     cos: torch.Tensor,
@@ -352,11 +354,11 @@ def _dqk_norm_rows(
     k_norm: torch.Tensor,
     d: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _rp.dqk_norm_pass(dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, d)
+    return _rp.dqk_norm_pass(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d)
 
 
 @_dqk_norm_rows.register_fake
-def _(dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, d):
+def _(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d):
     M, hd = z_even.shape[0], dq.shape[-1]
     n_heads = dq.shape[1] + 2 * dk.shape[1]
     acc = acc_dtype(z_even)
@@ -387,10 +389,10 @@ gemm_qk_norm_rope = _either(
     _qkn.gemm_qk_norm_rope_kernel,
 )
 gemm_qk_norm_rope_keep_z = _either(
-    lambda a, w, r, p, f, hw, pl, hd, eps, c: _gemm_qk_norm_rope_keep_z(
-        a, w, r, p, f, hw, pl, hd, eps, _cfg(c)
+    lambda a, w, r, p, f, hw, pl, hd, eps, c, z_cols: _gemm_qk_norm_rope_keep_z(
+        a, w, r, p, f, hw, pl, hd, eps, _cfg(c), z_cols
     ),
-    lambda *args: _qkn.gemm_qk_norm_rope_kernel(*args, keep_z=True),
+    lambda *args, z_cols: _qkn.gemm_qk_norm_rope_kernel(*args, keep_z=True, z_cols=z_cols),
 )
 gemm_residual_rms = _either(
     lambda x, w, res, g, eps, c: _gemm_residual_rms(x, w, res, g, eps, _cfg(c)),

@@ -10,8 +10,9 @@ applied):
 It runs in F1's epilogue (``qk_norm_rope_program``): the head statistic in a prepass
 (``GroupRstd``: a head is hd adjacent columns inside one output tile, so tile_n must be a
 multiple of hd, ``qk_norm_config``), then RoPE(z * s * w) is stored. For training
-(``keep_z=True``) the epilogue also stores z, as its even and odd columns (two half-width
-tiles beside the rotated pairs), and s. Where no tile width holds whole heads, F1 runs
+(``keep_z=True``) the epilogue also stores z on the q and k columns, as its even and odd
+columns (two half-width tiles beside the rotated pairs, clipped by the TMA store past the k
+heads: on v columns z is the stored v), and s. Where no tile width holds whole heads, F1 runs
 without rotation (``scale_rows``) and ``qk_norm_rope_rows`` does the rest as a row pass.
 
 Backward, from dout (attention's dq, dk, dv), per q/k head with q_hat = z * s:
@@ -172,21 +173,27 @@ def _plain_row(n_rot_cols: int, n_v_cols: int, dtype, device):
 
 
 def gemm_qk_norm_rope_kernel(
-    a, w_qkv, rstd, pos, freq, head_w, plain, head_dim, eps, config, keep_z=False, dry=False
-):
+    a, w_qkv, rstd, pos, freq, head_w, plain, head_dim, eps, config, keep_z=False, dry=False,
+    z_cols=None,
+):  # fmt: skip
     """Returns qkv (M x Nqkv: normed and rotated q, k; plain v). ``config.tile_n`` must be a
     multiple of ``head_dim`` (a head inside one tile). ``keep_z`` (the training F1): returns
-    (qkv, z_even, z_odd, s) with z's even and odd columns (M x Nqkv / 2 each, a.dtype) and the
-    head statistic s (M x Nqkv / hd, fp32; its v-head columns are computed and unused)."""
+    (qkv, z_even, z_odd, s) with the even and odd columns of z's first ``z_cols`` columns
+    (M x z_cols / 2 each, a.dtype; default all Nqkv; on the GPU a multiple of 16, for the
+    TMA's 16-byte rows; the store clips the tiles past it) and the head statistic s
+    (M x Nqkv / hd, fp32; its v-head columns are computed and unused). The training F1 keeps
+    z for the q and k heads only: on v columns z is the stored v itself."""
     M, N = a.shape[0], w_qkv.shape[1]
     qkv = torch.empty(M, N, dtype=a.dtype, device=a.device)
     operands = {"rstd": rstd, "pos": pos, "freq": freq, "head_w": head_w, "plain": plain}
     operands["head_rstd"] = head_dim
     outputs = {}
     if keep_z:
+        z_cols = N if z_cols is None else z_cols
+        assert 0 < z_cols <= N and z_cols % 2 == 0, z_cols  # on the GPU: 16-byte rows
         outputs = {
-            "z_even": torch.empty(M, N // 2, dtype=a.dtype, device=a.device),
-            "z_odd": torch.empty(M, N // 2, dtype=a.dtype, device=a.device),
+            "z_even": torch.empty(M, z_cols // 2, dtype=a.dtype, device=a.device),
+            "z_odd": torch.empty(M, z_cols // 2, dtype=a.dtype, device=a.device),
             "head_s": torch.empty(M, N // head_dim, dtype=acc_dtype(a), device=a.device),
         }
     program = qk_norm_rope_program(eps, keep_z)
@@ -198,11 +205,16 @@ def gemm_qk_norm_rope_kernel(
     return (qkv, *outputs.values()) if keep_z else qkv
 
 
-def dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, s, *args):
-    """``dqk_norm_rope_heads`` with z given as its even and odd columns (the training F1's
-    stores; inside a ``fused`` row pass the interleave is index math on the loads)."""
-    z = torch.stack([z_even, z_odd], dim=-1).view(z_even.shape[0], -1)
-    return dqk_norm_rope_heads(dq, dk, dv, z, s, *args)
+def dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, z_v, s, *args):
+    """``dqk_norm_rope_heads`` with z's q and k columns given as their even and odd columns
+    (the training F1's stores, which may run past them) and its v columns as ``z_v`` (the
+    stored v: equal to z there). ``z_odd`` None: ``z_even`` is z's leading columns whole."""
+    half = (dq.shape[1] + dk.shape[1]) * dq.shape[-1] // 2
+    if z_odd is None:
+        z_rot = z_even[:, : 2 * half]
+    else:
+        z_rot = torch.stack([z_even[:, :half], z_odd[:, :half]], dim=-1).flatten(1)
+    return dqk_norm_rope_heads(dq, dk, dv, torch.cat([z_rot, z_v], dim=1), s, *args)
 
 
 def qk_norm_config(head_dim: int) -> GemmConfig | None:
@@ -219,4 +231,7 @@ def compile_gemm_qk_norm_rope(k, n, head_dim, *, keep_z=False, eps=1e-6, m=256) 
     a, w = example_operands(m, k, n)
     f, r = torch.empty(n), torch.empty(m)
     cfg = qk_norm_config(head_dim)
-    return gemm_qk_norm_rope_kernel(a, w, r, r, f, f, f, head_dim, eps, cfg, keep_z, dry=True)
+    z_cols = n - n // 2 // head_dim * head_dim if keep_z else None  # leave some v heads out
+    return gemm_qk_norm_rope_kernel(
+        a, w, r, r, f, f, f, head_dim, eps, cfg, keep_z, dry=True, z_cols=z_cols
+    )

@@ -31,7 +31,7 @@ from coda.kernels._launch import acc_dtype
 from coda.kernels._triton import acc_type, compile_sm90, kernel, on_triton
 from coda.kernels.drope import drope_heads
 from coda.kernels.norm_rows import CORR_SCALED, row_stat
-from coda.kernels.qk_norm import dqk_norm_rope_heads, dqk_norm_rope_heads_split_z
+from coda.kernels.qk_norm import dqk_norm_rope_heads_split_z
 
 BLOCK_ROWS = 64  # token rows per program by default: a 64 x hd tile
 # (kernel, head_dim) -> (token rows per program, warps), where an H200 sweep found better than
@@ -101,8 +101,8 @@ def _drope_kernel(
 
 
 def _dqk_norm_kernel(
-    dq, dk, dv, z_even, z_odd, s_head, rstd, cos, sin, q_norm, k_norm, out, s_part, dw_part,
-    M, S, n_q, n_k, z_row, z_col, s_row,
+    dq, dk, dv, z_even, z_odd, z_v, s_head, rstd, cos, sin, q_norm, k_norm, out, s_part,
+    dw_part, M, S, n_q, n_k, z_row, z_col, v_row, s_row,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
     HD: tl.constexpr, HP: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
@@ -120,14 +120,14 @@ def _dqk_norm_kernel(
     mask = live[:, None] & (j < HD)[None, :]
     half_mask = live[:, None] & (i < HD // 2)[None, :]
     r64 = rows.to(tl.int64)[:, None]
-    zc = r64 * z_row + (h * (HD // 2) + i[None, :]) * z_col  # z's pair (2i, 2i + 1) of head h
-    z1 = tl.load(z_even + zc, mask=half_mask, other=0.0).to(ACC)
-    z2 = tl.load(z_odd + zc, mask=half_mask, other=0.0).to(ACC)
     r = tl.load(rstd + rows, mask=live, other=1.0).to(ACC)[:, None]
     n_heads = n_q + 2 * n_k
     at = r64 * (n_heads * HD) + h * HD + j[None, :]
     part = rows.to(tl.int64) * n_heads + h
     if h < n_q + n_k:  # a normed, rotated head: RoPE^T, then the head norm's backward
+        zc = r64 * z_row + (h * (HD // 2) + i[None, :]) * z_col  # z's pair (2i, 2i + 1)
+        z1 = tl.load(z_even + zc, mask=half_mask, other=0.0).to(ACC)
+        z2 = tl.load(z_odd + zc, mask=half_mask, other=0.0).to(ACC)
         half = r64 * (HD // 2) + i[None, :]
         c = tl.load(cos + half, mask=half_mask, other=1.0).to(ACC)
         sn = tl.load(sin + half, mask=half_mask, other=0.0).to(ACC)
@@ -146,7 +146,10 @@ def _dqk_norm_kernel(
         g1, g2 = sh * (e1 - q1 * mean), sh * (e2 - q2 * mean)
         dw = tl.join(tl.sum(n1 * q1, 0), tl.sum(n2 * q2, 0))  # (hd/2, 2): this block's dw_h
         tl.store(dw_part + (blk * (n_q + n_k) + h) * HD + j, tl.reshape(dw, (HP,)), mask=j < HD)
-    else:  # a v head passes through
+    else:  # a v head passes through; its z is the stored v
+        vc = r64 * v_row + (h - n_q - n_k) * HD + 2 * i[None, :]
+        z1 = tl.load(z_v + vc, mask=half_mask, other=0.0).to(ACC)
+        z2 = tl.load(z_v + vc + 1, mask=half_mask, other=0.0).to(ACC)
         g1, g2 = d1, d2
     tl.store(s_part + part, tl.sum(g1 * z1 + g2 * z2, 1), mask=live)
     y = tl.reshape(tl.join(g1 * r, g2 * r), (BM, HP))
@@ -203,11 +206,12 @@ def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d
 
 
 def dqk_norm_rope_heads_triton(
-    dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, head_dim, d,
+    dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, head_dim, d,
     shape=None,
 ):  # fmt: skip
-    """``qk_norm.dqk_norm_rope_heads`` in one pass, z given as its even and odd columns
-    (M, Nqkv / 2 each: the training F1's stores) or whole (``z_odd`` None). Returns
+    """``qk_norm.dqk_norm_rope_heads_split_z`` in one pass: z's q and k columns as their even
+    and odd columns (the training F1's stores, at least (n_q + n_k) hd / 2 wide) or whole
+    (``z_odd`` None), its v columns as ``z_v`` (M, n_k hd: the stored v, unit stride). Returns
     (dz~0 (M, Nqkv) in z's dtype, corr0 (M,), dq_norm (hd,), dk_norm (hd,)), the last two
     fp32 (float64 for float64 inputs). ``shape``: as ``drope_heads_triton``'s."""
     B, _, S, hd = dq.shape
@@ -219,6 +223,8 @@ def dqk_norm_rope_heads_triton(
     else:
         assert z_even.stride() == z_odd.stride() and z_even.stride(1) == 1
         z_row, z_col = z_even.stride(0), 1
+    assert z_even.shape[1] * (2 // z_col) >= (n_q + n_k) * hd and z_v.shape[1] == n_k * hd
+    assert z_v.stride(1) == 1
     _rows_contiguous(rstd, cos, sin, q_norm, k_norm)
     assert s.stride(1) == 1  # the head statistic: (M, heads) rows, possibly a column slice
     (dq, dk, dv), strides = _head_strides(dq, dk, dv)
@@ -230,8 +236,8 @@ def dqk_norm_rope_heads_triton(
     blocks = triton.cdiv(M, bm)
     dw_part = torch.empty(blocks, n_q + n_k, hd, dtype=acc, device=out.device)
     kernel(_dqk_norm_kernel)[(n_heads, blocks)](
-        dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, out, s_part, dw_part,
-        M, S, n_q, n_k, z_row, z_col, s.stride(0), *strides,
+        dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, out, s_part,
+        dw_part, M, S, n_q, n_k, z_row, z_col, z_v.stride(0), s.stride(0), *strides,
         HD=hd, HP=triton.next_power_of_2(hd), BM=bm, ACC=acc_type(z_even), num_warps=warps,
     )  # fmt: skip
     dw = dw_part.sum(0)
@@ -247,20 +253,19 @@ def drope_pass(dq, dk, dv, qkv, rstd, cos, sin, d: int):
     return drope_heads(dq, dk, dv, qkv, rstd, cos, sin, n_rot, hd, d)
 
 
-def dqk_norm_pass(dq, dk, dv, z_even, z_odd, s, rstd, cos, sin, q_norm, k_norm, d: int):
+def dqk_norm_pass(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d: int):
     """B11 with Qwen3's head norms: (dz~0, corr0, dq_norm, dk_norm) from attention's dq, dk,
-    dv and the forward's z (as its even and odd columns, or whole: ``z_odd`` None) and head
-    statistic s: the Triton kernel on the GPU, the torch oracle on the CPU."""
+    dv, the forward's z on the q and k columns (as its even and odd columns, or whole:
+    ``z_odd`` None), the stored v ``z_v`` (z on the v columns) and the head statistic s: the
+    Triton kernel on the GPU, the torch oracle on the CPU."""
     rest = (s, rstd, cos, sin, q_norm, k_norm, dq.shape[1], dk.shape[1], dq.shape[-1], d)
     if on_triton(z_even):
-        return dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, *rest)
-    if z_odd is None:
-        return dqk_norm_rope_heads(dq, dk, dv, z_even, *rest)
-    return dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, *rest)
+        return dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, z_v, *rest)
+    return dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, z_v, *rest)
 
 
 # pointer arguments: bf16 tensors, fp32 statistics and tables (every other argument an i32)
-POINTERS = {n: "*bf16" for n in ("dq", "dk", "dv", "qkv", "out", "z_even", "z_odd")}
+POINTERS = {n: "*bf16" for n in ("dq", "dk", "dv", "qkv", "out", "z_even", "z_odd", "z_v")}
 POINTERS.update({n: "*bf16" for n in ("q_norm", "k_norm")})
 POINTERS.update({n: "*fp32" for n in ("rstd", "cos", "sin", "s_part", "dw_part", "s_head")})
 

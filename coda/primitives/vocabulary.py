@@ -214,6 +214,20 @@ class TileStore(Primitive):
     def host_args(self, operands, outputs):
         return {self.name: outputs[self.name]}
 
+    def clipped_shape(self, buf, M, N, mode):
+        """The full shape of this store when ``buf`` is narrower than the tile grid (None
+        otherwise): quack's frontend plans with a buffer of that shape, the compiled TMA
+        store takes its bound from the buffer it is launched with and clips there."""
+        n = N // 2 if mode == "pair" else N
+        return (M, n) if buf.shape[-1] < n else None
+
+    def write_back(self, buf, value, operands, n_cols):
+        """A buffer narrower than the tile grid keeps its leading columns: the TMA store
+        clips every tile at the tensor's bound (QK-norm's z is kept for q and k only)."""
+        if buf.shape[-1] > value.shape[-1]:
+            raise ValueError(f"{self.name}: buffer wider ({buf.shape[-1]}) than the tiles")
+        buf.copy_(value[..., : buf.shape[-1]])
+
 
 # -- RED: tile reductions to partials ------------------------------------------------------------
 @dataclass(frozen=True)
