@@ -8,7 +8,9 @@ process right next to the others. Rows are plain dicts; ``gpu_suite.py`` writes 
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
+import subprocess
 import time
 import warnings
 
@@ -93,6 +95,60 @@ def bench_long(fn) -> dict:
     return bench(fn, warmup_ms=100, rep_ms=1500)
 
 
+class GpuClock:
+    """The GPU's SM clock (MHz) and power draw (W) sampled by ``nvidia-smi`` every 20 ms while
+    the block runs (read only: the card's settings are never touched); ``medians()`` after
+    it, {} where nvidia-smi is missing or gave nothing. Why: a step timed under sustained
+    load may run at a lower clock than its parts timed alone (power), which a ratio to the
+    floor would otherwise read as kernel time."""
+
+    def __enter__(self):
+        self.proc, self.lines = None, []
+        if shutil.which("nvidia-smi") and torch.cuda.is_available():
+            index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+            query = ["--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", f"--id={index}", *query, "-lms", "20"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.lines = self.proc.communicate()[0].splitlines()
+
+    def medians(self) -> dict:
+        samples = []
+        for line in self.lines:
+            try:
+                clock, power = (float(v) for v in line.split(","))
+            except ValueError:  # "[N/A]" or a cut line
+                continue
+            samples.append((clock, power))
+        if not samples:
+            return {}
+        return {
+            "sm_mhz": statistics.median(s[0] for s in samples),
+            "power_w": statistics.median(s[1] for s in samples),
+            "clock_samples": len(samples),
+        }
+
+
+def clocked(timer):
+    """``timer`` with the GPU clock and power sampled while it runs (``GpuClock``): their
+    medians join its timing."""
+
+    def run(fn):
+        with GpuClock() as clock:
+            t = timer(fn)
+        return {**t, **clock.medians()}
+
+    return run
+
+
 # interleaved rounds of ``interleaved``; ``CODA_BENCH_ROUNDS`` asks for more (a closer A/B)
 ROUNDS = int(os.environ.get("CODA_BENCH_ROUNDS", "3"))
 
@@ -107,8 +163,9 @@ def interleaved(fns: dict, rounds: int = ROUNDS, timer=None) -> dict:
 
     Returns, per name, the median of its round medians (``ms``), those medians
     (``rounds_ms``), their spread ((max - min) / median) and the p20/p80 of the round nearest
-    the median. ``timer``: ``bench`` unless given (the CPU tests pass a fake)."""
-    timer = timer or bench
+    the median, with the GPU clock and power of that round (``clocked``). ``timer``:
+    ``clocked(bench)`` unless given (the CPU tests pass a fake)."""
+    timer = timer or clocked(bench)
     names = list(fns)
     got: dict = {n: [] for n in names}
     for r in range(rounds):
@@ -213,6 +270,33 @@ def kernel_table(fn, steps: int = 3, top: int = 40) -> list[dict]:
     ]
     rows.sort(key=lambda r: -r["us"])
     return rows[:top]
+
+
+def beside_floor(parts: dict, fn, steps: int = 3) -> dict:
+    """``fn``'s kernel table and each floor part's kernel time, profiled in one short pass
+    (floor parts, ``fn``, the parts again): the same GPU clock state for both, so coda's
+    kernels compare with cuBLAS's at like clocks (a table set against the floor timed under
+    sustained load compares boost-clock kernels with sustained-clock ones). Each part's
+    microseconds are the mean of its two readings; their spread says how far the clock
+    moved between them."""
+
+    def part_us():
+        return {n: sum(k["us"] for k in kernel_table(p, steps, 100_000)) for n, p in parts.items()}
+
+    before = part_us()
+    kernels = kernel_table(fn, steps, 100_000)
+    after = part_us()
+    parts_us = {n: (before[n] + after[n]) / 2 for n in parts}
+    floor_us = sum(parts_us.values())
+    kernel_us = sum(k["us"] for k in kernels)
+    return {
+        "floor_parts_us": parts_us,
+        "floor_us": floor_us,
+        "floor_us_before_after": [sum(before.values()), sum(after.values())],
+        "kernel_us": kernel_us,
+        "kernel_ratio_vs_floor": kernel_us / floor_us,
+        "kernels": kernels[:40],
+    }
 
 
 KERNEL_GROUPS = (  # (group, substrings of a CUDA kernel's name, lower case), first match wins

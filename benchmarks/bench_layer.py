@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import against_floor, row, without_row_kernels
+from benchmarks._common import against_floor, beside_floor, row, without_row_kernels
 from benchmarks.bench_forward import ffn, heads
 from coda import nn as cnn
 from coda.kernels import gemm_residual_rms as grr
@@ -136,6 +136,10 @@ def run() -> list[dict]:
         shape = {"M": M, "d": d, "ffn": f, "heads": H, "kv_heads": Hkv, "head_dim": HD}
         with torch.no_grad():
             timed = against_floor("layer_fwd", shape, parts, variants, rows)
-        for name, t in timed.items():
-            rows.append(row(f"layer_fwd/{name}", shape, t, 0.0, ratio_vs_floor=t["ratio_vs_floor"]))
+            for name, t in timed.items():
+                rows.append(
+                    row(f"layer_fwd/{name}", shape, t, 0.0, ratio_vs_floor=t["ratio_vs_floor"])
+                )
+            table = beside_floor(parts, variants["coda_decoder_layer"])
+            rows.append({"name": "layer_fwd/coda_decoder_layer_kernels", **shape, **table})
     return rows

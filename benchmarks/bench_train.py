@@ -22,6 +22,7 @@ from benchmarks._common import (
     SKIPPED,
     against_floor,
     bench,
+    beside_floor,
     graphed,
     host_ms,
     idle_report,
@@ -195,7 +196,7 @@ def layer_rows(liger) -> list[dict]:
             {
                 "name": "layer_train/coda_kernels",
                 **shape,
-                "kernels": kernel_table(variants["coda"][0]),
+                **beside_floor(parts, variants["coda"][0]),
                 **idle_report(variants["coda"][0]),
             }
         )

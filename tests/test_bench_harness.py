@@ -112,6 +112,31 @@ def test_against_floor_sums_the_parts_and_reports_a_failing_variant():
     assert "no kernel" in rows[0]["error"] and rows[-1]["ms"] == pytest.approx(3.0)
 
 
+def test_beside_floor_profiles_the_parts_around_the_step(monkeypatch):
+    # each part reads 10 us before the step and 14 after (a clock that moved); the step's
+    # kernels sum to 30 us: the parts' mean is taken, both readings are kept
+    order, readings = [], {"gemm": iter([6.0, 8.0]), "attn": iter([4.0, 6.0])}
+
+    def table(fn, steps, top):
+        name = fn()
+        order.append(name)
+        if name == "step":
+            return [
+                {"kernel": "k1", "calls": 1, "us": 20.0},
+                {"kernel": "k2", "calls": 2, "us": 10.0},
+            ]
+        return [{"kernel": name, "calls": 1, "us": next(readings[name])}]
+
+    monkeypatch.setattr(_common, "kernel_table", table)
+    parts = {"gemm": lambda: "gemm", "attn": lambda: "attn"}
+    out = _common.beside_floor(parts, lambda: "step")
+    assert order == ["gemm", "attn", "step", "gemm", "attn"]
+    assert out["floor_parts_us"] == {"gemm": 7.0, "attn": 5.0}
+    assert out["floor_us_before_after"] == [10.0, 14.0]
+    assert out["kernel_us"] == 30.0 and out["kernel_ratio_vs_floor"] == pytest.approx(2.5)
+    assert [k["kernel"] for k in out["kernels"]] == ["k1", "k2"]
+
+
 def test_liger_switch_binds_the_patch_around_its_own_steps_only():
     import types
 
@@ -164,3 +189,11 @@ def test_peak_alone_counts_the_model_and_its_step_not_other_residents():
             pass
     # 3 GiB above everything resident on entry, plus the model's own weights
     assert mem.gib == pytest.approx(3 + own_bytes(model) / gib)
+
+
+def test_gpu_clock_medians_skip_unreadable_samples():
+    clock = _common.GpuClock()
+    clock.lines = ["1980, 650.5", "[N/A], [N/A]", "1830, 700.0", "1755, 699.0", "17"]
+    assert clock.medians() == {"sm_mhz": 1830.0, "power_w": 699.0, "clock_samples": 3}
+    clock.lines = []
+    assert clock.medians() == {}
