@@ -87,7 +87,7 @@ def test_interleaved_rounds_rotate_and_take_the_median():
 
 
 def test_against_floor_sums_the_parts_and_reports_a_failing_variant():
-    ms = {"gemm": 2.0, "attn": 1.0, "coda": 3.3, "peer": 3.6}
+    ms = {"gemm": 2.0, "attn": 1.0, "coda": 3.3, "peer": 3.6, None: 3.3}  # None: both parts
 
     def timer(fn):
         return {"ms": ms[fn()], "p20_ms": 0.0, "p80_ms": 0.0}
@@ -102,14 +102,17 @@ def test_against_floor_sums_the_parts_and_reports_a_failing_variant():
     assert set(out) == {"coda", "peer"}
     assert out["coda"]["ratio_vs_floor"] == pytest.approx(1.1)
     assert out["peer"]["ratio_vs_floor"] == pytest.approx(1.2)
+    assert out["coda"]["ratio_vs_floor_as_one_step"] == pytest.approx(1.0)
     names = [r["name"] for r in rows]
     assert names == [
         "layer/broken",
         "layer/floor_part/gemm",
         "layer/floor_part/attn",
         "layer/floor",
+        "layer/floor_as_one_step",
     ]
-    assert "no kernel" in rows[0]["error"] and rows[-1]["ms"] == pytest.approx(3.0)
+    assert "no kernel" in rows[0]["error"] and rows[-2]["ms"] == pytest.approx(3.0)
+    assert rows[-1]["ratio_vs_floor"] == pytest.approx(1.1)
 
 
 def test_beside_floor_profiles_the_parts_around_the_step(monkeypatch):
