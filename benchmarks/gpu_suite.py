@@ -296,7 +296,8 @@ def no_machine_paths(text: str) -> str:
 def write_record(record, out_dir):
     gpu = record["env"].get("gpu", "nogpu").split()[-1].lower()
     fname = f"{record['date'][:10]}_{gpu}.json"
-    text = no_machine_paths(json.dumps(record, indent=1))
+    # compact: every GPU call carries the working tree (benchmarks/NOTES.md, the 4 MB rule)
+    text = no_machine_paths(json.dumps(record, separators=(",", ":")))
     for d in (os.path.join(ROOT, "benchmarks", "results"), out_dir):
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, fname), "w") as f:
