@@ -296,7 +296,7 @@ def no_machine_paths(text: str) -> str:
 def write_record(record, out_dir):
     gpu = record["env"].get("gpu", "nogpu").split()[-1].lower()
     fname = f"{record['date'][:10]}_{gpu}.json"
-    # compact: every GPU call carries the working tree (benchmarks/NOTES.md, the 4 MB rule)
+    # compact: every GPU call carries the working tree, which is kept under 4 MB
     text = no_machine_paths(json.dumps(record, separators=(",", ":")))
     for d in (os.path.join(ROOT, "benchmarks", "results"), out_dir):
         os.makedirs(d, exist_ok=True)
