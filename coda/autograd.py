@@ -43,6 +43,16 @@ from coda.kernels.wgrad import wgrad
 from coda.primitives.aux import ce_loss_from_stats, ce_row_weights, combine_lse
 
 
+def root_float_use(value: float) -> None:
+    """Checks ``value > 0`` outside every autograd.Function: under ``torch.compile(...,
+    dynamic=True)`` a float module attribute becomes symbolic, and Dynamo (torch 2.13) fails
+    ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer") when such a
+    float is first used inside one Function's traced forward and then again outside it or in
+    another Function. Used here first, the float belongs to the outer graph, which every
+    Function may read. In eager mode a plain comparison."""
+    torch._check(value > 0)
+
+
 @dataclass(frozen=True)
 class LayerDims:
     batch: int
@@ -78,7 +88,7 @@ def _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres):
     dx0, dg1 = lib.norm_bwd(
         dz0, w_qkv, x0, g1, corr0, dres, config_for("norm_bwd", M, w_qkv.shape[1], d)
     )
-    dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1, config_for("wgrad", d, M, w_qkv.shape[1]))
+    dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1)  # B13 (its tile keyed by M: chosen inside)
     return dx0, dg1.to(g1.dtype), dw_qkv
 
 
@@ -230,7 +240,7 @@ class MLP(torch.autograd.Function):
         dx1, dg2 = lib.norm_bwd(
             dz1, w_il, x1, g2, corr1, dx2, config_for("norm_bwd", M, 2 * f, d)
         )  # B6 + A7
-        dw_il = lib.wgrad_gamma_rows(x1, dz1, g2, config_for("wgrad", d, M, 2 * f))  # B7
+        dw_il = lib.wgrad_gamma_rows(x1, dz1, g2)  # B7
         return dx1, None, None, dg2.to(g2.dtype), dw_il, dw_d
 
 
@@ -254,6 +264,7 @@ def decoder_layer(
     ``dims.rope_base``); ``qk_norm``: Qwen3's (q_norm, k_norm) head-norm weights, or None.
     Returns x2 (M, d)."""
     H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
+    root_float_use(dims.eps)
     if freq is None:
         freq = cached_freq_table(hd, H + Hkv, Hkv, dims.rope_base, x0.device)
     if qk_norm is None:

@@ -132,6 +132,22 @@ class DecoderLayer(nn.Module):
         self.q_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
         self.reset_parameters()
+        self._build_rope_tables()
+
+    def _build_rope_tables(self):
+        """The RoPE tables for the device the layer's weights are on, built when the layer is
+        made or moved (``_apply``), so that a call never fills them: a table cached inside a
+        torch.compile trace would change what the trace's guards saw, and recompile the next
+        call. A call on another device still builds its own on first use."""
+        self._rope_tables.clear()
+        device = self.g1.device
+        self._on_device("inv_freq", device, lambda d: self._inv_freq.to(d))
+        self._freq_table(device)
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .double(), ...: tables follow
+        out = super()._apply(fn, recurse)
+        self._build_rope_tables()
+        return out
 
     @property
     def qk_norm(self) -> bool:

@@ -66,3 +66,108 @@ def test_patched_hf_model_traces_without_graph_breaks(family):
     with no_cache_warnings_from_dynamo():
         explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
     assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+
+
+class _KernelStep(torch.nn.Module):
+    """A layer and the LM-head loss on the kernel path (on the CPU its epilogue programs run
+    through the tile interpreter, the Triton-less row passes through their torch forms)."""
+
+    def __init__(self, dtype=torch.float64, device=None):
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        self.layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, **kw)
+        self.head = cnn.LMHeadLoss(40, 128, **kw)
+
+    def forward(self, x, t):
+        h = self.layer._kernel_forward(x).reshape(-1, 40)
+        return self.head._kernel_loss(h, t.reshape(-1), "mean")
+
+
+@pytest.mark.parametrize("how", ["mark_dynamic", "dynamic=True"])
+def test_kernel_path_compiles_once_for_every_token_count(how):
+    """The kernel path under torch.compile: one compile serves four token counts (the wgrad
+    tiles keyed by the token count are chosen inside their custom op, the RoPE tables are
+    built when the layer is made, not in the first traced call; a float module attribute
+    made symbolic by dynamic=True is first used outside the autograd Functions), and the
+    compiled step equals the eager one (float64, round-off)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    model = _KernelStep()
+    counter = CompileCounterWithBackend("aot_eager")
+    dynamic = True if how == "dynamic=True" else None
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=dynamic)
+    frames = []
+    for b, s in ((2, 9), (3, 11), (4, 5), (5, 7)):
+        g = torch.Generator().manual_seed(b * 100 + s)
+        x = torch.randn(b, s, 40, dtype=torch.float64, generator=g)
+        t = torch.randint(0, 128, (b, s), generator=g)
+        t[:, ::4] = -100
+        results = []
+        for run in (model, compiled):
+            model.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            if how == "mark_dynamic":
+                for tensor in (xi, t):
+                    torch._dynamo.mark_dynamic(tensor, 0)
+                    torch._dynamo.mark_dynamic(tensor, 1)
+            with no_cache_warnings_from_dynamo():
+                loss = run(xi, t)
+            loss.backward()
+            results.append([loss.detach(), xi.grad] + [p.grad for p in model.parameters()])
+        for a, e in zip(*results):
+            assert rel_err(a, e, floor=1e-300) < 1e-12
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames == [frames[0]] * 4, frames  # compiled once, then reused
+
+
+def test_layer_builds_its_rope_tables_when_made_and_moved():
+    """A call never fills the layer's RoPE tables (inside a compiled step that would change
+    what its guards saw): they exist for the weights' device once the layer is made, and are
+    rebuilt when it is moved or cast."""
+    layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=torch.float32)
+    keys = set(layer._rope_tables)
+    assert keys == {("freq", torch.device("cpu")), ("inv_freq", torch.device("cpu"))}
+    before = layer._rope_tables[("freq", torch.device("cpu"))]
+    layer.double()
+    assert set(layer._rope_tables) == keys
+    assert torch.equal(layer._rope_tables[("freq", torch.device("cpu"))], before)
+    x = torch.randn(1, 3, 40, dtype=torch.float64)
+    layer._kernel_forward(x)
+    assert set(layer._rope_tables) == keys
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_path_compiles_once_for_every_token_count():
+    """On the H200 with Inductor: a ``CausalLM`` on the kernel path compiled with its token
+    dimensions marked dynamic runs three token counts on one compile, with no graph break,
+    and its loss and gradients match the eager step's (the same kernels run; Inductor
+    compiles only the glue around them, whose bf16 rounding may differ)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    model = cnn.CausalLM(4096, 512, 2, 4, 2, 1408, device="cuda", backend="kernel")
+    tok = torch.randint(0, 4096, (2, 256), device="cuda")
+    explained = torch._dynamo.explain(model)(tok, tok)
+    assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    frames = []
+    for b, s in ((2, 256), (3, 384), (4, 128)):
+        tok = torch.randint(0, 4096, (b, s), device="cuda")
+        tgt = torch.randint(0, 4096, (b, s), device="cuda")
+        for tensor in (tok, tgt):
+            torch._dynamo.mark_dynamic(tensor, 0)
+            torch._dynamo.mark_dynamic(tensor, 1)
+        results = []
+        for run in (model, compiled):
+            model.zero_grad(set_to_none=True)
+            loss = run(tok, tgt)
+            loss.backward()
+            results.append([loss.detach().float()] + [p.grad.float() for p in model.parameters()])
+        for a, e in zip(*results):
+            assert ((a - e).norm() / e.norm()).item() < 2e-2
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames == [frames[0]] * 3, frames

@@ -50,7 +50,7 @@ def op_samples():
         "lm_head_stats": (_r(M, d), _r(d, V), rstd, t, CFG),
         "dswiglu": (_r(M, d), _r(f, d), _r(M, 2 * f), rstd, CFG),
         "norm_bwd": (_r(M, N), _r(d, N), _r(M, d), _r(d), torch.randn(M), _r(M, d), CFG),
-        "wgrad_gamma_rows": (_r(M, d), _r(M, N), _r(d), CFG),
+        "wgrad_gamma_rows": (_r(M, d), _r(M, N), _r(d)),
         "lm_head_bwd": (
             _r(M, d),
             _r(d, V),

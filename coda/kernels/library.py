@@ -242,14 +242,12 @@ def _(dz, w2, h, gamma, corr, dres, cfg):
 
 
 @torch.library.custom_op("coda::wgrad_gamma_rows", mutates_args=())
-def _wgrad_gamma_rows(
-    h: torch.Tensor, dz: torch.Tensor, gamma: torch.Tensor, cfg: list[int]
-) -> torch.Tensor:
-    return _wg.wgrad_gamma_rows(h, dz, gamma, _gc(cfg))
+def _wgrad_gamma_rows(h: torch.Tensor, dz: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    return _wg.wgrad_gamma_rows(h, dz, gamma)  # its tile chosen here, from concrete shapes
 
 
 @_wgrad_gamma_rows.register_fake
-def _(h, dz, gamma, cfg):
+def _(h, dz, gamma):
     return _empty(h.shape[1], dz.shape[1], like=h)
 
 
@@ -421,9 +419,7 @@ norm_bwd = _either(
     lambda dz, w2, h, g, corr, dres, c: _norm_bwd(dz, w2, h, g, corr, dres, _cfg(c)),
     _nb.norm_bwd_kernel,
 )
-wgrad_gamma_rows = _either(
-    lambda h, dz, g, c: _wgrad_gamma_rows(h, dz, g, _cfg(c)), _wg.wgrad_gamma_rows
-)
+wgrad_gamma_rows = _either(_wgrad_gamma_rows, _wg.wgrad_gamma_rows)
 lm_head_bwd = _either(
     lambda a, w, r, lse, tl, t, s, chunk, c, hot=None, shift=None: _lm_head_bwd(
         a, w, r, lse, tl, t, s, chunk, _cfg(c), hot, shift

@@ -16,6 +16,7 @@ import torch
 from coda.kernels._launch import acc_dtype
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.gemm_rmsnorm_gemm import gemm_scale_rows_kernel
+from coda.kernels.tuned import config_for
 
 
 def wgrad(x, dz):
@@ -23,8 +24,13 @@ def wgrad(x, dz):
     return torch.mm(x.t(), dz)
 
 
-def wgrad_gamma_rows(h, dz, gamma, config: GemmConfig = DEFAULT, dry=False):
-    """dW = gamma[:, None] * (h^T @ dz): h (M, d) row-major enters as an M-major A operand."""
+def wgrad_gamma_rows(h, dz, gamma, config: GemmConfig | None = None, dry=False):
+    """dW = gamma[:, None] * (h^T @ dz): h (M, d) row-major enters as an M-major A operand.
+    ``config`` None: the tuned tile for this shape, chosen here, where the token count M (this
+    GEMM's K) is a plain int: under torch.compile with dynamic shapes M is symbolic in the
+    autograd Functions, and a table lookup on it there would recompile per token count."""
+    if config is None:
+        config = config_for("wgrad", h.shape[1], h.shape[0], dz.shape[1])
     return gemm_scale_rows_kernel(h.t(), dz, gamma.to(acc_dtype(h)), config, dry=dry)
 
 
