@@ -323,7 +323,13 @@ def lm_head_rows(liger) -> list[dict]:
                 extra[name] = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
             except Exception as e:
                 rows.append({"name": f"lm_head_train/{name}", **shape, "error": repr(e)[:300]})
+
+        def floor_as_one_step():  # the three GEMMs back to back (``_common.against_floor``)
+            for f in floor_fns.values():
+                f()
+
         timed = interleaved({**{f"floor_{k}": f for k, f in floor_fns.items()},
+                             "floor_as_one_step": floor_as_one_step,
                              **{n: steps[n] for n in extra}})  # fmt: skip
         floor = sum(timed[f"floor_{k}"]["ms"] for k in floor_fns)
         rows.append(
@@ -335,6 +341,9 @@ def lm_head_rows(liger) -> list[dict]:
                 "spread": max(timed[f"floor_{k}"]["spread"] for k in floor_fns),
             }
         )
+        one = timed["floor_as_one_step"]
+        one_row = row("lm_head_train/floor_as_one_step", shape, one, 0.0)
+        rows.append({**one_row, "ratio_vs_floor": one["ms"] / floor})
         for name in extra:
             tm = timed[name]
             rows.append(
