@@ -133,8 +133,8 @@ class AttentionInputQKNorm(torch.autograd.Function):
     prepass), also storing z = rstd0 * acc on the q and k columns (as its even and odd
     columns; on v columns z is v) and the statistic s for the backward; when head_dim
     divides no tile width (``qk_norm_config``), F1 without rotation and one row pass
-    instead. Backward: the head norms' backward and dRoPE in one
-    row pass (with the entry norm's statistic), then B12 and B13 as in ``AttentionInput``."""
+    instead. Backward: the head norms' backward and dRoPE in one row pass (with the entry
+    norm's statistic), then B12 and B13 as in ``AttentionInput``."""
 
     @staticmethod
     def forward(ctx, x0, g1, w_qkv, q_norm, k_norm, positions, freq, dims: LayerDims):

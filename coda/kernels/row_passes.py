@@ -10,7 +10,8 @@ pair views: 1.5 ms per Llama-1B layer and 3.2 ms per Qwen3-0.6B layer for ~0.1 m
 
 - grid (head, block of BM token rows): each program reads one head's gradient tile
   (BM x hd, any strides of attention's output) and the matching tile of the saved forward
-  tensor, and writes one tile of dz~0 = rstd0 * [RoPE^T(...) | dv] (the B12/B13 operand);
+  tensor (with QK-norm: z for a q or k head, the stored v for a v head, where z equals it),
+  and writes one tile of dz~0 = rstd0 * [RoPE^T(...) | dv] (the B12/B13 operand);
 - the row statistic S0 = sum_n [...] * z / rstd0 leaves as per-head partials (M x heads,
   fp32), summed by one small torch reduction: no atomics, so the pass is deterministic;
 - the QK-norm weights' gradients leave as per-(row block, head) partials, summed likewise.
