@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import against_floor, beside_floor, row, without_row_kernels
+from benchmarks._common import against_floor, beside_floor, row, selected, without_row_kernels
 from benchmarks.bench_forward import ffn, heads
 from coda import nn as cnn
 from coda.kernels import gemm_residual_rms as grr
@@ -71,13 +71,24 @@ def coda_layer(x0, a0, r0, w, pos, freq, H, Hkv, d, f):
     )
 
 
+LAYER_WIDTHS = (2048, 4096)
+
+
+def layer_widths() -> list[int]:
+    """Every layer width, or those named in ``CODA_LAYER_SHAPES`` ("d2048", "d4096"): both
+    layer benchmarks (forward here, forward+backward in ``bench_train``) run these."""
+    known = {f"d{d}": d for d in LAYER_WIDTHS}
+    chosen = selected("CODA_LAYER_SHAPES", known)
+    return [known[c] for c in chosen] if chosen else list(LAYER_WIDTHS)
+
+
 def run() -> list[dict]:
     try:
         import liger_kernel.transformers.functional as liger
     except Exception:
         liger = None
     rows = []
-    for d in (2048, 4096):
+    for d in layer_widths():
         f, (H, Hkv) = ffn(d), heads(d)
         nqkv = (H + 2 * Hkv) * HD
 

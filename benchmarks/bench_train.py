@@ -26,6 +26,7 @@ from benchmarks._common import (
     graphed,
     host_ms,
     idle_report,
+    in_order,
     interleaved,
     kernel_table,
     liger_functional,
@@ -36,7 +37,7 @@ from benchmarks._common import (
     without_row_kernels,
 )
 from benchmarks.bench_forward import ffn, heads
-from benchmarks.bench_layer import HD, S, attention, split_heads
+from benchmarks.bench_layer import HD, S, attention, layer_widths, split_heads
 from coda import _quack
 from coda.kernels import ce_scaled_exp, final_norm_rows
 from coda.reference.rope import apply_rope_hf, hf_cos_sin
@@ -84,16 +85,6 @@ def _mem_kept_by_forward(fn) -> float:
     kept = torch.cuda.memory_allocated() - before
     del out
     return kept / 2**30
-
-
-LAYER_WIDTHS = (2048, 4096)
-
-
-def layer_widths() -> list[int]:
-    """Every layer width, or those named in ``CODA_LAYER_SHAPES`` ("d2048", "d4096")."""
-    known = {f"d{d}": d for d in LAYER_WIDTHS}
-    chosen = selected("CODA_LAYER_SHAPES", known)
-    return [known[c] for c in chosen] if chosen else list(LAYER_WIDTHS)
 
 
 def layer_rows(liger) -> list[dict]:
@@ -324,12 +315,8 @@ def lm_head_rows(liger) -> list[dict]:
             except Exception as e:
                 rows.append({"name": f"lm_head_train/{name}", **shape, "error": repr(e)[:300]})
 
-        def floor_as_one_step():  # the three GEMMs back to back (``_common.against_floor``)
-            for f in floor_fns.values():
-                f()
-
         timed = interleaved({**{f"floor_{k}": f for k, f in floor_fns.items()},
-                             "floor_as_one_step": floor_as_one_step,
+                             "floor_as_one_step": in_order(floor_fns),
                              **{n: steps[n] for n in extra}})  # fmt: skip
         floor = sum(timed[f"floor_{k}"]["ms"] for k in floor_fns)
         rows.append(

@@ -231,7 +231,7 @@ def compile_gemm_qk_norm_rope(k, n, head_dim, *, keep_z=False, eps=1e-6, m=256) 
     a, w = example_operands(m, k, n)
     f, r = torch.empty(n), torch.empty(m)
     cfg = qk_norm_config(head_dim)
-    z_cols = n - n // 2 // head_dim * head_dim if keep_z else None  # leave some v heads out
+    z_cols = n - head_dim if keep_z else None  # z kept short of the last head: clipped tiles
     return gemm_qk_norm_rope_kernel(
         a, w, r, r, f, f, f, head_dim, eps, cfg, keep_z, dry=True, z_cols=z_cols
     )

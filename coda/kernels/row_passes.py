@@ -219,12 +219,12 @@ def dqk_norm_rope_heads_triton(
     assert hd == head_dim and dq.shape[1] == n_q and dk.shape[1] == n_k
     M = z_even.shape[0]
     if z_odd is None:  # z whole: its even and odd columns are stride-2 views
-        z_row, z_col = z_even.stride(0), 2
+        z_row, z_col, kept = z_even.stride(0), 2, z_even.shape[1]
         z_odd = z_even[:, 1:]
     else:
         assert z_even.stride() == z_odd.stride() and z_even.stride(1) == 1
-        z_row, z_col = z_even.stride(0), 1
-    assert z_even.shape[1] * (2 // z_col) >= (n_q + n_k) * hd and z_v.shape[1] == n_k * hd
+        z_row, z_col, kept = z_even.stride(0), 1, 2 * z_even.shape[1]
+    assert kept >= (n_q + n_k) * hd and z_v.shape[1] == n_k * hd  # z's q, k columns; v's
     assert z_v.stride(1) == 1
     _rows_contiguous(rstd, cos, sin, q_norm, k_norm)
     assert s.stride(1) == 1  # the head statistic: (M, heads) rows, possibly a column slice
