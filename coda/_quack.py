@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
 
 # quack 0.6.5 calls cutlass-dsl 4.8.1 APIs that 4.8 deprecates (LayoutEnum, SmemAllocator, ...):
@@ -153,6 +154,65 @@ _PLANS: dict = {}
 MAX_PLANS = 4096
 
 
+class PlanTape:
+    """The plans of one op's launches, in launch order, replayed without a per-launch key.
+
+    An op's launches are fixed by its input signature (dtypes, devices, shapes, strides) and
+    plain arguments: its outputs and scratch buffers are fresh tensors sized from the inputs,
+    so every launch's program, config and argument metadata repeat. ``coda.ops`` keeps one
+    tape per op signature beside its check verdict: within ``with tape:`` the first call
+    records each plan ``run_epi_gemm`` resolves, and later calls take them in order instead
+    of building the plan key (metadata of every argument) per launch. A recorded plan whose
+    program or config is not the one launched (a sequence that changed) turns the tape off for
+    good (the keyed lookup serves every launch); a call that raises before its recording is
+    complete leaves the recording to the next call."""
+
+    __slots__ = ("plans", "at", "state", "outer")
+
+    def __init__(self):
+        self.plans: list = []
+        self.at = 0
+        self.state = "record"  # -> "replay" after one complete call; "off" if it diverged
+        self.outer = None
+
+    def __enter__(self):
+        self.at, self.outer = 0, _ACTIVE.tape
+        _ACTIVE.tape = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        _ACTIVE.tape, self.outer = self.outer, None
+        if self.state == "record":
+            if exc_type is None:
+                self.state = "replay"
+            else:
+                self.plans.clear()
+        return False
+
+    def take(self, mod, config):
+        """The next recorded plan if it was resolved for ``mod`` and ``config``, else None."""
+        if self.state != "replay":
+            return None
+        if self.at < len(self.plans):
+            rec_mod, rec_config, plan = self.plans[self.at]
+            if rec_mod is mod and (rec_config is config or rec_config == config):
+                self.at += 1
+                return plan
+        self.state, self.plans = "off", []
+        return None
+
+    def keep(self, mod, config, plan) -> None:
+        if self.state == "record":
+            self.plans.append((mod, config, plan))
+
+
+class _Active(threading.local):
+    tape = None  # the PlanTape of the op call running on this thread
+
+
+_ACTIVE = _Active()
+
+
 def _scale_a(x, u):
     """The A-operand value transform x -> x * u (u: the strip's value for x's block)."""
     return x * u
@@ -200,7 +260,8 @@ def run_epi_gemm(
     inference, compile-cache lookup) and keeps the resolved plan; every later call with the
     same dtypes, shapes and strides replays it through quack's ``run_gemm_epi_plan``, which
     makes no host decisions. coda's key is built from its own few arguments, about a fifth of
-    what quack's generic warm-path key reads (its ~40 fields, every op's host key).
+    what quack's generic warm-path key reads (its ~40 fields, every op's host key); within an
+    op's ``PlanTape`` the plan comes from the tape and no key is built.
     ``replay=False`` always takes quack's frontend (the benchmarks' "quack raw" baseline).
     ``a_scale`` = (kind, strip, tile_k): A enters as quack's transform bundle and the mainloop
     scales it (``scale_a_mod``); such calls always take quack's frontend (no replay).
@@ -216,6 +277,12 @@ def run_epi_gemm(
         A = transform_a_operand(tmod, A, {"u": strip}, config.tile_m, tile_k)
         transform, replay = {"transform_a": tmod, "tile_K": tile_k}, False
     key = None
+    tape = _ACTIVE.tape if launch and replay else None
+    if tape is not None:
+        plan = tape.take(mod, config)
+        if plan is not None:
+            _modules()["host"].run_gemm_epi_plan(plan, A, B, D, C, epi_args)
+            return plan
     if launch and replay:  # the key only where a plan is looked up and kept
         key = (
             mod,
@@ -231,6 +298,8 @@ def run_epi_gemm(
         plan = _PLANS.get(key)
         if plan is not None:
             _modules()["host"].run_gemm_epi_plan(plan, A, B, D, C, epi_args)
+            if tape is not None:
+                tape.keep(mod, config, plan)
             return plan
     if clipped:
         assert replay and a_scale is None, "a clipped store launches through a plan"
@@ -260,6 +329,8 @@ def run_epi_gemm(
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
+        if tape is not None:
+            tape.keep(mod, config, plan)
     return plan
 
 

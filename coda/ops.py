@@ -22,11 +22,13 @@ operands' base-address alignment. A call then costs little more than its kernel 
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Optional
 
 import torch
 
 from coda import _validate as v
+from coda._quack import PlanTape
 from coda.env import last_path, record, resolve_backend
 from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype
@@ -98,9 +100,10 @@ def _rstd(rstd, x):
     return torch.ones(x.shape[0], dtype=acc_dtype(x), device=x.device) if rstd is None else rstd
 
 
-# (op, plain arguments, grad mode, each tensor's signature) -> (path, reason) of its checks
+# (op, plain arguments, grad mode, each tensor's signature) -> (path, reason, PlanTape)
 _CHECKED: dict = {}
 MAX_CHECKED = 4096  # emptied when full (many distinct token counts), then refilled
+UNTAPED = contextlib.nullcontext()  # calls whose launches each look their plan up by key
 
 
 def _signature(t):
@@ -109,34 +112,37 @@ def _signature(t):
     return (type(t), t.layout, t.dtype, t.device, t.shape, t.stride(), t.requires_grad)
 
 
-def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = ()) -> str:
-    """The path of this call of ``op``: ``check()`` (all of the op's rules; raises on a
+def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = ()):
+    """(path, tape) of this call of ``op``: ``check()`` (all of the op's rules; raises on a
     broken one, returns the path) runs on the first call of each signature, later calls
     reuse its verdict and re-check only the base address of each TMA operand named in
-    ``tma``. Inside a torch.compile trace ``check()`` always runs (it is traced once)."""
+    ``tma``. ``tape`` (``coda._quack.PlanTape``, entered around the kernel path) holds the
+    signature's launch plans, so that its later calls build no per-launch plan key. Inside a
+    torch.compile trace ``check()`` always runs (it is traced once), untaped."""
     if torch.compiler.is_compiling():
-        return check()
+        return check(), UNTAPED
     try:
-        typed = tuple((type(p), p) for p in plain)  # True is not 1, 2.0 is not 2
+        typed = (*plain, *map(type, plain))  # True is not 1, 2.0 is not 2
         key = (op, typed, torch.is_grad_enabled(), *map(_signature, tensors.values()))
         hit = _CHECKED.get(key)
     except (AttributeError, TypeError, RuntimeError):  # no plain metadata: the checks say why
-        return check()
+        return check(), UNTAPED
     if hit is None:
         path = check()
         verdict = last_path(op)  # (path, reason) as ``check`` recorded it
-        if verdict is not None and verdict[0] == path:
-            if len(_CHECKED) >= MAX_CHECKED:
-                _CHECKED.clear()
-            _CHECKED[key] = verdict
+        if verdict is None or verdict[0] != path:
+            return path, UNTAPED
+        if len(_CHECKED) >= MAX_CHECKED:
+            _CHECKED.clear()
+        hit = _CHECKED[key] = (*verdict, PlanTape())
     else:
         path = hit[0]
-        record(op, *hit)
+        record(op, path, hit[1])
     if path == "kernel":
         for name in tma:
             if tensors[name].data_ptr() % 16:
                 raise v.CodaInputError(f"{name}: base address must be 16-byte aligned for the TMA")
-    return path
+    return path, hit[2]
 
 
 class ResidualRMS(NamedTuple):
@@ -170,13 +176,15 @@ def gemm_residual_rms(
         return path
 
     tma = ("x", "residual", "w")
-    if _checked("gemm_residual_rms", check, (backend, eps, config), named, tma) == "kernel":
+    path, tape = _checked("gemm_residual_rms", check, (backend, eps, config), named, tma)
+    if path == "kernel":
         (M, K), N = x.shape, w.shape[1]
         config = config or config_for("residual", M, K, N)
-        if gamma is None:
-            h, sumsq = lib.gemm_residual(x, w, residual, config)
-            return ResidualRMS(h, None, row_stat(sumsq, None, w.shape[1], eps))
-        return ResidualRMS(*lib.gemm_residual_rms(x, w, residual, gamma, eps, config))
+        with tape:
+            if gamma is None:
+                h, sumsq = lib.gemm_residual(x, w, residual, config)
+                return ResidualRMS(h, None, row_stat(sumsq, None, w.shape[1], eps))
+            return ResidualRMS(*lib.gemm_residual_rms(x, w, residual, gamma, eps, config))
     h, a, r = gemm_residual_rms_ref(x, w, residual, gamma, eps)
     return ResidualRMS(h.to(x.dtype), None if a is None else a.to(x.dtype), r.to(acc_dtype(x)))
 
@@ -217,13 +225,14 @@ def gemm_rmsnorm_gemm(
 
     tma = ("x", "residual", "w1", "w2")
     plain = (backend, eps, config1, config2)
-    if _checked("gemm_rmsnorm_gemm", check, plain, named, tma) == "kernel":
+    path, tape = _checked("gemm_rmsnorm_gemm", check, plain, named, tma)
+    if path == "kernel":
         (M, K), d = x.shape, w1.shape[1]
         config1 = config1 or config_for("residual", M, K, d)
         config2 = config2 or config_for("scale_rows", M, d, w2.shape[1])
-        return RMSNormGemm(
-            *gemm_rmsnorm_gemm_kernel(x, w1, residual, gamma, w2, eps, config1, config2)
-        )
+        with tape:
+            out = gemm_rmsnorm_gemm_kernel(x, w1, residual, gamma, w2, eps, config1, config2)
+        return RMSNormGemm(*out)
     h, z, r = gemm_rmsnorm_gemm_ref(x, w1, residual, gamma, w2, eps)
     return RMSNormGemm(h.to(x.dtype), z.to(x.dtype), r.to(acc_dtype(x)))
 
@@ -262,13 +271,15 @@ def gemm_swiglu(
                 raise v.CodaInputError(f"config.tile_n must be a multiple of 32, got {tile_n}")
         return path
 
-    path = _checked("gemm_swiglu", check, (backend, save_preact, config), named, ("x", "w_il"))
+    plain = (backend, save_preact, config)
+    path, tape = _checked("gemm_swiglu", check, plain, named, ("x", "w_il"))
     r = _rstd(rstd, x)
     if path == "kernel":
         config = config or config_for("swiglu", *x.shape, w_il.shape[1])
-        if save_preact:
-            return SwiGLU(*lib.gemm_swiglu(x, w_il, r, config))
-        return SwiGLU(lib.gemm_swiglu_only(x, w_il, r, config), None)
+        with tape:
+            if save_preact:
+                return SwiGLU(*lib.gemm_swiglu(x, w_il, r, config))
+            return SwiGLU(lib.gemm_swiglu_only(x, w_il, r, config), None)
     s, u = gemm_swiglu_ref(x, w_il, r)
     return SwiGLU(s.to(x.dtype), u.to(x.dtype) if save_preact else None)
 
@@ -339,17 +350,19 @@ def gemm_rope(
         return path
 
     args = (backend, head_dim, n_heads, n_kv_heads, rope_base, eps, config)
-    path = _checked("gemm_rope", check, args, named, ("x", "w_qkv"))
+    path, tape = _checked("gemm_rope", check, args, named, ("x", "w_qkv"))
     r = _rstd(rstd, x)
     if path == "kernel":
         freq = cached_freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads, rope_base, x.device)
         pos = positions.to(torch.float32)
         if q_norm is None:
             cfg = config or config_for("rope", *x.shape, w_qkv.shape[1])
-            return lib.gemm_rope(x, w_qkv, r, pos, freq, cfg)
+            with tape:
+                return lib.gemm_rope(x, w_qkv, r, pos, freq, cfg)
         cfg = config or qk_norm_config(head_dim)
         head_w, plain = column_rows(q_norm, k_norm, n_heads, n_kv_heads, n_kv_heads)
-        return lib.gemm_qk_norm_rope(x, w_qkv, r, pos, freq, head_w, plain, head_dim, eps, cfg)
+        with tape:
+            return lib.gemm_qk_norm_rope(x, w_qkv, r, pos, freq, head_w, plain, head_dim, eps, cfg)
     cs = rope_table(positions, head_dim, rope_base)
     if q_norm is None:
         z = gemm_rope_ref(x, w_qkv, r, cs, n_heads, n_kv_heads, head_dim)
@@ -396,13 +409,14 @@ def linear_cross_entropy(
         return path
 
     args = (backend, config)
-    path = _checked("linear_cross_entropy", check, args, named, ("x", "w_lm"))
+    path, tape = _checked("linear_cross_entropy", check, args, named, ("x", "w_lm"))
     r = _rstd(rstd, x)
     if path == "kernel":
         config = config or config_for("lm_head", *x.shape, w_lm.shape[1])
-        return linear_cross_entropy_kernel(
-            x, w_lm, r, target, ignore_index, reduction, config, label_smoothing, z_loss
-        )[0]
+        with tape:
+            return linear_cross_entropy_kernel(
+                x, w_lm, r, target, ignore_index, reduction, config, label_smoothing, z_loss
+            )[0]
     loss = linear_cross_entropy_ref(
         x, w_lm, r, target, ignore_index, reduction, label_smoothing, z_loss
     )

@@ -1,8 +1,10 @@
 """coda's launch-plan cache (``coda._quack.run_epi_gemm``): the first call of a metadata class
 plans through quack's frontend, later calls with the same dtypes, shapes and strides replay
 the plan (any data), a change of any of them plans again, ``replay=False`` always takes the
-frontend, and compile-only calls (``launch=False``) store nothing. quack itself is replaced
-by recorders here: what is tested is coda's keying, on the CPU."""
+frontend, and compile-only calls (``launch=False``) store nothing. An op's ``PlanTape``
+replays its recorded plans in launch order without building keys, and turns itself off where
+the sequence diverges. quack itself is replaced by recorders here: what is tested is coda's
+keying, on the CPU."""
 
 import pytest
 import torch
@@ -76,3 +78,75 @@ def test_cache_is_bounded(replays, monkeypatch):
         a, b, d, e = _args(m=m)
         _quack.run_epi_gemm(mod, a, b, d, None, e, DEFAULT)
     assert len(_quack._PLANS) <= 3
+
+
+# -- an op's plan tape (``_quack.PlanTape``): plans taken in launch order, no key built ---------
+def _no_keys(monkeypatch):
+    def refuse(t):
+        raise AssertionError("a taped replay built a plan key")
+
+    monkeypatch.setattr(_quack, "_meta", refuse)
+
+
+def test_a_tape_records_one_call_and_replays_it_without_keys(replays, monkeypatch):
+    mod1, mod2 = FakeMod(), FakeMod()
+    tape = _quack.PlanTape()
+    with tape:  # the op's first call: keyed lookups, every plan kept in order
+        _quack.run_epi_gemm(mod1, *_args()[:3], None, _args()[3], DEFAULT)
+        _quack.run_epi_gemm(mod2, *_args()[:3], None, _args()[3], GemmConfig(tile_n=128))
+    assert tape.state == "replay" and [p for _, _, p in tape.plans] == [("plan", 0)] * 2
+    _no_keys(monkeypatch)
+    for _ in range(2):  # later calls: the same plans, in the same order
+        a, b, d, e = _args()
+        with tape:
+            assert _quack.run_epi_gemm(mod1, a, b, d, None, e, DEFAULT) == ("plan", 0)
+            _quack.run_epi_gemm(mod2, a, b, d, None, e, GemmConfig(tile_n=128))
+    assert len(replays) == 4 and replays[-2][1] == a.data_ptr()
+    assert len(mod1.planned) == len(mod2.planned) == 1
+
+
+def test_a_tape_that_diverges_turns_off_and_the_key_serves(replays):
+    mod1, mod2 = FakeMod(), FakeMod()
+    tape = _quack.PlanTape()
+    with tape:
+        _quack.run_epi_gemm(mod1, *_args()[:3], None, _args()[3], DEFAULT)
+    with tape:  # another program where the tape holds mod1's plan
+        plan = _quack.run_epi_gemm(mod2, *_args()[:3], None, _args()[3], DEFAULT)
+    assert plan == ("plan", 0) and len(mod2.planned) == 1  # planned for mod2, not mod1's
+    assert tape.state == "off" and tape.plans == []
+    with tape:  # off for good: every launch keyed
+        _quack.run_epi_gemm(mod2, *_args()[:3], None, _args()[3], DEFAULT)
+    assert tape.state == "off" and len(mod2.planned) == 1 and len(replays) == 1
+    other = _quack.PlanTape()  # a config other than the recorded one diverges too
+    with other:
+        _quack.run_epi_gemm(mod1, *_args()[:3], None, _args()[3], DEFAULT)
+    with other:
+        _quack.run_epi_gemm(mod1, *_args()[:3], None, _args()[3], GemmConfig(tile_n=128))
+    assert other.state == "off" and len(mod1.planned) == 2
+
+
+def test_a_call_that_raises_records_nothing_and_tapes_nest(replays):
+    mod = FakeMod()
+    tape, inner = _quack.PlanTape(), _quack.PlanTape()
+    with pytest.raises(RuntimeError):
+        with tape:
+            _quack.run_epi_gemm(mod, *_args()[:3], None, _args()[3], DEFAULT)
+            raise RuntimeError("the op failed after its first launch")
+    assert tape.state == "record" and tape.plans == [] and _quack._ACTIVE.tape is None
+    with tape:
+        with inner:  # an op inside an op: the inner call's launches are the inner tape's
+            _quack.run_epi_gemm(mod, *_args()[:3], None, _args()[3], DEFAULT)
+        assert _quack._ACTIVE.tape is tape
+        _quack.run_epi_gemm(mod, *_args(m=65)[:3], None, _args(m=65)[3], DEFAULT)
+    assert len(inner.plans) == 1 and [p for _, _, p in tape.plans] == [("plan", 1)]
+
+
+def test_frontend_only_launches_stay_off_the_tape(replays):
+    mod = FakeMod()
+    tape = _quack.PlanTape()
+    with tape:
+        _quack.run_epi_gemm(mod, *_args()[:3], None, _args()[3], DEFAULT, replay=False)
+    assert tape.plans == [] and tape.state == "replay"
+    with tape:
+        _quack.run_epi_gemm(mod, *_args()[:3], None, _args()[3], DEFAULT, replay=False)
+    assert len(mod.planned) == 2 and tape.state == "replay"

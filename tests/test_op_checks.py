@@ -94,3 +94,21 @@ def test_a_tensor_without_plain_metadata_gets_the_rule_not_a_memo_crash():
     nested = torch.nested.nested_tensor([x[:3], x[3:]])
     with pytest.raises(coda.CodaInputError, match="x: nested tensors are not supported"):
         coda.gemm_swiglu(nested, w, backend="reference")
+
+
+def test_one_plan_tape_per_signature(kernel_path):
+    """The memo's verdict carries the signature's ``PlanTape``: the same tape for every call
+    of one signature, another for another signature, none where the checks run uncached."""
+    x, w = _swiglu_inputs()
+    plain = ("auto", False, None)
+
+    def tape_of(x, w):
+        named = {"x": x, "w_il": w, "rstd": None}
+        return ops._checked("gemm_swiglu", lambda: ops._start("gemm_swiglu", "auto", named),
+                            plain, named, ("x", "w_il"))  # fmt: skip
+
+    path, tape = tape_of(x, w)
+    assert path == "kernel" and isinstance(tape, coda._quack.PlanTape)
+    assert tape_of(x.clone(), w.clone())[1] is tape
+    assert tape_of(x[:5], w)[1] is not tape
+    assert ops._checked("gemm_swiglu", lambda: "kernel", plain, {"x": [1]})[1] is ops.UNTAPED
