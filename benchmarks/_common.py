@@ -459,3 +459,18 @@ def without_row_kernels(fn):
             norm_rows.TRITON, drope.cached_head_rotation.enabled = True, True
 
     return run
+
+
+def without_plan_tapes(fn):
+    """``fn`` with the public ops' plan tapes (``coda.ops.PLAN_TAPES``) switched off: every
+    launch looks its plan up by key, as before session 15; timed beside the current path."""
+    from coda import ops
+
+    def run():
+        ops.PLAN_TAPES = False
+        try:
+            return fn()
+        finally:
+            ops.PLAN_TAPES = True
+
+    return run

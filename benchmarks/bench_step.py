@@ -38,6 +38,7 @@ from benchmarks._common import (
     row,
     selected,
     where_time_goes,
+    without_plan_tapes,
     without_row_kernels,
 )
 from coda import _quack
@@ -157,6 +158,9 @@ def host_rows() -> list[dict]:
     ):
         for name in names:
             group[name + ", before the row kernels"] = without_row_kernels(group[name])
+    # and the public ops without their plan tapes (every launch keyed), same run
+    for name in [n for n in calls if n.startswith("coda.") and "," not in n]:
+        calls[name + ", without plan tapes"] = without_plan_tapes(calls[name])
     rows, us = [], {}
     rows.append(host_profile("DecoderLayer forward+backward", layer_step))
     rows.append(host_profile("coda.gemm_swiglu", calls["coda.gemm_swiglu"], grad=False))

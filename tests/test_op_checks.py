@@ -96,7 +96,7 @@ def test_a_tensor_without_plain_metadata_gets_the_rule_not_a_memo_crash():
         coda.gemm_swiglu(nested, w, backend="reference")
 
 
-def test_one_plan_tape_per_signature(kernel_path):
+def test_one_plan_tape_per_signature(kernel_path, monkeypatch):
     """The memo's verdict carries the signature's ``PlanTape``: the same tape for every call
     of one signature, another for another signature, none where the checks run uncached."""
     x, w = _swiglu_inputs()
@@ -111,4 +111,6 @@ def test_one_plan_tape_per_signature(kernel_path):
     assert path == "kernel" and isinstance(tape, coda._quack.PlanTape)
     assert tape_of(x.clone(), w.clone())[1] is tape
     assert tape_of(x[:5], w)[1] is not tape
+    monkeypatch.setattr(ops, "PLAN_TAPES", False)  # the benchmarks' same-run comparison
+    assert tape_of(x, w) == ("kernel", ops.UNTAPED)
     assert ops._checked("gemm_swiglu", lambda: "kernel", plain, {"x": [1]})[1] is ops.UNTAPED
