@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
+import statistics
 import time
 
 import torch
@@ -69,6 +70,18 @@ def _per_call_us(fn, n=300) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n * 1e6
+
+
+def _interleaved_us(fns: dict, n: int, rounds: int = 5) -> dict:
+    """us per call of each of ``fns``: the median of ``rounds`` rounds of ``n`` calls each,
+    every function timed once per round in turn (``_per_call_us``)."""
+    for fn in fns.values():
+        _per_call_us(fn, n=1)
+    per = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            per[name].append(_per_call_us(fn, n=n))
+    return {name: statistics.median(v) for name, v in per.items()}
 
 
 def host_profile(name: str, fn, calls: int = 200, top: int = 25, grad: bool = True) -> dict:
@@ -164,11 +177,11 @@ def host_rows() -> list[dict]:
     rows, us = [], {}
     rows.append(host_profile("DecoderLayer forward+backward", layer_step))
     rows.append(host_profile("coda.gemm_swiglu", calls["coda.gemm_swiglu"], grad=False))
+    # rounds, each timing every call in turn (medians): host time drifts within a run (a
+    # collection, the CPU's clock), and a same-run comparison must not depend on order
     with torch.no_grad():
-        for name, fn in calls.items():
-            us[name] = _per_call_us(fn)
-    for name, fn in steps.items():
-        us[name] = _per_call_us(fn, n=100)
+        us.update(_interleaved_us(calls, n=60))
+    us.update(_interleaved_us(steps, n=20))
     for name, v in us.items():
         grad = torch.enable_grad() if name in steps else torch.no_grad()
         with grad:
