@@ -371,7 +371,11 @@ class DecoderLayer(nn.Module):
 
 
 class LMHeadLoss(nn.Module):
-    """Final RMSNorm + LM head + cross-entropy. ``w_lm`` is (d, vocab).
+    """Final RMSNorm + LM head + cross-entropy. ``weight`` is (vocab, d), as ``nn.Linear``'s
+    and HF's ``lm_head.weight``; ``w_lm`` is its (d, vocab) view, logits = y @ w_lm. Stored so,
+    the kernel path's fp32 (vocab, d) weight-gradient accumulator leaves as the gradient without
+    a transpose, and the exact target terms read each target's weights as one contiguous row
+    (2.5 % of the step at d = 4096, vocab = 128256 on the H200: benchmarks/NOTES.md, session 15).
 
     ``method`` picks the kernel path's cross-entropy program: "auto" (the default: "scaled_exp"
     when vocab % 128 == 0, else "recompute"), "scaled_exp" (CE-S: three GEMMs, the forward
@@ -414,8 +418,13 @@ class LMHeadLoss(nn.Module):
         self.eps, self.ignore_index, self.chunk, self.backend = eps, ignore_index, chunk, backend
         self.method = method
         self.gf = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
-        self.w_lm = nn.Parameter(torch.empty(d, vocab, device=device, dtype=dtype))
-        nn.init.normal_(self.w_lm, std=0.02)
+        self.weight = nn.Parameter(torch.empty(vocab, d, device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=0.02)
+
+    @property
+    def w_lm(self) -> torch.Tensor:
+        """The LM head as the (d, vocab) matrix of logits = y @ w_lm: a view of ``weight``."""
+        return self.weight.t()
 
     def forward(self, x: torch.Tensor, target: torch.Tensor, reduction: str = "mean"):
         """x (batch, seq, d) or (tokens, d), target (batch, seq) or (tokens,) int64/int32 in
@@ -455,7 +464,7 @@ class LMHeadLoss(nn.Module):
     def hf_state_dict(self) -> dict:
         return {
             "model.norm.weight": self.gf.detach().clone(),
-            "lm_head.weight": self.w_lm.detach().t().contiguous(),
+            "lm_head.weight": self.weight.detach().clone(),
         }
 
     @torch.no_grad()
@@ -465,7 +474,7 @@ class LMHeadLoss(nn.Module):
         shapes = {"model.norm.weight": (self.d,), "lm_head.weight": (self.vocab, self.d)}
         v.check_state_dict(sd, shapes)
         self.gf.copy_(sd["model.norm.weight"])
-        self.w_lm.copy_(sd["lm_head.weight"].t())
+        self.weight.copy_(sd["lm_head.weight"])
 
 
 def _kernel_lm_head_loss(xf, gamma, w_lm, t, eps, ignore_index, reduction, chunk, method, *opts):

@@ -202,7 +202,7 @@ def test_modules_reference_path_match_hf_layer_every_gradient():
             "wd": layer.w_d.grad,
             "g1": layer.g1.grad,
             "g2": layer.g2.grad,
-            "w_lm": head.w_lm.grad,
+            "w_lm": head.weight.grad.t(),
             "gf": head.gf.grad,
         },
         s,

@@ -89,7 +89,9 @@ def test_lm_head_kernel_sequence_with_options(seed, method):
             p.grad = None
         loss = run()
         loss.backward(dl if dl is not None else torch.ones_like(loss))
-        outs.append([loss.detach(), x.grad.clone(), head.gf.grad.clone(), head.w_lm.grad.clone()])
+        outs.append(
+            [loss.detach(), x.grad.clone(), head.gf.grad.clone(), head.weight.grad.t().clone()]
+        )
     (lk, *gk), (lr, *gr) = outs
     if torch.isnan(lr).all():
         assert torch.isnan(lk).all()
@@ -133,7 +135,7 @@ def test_gpu_ce_options_protocol(method):
             p.grad = None
         loss = module._kernel_loss(xx, t, "mean") if path == "kernel" else module(xx, t)
         loss.backward()
-        return [loss.detach(), xx.grad, module.gf.grad, module.w_lm.grad]
+        return [loss.detach(), xx.grad, module.gf.grad, module.weight.grad.t()]
 
     got = run(head, x, "kernel")
     head64 = cnn.LMHeadLoss(d, V, device="cuda", dtype=F64, label_smoothing=0.1, z_loss=1e-4)

@@ -482,7 +482,7 @@ def test_fuzz_lm_head_loss_float64():
         floor = max(float(u.abs().max()) for u in (dx, dgf, dw)) or 1.0
         assert rel_err(x.grad, dx, floor=floor) < 1e-10, what
         assert rel_err(head.gf.grad, dgf, floor=floor) < 1e-10, what
-        assert rel_err(head.w_lm.grad.t(), dw, floor=floor) < 1e-10, what
+        assert rel_err(head.weight.grad, dw, floor=floor) < 1e-10, what
 
 
 # -- the kernel path in bf16 through the interpreter: TMA layout rules on random shapes ----------
@@ -503,15 +503,16 @@ def _near(got, ref64, what, floor=0.0, tol=0.1):
 def test_fuzz_kernel_path_bf16_layouts():
     """The nn modules' kernel sequences in bf16 on random shapes (the interpreter enforces the
     TMA's 16-byte rows and unit strides on every GEMM operand, as the GPU does; float64 skips
-    those rules): the LM head with coda's (d, V) weight or an HF (V, d) weight's view, every
-    method, and the DecoderLayer; each within bf16 distance of the float64 canonical math."""
+    those rules): the LM head with a (d, V)-contiguous weight or a (V, d) weight's view (HF's,
+    and ``LMHeadLoss``'s own), every method, and the DecoderLayer; each within bf16 distance
+    of the float64 canonical math."""
     from coda.nn import _kernel_lm_head_loss
 
     for case in range(BF16_CASES):
         rng, g = random.Random(30_000 + case), torch.Generator().manual_seed(case)
         head, x, t, reduction = head_case(rng, g, torch.bfloat16, "cpu", big=False)
         hf = rng.random() < 0.5
-        w = head.w_lm.detach().t().contiguous().requires_grad_(True) if hf else head.w_lm
+        w = (head.weight if hf else head.w_lm).detach().contiguous().requires_grad_(True)
         x.requires_grad_(True)
         args = (head.eps, head.ignore_index, reduction, head.chunk, head.method, 0.0, 0.0)
         loss = _kernel_lm_head_loss(x, head.gf, w.t() if hf else w, t, *args)
@@ -520,7 +521,7 @@ def test_fuzz_kernel_path_bf16_layouts():
         head64 = copy.deepcopy(head).double()
         want = canonical_head(head64, x.detach().double(), t, reduction, dloss.double())
         dw = w.grad if hf else w.grad.t()
-        what = f"LMHeadLoss {head.method} {'HF' if hf else 'coda'} layout case {case}"
+        what = f"LMHeadLoss {head.method} {'(V, d)' if hf else '(d, V)'} weight case {case}"
         floor = max(float(u.nan_to_num().abs().max()) for u in want[1:])
         got = (loss.detach(), x.grad, head.gf.grad, dw)
         for name, a, b in zip(("loss", "dx", "dgamma", "dW"), got, want):

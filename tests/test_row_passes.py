@@ -171,7 +171,7 @@ def one_pass_in_lm_head(method):
         x = x0.clone().requires_grad_(True)
         head.zero_grad(set_to_none=True)
         head._kernel_loss(x, t, "mean").backward(dl)
-        grads.append([x.grad, head.gf.grad, head.w_lm.grad])
+        grads.append([x.grad, head.gf.grad, head.weight.grad.t()])
     final_norm_rows.ONE_PASS = False
     return [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*grads)]
 
