@@ -545,8 +545,11 @@ class CausalLM(nn.Module):
     ``DecoderLayer``s, and ``LMHeadLoss`` (final norm + LM head + cross-entropy, logits never
     stored on the kernel path). ``forward(tokens, targets)`` returns the loss.
 
-    ``hf_state_dict`` / ``load_hf_state_dict`` use ``LlamaForCausalLM``'s key names (untied
-    embedding and LM head), exactly. ``checkpoint``: activation checkpointing per layer
+    ``hf_state_dict`` / ``load_hf_state_dict`` use ``LlamaForCausalLM``'s key names, exactly.
+    ``tie_embeddings``: the LM head's (vocab, d) weight is the embedding's, one parameter (HF's
+    ``tie_word_embeddings``, as in Llama-3.2-1B and Qwen3-0.6B); its gradient is the sum of both
+    uses, and a loaded state dict's ``lm_head.weight`` must then equal its embedding.
+    ``checkpoint``: activation checkpointing per layer
     (``torch.utils.checkpoint``, non-reentrant): each layer keeps only its input and reruns
     its forward in the backward."""
 
@@ -566,6 +569,7 @@ class CausalLM(nn.Module):
         dtype=torch.bfloat16,
         backend: str = "auto",
         checkpoint: bool = False,
+        tie_embeddings: bool = False,
     ):
         super().__init__()
         v.check_positive_int("n_layers", n_layers)
@@ -578,6 +582,9 @@ class CausalLM(nn.Module):
             for _ in range(n_layers)
         )
         self.head = LMHeadLoss(d, vocab, eps, method=method, **kw)
+        self.tie_embeddings = bool(tie_embeddings)
+        if self.tie_embeddings:
+            self.head.weight = self.embed.weight
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
         """tokens, targets (batch, seq) -> the loss (fp32)."""
@@ -604,6 +611,14 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict) -> None:
         v.check_state_dict(sd, {"model.embed_tokens.weight": tuple(self.embed.weight.shape)})
+        if self.tie_embeddings and "lm_head.weight" in sd:
+            if not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
+                raise v.CodaInputError(
+                    "lm_head.weight: a tied model (tie_embeddings=True) needs it equal to "
+                    "model.embed_tokens.weight"
+                )
+        if self.tie_embeddings:  # HF drops the tied head's key when it saves
+            sd = {"lm_head.weight": sd["model.embed_tokens.weight"], **sd}
         self.embed.weight.copy_(sd["model.embed_tokens.weight"])
         for i, layer in enumerate(self.layers):
             layer.load_hf_state_dict(sd, f"model.layers.{i}.")

@@ -376,3 +376,39 @@ def test_kernel_path_names_the_vocabulary_rule_and_the_hf_remedy(monkeypatch):
     head = cnn.LMHeadLoss(64, 97)
     with pytest.raises(coda.CodaInputError, match=r"vocab = 97 .*resize_token_embeddings"):
         head(torch.randn(5, 64, dtype=torch.bfloat16), torch.randint(0, 97, (5,)))
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
+def test_causal_lm_tied_embeddings(backend, monkeypatch):
+    """``CausalLM(tie_embeddings=True)``: one (vocab, d) parameter serves the embedding and
+    the LM head, and its gradient is the sum of the two uses' gradients in the untied model
+    with equal weights (float64; the kernel path through the interpreter). Its HF state dict
+    loads into an untied model, and a tied model refuses a head that differs from its
+    embedding."""
+    import coda.env
+
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    torch.manual_seed(5)
+    kw = dict(vocab=128, d=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn=40, dtype=F64)
+    kw["backend"] = backend
+    tied = cnn.CausalLM(**kw, tie_embeddings=True)
+    assert tied.head.weight is tied.embed.weight
+    assert len(list(tied.parameters())) == len(list(cnn.CausalLM(**kw).parameters())) - 1
+    untied = cnn.CausalLM(**kw)
+    sd = tied.hf_state_dict()
+    untied.load_hf_state_dict(sd)
+    tokens, targets = torch.randint(0, 128, (2, 9)), torch.randint(0, 128, (2, 9))
+    losses = []
+    for model in (tied, untied):
+        losses.append(model(tokens, targets))
+        losses[-1].backward()
+    assert rel_err(losses[0], losses[1]) < 1e-12
+    both = untied.embed.weight.grad + untied.head.weight.grad
+    assert rel_err(tied.embed.weight.grad, both) < 1e-12
+    for (name, p), q in zip(tied.layers.named_parameters(), untied.layers.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-12, name
+    del sd["lm_head.weight"]  # HF's save of a tied model drops the head's key
+    cnn.CausalLM(**kw, tie_embeddings=True).load_hf_state_dict(sd)
+    sd["lm_head.weight"] = torch.zeros(128, 32, dtype=F64)
+    with pytest.raises(coda.CodaInputError, match="lm_head.weight: a tied model"):
+        cnn.CausalLM(**kw, tie_embeddings=True).load_hf_state_dict(sd)
