@@ -165,24 +165,28 @@ class PlanTape:
     of building the plan key (metadata of every argument) per launch. A recorded plan whose
     program or config is not the one launched (a sequence that changed) turns the tape off for
     good (the keyed lookup serves every launch); a call that raises before its recording is
-    complete leaves the recording to the next call."""
+    complete leaves the recording to the next call. A tape serves the thread that made it
+    (its cursor lives in a thread-local); on any other thread its op's launches are keyed."""
 
-    __slots__ = ("plans", "at", "state", "outer")
+    __slots__ = ("plans", "state", "owner")
 
     def __init__(self):
         self.plans: list = []
-        self.at = 0
         self.state = "record"  # -> "replay" after one complete call; "off" if it diverged
-        self.outer = None
+        self.owner = threading.get_ident()
 
     def __enter__(self):
-        self.at, self.outer = 0, _ACTIVE.tape
-        _ACTIVE.tape = self
+        active = _ACTIVE
+        active.outer.append((active.tape, active.at))
+        active.tape = self if self.owner == threading.get_ident() else None
+        active.at = 0
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        _ACTIVE.tape, self.outer = self.outer, None
-        if self.state == "record":
+        active = _ACTIVE
+        mine = active.tape is self
+        active.tape, active.at = active.outer.pop()
+        if mine and self.state == "record":
             if exc_type is None:
                 self.state = "replay"
             else:
@@ -193,10 +197,11 @@ class PlanTape:
         """The next recorded plan if it was resolved for ``mod`` and ``config``, else None."""
         if self.state != "replay":
             return None
-        if self.at < len(self.plans):
-            rec_mod, rec_config, plan = self.plans[self.at]
+        at = _ACTIVE.at
+        if at < len(self.plans):
+            rec_mod, rec_config, plan = self.plans[at]
             if rec_mod is mod and (rec_config is config or rec_config == config):
-                self.at += 1
+                _ACTIVE.at = at + 1
                 return plan
         self.state, self.plans = "off", []
         return None
@@ -207,7 +212,13 @@ class PlanTape:
 
 
 class _Active(threading.local):
-    tape = None  # the PlanTape of the op call running on this thread
+    """Per thread: the PlanTape of the op call running, its cursor, and the enclosing ones."""
+
+    tape = None
+    at = 0
+
+    def __init__(self):
+        self.outer: list = []
 
 
 _ACTIVE = _Active()

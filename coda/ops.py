@@ -17,7 +17,9 @@ they refuse inputs that require grad (the autograd layers are ``coda.nn``'s).
 Host cost: every rule above depends only on the inputs' metadata (dtype, device, shape,
 strides, requires_grad), the op's plain arguments and the grad mode, so each op runs its checks
 once per such signature (``_checked``) and afterwards only what metadata cannot show, the TMA
-operands' base-address alignment. A call then costs little more than its kernel launches.
+operands' base-address alignment; the signature's launch plans are replayed from a tape kept
+with that verdict (``coda._quack.PlanTape``), with no per-launch plan key. A call then costs
+little more than its kernel launches.
 """
 
 from __future__ import annotations

@@ -150,3 +150,27 @@ def test_frontend_only_launches_stay_off_the_tape(replays):
     with tape:
         _quack.run_epi_gemm(mod, *_args()[:3], None, _args()[3], DEFAULT, replay=False)
     assert len(mod.planned) == 2 and tape.state == "replay"
+
+
+def test_a_tape_serves_only_the_thread_that_made_it(replays):
+    """Another thread entering the same tape launches keyed and leaves it as it was."""
+    import threading
+
+    mod = FakeMod()
+    tape = _quack.PlanTape()
+    with tape:
+        _quack.run_epi_gemm(mod, *_args()[:3], None, _args()[3], DEFAULT)
+    seen = []
+
+    def other():
+        with tape:
+            seen.append(_quack._ACTIVE.tape)
+            _quack.run_epi_gemm(mod, *_args(m=65)[:3], None, _args(m=65)[3], DEFAULT)
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    worker.join()
+    assert seen == [None] and len(mod.planned) == 2  # keyed: a new plan for m = 65
+    assert tape.state == "replay" and [p for _, _, p in tape.plans] == [("plan", 0)]
+    with tape:  # still the owner's, intact
+        assert _quack.run_epi_gemm(mod, *_args()[:3], None, _args()[3], DEFAULT) == ("plan", 0)
