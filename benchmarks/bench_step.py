@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import os
-import statistics
 import time
 
 import torch
@@ -72,16 +71,12 @@ def _per_call_us(fn, n=300) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def _interleaved_us(fns: dict, n: int, rounds: int = 5) -> dict:
-    """us per call of each of ``fns``: the median of ``rounds`` rounds of ``n`` calls each,
-    every function timed once per round in turn (``_per_call_us``)."""
-    for fn in fns.values():
-        _per_call_us(fn, n=1)
-    per = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            per[name].append(_per_call_us(fn, n=n))
-    return {name: statistics.median(v) for name, v in per.items()}
+def _host_us(fns: dict, n: int) -> dict:
+    """us per call of each of ``fns``: ``interleaved`` rounds (5) of ``_per_call_us`` over
+    ``n`` calls, each function once per round: host time drifts within a run (a collection,
+    the CPU's clock), and a same-run comparison must not depend on order."""
+    timed = interleaved(fns, rounds=5, timer=lambda fn: {"ms": _per_call_us(fn, n) / 1e3})
+    return {name: t["ms"] * 1e3 for name, t in timed.items()}
 
 
 def host_profile(name: str, fn, calls: int = 200, top: int = 25, grad: bool = True) -> dict:
@@ -177,11 +172,9 @@ def host_rows() -> list[dict]:
     rows, us = [], {}
     rows.append(host_profile("DecoderLayer forward+backward", layer_step))
     rows.append(host_profile("coda.gemm_swiglu", calls["coda.gemm_swiglu"], grad=False))
-    # rounds, each timing every call in turn (medians): host time drifts within a run (a
-    # collection, the CPU's clock), and a same-run comparison must not depend on order
     with torch.no_grad():
-        us.update(_interleaved_us(calls, n=60))
-    us.update(_interleaved_us(steps, n=20))
+        us.update(_host_us(calls, n=60))
+    us.update(_host_us(steps, n=20))
     for name, v in us.items():
         grad = torch.enable_grad() if name in steps else torch.no_grad()
         with grad:

@@ -276,9 +276,11 @@ def run_epi_gemm(
     ``replay=False`` always takes quack's frontend (the benchmarks' "quack raw" baseline).
     ``a_scale`` = (kind, strip, tile_k): A enters as quack's transform bundle and the mainloop
     scales it (``scale_a_mod``); such calls always take quack's frontend (no replay).
-    ``clipped`` = {name: full shape} of tile stores given a narrower buffer: the frontend,
-    which checks every output's full shape, plans with empty stand-ins of that shape, and the
-    plan launches with the narrow buffers (the compiled TMA store clips at their bound)."""
+    ``clipped``: None, or a callable giving {name: full shape} of the tile stores given a
+    narrower buffer, called only where a plan is built (a replay never needs it): the
+    frontend, which checks every output's full shape, plans with empty stand-ins of that
+    shape, and the plan launches with the narrow buffers (the compiled TMA store clips at
+    their bound)."""
     transform = {}
     if a_scale is not None:
         kind, strip, tile_k = a_scale
@@ -312,6 +314,7 @@ def run_epi_gemm(
             if tape is not None:
                 tape.keep(mod, config, plan)
             return plan
+    clipped = clipped() if clipped is not None else None
     if clipped:
         assert replay and a_scale is None, "a clipped store launches through a plan"
         stand_ins = {n: epi_args[n].new_empty(shape) for n, shape in clipped.items()}

@@ -426,6 +426,15 @@ class LMHeadLoss(nn.Module):
         """The LM head as the (d, vocab) matrix of logits = y @ w_lm: a view of ``weight``."""
         return self.weight.t()
 
+    def __setattr__(self, name, value):
+        # nn.Module registers an assigned Parameter under its name before any property
+        # setter runs: ``head.w_lm = p`` would add a parameter the loss never reads
+        if name == "w_lm":
+            raise AttributeError(
+                "LMHeadLoss.w_lm is the (d, vocab) view of weight (vocab, d): assign weight"
+            )
+        super().__setattr__(name, value)
+
     def forward(self, x: torch.Tensor, target: torch.Tensor, reduction: str = "mean"):
         """x (batch, seq, d) or (tokens, d), target (batch, seq) or (tokens,) int64/int32 in
         [0, vocab) or ``ignore_index`` -> the loss (fp32). reduction: "mean" (NaN when every
@@ -582,9 +591,13 @@ class CausalLM(nn.Module):
             for _ in range(n_layers)
         )
         self.head = LMHeadLoss(d, vocab, eps, method=method, **kw)
-        self.tie_embeddings = bool(tie_embeddings)
-        if self.tie_embeddings:
+        if tie_embeddings:
             self.head.weight = self.embed.weight
+
+    @property
+    def tie_embeddings(self) -> bool:
+        """Whether the LM head's weight is the embedding's (one parameter)."""
+        return self.head.weight is self.embed.weight
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
         """tokens, targets (batch, seq) -> the loss (fp32)."""

@@ -412,3 +412,13 @@ def test_causal_lm_tied_embeddings(backend, monkeypatch):
     sd["lm_head.weight"] = torch.zeros(128, 32, dtype=F64)
     with pytest.raises(coda.CodaInputError, match="lm_head.weight: a tied model"):
         cnn.CausalLM(**kw, tie_embeddings=True).load_hf_state_dict(sd)
+
+
+def test_lm_head_loss_weight_view_is_not_assignable():
+    """``w_lm`` is a view of ``weight``: assigning it (which nn.Module would otherwise
+    register as a second, unused parameter) raises, naming the parameter to assign."""
+    head = cnn.LMHeadLoss(16, 32, dtype=F64)
+    with pytest.raises(AttributeError, match="assign weight"):
+        head.w_lm = torch.nn.Parameter(torch.zeros(16, 32, dtype=F64))
+    assert [n for n, _ in head.named_parameters()] == ["gf", "weight"]
+    assert head.w_lm.shape == (16, 32) and head.w_lm.data_ptr() == head.weight.data_ptr()

@@ -43,7 +43,12 @@ def launch(
         return _interpret_into(program, x, w, config, d, c, operands, outputs or {}, add_to_output)
     args = epi_args(program, operands, outputs or {})
     a_scale = (xf.kind, operands[xf.name], xf.tile_k) if xf is not None else None
-    clipped = _clipped_stores(program, outputs or {}, x.shape[0], w.shape[1])
+    # which stores are narrower than the tile grid matters only where a plan is built
+    clipped = (
+        functools.partial(_clipped_stores, program, outputs or {}, x.shape[0], w.shape[1])
+        if program.stores
+        else None
+    )
     if dry:
         return _quack.compile_only(
             lower(program), x, w, d, c, args, config, add_to_output, a_scale, clipped
