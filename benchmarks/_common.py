@@ -461,6 +461,21 @@ def without_row_kernels(fn):
     return run
 
 
+def without_direct_triton(fn):
+    """``fn`` with every coda Triton kernel launched through Triton's own call
+    (``coda.kernels._triton.FAST_LAUNCH`` off), as before session 16; timed beside."""
+    from coda.kernels import _triton
+
+    def run():
+        _triton.FAST_LAUNCH = False
+        try:
+            return fn()
+        finally:
+            _triton.FAST_LAUNCH = True
+
+    return run
+
+
 def without_plan_tapes(fn):
     """``fn`` with the public ops' plan tapes (``coda.ops.PLAN_TAPES``) switched off: every
     launch looks its plan up by key, as before session 15; timed beside the current path."""

@@ -1,9 +1,17 @@
-"""What coda's hand-written Triton kernels (``row_passes``, ``target_terms``) share: where they
-run, their jit wrapper, their accumulator type, and their compile for sm_90 without a GPU.
+"""What coda's hand-written Triton kernels (``norm_rows``, ``row_passes``, ``target_terms``,
+``final_norm_rows``) share: where they run, their launcher, their accumulator type, and their
+compile for sm_90 without a GPU.
 
 They run on CUDA tensors, and on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``
 set before triton is imported: how CI tests them); elsewhere their callers take the torch
 form of the same pass.
+
+Launching: Triton's ``kernel[grid](...)`` binds and specializes every argument and looks its
+compiled kernel up on each call, tens of microseconds of host time per launch (a layer step
+makes five, benchmarks/NOTES.md session 16). ``Kernel`` keeps the compiled kernel that call
+returns under a key that determines everything Triton specializes on (each tensor's dtype,
+device and 16-byte alignment; every other argument's exact value; the options), and later
+calls with that key launch it directly.
 """
 
 from __future__ import annotations
@@ -28,11 +36,60 @@ def on_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreted()
 
 
+FAST_LAUNCH = True  # False: every launch through Triton's own call (the same-run A/B)
+MAX_COMPILED = 1024  # keys kept per kernel; emptied when full (many distinct shapes)
+
+
+def _spec(a):
+    """What of argument ``a`` the compiled kernel may depend on: a tensor's dtype, device and
+    whether its address is 16-byte aligned (Triton's divisibility); any other value itself
+    (Triton specializes integers on == 1 and divisibility by 16, and types them by range: the
+    value determines all of it)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.device, a.data_ptr() % 16 == 0)
+    return (type(a), a)
+
+
+class Kernel:
+    """A Triton kernel (``fn`` under ``triton.jit``) whose launches after the first of each
+    specialization key (``_spec`` of every argument, and the launch options) go straight to
+    the compiled kernel Triton returned for that first launch: ``Kernel(fn)[grid](*args,
+    **constexprs_and_options)``, as with ``triton.jit``. Arguments are positional, then the
+    remaining parameters by name (the constexprs) and ``num_warps``."""
+
+    def __init__(self, fn):
+        self.jit = triton.jit(fn)
+        self.params = tuple(inspect.signature(fn).parameters)
+        self.compiled: dict = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **named: self.launch(grid, args, named)
+
+    def launch(self, grid, args, named):
+        if not FAST_LAUNCH or interpreted():
+            return self.jit[grid](*args, **named)
+        try:
+            key = (*map(_spec, args), *map(_spec, named.values()), *named)
+            hit = self.compiled.get(key)
+        except TypeError:  # an unhashable argument: Triton's own call
+            return self.jit[grid](*args, **named)
+        if hit is not None:
+            compiled, tail = hit
+            return compiled[grid](*args, *(named[p] for p in tail))
+        compiled = self.jit[grid](*args, **named)
+        tail = self.params[len(args) :]
+        if callable(getattr(compiled, "__getitem__", None)) and set(tail) <= set(named):
+            if len(self.compiled) >= MAX_COMPILED:
+                self.compiled.clear()
+            self.compiled[key] = (compiled, tail)
+        return compiled
+
+
 @functools.cache
-def kernel(fn):
+def kernel(fn) -> Kernel:
     """``fn`` (a plain function written in ``triton.language``) as a Triton kernel: compiled
     for the GPU, or interpreted, by the mode triton was imported in."""
-    return triton.jit(fn)
+    return Kernel(fn)
 
 
 def acc_type(t: torch.Tensor):

@@ -1,0 +1,180 @@
+"""coda's Triton launcher (``coda.kernels._triton.Kernel``): the first launch of each
+specialization key goes through Triton's own call and keeps the compiled kernel it returns;
+later launches with that key go to it directly, with the arguments in the kernel's parameter
+order; anything that can change what Triton compiles (a tensor's dtype, device or 16-byte
+alignment, any other argument's value, a launch option) is a new key. Triton itself is
+replaced by recorders here (what is tested is coda's keying, on the CPU); on the H200,
+``tests/test_row_passes.py``'s gpu test compares the direct launches with Triton's own."""
+
+import pytest
+import torch
+
+from coda.kernels import _triton
+
+
+def _fn(x, y, n, eps, BM, ACC):  # the parameters of a kernel, in order
+    pass
+
+
+class FakeCompiled:
+    def __init__(self, log, tag):
+        self.log, self.tag = log, tag
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("direct", self.tag, grid, args))
+
+
+class FakeJit:
+    def __init__(self, log):
+        self.log, self.compiles = log, 0
+
+    def __getitem__(self, grid):
+        def run(*args, **named):
+            self.compiles += 1
+            self.log.append(("jit", grid, args, tuple(sorted(named.items()))))
+            return FakeCompiled(self.log, self.compiles)
+
+        return run
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    monkeypatch.setattr(_triton, "interpreted", lambda: False)
+    k = _triton.Kernel(_fn)
+    log = []
+    k.jit = FakeJit(log)
+    return k, log
+
+
+def _call(k, x, y, n=64, eps=1e-5, grid=(4,), **named):
+    named = {"BM": 16, "ACC": "fp32", "num_warps": 4, **named}
+    k[grid](x, y, n, eps, **named)
+
+
+def test_the_second_launch_of_a_key_goes_to_the_compiled_kernel(launcher):
+    k, log = launcher
+    x, y = torch.zeros(64), torch.zeros(64)
+    _call(k, x, y)
+    _call(k, x, y, grid=(8,))
+    assert [e[0] for e in log] == ["jit", "direct"]
+    kind, tag, grid, args = log[1]
+    assert tag == 1 and grid == (8,)
+    assert args == (x, y, 64, 1e-5, 16, "fp32")  # positional, then the constexprs in order
+
+
+def test_any_specialization_change_goes_through_triton(launcher):
+    k, log = launcher
+    x, y = torch.zeros(64), torch.zeros(64)
+    _call(k, x, y)
+    _call(k, x, y, n=65)  # an integer's value
+    _call(k, x, y, eps=1e-6)  # a float's
+    _call(k, x.double(), y)  # a dtype
+    _call(k, x[1:], y)  # 4 bytes off: no longer 16-byte aligned
+    _call(k, x, y, BM=32)  # a constexpr
+    _call(k, x, y, num_warps=8)  # a launch option
+    assert [e[0] for e in log] == ["jit"] * 7
+    for n, eps, xx, bm, w in ((65, 1e-5, x, 16, 4), (64, 1e-6, x, 16, 4), (64, 1e-5, x, 16, 8)):
+        _call(k, xx, y, n=n, eps=eps, BM=bm, num_warps=w)
+    assert [e[0] for e in log[7:]] == ["direct"] * 3
+    assert [e[1] for e in log[7:]] == [2, 3, 7]  # each its own compiled kernel
+
+
+def test_true_is_not_one(launcher):
+    k, log = launcher
+    x, y = torch.zeros(64), torch.zeros(64)
+    _call(k, x, y, BM=1)
+    _call(k, x, y, BM=True)
+    assert [e[0] for e in log] == ["jit", "jit"]
+
+
+def test_switched_off_and_unhashable_arguments_go_through_triton(launcher, monkeypatch):
+    k, log = launcher
+    x, y = torch.zeros(64), torch.zeros(64)
+    _call(k, x, y, ACC=[1])  # unhashable
+    _call(k, x, y, ACC=[1])
+    monkeypatch.setattr(_triton, "FAST_LAUNCH", False)
+    _call(k, x, y)
+    _call(k, x, y)
+    assert [e[0] for e in log] == ["jit"] * 4
+
+
+def test_a_missing_parameter_is_never_cached(launcher):
+    k, log = launcher
+    x, y = torch.zeros(64), torch.zeros(64)
+    for _ in range(2):
+        k[(1,)](x, y, 64, 1e-5, BM=16, num_warps=4)  # ACC left to Triton (which would refuse)
+    assert [e[0] for e in log] == ["jit", "jit"]
+
+
+def test_the_cache_is_bounded(launcher, monkeypatch):
+    k, log = launcher
+    monkeypatch.setattr(_triton, "MAX_COMPILED", 2)
+    x, y = torch.zeros(64), torch.zeros(64)
+    for n in (16, 32, 48):
+        _call(k, x, y, n=n)
+    assert len(k.compiled) == 1  # emptied when full, then the newest kept
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_direct_launches_equal_tritons_own(monkeypatch):
+    """Every coda Triton kernel on the H200, launched by Triton's own call and then (its key
+    seen once) directly: the same bits, at an odd token count and with a 2-byte-misaligned
+    input (a key of its own, compiled without the alignment assumption)."""
+    from coda.kernels.final_norm_rows import final_norm_bwd_triton
+    from coda.kernels.norm_rows import CORR, RSTD, norm_rows_triton, row_stat_triton
+    from coda.kernels.row_passes import drope_heads_triton
+    from coda.kernels.target_terms import add_target_terms_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf, f32 = torch.bfloat16, torch.float32
+
+    def r(*s, dt=bf):
+        return torch.randn(*s, generator=g, device="cuda", dtype=dt)
+
+    M, d, V, B, S, H, Hkv, hd = 1001, 512, 4096, 1, 1001, 4, 2, 64
+    flat = r(M * d + 1)
+    x, x_off = flat[:-1].view(M, d), flat[1:].view(M, d)  # the second 2 bytes off
+    gamma, rstd = r(d), torch.rand(M, generator=g, device="cuda") + 0.5
+    parts = r(M, 7, dt=f32).abs()
+    heads = r(B, S, H + 2 * Hkv, hd).transpose(1, 2)
+    dq, dk, dv = heads[:, :H], heads[:, H : H + Hkv], heads[:, H + Hkv :]
+    qkv = r(M, (H + 2 * Hkv) * hd)
+    theta = r(M, hd // 2, dt=f32)
+    a, w = r(M, d), r(V, d).t()
+    target = torch.randint(0, V, (M,), generator=g, device="cuda")
+    target[::7] = -100
+    coef = r(M, dt=f32) * (target >= 0)
+    G0, D0, S0, up = r(M, d, dt=f32), r(V, d, dt=f32), r(M, dt=f32), r((), dt=f32)
+
+    def every_kernel():
+        G, D = G0.clone(), D0.clone()
+        add_target_terms_triton(G, D, a, target, coef, w)
+        return [
+            *norm_rows_triton(x, gamma, 1e-5, True),
+            *norm_rows_triton(x_off, gamma, 1e-5, False),
+            row_stat_triton(parts, None, d, 1e-5, RSTD),
+            row_stat_triton(parts, rstd, d, 1e-5, CORR),
+            *drope_heads_triton(dq, dk, dv, qkv, rstd, theta.cos(), theta.sin(), H + Hkv, hd, d),
+            G,
+            D,
+            *final_norm_bwd_triton(G0, S0, x, gamma, rstd, up),
+        ]
+
+    monkeypatch.setattr(_triton, "FAST_LAUNCH", False)
+    own = every_kernel()
+    monkeypatch.setattr(_triton, "FAST_LAUNCH", True)
+    every_kernel()  # keys seen (Triton's call)
+    hits = []
+    real_launch = _triton.Kernel.launch
+
+    def counting(self, grid, args, named):
+        key = (*map(_triton._spec, args), *map(_triton._spec, named.values()), *named)
+        hits.append(key in self.compiled)
+        return real_launch(self, grid, args, named)
+
+    monkeypatch.setattr(_triton.Kernel, "launch", counting)
+    direct = every_kernel()
+    assert hits and all(hits), hits  # every launch went to its compiled kernel
+    for i, (o, t) in enumerate(zip(own, direct)):
+        assert o.dtype == t.dtype and torch.equal(o, t), i
