@@ -21,6 +21,7 @@ class FakeCompiled:
         self.log, self.tag = log, tag
 
     def __getitem__(self, grid):
+        assert len(grid) == 3, grid  # as Triton's CompiledKernel indexes it
         return lambda *args: self.log.append(("direct", self.tag, grid, args))
 
 
@@ -58,7 +59,7 @@ def test_the_second_launch_of_a_key_goes_to_the_compiled_kernel(launcher):
     _call(k, x, y, grid=(8,))
     assert [e[0] for e in log] == ["jit", "direct"]
     kind, tag, grid, args = log[1]
-    assert tag == 1 and grid == (8,)
+    assert tag == 1 and grid == (8, 1, 1)
     assert args == (x, y, 64, 1e-5, 16, "fp32")  # positional, then the constexprs in order
 
 
