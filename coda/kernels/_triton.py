@@ -36,6 +36,18 @@ def on_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreted()
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of non-negative ints. Host-side launch arithmetic uses these, not
+    ``triton.cdiv`` / ``triton.next_power_of_2``: in recent Triton those are constexpr functions
+    whose every call unwraps its arguments, microseconds each on the host (session 16)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 FAST_LAUNCH = True  # False: every launch through Triton's own call (the same-run A/B)
 MAX_COMPILED = 1024  # keys kept per kernel; emptied when full (many distinct shapes)
 

@@ -18,11 +18,10 @@ atomics: deterministic). g stays on the device (no host sync).
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from coda.kernels._launch import acc_dtype, fused
-from coda.kernels._triton import acc_type, compile_sm90, kernel, on_triton
+from coda.kernels._triton import acc_type, cdiv, compile_sm90, kernel, on_triton
 from coda.kernels.linear_cross_entropy_bwd import (
     final_norm_bwd_normed,
     final_norm_bwd_normed_scaled,
@@ -67,10 +66,10 @@ def final_norm_bwd_triton(G, S, h, gamma, rstd, g):
     assert G.stride(1) == 1 and h.stride(1) == 1, (G.stride(), h.stride())
     assert all(t.is_contiguous() for t in (gamma, rstd, S)), "per-row / per-column tables"
     dh = torch.empty_strided((M, d), (h.stride(0), 1), dtype=h.dtype, device=h.device)
-    blocks = triton.cdiv(M, BM)
+    blocks = cdiv(M, BM)
     part = torch.empty(blocks, d, dtype=acc_dtype(G), device=G.device)
     if M:
-        kernel(_final_norm_bwd_kernel)[(blocks, triton.cdiv(d, BD))](
+        kernel(_final_norm_bwd_kernel)[(blocks, cdiv(d, BD))](
             G, h, gamma, rstd, S, g, dh, part, M, d, G.stride(0), h.stride(0),
             BM=BM, BD=BD, ACC=acc_type(G), num_warps=8,
         )  # fmt: skip

@@ -23,11 +23,10 @@ CPU).
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from coda.kernels._launch import acc_dtype, fused
-from coda.kernels._triton import acc_type, compile_sm90, kernel, on_triton
+from coda.kernels._triton import acc_type, cdiv, compile_sm90, kernel, next_power_of_2, on_triton
 from coda.primitives.aux import norm_correction, rstd_from_sumsq
 
 MAX_ROW = 16384  # widest row one program holds in registers; wider rows take the torch form
@@ -105,7 +104,7 @@ def _row_stat_kernel(
 
 def _rows_launch(d: int) -> tuple[int, int]:
     """(rows per program, warps) for rows of ``d`` entries: ~4k values per program."""
-    bd = triton.next_power_of_2(max(d, 16))
+    bd = next_power_of_2(max(d, 16))
     return max(1, min(16, 4096 // bd)), 4 if bd <= 2048 else 8 if bd <= 8192 else 16
 
 
@@ -118,9 +117,9 @@ def norm_rows_triton(x, gamma, eps: float, scaled: bool):
     r = torch.empty(M, dtype=acc_dtype(x), device=x.device)
     if M:
         bm, warps = _rows_launch(d)
-        kernel(_norm_rows_kernel)[(triton.cdiv(M, bm),)](
+        kernel(_norm_rows_kernel)[(cdiv(M, bm),)](
             x, gamma, out, r, M, d, x.stride(0), d, eps,
-            SCALED=scaled, BM=bm, BD=triton.next_power_of_2(d), ACC=acc_type(x), num_warps=warps,
+            SCALED=scaled, BM=bm, BD=next_power_of_2(d), ACC=acc_type(x), num_warps=warps,
         )  # fmt: skip
     return out, r
 
@@ -133,9 +132,9 @@ def row_stat_triton(partials, rstd, d: int, eps: float, mode: int):
     out = torch.empty(M, dtype=partials.dtype, device=partials.device)
     if M:
         bm = 128
-        kernel(_row_stat_kernel)[(triton.cdiv(M, bm),)](
+        kernel(_row_stat_kernel)[(cdiv(M, bm),)](
             partials, partials if rstd is None else rstd, out, M, T, partials.stride(0), d, eps,
-            MODE=mode, BM=bm, BT=min(64, triton.next_power_of_2(max(T, 1))),
+            MODE=mode, BM=bm, BT=min(64, next_power_of_2(max(T, 1))),
             ACC=acc_type(partials), num_warps=4,
         )  # fmt: skip
     return out
@@ -187,7 +186,7 @@ def compile_norm_rows(d: int, arch: int = 90) -> list[int]:
         compile_sm90(
             _norm_rows_kernel,
             pointers,
-            {"SCALED": s, "BM": bm, "BD": triton.next_power_of_2(d), "ACC": tl.float32},
+            {"SCALED": s, "BM": bm, "BD": next_power_of_2(d), "ACC": tl.float32},
             warps,
             arch,
         )

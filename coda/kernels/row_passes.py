@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from coda.kernels._launch import acc_dtype
-from coda.kernels._triton import acc_type, compile_sm90, kernel, on_triton
+from coda.kernels._triton import acc_type, cdiv, compile_sm90, kernel, next_power_of_2, on_triton
 from coda.kernels.drope import drope_heads
 from coda.kernels.norm_rows import CORR_SCALED, row_stat
 from coda.kernels.qk_norm import dqk_norm_rope_heads_split_z
@@ -159,7 +159,7 @@ def _dqk_norm_kernel(
 
 def _warps(head_dim: int) -> int:
     """Default warps per program: 16 fp32 values of each (BLOCK_ROWS x hd/2) tile per thread."""
-    return max(4, BLOCK_ROWS * triton.next_power_of_2(head_dim) // 2 // 16 // 32)
+    return max(4, BLOCK_ROWS * next_power_of_2(head_dim) // 2 // 16 // 32)
 
 
 def launch_shape(name: str, head_dim: int, shape=None) -> tuple[int, int]:
@@ -198,10 +198,10 @@ def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d
     out = torch.empty_like(qkv)
     s_part = torch.empty(M, n_q + 2 * n_k, dtype=acc_dtype(qkv), device=qkv.device)
     bm, warps = launch_shape("drope", hd, shape)
-    grid = (n_q + 2 * n_k, triton.cdiv(M, bm))
+    grid = (n_q + 2 * n_k, cdiv(M, bm))
     kernel(_drope_kernel)[grid](
         dq, dk, dv, qkv, rstd, cos, sin, out, s_part, M, S, n_q, n_k, *strides,
-        HD=hd, HP=triton.next_power_of_2(hd), BM=bm, ACC=acc_type(qkv), num_warps=warps,
+        HD=hd, HP=next_power_of_2(hd), BM=bm, ACC=acc_type(qkv), num_warps=warps,
     )  # fmt: skip
     return out, _row_statistic(s_part, rstd, d)
 
@@ -234,12 +234,12 @@ def dqk_norm_rope_heads_triton(
     out = torch.empty(M, n_heads * hd, dtype=z_even.dtype, device=z_even.device)
     s_part = torch.empty(M, n_heads, dtype=acc, device=out.device)
     bm, warps = launch_shape("dqk_norm", hd, shape)
-    blocks = triton.cdiv(M, bm)
+    blocks = cdiv(M, bm)
     dw_part = torch.empty(blocks, n_q + n_k, hd, dtype=acc, device=out.device)
     kernel(_dqk_norm_kernel)[(n_heads, blocks)](
         dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, out, s_part,
         dw_part, M, S, n_q, n_k, z_row, z_col, z_v.stride(0), s.stride(0), *strides,
-        HD=hd, HP=triton.next_power_of_2(hd), BM=bm, ACC=acc_type(z_even), num_warps=warps,
+        HD=hd, HP=next_power_of_2(hd), BM=bm, ACC=acc_type(z_even), num_warps=warps,
     )  # fmt: skip
     dw = dw_part.sum(0)
     return out, _row_statistic(s_part, rstd, d), dw[:n_q].sum(0), dw[n_q:].sum(0)
@@ -277,7 +277,7 @@ def compile_row_passes(head_dim: int, arch: int = 90, shape=None) -> list[int]:
     sizes = []
     for name, fn in (("drope", _drope_kernel), ("dqk_norm", _dqk_norm_kernel)):
         bm, warps = launch_shape(name, head_dim, shape)
-        hp = triton.next_power_of_2(head_dim)
+        hp = next_power_of_2(head_dim)
         consts = {"HD": head_dim, "HP": hp, "BM": bm, "ACC": tl.float32}
         sizes.append(compile_sm90(fn, POINTERS, consts, warps, arch))
     return sizes

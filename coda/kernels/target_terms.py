@@ -26,10 +26,9 @@ H200 (run 19), and the gather three launches. Here:
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from coda.kernels._triton import acc_type, compile_sm90, kernel
+from coda.kernels._triton import acc_type, cdiv, compile_sm90, kernel
 
 ROWS, COLS = 32, 256  # the gather's tile
 CH, BD = 16, 512  # the scatter: sorted rows per program, columns per program
@@ -89,12 +88,12 @@ def add_target_terms_triton(G, dw_t, a, target, coef, w_lm):
     keys = torch.where((target >= 0) & (target < V), target, V).to(torch.int32)
     keys, order = torch.sort(keys, stable=True)
     acc = acc_type(G)
-    grid = (triton.cdiv(M, ROWS), triton.cdiv(d, COLS))
+    grid = (cdiv(M, ROWS), cdiv(d, COLS))
     kernel(_gather_kernel)[grid](
         G, w_lm, keys, order, coef, M, V, d, G.stride(0), w_lm.stride(0), w_lm.stride(1),
         BM=ROWS, BD=COLS, ACC=acc,
     )  # fmt: skip
-    grid = (triton.cdiv(M, CH), triton.cdiv(d, BD))
+    grid = (cdiv(M, CH), cdiv(d, BD))
     kernel(_scatter_kernel)[grid](
         dw_t, a, keys, order, coef, M, V, d, dw_t.stride(0), a.stride(0),
         CH=CH, BD=BD, ACC=acc,
