@@ -177,6 +177,8 @@ def test_hf_layout_lm_head_weight_under_autocast_gets_the_fp32_accumulator(metho
     """An HF ``lm_head.weight`` (V, d) in fp32, passed as its (d, V) view (what
     ``apply_coda`` does): its gradient under autocast is the fp32 accumulator, in the (V, d)
     layout, and rounds to the bf16 copy's exactly."""
+    from coda.nn.head import _kernel_lm_head_loss
+
     torch.manual_seed(4)
     d, V, M = 64, 256, 12
     w32 = torch.nn.Parameter(torch.randn(V, d) * 0.05)
@@ -186,7 +188,7 @@ def test_hf_layout_lm_head_weight_under_autocast_gets_the_fp32_accumulator(metho
     t = torch.randint(0, V, (M,))
 
     def loss(x, w, g):
-        return cnn._kernel_lm_head_loss(x, g, w.t(), t, 1e-5, -100, "mean", 16384, method, 0, 0)
+        return _kernel_lm_head_loss(x, g, w.t(), t, 1e-5, -100, "mean", 16384, method, 0, 0)
 
     with torch.autocast("cpu", dtype=BF16):
         la = loss(x, w32, g32)

@@ -506,7 +506,7 @@ def test_fuzz_kernel_path_bf16_layouts():
     those rules): the LM head with a (d, V)-contiguous weight or a (V, d) weight's view (HF's,
     and ``LMHeadLoss``'s own), every method, and the DecoderLayer; each within bf16 distance
     of the float64 canonical math."""
-    from coda.nn import _kernel_lm_head_loss
+    from coda.nn.head import _kernel_lm_head_loss
 
     for case in range(BF16_CASES):
         rng, g = random.Random(30_000 + case), torch.Generator().manual_seed(case)

@@ -288,7 +288,7 @@ def test_lm_head_hf_weight_layout_kernel_path_float64(method):
     """The functional LM head with an HF ``lm_head.weight`` (V, d) passed as its (d, V) view (what
     ``apply_coda`` does): the kernel sequence equals the reference, the weight's gradient lands in
     its own (V, d) layout, and the upstream gradient is any number."""
-    from coda.nn import _kernel_lm_head_loss, lm_head_loss
+    from coda.nn.head import _kernel_lm_head_loss, lm_head_loss
 
     torch.manual_seed(3)
     M, d, V = 37, 24, 256
@@ -320,7 +320,7 @@ def test_lm_head_hf_weight_layout_kernel_path_bf16(method):
     """The same in bf16, where the interpreter enforces the TMA's layout rules: every GEMM of
     every method accepts the HF weight's column-major view (CE-C's dW GEMM used to be handed a
     column-major output, which the TMA cannot store), and lands near the reference."""
-    from coda.nn import _kernel_lm_head_loss, lm_head_loss
+    from coda.nn.head import _kernel_lm_head_loss, lm_head_loss
 
     torch.manual_seed(4)
     M, d, V = 37, 64, 256

@@ -1,0 +1,23 @@
+"""nn.Modules for training: a Llama decoder layer, the final norm + LM head + loss, and a
+causal LM built from them.
+
+``DecoderLayer`` (``coda.nn.layer``): pre-norm RMSNorm, GQA causal attention (torch SDPA /
+flash) with RoPE, SwiGLU MLP, residuals. ``LMHeadLoss`` and ``lm_head_loss``
+(``coda.nn.head``): final RMSNorm, LM head and cross-entropy, logits never stored on the
+kernel path. ``CausalLM`` (``coda.nn.model``): embedding, layers, head. On an SM90 GPU with
+bf16 tensors they run ``coda.autograd``'s kernel sequences; elsewhere the same math through
+the differentiable pure-torch reference (``coda.env`` reports the choice).
+
+Parameter layout (documented departure from HF): a layer's weights are (in, out) matrices in
+coda's paired layouts, the ones the epilogues need: ``w_qkv`` = [q | k | v] with q and k in
+adjacent-pair order, ``w_il`` = gate/up interleaved. Both are permutations of HF's weights,
+so training in this layout is exactly training the HF model (elementwise optimizers are
+unaffected; KERNELS.md [I3.3]). ``load_hf_state_dict`` / ``hf_state_dict`` convert exactly,
+with HF's key names. The LM head's weight is (vocab, d), as HF's.
+"""
+
+from coda.nn.head import LMHeadLoss, lm_head_loss
+from coda.nn.layer import DecoderLayer
+from coda.nn.model import CausalLM
+
+__all__ = ["CausalLM", "DecoderLayer", "LMHeadLoss", "lm_head_loss"]

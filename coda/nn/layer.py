@@ -1,0 +1,339 @@
+"""``DecoderLayer``: a Llama (or Qwen3, with QK-norm) decoder layer whose kernel path is
+``coda.autograd.decoder_layer``'s fused sequence: pre-norm RMSNorm, GQA causal attention
+(SDPA by default, any attention callable) with RoPE, SwiGLU MLP, residuals. Weights in coda's
+paired layouts (``coda.nn``'s docstring); HF state dicts convert exactly."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from coda import _validate as v
+from coda import layouts
+from coda.autograd import (
+    LayerDims,
+    decoder_layer,
+)
+from coda.env import (
+    BACKENDS,
+    autocast_off,
+    capturing,
+    compute_dtype,
+    resolve_backend,
+)
+from coda.kernels.gemm_rope import default_positions, position_rows, shared_freq_table
+from coda.nn._common import in_dtype, tma_rule
+from coda.reference.layer import LayerShape, decoder_layer_ref
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama decoder layer. ``attention``: a callable (q, k, v) -> o on
+    (batch, heads, seq, head_dim) tensors (k, v with n_kv_heads heads; causal), used by both
+    paths in place of the default causal GQA SDPA (e.g. a flash-attention or HF attention
+    function); it is differentiated by autograd. ``qk_norm``: Qwen3's per-head RMSNorm of q
+    and k before RoPE (weights ``q_norm``, ``k_norm`` of head_dim, eps = ``eps``)."""
+
+    def __init__(
+        self,
+        d: int,
+        n_heads: int,
+        n_kv_heads: int,
+        ffn: int,
+        head_dim: int = None,
+        eps: float = 1e-5,
+        rope_base: float = 10000.0,
+        device=None,
+        dtype=torch.bfloat16,
+        backend: str = "auto",
+        attention=None,
+        inv_freq=None,
+        qk_norm: bool = False,
+    ):
+        super().__init__()
+        hd = v.check_heads(d, n_heads, n_kv_heads, head_dim)
+        if inv_freq is None:
+            inv_freq = rope_base ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        v.check_tensor("inv_freq", inv_freq)
+        if inv_freq.shape != (hd // 2,):
+            raise v.CodaInputError(
+                f"inv_freq: expected shape (head_dim / 2,) = ({hd // 2},), got "
+                f"{tuple(inv_freq.shape)}"
+            )
+        # RoPE's inverse frequencies (plain attributes, not buffers: ``.to(dtype)`` must not
+        # round them); the kernel's float-float table is derived once per device
+        self._inv_freq = inv_freq.detach().to("cpu", torch.float64)
+        self._rope_tables = {}
+        if attention is not None and not callable(attention):
+            raise v.CodaInputError(
+                f"attention: must be a callable (q, k, v) -> o, got {attention!r}"
+            )
+        self.attention = attention
+        v.check_positive_int("ffn", ffn)
+        v.check_eps(eps)
+        if not rope_base > 0:
+            raise v.CodaInputError(f"rope_base: must be positive, got {rope_base!r}")
+        v.check_choice("backend", backend, BACKENDS)
+        self._kernel_rule = tma_rule(
+            d=d,
+            ffn=ffn,
+            **{
+                "n_heads * head_dim": n_heads * hd,
+                "(n_heads + 2 n_kv_heads) head_dim": (n_heads + 2 * n_kv_heads) * hd,
+            },
+        )
+        self.d, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn = (
+            d,
+            n_heads,
+            n_kv_heads,
+            hd,
+            ffn,
+        )
+        self.eps, self.rope_base, self.backend = eps, rope_base, backend
+        nqkv = (n_heads + 2 * n_kv_heads) * hd
+        kw = {"device": device, "dtype": dtype}
+        self.g1 = nn.Parameter(torch.ones(d, **kw))
+        self.w_qkv = nn.Parameter(torch.empty(d, nqkv, **kw))
+        self.w_o = nn.Parameter(torch.empty(n_heads * hd, d, **kw))
+        self.g2 = nn.Parameter(torch.ones(d, **kw))
+        self.w_il = nn.Parameter(torch.empty(d, 2 * ffn, **kw))
+        self.w_d = nn.Parameter(torch.empty(ffn, d, **kw))
+        # Qwen3's per-head QK-norm weights (hd,), in the adjacent-pair order of w_qkv's heads
+        self.q_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
+        self.reset_parameters()
+        self._build_rope_tables()
+
+    def _build_rope_tables(self):
+        """The RoPE tables for the device the layer's weights are on, built when the layer is
+        made or moved (``_apply``), so that a call never fills them: a table cached inside a
+        torch.compile trace would change what the trace's guards saw, and recompile the next
+        call. A call on another device still builds its own on first use."""
+        self._rope_tables.clear()
+        device = self.g1.device
+        self._on_device("inv_freq", device, lambda d: self._inv_freq.to(d))
+        self._freq_table(device)
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .double(), ...: tables follow
+        out = super()._apply(fn, recurse)
+        self._build_rope_tables()
+        return out
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether the layer has Qwen3's QK-norm (its q_norm / k_norm weights)."""
+        return self.q_norm is not None
+
+    def reset_parameters(self, std: float = 0.02):
+        for w in (self.w_qkv, self.w_o, self.w_il, self.w_d):
+            nn.init.normal_(w, std=std)
+        for g in (self.g1, self.g2, self.q_norm, self.k_norm):
+            if g is not None:
+                nn.init.ones_(g)
+
+    def _shape(self, batch, seq) -> LayerShape:
+        return LayerShape(
+            batch,
+            seq,
+            self.d,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.ffn,
+            1,
+            self.eps,
+            self.rope_base,
+        )
+
+    def forward(
+        self, x: torch.Tensor, positions=None, rope_cos_sin=None, attention=None
+    ) -> torch.Tensor:
+        """x (batch, seq, d) -> (batch, seq, d).
+
+        ``positions`` (batch, seq) integer token positions (packed sequences restart them per
+        document); default 0..seq-1 in every sequence. ``rope_cos_sin``: HF's (cos, sin)
+        tables (batch, seq, head_dim), used as given by the reference path (so a patched HF
+        model computes exactly its own RoPE); the kernel path forms the same angles in its
+        epilogue from positions and the layer's inverse frequencies. ``attention`` overrides
+        the layer's attention callable for this call (HF's, with its mask and cache)."""
+        attention = attention or self.attention
+        v.check_activation("DecoderLayer", x, self.d, self.w_qkv)
+        B, S, d = x.shape
+        pos = self._positions(positions, B, S, x.device)
+        if resolve_backend("DecoderLayer", self.backend, x.device, compute_dtype(x)) == "kernel":
+            if self._kernel_rule:
+                raise v.CodaInputError(f"DecoderLayer (kernel path): {self._kernel_rule}")
+            return self._kernel_forward(x, pos, attention)
+        w = {
+            "g1": self.g1,
+            "wqkv": self.w_qkv,
+            "wo": self.w_o,
+            "g2": self.g2,
+            "w_il": self.w_il,
+            "wd": self.w_d,
+        }
+        if self.qk_norm:
+            w["q_norm"], w["k_norm"] = self.q_norm, self.k_norm
+        if rope_cos_sin is not None:  # HF's halves -> coda's adjacent (cos, sin) pairs
+            half = self.head_dim // 2
+            cos, sin = (t.expand(B, S, -1).reshape(B * S, -1)[:, :half] for t in rope_cos_sin)
+            cs = torch.stack([cos, sin], dim=-1).flatten(1)
+        else:
+            inv = self._on_device("inv_freq", pos.device, lambda d: self._inv_freq.to(d))
+            ang = pos.to(torch.float64)[:, None] * inv[None, :]
+            cs = torch.stack([ang.cos(), ang.sin()], dim=-1).flatten(1)
+        out = decoder_layer_ref(x.reshape(B * S, d), w, self._shape(B, S), None, attention, cs)
+        return out.view(B, S, d)
+
+    def _positions(self, positions, B, S, device):
+        if positions is None:
+            return default_positions(B, S, device)
+        v.check_tensor("positions", positions)
+        n = positions.numel()
+        if positions.is_floating_point() or positions.shape[-1] != S or n not in (S, B * S):
+            raise v.CodaInputError(
+                f"positions: expected integer (batch, seq) = ({B}, {S}) or (seq,), got "
+                f"{positions.dtype} {tuple(positions.shape)}"
+            )
+        return position_rows(positions, B, device)
+
+    def _on_device(self, name, device, build):
+        """A RoPE table derived from the inverse frequencies, built once per device (a host to
+        device copy on every call would stall the stream)."""
+        key = (name, device)
+        if key not in self._rope_tables:
+            if capturing():  # built inside a CUDA graph capture: used there, never kept
+                return build(device)
+            self._rope_tables[key] = build(device)
+        return self._rope_tables[key]
+
+    def _freq_table(self, device):
+        """The RoPE epilogue's per-column frequency table (float-float turns)."""
+        heads = (self.n_heads + self.n_kv_heads, self.n_kv_heads)
+        return self._on_device(
+            "freq", device, lambda d: shared_freq_table(self._inv_freq, heads, d)
+        )
+
+    def _kernel_forward(self, x: torch.Tensor, positions=None, attention=None) -> torch.Tensor:
+        """The kernel sequence (``coda.autograd``). On an SM90 GPU its GEMMs are the SM90
+        kernels; with CPU tensors every epilogue program runs through the tile interpreter
+        (``coda.kernels._launch``), which is how CI tests this exact code path. Inside
+        ``torch.autocast`` (bf16) x and the parameters are cast to bf16 first (``compute_dtype``;
+        the casts are differentiable: fp32 parameters get fp32 gradients, as under autocast)."""
+        B, S, d = x.shape
+        pos = default_positions(B, S, x.device) if positions is None else positions
+        dims = LayerDims(
+            B, S, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.rope_base
+        )
+        dtype = compute_dtype(x)
+        x, g1, w_qkv, w_o, g2, w_il, w_d = in_dtype(
+            dtype, x, self.g1, self.w_qkv, self.w_o, self.g2, self.w_il, self.w_d
+        )
+        qk = in_dtype(dtype, self.q_norm, self.k_norm) if self.qk_norm else None
+        with autocast_off(x.device):
+            out = decoder_layer(
+                x.reshape(B * S, d).contiguous(),
+                g1,
+                w_qkv,
+                w_o,
+                g2,
+                w_il,
+                w_d,
+                pos,
+                dims,
+                attention or self.attention,
+                self._freq_table(x.device),
+                qk,
+            )
+        return out.view(B, S, d)
+
+    # -- Hugging Face weights ------------------------------------------------------------------
+    def hf_state_dict(self, prefix: str = "", grad: bool = False) -> dict:
+        """This layer's weights (or, with ``grad``, their gradients) as HF
+        ``LlamaDecoderLayer`` tensors (exact permutations)."""
+
+        def t(p):
+            return (p.grad if grad else p).detach()
+
+        q, k, v = layouts.qkv_weight_to_hf(
+            t(self.w_qkv),
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+        )
+        gate, up = layouts.gate_up_weight_to_hf(t(self.w_il))
+        p = prefix
+        return {
+            f"{p}input_layernorm.weight": t(self.g1).clone(),
+            f"{p}self_attn.q_proj.weight": q,
+            f"{p}self_attn.k_proj.weight": k,
+            f"{p}self_attn.v_proj.weight": v,
+            f"{p}self_attn.o_proj.weight": t(self.w_o).t().contiguous(),
+            f"{p}post_attention_layernorm.weight": t(self.g2).clone(),
+            f"{p}mlp.gate_proj.weight": gate,
+            f"{p}mlp.up_proj.weight": up,
+            f"{p}mlp.down_proj.weight": t(self.w_d).t().contiguous(),
+            **(
+                {
+                    f"{p}self_attn.q_norm.weight": layouts.head_weight_to_hf(t(self.q_norm)),
+                    f"{p}self_attn.k_norm.weight": layouts.head_weight_to_hf(t(self.k_norm)),
+                }
+                if self.qk_norm
+                else {}
+            ),
+        }
+
+    def hf_shapes(self, prefix: str = "") -> dict:
+        """{HF key: shape} of this layer's weights in a ``LlamaDecoderLayer`` state dict."""
+        d, f = self.d, self.ffn
+        nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        shapes = {
+            "input_layernorm.weight": (d,),
+            "self_attn.q_proj.weight": (nq, d),
+            "self_attn.k_proj.weight": (nkv, d),
+            "self_attn.v_proj.weight": (nkv, d),
+            "self_attn.o_proj.weight": (d, nq),
+            "post_attention_layernorm.weight": (d,),
+            "mlp.gate_proj.weight": (f, d),
+            "mlp.up_proj.weight": (f, d),
+            "mlp.down_proj.weight": (d, f),
+        }
+        if self.qk_norm:
+            shapes["self_attn.q_norm.weight"] = (self.head_dim,)
+            shapes["self_attn.k_norm.weight"] = (self.head_dim,)
+        return {prefix + k: s for k, s in shapes.items()}
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: dict, prefix: str = "") -> None:
+        """Load HF ``LlamaDecoderLayer`` weights (keys under ``prefix``); a missing key or a
+        wrong shape raises ``CodaInputError`` naming the key."""
+        for name, t in self.params_from_hf(sd, prefix).items():
+            getattr(self, name).copy_(t)
+
+    def params_from_hf(self, sd: dict, prefix: str = "") -> dict:
+        """{parameter name: tensor in coda's layout} from HF ``LlamaDecoderLayer`` (or
+        ``Qwen3DecoderLayer``) weights under ``prefix``, validated (exact permutations)."""
+        v.check_state_dict(sd, self.hf_shapes(prefix))
+
+        def hf(key):
+            return sd[prefix + key]
+
+        out = {
+            "g1": hf("input_layernorm.weight"),
+            "w_qkv": layouts.qkv_weight_from_hf(
+                hf("self_attn.q_proj.weight"),
+                hf("self_attn.k_proj.weight"),
+                hf("self_attn.v_proj.weight"),
+                n_heads=self.n_heads,
+                n_kv_heads=self.n_kv_heads,
+            ),
+            "w_o": hf("self_attn.o_proj.weight").t(),
+            "g2": hf("post_attention_layernorm.weight"),
+            "w_il": layouts.gate_up_weight_from_hf(
+                hf("mlp.gate_proj.weight"), hf("mlp.up_proj.weight")
+            ),
+            "w_d": hf("mlp.down_proj.weight").t(),
+        }
+        if self.qk_norm:
+            out["q_norm"] = layouts.head_weight_from_hf(hf("self_attn.q_norm.weight"))
+            out["k_norm"] = layouts.head_weight_from_hf(hf("self_attn.k_norm.weight"))
+        return out

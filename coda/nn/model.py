@@ -1,0 +1,101 @@
+"""``CausalLM``: a Llama-style causal LM from coda's modules (embedding, ``DecoderLayer``s,
+``LMHeadLoss``), with HF ``LlamaForCausalLM`` state-dict names."""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from coda import _validate as v
+from coda.nn.head import LMHeadLoss
+from coda.nn.layer import DecoderLayer
+
+
+class CausalLM(nn.Module):
+    """A Llama-style causal LM built from coda's modules: token embedding, ``n_layers``
+    ``DecoderLayer``s, and ``LMHeadLoss`` (final norm + LM head + cross-entropy, logits never
+    stored on the kernel path). ``forward(tokens, targets)`` returns the loss.
+
+    ``hf_state_dict`` / ``load_hf_state_dict`` use ``LlamaForCausalLM``'s key names, exactly.
+    ``tie_embeddings``: the LM head's (vocab, d) weight is the embedding's, one parameter (HF's
+    ``tie_word_embeddings``, as in Llama-3.2-1B and Qwen3-0.6B); its gradient is the sum of both
+    uses, and a loaded state dict's ``lm_head.weight`` must then equal its embedding.
+    ``checkpoint``: activation checkpointing per layer
+    (``torch.utils.checkpoint``, non-reentrant): each layer keeps only its input and reruns
+    its forward in the backward."""
+
+    def __init__(
+        self,
+        vocab: int,
+        d: int,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        ffn: int,
+        head_dim: int = None,
+        eps: float = 1e-5,
+        rope_base: float = 10000.0,
+        method: str = "auto",
+        device=None,
+        dtype=torch.bfloat16,
+        backend: str = "auto",
+        checkpoint: bool = False,
+        tie_embeddings: bool = False,
+    ):
+        super().__init__()
+        v.check_positive_int("n_layers", n_layers)
+        self.checkpoint = bool(checkpoint)
+        kw = {"device": device, "dtype": dtype, "backend": backend}
+        self.embed = nn.Embedding(vocab, d, device=device, dtype=dtype)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.layers = nn.ModuleList(
+            DecoderLayer(d, n_heads, n_kv_heads, ffn, head_dim, eps, rope_base, **kw)
+            for _ in range(n_layers)
+        )
+        self.head = LMHeadLoss(d, vocab, eps, method=method, **kw)
+        if tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    @property
+    def tie_embeddings(self) -> bool:
+        """Whether the LM head's weight is the embedding's (one parameter)."""
+        return self.head.weight is self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
+        """tokens, targets (batch, seq) -> the loss (fp32)."""
+        v.check_tensor("tokens", tokens)
+        if tokens.dim() != 2 or tokens.is_floating_point():
+            raise v.CodaInputError(
+                f"tokens: must be an integer (batch, seq) tensor, got {tokens.dtype} "
+                f"{tuple(tokens.shape)}"
+            )
+        x = self.embed(tokens)
+        for layer in self.layers:
+            if self.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        return self.head(x, targets, reduction)
+
+    def hf_state_dict(self) -> dict:
+        sd = {"model.embed_tokens.weight": self.embed.weight.detach().clone()}
+        for i, layer in enumerate(self.layers):
+            sd.update(layer.hf_state_dict(f"model.layers.{i}."))
+        return {**sd, **self.head.hf_state_dict()}
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: dict) -> None:
+        v.check_state_dict(sd, {"model.embed_tokens.weight": tuple(self.embed.weight.shape)})
+        if self.tie_embeddings and "lm_head.weight" in sd:
+            if not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
+                raise v.CodaInputError(
+                    "lm_head.weight: a tied model (tie_embeddings=True) needs it equal to "
+                    "model.embed_tokens.weight"
+                )
+        if self.tie_embeddings:  # HF drops the tied head's key when it saves
+            sd = {"lm_head.weight": sd["model.embed_tokens.weight"], **sd}
+        self.embed.weight.copy_(sd["model.embed_tokens.weight"])
+        for i, layer in enumerate(self.layers):
+            layer.load_hf_state_dict(sd, f"model.layers.{i}.")
+        self.head.load_hf_state_dict(sd)
