@@ -249,8 +249,9 @@ def test_lm_head_loss_names_the_vocabulary_rule(monkeypatch):
     """The module's kernel path refuses a vocabulary the strips cannot tile, before any work."""
     import coda
     import coda.nn as cnn
+    from coda.nn import head as nn_head
 
-    monkeypatch.setattr(cnn, "resolve_backend", lambda *a, **k: "kernel")
+    monkeypatch.setattr(nn_head, "resolve_backend", lambda *a, **k: "kernel")
     head = cnn.LMHeadLoss(16, 200, method="scaled_exp", dtype=F64)
     with pytest.raises(coda.CodaInputError, match="vocab % 128 == 0"):
         head(torch.randn(4, 16, dtype=F64), torch.zeros(4, dtype=torch.long))

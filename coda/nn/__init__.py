@@ -16,8 +16,8 @@ unaffected; KERNELS.md [I3.3]). ``load_hf_state_dict`` / ``hf_state_dict`` conve
 with HF's key names. The LM head's weight is (vocab, d), as HF's.
 """
 
-from coda.nn.head import LMHeadLoss, lm_head_loss
+from coda.nn.head import LM_HEAD_METHODS, LMHeadLoss, lm_head_loss
 from coda.nn.layer import DecoderLayer
 from coda.nn.model import CausalLM
 
-__all__ = ["CausalLM", "DecoderLayer", "LMHeadLoss", "lm_head_loss"]
+__all__ = ["LM_HEAD_METHODS", "CausalLM", "DecoderLayer", "LMHeadLoss", "lm_head_loss"]
