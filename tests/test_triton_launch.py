@@ -3,8 +3,8 @@ specialization key goes through Triton's own call and keeps the compiled kernel 
 later launches with that key go to it directly, with the arguments in the kernel's parameter
 order; anything that can change what Triton compiles (a tensor's dtype, device or 16-byte
 alignment, any other argument's value, a launch option) is a new key. Triton itself is
-replaced by recorders here (what is tested is coda's keying, on the CPU); on the H200,
-``tests/test_row_passes.py``'s gpu test compares the direct launches with Triton's own."""
+replaced by recorders in the CPU tests (what they test is coda's keying); the gpu test at the
+end launches every coda Triton kernel both ways on the H200 and compares the bits."""
 
 import pytest
 import torch
