@@ -445,47 +445,43 @@ def steady_idle(fn, calls: int = 6, top: int = 5) -> dict:
     }
 
 
-def without_row_kernels(fn):
-    """``fn`` with coda's norm row kernels (``norm_rows.TRITON``) and the stack's shared RoPE
-    tables (``drope.cached_head_rotation``) switched off: the step as it ran before them
-    (session 12), a variant timed beside the current one in the same run."""
-    from coda.kernels import drope, norm_rows
+def _switched_off(fn, *switches):
+    """``fn`` run with each (object, attribute) switch set False, restored after: a variant of
+    a call as it ran before a feature, timed beside the current one in the same run."""
 
     def run():
-        norm_rows.TRITON, drope.cached_head_rotation.enabled = False, False
+        before = [getattr(obj, name) for obj, name in switches]
+        for obj, name in switches:
+            setattr(obj, name, False)
         try:
             return fn()
         finally:
-            norm_rows.TRITON, drope.cached_head_rotation.enabled = True, True
+            for (obj, name), value in zip(switches, before):
+                setattr(obj, name, value)
 
     return run
+
+
+def without_row_kernels(fn):
+    """``fn`` with coda's norm row kernels (``norm_rows.TRITON``) and the stack's shared RoPE
+    tables (``drope.cached_head_rotation``) switched off: the step as it ran before them
+    (session 12)."""
+    from coda.kernels import drope, norm_rows
+
+    return _switched_off(fn, (norm_rows, "TRITON"), (drope.cached_head_rotation, "enabled"))
 
 
 def without_direct_triton(fn):
     """``fn`` with every coda Triton kernel launched through Triton's own call
-    (``coda.kernels._triton.FAST_LAUNCH`` off), as before session 16; timed beside."""
+    (``coda.kernels._triton.FAST_LAUNCH`` off), as before session 16."""
     from coda.kernels import _triton
 
-    def run():
-        _triton.FAST_LAUNCH = False
-        try:
-            return fn()
-        finally:
-            _triton.FAST_LAUNCH = True
-
-    return run
+    return _switched_off(fn, (_triton, "FAST_LAUNCH"))
 
 
 def without_plan_tapes(fn):
     """``fn`` with the public ops' plan tapes (``coda.ops.PLAN_TAPES``) switched off: every
-    launch looks its plan up by key, as before session 15; timed beside the current path."""
+    launch looks its plan up by key, as before session 15."""
     from coda import ops
 
-    def run():
-        ops.PLAN_TAPES = False
-        try:
-            return fn()
-        finally:
-            ops.PLAN_TAPES = True
-
-    return run
+    return _switched_off(fn, (ops, "PLAN_TAPES"))

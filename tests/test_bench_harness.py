@@ -200,3 +200,30 @@ def test_gpu_clock_medians_skip_unreadable_samples():
     assert clock.medians() == {"sm_mhz": 1830.0, "power_w": 699.0, "clock_samples": 3}
     clock.lines = []
     assert clock.medians() == {}
+
+
+def test_a_switched_off_variant_sees_its_switches_off_and_restores_them():
+    """``without_plan_tapes`` / ``without_direct_triton`` / ``without_row_kernels`` run their
+    call with the switches off and put back what was there, also when the call raises."""
+    from benchmarks._common import without_direct_triton, without_plan_tapes, without_row_kernels
+    from coda import ops
+    from coda.kernels import _triton, drope, norm_rows
+
+    switches = [
+        (ops, "PLAN_TAPES"),
+        (_triton, "FAST_LAUNCH"),
+        (norm_rows, "TRITON"),
+        (drope.cached_head_rotation, "enabled"),
+    ]
+    seen = []
+
+    def call():
+        seen.append([getattr(o, n) for o, n in switches])
+        raise KeyError
+
+    for variant in (without_plan_tapes, without_direct_triton, without_row_kernels):
+        with pytest.raises(KeyError):
+            variant(call)()
+    off = [[False, True, True, True], [True, False, True, True], [True, True, False, False]]
+    assert seen == off
+    assert all(getattr(o, n) is True for o, n in switches)

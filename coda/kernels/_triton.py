@@ -77,11 +77,16 @@ class Kernel:
     def __getitem__(self, grid):
         return lambda *args, **named: self.launch(grid, args, named)
 
+    @staticmethod
+    def key(args, named) -> tuple:
+        """The specialization key of a launch: ``_spec`` of every argument, and the names."""
+        return (*map(_spec, args), *map(_spec, named.values()), *named)
+
     def launch(self, grid, args, named):
         if not FAST_LAUNCH or interpreted():
             return self.jit[grid](*args, **named)
         try:
-            key = (*map(_spec, args), *map(_spec, named.values()), *named)
+            key = self.key(args, named)
             hit = self.compiled.get(key)
         except TypeError:  # an unhashable argument: Triton's own call
             return self.jit[grid](*args, **named)

@@ -26,6 +26,7 @@ from coda.kernels import rmsnorm_bwd as _nb
 from coda.kernels import row_passes as _rp
 from coda.kernels import wgrad as _wg
 from coda.kernels._launch import acc_dtype
+from coda.kernels._triton import cdiv
 from coda.kernels.config import GemmConfig
 
 
@@ -43,10 +44,6 @@ def _cfg(c: GemmConfig) -> list[int]:
 
 def _gc(c: list[int]) -> GemmConfig:
     return GemmConfig(c[0], c[1], c[2], c[3], bool(c[4]), c[5], c[6])
-
-
-def _tiles(n: int, tile: int) -> int:
-    return -(-n // tile)
 
 
 def _empty(*shape, like, dtype=None):
@@ -154,7 +151,7 @@ def _gemm_residual(
 @_gemm_residual.register_fake
 def _(x, w, res, cfg):
     M, N = x.shape[0], w.shape[1]
-    return _empty(M, N, like=x), _empty(M, _tiles(N, cfg[1]), like=x, dtype=acc_dtype(x))
+    return _empty(M, N, like=x), _empty(M, cdiv(N, cfg[1]), like=x, dtype=acc_dtype(x))
 
 
 @torch.library.custom_op("coda::gemm_swiglu", mutates_args=())
@@ -204,7 +201,7 @@ def _lm_head_stats(
 @_lm_head_stats.register_fake
 def _(a, w, rstd, target, cfg):
     M, acc = a.shape[0], acc_dtype(a)
-    return _empty(M, _tiles(w.shape[1], cfg[1]), like=a, dtype=acc), _empty(M, like=a, dtype=acc)
+    return _empty(M, cdiv(w.shape[1], cfg[1]), like=a, dtype=acc), _empty(M, like=a, dtype=acc)
 
 
 # -- backward -----------------------------------------------------------------------------------
@@ -218,7 +215,7 @@ def _dswiglu(
 @_dswiglu.register_fake
 def _(dx, w_d, u, rstd, cfg):
     M, f = dx.shape[0], w_d.shape[0]
-    stat = _empty(M, _tiles(f, cfg[1]), like=dx, dtype=acc_dtype(dx))
+    stat = _empty(M, cdiv(f, cfg[1]), like=dx, dtype=acc_dtype(dx))
     return torch.empty_like(u), _empty(M, f, like=dx), stat
 
 
