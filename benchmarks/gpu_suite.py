@@ -138,6 +138,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_MODEL_PEERS",
     "CODA_TUNE_SHAPES",
     "CODA_TUNE_ONLY",
+    "CODA_TUNE_WIDE",
 )
 
 

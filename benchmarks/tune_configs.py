@@ -6,7 +6,8 @@ For each shape and candidate config: quack's raw GEMM (identity epilogue) and th
 epilogue kernel that runs at that shape in the layer, next to cuBLAS. The winner minimizes the
 coda kernel's time. Run by ``gpu_suite.py --tune``; ``CODA_TUNE_ONLY=name,name`` (prefixes of
 the GEMM names below, e.g. ``dswiglu,wgrad``) restricts the sweep, and
-``CODA_TUNE_SHAPES=tag,tag`` (``d2048``, ``1b``, ``qwen3``, ...) its shapes. The sweep also
+``CODA_TUNE_SHAPES=tag,tag`` (``d2048``, ``1b``, ``qwen3``, ...) its shapes;
+``CODA_TUNE_WIDE=1`` widens the candidates (``WIDE``). The sweep also
 times B11's Triton row passes at each launch shape (``row_pass_*``, for ``row_passes.TUNED``)
 and CE-S's two gradient GEMMs at each of their candidate configs (``ce_grad_*``).
 
@@ -42,6 +43,18 @@ CANDIDATES = [
     GemmConfig(128, 192, 1, 2, True),
     GemmConfig(256, 128, 2, 1, False),
     GemmConfig(256, 192, 2, 1, False),
+]
+# ``CODA_TUNE_WIDE=1`` adds these: the cooperative 256 x 128 tile on a 1 x 2 cluster that
+# cuBLAS picks for the norm-backward dgrads' shapes, 128 x 256 cooperative tiles, a narrow
+# ping-pong tile (a smaller epilogue under the other warpgroup's mainloop) and single-CTA clusters
+WIDE = [
+    GemmConfig(256, 128, 1, 2, False),
+    GemmConfig(256, 128, 1, 1, False),
+    GemmConfig(128, 256, 2, 1, False),
+    GemmConfig(128, 256, 1, 2, False),
+    GemmConfig(128, 128, 1, 2, True),
+    GemmConfig(128, 64, 2, 1, True),
+    GemmConfig(128, 192, 1, 1, True),
 ]
 # weight gradients (K = 16384 tokens against a d x N output): also split-K (Cleave's Split)
 SPLIT_K = [
@@ -315,7 +328,8 @@ def run() -> list[dict]:
         out = torch.empty(m, N, device="cuda", dtype=torch.bfloat16)
         t_mm = bench(lambda: a @ w)["ms"]
         best = None
-        for cfg in CANDIDATES + (SPLIT_K if name.startswith("wgrad") else []):
+        wide = WIDE if os.environ.get("CODA_TUNE_WIDE") == "1" else []
+        for cfg in CANDIDATES + wide + (SPLIT_K if name.startswith("wgrad") else []):
             try:
                 t_raw = bench(lambda: _quack.run_epi_gemm(raw, a, w, out, None, {}, cfg))["ms"]
                 t_k = bench(lambda: kernel(a, w, cfg))["ms"]
