@@ -5,7 +5,10 @@
 
 Writes ``benchmarks/results/<date>_<gpu>.json`` (and a copy plus logs under ``--out``): GPU
 name, torch / cutlass-dsl / quack versions, git commit, the exact command, the test counts,
-and for each shape the median ms, p20/p80, TFLOP/s and ratios against the peers.
+and for each shape the median ms, p20/p80, TFLOP/s and ratios against the peers. The record
+is rewritten after each suite; ``--budget-s`` keeps later suites and variants from starting,
+and a call ended by SIGTERM (``timeout`` set under the device's own limit) still writes it,
+naming the part that was cut.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -224,6 +228,8 @@ def main():
         "env": describe(),
         "torch_cuda": torch.version.cuda,
     }
+    running = {"part": "gpu tests", "since": time.time()}
+    signal.signal(signal.SIGTERM, lambda signum, _: _cut(record, args.out, running, signum))
     if not args.skip_tests:
         record["gpu_tests"] = run_tests(args.out, args.tests, args.budget_s, args.workers)
         print("gpu tests:", record["gpu_tests"]["summary"], flush=True)
@@ -236,6 +242,7 @@ def main():
     record["benchmarks"] = {}
     for name, mod in suites:
         t0 = time.time()
+        running.update(part=name, since=t0)
         if out_of_time():  # CODA_SUITE_DEADLINE, set from --budget-s above
             record["benchmarks"][name] = {"skipped": f"time budget {args.budget_s:.0f} s spent"}
             write_record(record, args.out)
@@ -292,6 +299,20 @@ def no_machine_paths(text: str) -> str:
     captured tracebacks and warnings become repository-relative or "site-packages/..."."""
     text = text.replace(ROOT + os.sep, "")
     return re.sub(r"/[^\s\"']*/site-packages/", "site-packages/", text)
+
+
+def _cut(record, out_dir, running, signum):
+    """SIGTERM (``timeout`` ending a device call): the record is written with what finished,
+    and names the part that was running when the call was cut (its rows are lost: a suite
+    returns them when it ends), instead of the call leaving no record at all."""
+    part, seconds = running["part"], time.time() - running["since"]
+    cut = f"cut by signal {signum} after {seconds:.0f} s of this part; its results are lost"
+    if "benchmarks" in record:  # a benchmark suite was running
+        record["benchmarks"][part] = {"cut": cut}
+    else:
+        record["cut"] = f"{part}: {cut}"
+    write_record(record, out_dir)
+    sys.exit(128 + signum)
 
 
 def write_record(record, out_dir):

@@ -70,6 +70,44 @@ def test_suite_and_layer_selections_are_checked(monkeypatch, capsys):
     assert bench_train.layer_widths() == [2048, 4096]
 
 
+def test_a_call_cut_by_sigterm_still_writes_its_record(monkeypatch, tmp_path):
+    """``timeout`` ending a device call mid-suite: the record is written with the suites that
+    finished, and names the one that was running as cut (its rows are lost), instead of the
+    call leaving nothing; the exit status says a signal ended it."""
+    import json
+    import os
+    import signal
+
+    from benchmarks import gpu_suite
+
+    class Done:
+        @staticmethod
+        def run():
+            return [{"name": "done/row", "ms": 1.0}]
+
+    class Cut:
+        @staticmethod
+        def run():
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise AssertionError("the handler ends the call before this line")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(gpu_suite, "ROOT", str(tmp_path))  # no record in the repository
+    monkeypatch.setattr(gpu_suite, "suite_list", lambda args: [("done", Done), ("cut", Cut)])
+    out = tmp_path / "out"
+    monkeypatch.setattr("sys.argv", ["gpu_suite.py", "--skip-tests", "--out", str(out)])
+    try:
+        with pytest.raises(SystemExit) as stop:
+            gpu_suite.main()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stop.value.code == 128 + signal.SIGTERM
+    (path,) = out.glob("*.json")
+    benchmarks = json.loads(path.read_text())["benchmarks"]
+    assert benchmarks["done"] == [{"name": "done/row", "ms": 1.0}]
+    assert benchmarks["cut"]["cut"].startswith("cut by signal 15 after ")
+
+
 def test_interleaved_rounds_rotate_and_take_the_median():
     order, clock = [], iter([5.0, 1.0, 9.0, 2.0, 6.0, 3.0, 7.0, 4.0, 8.0])
 
