@@ -28,6 +28,17 @@ def out_of_time() -> bool:
 
 SKIPPED = {"skipped": "time budget spent"}
 
+# What the running suite has finished so far, for a call cut short: ``gpu_suite.py``'s SIGTERM
+# record keeps these rows (a suite returns its rows only when it ends). Suites that take
+# minutes report rows here as they make them (``progress``); ``gpu_suite`` empties it per suite.
+PROGRESS: list = []
+
+
+def progress(row: dict) -> dict:
+    """``row``, also kept in ``PROGRESS`` until its suite ends."""
+    PROGRESS.append(row)
+    return row
+
 
 def selected(var: str, known) -> list[str]:
     """The names listed in the environment variable ``var`` (comma-separated; none listed:

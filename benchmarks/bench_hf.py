@@ -24,6 +24,7 @@ from benchmarks._common import (
     bench_long,
     interleaved,
     out_of_time,
+    progress,
     selected,
     where_time_goes,
 )
@@ -195,6 +196,8 @@ def run() -> list[dict]:
                         profiles[label] = {"profile_error": repr(e)[:300]}
                 model.zero_grad(set_to_none=True)
                 steps[label] = step
+                alone = {"peak_gib": peaks[label], **profiles.get(label, {})}
+                progress({"name": f"hf/{name}/{label}/alone", **alone})  # kept if the call is cut
             except Exception as e:  # recorded, never hidden
                 rows.append({"name": f"hf/{name}/{label}", "error": repr(e)[:300]})
             model = None

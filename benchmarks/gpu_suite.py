@@ -8,7 +8,7 @@ name, torch / cutlass-dsl / quack versions, git commit, the exact command, the t
 and for each shape the median ms, p20/p80, TFLOP/s and ratios against the peers. The record
 is rewritten after each suite; ``--budget-s`` keeps later suites and variants from starting,
 and a call ended by SIGTERM (``timeout`` set under the device's own limit) still writes it,
-naming the part that was cut.
+naming the part that was cut, with the rows that suite had reported (``_common.progress``).
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def main():
         print("gpu tests:", record["gpu_tests"]["summary"], flush=True)
         write_record(record, args.out)
 
-    from benchmarks._common import out_of_time
+    from benchmarks._common import PROGRESS, out_of_time
     from coda.kernels import tuned
 
     record["tuned_configs_source"] = tuned.SOURCE
@@ -243,6 +243,7 @@ def main():
     for name, mod in suites:
         t0 = time.time()
         running.update(part=name, since=t0)
+        PROGRESS.clear()
         if out_of_time():  # CODA_SUITE_DEADLINE, set from --budget-s above
             record["benchmarks"][name] = {"skipped": f"time budget {args.budget_s:.0f} s spent"}
             write_record(record, args.out)
@@ -303,12 +304,15 @@ def no_machine_paths(text: str) -> str:
 
 def _cut(record, out_dir, running, signum):
     """SIGTERM (``timeout`` ending a device call): the record is written with what finished,
-    and names the part that was running when the call was cut (its rows are lost: a suite
-    returns them when it ends), instead of the call leaving no record at all."""
+    and names the part that was running when the call was cut, with the rows it had reported
+    (``_common.progress``; a suite returns the rest only when it ends), instead of the call
+    leaving no record at all."""
+    from benchmarks._common import PROGRESS
+
     part, seconds = running["part"], time.time() - running["since"]
-    cut = f"cut by signal {signum} after {seconds:.0f} s of this part; its results are lost"
+    cut = f"cut by signal {signum} after {seconds:.0f} s of this part"
     if "benchmarks" in record:  # a benchmark suite was running
-        record["benchmarks"][part] = {"cut": cut}
+        record["benchmarks"][part] = {"cut": cut, "rows_so_far": list(PROGRESS)}
     else:
         record["cut"] = f"{part}: {cut}"
     write_record(record, out_dir)

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from benchmarks._common import SKIPPED, bench, out_of_time, selected
+from benchmarks._common import SKIPPED, bench, out_of_time, progress, selected
 from benchmarks.bench_forward import HIDDEN, VOCABS, ffn, heads
 from coda import _quack
 from coda.kernels import dswiglu as dsw
@@ -337,16 +337,18 @@ def run() -> list[dict]:
                 rows.append({"name": name, "config": cfg.__dict__, "error": repr(e)[:200]})
                 continue
             rows.append(
-                {
-                    "name": name,
-                    "M": m,
-                    "K": K,
-                    "N": N,
-                    "config": cfg.__dict__,
-                    "raw_ms": t_raw,
-                    "kernel_ms": t_k,
-                    "cublas_ms": t_mm,
-                }
+                progress(
+                    {
+                        "name": name,
+                        "M": m,
+                        "K": K,
+                        "N": N,
+                        "config": cfg.__dict__,
+                        "raw_ms": t_raw,
+                        "kernel_ms": t_k,
+                        "cublas_ms": t_mm,
+                    }
+                )
             )
             if best is None or t_k < best[1]:
                 best = (cfg, t_k, t_raw)

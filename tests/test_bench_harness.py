@@ -72,8 +72,9 @@ def test_suite_and_layer_selections_are_checked(monkeypatch, capsys):
 
 def test_a_call_cut_by_sigterm_still_writes_its_record(monkeypatch, tmp_path):
     """``timeout`` ending a device call mid-suite: the record is written with the suites that
-    finished, and names the one that was running as cut (its rows are lost), instead of the
-    call leaving nothing; the exit status says a signal ended it."""
+    finished, and names the one that was running as cut, with the rows it had reported
+    (``_common.progress``), instead of the call leaving nothing; the exit status says a
+    signal ended it."""
     import json
     import os
     import signal
@@ -88,6 +89,7 @@ def test_a_call_cut_by_sigterm_still_writes_its_record(monkeypatch, tmp_path):
     class Cut:
         @staticmethod
         def run():
+            _common.progress({"name": "cut/first", "ms": 2.0})
             os.kill(os.getpid(), signal.SIGTERM)
             raise AssertionError("the handler ends the call before this line")
 
@@ -106,6 +108,7 @@ def test_a_call_cut_by_sigterm_still_writes_its_record(monkeypatch, tmp_path):
     benchmarks = json.loads(path.read_text())["benchmarks"]
     assert benchmarks["done"] == [{"name": "done/row", "ms": 1.0}]
     assert benchmarks["cut"]["cut"].startswith("cut by signal 15 after ")
+    assert benchmarks["cut"]["rows_so_far"] == [{"name": "cut/first", "ms": 2.0}]
 
 
 def test_interleaved_rounds_rotate_and_take_the_median():
