@@ -31,6 +31,7 @@ from benchmarks._common import (
     kernel_table,
     liger_functional,
     out_of_time,
+    progress,
     row,
     selected,
     steady_idle,
@@ -222,6 +223,7 @@ def lm_head_rows(liger) -> list[dict]:
     rows = []
     quack_lce = _quack.chunked_linear_cross_entropy()
     for d, V, quack_chunk in lm_head_shapes():
+        first = len(rows)
         head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel")  # "auto": CE-S here
         head_c = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="chunked")
         head_r = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="recompute")
@@ -370,6 +372,8 @@ def lm_head_rows(liger) -> list[dict]:
                 )
         variants = steps = g = None
         torch.cuda.empty_cache()
+        for r in rows[first:]:  # a finished shape's rows are kept if the call is cut
+            progress(r)
     return rows
 
 
