@@ -1,9 +1,10 @@
 """CODA's five epilogue primitive families, the vocabulary coda's kernels are written in.
 
 - ``vocabulary``: the declarations (VEC / TILE / RED / LSE) and ``@epilogue_program``;
-- ``math``: the EW vocabulary (pairs, transcendentals) with one meaning in both lowerings;
+- ``math``: the EW vocabulary (pairs, transcendentals) with one meaning in every lowering;
 - ``interpreter``: the torch lowering (CPU path, test oracle);
 - ``lowering``: the quack SM90 lowering (GPU path);
+- ``symbolic``: one element of a program on sympy values (the symbolic proofs);
 - ``aux``: the fixed-order reductions over partials.
 """
 

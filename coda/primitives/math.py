@@ -1,9 +1,10 @@
-"""EW vocabulary: math an epilogue program may use, with one meaning under both lowerings.
+"""EW vocabulary: math an epilogue program may use, with one meaning under every lowering.
 
-Inside ``fn`` a value is either a torch tensor (the tile interpreter: a whole tile at once,
-fp32 or fp64) or a CuTe DSL trace value (one accumulator element or pair, fp32). Arithmetic
-operators already mean the same thing on both; the functions here cover the rest: pairs of
-adjacent output columns and the transcendentals.
+Inside ``fn`` a value is a torch tensor (the tile interpreter: a whole tile at once, fp32 or
+fp64), a CuTe DSL trace value (one accumulator element or pair, fp32), or a sympy expression
+(``coda.primitives.symbolic``: one element, exact, for the symbolic proofs). Arithmetic
+operators already mean the same thing on all three; the functions here cover the rest: pairs
+of adjacent output columns and the transcendentals.
 
 Pairs: in the interpreter a pair is a ``TilePair`` of two tensors (even columns, odd columns)
 whose arithmetic is lane-wise, as quack's ``Pair`` is on the GPU. ``unpack`` splits one,
@@ -61,6 +62,17 @@ def _is_interpreted(x) -> bool:
     return isinstance(x, (torch.Tensor, TilePair))
 
 
+def _is_symbolic(x) -> bool:
+    """A sympy expression (checked by module name: sympy is imported only by the proofs)."""
+    return type(x).__module__.startswith("sympy")
+
+
+def _sympy():
+    import sympy
+
+    return sympy
+
+
 def unpack(pair):
     """(even, odd) halves of a pair value."""
     if isinstance(pair, TilePair):
@@ -70,21 +82,27 @@ def unpack(pair):
 
 def pack(even, odd):
     """A pair value from its two halves."""
-    if isinstance(even, torch.Tensor):
+    if isinstance(even, torch.Tensor) or _is_symbolic(even):
         return TilePair(even, odd)
     return _quack.pack(even, odd)
 
 
 def exp(x):
-    return torch.exp(x) if _is_interpreted(x) else _quack.exp(x)
+    if _is_interpreted(x):
+        return torch.exp(x)
+    return _sympy().exp(x) if _is_symbolic(x) else _quack.exp(x)
 
 
 def exp2(x):
-    return torch.exp2(x) if _is_interpreted(x) else _quack.exp2(x)
+    if _is_interpreted(x):
+        return torch.exp2(x)
+    return 2**x if _is_symbolic(x) else _quack.exp2(x)
 
 
 def sigmoid(x):
-    return torch.sigmoid(x) if _is_interpreted(x) else _quack.sigmoid(x)
+    if _is_interpreted(x):
+        return torch.sigmoid(x)
+    return 1 / (1 + _sympy().exp(-x)) if _is_symbolic(x) else _quack.sigmoid(x)
 
 
 def silu(x):
@@ -106,7 +124,10 @@ def rotation(pos, freq):
     ``freq`` is a pair value holding inv_freq / 2pi as a float-float (hi, lo) split (see
     ``coda.kernels.gemm_rope.rope_freq_table``); the angle is formed in turns so the range
     reduction is exact (on the GPU, quack's float-float sincos). The interpreter computes the
-    same angle in float64."""
+    same angle in float64; the symbolic lowering takes it exactly, as 2 pi pos (hi + lo)."""
+    if isinstance(freq, TilePair) and (_is_symbolic(pos) or _is_symbolic(freq.even)):  # exact
+        theta = 2 * _sympy().pi * pos * (freq.even + freq.odd)
+        return _sympy().sin(theta), _sympy().cos(theta)
     if isinstance(freq, TilePair):
         theta = turns_to_angle(pos, freq.even, freq.odd)
         return theta.sin().to(pos.dtype), theta.cos().to(pos.dtype)

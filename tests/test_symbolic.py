@@ -1,0 +1,173 @@
+"""Level 1 proof, symbolic (Cleave's equivalence testing): each epilogue program's own ``fn``,
+evaluated on sympy symbols (``coda.primitives.symbolic``), equals the canonical math it
+reparameterizes, as an identity in every variable: the gradients it stores are sympy's
+derivatives of the forward it inverts, its reduction terms are the derivatives a later AUX
+step sums. The float64 tests (``test_reference_algebra``, the interpreter's) prove the tile
+grid around each element; these prove the element itself, for all values at once.
+A wrong sign, factor or lane is a nonzero difference, and the test fails."""
+
+from __future__ import annotations
+
+import pytest
+
+sp = pytest.importorskip("sympy")
+
+from coda.kernels import dswiglu as dsw  # noqa: E402
+from coda.kernels import gemm_residual_rms as grr  # noqa: E402
+from coda.kernels import gemm_rope as rope  # noqa: E402
+from coda.kernels import gemm_swiglu as sw  # noqa: E402
+from coda.kernels import linear_cross_entropy_bwd as ceb  # noqa: E402
+from coda.kernels import qk_norm as qk  # noqa: E402
+from coda.kernels import rmsnorm_bwd as nb  # noqa: E402
+from coda.kernels.ce_scaled_exp import scaled_exp_logits  # noqa: E402
+from coda.primitives.symbolic import evaluate, prepass  # noqa: E402
+
+
+def silu(z):
+    return z / (1 + sp.exp(-z))
+
+
+def same(a, b) -> bool:
+    """a == b as an identity (the difference simplifies to 0)."""
+    return sp.simplify(a - b) == 0
+
+
+def test_swiglu_stores_the_preactivation_and_silu_of_the_scaled_gate_times_up():
+    a_g, a_u, r = sp.symbols("a_g a_u r")
+    for program in (sw.swiglu_keep_preact, sw.swiglu_only):
+        out = evaluate(program, acc=(a_g, a_u), rstd=r)
+        assert same(out["s"], silu(r * a_g) * (r * a_u))
+    assert evaluate(sw.swiglu_keep_preact, acc=(a_g, a_u), rstd=r)["D"] == (a_g, a_u)
+
+
+def test_dswiglu_pair_is_the_gradient_of_the_forward_and_its_statistic_the_rstd_gradient():
+    """B4: with s = silu(r u_g) r u_u the forward, and ds the upstream gradient (acc): the
+    stored pair is ds ds/du (gate, up), the recomputed s is s, and the row statistic is
+    ds ds/dr, what the norm's backward needs of this GEMM (corr = -(r^3/d) sum_t stat)."""
+    ds, u_g, u_u, r = sp.symbols("ds u_g u_u r")
+    s = silu(r * u_g) * (r * u_u)
+    out = evaluate(dsw.dswiglu_rescaled, acc=ds, c=(u_g, u_u), rstd=r)
+    assert same(out["D"][0], ds * sp.diff(s, u_g))
+    assert same(out["D"][1], ds * sp.diff(s, u_u))
+    assert same(out["s"], s)
+    assert same(out["stat"], ds * sp.diff(s, r))
+
+
+def test_dswiglu_proof_fails_on_a_wrong_formula():
+    """The proof can fail: the same check against a swapped lane is not an identity."""
+    ds, u_g, u_u, r = sp.symbols("ds u_g u_u r")
+    s = silu(r * u_g) * (r * u_u)
+    out = evaluate(dsw.dswiglu_rescaled, acc=ds, c=(u_g, u_u), rstd=r)
+    assert not same(out["D"][0], ds * sp.diff(s, u_u))
+
+
+def test_rope_rotates_each_pair_by_position_times_frequency():
+    """F1: the pair (x1, x2) = r acc rotates by theta = pos * inv_freq, where the frequency
+    row holds inv_freq / 2pi split as (hi, lo): x1 + i x2 times e^(i theta); the rotation
+    keeps the pair's norm, and rotating back by -theta (dRoPE) returns it."""
+    a1, a2, r, pos, hi, lo = sp.symbols("a1 a2 r pos hi lo", real=True)
+    out = evaluate(rope.rope_scaled, acc=(a1, a2), rstd=r, pos=pos, freq=(hi, lo))
+    theta = pos * 2 * sp.pi * (hi + lo)
+    rotated = sp.expand_complex((r * a1 + sp.I * r * a2) * sp.exp(sp.I * theta))
+    assert same(out["D"][0], sp.re(rotated)) and same(out["D"][1], sp.im(rotated))
+    assert same(out["D"][0] ** 2 + out["D"][1] ** 2, r**2 * (a1**2 + a2**2))
+    back = evaluate(rope.rope_scaled, acc=out["D"], rstd=1, pos=-pos, freq=(hi, lo))["D"]
+    assert same(back[0], r * a1) and same(back[1], r * a2)
+
+
+def test_residual_norm_epilogue_defers_rmsnorm_to_a_row_scale():
+    """F3 + AUX: h = acc + c per element, sumsq's terms h^2, normed h gamma; over a row of
+    N = 3 columns the AUX scale (sum/N + eps)^-1/2 times normed is RMSNorm(h) gamma."""
+    eps = sp.Symbol("eps", positive=True)
+    acc, c, gamma = (sp.symbols(f"{n}0:3", real=True) for n in ("acc", "c", "gamma"))
+    cols = [evaluate(grr.residual_norm_sumsq, acc=acc[j], c=c[j], gamma=gamma[j]) for j in range(3)]
+    h = [acc[j] + c[j] for j in range(3)]
+    rstd = (sum(col["sumsq"] for col in cols) / 3 + eps) ** sp.Rational(-1, 2)
+    rms = sp.sqrt(sum(x**2 for x in h) / 3 + eps)
+    for j, col in enumerate(cols):
+        assert same(col["D"], h[j])
+        assert same(rstd * col["normed"], h[j] / rms * gamma[j])
+    plain = evaluate(grr.residual_sumsq, acc=acc[0], c=c[0])
+    assert same(plain["sumsq"], h[0] ** 2) and same(plain["D"], h[0])
+
+
+def test_norm_backward_epilogue_is_rmsnorm_backward_with_its_residual():
+    """B6 / B12 composed over a row of d = 3 columns: the forward y = r(h) h gamma with
+    r(h) = (sum h^2 / d + eps)^-1/2; the next GEMM's upstream gradient G = dL/dy arrives as
+    acc = r G (dz~ carries r), its producer's statistic S = sum_j G_j h_j gamma_j, and
+    corr = -(r^3 / d) S (``norm_corr``). The epilogue's D then equals dL/dh plus the residual
+    gradient c, and its dgamma term dL/dgamma, both by sympy's derivatives of the forward."""
+    d = 3
+    eps = sp.Symbol("eps", positive=True)
+    h, gamma, G, c = (sp.symbols(f"{n}0:{d}", real=True) for n in ("h", "gamma", "G", "c"))
+    r = (sum(x**2 for x in h) / d + eps) ** sp.Rational(-1, 2)
+    L = sum(G[j] * r * h[j] * gamma[j] for j in range(d))  # sum_j G_j y_j
+    S = sum(G[j] * h[j] * gamma[j] for j in range(d))
+    corr = -(r**3 / d) * S
+    for j in range(d):
+        row = dict(acc=r * G[j], h=h[j], gamma=gamma[j], corr=corr)
+        out = evaluate(nb.norm_bwd_residual, c=c[j], **row)
+        assert same(out["D"], sp.diff(L, h[j]) + c[j])
+        assert same(out["dgamma"], sp.diff(L, gamma[j]))
+        assert same(evaluate(nb.norm_bwd, **row)["D"], sp.diff(L, h[j]))
+
+
+@pytest.mark.parametrize("smoothing", [False, True])
+def test_softmax_gradient_epilogue_is_the_cross_entropy_gradient(smoothing):
+    """B1 (CE-A's recompute backward) over a row of V = 3 logits l = r acc: D is
+    dL/dacc of scale (lse(l) - (eps / V) sum_k l_k) (the target's -1 is added apart, exactly),
+    with shift = scale eps / V for label smoothing, and the statistic's row sum is dL/dr."""
+    V = 3
+    r, scale, eps = sp.symbols("r scale eps", real=True)
+    acc = sp.symbols(f"acc0:{V}", real=True)
+    logits = [r * a for a in acc]
+    lse = sp.log(sum(sp.exp(x) for x in logits))
+    L = scale * (lse - (eps / V if smoothing else 0) * sum(logits))
+    outs = []
+    for j in range(V):
+        if smoothing:
+            args = dict(rstd=r, lse=lse, scale=scale, shift=scale * eps / V)
+            outs.append(evaluate(ceb.softmax_grad_logits_shifted, acc=acc[j], **args))
+        else:
+            outs.append(evaluate(ceb.softmax_grad_logits, acc=acc[j], rstd=r, lse=lse, scale=scale))
+        assert same(outs[j]["D"], sp.diff(L, acc[j]))
+    assert same(sum(o["stat"] for o in outs), sp.diff(L, r))
+
+
+def test_scaled_exp_stores_exp_of_the_logit_over_its_tile_power_of_two():
+    """CE-S's GEMM1: E = 2^(l log2 e - k) is e^l 2^-k and the target logit is l = r acc.
+    log2 e is a float constant in the program, so this one identity is checked to 40
+    digits at sampled points (its relative error is log2 e's rounding, ~1e-16 per unit of l)."""
+    acc, r, k = sp.symbols("acc r k", real=True)
+    out = evaluate(scaled_exp_logits, acc=acc, rstd=r, k=k)
+    assert same(out["target_logit"], r * acc) and out["sum_exp"] == out["D"]
+    canonical = sp.exp(r * acc) * 2 ** (-k)
+    for point in ({acc: 0.75, r: 1.3, k: 1}, {acc: -7.5, r: 0.6, k: -6}, {acc: 40, r: 2.0, k: 115}):
+        got, want = (sp.N(e.subs(point), 40) for e in (out["D"], canonical))
+        assert abs(got / want - 1) < 1e-14
+
+
+def test_qk_norm_epilogue_norms_each_head_then_rotates_and_passes_v_through():
+    """Qwen3's F1 over one head of hd = 4 columns (two pairs): the prepass terms z^2 of
+    z = r acc summed over the head give s = (mean z^2 + eps)^-1/2 (``GroupRstd``), and the
+    stored pair is RoPE(z s w) on a q/k head (w the head's norm weight), z itself on a v
+    head (weight 0, ``plain`` 1, frequency 0)."""
+    hd, eps = 4, sp.Symbol("eps", positive=True)
+    r, pos, hi, lo = sp.symbols("r pos hi lo", real=True)
+    acc, w = sp.symbols(f"acc0:{hd}", real=True), sp.symbols(f"w0:{hd}", real=True)
+    program = qk.qk_norm_rope_program(1e-6)
+    pairs = [(acc[2 * i], acc[2 * i + 1]) for i in range(hd // 2)]
+    terms = [prepass(program, p, rstd=r)["head_rstd"] for p in pairs]
+    s = (sum(a + b for a, b in terms) / hd + eps) ** sp.Rational(-1, 2)
+    z = [r * a for a in acc]
+    assert same(s, (sum(x**2 for x in z) / hd + eps) ** sp.Rational(-1, 2))
+    theta = pos * 2 * sp.pi * (hi + lo)
+    for i, p in enumerate(pairs):
+        q_head = dict(pos=pos, freq=(hi, lo), head_w=(w[2 * i], w[2 * i + 1]), plain=(0, 0))
+        out = evaluate(program, acc=p, rstd=r, head_rstd=s, **q_head)["D"]
+        x1, x2 = z[2 * i] * s * w[2 * i], z[2 * i + 1] * s * w[2 * i + 1]
+        assert same(out[0], x1 * sp.cos(theta) - x2 * sp.sin(theta))
+        assert same(out[1], x1 * sp.sin(theta) + x2 * sp.cos(theta))
+        v_head = dict(pos=pos, freq=(0, 0), head_w=(0, 0), plain=(1, 1))
+        out = evaluate(program, acc=p, rstd=r, head_rstd=s, **v_head)["D"]
+        assert same(out[0], z[2 * i]) and same(out[1], z[2 * i + 1])
