@@ -228,7 +228,7 @@ def main():
         "env": describe(),
         "torch_cuda": torch.version.cuda,
     }
-    running = {"part": "gpu tests", "since": time.time()}
+    running = {"part": "setup" if args.skip_tests else "gpu tests", "since": time.time()}
     signal.signal(signal.SIGTERM, lambda signum, _: _cut(record, args.out, running, signum))
     if not args.skip_tests:
         record["gpu_tests"] = run_tests(args.out, args.tests, args.budget_s, args.workers)
