@@ -14,12 +14,15 @@ sp = pytest.importorskip("sympy")
 
 from coda.kernels import dswiglu as dsw  # noqa: E402
 from coda.kernels import gemm_residual_rms as grr  # noqa: E402
+from coda.kernels import gemm_rmsnorm_gemm as grg  # noqa: E402
 from coda.kernels import gemm_rope as rope  # noqa: E402
 from coda.kernels import gemm_swiglu as sw  # noqa: E402
+from coda.kernels import linear_cross_entropy as lce  # noqa: E402
 from coda.kernels import linear_cross_entropy_bwd as ceb  # noqa: E402
+from coda.kernels import linear_cross_entropy_chunked as cec  # noqa: E402
 from coda.kernels import qk_norm as qk  # noqa: E402
 from coda.kernels import rmsnorm_bwd as nb  # noqa: E402
-from coda.kernels.ce_scaled_exp import scaled_exp_logits  # noqa: E402
+from coda.kernels.ce_scaled_exp import scaled_exp_logits, scaled_grad_dw, scaled_grad_dx  # noqa: E402
 from coda.primitives.symbolic import evaluate, prepass  # noqa: E402
 
 
@@ -151,7 +154,7 @@ def test_qk_norm_epilogue_norms_each_head_then_rotates_and_passes_v_through():
     """Qwen3's F1 over one head of hd = 4 columns (two pairs): the prepass terms z^2 of
     z = r acc summed over the head give s = (mean z^2 + eps)^-1/2 (``GroupRstd``), and the
     stored pair is RoPE(z s w) on a q/k head (w the head's norm weight), z itself on a v
-    head (weight 0, ``plain`` 1, frequency 0)."""
+    head (weight 0, ``plain`` 1, frequency 0); the training program also keeps z."""
     hd, eps = 4, sp.Symbol("eps", positive=True)
     r, pos, hi, lo = sp.symbols("r pos hi lo", real=True)
     acc, w = sp.symbols(f"acc0:{hd}", real=True), sp.symbols(f"w0:{hd}", real=True)
@@ -171,3 +174,49 @@ def test_qk_norm_epilogue_norms_each_head_then_rotates_and_passes_v_through():
         v_head = dict(pos=pos, freq=(0, 0), head_w=(0, 0), plain=(1, 1))
         out = evaluate(program, acc=p, rstd=r, head_rstd=s, **v_head)["D"]
         assert same(out[0], z[2 * i]) and same(out[1], z[2 * i + 1])
+        # training's F1 (``keep_z``): the same output, and z kept as its even and odd lanes
+        kept = evaluate(qk.qk_norm_rope_program(1e-6, True), acc=p, rstd=r, head_rstd=s, **q_head)
+        assert same(kept["D"][0], x1 * sp.cos(theta) - x2 * sp.sin(theta))
+        assert kept["z_even"] == z[2 * i] and kept["z_odd"] == z[2 * i + 1]
+
+
+def test_the_programs_that_scale_or_copy():
+    """The LM head's logits programs (F6's online-LSE term and target logit are the logit
+    l = r acc, CE-C's stored logits too), the deferred row scale (``scale_rows``, CE-S's dX),
+    and the plain copies (CE-C's gradient GEMMs, CE-S's dW, whose scaling is the A operand's)."""
+    acc, r = sp.symbols("acc r", real=True)
+    assert evaluate(lce.logits_lse_target, acc=acc, rstd=r) == {
+        "lse": r * acc,
+        "target_logit": r * acc,
+    }
+    out = evaluate(cec.logits_with_stats, acc=acc, rstd=r)
+    assert out == {"D": r * acc, "lse": r * acc, "target_logit": r * acc}
+    assert evaluate(grg.scale_rows, acc=acc, scale=r) == {"D": r * acc}
+    assert evaluate(scaled_grad_dx, acc=acc, row_scale=r) == {"D": r * acc}
+    for program in (ceb.passthrough, scaled_grad_dw):
+        assert evaluate(program, acc=acc) == {"D": acc}
+
+
+# every program the tests above prove, by name; QK-norm's two are made per eps by a factory
+PROVEN = {
+    "swiglu_keep_preact", "swiglu_only", "dswiglu_rescaled", "rope_scaled", "residual_sumsq",
+    "residual_norm_sumsq", "norm_bwd", "norm_bwd_residual", "softmax_grad_logits",
+    "softmax_grad_logits_shifted", "scaled_exp_logits", "_qk_norm_rope", "_qk_norm_rope_keep_z",
+    "logits_lse_target", "logits_with_stats", "scale_rows", "scaled_grad_dx", "passthrough",
+    "scaled_grad_dw",
+}  # fmt: skip
+
+
+def test_every_epilogue_program_has_a_symbolic_proof():
+    """A program added to ``coda.kernels`` without a proof here fails this test."""
+    import importlib
+    import pkgutil
+
+    import coda.kernels
+    from coda.primitives.vocabulary import EpilogueProgram
+
+    names = {qk.qk_norm_rope_program(1e-6, keep_z).name for keep_z in (False, True)}
+    for info in pkgutil.iter_modules(coda.kernels.__path__):
+        module = importlib.import_module(f"coda.kernels.{info.name}")
+        names |= {v.name for v in vars(module).values() if isinstance(v, EpilogueProgram)}
+    assert len(names) >= 19 and names <= PROVEN, sorted(names - PROVEN)
