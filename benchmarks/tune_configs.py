@@ -19,6 +19,7 @@ model's (8/4 heads of 128, ffn 2816, V = 8192) as ``..._demo`` at its own 8 x 10
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -233,6 +234,85 @@ def row_pass_rows(only) -> list[dict]:
     return rows
 
 
+@functools.lru_cache(maxsize=None)
+def _dw_final_program():
+    """A probe for the LM head's last dW chunk deferred to the backward (NOTES.md, session 17's
+    lead for issue 9): dW = g ((u (.) E')^T @ xs + C) written in the weight's bf16, C CE-S's
+    fp32 accumulator of the other chunks loaded as a tile, in place of today's reduce-add
+    GEMM and the cast pass after it. Not used by coda: whether a cooperative epilogue that
+    loads a tile pays here is what ``ce_grad_dw_final`` measures first."""
+    from coda.kernels.ce_scaled_exp import STRIP
+    from coda.primitives import ColLoad, ScaleA, TileC, epilogue_program
+
+    @epilogue_program(
+        inputs=[TileC(), ColLoad("g")], a_transform=ScaleA("u", rows=STRIP, cols=1, tile_k=STRIP)
+    )
+    def scaled_grad_dw_final(acc, c, g):
+        return {"D": (acc + c) * g}
+
+    return scaled_grad_dw_final
+
+
+def dw_final_pair(cse, e, xs, u, dw_t, g, like, config):
+    """(probe, current): the last chunk's weight gradient both ways, (V, d) in ``like``'s
+    dtype, from the same accumulator ``dw_t`` (V, d), which the current path's reduce-add then
+    holds; ``like`` is a (V, d) weight's (d, V) view. Either device: on the CPU both run
+    through the tile interpreter (the CPU test of the probe's program)."""
+    from coda.kernels._launch import launch
+    from coda.kernels.linear_cross_entropy_bwd import weight_grad_from_acc
+
+    V, d = dw_t.shape
+    out = torch.empty(V, d, device=dw_t.device, dtype=like.dtype)
+    g_rows = g.to(dw_t.dtype).expand(V).contiguous()
+    operands = {"u": u, "g": g_rows}
+    launch(_dw_final_program(), e.t(), xs, config=config, d=out, c=dw_t, operands=operands)
+    cse.scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=True)
+    return out, weight_grad_from_acc(dw_t.t(), g, like).t()
+
+
+def dw_final_rows(cse, e, xs, u, dw_t, shape) -> list[dict]:
+    """``ce_grad_dw_final``: the probe at each config beside the path it would replace (the
+    reduce-adding dW GEMM on its default config, then ``weight_grad_from_acc``'s cast with g),
+    and the largest difference between their bf16 results (each from the same accumulator)."""
+    from coda.kernels._launch import launch
+    from coda.kernels.linear_cross_entropy_bwd import weight_grad_from_acc
+
+    V, d = dw_t.shape
+    g = torch.tensor(0.5, device=dw_t.device)
+    like = torch.empty(V, d, device=dw_t.device, dtype=torch.bfloat16).t()  # a weight's view
+    out = torch.empty(V, d, device=dw_t.device, dtype=torch.bfloat16)
+    g_rows = torch.empty(V, device=dw_t.device)
+    start = dw_t.clone()
+
+    def current():
+        cse.scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=True)
+        return weight_grad_from_acc(dw_t.t(), g, like)
+
+    def probe(cfg):
+        g_rows.copy_(g.expand(V))  # its share of the call: g arrives as a 0-dim tensor
+        operands = {"u": u, "g": g_rows}
+        launch(_dw_final_program(), e.t(), xs, config=cfg, d=out, c=dw_t, operands=operands)
+
+    t_now = bench(current)["ms"]
+    rows = []
+    for cfg in cse.GRAD_CANDIDATES:
+        if out_of_time():
+            rows.append({"name": "ce_grad_dw_final", **SKIPPED})
+            break
+        try:
+            t = bench(lambda cfg=cfg: probe(cfg))["ms"]
+            dw_t.copy_(start)
+            mine, now = dw_final_pair(cse, e, xs, u, dw_t, g, like, cfg)
+            diff = (mine.float() - now.float()).abs().max().item()
+        except Exception as ex:  # a config quack rejects is recorded and skipped
+            error = {"config": cfg.__dict__, "error": repr(ex)[:200]}
+            rows.append({"name": "ce_grad_dw_final", **error})
+            continue
+        row = {"name": "ce_grad_dw_final", **shape, "config": cfg.__dict__, "kernel_ms": t}
+        rows.append(progress({**row, "reduce_add_and_cast_ms": t_now, "max_abs_diff": diff}))
+    return rows
+
+
 # CE-S's gradient GEMMs, (d, V, token rows per chunk): the LM-head bench's d = 2048 call
 # (one chunk), the 1B model's head, d = 4096 (chunks of 1 GiB of E)
 CE_GRAD_SHAPES = ((2048, 32768, 16384), (2048, 128256, 4096), (4096, 128256, 4096))
@@ -289,6 +369,8 @@ def ce_grad_rows(only) -> list[dict]:
                         "default": cfg == default,
                     }
                 )
+        if not only or any("ce_grad_dw_final".startswith(p) for p in only):
+            rows += dw_final_rows(cse, e, xs, u, dw_t, {"d": d, "V": V, "rows": C})
         e = w = u = xs = g = dw_t = None
     return rows
 

@@ -268,3 +268,27 @@ def test_a_switched_off_variant_sees_its_switches_off_and_restores_them():
     off = [[False, True, True, True], [True, False, True, True], [True, True, False, False]]
     assert seen == off
     assert all(getattr(o, n) is True for o, n in switches)
+
+
+def test_the_deferred_dw_probe_computes_what_the_reduce_add_and_cast_compute():
+    """``tune_configs``' probe for the LM head's last dW chunk (its program through the tile
+    interpreter, float64) equals today's reduce-adding dW GEMM followed by the cast with g, so
+    its H200 timing compares two ways of computing one thing."""
+    from benchmarks import tune_configs as tc
+    from coda.kernels import ce_scaled_exp as cse
+    from coda.kernels.config import GemmConfig
+
+    g = torch.Generator().manual_seed(0)
+    rows, d, V = 256, 96, 384  # the strips' 64-row blocks over V, whole 128-row tiles of rows
+    f64 = torch.float64
+    e = torch.rand(rows, V, dtype=f64, generator=g)
+    xs = torch.randn(rows, d, dtype=f64, generator=g)
+    u = torch.exp2(-torch.randint(0, 4, (V // cse.STRIP, rows), generator=g).to(f64))
+    dw_t = torch.randn(V, d, dtype=f64, generator=g)
+    like = torch.empty(V, d, dtype=f64).t()
+    expected = (dw_t + (u.repeat_interleave(cse.STRIP, 0) * e.t()) @ xs) * 0.37
+    probe, current = tc.dw_final_pair(
+        cse, e, xs, u, dw_t, torch.tensor(0.37, dtype=f64), like, GemmConfig(128, 64, 2, 1, False)
+    )
+    assert torch.allclose(probe, expected, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(current, expected, rtol=1e-12, atol=1e-12)

@@ -169,6 +169,26 @@ def test_gradient_gemms_compile_at_every_swept_config(config):
     assert cse.compile_scaled_grad_dw(512, 768, accumulate=True, config=config) in (0, 1)
 
 
+@pytest.mark.compile
+def test_the_deferred_dw_probe_compiles():
+    """``tune_configs``' probe for the LM head's last dW chunk (fp32 C in, bf16 D out,
+    cooperative with the A-operand transform) compiles for sm_90a on its default config: the
+    next device session times it (``ce_grad_dw_final``)."""
+    from benchmarks.tune_configs import _dw_final_program
+    from coda.kernels._launch import launch
+
+    m, d, v = 256, 512, 768
+    e, xs = torch.empty(m, v, dtype=torch.bfloat16), torch.empty(m, d, dtype=torch.bfloat16)
+    u = torch.empty(v // cse.STRIP, m, dtype=torch.bfloat16)
+    acc, out = torch.empty(v, d), torch.empty(v, d, dtype=torch.bfloat16)
+    operands = {"u": u, "g": torch.empty(v)}
+    config = cse.dw_config(d)
+    compiled = launch(
+        _dw_final_program(), e.t(), xs, config=config, d=out, c=acc, operands=operands, dry=True
+    )
+    assert compiled in (0, 1)
+
+
 def test_grad_tile_n_divides_d():
     for d, tn in ((2048, 256), (4096, 256), (8192, 256), (1536, 192), (3072, 192), (1000, 128)):
         assert cse._grad_tile_n(d) == tn, d
