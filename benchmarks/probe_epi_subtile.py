@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 VARIANTS = [None, 64, 128]  # the subtile's N (None: quack's own choice); M stays quack's
 
@@ -85,7 +86,8 @@ def child(variant):
 def main():
     results = []
     for v in VARIANTS:
-        env = dict(os.environ, QUACK_CACHE_DIR=f"/tmp/quack_cache_probe_{v}")
+        cache = os.path.join(tempfile.gettempdir(), f"quack_cache_probe_{v}")
+        env = dict(os.environ, QUACK_CACHE_DIR=cache)
         try:
             p = subprocess.run(
                 [sys.executable, __file__, json.dumps(v)],
