@@ -253,56 +253,52 @@ def _dw_final_program():
     return scaled_grad_dw_final
 
 
-def dw_final_pair(cse, e, xs, u, dw_t, g, like, config):
-    """(probe, current): the last chunk's weight gradient both ways, (V, d) in ``like``'s
-    dtype, from the same accumulator ``dw_t`` (V, d), which the current path's reduce-add then
-    holds; ``like`` is a (V, d) weight's (d, V) view. Either device: on the CPU both run
-    through the tile interpreter (the CPU test of the probe's program)."""
+def dw_probe(e, xs, u, acc, g, out, config, dry=False):
+    """The probe: ``out`` (V, d) = g ((u (.) e)^T @ xs + acc), g a 0-dim tensor (as the
+    backward receives it) spread over the rows here, as its share of the call; ``dry``: only
+    compile (the compile count)."""
     from coda.kernels._launch import launch
+
+    operands = {"u": u, "g": g.to(acc.dtype).expand(acc.shape[0]).contiguous()}
+    program = _dw_final_program()
+    compiled = launch(program, e.t(), xs, config=config, d=out, c=acc, operands=operands, dry=dry)
+    return compiled if dry else out
+
+
+def dw_current(cse, e, xs, u, acc, g, like):
+    """Today's last chunk: the reduce-adding dW GEMM into ``acc`` (default config), then
+    ``weight_grad_from_acc``'s cast with g; (V, d), ``like`` being a (V, d) weight's view."""
     from coda.kernels.linear_cross_entropy_bwd import weight_grad_from_acc
 
-    V, d = dw_t.shape
-    out = torch.empty(V, d, device=dw_t.device, dtype=like.dtype)
-    g_rows = g.to(dw_t.dtype).expand(V).contiguous()
-    operands = {"u": u, "g": g_rows}
-    launch(_dw_final_program(), e.t(), xs, config=config, d=out, c=dw_t, operands=operands)
-    cse.scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=True)
-    return out, weight_grad_from_acc(dw_t.t(), g, like).t()
+    cse.scaled_grad_dw_kernel(e, xs, u, acc, accumulate=True)
+    return weight_grad_from_acc(acc.t(), g, like).t()
 
 
-def dw_final_rows(cse, e, xs, u, dw_t, shape) -> list[dict]:
-    """``ce_grad_dw_final``: the probe at each config beside the path it would replace (the
-    reduce-adding dW GEMM on its default config, then ``weight_grad_from_acc``'s cast with g),
-    and the largest difference between their bf16 results (each from the same accumulator)."""
-    from coda.kernels._launch import launch
-    from coda.kernels.linear_cross_entropy_bwd import weight_grad_from_acc
+def dw_final_pair(cse, e, xs, u, acc, g, like, config):
+    """(probe, current) from the same accumulator (which ``dw_current`` then holds). Either
+    device: on the CPU both run through the tile interpreter (the probe program's CPU test)."""
+    out = torch.empty(acc.shape, device=acc.device, dtype=like.dtype)
+    return dw_probe(e, xs, u, acc, g, out, config), dw_current(cse, e, xs, u, acc, g, like)
 
-    V, d = dw_t.shape
-    g = torch.tensor(0.5, device=dw_t.device)
-    like = torch.empty(V, d, device=dw_t.device, dtype=torch.bfloat16).t()  # a weight's view
-    out = torch.empty(V, d, device=dw_t.device, dtype=torch.bfloat16)
-    g_rows = torch.empty(V, device=dw_t.device)
-    start = dw_t.clone()
 
-    def current():
-        cse.scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=True)
-        return weight_grad_from_acc(dw_t.t(), g, like)
-
-    def probe(cfg):
-        g_rows.copy_(g.expand(V))  # its share of the call: g arrives as a 0-dim tensor
-        operands = {"u": u, "g": g_rows}
-        launch(_dw_final_program(), e.t(), xs, config=cfg, d=out, c=dw_t, operands=operands)
-
-    t_now = bench(current)["ms"]
+def dw_final_rows(cse, e, xs, u, acc, shape) -> list[dict]:
+    """``ce_grad_dw_final``: the probe at each config beside the path it would replace, and
+    the largest difference between their bf16 results (each from the same accumulator)."""
+    V, d = acc.shape
+    g = torch.tensor(0.5, device=acc.device)
+    like = torch.empty(V, d, device=acc.device, dtype=torch.bfloat16).t()  # a weight's view
+    out = torch.empty(V, d, device=acc.device, dtype=torch.bfloat16)
+    start = acc.clone()
+    t_now = bench(lambda: dw_current(cse, e, xs, u, acc, g, like))["ms"]
     rows = []
     for cfg in cse.GRAD_CANDIDATES:
         if out_of_time():
             rows.append({"name": "ce_grad_dw_final", **SKIPPED})
             break
         try:
-            t = bench(lambda cfg=cfg: probe(cfg))["ms"]
-            dw_t.copy_(start)
-            mine, now = dw_final_pair(cse, e, xs, u, dw_t, g, like, cfg)
+            t = bench(lambda cfg=cfg: dw_probe(e, xs, u, acc, g, out, cfg))["ms"]
+            acc.copy_(start)
+            mine, now = dw_final_pair(cse, e, xs, u, acc, g, like, cfg)
             diff = (mine.float() - now.float()).abs().max().item()
         except Exception as ex:  # a config quack rejects is recorded and skipped
             error = {"config": cfg.__dict__, "error": repr(ex)[:200]}

@@ -174,18 +174,13 @@ def test_the_deferred_dw_probe_compiles():
     """``tune_configs``' probe for the LM head's last dW chunk (fp32 C in, bf16 D out,
     cooperative with the A-operand transform) compiles for sm_90a on its default config: the
     next device session times it (``ce_grad_dw_final``)."""
-    from benchmarks.tune_configs import _dw_final_program
-    from coda.kernels._launch import launch
+    from benchmarks.tune_configs import dw_probe
 
     m, d, v = 256, 512, 768
     e, xs = torch.empty(m, v, dtype=torch.bfloat16), torch.empty(m, d, dtype=torch.bfloat16)
     u = torch.empty(v // cse.STRIP, m, dtype=torch.bfloat16)
     acc, out = torch.empty(v, d), torch.empty(v, d, dtype=torch.bfloat16)
-    operands = {"u": u, "g": torch.empty(v)}
-    config = cse.dw_config(d)
-    compiled = launch(
-        _dw_final_program(), e.t(), xs, config=config, d=out, c=acc, operands=operands, dry=True
-    )
+    compiled = dw_probe(e, xs, u, acc, torch.tensor(1.0), out, cse.dw_config(d), dry=True)
     assert compiled in (0, 1)
 
 

@@ -9,21 +9,20 @@ A wrong sign, factor or lane is a nonzero difference, and the test fails."""
 from __future__ import annotations
 
 import pytest
+import sympy as sp  # torch's own dependency: always installed beside it
 
-sp = pytest.importorskip("sympy")
-
-from coda.kernels import dswiglu as dsw  # noqa: E402
-from coda.kernels import gemm_residual_rms as grr  # noqa: E402
-from coda.kernels import gemm_rmsnorm_gemm as grg  # noqa: E402
-from coda.kernels import gemm_rope as rope  # noqa: E402
-from coda.kernels import gemm_swiglu as sw  # noqa: E402
-from coda.kernels import linear_cross_entropy as lce  # noqa: E402
-from coda.kernels import linear_cross_entropy_bwd as ceb  # noqa: E402
-from coda.kernels import linear_cross_entropy_chunked as cec  # noqa: E402
-from coda.kernels import qk_norm as qk  # noqa: E402
-from coda.kernels import rmsnorm_bwd as nb  # noqa: E402
-from coda.kernels.ce_scaled_exp import scaled_exp_logits, scaled_grad_dw, scaled_grad_dx  # noqa: E402
-from coda.primitives.symbolic import evaluate, prepass  # noqa: E402
+from coda.kernels import dswiglu as dsw
+from coda.kernels import gemm_residual_rms as grr
+from coda.kernels import gemm_rmsnorm_gemm as grg
+from coda.kernels import gemm_rope as rope
+from coda.kernels import gemm_swiglu as sw
+from coda.kernels import linear_cross_entropy as lce
+from coda.kernels import linear_cross_entropy_bwd as ceb
+from coda.kernels import linear_cross_entropy_chunked as cec
+from coda.kernels import qk_norm as qk
+from coda.kernels import rmsnorm_bwd as nb
+from coda.kernels.ce_scaled_exp import scaled_exp_logits, scaled_grad_dw, scaled_grad_dx
+from coda.primitives.symbolic import evaluate, prepass
 
 
 def silu(z):

@@ -27,11 +27,24 @@ def _value(v):
     return TilePair(*v) if isinstance(v, tuple) else v
 
 
+def _call(fn, acc, inputs) -> dict:
+    """``fn`` at one element, its results back in this module's conventions: a pair as an
+    (even, odd) tuple, a scaled reduction's (x, y) term as x * y."""
+    result = fn(_value(acc), **{k: _value(v) for k, v in inputs.items()})
+    out = {}
+    for name, v in result.items():
+        if isinstance(v, TilePair):
+            v = (v.even, v.odd)
+        elif isinstance(v, tuple):
+            v = v[0] * v[1]
+        out[name] = v
+    return out
+
+
 def prepass(program: EpilogueProgram, acc, **inputs) -> dict:
     """``program.prepass`` at one element, with ``evaluate``'s conventions: the per-element
     terms a prepass statistic (``GroupRstd``, ``TileMaxLog2``) reduces over its group."""
-    result = program.prepass(_value(acc), **{k: _value(v) for k, v in inputs.items()})
-    return {k: (v.even, v.odd) if isinstance(v, TilePair) else v for k, v in result.items()}
+    return _call(program.prepass, acc, inputs)
 
 
 def evaluate(program: EpilogueProgram, acc, **inputs) -> dict:
@@ -42,12 +55,4 @@ def evaluate(program: EpilogueProgram, acc, **inputs) -> dict:
     params = list(inspect.signature(program.fn).parameters)[1:]
     if set(params) != set(inputs):
         raise TypeError(f"{program.name} takes {params}, got {sorted(inputs)}")
-    result = program.fn(_value(acc), **{k: _value(v) for k, v in inputs.items()})
-    out = {}
-    for name, v in result.items():
-        if isinstance(v, TilePair):
-            v = (v.even, v.odd)
-        elif isinstance(v, tuple):  # a scaled reduction's term, x * y
-            v = v[0] * v[1]
-        out[name] = v
-    return out
+    return _call(program.fn, acc, inputs)
