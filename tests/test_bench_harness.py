@@ -53,6 +53,19 @@ def test_selected_names_are_checked(monkeypatch):
         _common.selected("CODA_X", ["a", "b"])
 
 
+def test_the_model_step_runs_the_default_peers_unless_some_are_named(monkeypatch):
+    from benchmarks import bench_step
+
+    monkeypatch.delenv("CODA_MODEL_PEERS", raising=False)
+    assert bench_step.model_peers() == ["coda", "torch_compile", "liger"]  # fit one H200
+    assert set(bench_step.MODEL_DEFAULT_PEERS) < set(bench_step.MODEL_PEERS)
+    monkeypatch.setenv("CODA_MODEL_PEERS", "torch_eager,coda_checkpointed")
+    assert bench_step.model_peers() == ["torch_eager", "coda_checkpointed"]
+    monkeypatch.setenv("CODA_MODEL_PEERS", "coda,jax")
+    with pytest.raises(ValueError, match="jax"):
+        bench_step.model_peers()
+
+
 def test_suite_and_layer_selections_are_checked(monkeypatch, capsys):
     """``gpu_suite --only`` refuses an unknown suite before any test or benchmark runs (the old
     "train" suite among them: it is "layer_train" now, the LM head its own suite), and
