@@ -246,17 +246,15 @@ def _liger_ops(liger) -> dict:
 
 
 def graphed_train_step(model, tokens, targets, lr=1e-4):
-    """The whole training step (forward, backward, AdamW) captured once as a CUDA graph;
-    returns its replay. AdamW runs ``capturable`` (its step count lives on the GPU); the
-    gradients live in the graph's memory pool. The documented recipe of README "CUDA graphs"."""
+    """The whole training step (forward, backward, AdamW) through ``coda.nn.GraphedStep``,
+    warmed up and captured here; returns the call a user's loop makes on this batch (the
+    inputs copied into the graph's buffers, the replay, the loss returned)."""
+    lr = torch.tensor(lr, device="cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=True)
-
-    def step():  # gradients set to None first: the capture allocates them in its pool
-        opt.zero_grad(set_to_none=True)
-        model(tokens, targets).backward()
-        opt.step()
-
-    return graphed(step)  # warm-up off the graph (compiles, optimizer state), then capture
+    step = cnn.GraphedStep(model, opt)
+    for _ in range(step.warmup + 1):  # the eager calls, then the capture's
+        step(tokens, targets)
+    return lambda: step(tokens, targets)
 
 
 def _model_flops(cfg, tokens) -> float:

@@ -179,6 +179,10 @@ def suite_list(args) -> list:
         ("model", StepPart("model")),
         ("hf", bench_hf),
         ("train_demo", Demo(["demos/train.py", "--png", os.path.join(args.out, "train_loss.png")])),
+        (
+            "train_demo_graph",
+            Demo(["demos/train.py", "--graph", "--png", os.path.join(args.out, "train_graph.png")]),
+        ),
     ]
 
 

@@ -2,7 +2,12 @@
 same batches, with plain PyTorch; print final losses and tokens/s, overlay the loss curves.
 
     python demos/train.py                 # H200: 4 layers, d=1024, 300 steps (kernel path)
+    python demos/train.py --graph         # ... each model's step as one CUDA graph
     python demos/train.py --steps 30      # CPU: a tiny model through the reference path
+
+At d=1024 an eager step is bound by the host, which enqueues every kernel from Python;
+``--graph`` trains both models through ``coda.nn.GraphedStep`` (the same steps on the same
+batches, replayed from one CUDA graph each), which times their kernels instead.
 
 The coda model is ``coda.nn.CausalLM``; the PyTorch one is ``coda.reference.model.TorchLlama``
 built from its HF state dict. The plot goes to ``--out`` (default ``out/``, git-ignored).
@@ -40,21 +45,32 @@ def markov_batches(vocab, batch, seq, steps, device, seed=0, branch=4):
         yield tok[:, :-1].to(device), tok[:, 1:].to(device)
 
 
-def train(model, batches, steps, lr, warmup_steps):
+def train(model, batches, steps, lr, warmup_steps, graph=False):
     """AdamW for ``steps`` batches. Tokens/s is timed over the steps after the first
-    ``warmup_steps`` (compiles and warm-up excluded); None when no step is left to time."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ``warmup_steps`` (compiles and warm-up excluded); None when no step is left to time.
+    ``graph`` (a CUDA model): each step through ``coda.nn.GraphedStep``, the same math."""
+    cuda = next(model.parameters()).is_cuda
+    if graph and cuda:  # a graph reads the lr from the device, so the schedule reaches it
+        lr = torch.tensor(lr, device="cuda")
+        extra = dict(fused=True, capturable=True)
+    else:
+        extra = {}
+    opt = torch.optim.AdamW(model.parameters(), lr, betas=(0.9, 0.95), weight_decay=0.0, **extra)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    run = cnn.GraphedStep(model, opt) if graph else None
     losses, t_start, tokens = [], None, 0
     for step, (x, y) in enumerate(batches):
         if step == warmup_steps:
             if x.is_cuda:
                 torch.cuda.synchronize()
             t_start, tokens = time.perf_counter(), 0
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if run is not None:
+            loss = run(x, y)
+        else:
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         sched.step()
         losses.append(loss.detach())  # no per-step host sync
         tokens += x.numel()
@@ -98,6 +114,12 @@ def parse_args(argv=None):
         help="folder for the loss plot train_loss.png (created; default out/)",
     )
     ap.add_argument("--png", default=None, help="exact path of the loss plot (overrides --out)")
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="train each model through coda.nn.GraphedStep: its step as one CUDA graph "
+        "(on a GPU; the CPU runs the same steps eagerly)",
+    )
     args = ap.parse_args(argv)
     check_step_args(ap, args)
     return args
@@ -126,7 +148,7 @@ def main(argv=None):
         dtype=dtype,
     )
     torch_model = TorchLlama.of(coda_model)
-    print(f"model: {cfg}, {steps} steps, {device}, {dtype}")
+    print(f"model: {cfg}, {steps} steps, {device}, {dtype}" + (", graphed" if args.graph else ""))
     print("path:", "kernel (SM90)" if gpu else "reference (CPU: checks the math, not the speed)")
     data = dict(vocab=cfg["vocab"], batch=cfg["batch"], seq=cfg["seq"], steps=steps, device=device)
     floor = math.log(4)  # entropy of the chain: 4 equally likely successors
@@ -135,7 +157,8 @@ def main(argv=None):
     for name, model in (("coda", coda_model), ("pytorch", torch_model)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", coda.CodaReferencePathWarning)  # said above
-            losses, speed[name] = train(model, markov_batches(**data), steps, lr, args.warmup)
+            batches = markov_batches(**data)
+            losses, speed[name] = train(model, batches, steps, lr, args.warmup, args.graph)
         results[name] = losses
         rate = f"{speed[name]:,.0f} tokens/s" if speed[name] else "not timed (steps <= warmup)"
         print(

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import coda
 import coda.nn as cnn
+from coda.nn.graph import check_capturable
 
 
 def _capture(step):
@@ -62,3 +64,100 @@ def test_gpu_graph_replay_equals_eager_step(method):
     eager = [loss_out, x.grad, *(p.grad for p in params)]
     for i, (a, b) in enumerate(zip(replayed, eager)):
         assert torch.equal(a, b), f"tensor {i} differs from the eager step on new data"
+
+
+# -- coda.nn.GraphedStep -----------------------------------------------------------------------
+def _tiny_lm(device, dtype, seed=0):
+    torch.manual_seed(seed)
+    return cnn.CausalLM(64, 32, 2, 4, 2, 48, device=device, dtype=dtype)
+
+
+def _batches(n, vocab, shape, device, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(0, vocab, shape, generator=g).to(device),
+            torch.randint(0, vocab, shape, generator=g).to(device),
+        )
+        for _ in range(n)
+    ]
+
+
+def _eager_steps(model, opt, batches, max_grad_norm=None):
+    losses = []
+    for tok, tgt in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = model(tok, tgt)
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05])
+def test_graphed_step_is_the_eager_step_on_the_cpu(max_grad_norm):
+    a, b = _tiny_lm("cpu", torch.float64), _tiny_lm("cpu", torch.float64)
+    batches = _batches(5, 64, (2, 7), "cpu")
+    want = _eager_steps(a, torch.optim.AdamW(a.parameters(), lr=1e-2), batches, max_grad_norm)
+    step = cnn.GraphedStep(b, torch.optim.AdamW(b.parameters(), lr=1e-2), 2, max_grad_norm)
+    got = [step(tok, tgt) for tok, tgt in batches]
+    assert not step.graphed  # the CPU has no CUDA graphs: every call ran eagerly
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert len({float(x) for x in got}) == len(got)  # five batches, five losses
+    if max_grad_norm is not None:  # clipping took effect
+        assert float(step.grad_norm) > max_grad_norm
+
+
+def test_graphed_step_names_what_a_graph_cannot_hold():
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(coda.CodaInputError, match="param group 0 is not capturable"):
+        check_capturable(torch.optim.AdamW(p, lr=1e-3))
+    with pytest.raises(coda.CodaInputError, match="float lr"):
+        check_capturable(torch.optim.AdamW(p, lr=1e-3, capturable=True))
+    check_capturable(torch.optim.AdamW(p, lr=torch.tensor(1e-3), capturable=True))
+    model = _tiny_lm("cpu", torch.float32)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(coda.CodaInputError, match="warmup: must be a positive integer"):
+        cnn.GraphedStep(model, opt, warmup=0)
+    with pytest.raises(coda.CodaInputError, match="max_grad_norm"):
+        cnn.GraphedStep(model, opt, max_grad_norm=0.0)
+    step = cnn.GraphedStep(model, opt)  # the signature rule, as a CUDA model's calls meet it
+    tok = torch.zeros(2, 8, dtype=torch.long)
+    step._check((tok, tok))
+    step._check((tok.clone(), tok + 1))  # other values, same signature
+    with pytest.raises(coda.CodaInputError, match=r"inputs\[1\]: .*\(2, 8\).*got tensor \(2, 9\)"):
+        step._check((tok, torch.zeros(2, 9, dtype=torch.long)))
+    with pytest.raises(coda.CodaInputError, match=r"inputs\[0\]: .*torch.int32"):
+        step._check((tok.int(), tok))
+    with pytest.raises(coda.CodaInputError, match="takes 2 arguments"):
+        step._check((tok,))
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_step_trains_as_the_eager_step():
+    """Six steps of a coda CausalLM on six batches: eager and through ``GraphedStep`` (two
+    eager calls, a capture, three replays) give the same losses and weights, bitwise."""
+
+    def lm():
+        torch.manual_seed(0)
+        return cnn.CausalLM(8192, 1024, 1, 8, 4, 2816, device="cuda")
+
+    def adamw(model):
+        lr = torch.tensor(1e-3, device="cuda")
+        return torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=True)
+
+    batches = _batches(6, 8192, (2, 512), "cuda")
+    a, b = lm(), lm()
+    want = _eager_steps(a, adamw(a), batches, max_grad_norm=1.0)
+    step = cnn.GraphedStep(b, adamw(b), warmup=2, max_grad_norm=1.0)
+    got = [step(tok, tgt) for tok, tgt in batches]
+    assert step.graphed
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert torch.equal(x, y), f"step {i}: loss {float(x)} against eager {float(y)}"
+    for (name, p), q in zip(b.named_parameters(), a.parameters()):
+        assert torch.equal(p, q), name
+    with pytest.raises(coda.CodaInputError, match="holds one shape"):
+        step(batches[0][0][:, :256], batches[0][1][:, :256])

@@ -6,7 +6,8 @@ flash) with RoPE, SwiGLU MLP, residuals. ``LMHeadLoss`` and ``lm_head_loss``
 (``coda.nn.head``): final RMSNorm, LM head and cross-entropy, logits never stored on the
 kernel path. ``CausalLM`` (``coda.nn.model``): embedding, layers, head. On an SM90 GPU with
 bf16 tensors they run ``coda.autograd``'s kernel sequences; elsewhere the same math through
-the differentiable pure-torch reference (``coda.env`` reports the choice).
+the differentiable pure-torch reference (``coda.env`` reports the choice). ``GraphedStep``
+(``coda.nn.graph``): a training step of any of them, captured once as a CUDA graph.
 
 Parameter layout (documented departure from HF): a layer's weights are (in, out) matrices in
 coda's paired layouts, the ones the epilogues need: ``w_qkv`` = [q | k | v] with q and k in
@@ -16,8 +17,16 @@ unaffected; KERNELS.md [I3.3]). ``load_hf_state_dict`` / ``hf_state_dict`` conve
 with HF's key names. The LM head's weight is (vocab, d), as HF's.
 """
 
+from coda.nn.graph import GraphedStep
 from coda.nn.head import LM_HEAD_METHODS, LMHeadLoss, lm_head_loss
 from coda.nn.layer import DecoderLayer
 from coda.nn.model import CausalLM
 
-__all__ = ["LM_HEAD_METHODS", "CausalLM", "DecoderLayer", "LMHeadLoss", "lm_head_loss"]
+__all__ = [
+    "LM_HEAD_METHODS",
+    "CausalLM",
+    "DecoderLayer",
+    "GraphedStep",
+    "LMHeadLoss",
+    "lm_head_loss",
+]

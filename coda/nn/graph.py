@@ -1,0 +1,140 @@
+"""``GraphedStep``: one training step (forward, backward, optimizer step) that runs eagerly
+for its first calls, is then captured once as a CUDA graph, and is replayed from then on, so
+a step costs the GPU its kernels and the host one replay.
+
+Why: a small model's eager step is bound by the host, which enqueues each of its kernels from
+Python (the d=1024 demo model: ~2 ms of kernels behind ~3 ms of host per layer step,
+benchmarks/NOTES.md). coda's kernel path has no host syncs and keeps its launch plans per
+shape, so a step of ``coda.nn.CausalLM``, of a stack of coda layers or of a model patched by
+``coda.transformers.apply_coda`` captures as it is; this is PyTorch's whole-network capture
+recipe as one object that behaves as the eager step it replaces:
+
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-4, device="cuda"),
+                            fused=True, capturable=True)
+    step = coda.nn.GraphedStep(model, opt)
+    for tokens, targets in batches:
+        loss = step(tokens, targets)  # zero_grad; model(tokens, targets).backward(); opt.step()
+
+Each call is one step on the batch it is given: the first ``warmup`` calls run eagerly (on a
+side stream: compiles, the allocator and the optimizer's state warm up there), the next one
+captures the step and replays it, the rest replay. A replay copies the call's tensors into the
+graph's own input buffers; parameters and optimizer state change in place, as eagerly; after
+a call every ``.grad`` holds that step's gradient (graph memory, rewritten by the next call).
+
+Rules, each a ``CodaInputError`` naming itself: the optimizer runs ``capturable=True`` with a
+tensor learning rate (a float lr would be frozen into the graph, and a scheduler's later
+changes ignored without a word; a tensor one is read by every replay, and torch's schedulers
+update it in place); every call after the first passes tensors of the first call's shapes,
+dtypes and devices, and any other argument equal to the first call's (the graph holds one
+shape). On the CPU, where CUDA graphs do not exist, every call runs eagerly and nothing is
+checked beyond what the eager step checks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coda import _validate as v
+
+
+def check_capturable(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer can run inside a CUDA graph and stays schedulable there."""
+    for i, group in enumerate(optimizer.param_groups):
+        if not group.get("capturable", False):
+            raise v.CodaInputError(
+                f"optimizer: param group {i} is not capturable; build the optimizer with "
+                f"capturable=True (e.g. torch.optim.AdamW(..., fused=True, capturable=True))"
+            )
+        if not isinstance(group.get("lr"), torch.Tensor):
+            raise v.CodaInputError(
+                f"optimizer: param group {i} has a float lr, which a CUDA graph freezes at "
+                f"capture (a scheduler's changes would be ignored); pass "
+                f"lr=torch.tensor(lr, device='cuda')"
+            )
+
+
+def _signature(args: tuple) -> tuple:
+    return tuple(
+        ("tensor", tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
+        for a in args
+    )
+
+
+def _describe(sig) -> str:
+    return "tensor {} {} on {}".format(*sig[1:]) if isinstance(sig, tuple) else repr(sig)
+
+
+class GraphedStep:
+    """``step(*inputs)`` = ``optimizer.zero_grad(set_to_none=True)``; ``loss =
+    model(*inputs)``; ``loss.backward()``; (``clip_grad_norm_`` to ``max_grad_norm`` if
+    given); ``optimizer.step()``; returns the loss (detached, a tensor of its own). Eager for
+    the first ``warmup`` calls, then one CUDA graph (module docstring). ``grad_norm``: the
+    last step's total gradient norm before clipping, when ``max_grad_norm`` is given."""
+
+    def __init__(self, model, optimizer, warmup: int = 3, max_grad_norm: float | None = None):
+        self.model, self.optimizer = model, optimizer
+        self.warmup = v.check_positive_int("warmup", warmup)
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise v.CodaInputError(f"max_grad_norm: must be > 0 or None, got {max_grad_norm!r}")
+        self.max_grad_norm = max_grad_norm
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.cuda = bool(self.params) and self.params[0].is_cuda
+        if self.cuda:
+            check_capturable(optimizer)
+        self.grad_norm = None
+        self._calls, self._signature, self._graph = 0, None, None
+        self._inputs = self._loss = None
+
+    @property
+    def graphed(self) -> bool:
+        """Whether calls now replay the captured graph."""
+        return self._graph is not None
+
+    def _step(self, inputs):
+        self.optimizer.zero_grad(set_to_none=True)  # inside a capture: .grad in its pool
+        loss = self.model(*inputs)
+        loss.backward()
+        if self.max_grad_norm is not None:  # no host sync: capturable
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.optimizer.step()
+        return loss.detach()
+
+    def _check(self, inputs) -> None:
+        sig = _signature(inputs)
+        if self._signature is None:
+            self._signature = sig
+        if len(sig) != len(self._signature):
+            raise v.CodaInputError(
+                f"inputs: the graphed step takes {len(self._signature)} arguments, as its "
+                f"first call did; got {len(sig)}"
+            )
+        for i, (got, want) in enumerate(zip(sig, self._signature)):
+            if got != want:
+                raise v.CodaInputError(
+                    f"inputs[{i}]: the graphed step holds one shape, its first call's "
+                    f"({_describe(want)}); got {_describe(got)}. Pad batches to one shape, "
+                    f"or build one GraphedStep per shape"
+                )
+
+    def __call__(self, *inputs) -> torch.Tensor:
+        if not self.cuda:
+            return self._step(inputs)
+        self._check(inputs)
+        if self._graph is None and self._calls < self.warmup:
+            self._calls += 1
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss = self._step(inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            return loss
+        if self._graph is None:  # capture records the step without running it
+            self._inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in inputs]
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._loss = self._step(self._inputs)
+        for buffer, a in zip(self._inputs, inputs):
+            if isinstance(a, torch.Tensor):
+                buffer.copy_(a)
+        self._graph.replay()
+        return self._loss.clone()
