@@ -299,9 +299,12 @@ class Demo:
         ]
 
 
-def no_machine_paths(text: str) -> str:
+def no_machine_paths(text: str, out_dir: str | None = None) -> str:
     """Records name GPU, versions, commit and command, never a folder of the machine: paths in
-    captured tracebacks and warnings become repository-relative or "site-packages/..."."""
+    captured tracebacks and warnings become repository-relative or "site-packages/...", and
+    the output folder (a demo's plot) "$OUT"."""
+    if out_dir:
+        text = text.replace(os.path.abspath(out_dir), "$OUT")
     text = text.replace(ROOT + os.sep, "")
     return re.sub(r"/[^\s\"']*/site-packages/", "site-packages/", text)
 
@@ -327,7 +330,7 @@ def write_record(record, out_dir):
     gpu = record["env"].get("gpu", "nogpu").split()[-1].lower()
     fname = f"{record['date'][:10]}_{gpu}.json"
     # compact: every GPU call carries the working tree, which is kept under 4 MB
-    text = no_machine_paths(json.dumps(record, separators=(",", ":")))
+    text = no_machine_paths(json.dumps(record, separators=(",", ":")), out_dir)
     for d in (os.path.join(ROOT, "benchmarks", "results"), out_dir):
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, fname), "w") as f:

@@ -114,8 +114,9 @@ def main(argv=None):
     for name, model in (("unpatched", plain), ("coda", patched)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", coda.CodaReferencePathWarning)  # said above
+            batches = list(markov_batches(**data))  # made before the clock starts
             losses[name], speed[name] = train(
-                model, markov_batches(**data), steps, args.warmup, name, not args.no_progress
+                model, batches, steps, args.warmup, name, not args.no_progress
             )
         rate = f"{speed[name]:,.0f} tokens/s" if speed[name] else "not timed (steps <= warmup)"
         mean = sum(losses[name][-last:]) / last

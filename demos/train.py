@@ -157,7 +157,7 @@ def main(argv=None):
     for name, model in (("coda", coda_model), ("pytorch", torch_model)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", coda.CodaReferencePathWarning)  # said above
-            batches = markov_batches(**data)
+            batches = list(markov_batches(**data))  # made before the clock starts
             losses, speed[name] = train(model, batches, steps, lr, args.warmup, args.graph)
         results[name] = losses
         rate = f"{speed[name]:,.0f} tokens/s" if speed[name] else "not timed (steps <= warmup)"

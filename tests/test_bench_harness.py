@@ -124,6 +124,17 @@ def test_a_call_cut_by_sigterm_still_writes_its_record(monkeypatch, tmp_path):
     assert benchmarks["cut"]["rows_so_far"] == [{"name": "cut/first", "ms": 2.0}]
 
 
+def test_records_name_no_folder_of_the_machine(tmp_path):
+    from benchmarks import gpu_suite
+
+    out = str(tmp_path / "out")
+    text = f"python demos/train.py --png {out}/train.png; {gpu_suite.ROOT}/coda/ops.py:3"
+    text += "; /usr/lib/python3/site-packages/torch/x.py"
+    assert gpu_suite.no_machine_paths(text, out) == (
+        "python demos/train.py --png $OUT/train.png; coda/ops.py:3; site-packages/torch/x.py"
+    )
+
+
 def test_interleaved_rounds_rotate_and_take_the_median():
     order, clock = [], iter([5.0, 1.0, 9.0, 2.0, 6.0, 3.0, 7.0, 4.0, 8.0])
 
