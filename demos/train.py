@@ -170,6 +170,8 @@ def main(argv=None):
     print(f"tokens/s coda / pytorch = {ratio}; max |loss difference| over the run = {diff:.4f}")
     if not gpu:
         print("(CPU: both models run plain torch math; tokens/s here says nothing about coda)")
+    elif not args.graph:
+        print("(eager steps at this size wait on the host's launches; --graph times the kernels)")
     try:
         import matplotlib
 
