@@ -54,13 +54,15 @@ MODEL_PEERS = (
     "torch_compile",
     "liger",
     "torch_eager",
+    "torch_compile_graphed",
     "coda_compile",
     "coda_recompute",
     "coda_checkpointed",
 )
-# run when ``CODA_MODEL_PEERS`` names none: the four others (torch eager, coda compiled,
-# recomputing, checkpointed) are opt-in, since all seven models, their AdamW states and pass
-# 2's steps do not fit on one H200 at the 1B shape (run 66: out of memory at 132.9 GiB)
+# run when ``CODA_MODEL_PEERS`` names none: the others (torch eager, torch.compile's CUDA
+# graphs, coda compiled, recomputing, checkpointed) are opt-in, since all of them with their
+# AdamW states and pass 2's steps do not fit on one H200 at the 1B shape (run 66: out of
+# memory at 132.9 GiB with the seven of then)
 MODEL_DEFAULT_PEERS = ("coda", "torch_compile", "liger")
 
 
@@ -314,6 +316,11 @@ def model_rows(liger) -> list[dict]:
             "torch_compile": lambda: torch.compile(TorchLlama.of(coda_model)),
             "liger": lambda: TorchLlama.of(coda_model, ops=_liger_ops(liger)),
             "torch_eager": lambda: TorchLlama.of(coda_model),
+            # torch.compile's own CUDA graphs (cudagraph trees): the graphed peer of
+            # ``coda_graphed`` (its optimizer step stays eager, one fused launch)
+            "torch_compile_graphed": lambda: torch.compile(
+                TorchLlama.of(coda_model), mode="reduce-overhead"
+            ),
             "coda_compile": lambda: torch.compile(copy.deepcopy(coda_model)),
             # the four-GEMM LM head, least memory
             "coda_recompute": lambda: coda_copy(lambda m: setattr(m.head, "method", "recompute")),
