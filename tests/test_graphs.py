@@ -126,14 +126,49 @@ def test_graphed_step_names_what_a_graph_cannot_hold():
         cnn.GraphedStep(model, opt, max_grad_norm=0.0)
     step = cnn.GraphedStep(model, opt)  # the signature rule, as a CUDA model's calls meet it
     tok = torch.zeros(2, 8, dtype=torch.long)
-    step._check((tok, tok))
-    step._check((tok.clone(), tok + 1))  # other values, same signature
-    with pytest.raises(coda.CodaInputError, match=r"inputs\[1\]: .*\(2, 8\).*got tensor \(2, 9\)"):
-        step._check((tok, torch.zeros(2, 9, dtype=torch.long)))
+    step._check((tok,), {"targets": tok, "reduction": "mean"})
+    step._check((tok.clone(),), {"targets": tok + 1, "reduction": "mean"})  # same signature
+    other = torch.zeros(2, 9, dtype=torch.long)
+    with pytest.raises(coda.CodaInputError, match=r"targets: .*\(2, 8\).*got tensor \(2, 9\)"):
+        step._check((tok,), {"targets": other, "reduction": "mean"})
     with pytest.raises(coda.CodaInputError, match=r"inputs\[0\]: .*torch.int32"):
-        step._check((tok.int(), tok))
-    with pytest.raises(coda.CodaInputError, match="takes 2 arguments"):
-        step._check((tok,))
+        step._check((tok.int(),), {"targets": tok, "reduction": "mean"})
+    with pytest.raises(coda.CodaInputError, match="reduction: .*'mean'.*got 'sum'"):
+        step._check((tok,), {"targets": tok, "reduction": "sum"})
+    with pytest.raises(coda.CodaInputError, match=r"inputs\[0\], targets, reduction\); got"):
+        step._check((tok, tok), {})
+    with pytest.raises(coda.CodaInputError, match="0-dim loss tensor"):
+        cnn.GraphedStep(model, opt)(tok, tok, reduction="none")  # the step needs one loss
+
+
+def test_graphed_step_trains_a_patched_hugging_face_model_by_keyword():
+    """An HF model patched by ``apply_coda`` returns a ``ModelOutput``: the step takes its
+    ``.loss``, and the batch by keyword (the CPU: every call eager, as the hand-written loop)."""
+    transformers = pytest.importorskip("transformers")
+    import copy
+
+    import coda.transformers as ct
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+    )  # fmt: skip
+    a = ct.apply_coda(transformers.LlamaForCausalLM(cfg).double())
+    b = copy.deepcopy(a)
+    batches = [ids for ids, _ in _batches(4, 97, (2, 9), "cpu")]
+    opt_a, opt_b = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
+    want = []
+    for ids in batches:
+        opt_a.zero_grad(set_to_none=True)
+        loss = a(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt_a.step()
+        want.append(loss.detach())
+    step = cnn.GraphedStep(b, opt_b)
+    got = [step(input_ids=ids, labels=ids) for ids in batches]
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
 @pytest.mark.gpu

@@ -15,6 +15,9 @@ recipe as one object that behaves as the eager step it replaces:
     for tokens, targets in batches:
         loss = step(tokens, targets)  # zero_grad; model(tokens, targets).backward(); opt.step()
 
+A model may return the loss or an output holding it as ``.loss`` (a Hugging Face model's), and
+take keyword arguments: ``step(input_ids=ids, labels=ids)``.
+
 Each call is one step on the batch it is given: the first ``warmup`` calls run eagerly (on a
 side stream: compiles, the allocator and the optimizer's state warm up there), the next one
 captures the step and replays it, the rest replay. A replay copies the call's tensors into the
@@ -24,10 +27,10 @@ a call every ``.grad`` holds that step's gradient (graph memory, rewritten by th
 Rules, each a ``CodaInputError`` naming itself: the optimizer runs ``capturable=True`` with a
 tensor learning rate (a float lr would be frozen into the graph, and a scheduler's later
 changes ignored without a word; a tensor one is read by every replay, and torch's schedulers
-update it in place); every call after the first passes tensors of the first call's shapes,
-dtypes and devices, and any other argument equal to the first call's (the graph holds one
-shape). On the CPU, where CUDA graphs do not exist, every call runs eagerly and nothing is
-checked beyond what the eager step checks.
+update it in place); every call after the first passes the first call's arguments (by
+position and by name) as tensors of its shapes, dtypes and devices, and any other argument
+equal to it (the graph holds one shape). On the CPU, where CUDA graphs do not exist, every
+call runs eagerly and nothing is checked beyond what the eager step checks.
 """
 
 from __future__ import annotations
@@ -53,15 +56,29 @@ def check_capturable(optimizer: torch.optim.Optimizer) -> None:
             )
 
 
-def _signature(args: tuple) -> tuple:
-    return tuple(
-        ("tensor", tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
-        for a in args
-    )
+def _signature(args: tuple, kwargs: dict) -> dict:
+    """{position or name: what a graph fixes of that argument}."""
+    named = {**dict(enumerate(args)), **kwargs}
+    return {
+        k: ("tensor", tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
+        for k, a in named.items()
+    }
 
 
 def _describe(sig) -> str:
-    return "tensor {} {} on {}".format(*sig[1:]) if isinstance(sig, tuple) else repr(sig)
+    if isinstance(sig, tuple) and sig[:1] == ("tensor",):
+        return "tensor {} {} on {}".format(*sig[1:])
+    return repr(sig)
+
+
+def _loss_of(out) -> torch.Tensor:
+    loss = getattr(out, "loss", out)  # a Hugging Face ModelOutput holds it as .loss
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise v.CodaInputError(
+            "model: GraphedStep needs the model to return a 0-dim loss tensor, or an output "
+            f"with one as .loss (pass the labels); got {type(out).__name__}"
+        )
+    return loss
 
 
 class GraphedStep:
@@ -72,6 +89,8 @@ class GraphedStep:
     last step's total gradient norm before clipping, when ``max_grad_norm`` is given."""
 
     def __init__(self, model, optimizer, warmup: int = 3, max_grad_norm: float | None = None):
+        """``model``: called with a step's arguments, it returns the loss (or an output with
+        ``.loss``); ``optimizer``: over its parameters (``capturable=True`` on a GPU)."""
         self.model, self.optimizer = model, optimizer
         self.warmup = v.check_positive_int("warmup", warmup)
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -83,58 +102,72 @@ class GraphedStep:
             check_capturable(optimizer)
         self.grad_norm = None
         self._calls, self._signature, self._graph = 0, None, None
-        self._inputs = self._loss = None
+        self._args = self._kwargs = self._loss = None
 
     @property
     def graphed(self) -> bool:
         """Whether calls now replay the captured graph."""
         return self._graph is not None
 
-    def _step(self, inputs):
+    def _step(self, args, kwargs):
         self.optimizer.zero_grad(set_to_none=True)  # inside a capture: .grad in its pool
-        loss = self.model(*inputs)
+        loss = _loss_of(self.model(*args, **kwargs))
         loss.backward()
         if self.max_grad_norm is not None:  # no host sync: capturable
             self.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         self.optimizer.step()
         return loss.detach()
 
-    def _check(self, inputs) -> None:
-        sig = _signature(inputs)
+    def _check(self, args, kwargs) -> None:
+        sig = _signature(args, kwargs)
         if self._signature is None:
             self._signature = sig
-        if len(sig) != len(self._signature):
+        if sig.keys() != self._signature.keys():
             raise v.CodaInputError(
-                f"inputs: the graphed step takes {len(self._signature)} arguments, as its "
-                f"first call did; got {len(sig)}"
+                f"inputs: the graphed step takes the arguments of its first call "
+                f"({_names(self._signature)}); got {_names(sig)}"
             )
-        for i, (got, want) in enumerate(zip(sig, self._signature)):
-            if got != want:
+        for k, want in self._signature.items():
+            if sig[k] != want:
                 raise v.CodaInputError(
-                    f"inputs[{i}]: the graphed step holds one shape, its first call's "
-                    f"({_describe(want)}); got {_describe(got)}. Pad batches to one shape, "
-                    f"or build one GraphedStep per shape"
+                    f"{_name(k)}: the graphed step holds one shape, its first call's "
+                    f"({_describe(want)}); got {_describe(sig[k])}. Pad batches to one "
+                    f"shape, or build one GraphedStep per shape"
                 )
 
-    def __call__(self, *inputs) -> torch.Tensor:
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
         if not self.cuda:
-            return self._step(inputs)
-        self._check(inputs)
+            return self._step(args, kwargs)
+        self._check(args, kwargs)
         if self._graph is None and self._calls < self.warmup:
             self._calls += 1
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                loss = self._step(inputs)
+                loss = self._step(args, kwargs)
             torch.cuda.current_stream().wait_stream(side)
             return loss
         if self._graph is None:  # capture records the step without running it
-            self._inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in inputs]
+            self._args = [_buffer(a) for a in args]
+            self._kwargs = {k: _buffer(a) for k, a in kwargs.items()}
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph):
-                self._loss = self._step(self._inputs)
-        for buffer, a in zip(self._inputs, inputs):
+                self._loss = self._step(self._args, self._kwargs)
+        pairs = [*zip(self._args, args), *((self._kwargs[k], kwargs[k]) for k in kwargs)]
+        for buffer, a in pairs:
             if isinstance(a, torch.Tensor):
                 buffer.copy_(a)
         self._graph.replay()
         return self._loss.clone()
+
+
+def _buffer(a):
+    return a.clone() if isinstance(a, torch.Tensor) else a
+
+
+def _name(key) -> str:
+    return f"inputs[{key}]" if isinstance(key, int) else key
+
+
+def _names(sig) -> str:
+    return ", ".join(_name(k) for k in sig) or "none"
