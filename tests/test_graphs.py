@@ -171,6 +171,45 @@ def test_graphed_step_trains_a_patched_hugging_face_model_by_keyword():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
+def test_graphed_step_bookkeeping_with_a_stand_in_graph(monkeypatch):
+    """The CUDA branch on the CPU, torch's graph API replaced by stand-ins: a capture that runs
+    its body once (a capture plus the replay after it is one step) and replays that count.
+    Checks the branch's bookkeeping: eager warm-up calls, one capture, the later calls' tensors
+    (by position and by keyword) copied into the capture's buffers before each replay."""
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    a, b = _tiny_lm("cpu", torch.float64), _tiny_lm("cpu", torch.float64)
+    batches = _batches(5, 64, (2, 7), "cpu")
+    want = _eager_steps(a, torch.optim.AdamW(a.parameters(), lr=1e-2), batches[:3])
+    step = cnn.GraphedStep(b, torch.optim.AdamW(b.parameters(), lr=1e-2), warmup=2)
+    step.cuda = True  # as on a GPU (the optimizer check is its own test)
+    got = [step(tok, targets=tgt) for tok, tgt in batches[:3]]
+    assert step.graphed and Graph.replays == 1
+    assert all(torch.equal(x, y) for x, y in zip(got, want))  # two eager, one captured
+    for tok, tgt in batches[3:]:
+        step(tok, targets=tgt)
+        assert torch.equal(step._args[0], tok) and torch.equal(step._kwargs["targets"], tgt)
+    assert Graph.replays == 3
+    with pytest.raises(coda.CodaInputError, match="holds one shape"):
+        step(batches[0][0][:, :3], targets=batches[0][1][:, :3])
+
+
 @pytest.mark.gpu
 def test_gpu_graphed_step_trains_as_the_eager_step():
     """Six steps of a coda CausalLM on six batches: eager and through ``GraphedStep`` (two
