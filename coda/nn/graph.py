@@ -3,11 +3,11 @@ for its first calls, is then captured once as a CUDA graph, and is replayed from
 a step costs the GPU its kernels and the host one replay.
 
 Why: a small model's eager step is bound by the host, which enqueues each of its kernels from
-Python (the d=1024 demo model: ~2 ms of kernels behind ~3 ms of host per layer step,
-benchmarks/NOTES.md). coda's kernel path has no host syncs and keeps its launch plans per
-shape, so a step of ``coda.nn.CausalLM``, of a stack of coda layers or of a model patched by
-``coda.transformers.apply_coda`` captures as it is; this is PyTorch's whole-network capture
-recipe as one object that behaves as the eager step it replaces:
+Python (the d=1024 demo model on the H200: 5.9 ms of kernels, a 15.9 ms eager step + AdamW,
+6.8 ms through this object; benchmarks/NOTES.md, session 18). coda's kernel path has no host
+syncs and keeps its launch plans per shape, so a step of ``coda.nn.CausalLM`` or of a stack of
+coda layers captures as it is; this is PyTorch's whole-network capture recipe as one object
+that behaves as the eager step it replaces:
 
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-4, device="cuda"),
                             fused=True, capturable=True)
@@ -15,8 +15,10 @@ recipe as one object that behaves as the eager step it replaces:
     for tokens, targets in batches:
         loss = step(tokens, targets)  # zero_grad; model(tokens, targets).backward(); opt.step()
 
-A model may return the loss or an output holding it as ``.loss`` (a Hugging Face model's), and
-take keyword arguments: ``step(input_ids=ids, labels=ids)``.
+A model may return the loss or an output holding it as ``.loss`` and take keyword arguments:
+``step(input_ids=ids, labels=ids)`` for a Hugging Face model patched by
+``coda.transformers.apply_coda`` (whose own code must then be free of host syncs as well;
+tested on the CPU, not yet captured on a GPU).
 
 Each call is one step on the batch it is given: the first ``warmup`` calls run eagerly (on a
 side stream: compiles, the allocator and the optimizer's state warm up there), the next one
