@@ -141,36 +141,6 @@ def test_graphed_step_names_what_a_graph_cannot_hold():
         cnn.GraphedStep(model, opt)(tok, tok, reduction="none")  # the step needs one loss
 
 
-def test_graphed_step_trains_a_patched_hugging_face_model_by_keyword():
-    """An HF model patched by ``apply_coda`` returns a ``ModelOutput``: the step takes its
-    ``.loss``, and the batch by keyword (the CPU: every call eager, as the hand-written loop)."""
-    transformers = pytest.importorskip("transformers")
-    import copy
-
-    import coda.transformers as ct
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
-    )  # fmt: skip
-    a = ct.apply_coda(transformers.LlamaForCausalLM(cfg).double())
-    b = copy.deepcopy(a)
-    batches = [ids for ids, _ in _batches(4, 97, (2, 9), "cpu")]
-    opt_a, opt_b = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
-    want = []
-    for ids in batches:
-        opt_a.zero_grad(set_to_none=True)
-        loss = a(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt_a.step()
-        want.append(loss.detach())
-    step = cnn.GraphedStep(b, opt_b)
-    got = [step(input_ids=ids, labels=ids) for ids in batches]
-    assert all(torch.equal(x, y) for x, y in zip(got, want))
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-
-
 def test_graphed_step_bookkeeping_with_a_stand_in_graph(monkeypatch):
     """The CUDA branch on the CPU, torch's graph API replaced by stand-ins: a capture that runs
     its body once (a capture plus the replay after it is one step) and replays that count.
