@@ -59,7 +59,7 @@ def train(model, batches, steps, warmup, label, progress):
             if x.is_cuda:
                 torch.cuda.synchronize()
             t0, tokens = time.perf_counter(), 0
-        loss = model(input_ids=x, labels=x).loss
+        loss = model(input_ids=x, labels=x, use_cache=False).loss  # no KV cache to fill
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
