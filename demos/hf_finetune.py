@@ -109,12 +109,12 @@ def main(argv=None):
         "coda path:", "kernel (SM90)" if gpu else "reference (CPU: checks the math, not the speed)"
     )
     data = dict(vocab=shape["vocab_size"], batch=batch, seq=seq, steps=steps, device=device)
+    batches = list(markov_batches(**data))  # once, for both models, before any clock starts
     last = min(10, steps)
     losses, speed = {}, {}
     for name, model in (("unpatched", plain), ("coda", patched)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", coda.CodaReferencePathWarning)  # said above
-            batches = list(markov_batches(**data))  # made before the clock starts
             losses[name], speed[name] = train(
                 model, batches, steps, args.warmup, name, not args.no_progress
             )

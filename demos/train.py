@@ -49,13 +49,13 @@ def train(model, batches, steps, lr, warmup_steps, graph=False):
     """AdamW for ``steps`` batches. Tokens/s is timed over the steps after the first
     ``warmup_steps`` (compiles and warm-up excluded); None when no step is left to time.
     ``graph`` (a CUDA model): each step through ``coda.nn.GraphedStep``, the same math."""
-    cuda = next(model.parameters()).is_cuda
-    if graph and cuda:  # a graph reads the lr from the device, so the schedule reaches it
+    captured = graph and next(model.parameters()).is_cuda
+    if captured:  # a graph reads the lr from the device, so the schedule reaches it
         lr = torch.tensor(lr, device="cuda")
-        extra = dict(fused=True, capturable=True)
-    else:
-        extra = {}
-    opt = torch.optim.AdamW(model.parameters(), lr, betas=(0.9, 0.95), weight_decay=0.0, **extra)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr, (0.9, 0.95), weight_decay=0.0,
+        fused=captured or None, capturable=captured,
+    )  # fmt: skip
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     run = cnn.GraphedStep(model, opt) if graph else None
     losses, t_start, tokens = [], None, 0
@@ -151,13 +151,13 @@ def main(argv=None):
     print(f"model: {cfg}, {steps} steps, {device}, {dtype}" + (", graphed" if args.graph else ""))
     print("path:", "kernel (SM90)" if gpu else "reference (CPU: checks the math, not the speed)")
     data = dict(vocab=cfg["vocab"], batch=cfg["batch"], seq=cfg["seq"], steps=steps, device=device)
+    batches = list(markov_batches(**data))  # once, for both models, before any clock starts
     floor = math.log(4)  # entropy of the chain: 4 equally likely successors
     last = min(10, steps)
     results, speed = {}, {}
     for name, model in (("coda", coda_model), ("pytorch", torch_model)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", coda.CodaReferencePathWarning)  # said above
-            batches = list(markov_batches(**data))  # made before the clock starts
             losses, speed[name] = train(model, batches, steps, lr, args.warmup, args.graph)
         results[name] = losses
         rate = f"{speed[name]:,.0f} tokens/s" if speed[name] else "not timed (steps <= warmup)"
