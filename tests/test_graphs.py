@@ -141,11 +141,15 @@ def test_graphed_step_names_what_a_graph_cannot_hold():
         cnn.GraphedStep(model, opt)(tok, tok, reduction="none")  # the step needs one loss
 
 
-def test_graphed_step_bookkeeping_with_a_stand_in_graph(monkeypatch):
-    """The CUDA branch on the CPU, torch's graph API replaced by stand-ins: a capture that runs
-    its body once (a capture plus the replay after it is one step) and replays that count.
-    Checks the branch's bookkeeping: eager warm-up calls, one capture, the later calls' tensors
-    (by position and by keyword) copied into the capture's buffers before each replay."""
+@pytest.fixture
+def stand_in_graphs(monkeypatch):
+    """torch's graph API replaced by stand-ins, so ``GraphedStep``'s CUDA branch runs on the
+    CPU: a capture runs its body once (a capture plus the replay after it is one step)."""
+    import contextlib
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
 
     class Graph:
         replays = 0
@@ -153,17 +157,19 @@ def test_graphed_step_bookkeeping_with_a_stand_in_graph(monkeypatch):
         def replay(self):
             Graph.replays += 1
 
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    import contextlib
-
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", Stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    return Graph
+
+
+def test_graphed_step_bookkeeping_with_a_stand_in_graph(stand_in_graphs):
+    """The CUDA branch's bookkeeping: eager warm-up calls, one capture, the later calls'
+    tensors (by position and by keyword) copied into the capture's buffers before each
+    replay."""
+    Graph = stand_in_graphs
     a, b = _tiny_lm("cpu", torch.float64), _tiny_lm("cpu", torch.float64)
     batches = _batches(5, 64, (2, 7), "cpu")
     want = _eager_steps(a, torch.optim.AdamW(a.parameters(), lr=1e-2), batches[:3])
@@ -178,6 +184,36 @@ def test_graphed_step_bookkeeping_with_a_stand_in_graph(monkeypatch):
     assert Graph.replays == 3
     with pytest.raises(coda.CodaInputError, match="holds one shape"):
         step(batches[0][0][:, :3], targets=batches[0][1][:, :3])
+
+
+def test_graphed_step_keeps_nothing_of_a_failed_capture(stand_in_graphs):
+    """A step that cannot be captured (here: the model raises as torch does for a pageable
+    host copy during a capture) raises naming the rule, with torch's error as its cause, and
+    leaves no graph behind: the next call captures afresh and replays."""
+    model = _tiny_lm("cpu", torch.float64)
+
+    class Refusing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.calls = model, 0
+
+        def forward(self, tok, tgt):
+            self.calls += 1
+            if self.calls == 3:  # the call that captures
+                raise RuntimeError("Cannot copy between CPU and CUDA tensors during capture")
+            return self.inner(tok, tgt)
+
+    step = cnn.GraphedStep(Refusing(), torch.optim.AdamW(model.parameters(), lr=1e-2), 2)
+    step.cuda = True
+    batches = _batches(4, 64, (2, 7), "cpu")
+    step(*batches[0]), step(*batches[1])
+    with pytest.raises(RuntimeError, match="could not be captured as a CUDA graph") as err:
+        step(*batches[2])
+    assert "Cannot copy between CPU and CUDA" in str(err.value.__cause__)
+    assert not step.graphed and step._args is None and stand_in_graphs.replays == 0
+    step(*batches[3])
+    assert step.graphed and stand_in_graphs.replays == 1
+    assert torch.equal(step._args[0], batches[3][0])
 
 
 @pytest.mark.gpu

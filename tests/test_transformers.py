@@ -448,17 +448,22 @@ def test_graphed_step_trains_a_patched_model_by_keyword(family):
 def test_gpu_graphed_step_trains_a_patched_model(family):
     """H200: a patched bf16 model trained through ``coda.nn.GraphedStep``, its batch by keyword
     and its loss from the output's ``.loss``, gives the eager steps' losses and weights bitwise
-    over five steps (two eager, a capture, two replays). HF's eager attention, which is
-    deterministic (flash SDPA's backward is not bitwise run to run); capturing also proves
-    the patched model's forward and backward free of host syncs at this shape."""
+    over five steps (two eager, a capture, two replays): capturing proves the patched model's
+    forward and backward free of host syncs with HF's sdpa attention. SDPA's math backend,
+    which is deterministic (a flash backward need not be bitwise run to run). With HF's eager
+    attention the capture fails (its mask building copies a host scalar): ``GraphedStep``
+    says so and keeps nothing."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     import coda.nn as cnn
 
-    shape = dict(hidden_size=256, intermediate_size=512, vocab_size=1024, num_hidden_layers=2)
-    head = {"head_dim": 64} if family == "qwen3" else {}  # as the protocol test's
-    cfg = tiny_config(family, **shape, **head, attn_implementation="eager")
-    torch.manual_seed(0)
-    ref = model_class(cfg)(cfg).to("cuda", torch.bfloat16)
-    a, b = (ct.apply_coda(copy.deepcopy(ref)) for _ in range(2))
+    def models(attn):
+        shape = dict(hidden_size=256, intermediate_size=512, vocab_size=1024, num_hidden_layers=2)
+        head = {"head_dim": 64} if family == "qwen3" else {}  # as the protocol test's
+        cfg = tiny_config(family, **shape, **head, attn_implementation=attn)
+        torch.manual_seed(0)
+        ref = model_class(cfg)(cfg).to("cuda", torch.bfloat16)
+        return [ct.apply_coda(copy.deepcopy(ref)) for _ in range(2)]
 
     def adamw(model):
         lr = torch.tensor(1e-3, device="cuda")
@@ -466,11 +471,19 @@ def test_gpu_graphed_step_trains_a_patched_model(family):
 
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 1024, (4, 256), generator=g).cuda() for _ in range(5)]
-    want = _eager_steps_by_keyword(a, adamw(a), batches)
-    step = cnn.GraphedStep(b, adamw(b), warmup=2)
-    got = [step(input_ids=ids, labels=ids) for ids in batches]
+    a, b = models("sdpa")
+    with sdpa_kernel(SDPBackend.MATH):
+        want = _eager_steps_by_keyword(a, adamw(a), batches)
+        step = cnn.GraphedStep(b, adamw(b), warmup=2)
+        got = [step(input_ids=ids, labels=ids) for ids in batches]
     assert step.graphed
     for i, (x, y) in enumerate(zip(got, want)):
         assert torch.equal(x, y), f"step {i}: loss {float(x)} against eager {float(y)}"
     for (name, p), q in zip(b.named_parameters(), a.parameters()):
         assert torch.equal(p, q), name
+    _, eager = models("eager")
+    step = cnn.GraphedStep(eager, adamw(eager), warmup=1)
+    step(input_ids=batches[0], labels=batches[0])
+    with pytest.raises(RuntimeError, match="could not be captured as a CUDA graph"):
+        step(input_ids=batches[1], labels=batches[1])
+    assert not step.graphed

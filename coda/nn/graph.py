@@ -17,8 +17,10 @@ that behaves as the eager step it replaces:
 
 A model may return the loss or an output holding it as ``.loss`` and take keyword arguments:
 ``step(input_ids=ids, labels=ids)`` for a Hugging Face model patched by
-``coda.transformers.apply_coda`` (whose own code must then be free of host syncs as well;
-tested on the CPU, not yet captured on a GPU).
+``coda.transformers.apply_coda``, whose own code must then be free of host syncs as well:
+with sdpa or flash attention it is (transformers checks for a capture and skips its mask
+probes), with HF's eager attention it is not (its mask building copies a host scalar), and a
+capture that fails raises naming the rule and keeps nothing.
 
 Each call is one step on the batch it is given: the first ``warmup`` calls run eagerly (on a
 side stream: compiles, the allocator and the optimizer's state warm up there), the next one
@@ -137,6 +139,23 @@ class GraphedStep:
                     f"shape, or build one GraphedStep per shape"
                 )
 
+    def _capture(self, args, kwargs) -> None:
+        """Record the step once; on failure nothing is kept (the next call tries again)."""
+        buffers = [_buffer(a) for a in args], {k: _buffer(a) for k, a in kwargs.items()}
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                loss = self._step(*buffers)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"model: its training step could not be captured as a CUDA graph ({e}). A "
+                f"captured step must not wait on the host or copy from pageable host memory. "
+                f"Hugging Face's eager attention builds its mask from a host scalar (transformers "
+                f"5.x): pass attn_implementation='sdpa' (or a flash attention), or train "
+                f"without GraphedStep"
+            ) from e
+        self._graph, (self._args, self._kwargs), self._loss = graph, buffers, loss
+
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         if not self.cuda:
             return self._step(args, kwargs)
@@ -150,11 +169,7 @@ class GraphedStep:
             torch.cuda.current_stream().wait_stream(side)
             return loss
         if self._graph is None:  # capture records the step without running it
-            self._args = [_buffer(a) for a in args]
-            self._kwargs = {k: _buffer(a) for k, a in kwargs.items()}
-            self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
-                self._loss = self._step(self._args, self._kwargs)
+            self._capture(args, kwargs)
         pairs = [*zip(self._args, args), *((self._kwargs[k], kwargs[k]) for k in kwargs)]
         for buffer, a in pairs:
             if isinstance(a, torch.Tensor):
