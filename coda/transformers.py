@@ -12,6 +12,14 @@ coda's paired layouts (``coda.layouts``) but ``state_dict()`` / ``load_state_dic
 logits as before (generation works). Anything not supported raises ``CodaInputError``
 naming it: nothing is silently left unpatched.
 
+Under a CUDA-graph capture (``coda.nn.GraphedStep``) transformers 5.17 cannot tell the
+capture from a trace and hands SDPA its causal mask as a full (batch, 1, seq, seq) tensor in
+place of ``is_causal``, which costs SDPA its causal block skipping: a captured 1B step ran
+0.75x its eager one (benchmarks/NOTES.md, session 19). Where that mask is provably the plain
+causal one (the caller gave no attention mask, positions, cache or cache positions, and the
+layer has no sliding window), the patched model's sdpa layers pass no mask, as the eager step
+does.
+
 Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel`` and ``Qwen3ForCausalLM`` /
 ``Qwen3Model`` (silu MLP, no biases, RoPE "default" or "llama3"; Qwen3's per-head QK-norm runs
 in the QKV GEMM's epilogue, ``coda.kernels.qk_norm``, and its sliding-window layers, when
@@ -77,6 +85,7 @@ class CodaLlamaDecoderLayer(DecoderLayer):
         for name in names:
             delattr(attn, name)  # the weights live in w_qkv / w_o / q_norm / k_norm now
         self.self_attn = attn
+        self.mask_hint = _MaskHint()  # apply_coda shares one per model
         self.register_state_dict_post_hook(_to_hf_keys)
         self.register_load_state_dict_pre_hook(_from_hf_keys)
 
@@ -85,7 +94,14 @@ class CodaLlamaDecoderLayer(DecoderLayer):
         ``set_attn_implementation`` after patching is honored) as coda's attention callable."""
         functions, eager = _hf_attention_functions()
         module = self.self_attn
-        iface = functions.get_interface(module.config._attn_implementation, eager)
+        implementation = module.config._attn_implementation
+        iface = functions.get_interface(implementation, eager)
+        if (
+            self.mask_hint.causal
+            and implementation == "sdpa"
+            and getattr(module, "sliding_window", None) is None
+        ):
+            attention_mask = None  # the plain causal mask: SDPA's is_causal, as eagerly
 
         def attention(q, k, v):
             if cache is not None:
@@ -148,47 +164,92 @@ def _from_hf_keys(module, state_dict, prefix, local_metadata, strict, missing, u
     state_dict.update({prefix + n: t for n, t in module.params_from_hf(hf, prefix).items()})
 
 
+class _MaskHint:
+    """Shared by a patched model's layers: ``causal`` is True while a call whose attention
+    mask is the plain causal one runs under a CUDA-graph capture (``_plain_causal``)."""
+
+    __slots__ = ("causal",)
+
+    def __init__(self):
+        self.causal = False
+
+
+MASK_ARGUMENTS = ("attention_mask", "position_ids", "past_key_values", "cache", "cache_position")
+
+
+def _plain_causal(args: tuple, kwargs: dict) -> bool:
+    """Whether the mask transformers builds for this call under a capture is the plain causal
+    one: a capture, and nothing given that shapes the mask (``input_ids`` or ``inputs_embeds``
+    and ``labels`` only, among the mask's inputs)."""
+    return (
+        _capturing()
+        and len(args) <= 1  # (input_ids, attention_mask, position_ids, ...) by position
+        and all(kwargs.get(k) is None for k in MASK_ARGUMENTS)
+    )
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never inside a torch.compile
+    trace, whose graphs are captured later, from the traced code)."""
+    return (
+        not torch.compiler.is_compiling()
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    )
+
+
 def _causal_lm_forward(original):
     def forward(self, *args, labels=None, **kwargs):
-        if labels is None:  # logits as before (generation, evaluation)
-            return original(*args, **kwargs)
-        if len(args) > 5:  # (the model's own leading positional parameters)
-            raise v.CodaInputError("apply_coda: pass the arguments after inputs_embeds by name")
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        n_items = kwargs.pop("num_items_in_batch", None)
-        kwargs.pop("logits_to_keep", None)  # no logits are formed
-        norm = self.model.norm
-        self.model.norm = torch.nn.Identity()  # the final norm runs inside coda's loss
+        hint = self.coda_mask_hint
+        hint.causal = _plain_causal(args, kwargs)
         try:
-            out = self.model(*args, **kwargs)
+            return _loss_or_logits(self, original, args, labels, kwargs)
         finally:
-            self.model.norm = norm
-        shift = F.pad(labels, (0, 1), value=-100)[..., 1:]  # as HF's ForCausalLMLoss
-        loss = lm_head_loss(
-            out.last_hidden_state,
-            norm.weight,
-            self.lm_head.weight.t(),
-            shift.to(out.last_hidden_state.device),
-            eps=norm.variance_epsilon,
-            reduction="mean" if n_items is None else "sum",
-            method=self.coda_method,
-        )
-        if n_items is not None:
-            loss = loss / n_items
-        # the KV cache field is ``past_key_values`` up to transformers 5.2x and ``cache`` after
-        # (reading or passing the old name there logs a deprecation on every first call)
-        fields = CausalLMOutputWithPast.__dataclass_fields__
-        cache_field = "cache" if "cache" in fields else "past_key_values"
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=None,
-            hidden_states=out.hidden_states,
-            attentions=out.attentions,
-            **{cache_field: getattr(out, cache_field, None)},
-        )
+            hint.causal = False
 
     return forward
+
+
+def _loss_or_logits(self, original, args, labels, kwargs):
+    """The patched ``forward``'s body: logits without labels, else the loss through coda's
+    LM-head loss (the final norm inside it), in HF's output type."""
+    if labels is None:  # logits as before (generation, evaluation)
+        return original(*args, **kwargs)
+    if len(args) > 5:  # (the model's own leading positional parameters)
+        raise v.CodaInputError("apply_coda: pass the arguments after inputs_embeds by name")
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    n_items = kwargs.pop("num_items_in_batch", None)
+    kwargs.pop("logits_to_keep", None)  # no logits are formed
+    norm = self.model.norm
+    self.model.norm = torch.nn.Identity()  # the final norm runs inside coda's loss
+    try:
+        out = self.model(*args, **kwargs)
+    finally:
+        self.model.norm = norm
+    shift = F.pad(labels, (0, 1), value=-100)[..., 1:]  # as HF's ForCausalLMLoss
+    loss = lm_head_loss(
+        out.last_hidden_state,
+        norm.weight,
+        self.lm_head.weight.t(),
+        shift.to(out.last_hidden_state.device),
+        eps=norm.variance_epsilon,
+        reduction="mean" if n_items is None else "sum",
+        method=self.coda_method,
+    )
+    if n_items is not None:
+        loss = loss / n_items
+    # the KV cache field is ``past_key_values`` up to transformers 5.2x and ``cache`` after
+    # (reading or passing the old name there logs a deprecation on every first call)
+    fields = CausalLMOutputWithPast.__dataclass_fields__
+    cache_field = "cache" if "cache" in fields else "past_key_values"
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        hidden_states=out.hidden_states,
+        attentions=out.attentions,
+        **{cache_field: getattr(out, cache_field, None)},
+    )
 
 
 def apply_coda(model, *, method: str = "auto"):
@@ -209,6 +270,10 @@ def apply_coda(model, *, method: str = "auto"):
     for i, layer in enumerate(base.layers):
         if not isinstance(layer, CodaLlamaDecoderLayer):
             base.layers[i] = CodaLlamaDecoderLayer(layer, config, inv_freq)
+    hint = getattr(model, "coda_mask_hint", None) or _MaskHint()
+    for layer in base.layers:
+        layer.mask_hint = hint
+    model.coda_mask_hint = hint
     if name.endswith("ForCausalLM") and not getattr(model, "coda_method", None):
         original = model.forward
         model.forward = types.MethodType(_causal_lm_forward(original), model)

@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip(
     "transformers"
@@ -443,18 +444,55 @@ def test_graphed_step_trains_a_patched_model_by_keyword(family):
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
+    """Under a CUDA-graph capture transformers 5.17 hands SDPA the causal mask as a tensor
+    (it takes the capture for a trace); the patched model's sdpa layers drop it, so SDPA runs
+    ``is_causal`` as eagerly, only where nothing the caller gave shapes the mask. Emulated on
+    the CPU: a capture reported, transformers' mask skip turned off; the same loss as the eager
+    call, bitwise (float64, reference path)."""
+    import transformers.masking_utils as mu
+
+    _, model = pair(tiny_config(family))
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = model(input_ids=ids, labels=ids).loss
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    monkeypatch.setattr(ct, "_capturing", lambda: True)
+    got = model(input_ids=ids, labels=ids).loss
+    assert calls == [(True, True)] * 2 and torch.equal(got, want)  # two layers, no mask
+    for given in (
+        {"attention_mask": torch.ones_like(ids)},
+        {"position_ids": torch.arange(9).expand(2, 9)},
+    ):
+        calls.clear()
+        model(input_ids=ids, labels=ids, **given)
+        assert calls == [(False, False)] * 2, given  # the caller's mask inputs: kept
+    monkeypatch.setattr(ct, "_capturing", lambda: False)
+    calls.clear()
+    model(input_ids=ids, labels=ids)
+    assert calls == [(False, False)] * 2  # no capture: transformers' mask, as it made it
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_gpu_graphed_step_trains_a_patched_model(family):
     """H200: a patched bf16 model trained through ``coda.nn.GraphedStep``, its batch by keyword
     and its loss from the output's ``.loss``, trains as the eager steps do over five steps
     (two eager, a capture, two replays): capturing proves the patched model's forward and
-    backward free of host syncs with HF's sdpa attention. The two eager calls are bitwise the
+    backward free of host syncs with HF's sdpa attention. The first call is bitwise the
     hand-written loop's; from the capture on, losses agree to 1e-5 and weights to bf16's
-    rounding, not bitwise (run 73, SDPA's deterministic math backend: losses bitwise through
-    the captured step, 1e-6 off at the step after it: the backward inside HF's graph is not
-    the eager one's bit for bit). With HF's eager attention the capture fails (its mask building copies
-    a host scalar): ``GraphedStep`` says so and keeps nothing."""
+    rounding (run 73, before the patched layers dropped the causal mask transformers builds
+    under a capture: bitwise through the captured step, 1e-6 off after it; flash SDPA's
+    backward need not be bitwise run to run). With HF's eager attention the capture fails
+    (its mask building copies a host scalar): ``GraphedStep`` says so and keeps nothing."""
     import coda.nn as cnn
 
     def models(attn):
