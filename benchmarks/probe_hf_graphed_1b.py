@@ -4,9 +4,9 @@ beside the same step run eagerly, at 4 x 4096 tokens.
 Run 74 found that under a CUDA-graph capture transformers 5.17 gives SDPA an explicit causal
 mask where the eager step passes ``is_causal`` (benchmarks/NOTES.md, session 19); run 77 put
 the captured step at 0.75x the eager one, and the patched layers now drop that mask where it is
-the plain causal one. This times the captured step against the eager one at the 1B shape: zero_grad, forward, backward and a
-fused AdamW step, eager and graphed, timed in interleaved rounds (``_common.interleaved``),
-with each one's SDPA kernel names from a profiled call.
+the plain causal one. This times the captured step against the eager one at the 1B shape:
+zero_grad, forward, backward and a fused AdamW step, eager and graphed, timed in interleaved
+rounds (``_common.interleaved``), with each one's SDPA kernel names from a profiled call.
 
     python benchmarks/probe_hf_graphed_1b.py [--out DIR]   (CUDA; DIR/probe_hf_graphed_1b.json)
 """
