@@ -19,10 +19,9 @@ A model may return the loss or an output holding it as ``.loss`` and take keywor
 ``step(input_ids=ids, labels=ids)`` for a Hugging Face model patched by
 ``coda.transformers.apply_coda``, whose own code must then be free of host syncs as well.
 With sdpa attention it is (H200-tested: transformers sees the capture and skips its mask
-probes; 5.17 then hands SDPA an explicit causal mask where the eager step passes
-``is_causal``, so the captured step's attention is another kernel and its gradients differ
-from the eager step's in the last bits). With HF's eager attention it is not (its mask
-building copies a host scalar): a capture that fails raises naming the rule and keeps
+probes; 5.17 then builds the causal mask as a tensor, which the patched layers drop where it
+is the plain causal one, ``coda.transformers``). With HF's eager attention it is not (its
+mask building copies a host scalar): a capture that fails raises naming the rule and keeps
 nothing.
 
 Each call is one step on the batch it is given: the first ``warmup`` calls run eagerly (on a
