@@ -198,58 +198,82 @@ def _capturing() -> bool:
     )
 
 
-def _causal_lm_forward(original):
-    def forward(self, *args, labels=None, **kwargs):
+def _wrap_forward(module, make) -> None:
+    """``module.forward`` becomes ``make(original)`` bound to ``module``, where
+    ``original(self, *args, **kwargs)`` runs the forward it had. The class's own forward is
+    taken unbound, so a deep copy of the patched model runs its own weights (a bound method
+    in the closure would call the original model's); an instance-level forward set by someone
+    else before is kept as it is, bound to its module."""
+    own = module.__dict__.get("forward")
+    if own is None:
+        original = type(module).forward
+    else:
+
+        def original(self, *args, **kwargs):
+            return own(*args, **kwargs)
+
+    module.forward = types.MethodType(make(original), module)
+
+
+def _base_forward(original):
+    """The decoder stack's (``LlamaModel``'s) ``forward``, with its layers' ``_MaskHint`` set
+    for the call."""
+
+    def forward(self, *args, **kwargs):
         hint = self.coda_mask_hint
         hint.causal = _plain_causal(args, kwargs)
         try:
-            return _loss_or_logits(self, original, args, labels, kwargs)
+            return original(self, *args, **kwargs)
         finally:
             hint.causal = False
 
     return forward
 
 
-def _loss_or_logits(self, original, args, labels, kwargs):
-    """The patched ``forward``'s body: logits without labels, else the loss through coda's
+def _causal_lm_forward(original):
+    """The causal LM's ``forward``: logits without labels, else the loss through coda's
     LM-head loss (the final norm inside it), in HF's output type."""
-    if labels is None:  # logits as before (generation, evaluation)
-        return original(*args, **kwargs)
-    if len(args) > 5:  # (the model's own leading positional parameters)
-        raise v.CodaInputError("apply_coda: pass the arguments after inputs_embeds by name")
-    from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    n_items = kwargs.pop("num_items_in_batch", None)
-    kwargs.pop("logits_to_keep", None)  # no logits are formed
-    norm = self.model.norm
-    self.model.norm = torch.nn.Identity()  # the final norm runs inside coda's loss
-    try:
-        out = self.model(*args, **kwargs)
-    finally:
-        self.model.norm = norm
-    shift = F.pad(labels, (0, 1), value=-100)[..., 1:]  # as HF's ForCausalLMLoss
-    loss = lm_head_loss(
-        out.last_hidden_state,
-        norm.weight,
-        self.lm_head.weight.t(),
-        shift.to(out.last_hidden_state.device),
-        eps=norm.variance_epsilon,
-        reduction="mean" if n_items is None else "sum",
-        method=self.coda_method,
-    )
-    if n_items is not None:
-        loss = loss / n_items
-    # the KV cache field is ``past_key_values`` up to transformers 5.2x and ``cache`` after
-    # (reading or passing the old name there logs a deprecation on every first call)
-    fields = CausalLMOutputWithPast.__dataclass_fields__
-    cache_field = "cache" if "cache" in fields else "past_key_values"
-    return CausalLMOutputWithPast(
-        loss=loss,
-        logits=None,
-        hidden_states=out.hidden_states,
-        attentions=out.attentions,
-        **{cache_field: getattr(out, cache_field, None)},
-    )
+    def forward(self, *args, labels=None, **kwargs):
+        if labels is None:  # logits as before (generation, evaluation)
+            return original(self, *args, **kwargs)
+        if len(args) > 5:  # (the model's own leading positional parameters)
+            raise v.CodaInputError("apply_coda: pass the arguments after inputs_embeds by name")
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        n_items = kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("logits_to_keep", None)  # no logits are formed
+        norm = self.model.norm
+        self.model.norm = torch.nn.Identity()  # the final norm runs inside coda's loss
+        try:
+            out = self.model(*args, **kwargs)
+        finally:
+            self.model.norm = norm
+        shift = F.pad(labels, (0, 1), value=-100)[..., 1:]  # as HF's ForCausalLMLoss
+        loss = lm_head_loss(
+            out.last_hidden_state,
+            norm.weight,
+            self.lm_head.weight.t(),
+            shift.to(out.last_hidden_state.device),
+            eps=norm.variance_epsilon,
+            reduction="mean" if n_items is None else "sum",
+            method=self.coda_method,
+        )
+        if n_items is not None:
+            loss = loss / n_items
+        # the KV cache field is ``past_key_values`` up to transformers 5.2x and ``cache`` after
+        # (reading or passing the old name there logs a deprecation on every first call)
+        fields = CausalLMOutputWithPast.__dataclass_fields__
+        cache_field = "cache" if "cache" in fields else "past_key_values"
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+            **{cache_field: getattr(out, cache_field, None)},
+        )
+
+    return forward
 
 
 def apply_coda(model, *, method: str = "auto"):
@@ -270,13 +294,13 @@ def apply_coda(model, *, method: str = "auto"):
     for i, layer in enumerate(base.layers):
         if not isinstance(layer, CodaLlamaDecoderLayer):
             base.layers[i] = CodaLlamaDecoderLayer(layer, config, inv_freq)
-    hint = getattr(model, "coda_mask_hint", None) or _MaskHint()
+    if getattr(base, "coda_mask_hint", None) is None:
+        base.coda_mask_hint = _MaskHint()
+        _wrap_forward(base, _base_forward)
     for layer in base.layers:
-        layer.mask_hint = hint
-    model.coda_mask_hint = hint
+        layer.mask_hint = base.coda_mask_hint
     if name.endswith("ForCausalLM") and not getattr(model, "coda_method", None):
-        original = model.forward
-        model.forward = types.MethodType(_causal_lm_forward(original), model)
+        _wrap_forward(model, _causal_lm_forward)
     model.coda_method = method
     return model
 

@@ -444,6 +444,26 @@ def test_graphed_step_trains_a_patched_model_by_keyword(family):
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
+def test_a_deep_copy_of_a_patched_model_runs_its_own_weights():
+    """``copy.deepcopy`` of a patched model (as ``GraphedStep`` users and the benchmarks make
+    them): its forward, with labels and without, and its decoder stack's run the copy's
+    weights, not the original's (the patched forwards hold no bound method of the original)."""
+    _, a = pair(tiny_config())
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        for p in b.parameters():
+            p.mul_(1.5)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    for call in (
+        lambda m: m(input_ids=ids).logits,
+        lambda m: m(input_ids=ids, labels=ids).loss,
+        lambda m: m.model(input_ids=ids).last_hidden_state,
+    ):
+        b_before = call(b)
+        c = copy.deepcopy(b)  # the same weights as b: the same result
+        assert torch.equal(call(c), b_before) and not torch.equal(call(a), b_before)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
     """Under a CUDA-graph capture transformers 5.17 hands SDPA the causal mask as a tensor
@@ -468,6 +488,9 @@ def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
     monkeypatch.setattr(ct, "_capturing", lambda: True)
     got = model(input_ids=ids, labels=ids).loss
     assert calls == [(True, True)] * 2 and torch.equal(got, want)  # two layers, no mask
+    calls.clear()
+    model.model(input_ids=ids)  # the decoder stack alone (a patched LlamaModel / Qwen3Model)
+    assert calls == [(True, True)] * 2
     for given in (
         {"attention_mask": torch.ones_like(ids)},
         {"position_ids": torch.arange(9).expand(2, 9)},
