@@ -22,27 +22,21 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import coda.transformers as ct
+from benchmarks.bench_hf import build
+
+TINY = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    vocab_size=1024,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
 
 
 def _model(family: str):
-    import transformers as tf
-
-    cls, cfg_cls = {
-        "llama": (tf.LlamaForCausalLM, tf.LlamaConfig),
-        "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config),
-    }[family]
-    cfg = cfg_cls(
-        hidden_size=256,
-        intermediate_size=512,
-        vocab_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return ct.apply_coda(cls(cfg).to("cuda", torch.bfloat16))
+    return ct.apply_coda(build(family, TINY, "cuda", torch.bfloat16))
 
 
 def _grads(model):
