@@ -18,9 +18,9 @@ that behaves as the eager step it replaces:
 A model may return the loss or an output holding it as ``.loss`` and take keyword arguments:
 ``step(input_ids=ids, labels=ids)`` for a Hugging Face model patched by
 ``coda.transformers.apply_coda``, whose own code must then be free of host syncs as well.
-With sdpa attention it is (H200-tested: transformers sees the capture and skips its mask
-probes; 5.17 then builds the causal mask as a tensor, which the patched layers drop where it
-is the plain causal one, ``coda.transformers``). With HF's eager attention it is not (its
+With sdpa attention it is (captured on the H200: transformers sees the capture and skips its
+mask probes; 5.17 then builds the causal mask as a tensor, which the patched layers drop where
+it is the plain causal one, ``coda.transformers``). With HF's eager attention it is not (its
 mask building copies a host scalar): a capture that fails raises naming the rule and keeps
 nothing.
 
@@ -153,7 +153,7 @@ class GraphedStep:
                 f"model: its training step could not be captured as a CUDA graph ({e}). A "
                 f"captured step must not wait on the host or copy from pageable host memory. "
                 f"Hugging Face's eager attention builds its mask from a host scalar (transformers "
-                f"5.x): pass attn_implementation='sdpa' (or a flash attention), or train "
+                f"5.x): pass attn_implementation='sdpa', or train "
                 f"without GraphedStep"
             ) from e
         self._graph, (self._args, self._kwargs), self._loss = graph, buffers, loss
