@@ -62,7 +62,7 @@ class CodaLlamaDecoderLayer(DecoderLayer):
     its projections and norms) for the attention function's parameters (scaling, GQA groups,
     layer index, dropout, sliding window)."""
 
-    def __init__(self, hf_layer, config, inv_freq):
+    def __init__(self, hf_layer, config, inv_freq, mask_hint):
         attn = hf_layer.self_attn
         qk_norm = hasattr(attn, "q_norm")
         p = next(hf_layer.parameters())
@@ -85,7 +85,7 @@ class CodaLlamaDecoderLayer(DecoderLayer):
         for name in names:
             delattr(attn, name)  # the weights live in w_qkv / w_o / q_norm / k_norm now
         self.self_attn = attn
-        self.mask_hint = _MaskHint()  # apply_coda shares one per model
+        self.mask_hint = mask_hint  # the model's one ``_MaskHint``, shared by its layers
         self.register_state_dict_post_hook(_to_hf_keys)
         self.register_load_state_dict_pre_hook(_from_hf_keys)
 
@@ -182,9 +182,9 @@ def _plain_causal(args: tuple, kwargs: dict) -> bool:
     one: a capture, and nothing given that shapes the mask (``input_ids`` or ``inputs_embeds``
     and ``labels`` only, among the mask's inputs)."""
     return (
-        _capturing()
-        and len(args) <= 1  # (input_ids, attention_mask, position_ids, ...) by position
+        len(args) <= 1  # (input_ids, attention_mask, position_ids, ...) by position
         and all(kwargs.get(k) is None for k in MASK_ARGUMENTS)
+        and _capturing()
     )
 
 
@@ -193,7 +193,7 @@ def _capturing() -> bool:
     trace, whose graphs are captured later, from the traced code)."""
     return (
         not torch.compiler.is_compiling()
-        and torch.cuda.is_available()
+        and torch.cuda.is_initialized()  # (no CUDA call made yet: nothing is capturing)
         and torch.cuda.is_current_stream_capturing()
     )
 
@@ -291,14 +291,12 @@ def apply_coda(model, *, method: str = "auto"):
     config = model.config
     _check_config(config, base.rotary_emb)
     inv_freq = base.rotary_emb.inv_freq.detach().to(torch.float64)
-    for i, layer in enumerate(base.layers):
-        if not isinstance(layer, CodaLlamaDecoderLayer):
-            base.layers[i] = CodaLlamaDecoderLayer(layer, config, inv_freq)
-    if getattr(base, "coda_mask_hint", None) is None:
+    if getattr(base, "coda_mask_hint", None) is None:  # (not patched before)
         base.coda_mask_hint = _MaskHint()
         _wrap_forward(base, _base_forward)
-    for layer in base.layers:
-        layer.mask_hint = base.coda_mask_hint
+    for i, layer in enumerate(base.layers):
+        if not isinstance(layer, CodaLlamaDecoderLayer):
+            base.layers[i] = CodaLlamaDecoderLayer(layer, config, inv_freq, base.coda_mask_hint)
     if name.endswith("ForCausalLM") and not getattr(model, "coda_method", None):
         _wrap_forward(model, _causal_lm_forward)
     model.coda_method = method

@@ -464,6 +464,27 @@ def test_a_deep_copy_of_a_patched_model_runs_its_own_weights():
         assert torch.equal(call(c), b_before) and not torch.equal(call(a), b_before)
 
 
+def test_an_instance_forward_set_before_the_patch_still_runs():
+    """A forward someone set on the instance before ``apply_coda`` (a hook library's wrapper)
+    stays in the call chain: the patched forward calls it, with and without labels."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config()).double()
+    seen = []
+    own = model.forward
+
+    def hooked(*args, **kwargs):
+        seen.append(sorted(kwargs))
+        return own(*args, **kwargs)
+
+    model.forward = hooked
+    ct.apply_coda(model)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    logits = model(input_ids=ids).logits
+    assert seen == [["input_ids"]] and logits.shape == (2, 9, 97)
+    model(input_ids=ids, labels=ids)  # the loss path runs coda's head, not the wrapped forward
+    assert seen == [["input_ids"]]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
     """Under a CUDA-graph capture transformers 5.17 hands SDPA the causal mask as a tensor

@@ -153,8 +153,7 @@ class GraphedStep:
                 f"model: its training step could not be captured as a CUDA graph ({e}). A "
                 f"captured step must not wait on the host or copy from pageable host memory. "
                 f"Hugging Face's eager attention builds its mask from a host scalar (transformers "
-                f"5.x): pass attn_implementation='sdpa', or train "
-                f"without GraphedStep"
+                f"5.x): pass attn_implementation='sdpa', or train without GraphedStep"
             ) from e
         self._graph, (self._args, self._kwargs), self._loss = graph, buffers, loss
 
