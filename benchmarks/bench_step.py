@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import time
 
@@ -250,13 +251,14 @@ def _liger_ops(liger) -> dict:
 def graphed_train_step(model, tokens, targets, lr=1e-4):
     """The whole training step (forward, backward, AdamW) through ``coda.nn.GraphedStep``,
     warmed up and captured here; returns the call a user's loop makes on this batch (the
-    inputs copied into the graph's buffers, the replay, the loss returned)."""
+    inputs copied into the graph's buffers, the replay, the loss returned), a
+    ``functools.partial`` whose ``.func`` is the ``GraphedStep``."""
     lr = torch.tensor(lr, device="cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=True)
     step = cnn.GraphedStep(model, opt)
     for _ in range(step.warmup + 1):  # the eager calls, then the capture's
         step(tokens, targets)
-    return lambda: step(tokens, targets)
+    return functools.partial(step, tokens, targets)
 
 
 def _model_flops(cfg, tokens) -> float:

@@ -21,7 +21,8 @@ import time
 import torch
 
 import coda.nn as cnn
-from benchmarks._common import _profiled_kernels
+from benchmarks._common import _gaps, _profiled_kernels
+from benchmarks.bench_step import graphed_train_step
 from coda.reference.model import TorchLlama
 
 CFG = dict(vocab=8192, d=1024, layers=4, heads=8, kv_heads=4, hd=128, ffn=2816, batch=8, seq=1024)
@@ -33,19 +34,12 @@ def split(fn, calls: int = CALLS) -> dict:
     ev = _profiled_kernels(fn, calls)
     kernel_us = sum(e.device_time for e in ev) / calls
     span_us = (ev[-1].time_range.end - ev[0].time_range.start) / calls
-    counts = collections.Counter()
-    sums = collections.Counter()
-    pairs = collections.Counter()
-    busy_end = None
-    for a, b in zip(ev, ev[1:]):
-        busy_end = max(busy_end or a.time_range.end, a.time_range.end)
-        gap = b.time_range.start - busy_end
-        if gap <= 0:
-            continue
+    counts, sums, pairs = collections.Counter(), collections.Counter(), collections.Counter()
+    for gap, before, after in _gaps(ev):
         bucket = next(ub for ub in BUCKETS if gap <= ub)
         counts[bucket] += 1
         sums[bucket] += gap
-        pairs[(a.name[:50], b.name[:50])] += gap
+        pairs[(before, after)] += gap
     return {
         "kernels_per_call": len(ev) / calls,
         "kernel_us_per_call": kernel_us,
@@ -91,19 +85,11 @@ def main():
     tok = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device="cuda")
     tgt = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device="cuda")
     rows = {"config": c}
-    lr = torch.tensor(1e-4, device="cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=True)
-    graphed = cnn.GraphedStep(model, opt)
-    for _ in range(graphed.warmup + 1):  # the eager calls, then the capture's
-        graphed(tok, tgt)
-
-    def step():
-        graphed(tok, tgt)
-
+    step = graphed_train_step(model, tok, tgt)  # warmed up and captured
     rows["coda_graphed"] = split(step)
     rows["coda_graphed"]["timed"] = {
         "GraphedStep call": back_to_back(step),
-        "its graph's replay alone": back_to_back(graphed._graph.replay),
+        "its graph's replay alone": back_to_back(step.func._graph.replay),
         "GraphedStep call again": back_to_back(step),
     }
     print("coda_graphed", json.dumps(rows["coda_graphed"]["timed"]))
