@@ -41,19 +41,22 @@ def rope_freq_table(
     """Per-output-column frequency row for ``rope_scaled``: for each of ``rotated_heads``
     heads, pair i holds inv_freq[i] / 2pi as float32 (hi, lo) at columns (2i, 2i+1); the
     ``plain_heads`` (V) columns hold 0. Length (rotated_heads + plain_heads) * head_dim."""
-    inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+    inv = base ** (-steps / head_dim)
     return rope_freq_table_from_inv(inv, rotated_heads, plain_heads, device)
 
 
 def rope_freq_table_from_inv(inv_freq, rotated_heads: int, plain_heads: int, device=None):
     """``rope_freq_table`` from given inverse frequencies (hd/2,): any RoPE whose angle is
-    position * inv_freq[i] (Llama 3's scaled frequencies included)."""
+    position * inv_freq[i] (Llama 3's scaled frequencies included). Built on the CPU whatever
+    the ambient default device (``with torch.device("cuda" | "meta")``), then moved."""
     head_dim = 2 * inv_freq.shape[0]
     turns = inv_freq.double().cpu() / (2 * math.pi)
     hi = turns.to(torch.float32)
     lo = (turns - hi.double()).to(torch.float32)
     head = torch.stack([hi, lo], dim=-1).flatten()
-    table = torch.cat([head.repeat(rotated_heads), torch.zeros(plain_heads * head_dim)])
+    plain = torch.zeros(plain_heads * head_dim, device="cpu")
+    table = torch.cat([head.repeat(rotated_heads), plain])
     return table.to(device=device, dtype=torch.float32)
 
 

@@ -74,7 +74,12 @@ class LMHeadLoss(nn.Module):
         self.method = method
         self.gf = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
         self.weight = nn.Parameter(torch.empty(vocab, d, device=device, dtype=dtype))
-        nn.init.normal_(self.weight, std=0.02)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02):
+        """The constructor's initialization: weight ~ N(0, std), the final norm's gain 1."""
+        nn.init.normal_(self.weight, std=std)
+        nn.init.ones_(self.gf)
 
     @property
     def w_lm(self) -> torch.Tensor:

@@ -52,7 +52,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         hd = v.check_heads(d, n_heads, n_kv_heads, head_dim)
         if inv_freq is None:
-            inv_freq = rope_base ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+            steps = torch.arange(0, hd, 2, dtype=torch.float64, device="cpu")
+            inv_freq = rope_base ** (-steps / hd)
         v.check_tensor("inv_freq", inv_freq)
         if inv_freq.shape != (hd // 2,):
             raise v.CodaInputError(

@@ -47,15 +47,40 @@ class CausalLM(nn.Module):
         v.check_positive_int("n_layers", n_layers)
         self.checkpoint = bool(checkpoint)
         kw = {"device": device, "dtype": dtype, "backend": backend}
-        self.embed = nn.Embedding(vocab, d, device=device, dtype=dtype)
+        # made uninitialized (nn.Embedding's own N(0, 1) draw skipped), then drawn here, so
+        # the constructor draws in reset_parameters' order: embedding, layers, head
+        weight = torch.empty(vocab, d, device=device, dtype=dtype)
+        self.embed = nn.Embedding(vocab, d, _weight=weight)
         nn.init.normal_(self.embed.weight, std=0.02)
         self.layers = nn.ModuleList(
             DecoderLayer(d, n_heads, n_kv_heads, ffn, head_dim, eps, rope_base, **kw)
             for _ in range(n_layers)
         )
         self.head = LMHeadLoss(d, vocab, eps, method=method, **kw)
-        if tie_embeddings:
+        self._tied = bool(tie_embeddings)
+        if self._tied:
             self.head.weight = self.embed.weight
+
+    def _apply(self, fn, recurse=True):
+        # a move that makes new tensors (``to_empty`` off the meta device) gives the two uses
+        # of a tied weight two parameters: tie them again
+        out = super()._apply(fn, recurse)
+        if self._tied and self.head.weight is not self.embed.weight:
+            self.head.weight = self.embed.weight
+        return out
+
+    def reset_parameters(self, std: float = 0.02):
+        """Every weight ~ N(0, std), every norm gain 1, in one fixed order: a model made under
+        ``torch.device("meta")`` (sharded before any memory is spent, as FSDP2 recipes do),
+        then ``to_empty(device=...)`` and this, holds what the constructor would have made
+        under the same seed. A tied LM head is the embedding, initialized once."""
+        nn.init.normal_(self.embed.weight, std=std)
+        for layer in self.layers:
+            layer.reset_parameters(std)
+        if self._tied:
+            nn.init.ones_(self.head.gf)
+        else:
+            self.head.reset_parameters(std)
 
     @property
     def tie_embeddings(self) -> bool:

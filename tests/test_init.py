@@ -1,0 +1,60 @@
+"""Making coda's modules under an ambient default device: ``with torch.device("cuda")`` (fast
+initialization on the GPU) and ``with torch.device("meta")`` (FSDP2 recipes shard a model
+before spending memory on it, then ``to_empty`` and ``reset_parameters``). The RoPE tables a
+layer derives on the host are built on the CPU whatever the ambient device, then moved; a
+model made on meta and initialized after ``to_empty`` equals one made directly, under the same
+seed, tied embeddings included. The meta device stands in for CUDA here: a CPU tensor mixed
+with one made on the ambient device fails the same way on either."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import coda.nn as cnn
+from coda.kernels.gemm_rope import rope_freq_table
+
+SHAPE = dict(vocab=96, d=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=128, dtype=torch.float64)
+
+
+def test_rope_tables_are_built_on_the_cpu_under_an_ambient_device():
+    plain = rope_freq_table(16, 3, 1, device="cpu")
+    with torch.device("meta"):
+        table = rope_freq_table(16, 3, 1, device="cpu")
+    assert table.device.type == "cpu"
+    assert torch.equal(table, plain)
+
+
+def test_a_layer_made_under_an_ambient_device_lives_there():
+    with torch.device("meta"):
+        layer = cnn.DecoderLayer(64, 4, 2, 128, dtype=torch.float64)
+    assert layer.w_qkv.device.type == "meta"
+    assert {t.device.type for t in layer._rope_tables.values()} == {"meta"}
+    layer.to_empty(device="cpu")
+    direct = cnn.DecoderLayer(64, 4, 2, 128, dtype=torch.float64)
+    assert layer._rope_tables.keys() == direct._rope_tables.keys()
+    for key, table in direct._rope_tables.items():
+        assert torch.equal(layer._rope_tables[key], table), key
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_model_made_on_meta_initializes_as_the_constructor_does(tie):
+    torch.manual_seed(3)
+    direct = cnn.CausalLM(**SHAPE, tie_embeddings=tie)
+    with torch.device("meta"):
+        model = cnn.CausalLM(**SHAPE, tie_embeddings=tie)
+    model.to_empty(device="cpu")
+    assert model.tie_embeddings == tie  # to_empty made new tensors: the tie is made again
+    torch.manual_seed(3)
+    model.reset_parameters()
+    want = direct.state_dict()
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    tokens = torch.randint(0, SHAPE["vocab"], (2, 9))
+    assert torch.equal(model(tokens, tokens), direct(tokens, tokens))
+    model(tokens, tokens).backward()
+    if tie:  # one parameter, its gradient the sum of both uses
+        assert model.head.weight.grad is model.embed.weight.grad
+    assert len(list(model.parameters())) == len(list(direct.parameters()))
