@@ -32,6 +32,7 @@ import types
 
 import torch
 import torch.nn.functional as F
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from coda import _validate as v
 from coda.autograd import LM_HEAD_METHODS
@@ -56,11 +57,13 @@ def _check_config(config, rotary) -> None:
             raise v.CodaInputError(f"apply_coda: {what} is not supported")
 
 
-class CodaLlamaDecoderLayer(DecoderLayer):
+class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     """A ``LlamaDecoderLayer`` (or ``Qwen3DecoderLayer``) replaced by coda's layer: same call
     signature and result, the weights in coda's layouts, HF's attention module kept (without
     its projections and norms) for the attention function's parameters (scaling, GQA groups,
-    layer index, dropout, sliding window)."""
+    layer index, dropout, sliding window). A ``GradientCheckpointingLayer`` as HF's layers are,
+    so ``model.gradient_checkpointing_enable()`` (the Trainer's ``gradient_checkpointing``)
+    checkpoints it as it would the layer it replaced, before or after the patch."""
 
     def __init__(self, hf_layer, config, inv_freq, mask_hint):
         attn = hf_layer.self_attn
@@ -86,8 +89,26 @@ class CodaLlamaDecoderLayer(DecoderLayer):
             delattr(attn, name)  # the weights live in w_qkv / w_o / q_norm / k_norm now
         self.self_attn = attn
         self.mask_hint = mask_hint  # the model's one ``_MaskHint``, shared by its layers
+        if hf_layer.gradient_checkpointing:  # enabled before the patch: kept
+            self.gradient_checkpointing = True
+            self._gradient_checkpointing_func = hf_layer._gradient_checkpointing_func
         self.register_state_dict_post_hook(_to_hf_keys)
         self.register_load_state_dict_pre_hook(_from_hf_keys)
+
+    def _plain_causal(self, attention_mask) -> bool:
+        """Whether ``attention_mask`` is the plain causal one made under a capture: the model's
+        hint says so while its forward runs, and the verdict rides on the mask tensor itself
+        for an activation-checkpointing recompute, which runs in the backward with the same
+        mask after the forward has returned."""
+        if self.mask_hint.causal:
+            if isinstance(attention_mask, torch.Tensor):
+                attention_mask.coda_plain_causal = True
+            return True
+        return (
+            isinstance(attention_mask, torch.Tensor)
+            and not torch.compiler.is_compiling()
+            and getattr(attention_mask, "coda_plain_causal", False)
+        )
 
     def _hf_attention(self, attention_mask, cache, kwargs):
         """The model's configured attention function (read from its config on every call, so
@@ -97,7 +118,7 @@ class CodaLlamaDecoderLayer(DecoderLayer):
         implementation = module.config._attn_implementation
         iface = functions.get_interface(implementation, eager)
         if (
-            self.mask_hint.causal
+            self._plain_causal(attention_mask)
             and implementation == "sdpa"
             and getattr(module, "sliding_window", None) is None
         ):

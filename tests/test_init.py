@@ -58,3 +58,24 @@ def test_a_model_made_on_meta_initializes_as_the_constructor_does(tie):
     if tie:  # one parameter, its gradient the sum of both uses
         assert model.head.weight.grad is model.embed.weight.grad
     assert len(list(model.parameters())) == len(list(direct.parameters()))
+
+
+@pytest.mark.gpu
+def test_gpu_a_model_made_under_torch_device_cuda_trains():
+    """H200: ``with torch.device("cuda")`` (the build that crashed in run 78) makes a model
+    whose RoPE tables and first loss are those of the same weights made with
+    ``device="cuda"``, on the kernel path."""
+    shape = {**SHAPE, "d": 256, "n_heads": 4, "n_kv_heads": 2, "ffn": 512, "vocab": 1024}
+    shape["dtype"] = torch.bfloat16
+    with torch.device("cuda"):
+        model = cnn.CausalLM(**shape)
+    direct = cnn.CausalLM(**shape, device="cuda")
+    direct.load_state_dict(model.state_dict())
+    for a, b in zip(model.layers, direct.layers):
+        for key, table in b._rope_tables.items():
+            assert torch.equal(a._rope_tables[key], table), key
+    tokens = torch.randint(0, 1024, (2, 128), device="cuda")
+    loss = model(tokens, tokens)
+    assert torch.equal(loss, direct(tokens, tokens))
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())

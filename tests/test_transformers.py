@@ -525,18 +525,127 @@ def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
     assert calls == [(False, False)] * 2  # no capture: transformers' mask, as it made it
 
 
+def _enable_checkpointing(model) -> None:
+    """HF's activation checkpointing, by its current name (5.24 renamed it; 5.17 has the old)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
+
+
+def _count_attention_calls(monkeypatch) -> list:
+    """Each patched layer's attention as it is built for a forward (a recompute included)."""
+    calls = []
+    build = ct.CodaLlamaDecoderLayer._hf_attention
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.self_attn.layer_idx)
+        return build(self, *args, **kwargs)
+
+    monkeypatch.setattr(ct.CodaLlamaDecoderLayer, "_hf_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("enabled", ["before", "after"])
+def test_hf_activation_checkpointing_recomputes_the_patched_layers(family, enabled, monkeypatch):
+    """``model.gradient_checkpointing_enable()`` (the Trainer's ``gradient_checkpointing``)
+    checkpoints the patched layers as HF's own, enabled before the patch or after it: each
+    layer runs again in the backward (before this, a patched layer was not a
+    ``GradientCheckpointingLayer`` and was silently left whole), and the loss and every
+    gradient equal the unpatched checkpointed model's (float64, reference path)."""
+    cfg = tiny_config(family)
+    ref, _ = pair(cfg)
+    ref.train()
+    if enabled == "before":
+        _enable_checkpointing(ref)
+        patched = ct.apply_coda(copy.deepcopy(ref))
+    else:
+        patched = ct.apply_coda(copy.deepcopy(ref))
+        _enable_checkpointing(ref)
+        _enable_checkpointing(patched)
+    calls = _count_attention_calls(monkeypatch)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
+    assert calls == [0, 1, 1, 0]  # the forward, then each layer recomputed in the backward
+    calls.clear()
+    patched.eval()  # (HF checkpoints in training mode only)
+    _step(patched, input_ids=ids, labels=ids)
+    assert calls == [0, 1]
+
+
+def test_a_checkpointing_recompute_under_a_capture_keeps_sdpa_causal(monkeypatch):
+    """Under a capture (emulated as in the test above: transformers 5.17's tensor mask) an
+    activation-checkpointing recompute runs in the backward, after the forward that set the
+    model's mask hint has returned; the verdict rides on the mask tensor, so the recompute
+    also calls SDPA with no mask and ``is_causal``, as the first forward did."""
+    import transformers.masking_utils as mu
+
+    _, model = pair(tiny_config())
+    model.train()
+    _enable_checkpointing(model)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = _step(model, input_ids=ids, labels=ids)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    monkeypatch.setattr(ct, "_capturing", lambda: True)
+    assert torch.equal(_step(model, input_ids=ids, labels=ids), want)
+    assert calls == [(True, True)] * 4  # two layers' forwards, then their two recomputes
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_hf_checkpointing_recomputes_the_kernel_path(family, monkeypatch):
+    """H200: HF's activation checkpointing over a patched bf16 model on the kernel path: each
+    layer recomputed in the backward, and (SDPA's math backend) the loss and every gradient
+    bitwise the same step's without checkpointing: the recompute runs the same kernels."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    shape = dict(hidden_size=256, intermediate_size=512, vocab_size=1024, num_hidden_layers=2)
+    head = {"head_dim": 64} if family == "qwen3" else {}
+    cfg = tiny_config(family, **shape, **head)
+    torch.manual_seed(0)
+    plain = ct.apply_coda(model_class(cfg)(cfg).to("cuda", torch.bfloat16)).train()
+    checkpointed = copy.deepcopy(plain)
+    _enable_checkpointing(checkpointed)
+    ids = torch.randint(0, 1024, (4, 256), device="cuda")
+    calls = _count_attention_calls(monkeypatch)
+    with sdpa_kernel(SDPBackend.MATH):
+        want = _step(plain, input_ids=ids, labels=ids)
+        assert calls == [0, 1]
+        calls.clear()
+        got = _step(checkpointed, input_ids=ids, labels=ids)
+        assert calls == [0, 1, 1, 0]
+    assert torch.equal(got, want)
+    grads = dict(checkpointed.named_parameters())
+    for name, p in plain.named_parameters():
+        assert torch.equal(grads[name].grad, p.grad), name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_gpu_graphed_step_trains_a_patched_model(family):
     """H200: a patched bf16 model trained through ``coda.nn.GraphedStep``, its batch by keyword
     and its loss from the output's ``.loss``, trains as the eager steps do over five steps
     (two eager, a capture, two replays): capturing proves the patched model's forward and
-    backward free of host syncs with HF's sdpa attention. The first call is bitwise the
-    hand-written loop's; from the capture on, losses agree to 1e-5 and weights to bf16's
-    rounding (run 73, before the patched layers dropped the causal mask transformers builds
-    under a capture: bitwise through the captured step, 1e-6 off after it; flash SDPA's
-    backward need not be bitwise run to run). With HF's eager attention the capture fails
-    (its mask building copies a host scalar): ``GraphedStep`` says so and keeps nothing."""
+    backward free of host syncs with HF's sdpa attention. With SDPA's deterministic math
+    backend every loss and every weight is bitwise the hand-written loop's (the patched
+    layers drop the causal mask transformers 5.17 builds under a capture, so the captured
+    step is the eager step's computation: run 78; before that, run 73, it was 1e-6 off after
+    the capture); with the default backend the first call is bitwise and the rest agree to
+    1e-5 (flash SDPA's backward need not be bitwise run to run). With HF's eager attention
+    the capture fails (its mask building copies a host scalar): ``GraphedStep`` says so and
+    keeps nothing."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     import coda.nn as cnn
 
     def models(attn):
@@ -551,15 +660,24 @@ def test_gpu_graphed_step_trains_a_patched_model(family):
         lr = torch.tensor(1e-3, device="cuda")
         return torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=True)
 
+    def eager_and_graphed():
+        a, b = models("sdpa")
+        want = _eager_steps_by_keyword(a, adamw(a), batches)
+        step = cnn.GraphedStep(b, adamw(b), warmup=2)
+        got = [step(input_ids=ids, labels=ids) for ids in batches]
+        assert step.graphed
+        return torch.stack(want), torch.stack(got), a, b
+
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 1024, (4, 256), generator=g).cuda() for _ in range(5)]
-    a, b = models("sdpa")
-    want = _eager_steps_by_keyword(a, adamw(a), batches)
-    step = cnn.GraphedStep(b, adamw(b), warmup=2)
-    got = [step(input_ids=ids, labels=ids) for ids in batches]
-    assert step.graphed
+    with sdpa_kernel(SDPBackend.MATH):
+        want, got, a, b = eager_and_graphed()
+    assert torch.equal(got, want)
+    for (name, p), q in zip(b.named_parameters(), a.parameters()):
+        assert torch.equal(p, q), name
+    want, got, a, b = eager_and_graphed()
     assert torch.equal(got[0], want[0])  # the first call: the same kernels on the same weights
-    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     for (name, p), q in zip(b.named_parameters(), a.parameters()):
         torch.testing.assert_close(p, q, msg=name)
     _, eager = models("eager")
