@@ -3,7 +3,8 @@
 ``LlamaForCausalLM`` and a Qwen3-0.6B-shaped ``Qwen3ForCausalLM`` (random init, bf16, sdpa),
 in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and loss stay
 eager, as users compile it), with Liger's instance patch, and patched by
-``coda.transformers.apply_coda``. Every variant starts from the same weights. coda's and
+``coda.transformers.apply_coda``, and patched with HF's activation checkpointing on (what it
+saves in memory and costs in time). Every variant starts from the same weights. coda's and
 Liger's rows also carry one step's per-kernel table and GPU idle time (after the timing).
 
 Each variant's peak memory is measured as if it were alone (``_common.PeakAlone``), then
@@ -135,10 +136,17 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
         m.model = torch.compile(m.model)
         return m
 
+    def checkpointed():  # HF's activation checkpointing over the patched layers
+        m = ct.apply_coda(copy.deepcopy(base)).train()
+        enable = getattr(m, "activation_checkpointing_enable", None)  # (5.24's name)
+        (enable or m.gradient_checkpointing_enable)()
+        return m
+
     out = [
         ("hf", lambda: copy.deepcopy(base)),
         ("hf_torch_compile", compiled),
         ("hf_coda", lambda: ct.apply_coda(copy.deepcopy(base))),
+        ("hf_coda_checkpointed", checkpointed),
     ]
     if liger is not None:
         out.append(("hf_liger", lambda: liger.patch(copy.deepcopy(base))))
