@@ -150,7 +150,8 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
     ]
     if liger is not None:
         out.append(("hf_liger", lambda: liger.patch(copy.deepcopy(base))))
-    return out
+    chosen = selected("CODA_HF_PEERS", [name for name, _ in out])
+    return [(name, make) for name, make in out if not chosen or name in chosen]
 
 
 def _step(model, ids):
@@ -216,14 +217,16 @@ def run() -> list[dict]:
         times = {label: t["ms"] * 1e-3 for label, t in timed.items()}
         for label, t in timed.items():
             rows.append(
-                {
-                    "name": f"hf/{name}/{label}",
-                    "tokens": BATCH * SEQ,
-                    **t,
-                    "tokens_per_s": BATCH * SEQ / (t["ms"] * 1e-3),
-                    "peak_gib": peaks[label],
-                    **profiles.get(label, {}),
-                }
+                progress(  # kept if the call is cut
+                    {
+                        "name": f"hf/{name}/{label}",
+                        "tokens": BATCH * SEQ,
+                        **t,
+                        "tokens_per_s": BATCH * SEQ / (t["ms"] * 1e-3),
+                        "peak_gib": peaks[label],
+                        **profiles.get(label, {}),
+                    }
+                )
             )
         steps = timed = None
         peers = [t for k, t in times.items() if k in ("hf_torch_compile", "hf_liger")]

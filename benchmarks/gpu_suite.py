@@ -136,6 +136,7 @@ def run_tests(
 SELECTIONS = (  # environment variables that change what runs: named in the recorded command
     "CODA_BENCH_ROUNDS",
     "CODA_HF_SHAPES",
+    "CODA_HF_PEERS",
     "CODA_LAYER_SHAPES",
     "CODA_LM_HEAD_SHAPES",
     "CODA_MODEL_SHAPES",
