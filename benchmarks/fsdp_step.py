@@ -12,6 +12,9 @@ compute (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), so coda
 their kernel path; ``--steps`` then times the step (tokens/s per GPU, peak memory per GPU).
 ``--check``: rank 0 also runs the unsharded model on the whole global batch; the loss and every
 gradient must match (fp32: to round-off; bf16: within the spread of two bf16 runs).
+``--meta-init``: the sharded model is made on the meta device, sharded, then ``to_empty`` and
+the full state dict loaded into the shards (TorchTitan's way for models too large to make
+whole); the check then also covers that path.
 ``--peers``: the same model (same weights) in plain PyTorch (``TorchLlama``), eager and with
 each layer under ``torch.compile`` (TorchTitan's recipe), sharded the same way and timed the
 same way in the same run.
@@ -30,6 +33,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import coda.nn as cnn
@@ -50,9 +54,29 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=0, help="timed steps after the check")
     ap.add_argument("--check", action="store_true", help="compare with one unsharded process")
     ap.add_argument("--peers", action="store_true", help="also time PyTorch eager / compile")
+    ap.add_argument(
+        "--meta-init",
+        action="store_true",
+        help="make the sharded model on the meta device, then to_empty and load the full "
+        "state dict (TorchTitan's way)",
+    )
     ap.add_argument("--out", default=None, help="write the result JSON here (rank 0)")
     ap.add_argument("--commit", default="unknown", help="the git commit, for the record")
     return ap.parse_args(argv)
+
+
+def sharded(reference, args, device, gpu: bool):
+    """``reference``'s model sharded: a deep copy, or with ``--meta-init`` made on the meta
+    device (no memory spent), sharded, given real storage on its device (``to_empty``; the
+    layers rebuild their RoPE tables there) and loaded from the full state dict, each rank
+    keeping its shard (``set_model_state_dict``), as a large model is made and restored."""
+    if not args.meta_init:
+        return shard(copy.deepcopy(reference), gpu)
+    model = shard(build(args, torch.device("meta")), gpu)
+    model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, reference.state_dict(), options=options)
+    return model
 
 
 def build(args, device):
@@ -147,7 +171,7 @@ def main(argv=None):
     mine = slice(rank * per, (rank + 1) * per)
 
     reference = build(args, device)
-    model = shard(copy.deepcopy(reference), gpu)
+    model = sharded(reference, args, device, gpu)
     loss = model(tokens[mine], targets[mine])
     loss.backward()
     # every rank's loss is a mean over the same number of tokens: the global mean is their mean
@@ -162,6 +186,7 @@ def main(argv=None):
         "env": {**describe(), "gpus": world},
         "world": world,
         "device": str(device),
+        "init": "meta, then the full state dict" if args.meta_init else "a copy, sharded",
         "loss": float(global_loss),
     }
 

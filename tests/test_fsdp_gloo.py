@@ -1,7 +1,8 @@
 """FSDP2 wiring on the CPU: two gloo processes, ``fully_shard`` per coda decoder layer and on
 the whole model, one global batch split across them; the loss and every (gathered) gradient
 must equal one unsharded process on the whole batch (fp32, reference path). The benchmark's
-PyTorch peers (eager and per-layer torch.compile) are sharded and checked the same way."""
+PyTorch peers (eager and per-layer torch.compile) are sharded and checked the same way, and so
+is a sharded model made on the meta device and loaded from the full state dict."""
 
 import json
 import os
@@ -13,9 +14,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path):
-    if not torch.distributed.is_available():
-        raise AssertionError("torch.distributed is not available in this build")
+def _run(tmp_path, *flags) -> tuple:
+    """``fsdp_step.py --check`` on two gloo ranks with ``flags``: (its result, its stdout)."""
     out = tmp_path / "fsdp.json"
     cmd = [
         sys.executable,
@@ -26,20 +26,34 @@ def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path):
         "2",
         "benchmarks/fsdp_step.py",
         "--check",
-        "--steps",
-        "1",
-        "--peers",
+        *flags,
         "--out",
         str(out),
     ]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path):
+    if not torch.distributed.is_available():
+        raise AssertionError("torch.distributed is not available in this build")
+    result, stdout = _run(tmp_path, "--steps", "1", "--peers")
     assert result["world"] == 2
     assert result["loss_rel_diff"] < 1e-5 and result["worst_grad_rel_diff"] < 1e-5, result
-    assert "FSDP check: PASS" in proc.stdout
+    assert "FSDP check: PASS" in stdout
     # the benchmark's peers (the same model in PyTorch, eager and compiled) shard the same way
     # and compute the same loss from the same weights (fp32 round-off)
     for peer in ("torch_eager", "torch_compile"):
         assert abs(result[peer]["loss"] - result["loss"]) < 1e-5 * result["loss"], result
+
+
+def test_fsdp2_a_model_made_on_meta_and_loaded_matches_one_process(tmp_path):
+    """TorchTitan's way: the sharded model made on the meta device, sharded, ``to_empty`` and
+    the full state dict loaded into the shards; the loss and every gradient still equal one
+    unsharded process's (the layers' RoPE tables rebuilt on the real device)."""
+    result, stdout = _run(tmp_path, "--meta-init")
+    assert result["init"].startswith("meta") and result["world"] == 2
+    assert result["loss_rel_diff"] < 1e-5 and result["worst_grad_rel_diff"] < 1e-5, result
+    assert "FSDP check: PASS" in stdout
