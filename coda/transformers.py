@@ -163,6 +163,23 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         return super().forward(hidden_states, position_ids, position_embeddings, attention)
 
 
+def _inverse_frequencies(rotary, config) -> torch.Tensor:
+    """The model's RoPE inverse frequencies (float64, CPU): its buffer, or for a model made on
+    the meta device (no values yet; sharded before it is loaded, as FSDP2 recipes do) the same
+    float32 values recomputed from the config by the function the rotary module used."""
+    inv = rotary.inv_freq
+    if inv.device.type == "meta":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rotary.rope_type == "default":
+            compute = rotary.compute_default_rope_parameters
+        else:
+            compute = ROPE_INIT_FUNCTIONS[rotary.rope_type]
+        with torch.device("cpu"):
+            inv, _ = compute(config)
+    return inv.detach().to("cpu", torch.float64)
+
+
 @host_cache()
 def _hf_attention_functions():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -311,7 +328,7 @@ def apply_coda(model, *, method: str = "auto"):
     base = model.model if name.endswith("ForCausalLM") else model
     config = model.config
     _check_config(config, base.rotary_emb)
-    inv_freq = base.rotary_emb.inv_freq.detach().to(torch.float64)
+    inv_freq = _inverse_frequencies(base.rotary_emb, config)
     if getattr(base, "coda_mask_hint", None) is None:  # (not patched before)
         base.coda_mask_hint = _MaskHint()
         _wrap_forward(base, _base_forward)

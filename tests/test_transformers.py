@@ -525,6 +525,40 @@ def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
     assert calls == [(False, False)] * 2  # no capture: transformers' mask, as it made it
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "llama3-rope"])
+def test_a_model_patched_on_meta_and_loaded_matches(family):
+    """A model made on the meta device (sharded before it is loaded, as FSDP2 recipes do) is
+    patched there, given storage (``to_empty``) and loaded from an unpatched model's state
+    dict: its RoPE inverse frequencies, which a meta buffer does not hold, come from the
+    config as the model's rotary module computes them, and its step equals the unpatched
+    model's (float64). The rotary module's own non-persistent buffer is transformers' to
+    restore after ``to_empty``, as for an unpatched model."""
+    rope = dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=32,
+        rope_theta=500000.0,
+    )
+    extra = {"rope_parameters": rope} if family == "llama3-rope" else {}
+    cfg = tiny_config("qwen3" if family == "qwen3" else "llama", **extra)
+    ref, patched = pair(cfg)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg).double()
+    ct.apply_coda(model)
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    with torch.no_grad():  # (transformers' buffer, not coda's: as for an unpatched model)
+        model.model.rotary_emb.inv_freq.copy_(ref.model.rotary_emb.inv_freq)
+    for mine, theirs in zip(model.model.layers, patched.model.layers):
+        assert torch.equal(mine._inv_freq, theirs._inv_freq)
+        for key, table in theirs._rope_tables.items():
+            assert torch.equal(mine._rope_tables[key], table), key
+    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
+    assert_same_step(ref, model, input_ids=ids, labels=ids)
+
+
 def _enable_checkpointing(model) -> None:
     """HF's activation checkpointing, by its current name (5.24 renamed it; 5.17 has the old)."""
     enable = getattr(model, "activation_checkpointing_enable", None)
