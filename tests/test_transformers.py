@@ -559,10 +559,13 @@ def test_a_model_patched_on_meta_and_loaded_matches(family):
     assert_same_step(ref, model, input_ids=ids, labels=ids)
 
 
-def _enable_checkpointing(model) -> None:
+def _enable_checkpointing(model, reentrant: bool = False) -> None:
     """HF's activation checkpointing, by its current name (5.24 renamed it; 5.17 has the old)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    (enable or model.gradient_checkpointing_enable)()
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _count_attention_calls(monkeypatch) -> list:
@@ -579,7 +582,7 @@ def _count_attention_calls(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("enabled", ["before", "after"])
+@pytest.mark.parametrize("enabled", ["before", "after", "after, reentrant"])
 def test_hf_activation_checkpointing_recomputes_the_patched_layers(family, enabled, monkeypatch):
     """``model.gradient_checkpointing_enable()`` (the Trainer's ``gradient_checkpointing``)
     checkpoints the patched layers as HF's own, enabled before the patch or after it: each
@@ -592,10 +595,10 @@ def test_hf_activation_checkpointing_recomputes_the_patched_layers(family, enabl
     if enabled == "before":
         _enable_checkpointing(ref)
         patched = ct.apply_coda(copy.deepcopy(ref))
-    else:
+    else:  # (the Trainer's older default was the reentrant form)
         patched = ct.apply_coda(copy.deepcopy(ref))
-        _enable_checkpointing(ref)
-        _enable_checkpointing(patched)
+        _enable_checkpointing(ref, reentrant="reentrant" in enabled)
+        _enable_checkpointing(patched, reentrant="reentrant" in enabled)
     calls = _count_attention_calls(monkeypatch)
     ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
     assert_same_step(ref, patched, input_ids=ids, labels=ids)
