@@ -485,18 +485,12 @@ def test_an_instance_forward_set_before_the_patch_still_runs():
     assert seen == [["input_ids"]]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
-    """Under a CUDA-graph capture transformers 5.17 hands SDPA the causal mask as a tensor
-    (it takes the capture for a trace); the patched model's sdpa layers drop it, so SDPA runs
-    ``is_causal`` as eagerly, only where nothing the caller gave shapes the mask. Emulated on
-    the CPU: a capture reported, transformers' mask skip turned off; the same loss as the eager
-    call, bitwise (float64, reference path)."""
+def _emulate_a_5_17_capture(monkeypatch) -> list:
+    """A CUDA-graph capture as transformers 5.17 sees it, on the CPU: a capture reported,
+    transformers' causal-mask skip turned off (so it builds the tensor mask). Returns the list
+    each SDPA call appends (its mask is None, its is_causal) to."""
     import transformers.masking_utils as mu
 
-    _, model = pair(tiny_config(family))
-    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
-    want = model(input_ids=ids, labels=ids).loss
     calls = []
     sdpa = F.scaled_dot_product_attention
 
@@ -507,6 +501,20 @@ def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
     monkeypatch.setattr(ct, "_capturing", lambda: True)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
+    """Under a CUDA-graph capture transformers 5.17 hands SDPA the causal mask as a tensor
+    (it takes the capture for a trace); the patched model's sdpa layers drop it, so SDPA runs
+    ``is_causal`` as eagerly, only where nothing the caller gave shapes the mask. Emulated on
+    the CPU: a capture reported, transformers' mask skip turned off; the same loss as the eager
+    call, bitwise (float64, reference path)."""
+    _, model = pair(tiny_config(family))
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = model(input_ids=ids, labels=ids).loss
+    calls = _emulate_a_5_17_capture(monkeypatch)
     got = model(input_ids=ids, labels=ids).loss
     assert calls == [(True, True)] * 2 and torch.equal(got, want)  # two layers, no mask
     calls.clear()
@@ -614,24 +622,13 @@ def test_a_checkpointing_recompute_under_a_capture_keeps_sdpa_causal(monkeypatch
     activation-checkpointing recompute runs in the backward, after the forward that set the
     model's mask hint has returned; the verdict rides on the mask tensor, so the recompute
     also calls SDPA with no mask and ``is_causal``, as the first forward did."""
-    import transformers.masking_utils as mu
-
     _, model = pair(tiny_config())
     model.train()
     _enable_checkpointing(model)
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     want = _step(model, input_ids=ids, labels=ids)
     grads = {n: p.grad for n, p in model.named_parameters()}
-    calls = []
-    sdpa = F.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
-    monkeypatch.setattr(ct, "_capturing", lambda: True)
+    calls = _emulate_a_5_17_capture(monkeypatch)
     assert torch.equal(_step(model, input_ids=ids, labels=ids), want)
     assert calls == [(True, True)] * 4  # two layers' forwards, then their two recomputes
     for n, p in model.named_parameters():
