@@ -38,6 +38,7 @@ from coda import _validate as v
 from coda.autograd import LM_HEAD_METHODS
 from coda.env import host_cache
 from coda.nn import DecoderLayer, lm_head_loss
+from coda.nn.layer import HF_KEYS
 
 SUPPORTED = ("LlamaForCausalLM", "LlamaModel", "Qwen3ForCausalLM", "Qwen3Model")
 ROPE_TYPES = ("default", "llama3")
@@ -83,7 +84,17 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         )
         if qk_norm and attn.q_norm.variance_epsilon != config.rms_norm_eps:
             raise v.CodaInputError("apply_coda: a QK-norm eps other than rms_norm_eps")
+        where = f"layers.{attn.layer_idx}"
+        for key in self.hf_shapes():
+            module = hf_layer.get_submodule(key.rsplit(".", 1)[0])
+            if key.endswith("_proj.weight") and type(module) is not torch.nn.Linear:
+                raise v.CodaInputError(
+                    f"apply_coda: {where}.{key[: -len('.weight')]} is a "
+                    f"{type(module).__name__}, not a plain torch.nn.Linear (adapters such as "
+                    "LoRA and quantized or fp8 linears are not supported)"
+                )
         self.load_hf_state_dict(hf_layer.state_dict())
+        self._keep_frozen(hf_layer, where)
         names = ("q_proj", "k_proj", "v_proj", "o_proj") + (("q_norm", "k_norm") if qk_norm else ())
         for name in names:
             delattr(attn, name)  # the weights live in w_qkv / w_o / q_norm / k_norm now
@@ -94,6 +105,22 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             self._gradient_checkpointing_func = hf_layer._gradient_checkpointing_func
         self.register_state_dict_post_hook(_to_hf_keys)
         self.register_load_state_dict_pre_hook(_from_hf_keys)
+
+    def _keep_frozen(self, hf_layer, where: str) -> None:
+        """A frozen HF weight (``requires_grad=False``: partial fine-tuning) stays frozen in
+        the coda weight it becomes; a coda weight fused from several HF ones (q, k, v into
+        ``w_qkv``; gate and up into ``w_il``) cannot be partly frozen, and says so."""
+        hf = dict(hf_layer.named_parameters())
+        for name, keys in HF_KEYS.items():
+            if getattr(self, name, None) is None:  # (no QK-norm)
+                continue
+            flags = {hf[k].requires_grad for k in keys}
+            if len(flags) > 1:
+                raise v.CodaInputError(
+                    f"apply_coda: {where}: {', '.join(keys)} become one coda weight ({name}) "
+                    "and cannot be partly frozen: set requires_grad alike on all of them"
+                )
+            getattr(self, name).requires_grad_(flags.pop())
 
     def _plain_causal(self, attention_mask) -> bool:
         """Whether ``attention_mask`` is the plain causal one made under a capture: the model's

@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 transformers = pytest.importorskip(
     "transformers"
@@ -26,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel  # noqa: E402
 
 import coda  # noqa: E402
 import coda.transformers as ct  # noqa: E402
+from coda import _validate as v  # noqa: E402
 
 TOL = 1e-5
 
@@ -85,10 +87,11 @@ def pair(config, seed=0):
 
 
 def assert_same_step(ref, patched, **batch):
-    """One training step of each: the losses and every gradient (HF layout) agree."""
+    """One training step of each: the losses and every gradient (HF layout) agree, and the
+    same weights have one (frozen ones none)."""
     loss_r, loss_p = _step(ref, **batch), _step(patched, **batch)
     assert rel_err(loss_p, loss_r) < TOL
-    grads_r = {n: p.grad for n, p in ref.named_parameters()}
+    grads_r = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     grads_p = ct.hf_gradients(patched)
     assert grads_p.keys() == grads_r.keys()
     floor = max(float(g.abs().max()) for g in grads_r.values())
@@ -565,6 +568,59 @@ def test_a_model_patched_on_meta_and_loaded_matches(family):
             assert torch.equal(mine._rope_tables[key], table), key
     ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
     assert_same_step(ref, model, input_ids=ids, labels=ids)
+
+
+def test_frozen_weights_stay_frozen(family="qwen3"):
+    """Partial fine-tuning: an HF weight frozen before the patch (``requires_grad=False``)
+    stays frozen in the coda weight it becomes (before this, every patched weight came back
+    trainable: frozen layers trained), gets no gradient, and the trainable ones get the
+    unpatched model's (float64); a fused coda weight made from HF weights frozen unalike is
+    refused, naming them."""
+    cfg = tiny_config(family)
+    ref, _ = pair(cfg)
+    for p in ref.model.layers[0].parameters():
+        p.requires_grad_(False)
+    last = ref.model.layers[1]
+    for proj in (last.self_attn.q_proj, last.self_attn.k_proj, last.self_attn.v_proj):
+        proj.weight.requires_grad_(False)
+    last.mlp.down_proj.weight.requires_grad_(False)
+    ref.model.embed_tokens.weight.requires_grad_(False)
+    patched = ct.apply_coda(copy.deepcopy(ref))
+    first, second = patched.model.layers
+    assert not any(p.requires_grad for p in first.parameters())
+    trainable = {n for n, p in second.named_parameters() if p.requires_grad}
+    assert trainable == {"g1", "w_o", "g2", "w_il", "q_norm", "k_norm"}
+    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)  # the same gradients, none more
+    mixed = copy.deepcopy(ref)
+    mixed.model.layers[1].mlp.up_proj.weight.requires_grad_(False)  # gate trainable, up not
+    with pytest.raises(v.CodaInputError, match=r"layers\.1: mlp\.gate_proj.*partly frozen"):
+        ct.apply_coda(mixed)
+
+
+def test_adapters_and_other_linears_are_refused():
+    """A projection that is not a plain ``nn.Linear`` (a LoRA adapter around one, a quantized
+    or fp8 linear) would lose what it adds if its weight were fused: ``apply_coda`` refuses it,
+    naming the module and its type."""
+
+    class Adapter(nn.Module):  # LoRA's shape: the base layer plus a low-rank update
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+            self.down = nn.Linear(base.in_features, 2, bias=False)
+            self.up = nn.Linear(2, base.out_features, bias=False)
+
+        def forward(self, x):
+            return self.base_layer(x) + self.up(self.down(x))
+
+    for where in ("self_attn.v_proj", "mlp.down_proj"):
+        cfg = tiny_config()
+        model = model_class(cfg)(cfg)
+        owner, name = where.rsplit(".", 1)
+        parent = model.model.layers[1].get_submodule(owner)
+        setattr(parent, name, Adapter(getattr(parent, name)))
+        with pytest.raises(v.CodaInputError, match=rf"layers\.1\.{where} is a Adapter"):
+            ct.apply_coda(model)
 
 
 def _enable_checkpointing(model, reentrant: bool = False) -> None:

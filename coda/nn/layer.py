@@ -25,6 +25,17 @@ from coda.kernels.gemm_rope import default_positions, position_rows, shared_freq
 from coda.nn._common import in_dtype, tma_rule
 from coda.reference.layer import LayerShape, decoder_layer_ref
 
+HF_KEYS = {  # each weight of a layer: the HF ``LlamaDecoderLayer`` weights it is made from
+    "g1": ("input_layernorm.weight",),
+    "w_qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "w_o": ("self_attn.o_proj.weight",),
+    "g2": ("post_attention_layernorm.weight",),
+    "w_il": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "w_d": ("mlp.down_proj.weight",),
+    "q_norm": ("self_attn.q_norm.weight",),
+    "k_norm": ("self_attn.k_norm.weight",),
+}
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm Llama decoder layer. ``attention``: a callable (q, k, v) -> o on
@@ -250,38 +261,26 @@ class DecoderLayer(nn.Module):
     # -- Hugging Face weights ------------------------------------------------------------------
     def hf_state_dict(self, prefix: str = "", grad: bool = False) -> dict:
         """This layer's weights (or, with ``grad``, their gradients) as HF
-        ``LlamaDecoderLayer`` tensors (exact permutations)."""
-
-        def t(p):
-            return (p.grad if grad else p).detach()
-
-        q, k, v = layouts.qkv_weight_to_hf(
-            t(self.w_qkv),
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            head_dim=self.head_dim,
-        )
-        gate, up = layouts.gate_up_weight_to_hf(t(self.w_il))
-        p = prefix
-        return {
-            f"{p}input_layernorm.weight": t(self.g1).clone(),
-            f"{p}self_attn.q_proj.weight": q,
-            f"{p}self_attn.k_proj.weight": k,
-            f"{p}self_attn.v_proj.weight": v,
-            f"{p}self_attn.o_proj.weight": t(self.w_o).t().contiguous(),
-            f"{p}post_attention_layernorm.weight": t(self.g2).clone(),
-            f"{p}mlp.gate_proj.weight": gate,
-            f"{p}mlp.up_proj.weight": up,
-            f"{p}mlp.down_proj.weight": t(self.w_d).t().contiguous(),
-            **(
-                {
-                    f"{p}self_attn.q_norm.weight": layouts.head_weight_to_hf(t(self.q_norm)),
-                    f"{p}self_attn.k_norm.weight": layouts.head_weight_to_hf(t(self.k_norm)),
-                }
-                if self.qk_norm
-                else {}
-            ),
+        ``LlamaDecoderLayer`` tensors (exact permutations), keyed as ``HF_KEYS`` says. With
+        ``grad`` a weight without a gradient (frozen, or no backward yet) is left out."""
+        heads = {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
+        to_hf = {
+            "w_qkv": lambda x: layouts.qkv_weight_to_hf(x, **heads, head_dim=self.head_dim),
+            "w_il": layouts.gate_up_weight_to_hf,
+            "w_o": lambda x: (x.t().contiguous(),),
+            "w_d": lambda x: (x.t().contiguous(),),
+            "q_norm": lambda x: (layouts.head_weight_to_hf(x),),
+            "k_norm": lambda x: (layouts.head_weight_to_hf(x),),
         }
+        out = {}
+        for name, keys in HF_KEYS.items():
+            p = getattr(self, name)
+            t = p if p is None or not grad else p.grad
+            if t is None:  # (no QK-norm; or no gradient)
+                continue
+            hf = to_hf.get(name, lambda x: (x.clone(),))(t.detach())
+            out.update({prefix + k: x for k, x in zip(keys, hf)})
+        return out
 
     def hf_shapes(self, prefix: str = "") -> dict:
         """{HF key: shape} of this layer's weights in a ``LlamaDecoderLayer`` state dict."""
