@@ -79,16 +79,18 @@ def split_heads(qkv, dims: LayerDims):
     return t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :]
 
 
-def _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres):
+def _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres, want_dw: bool = True):
     """B12 + A9 and B13, shared by both attention-input Functions: dx0 = the norm-backward
     dgrad of dz~0 through W_qkv (with the residual gradient ``dres`` added in its epilogue),
-    dgamma1, and dW_qkv = gamma1 (rows) * (x0^T dz~0). Returns (dx0, dg1, dW_qkv)."""
+    dgamma1, and dW_qkv = gamma1 (rows) * (x0^T dz~0), or None without ``want_dw`` (W_qkv
+    frozen: its GEMM skipped). Returns (dx0, dg1, dW_qkv)."""
     M, d = x0.shape
     dres = None if dres is None else dres.contiguous()
     dx0, dg1 = lib.norm_bwd(
         dz0, w_qkv, x0, g1, corr0, dres, config_for("norm_bwd", M, w_qkv.shape[1], d)
     )
-    dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1)  # B13 (its tile keyed by M: chosen inside)
+    # B13 (its tile keyed by M: chosen inside)
+    dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1) if want_dw else None
     return dx0, dg1.to(g1.dtype), dw_qkv
 
 
@@ -122,7 +124,8 @@ class AttentionInput(torch.autograd.Function):
         hd = dims.head_dim
         cos, sin = cached_head_rotation(pos, freq, hd, r0.dtype)
         dz0, corr0 = lib.drope_rows(dq, dk, dv, qkv, r0, cos, sin, d)  # B11
-        dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres)
+        want_dw = ctx.needs_input_grad[2]
+        dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres, want_dw)
         return dx0, dg1, dw_qkv, None, None, None
 
 
@@ -175,7 +178,8 @@ class AttentionInputQKNorm(torch.autograd.Function):
         dz0, corr0, dqn, dkn = lib.dqk_norm_rows(
             dq, dk, dv, z_even, z_odd, z_v, s, r0, cos, sin, q_norm, k_norm, d
         )
-        dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres)
+        want_dw = ctx.needs_input_grad[2]
+        dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres, want_dw)
         return (
             dx0,
             dg1,
@@ -208,7 +212,7 @@ class AttentionOutput(torch.autograd.Function):
         o, w_o = ctx.saved_tensors
         dx1 = dx1.contiguous()
         do = dx1 @ w_o.t()  # B8
-        dw_o = wgrad(o, dx1)  # B9
+        dw_o = wgrad(o, dx1) if ctx.needs_input_grad[1] else None  # B9 (W_o frozen: none)
         return do, dw_o, dx1, None, None  # dx1 is also the residual's gradient (to x0)
 
 
@@ -235,12 +239,12 @@ class MLP(torch.autograd.Function):
         f = w_d.shape[0]
         dx2 = dx2.contiguous()
         dz1, s, stat1 = lib.dswiglu(dx2, w_d, u, r1, config_for("dswiglu", M, d, f))  # B4
-        dw_d = wgrad(s, dx2)  # B5
+        dw_d = wgrad(s, dx2) if ctx.needs_input_grad[5] else None  # B5 (frozen: none)
         corr1 = norm_corr(r1, stat1, d)  # A6
         dx1, dg2 = lib.norm_bwd(
             dz1, w_il, x1, g2, corr1, dx2, config_for("norm_bwd", M, 2 * f, d)
         )  # B6 + A7
-        dw_il = lib.wgrad_gamma_rows(x1, dz1, g2)  # B7
+        dw_il = lib.wgrad_gamma_rows(x1, dz1, g2) if ctx.needs_input_grad[4] else None  # B7
         return dx1, None, None, dg2.to(g2.dtype), dw_il, dw_d
 
 

@@ -51,6 +51,44 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
         assert rel_err(a, b, floor=floor) < 1e-11, name
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_frozen_weights_skip_their_gradient_gemms(qk_norm, monkeypatch):
+    """Partial fine-tuning on the kernel path: a frozen weight's gradient GEMM is not run
+    (each of the four weight-gradient launches counted), it gets no gradient, and every other
+    gradient equals the all-trainable step's (float64)."""
+    import coda.autograd as ca
+
+    torch.manual_seed(0)
+    layer = cnn.DecoderLayer(24, 4, 2, 20, head_dim=6, dtype=F64, qk_norm=qk_norm)
+    x = torch.randn(2, 5, 24, dtype=F64, requires_grad=True)
+    dy = torch.randn(2, 5, 24, dtype=F64)
+    _, want = _grads(layer, x, lambda: layer._kernel_forward(x), dy)
+    launches = []
+    for name, target in (("wgrad", ca), ("wgrad_gamma_rows", ca.lib)):
+        real = getattr(target, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            launches.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(target, name, counted)
+    names = [n for n, _ in layer.named_parameters()]
+    for frozen in (("w_qkv",), ("w_o", "w_d"), ("w_il",), ("w_qkv", "w_o", "w_il", "w_d")):
+        for n, p in layer.named_parameters():
+            p.requires_grad_(n not in frozen)
+        launches.clear()
+        for p in (*layer.parameters(), x):
+            p.grad = None
+        layer._kernel_forward(x).backward(dy)
+        assert len(launches) == 4 - len(frozen), (frozen, launches)
+        assert rel_err(x.grad, want[0]) < 1e-12
+        for n, p, g in zip(names, layer.parameters(), want[1:]):
+            if n in frozen:
+                assert p.grad is None, n
+            else:
+                assert rel_err(p.grad, g) < 1e-12, (frozen, n)
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("method", ["auto", "recompute", "chunked", "scaled_exp"])
 def test_lm_head_kernel_sequence_equals_reference_float64(seed, method):
