@@ -1,0 +1,390 @@
+"""A patched Hugging Face model inside training machinery (tiny random Llama and Qwen3 models
+built here, as in ``test_transformers.py``, whose helpers these tests use): through
+``coda.nn.GraphedStep`` and CUDA-graph captures (emulated on the CPU where transformers 5.17's
+capture behaviour matters), deep copies, HF's activation checkpointing, models made on the meta
+device, and partial fine-tuning (frozen weights, adapters). CPU tests in float64 on the
+reference path; ``gpu`` tests on the H200's kernel path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
+from test_transformers import (  # noqa: E402
+    _step,
+    assert_same_step,
+    model_class,
+    pair,
+    tiny_config,
+)
+from transformers import LlamaForCausalLM  # noqa: E402
+
+import coda.transformers as ct  # noqa: E402
+from coda import _validate as v  # noqa: E402
+
+
+def _eager_steps_by_keyword(model, opt, batches) -> list:
+    """The hand-written loop ``GraphedStep`` stands for, an HF model's way: the losses."""
+    losses = []
+    for ids in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_graphed_step_trains_a_patched_model_by_keyword(family):
+    """``coda.nn.GraphedStep`` with an HF model patched by ``apply_coda``: the batch by keyword,
+    the loss from the output's ``.loss``; on the CPU every call eager, equal to the hand-written
+    loop (losses and weights bitwise, float64)."""
+    import coda.nn as cnn
+
+    _, a = pair(tiny_config(family))
+    b = copy.deepcopy(a)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 97, (2, 9), generator=g) for _ in range(4)]
+    want = _eager_steps_by_keyword(a, torch.optim.AdamW(a.parameters(), lr=1e-2), batches)
+    step = cnn.GraphedStep(b, torch.optim.AdamW(b.parameters(), lr=1e-2))
+    got = [step(input_ids=ids, labels=ids) for ids in batches]
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert len({float(x) for x in got}) == len(got)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_a_deep_copy_of_a_patched_model_runs_its_own_weights():
+    """``copy.deepcopy`` of a patched model (as ``GraphedStep`` users and the benchmarks make
+    them): its forward, with labels and without, and its decoder stack's run the copy's
+    weights, not the original's (the patched forwards hold no bound method of the original)."""
+    _, a = pair(tiny_config())
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        for p in b.parameters():
+            p.mul_(1.5)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    for call in (
+        lambda m: m(input_ids=ids).logits,
+        lambda m: m(input_ids=ids, labels=ids).loss,
+        lambda m: m.model(input_ids=ids).last_hidden_state,
+    ):
+        b_before = call(b)
+        c = copy.deepcopy(b)  # the same weights as b: the same result
+        assert torch.equal(call(c), b_before) and not torch.equal(call(a), b_before)
+
+
+def test_an_instance_forward_set_before_the_patch_still_runs():
+    """A forward someone set on the instance before ``apply_coda`` (a hook library's wrapper)
+    stays in the call chain: the patched forward calls it, with and without labels."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config()).double()
+    seen = []
+    own = model.forward
+
+    def hooked(*args, **kwargs):
+        seen.append(sorted(kwargs))
+        return own(*args, **kwargs)
+
+    model.forward = hooked
+    ct.apply_coda(model)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    logits = model(input_ids=ids).logits
+    assert seen == [["input_ids"]] and logits.shape == (2, 9, 97)
+    model(input_ids=ids, labels=ids)  # the loss path runs coda's head, not the wrapped forward
+    assert seen == [["input_ids"]]
+
+
+def _emulate_a_5_17_capture(monkeypatch) -> list:
+    """A CUDA-graph capture as transformers 5.17 sees it, on the CPU: a capture reported,
+    transformers' causal-mask skip turned off (so it builds the tensor mask). Returns the list
+    each SDPA call appends (its mask is None, its is_causal) to."""
+    import transformers.masking_utils as mu
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    monkeypatch.setattr(ct, "_capturing", lambda: True)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
+    """Under a CUDA-graph capture transformers 5.17 hands SDPA the causal mask as a tensor
+    (it takes the capture for a trace); the patched model's sdpa layers drop it, so SDPA runs
+    ``is_causal`` as eagerly, only where nothing the caller gave shapes the mask. Emulated on
+    the CPU: a capture reported, transformers' mask skip turned off; the same loss as the eager
+    call, bitwise (float64, reference path)."""
+    _, model = pair(tiny_config(family))
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = model(input_ids=ids, labels=ids).loss
+    calls = _emulate_a_5_17_capture(monkeypatch)
+    got = model(input_ids=ids, labels=ids).loss
+    assert calls == [(True, True)] * 2 and torch.equal(got, want)  # two layers, no mask
+    calls.clear()
+    model.model(input_ids=ids)  # the decoder stack alone (a patched LlamaModel / Qwen3Model)
+    assert calls == [(True, True)] * 2
+    for given in (
+        {"attention_mask": torch.ones_like(ids)},
+        {"position_ids": torch.arange(9).expand(2, 9)},
+    ):
+        calls.clear()
+        model(input_ids=ids, labels=ids, **given)
+        assert calls == [(False, False)] * 2, given  # the caller's mask inputs: kept
+    monkeypatch.setattr(ct, "_capturing", lambda: False)
+    calls.clear()
+    model(input_ids=ids, labels=ids)
+    assert calls == [(False, False)] * 2  # no capture: transformers' mask, as it made it
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "llama3-rope"])
+def test_a_model_patched_on_meta_and_loaded_matches(family):
+    """A model made on the meta device (sharded before it is loaded, as FSDP2 recipes do) is
+    patched there, given storage (``to_empty``) and loaded from an unpatched model's state
+    dict: its RoPE inverse frequencies, which a meta buffer does not hold, come from the
+    config as the model's rotary module computes them, and its step equals the unpatched
+    model's (float64). The rotary module's own non-persistent buffer is transformers' to
+    restore after ``to_empty``, as for an unpatched model."""
+    rope = dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=32,
+        rope_theta=500000.0,
+    )
+    extra = {"rope_parameters": rope} if family == "llama3-rope" else {}
+    cfg = tiny_config("qwen3" if family == "qwen3" else "llama", **extra)
+    ref, patched = pair(cfg)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg).double()
+    ct.apply_coda(model)
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    with torch.no_grad():  # (transformers' buffer, not coda's: as for an unpatched model)
+        model.model.rotary_emb.inv_freq.copy_(ref.model.rotary_emb.inv_freq)
+    for mine, theirs in zip(model.model.layers, patched.model.layers):
+        assert torch.equal(mine._inv_freq, theirs._inv_freq)
+        for key, table in theirs._rope_tables.items():
+            assert torch.equal(mine._rope_tables[key], table), key
+    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
+    assert_same_step(ref, model, input_ids=ids, labels=ids)
+
+
+def test_frozen_weights_stay_frozen(family="qwen3"):
+    """Partial fine-tuning: an HF weight frozen before the patch (``requires_grad=False``)
+    stays frozen in the coda weight it becomes (before this, every patched weight came back
+    trainable: frozen layers trained), gets no gradient, and the trainable ones get the
+    unpatched model's (float64); a fused coda weight made from HF weights frozen unalike is
+    refused, naming them."""
+    cfg = tiny_config(family)
+    ref, _ = pair(cfg)
+    for p in ref.model.layers[0].parameters():
+        p.requires_grad_(False)
+    last = ref.model.layers[1]
+    for proj in (last.self_attn.q_proj, last.self_attn.k_proj, last.self_attn.v_proj):
+        proj.weight.requires_grad_(False)
+    last.mlp.down_proj.weight.requires_grad_(False)
+    ref.model.embed_tokens.weight.requires_grad_(False)
+    patched = ct.apply_coda(copy.deepcopy(ref))
+    first, second = patched.model.layers
+    assert not any(p.requires_grad for p in first.parameters())
+    trainable = {n for n, p in second.named_parameters() if p.requires_grad}
+    assert trainable == {"g1", "w_o", "g2", "w_il", "q_norm", "k_norm"}
+    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)  # the same gradients, none more
+    mixed = copy.deepcopy(ref)
+    mixed.model.layers[1].mlp.up_proj.weight.requires_grad_(False)  # gate trainable, up not
+    with pytest.raises(v.CodaInputError, match=r"layers\.1: mlp\.gate_proj.*partly frozen"):
+        ct.apply_coda(mixed)
+
+
+def test_adapters_and_other_linears_are_refused():
+    """A projection that is not a plain ``nn.Linear`` (a LoRA adapter around one, a quantized
+    or fp8 linear) would lose what it adds if its weight were fused: ``apply_coda`` refuses it,
+    naming the module and its type."""
+
+    class Adapter(nn.Module):  # LoRA's shape: the base layer plus a low-rank update
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+            self.down = nn.Linear(base.in_features, 2, bias=False)
+            self.up = nn.Linear(2, base.out_features, bias=False)
+
+        def forward(self, x):
+            return self.base_layer(x) + self.up(self.down(x))
+
+    for where in ("self_attn.v_proj", "mlp.down_proj"):
+        cfg = tiny_config()
+        model = model_class(cfg)(cfg)
+        owner, name = where.rsplit(".", 1)
+        parent = model.model.layers[1].get_submodule(owner)
+        setattr(parent, name, Adapter(getattr(parent, name)))
+        with pytest.raises(v.CodaInputError, match=rf"layers\.1\.{where} is a Adapter"):
+            ct.apply_coda(model)
+
+
+def _enable_checkpointing(model, reentrant: bool = False) -> None:
+    """HF's activation checkpointing, by its current name (5.24 renamed it; 5.17 has the old)."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _count_attention_calls(monkeypatch) -> list:
+    """Each patched layer's attention as it is built for a forward (a recompute included)."""
+    calls = []
+    build = ct.CodaLlamaDecoderLayer._hf_attention
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.self_attn.layer_idx)
+        return build(self, *args, **kwargs)
+
+    monkeypatch.setattr(ct.CodaLlamaDecoderLayer, "_hf_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("enabled", ["before", "after", "after, reentrant"])
+def test_hf_activation_checkpointing_recomputes_the_patched_layers(family, enabled, monkeypatch):
+    """``model.gradient_checkpointing_enable()`` (the Trainer's ``gradient_checkpointing``)
+    checkpoints the patched layers as HF's own, enabled before the patch or after it: each
+    layer runs again in the backward (before this, a patched layer was not a
+    ``GradientCheckpointingLayer`` and was silently left whole), and the loss and every
+    gradient equal the unpatched checkpointed model's (float64, reference path)."""
+    cfg = tiny_config(family)
+    ref, _ = pair(cfg)
+    ref.train()
+    if enabled == "before":
+        _enable_checkpointing(ref)
+        patched = ct.apply_coda(copy.deepcopy(ref))
+    else:  # (the Trainer's older default was the reentrant form)
+        patched = ct.apply_coda(copy.deepcopy(ref))
+        _enable_checkpointing(ref, reentrant="reentrant" in enabled)
+        _enable_checkpointing(patched, reentrant="reentrant" in enabled)
+    calls = _count_attention_calls(monkeypatch)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
+    assert calls == [0, 1, 1, 0]  # the forward, then each layer recomputed in the backward
+    calls.clear()
+    patched.eval()  # (HF checkpoints in training mode only)
+    _step(patched, input_ids=ids, labels=ids)
+    assert calls == [0, 1]
+
+
+def test_a_checkpointing_recompute_under_a_capture_keeps_sdpa_causal(monkeypatch):
+    """Under a capture (emulated as in the test above: transformers 5.17's tensor mask) an
+    activation-checkpointing recompute runs in the backward, after the forward that set the
+    model's mask hint has returned; the verdict rides on the mask tensor, so the recompute
+    also calls SDPA with no mask and ``is_causal``, as the first forward did."""
+    _, model = pair(tiny_config())
+    model.train()
+    _enable_checkpointing(model)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = _step(model, input_ids=ids, labels=ids)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    calls = _emulate_a_5_17_capture(monkeypatch)
+    assert torch.equal(_step(model, input_ids=ids, labels=ids), want)
+    assert calls == [(True, True)] * 4  # two layers' forwards, then their two recomputes
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_hf_checkpointing_recomputes_the_kernel_path(family, monkeypatch):
+    """H200: HF's activation checkpointing over a patched bf16 model on the kernel path: each
+    layer recomputed in the backward, and (SDPA's math backend) the loss and every gradient
+    bitwise the same step's without checkpointing: the recompute runs the same kernels."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    shape = dict(hidden_size=256, intermediate_size=512, vocab_size=1024, num_hidden_layers=2)
+    head = {"head_dim": 64} if family == "qwen3" else {}
+    cfg = tiny_config(family, **shape, **head)
+    torch.manual_seed(0)
+    plain = ct.apply_coda(model_class(cfg)(cfg).to("cuda", torch.bfloat16)).train()
+    checkpointed = copy.deepcopy(plain)
+    _enable_checkpointing(checkpointed)
+    ids = torch.randint(0, 1024, (4, 256), device="cuda")
+    calls = _count_attention_calls(monkeypatch)
+    with sdpa_kernel(SDPBackend.MATH):
+        want = _step(plain, input_ids=ids, labels=ids)
+        assert calls == [0, 1]
+        calls.clear()
+        got = _step(checkpointed, input_ids=ids, labels=ids)
+        assert calls == [0, 1, 1, 0]
+    assert torch.equal(got, want)
+    grads = dict(checkpointed.named_parameters())
+    for name, p in plain.named_parameters():
+        assert torch.equal(grads[name].grad, p.grad), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_graphed_step_trains_a_patched_model(family):
+    """H200: a patched bf16 model trained through ``coda.nn.GraphedStep``, its batch by keyword
+    and its loss from the output's ``.loss``, trains as the eager steps do over five steps
+    (two eager, a capture, two replays): capturing proves the patched model's forward and
+    backward free of host syncs with HF's sdpa attention. With SDPA's deterministic math
+    backend every loss and every weight is bitwise the hand-written loop's (the patched
+    layers drop the causal mask transformers 5.17 builds under a capture, so the captured
+    step is the eager step's computation: run 78; before that, run 73, it was 1e-6 off after
+    the capture); with the default backend the first call is bitwise and the rest agree to
+    1e-5 (flash SDPA's backward need not be bitwise run to run). With HF's eager attention
+    the capture fails (its mask building copies a host scalar): ``GraphedStep`` says so and
+    keeps nothing."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import coda.nn as cnn
+
+    def models(attn):
+        shape = dict(hidden_size=256, intermediate_size=512, vocab_size=1024, num_hidden_layers=2)
+        head = {"head_dim": 64} if family == "qwen3" else {}  # as the protocol test's
+        cfg = tiny_config(family, **shape, **head, attn_implementation=attn)
+        torch.manual_seed(0)
+        ref = model_class(cfg)(cfg).to("cuda", torch.bfloat16)
+        return [ct.apply_coda(copy.deepcopy(ref)) for _ in range(2)]
+
+    def adamw(model):
+        lr = torch.tensor(1e-3, device="cuda")
+        return torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=True)
+
+    def eager_and_graphed():
+        a, b = models("sdpa")
+        want = _eager_steps_by_keyword(a, adamw(a), batches)
+        step = cnn.GraphedStep(b, adamw(b), warmup=2)
+        got = [step(input_ids=ids, labels=ids) for ids in batches]
+        assert step.graphed
+        return torch.stack(want), torch.stack(got), a, b
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 1024, (4, 256), generator=g).cuda() for _ in range(5)]
+    with sdpa_kernel(SDPBackend.MATH):
+        want, got, a, b = eager_and_graphed()
+    assert torch.equal(got, want)
+    for (name, p), q in zip(b.named_parameters(), a.parameters()):
+        assert torch.equal(p, q), name
+    want, got, a, b = eager_and_graphed()
+    assert torch.equal(got[0], want[0])  # the first call: the same kernels on the same weights
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for (name, p), q in zip(b.named_parameters(), a.parameters()):
+        torch.testing.assert_close(p, q, msg=name)
+    _, eager = models("eager")
+    step = cnn.GraphedStep(eager, adamw(eager), warmup=1)
+    step(input_ids=batches[0], labels=batches[0])
+    with pytest.raises(RuntimeError, match="could not be captured as a CUDA graph"):
+        step(input_ids=batches[1], labels=batches[1])
+    assert not step.graphed
