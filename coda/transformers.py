@@ -9,8 +9,11 @@ as given; the kernel path forms the same angles from ``position_ids`` and the mo
 frequencies, Llama 3's scaling included), and the state-dict layout: each patched layer stores
 coda's paired layouts (``coda.layouts``) but ``state_dict()`` / ``load_state_dict()`` /
 ``save_pretrained`` speak HF's keys and shapes, exactly. Without labels the model returns
-logits as before (generation works). Anything not supported raises ``CodaInputError``
-naming it: nothing is silently left unpatched.
+logits as before (generation works). HF's activation checkpointing and frozen weights
+(``requires_grad=False``) behave as on the unpatched model; a model made on the meta device can
+be patched before it is loaded. Anything not supported (another architecture, a config feature,
+an adapter or quantized linear in place of a projection) raises ``CodaInputError`` naming it:
+nothing is silently left unpatched.
 
 Under a CUDA-graph capture (``coda.nn.GraphedStep``) transformers 5.17 cannot tell the
 capture from a trace and hands SDPA its causal mask as a full (batch, 1, seq, seq) tensor in
@@ -100,7 +103,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             delattr(attn, name)  # the weights live in w_qkv / w_o / q_norm / k_norm now
         self.self_attn = attn
         self.mask_hint = mask_hint  # the model's one ``_MaskHint``, shared by its layers
-        if hf_layer.gradient_checkpointing:  # enabled before the patch: kept
+        if getattr(hf_layer, "gradient_checkpointing", False):  # enabled before the patch
             self.gradient_checkpointing = True
             self._gradient_checkpointing_func = hf_layer._gradient_checkpointing_func
         self.register_state_dict_post_hook(_to_hf_keys)
