@@ -321,3 +321,35 @@ def test_gpu_layer_and_head_every_gradient(B, S, d, H, Hkv, f, V, method):
         if e_k > e_t:
             worse.append(f"d{name} ({e_k / e_t:.3f})")
     assert not worse, "normalized error > 1: " + ", ".join(worse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_gpu_frozen_weights_give_the_same_other_gradients(qk_norm):
+    """H200: with W_qkv and W_il frozen (their gradient GEMMs skipped), every other gradient
+    of a bf16 layer step is bitwise the all-trainable step's (SDPA's math backend), and the
+    frozen weights get none."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    layer = cnn.DecoderLayer(1024, 8, 4, 2816, head_dim=128, device="cuda", qk_norm=qk_norm)
+    x = torch.randn(2, 512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def grads():
+        for p in (*layer.parameters(), x):
+            p.grad = None
+        with sdpa_kernel(SDPBackend.MATH):
+            layer(x).backward(dy)
+        return {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+
+    want = grads()
+    frozen = ("w_qkv", "w_il")
+    for n, p in layer.named_parameters():
+        p.requires_grad_(n not in frozen)
+    got = grads()
+    for name, g in want.items():
+        if name in frozen:
+            assert got[name] is None, name
+        else:
+            assert torch.equal(got[name], g), name
