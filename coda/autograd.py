@@ -336,7 +336,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 rows, op = chunk_rows(V), lib.lm_head_chunked
             else:
                 rows, op = chunk_rows_scaled(V), lib.lm_head_scaled
-            lse, tl, G, S, dw_acc = op(y, w, ones, target, weight, rows, cfg, smooth, z_loss)
+            ctx.want_dw = ctx.needs_input_grad[2]  # (a frozen LM head: no dW GEMM at all)
+            lse, tl, G, S, dw_acc = op(
+                y, w, ones, target, weight, rows, cfg, smooth, z_loss, ctx.want_dw
+            )
             # kept unrounded (G, S and dW in fp32): the backward applies the upstream
             # gradient before the one rounding to bf16
             ctx.save_for_backward(G, S, x2, gf, r, dw_acc, w_lm)
@@ -354,7 +357,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if ctx.method in ("chunked", "scaled_exp"):
             G, S, x2, gf, r, dw_acc, w_lm = ctx.saved_tensors
             dx2, dgf = final_norm_backward(G, S, x2, gf, r, g)
-            return dx2, dgf.to(gf.dtype), weight_grad_from_acc(dw_acc, g, w_lm), *nones
+            dw = weight_grad_from_acc(dw_acc, g, w_lm) if ctx.want_dw else None
+            return dx2, dgf.to(gf.dtype), dw, *nones
         x2, y, r, ones, lse, tl, target, gf, w = ctx.saved_tensors
         ignore_index, reduction, chunk, cfg, smooth, z_loss = ctx.cfg
         scale = row_scale(target, ignore_index, reduction, g)

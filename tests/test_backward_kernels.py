@@ -353,3 +353,28 @@ def test_gpu_frozen_weights_give_the_same_other_gradients(qk_norm):
             assert got[name] is None, name
         else:
             assert torch.equal(got[name], g), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["scaled_exp", "chunked"])
+def test_gpu_a_frozen_lm_head_gives_the_same_other_gradients(method):
+    """H200: a frozen LM-head weight (no dW GEMM, no V x d accumulator): the loss, dX and
+    dgamma bitwise the trainable head's, and no weight gradient."""
+    torch.manual_seed(0)
+    head = cnn.LMHeadLoss(1024, 8192, method=method, device="cuda")
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 8192, (2048,), device="cuda")
+    t[::7] = -100
+
+    def step():
+        x.grad = head.gf.grad = head.weight.grad = None
+        loss = head(x, t)
+        loss.backward()
+        return loss.detach(), x.grad, head.gf.grad
+
+    want = step()
+    head.weight.requires_grad_(False)
+    got = step()
+    assert head.weight.grad is None
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

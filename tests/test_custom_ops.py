@@ -74,6 +74,7 @@ def op_samples():
             CFG,
             0.1,
             1e-3,
+            True,
         ),
         "lm_head_scaled": (  # V a multiple of 128 (its strips)
             _r(M, d),
@@ -85,6 +86,7 @@ def op_samples():
             CFG,
             0.1,
             1e-3,
+            False,  # (a frozen weight: no dW; the chunked op's row takes it)
         ),
     }
     B, S, H, Hkv, hd = 2, 5, 2, 1, 16  # attention's head gradients, as views of one buffer

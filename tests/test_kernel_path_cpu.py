@@ -322,6 +322,48 @@ def test_lm_head_without_gradients_runs_the_one_gemm_program(monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["scaled_exp", "chunked"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_a_frozen_lm_head_forms_no_weight_gradient(method, smoothing, monkeypatch):
+    """A frozen LM-head weight (tied to a frozen embedding, say): the three-GEMM programs run
+    no dW GEMM and keep no V x d accumulator, the weight gets no gradient, and the loss, dX
+    and dgamma equal the trainable head's (float64, kernel path)."""
+    from coda.kernels import ce_scaled_exp as cse
+    from coda.kernels import linear_cross_entropy_chunked as cec
+
+    torch.manual_seed(0)
+    head = cnn.LMHeadLoss(16, 256, method=method, chunk=7, dtype=F64, label_smoothing=smoothing)
+    x = torch.randn(19, 16, dtype=F64, requires_grad=True)
+    t = torch.randint(0, 256, (19,))
+    t[::5] = -100
+
+    def step():
+        x.grad = head.gf.grad = head.weight.grad = None
+        loss = head._kernel_loss(x, t, "mean")
+        loss.backward()
+        return loss.detach(), x.grad, head.gf.grad
+
+    want = step()
+    assert head.weight.grad is not None
+    dw_gemms = []
+    for module, name in ((cse, "scaled_grad_dw_kernel"), (cec, "dw_gemm")):
+        real = getattr(module, name)
+
+        def counted(*args, _real=real, **kwargs):
+            dw_gemms.append(name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    step()
+    assert dw_gemms  # (the counting sees the trainable head's dW GEMMs)
+    head.weight.requires_grad_(False)
+    dw_gemms.clear()
+    got = step()
+    assert dw_gemms == [] and head.weight.grad is None
+    for a, b in zip(got, want):
+        assert rel_err(a, b, floor=1.0) < 1e-12
+
+
+@pytest.mark.parametrize("method", ["scaled_exp", "chunked"])
 def test_lm_head_hf_weight_layout_kernel_path_float64(method):
     """The functional LM head with an HF ``lm_head.weight`` (V, d) passed as its (d, V) view (what
     ``apply_coda`` does): the kernel sequence equals the reference, the weight's gradient lands in

@@ -248,12 +248,14 @@ def linear_cross_entropy_scaled(
     interpreted: bool = False,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    want_dw: bool = True,
 ):
     """CE-S, forward stats and g = 1 gradients in three GEMMs per token chunk (GEMM1 storing
     E, dX and dW reading E through the A-operand transform). Returns (lse, target_logit,
     G (M x d, fp32), S, dW_lm) as ``linear_cross_entropy_chunked`` does, dW_lm the fp32
-    accumulator as a (d, V) view of its (V, d) storage. ``weight``: the
-    per-row loss weight (1/M_valid or 1; 0 on ignored rows). V must be a multiple of 128."""
+    accumulator as a (d, V) view of its (V, d) storage (without ``want_dw``, a frozen weight:
+    no dW GEMM, an empty (d, 0) dW_lm). ``weight``: the per-row loss weight (1/M_valid or 1;
+    0 on ignored rows). V must be a multiple of 128."""
     from coda._validate import CodaInputError
 
     M, d = a.shape
@@ -266,7 +268,8 @@ def linear_cross_entropy_scaled(
     lse = torch.empty(M, dtype=acc, device=a.device)
     tl = torch.empty_like(lse)
     G = torch.empty(M, d, dtype=acc, device=a.device)
-    dw_t = torch.empty(V, d, dtype=acc, device=a.device)  # dW^T, summed over chunks in fp32
+    # dW^T, summed over chunks in fp32
+    dw_t = torch.empty(V if want_dw else 0, d, dtype=acc, device=a.device)
     smooth_sum = torch.zeros(d, dtype=acc, device=a.device)  # sum_m r w a (label smoothing)
     glue = scaled_glue if interpreted else fused(scaled_glue)
     row_index = torch.arange(min(rows, -(-M // 128) * 128), device=a.device)
@@ -292,8 +295,9 @@ def linear_cross_entropy_scaled(
         # dX straight into G's rows, except for a padded last chunk
         G_c = G[R] if C == n else torch.empty(C, d, dtype=acc, device=a.device)
         scaled_grad_dx_kernel(e, w_lm, u, c, G_c)
-        scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
-        add_target_terms(G_c, dw_t, a_c, t_c, coef, w_lm)  # exact, in fp32
+        if want_dw:
+            scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
+        add_target_terms(G_c, dw_t if want_dw else None, a_c, t_c, coef, w_lm)  # exact, fp32
         lse[R], tl[R] = lse_c[:n], tl_c[:n]
         if C != n:
             G[R] = G_c[:n]
@@ -302,7 +306,8 @@ def linear_cross_entropy_scaled(
     if label_smoothing:  # the uniform -eps/V of every dl: rank-1 in both gradients
         shift = label_smoothing / V
         G -= shift * (rstd * weight.to(acc))[:, None] * w_lm.sum(1, dtype=acc)[None, :]
-        dw_t -= shift * smooth_sum[None, :]
+        if want_dw:
+            dw_t -= shift * smooth_sum[None, :]
     S = row_dot(G, a, rstd) if interpreted else fused(row_dot)(G, a, rstd)
     return lse, tl, G, S, dw_t.t()
 

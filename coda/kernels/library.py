@@ -274,12 +274,15 @@ def _(a, w, rstd, lse, tl, target, scale, chunk, cfg, hot, shift):
     return _empty(M, d, like=a, dtype=acc), _empty(M, like=a, dtype=acc), _empty(d, V, like=a)
 
 
-def _lm_head_gradients_fake(a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss):
+def _lm_head_gradients_fake(
+    a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss, want_dw
+):
     """The fake of an LM-head gradients op: dW is the fp32 accumulator, a (d, V) view of
-    (V, d) storage (both programs scatter-add the target entries into its rows)."""
+    (V, d) storage (both programs scatter-add the target entries into its rows); (d, 0)
+    without ``want_dw``."""
     M, d, acc = a.shape[0], a.shape[1], acc_dtype(a)
     stat = _empty(M, like=a, dtype=acc)
-    dw = _empty(w.shape[1], w.shape[0], like=a, dtype=acc).t()
+    dw = _empty(w.shape[1] if want_dw else 0, w.shape[0], like=a, dtype=acc).t()
     g = _empty(M, d, like=a, dtype=acc)
     return stat, torch.empty_like(stat), g, torch.empty_like(stat), dw
 
@@ -299,11 +302,11 @@ def _lm_head_gradients_op(name: str, program):
         cfg: list[int],
         label_smoothing: float,
         z_loss: float,
+        want_dw: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg_ = _gc(cfg)
-        return program(
-            a, w, rstd, target, weight, rows, cfg_, label_smoothing=label_smoothing, z_loss=z_loss
-        )
+        options = {"label_smoothing": label_smoothing, "z_loss": z_loss, "want_dw": want_dw}
+        return program(a, w, rstd, target, weight, rows, cfg_, **options)
 
     op.register_fake(_lm_head_gradients_fake)
     return op
@@ -432,9 +435,9 @@ dqk_norm_rows = _either(_dqk_norm_rows, _rp.dqk_norm_pass)
 
 def _lm_head_gradients(op, program):
     return _either(
-        lambda a, w, r, t, wt, rows, c, ls, z: op(a, w, r, t, wt, rows, _cfg(c), ls, z),
-        lambda a, w, r, t, wt, rows, c, ls, z: program(
-            a, w, r, t, wt, rows, c, label_smoothing=ls, z_loss=z
+        lambda a, w, r, t, wt, rows, c, ls, z, dw: op(a, w, r, t, wt, rows, _cfg(c), ls, z, dw),
+        lambda a, w, r, t, wt, rows, c, ls, z, dw: program(
+            a, w, r, t, wt, rows, c, label_smoothing=ls, z_loss=z, want_dw=dw
         ),
     )
 

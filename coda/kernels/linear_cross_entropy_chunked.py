@@ -122,8 +122,9 @@ def add_target_terms(G, dw_t, a, target, coef, w_lm):
     coherently in dX and dW instead of averaging out; PyTorch's bf16 dlogits round them too,
     so the comparison went either way depending on the upstream gradient's mantissa. Exact
     here, these terms are never the larger error. ``dw_t``: a (V, d) view of the fp32 dW
-    accumulator; the sums run in a fixed order (sorted by target), so deterministically. Rows whose
-    target is ignored (or padding) have weight 0, so coef 0: their clamped index adds 0."""
+    accumulator (None: no dW wanted); the sums run in a fixed order (sorted by target), so
+    deterministically. Rows whose target is ignored (or padding) have weight 0, so coef 0:
+    their clamped index adds 0."""
     if on_triton(G):  # the same in two Triton kernels (``target_terms``)
         return add_target_terms_triton(G, dw_t, a, target, coef, w_lm)
     return add_target_terms_torch(G, dw_t, a, target, coef, w_lm)
@@ -133,7 +134,8 @@ def add_target_terms_torch(G, dw_t, a, target, coef, w_lm):
     """``add_target_terms`` in torch: the CPU path, and the Triton kernels' oracle."""
     y = target.clamp(0, w_lm.shape[1] - 1).long()
     G.addcmul_(coef[:, None], w_lm.t()[y].to(G.dtype))
-    dw_t.index_put_((y,), coef[:, None] * a.to(dw_t.dtype), accumulate=True)
+    if dw_t is not None:
+        dw_t.index_put_((y,), coef[:, None] * a.to(dw_t.dtype), accumulate=True)
 
 
 def row_dot(G, a, rstd):
@@ -173,11 +175,13 @@ def linear_cross_entropy_chunked(
     interpreted: bool = False,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    want_dw: bool = True,
 ):
     """Forward stats and g = 1 gradients. Returns (lse, target_logit, G (M x d), S, dW_lm),
     dW_lm fp32 in w_lm's layout (rounded once, with the upstream gradient, by
     ``weight_grad_from_acc``). ``weight`` is the per-row loss weight (1/M_valid or 1; 0 on
-    ignored rows)."""
+    ignored rows). Without ``want_dw`` (a frozen weight) dW's GEMMs are not run and dW_lm is
+    an empty (d, 0) tensor: no V x d accumulator."""
     M, d = a.shape
     V = w_lm.shape[1]
     lse = torch.empty(M, dtype=acc_dtype(a), device=a.device)
@@ -191,7 +195,7 @@ def linear_cross_entropy_chunked(
     # it. Into a (d, V) row-major buffer the same scatter ran on a transposed view, which
     # index_put_ makes contiguous and copies back, twice a V x d fp32 pass per token chunk
     # (H200, run 19: 382 ms against CE-S's 92 at d=4096, V=128256)
-    dw = torch.empty(V, d, dtype=acc_dtype(a), device=a.device).t()
+    dw = torch.empty(V if want_dw else 0, d, dtype=acc_dtype(a), device=a.device).t()
     row_kernel = softmax_grad_rows if interpreted else fused(softmax_grad_rows)
     chunk = logits_chunk_interpreted if interpreted else logits_chunk
     for r0 in range(0, M, rows):
@@ -214,8 +218,9 @@ def linear_cross_entropy_chunked(
         launch(passthrough, dzr, w_lm.t(), config=g_config(rows, V, d), d=G[R])
         # B3': dW (+)= a[R]^T @ dz~ (or its transpose), fp32 reduce-add by the TMA store after
         # chunk 0
-        A, B, D, cfg = dw_gemm(a[R], dzr, dw, rows)
-        launch(passthrough, A, B, config=cfg, d=D, add_to_output=r0 > 0)
+        if want_dw:
+            A, B, D, cfg = dw_gemm(a[R], dzr, dw, rows)
+            launch(passthrough, A, B, config=cfg, d=D, add_to_output=r0 > 0)
         coef = target_coef(
             tl[R],
             lse[R],
@@ -225,7 +230,7 @@ def linear_cross_entropy_chunked(
             z_loss,
             label_smoothing / V,
         )
-        add_target_terms(G[R], dw.t(), a[R], target[R], coef, w_lm)
+        add_target_terms(G[R], dw.t() if want_dw else None, a[R], target[R], coef, w_lm)
     S = row_dot(G, a, rstd) if interpreted else fused(row_dot)(G, a, rstd)
     return lse, tl, G, S, dw
 
