@@ -363,8 +363,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ignore_index, reduction, chunk, cfg, smooth, z_loss = ctx.cfg
         scale = row_scale(target, ignore_index, reduction, g)
         p_scale, hot, shift = ce_grad_weights(scale, lse, w.shape[1], smooth, z_loss)
+        want_dw = ctx.needs_input_grad[2]  # (a frozen LM head: no B3)
         G, S, dw = lib.lm_head_bwd(
-            y, w, ones, lse, tl, target, p_scale, chunk, cfg, hot=hot, shift=shift
+            y, w, ones, lse, tl, target, p_scale, chunk, cfg, hot=hot, shift=shift, want_dw=want_dw
         )  # B1 + B3 + B2
         dx2, dgf = final_norm_backward(G, S, x2, gf, r)  # A4 + A5
-        return dx2, dgf.to(gf.dtype), dw.to(ctx.w_dtype), *nones
+        return dx2, dgf.to(gf.dtype), dw.to(ctx.w_dtype) if want_dw else None, *nones

@@ -356,7 +356,7 @@ def test_gpu_frozen_weights_give_the_same_other_gradients(qk_norm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["scaled_exp", "chunked"])
+@pytest.mark.parametrize("method", ["scaled_exp", "chunked", "recompute"])
 def test_gpu_a_frozen_lm_head_gives_the_same_other_gradients(method):
     """H200: a frozen LM-head weight (no dW GEMM, no V x d accumulator): the loss, dX and
     dgamma bitwise the trainable head's, and no weight gradient."""

@@ -63,6 +63,7 @@ def op_samples():
             CFG,
             None,
             None,
+            True,
         ),
         "lm_head_chunked": (
             _r(M, d),

@@ -321,13 +321,14 @@ def test_lm_head_without_gradients_runs_the_one_gemm_program(monkeypatch):
         head._kernel_loss(x, t, "mean")
 
 
-@pytest.mark.parametrize("method", ["scaled_exp", "chunked"])
+@pytest.mark.parametrize("method", ["scaled_exp", "chunked", "recompute"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_a_frozen_lm_head_forms_no_weight_gradient(method, smoothing, monkeypatch):
-    """A frozen LM-head weight (tied to a frozen embedding, say): the three-GEMM programs run
-    no dW GEMM and keep no V x d accumulator, the weight gets no gradient, and the loss, dX
-    and dgamma equal the trainable head's (float64, kernel path)."""
+    """A frozen LM-head weight (tied to a frozen embedding, say): no method runs a dW GEMM
+    (the three-GEMM programs keep no V x d accumulator either), the weight gets no gradient,
+    and the loss, dX and dgamma equal the trainable head's (float64, kernel path)."""
     from coda.kernels import ce_scaled_exp as cse
+    from coda.kernels import linear_cross_entropy_bwd as ceb
     from coda.kernels import linear_cross_entropy_chunked as cec
 
     torch.manual_seed(0)
@@ -345,11 +346,14 @@ def test_a_frozen_lm_head_forms_no_weight_gradient(method, smoothing, monkeypatc
     want = step()
     assert head.weight.grad is not None
     dw_gemms = []
-    for module, name in ((cse, "scaled_grad_dw_kernel"), (cec, "dw_gemm")):
+    launch = ceb.launch
+    for module, name in ((cse, "scaled_grad_dw_kernel"), (cec, "dw_gemm"), (ceb, "launch")):
         real = getattr(module, name)
 
-        def counted(*args, _real=real, **kwargs):
-            dw_gemms.append(name)
+        def counted(*args, _real=real, _name=name, **kwargs):
+            b3 = args[:1] == (ceb.passthrough,) and "add_to_output" not in kwargs  # (not B1, B2)
+            if _real is not launch or b3:
+                dw_gemms.append(_name)
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counted)

@@ -261,16 +261,17 @@ def _lm_head_bwd(
     cfg: list[int],
     hot: torch.Tensor | None,
     shift: torch.Tensor | None,
+    want_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     G, S, dw = _ceb.linear_cross_entropy_bwd_kernel(
-        a, w, rstd, lse, tl, target, scale, chunk, _gc(cfg), hot=hot, shift=shift
+        a, w, rstd, lse, tl, target, scale, chunk, _gc(cfg), hot=hot, shift=shift, want_dw=want_dw
     )
     return G, S, dw
 
 
 @_lm_head_bwd.register_fake
-def _(a, w, rstd, lse, tl, target, scale, chunk, cfg, hot, shift):
-    M, d, V, acc = a.shape[0], a.shape[1], w.shape[1], acc_dtype(a)
+def _(a, w, rstd, lse, tl, target, scale, chunk, cfg, hot, shift, want_dw):
+    M, d, V, acc = a.shape[0], a.shape[1], w.shape[1] if want_dw else 0, acc_dtype(a)
     return _empty(M, d, like=a, dtype=acc), _empty(M, like=a, dtype=acc), _empty(d, V, like=a)
 
 
@@ -421,11 +422,13 @@ norm_bwd = _either(
 )
 wgrad_gamma_rows = _either(_wgrad_gamma_rows, _wg.wgrad_gamma_rows)
 lm_head_bwd = _either(
-    lambda a, w, r, lse, tl, t, s, chunk, c, hot=None, shift=None: _lm_head_bwd(
-        a, w, r, lse, tl, t, s, chunk, _cfg(c), hot, shift
+    lambda a, w, r, lse, tl, t, s, chunk, c, hot=None, shift=None, want_dw=True: _lm_head_bwd(
+        a, w, r, lse, tl, t, s, chunk, _cfg(c), hot, shift, want_dw
     ),
-    lambda a, w, r, lse, tl, t, s, chunk, c, hot=None, shift=None: (
-        _ceb.linear_cross_entropy_bwd_kernel(a, w, r, lse, tl, t, s, chunk, c, hot=hot, shift=shift)
+    lambda a, w, r, lse, tl, t, s, chunk, c, hot=None, shift=None, want_dw=True: (
+        _ceb.linear_cross_entropy_bwd_kernel(
+            a, w, r, lse, tl, t, s, chunk, c, hot=hot, shift=shift, want_dw=want_dw
+        )
     ),
 )
 

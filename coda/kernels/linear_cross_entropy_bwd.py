@@ -129,8 +129,10 @@ def linear_cross_entropy_bwd_kernel(
     interpreted: bool = False,
     hot=None,
     shift=None,
+    want_dw: bool = True,
 ):
-    """Returns (G = dz~ @ W_lm^T fp32 M x d, S per row fp32, dW_lm d x V row-major).
+    """Returns (G = dz~ @ W_lm^T fp32 M x d, S per row fp32, dW_lm d x V row-major; without
+    ``want_dw``, a frozen weight, no B3 GEMM and an empty (d, 0) dW_lm).
     ``chunk`` columns of dz~ are live at a time. ``interpreted`` runs B1 through the
     tile interpreter and B2/B3 in torch (the CPU oracle of the same loop). ``scale`` weighs
     the softmax term, ``hot`` (default ``scale``) the one-hot term, ``shift`` (default none)
@@ -140,7 +142,8 @@ def linear_cross_entropy_bwd_kernel(
     chunk = -(-chunk // 8) * 8  # every dW column block starts 16-byte aligned for the TMA
     G = torch.zeros(M, d, dtype=acc_dtype(a) if not interpreted else a.dtype, device=a.device)
     S = torch.zeros(M, dtype=G.dtype, device=a.device)
-    dw = torch.empty(d, V, dtype=a.dtype, device=a.device)  # w_lm's own layout: no copy later
+    # w_lm's own layout: no copy later
+    dw = torch.empty(d, V if want_dw else 0, dtype=a.dtype, device=a.device)
     for c0 in range(0, V, chunk):
         wc = w_lm[:, c0 : c0 + chunk]
         if interpreted:
@@ -149,14 +152,14 @@ def linear_cross_entropy_bwd_kernel(
             dz, s = grad_logits_chunk(a, wc, rstd, lse, scale, config, shift=shift)
         _one_hot_fixup(dz, s, target, c0, rstd, scale, hot, target_logit, lse, shift)
         S += s
-        # B3: dW_lm[:, C] = a^T @ dz~, stored straight into its column block of dW
-        launch(
-            passthrough,
-            a.t(),
-            dz,
-            config=config_for("passthrough", d, M, V),
-            d=dw[:, c0 : c0 + dz.shape[1]],
-        )
+        if want_dw:  # B3: dW_lm[:, C] = a^T @ dz~, stored straight into its column block
+            launch(
+                passthrough,
+                a.t(),
+                dz,
+                config=config_for("passthrough", d, M, V),
+                d=dw[:, c0 : c0 + dz.shape[1]],
+            )
         if interpreted:
             G += dz @ wc.t()
         else:  # B2: G += dz~ @ W_c^T, reduce-added by the TMA store into the fp32 G
