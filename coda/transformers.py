@@ -114,9 +114,8 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         the coda weight it becomes; a coda weight fused from several HF ones (q, k, v into
         ``w_qkv``; gate and up into ``w_il``) cannot be partly frozen, and says so."""
         hf = dict(hf_layer.named_parameters())
-        for name, keys in HF_KEYS.items():
-            if getattr(self, name, None) is None:  # (no QK-norm)
-                continue
+        for name in self._hf_weights():
+            keys = HF_KEYS[name]
             flags = {hf[k].requires_grad for k in keys}
             if len(flags) > 1:
                 raise v.CodaInputError(
@@ -195,19 +194,12 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
 
 def _inverse_frequencies(rotary, config) -> torch.Tensor:
     """The model's RoPE inverse frequencies (float64, CPU): its buffer, or for a model made on
-    the meta device (no values yet; sharded before it is loaded, as FSDP2 recipes do) the same
-    float32 values recomputed from the config by the function the rotary module used."""
-    inv = rotary.inv_freq
-    if inv.device.type == "meta":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        if rotary.rope_type == "default":
-            compute = rotary.compute_default_rope_parameters
-        else:
-            compute = ROPE_INIT_FUNCTIONS[rotary.rope_type]
+    the meta device (no values yet; sharded before it is loaded, as FSDP2 recipes do) the
+    buffer of the same rotary module made afresh from the config on the CPU."""
+    if rotary.inv_freq.device.type == "meta":
         with torch.device("cpu"):
-            inv, _ = compute(config)
-    return inv.detach().to("cpu", torch.float64)
+            rotary = type(rotary)(config)
+    return rotary.inv_freq.detach().to("cpu", torch.float64)
 
 
 @host_cache()

@@ -259,6 +259,10 @@ class DecoderLayer(nn.Module):
         return out.view(B, S, d)
 
     # -- Hugging Face weights ------------------------------------------------------------------
+    def _hf_weights(self) -> list[str]:
+        """This layer's weights that HF has (``HF_KEYS``; q_norm / k_norm with QK-norm only)."""
+        return [name for name in HF_KEYS if getattr(self, name) is not None]
+
     def hf_state_dict(self, prefix: str = "", grad: bool = False) -> dict:
         """This layer's weights (or, with ``grad``, their gradients) as HF
         ``LlamaDecoderLayer`` tensors (exact permutations), keyed as ``HF_KEYS`` says. With
@@ -273,34 +277,34 @@ class DecoderLayer(nn.Module):
             "k_norm": lambda x: (layouts.head_weight_to_hf(x),),
         }
         out = {}
-        for name, keys in HF_KEYS.items():
-            p = getattr(self, name)
-            t = p if p is None or not grad else p.grad
-            if t is None:  # (no QK-norm; or no gradient)
+        for name in self._hf_weights():
+            t = getattr(self, name)
+            t = t.grad if grad else t
+            if t is None:  # (no gradient)
                 continue
             hf = to_hf.get(name, lambda x: (x.clone(),))(t.detach())
-            out.update({prefix + k: x for k, x in zip(keys, hf)})
+            out.update({prefix + k: x for k, x in zip(HF_KEYS[name], hf)})
         return out
 
     def hf_shapes(self, prefix: str = "") -> dict:
         """{HF key: shape} of this layer's weights in a ``LlamaDecoderLayer`` state dict."""
-        d, f = self.d, self.ffn
-        nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        d, f, hd = self.d, self.ffn, self.head_dim
+        nq, nkv = self.n_heads * hd, self.n_kv_heads * hd
         shapes = {
-            "input_layernorm.weight": (d,),
-            "self_attn.q_proj.weight": (nq, d),
-            "self_attn.k_proj.weight": (nkv, d),
-            "self_attn.v_proj.weight": (nkv, d),
-            "self_attn.o_proj.weight": (d, nq),
-            "post_attention_layernorm.weight": (d,),
-            "mlp.gate_proj.weight": (f, d),
-            "mlp.up_proj.weight": (f, d),
-            "mlp.down_proj.weight": (d, f),
+            "g1": [(d,)],
+            "w_qkv": [(nq, d), (nkv, d), (nkv, d)],
+            "w_o": [(d, nq)],
+            "g2": [(d,)],
+            "w_il": [(f, d), (f, d)],
+            "w_d": [(d, f)],
+            "q_norm": [(hd,)],
+            "k_norm": [(hd,)],
         }
-        if self.qk_norm:
-            shapes["self_attn.q_norm.weight"] = (self.head_dim,)
-            shapes["self_attn.k_norm.weight"] = (self.head_dim,)
-        return {prefix + k: s for k, s in shapes.items()}
+        return {
+            prefix + key: shape
+            for name in self._hf_weights()
+            for key, shape in zip(HF_KEYS[name], shapes[name])
+        }
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict, prefix: str = "") -> None:
@@ -313,27 +317,16 @@ class DecoderLayer(nn.Module):
         """{parameter name: tensor in coda's layout} from HF ``LlamaDecoderLayer`` (or
         ``Qwen3DecoderLayer``) weights under ``prefix``, validated (exact permutations)."""
         v.check_state_dict(sd, self.hf_shapes(prefix))
-
-        def hf(key):
-            return sd[prefix + key]
-
-        out = {
-            "g1": hf("input_layernorm.weight"),
-            "w_qkv": layouts.qkv_weight_from_hf(
-                hf("self_attn.q_proj.weight"),
-                hf("self_attn.k_proj.weight"),
-                hf("self_attn.v_proj.weight"),
-                n_heads=self.n_heads,
-                n_kv_heads=self.n_kv_heads,
-            ),
-            "w_o": hf("self_attn.o_proj.weight").t(),
-            "g2": hf("post_attention_layernorm.weight"),
-            "w_il": layouts.gate_up_weight_from_hf(
-                hf("mlp.gate_proj.weight"), hf("mlp.up_proj.weight")
-            ),
-            "w_d": hf("mlp.down_proj.weight").t(),
+        heads = {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
+        from_hf = {
+            "w_qkv": lambda q, k, v_: layouts.qkv_weight_from_hf(q, k, v_, **heads),
+            "w_il": layouts.gate_up_weight_from_hf,
+            "w_o": lambda w: w.t(),
+            "w_d": lambda w: w.t(),
+            "q_norm": layouts.head_weight_from_hf,
+            "k_norm": layouts.head_weight_from_hf,
         }
-        if self.qk_norm:
-            out["q_norm"] = layouts.head_weight_from_hf(hf("self_attn.q_norm.weight"))
-            out["k_norm"] = layouts.head_weight_from_hf(hf("self_attn.k_norm.weight"))
-        return out
+        return {
+            name: from_hf.get(name, lambda x: x)(*(sd[prefix + k] for k in HF_KEYS[name]))
+            for name in self._hf_weights()
+        }
