@@ -1,6 +1,7 @@
 """Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama or Qwen3
 model in place so its decoder layers run coda's kernel sequence and ``model(input_ids, labels=...)``
-returns the loss through coda's LM-head loss, logits never stored.
+returns the loss through coda's LM-head loss, logits never stored (honoring the loss arguments
+HF's own loss reads from the call: ``num_items_in_batch``, ``shift_labels``, ``ignore_index``).
 
 What stays the model's own: the embedding, the attention function the config selects (sdpa,
 flash, eager: called with the model's masks and KV cache, so padding, packed sequences and
@@ -301,7 +302,12 @@ def _causal_lm_forward(original):
             raise v.CodaInputError("apply_coda: pass the arguments after inputs_embeds by name")
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
+        # the loss arguments HF's ForCausalLMLoss reads from the call's keywords
         n_items = kwargs.pop("num_items_in_batch", None)
+        ignore_index = kwargs.pop("ignore_index", -100)
+        shift = kwargs.pop("shift_labels", None)
+        if shift is None:  # as HF's ForCausalLMLoss: tokens < n predict n
+            shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         kwargs.pop("logits_to_keep", None)  # no logits are formed
         norm = self.model.norm
         self.model.norm = torch.nn.Identity()  # the final norm runs inside coda's loss
@@ -309,13 +315,13 @@ def _causal_lm_forward(original):
             out = self.model(*args, **kwargs)
         finally:
             self.model.norm = norm
-        shift = F.pad(labels, (0, 1), value=-100)[..., 1:]  # as HF's ForCausalLMLoss
         loss = lm_head_loss(
             out.last_hidden_state,
             norm.weight,
             self.lm_head.weight.t(),
             shift.to(out.last_hidden_state.device),
             eps=norm.variance_epsilon,
+            ignore_index=ignore_index,
             reduction="mean" if n_items is None else "sum",
             method=self.coda_method,
         )

@@ -149,6 +149,40 @@ def test_padding_and_packed_sequences_behave_as_unpatched(coda_path):
         assert_same_step(ref, patched, **batch)
 
 
+def _loss_arguments(ids):
+    """The loss arguments HF's ``ForCausalLMLoss`` takes from a model call's keywords, each
+    with a batch where it changes the loss: the Trainer's token count over accumulated
+    micro-batches, pre-shifted labels (context parallelism, packed documents masked at their
+    boundary) and another ignore index."""
+    shifted = torch.nn.functional.pad(ids, (0, 1), value=-100)[..., 1:].clone()
+    shifted[:, 4] = -100  # a document boundary: no loss across it
+    shifted[0, 7] = 3  # a target the labels would not give: read from shift_labels only
+    labels = ids.clone()
+    labels[1, 2:4] = -1
+    return {
+        "num_items_in_batch": dict(labels=ids, num_items_in_batch=torch.tensor(37)),
+        "shift_labels": dict(labels=ids, shift_labels=shifted),
+        "ignore_index": dict(labels=labels, ignore_index=-1),
+    }
+
+
+@pytest.mark.parametrize("argument", ["num_items_in_batch", "shift_labels", "ignore_index"])
+def test_hf_loss_arguments_are_honored(argument, coda_path):
+    cfg = tiny_config(**coda_path)
+    ref, patched = pair(cfg, seed=2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 10))
+    batch = _loss_arguments(ids)[argument]
+    assert_same_step(ref, patched, input_ids=ids, **batch)
+    loss = _step(patched, input_ids=ids, **batch)
+    if argument == "ignore_index":  # (without it, the target -1 is refused as out of range)
+        same = _step(
+            patched, input_ids=ids, labels=batch["labels"].masked_fill(batch["labels"] == -1, -100)
+        )
+        assert rel_err(loss, same) < TOL
+    else:  # the argument changed the loss: the test sees it
+        assert rel_err(loss, _step(patched, input_ids=ids, labels=batch["labels"])) > 1e-3
+
+
 def test_generation_and_llama_model():
     cfg = tiny_config()
     ref, patched = pair(cfg, seed=2)
