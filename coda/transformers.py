@@ -10,11 +10,13 @@ as given; the kernel path forms the same angles from ``position_ids`` and the mo
 frequencies, Llama 3's scaling included), and the state-dict layout: each patched layer stores
 coda's paired layouts (``coda.layouts``) but ``state_dict()`` / ``load_state_dict()`` /
 ``save_pretrained`` speak HF's keys and shapes, exactly. Without labels the model returns
-logits as before (generation works). HF's activation checkpointing and frozen weights
-(``requires_grad=False``) behave as on the unpatched model; a model made on the meta device can
-be patched before it is loaded. Anything not supported (another architecture, a config feature,
-an adapter or quantized linear in place of a projection) raises ``CodaInputError`` naming it:
-nothing is silently left unpatched.
+logits as before (generation works). A patched layer is an instance of the HF layer class it
+replaced, under its name (``patched_class``), so ``output_hidden_states`` and whatever finds
+layers by class or name (the Trainer's FSDP auto-wrap) see it. HF's activation checkpointing
+and frozen weights (``requires_grad=False``) behave as on the unpatched model; a model made on
+the meta device can be patched before it is loaded. Anything not supported (another
+architecture, a config feature, an adapter or quantized linear in place of a projection,
+``output_attentions``) raises ``CodaInputError`` naming it: nothing is silently left out.
 
 Under a CUDA-graph capture (``coda.nn.GraphedStep``) transformers 5.17 cannot tell the
 capture from a trace and hands SDPA its causal mask as a full (batch, 1, seq, seq) tensor in
@@ -32,6 +34,7 @@ configured, keep the model's own masks and window).
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -193,6 +196,20 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         return super().forward(hidden_states, position_ids, position_embeddings, attention)
 
 
+@functools.cache
+def patched_class(hf_class: type) -> type:
+    """The class of a layer that replaced an ``hf_class`` layer: coda's layer first (its
+    ``forward`` and state-dict hooks), then ``hf_class``, under ``hf_class``'s name. So what
+    finds decoder layers by class or by class name finds patched ones too: transformers'
+    ``output_hidden_states`` hooks (``isinstance`` on the layer class), the Trainer's and
+    accelerate's FSDP auto-wrap (a ``_no_split_modules`` name looked up on the modules)."""
+    return type(
+        hf_class.__name__,
+        (CodaLlamaDecoderLayer, hf_class),
+        {"__module__": __name__, "__doc__": f"coda's layer in place of a {hf_class.__name__}."},
+    )
+
+
 def _inverse_frequencies(rotary, config) -> torch.Tensor:
     """The model's RoPE inverse frequencies (float64, CPU): its buffer, or for a model made on
     the meta device (no values yet; sharded before it is loaded, as FSDP2 recipes do) the
@@ -281,6 +298,11 @@ def _base_forward(original):
     for the call."""
 
     def forward(self, *args, **kwargs):
+        if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
+            raise v.CodaInputError(
+                "apply_coda: output_attentions is not supported (patched layers call the "
+                "attention function directly and keep no attention weights)"
+            )
         hint = self.coda_mask_hint
         hint.causal = _plain_causal(args, kwargs)
         try:
@@ -309,12 +331,16 @@ def _causal_lm_forward(original):
         if shift is None:  # as HF's ForCausalLMLoss: tokens < n predict n
             shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         kwargs.pop("logits_to_keep", None)  # no logits are formed
+        return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
         norm = self.model.norm
         self.model.norm = torch.nn.Identity()  # the final norm runs inside coda's loss
         try:
-            out = self.model(*args, **kwargs)
+            out = self.model(*args, return_dict=True, **kwargs)
         finally:
             self.model.norm = norm
+        hidden = out.hidden_states
+        if hidden and hidden[-1] is out.last_hidden_state:  # HF's last one is after the norm
+            hidden = (*hidden[:-1], norm(out.last_hidden_state))
         loss = lm_head_loss(
             out.last_hidden_state,
             norm.weight,
@@ -331,13 +357,14 @@ def _causal_lm_forward(original):
         # (reading or passing the old name there logs a deprecation on every first call)
         fields = CausalLMOutputWithPast.__dataclass_fields__
         cache_field = "cache" if "cache" in fields else "past_key_values"
-        return CausalLMOutputWithPast(
+        result = CausalLMOutputWithPast(
             loss=loss,
             logits=None,
-            hidden_states=out.hidden_states,
+            hidden_states=hidden,
             attentions=out.attentions,
             **{cache_field: getattr(out, cache_field, None)},
         )
+        return result if return_dict else result.to_tuple()
 
     return forward
 
@@ -360,9 +387,16 @@ def apply_coda(model, *, method: str = "auto"):
     if getattr(base, "coda_mask_hint", None) is None:  # (not patched before)
         base.coda_mask_hint = _MaskHint()
         _wrap_forward(base, _base_forward)
+    replaced = False
     for i, layer in enumerate(base.layers):
         if not isinstance(layer, CodaLlamaDecoderLayer):
-            base.layers[i] = CodaLlamaDecoderLayer(layer, config, inv_freq, base.coda_mask_hint)
+            ours = CodaLlamaDecoderLayer(layer, config, inv_freq, base.coda_mask_hint)
+            ours.__class__ = patched_class(type(layer))  # (made first: HF's __init__ not run)
+            base.layers[i] = ours
+            replaced = True
+    if replaced:  # transformers hooks the layers for ``output_hidden_states`` once, at the
+        # first call asking for them: the patched layers are new modules, to be hooked anew
+        base.__dict__.pop("_output_capturing_hooks_installed", None)
     if name.endswith("ForCausalLM") and not getattr(model, "coda_method", None):
         _wrap_forward(model, _causal_lm_forward)
     model.coda_method = method

@@ -183,6 +183,58 @@ def test_hf_loss_arguments_are_honored(argument, coda_path):
         assert rel_err(loss, _step(patched, input_ids=ids, labels=batch["labels"])) > 1e-3
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_hidden_states_and_tuples_as_unpatched(family, coda_path):
+    """``output_hidden_states`` (transformers records them with hooks on its layer class; with
+    labels the last one is after the final norm, which runs inside coda's loss) and
+    ``return_dict=False``, with and without labels."""
+    cfg = tiny_config(family, **coda_path)
+    ref, patched = pair(cfg, seed=3)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    for labels in (None, ids):
+        with torch.no_grad():
+            r = ref(input_ids=ids, labels=labels, output_hidden_states=True)
+            p = patched(input_ids=ids, labels=labels, output_hidden_states=True)
+            assert len(p.hidden_states) == len(r.hidden_states) == cfg.num_hidden_layers + 1
+            for a, b in zip(p.hidden_states, r.hidden_states):
+                assert rel_err(a, b) < TOL
+            r = ref(input_ids=ids, labels=labels, return_dict=False)
+            p = patched(input_ids=ids, labels=labels, return_dict=False)
+            assert isinstance(p, tuple) and rel_err(p[0], r[0]) < TOL  # the loss, or logits
+
+
+def test_layers_found_by_hf_class_and_name():
+    """A patched layer is an instance of the HF layer class it replaced, under its name: the
+    Trainer's FSDP auto-wrap finds ``_no_split_modules`` by name, hooks by class."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.trainer_pt_utils import get_module_class_from_name
+
+    cfg = tiny_config()
+    ref, patched = pair(cfg)
+    found = get_module_class_from_name(patched, "LlamaDecoderLayer")  # its _no_split_modules
+    assert found is type(patched.model.layers[0]) and found is not LlamaDecoderLayer
+    for layer in patched.model.layers:
+        assert isinstance(layer, (found, LlamaDecoderLayer, ct.CodaLlamaDecoderLayer))
+    # hooks transformers installed on the layers before the patch are made anew after it
+    ids = torch.randint(0, cfg.vocab_size, (1, 6))
+    model = copy.deepcopy(ref)
+    model(input_ids=ids, output_hidden_states=True)
+    ct.apply_coda(model)
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True).hidden_states
+        assert len(out) == cfg.num_hidden_layers + 1
+        assert rel_err(out[1], ref(input_ids=ids, output_hidden_states=True).hidden_states[1]) < TOL
+
+
+def test_output_attentions_is_refused():
+    cfg = tiny_config(attn_implementation="eager")
+    _, patched = pair(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, 6))
+    for labels in (None, ids):
+        with pytest.raises(coda.CodaInputError, match="output_attentions is not supported"):
+            patched(input_ids=ids, labels=labels, output_attentions=True)
+
+
 def test_generation_and_llama_model():
     cfg = tiny_config()
     ref, patched = pair(cfg, seed=2)
