@@ -227,15 +227,16 @@ def lm_head_rows(liger) -> list[dict]:
         head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel")  # "auto": CE-S here
         head_c = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="chunked")
         head_r = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="recompute")
-        head_c.gf, head_c.weight = head.gf, head.weight  # one set of weights, three programs
-        head_r.gf, head_r.weight = head.gf, head.weight
+        # one set of weights, three programs
+        head_c.final_norm, head_c.weight = head.final_norm, head.weight
+        head_r.final_norm, head_r.weight = head.final_norm, head.weight
         x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         t = torch.randint(0, V, (M,), device="cuda")
         t[::IGNORE_EVERY] = -100
         w_lin = head.weight.detach().clone().requires_grad_(True)  # (V, d) peers
         # (d, V)-contiguous: the layout LMHeadLoss held its weight in before session 15
         w_dv = head.w_lm.detach().contiguous().requires_grad_(True)
-        gf = head.gf.detach().clone().requires_grad_(True)
+        gf = head.final_norm.detach().clone().requires_grad_(True)
 
         def torch_loss(x=x, w_lin=w_lin, gf=gf, t=t):
             y = F.rms_norm(x, (d,), gf, 1e-5)
@@ -243,11 +244,11 @@ def lm_head_rows(liger) -> list[dict]:
 
         compiled = torch.compile(torch_loss)
         variants = {
-            "coda": (lambda: head(x, t), [head.gf, head.weight]),
+            "coda": (lambda: head(x, t), [head.final_norm, head.weight]),
             # CE-S storing 2 GiB of E per token chunk (fewer fp32 dW reduce-adds)
             "coda_e2g": (
                 mock.patch.object(ce_scaled_exp, "E_CHUNK_BYTES", 2**31)(lambda: head(x, t)),
-                [head.gf, head.weight],
+                [head.final_norm, head.weight],
             ),
             # the weight as HF holds it, lm_head.weight (V, d): what apply_coda passes (and,
             # since session 15, LMHeadLoss's own layout)
@@ -265,9 +266,9 @@ def lm_head_rows(liger) -> list[dict]:
                 [gf, w_dv],
             ),
             # the final norm's backward as the one-pass Triton kernel (``final_norm_rows``)
-            "coda_norm_pass": (lambda: head(x, t), [head.gf, head.weight]),
-            "coda_recompute": (lambda: head_r(x, t), [head.gf, head.weight]),
-            "coda_chunked": (lambda: head_c(x, t), [head.gf, head.weight]),
+            "coda_norm_pass": (lambda: head(x, t), [head.final_norm, head.weight]),
+            "coda_recompute": (lambda: head_r(x, t), [head.final_norm, head.weight]),
+            "coda_chunked": (lambda: head_c(x, t), [head.final_norm, head.weight]),
             "torch_eager": (torch_loss, [gf, w_lin]),
             "torch_compile": (compiled, [gf, w_lin]),
             "quack_chunked_lce": (

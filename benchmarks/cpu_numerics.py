@@ -50,7 +50,7 @@ def lm_head(seeds=3, g=1.0, confident=False):
             torch.manual_seed(seed)
             head = cnn.LMHeadLoss(d, V, method=method, dtype=BF)
             with torch.no_grad():
-                head.gf.add_(0.1 * torch.randn_like(head.gf))
+                head.final_norm.add_(0.1 * torch.randn_like(head.final_norm))
                 head.weight.normal_(std=(16 if confident else 2) * d**-0.5)
             x = torch.randn(M, d, dtype=BF, requires_grad=True)
             t = torch.randint(0, V, (M,))
@@ -60,7 +60,7 @@ def lm_head(seeds=3, g=1.0, confident=False):
             t[::7] = -100
             loss = head._kernel_loss(x, t, "mean")
             loss.backward(torch.tensor(g))
-            got = (loss.detach(), x.grad, head.gf.grad, head.weight.grad)
+            got = (loss.detach(), x.grad, head.final_norm.grad, head.weight.grad)
             g64 = torch.tensor(g, dtype=torch.float64)
             ref = canonical_head(copy.deepcopy(head).double(), x.detach().double(), t, "mean", g64)
             peer = canonical_head(head, x.detach(), t, "mean", torch.tensor(g))

@@ -162,7 +162,7 @@ def _small_layer(dtype=F64, seed=0):
     layer = cnn.DecoderLayer(48, 4, 2, 80, head_dim=12, dtype=dtype)
     head = cnn.LMHeadLoss(48, 37, dtype=dtype)
     with torch.no_grad():
-        for p in (layer.g1, layer.g2, head.gf):
+        for p in (layer.attention_norm, layer.ffn_norm, head.final_norm):
             p.add_(0.1 * torch.randn_like(p))
     return layer, head
 
@@ -200,10 +200,10 @@ def test_modules_reference_path_match_hf_layer_every_gradient():
             "wo": layer.w_o.grad,
             "w_il": layer.w_il.grad,
             "wd": layer.w_d.grad,
-            "g1": layer.g1.grad,
-            "g2": layer.g2.grad,
+            "g1": layer.attention_norm.grad,
+            "g2": layer.ffn_norm.grad,
             "w_lm": head.weight.grad.t(),
-            "gf": head.gf.grad,
+            "gf": head.final_norm.grad,
         },
         s,
     )
@@ -289,7 +289,7 @@ def test_gpu_layer_and_head_every_gradient(B, S, d, H, Hkv, f, V, method):
     layer = cnn.DecoderLayer(d, H, Hkv, f, device="cuda", backend="kernel")
     head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method=method)
     with torch.no_grad():
-        for p in (layer.g1, layer.g2, head.gf):
+        for p in (layer.attention_norm, layer.ffn_norm, head.final_norm):
             p.add_(0.1 * torch.randn_like(p))
     x = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     t = torch.randint(0, V, (B, S), device="cuda")
@@ -308,7 +308,7 @@ def test_gpu_layer_and_head_every_gradient(B, S, d, H, Hkv, f, V, method):
 
     loss_ref, grads_ref = variant(torch.float32, "reference")
     loss_bf, grads_bf = variant(torch.bfloat16, "reference")
-    names = ["x"] + [n for n, _ in layer.named_parameters()] + ["gf", "w_lm"]
+    names = ["x"] + [n for n, _ in layer.named_parameters()] + ["final_norm", "w_lm"]
     # the loss is one fp32 sum over M rows: its reduction-order noise (~1e-6 relative) is the
     # floor below which neither path is more accurate than the other
     floor = 1e-5 * abs(float(loss_ref))
@@ -367,10 +367,10 @@ def test_gpu_a_frozen_lm_head_gives_the_same_other_gradients(method):
     t[::7] = -100
 
     def step():
-        x.grad = head.gf.grad = head.weight.grad = None
+        x.grad = head.final_norm.grad = head.weight.grad = None
         loss = head(x, t)
         loss.backward()
-        return loss.detach(), x.grad, head.gf.grad
+        return loss.detach(), x.grad, head.final_norm.grad
 
     want = step()
     head.weight.requires_grad_(False)

@@ -90,7 +90,12 @@ def test_lm_head_kernel_sequence_with_options(seed, method):
         loss = run()
         loss.backward(dl if dl is not None else torch.ones_like(loss))
         outs.append(
-            [loss.detach(), x.grad.clone(), head.gf.grad.clone(), head.weight.grad.t().clone()]
+            [
+                loss.detach(),
+                x.grad.clone(),
+                head.final_norm.grad.clone(),
+                head.weight.grad.t().clone(),
+            ]
         )
     (lk, *gk), (lr, *gr) = outs
     if torch.isnan(lr).all():
@@ -135,7 +140,7 @@ def test_gpu_ce_options_protocol(method):
             p.grad = None
         loss = module._kernel_loss(xx, t, "mean") if path == "kernel" else module(xx, t)
         loss.backward()
-        return [loss.detach(), xx.grad, module.gf.grad, module.weight.grad.t()]
+        return [loss.detach(), xx.grad, module.final_norm.grad, module.weight.grad.t()]
 
     got = run(head, x, "kernel")
     head64 = cnn.LMHeadLoss(d, V, device="cuda", dtype=F64, label_smoothing=0.1, z_loss=1e-4)

@@ -355,7 +355,7 @@ def layer_case(rng, g, dtype, device, big):
     with torch.no_grad():
         for w in (layer.w_qkv, layer.w_o, layer.w_il, layer.w_d):
             w.normal_(std=w.shape[0] ** -0.5)
-        for gamma in (layer.g1, layer.g2, layer.q_norm, layer.k_norm):
+        for gamma in (layer.attention_norm, layer.ffn_norm, layer.q_norm, layer.k_norm):
             if gamma is not None:
                 gamma.add_(0.1 * torch.randn_like(gamma))
     x = randn(g, B, S, d, dtype=dtype, device=device)
@@ -373,12 +373,12 @@ def hf_layer_grads(layer) -> dict:
     )
     gate, upg = layouts.gate_up_weight_to_hf(layer.w_il.grad)
     return {
-        "input_layernorm.weight": layer.g1.grad,
+        "input_layernorm.weight": layer.attention_norm.grad,
         "self_attn.q_proj.weight": q,
         "self_attn.k_proj.weight": k,
         "self_attn.v_proj.weight": v,
         "self_attn.o_proj.weight": layer.w_o.grad.t(),
-        "post_attention_layernorm.weight": layer.g2.grad,
+        "post_attention_layernorm.weight": layer.ffn_norm.grad,
         "mlp.gate_proj.weight": gate,
         "mlp.up_proj.weight": upg,
         "mlp.down_proj.weight": layer.w_d.grad.t(),
@@ -446,7 +446,7 @@ def head_case(rng, g, dtype, device, big):
         dtype=dtype,
     )
     with torch.no_grad():
-        head.gf.add_(0.1 * torch.randn_like(head.gf))
+        head.final_norm.add_(0.1 * torch.randn_like(head.final_norm))
     reduction = rng.choice(["mean", "sum", "none"])
     x = randn(g, M, d, dtype=dtype, device=device)
     return head, x, t.to(device, rng.choice([torch.int32, torch.int64])), reduction
@@ -454,7 +454,7 @@ def head_case(rng, g, dtype, device, big):
 
 def canonical_head(head, x, t, reduction, dloss):
     xr = x.detach().clone().requires_grad_(True)
-    gf = head.gf.detach().clone().requires_grad_(True)
+    gf = head.final_norm.detach().clone().requires_grad_(True)
     w = head.w_lm.detach().t().clone().requires_grad_(True)  # HF lm_head.weight (V, d)
     y = F.rms_norm(xr, (x.shape[1],), gf, head.eps)
     logits = F.linear(y, w)
@@ -481,7 +481,7 @@ def test_fuzz_lm_head_loss_float64():
         loss.backward(dloss)
         floor = max(float(u.abs().max()) for u in (dx, dgf, dw)) or 1.0
         assert rel_err(x.grad, dx, floor=floor) < 1e-10, what
-        assert rel_err(head.gf.grad, dgf, floor=floor) < 1e-10, what
+        assert rel_err(head.final_norm.grad, dgf, floor=floor) < 1e-10, what
         assert rel_err(head.weight.grad, dw, floor=floor) < 1e-10, what
 
 
@@ -515,7 +515,7 @@ def test_fuzz_kernel_path_bf16_layouts():
         w = (head.weight if hf else head.w_lm).detach().contiguous().requires_grad_(True)
         x.requires_grad_(True)
         args = (head.eps, head.ignore_index, reduction, head.chunk, head.method, 0.0, 0.0)
-        loss = _kernel_lm_head_loss(x, head.gf, w.t() if hf else w, t, *args)
+        loss = _kernel_lm_head_loss(x, head.final_norm, w.t() if hf else w, t, *args)
         dloss = randn(g, *loss.shape, dtype=torch.float32, device="cpu")
         loss.backward(dloss)
         head64 = copy.deepcopy(head).double()
@@ -523,7 +523,7 @@ def test_fuzz_kernel_path_bf16_layouts():
         dw = w.grad if hf else w.grad.t()
         what = f"LMHeadLoss {head.method} {'(V, d)' if hf else '(d, V)'} weight case {case}"
         floor = max(float(u.nan_to_num().abs().max()) for u in want[1:])
-        got = (loss.detach(), x.grad, head.gf.grad, dw)
+        got = (loss.detach(), x.grad, head.final_norm.grad, dw)
         for name, a, b in zip(("loss", "dx", "dgamma", "dW"), got, want):
             _near(a, b, f"{what}: {name}", floor if name != "loss" else 0.0)
 

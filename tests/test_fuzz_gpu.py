@@ -227,7 +227,7 @@ def test_gpu_fuzz_lm_head_loss_protocol():
         dloss = randn(g, *loss.shape, dtype=torch.float32, device="cuda")
         # any upstream gradient: the three-GEMM programs apply it before their one rounding
         loss.backward(dloss)
-        got = (loss.detach(), x.grad, head.gf.grad, head.weight.grad)
+        got = (loss.detach(), x.grad, head.final_norm.grad, head.weight.grad)
         head32 = copy.deepcopy(head).double()  # the same weights, in float64
         ref32 = canonical_head(head32, x.detach().double(), t, reduction, dloss.double())
         peer = canonical_head(head, x.detach(), t, reduction, dloss)

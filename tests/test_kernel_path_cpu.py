@@ -37,7 +37,7 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
     eps, qk_norm = rng.choice([1e-5, 1e-2]), seed % 2 == 1  # odd seeds: Qwen3's QK-norm
     layer = cnn.DecoderLayer(d, H, Hkv, f, head_dim=hd, eps=eps, dtype=F64, qk_norm=qk_norm)
     with torch.no_grad():
-        for gam in (layer.g1, layer.g2, layer.q_norm, layer.k_norm):
+        for gam in (layer.attention_norm, layer.ffn_norm, layer.q_norm, layer.k_norm):
             if gam is not None:
                 gam.add_(0.1 * torch.randn_like(gam))
     x = torch.randn(B, S, d, dtype=F64, requires_grad=True)
@@ -101,7 +101,7 @@ def test_lm_head_kernel_sequence_equals_reference_float64(seed, method):
     torch.manual_seed(seed)
     head = cnn.LMHeadLoss(d, V, method=method, chunk=rng.choice([7, 64, 16384]), dtype=F64)
     with torch.no_grad():
-        head.gf.add_(0.1 * torch.randn_like(head.gf))
+        head.final_norm.add_(0.1 * torch.randn_like(head.final_norm))
     t = torch.randint(0, V, (M,))
     t[torch.rand(M) < 0.2] = -100
     x = torch.randn(M, d, dtype=F64, requires_grad=True)
@@ -113,7 +113,7 @@ def test_lm_head_kernel_sequence_equals_reference_float64(seed, method):
         assert torch.isnan(out_k).all()
     else:
         assert rel_err(out_k, out_r, floor=1.0) < 1e-12
-    for name, a, b in zip(("x", "gf", "w_lm"), g_k, g_r):
+    for name, a, b in zip(("x", "final_norm", "w_lm"), g_k, g_r):
         assert rel_err(a, b, floor=max(float(b.abs().max()), 1e-300)) < 1e-11, name
 
 
@@ -338,10 +338,10 @@ def test_a_frozen_lm_head_forms_no_weight_gradient(method, smoothing, monkeypatc
     t[::5] = -100
 
     def step():
-        x.grad = head.gf.grad = head.weight.grad = None
+        x.grad = head.final_norm.grad = head.weight.grad = None
         loss = head._kernel_loss(x, t, "mean")
         loss.backward()
-        return loss.detach(), x.grad, head.gf.grad
+        return loss.detach(), x.grad, head.final_norm.grad
 
     want = step()
     assert head.weight.grad is not None
@@ -504,5 +504,5 @@ def test_lm_head_loss_weight_view_is_not_assignable():
     head = cnn.LMHeadLoss(16, 32, dtype=F64)
     with pytest.raises(AttributeError, match="assign weight"):
         head.w_lm = torch.nn.Parameter(torch.zeros(16, 32, dtype=F64))
-    assert [n for n, _ in head.named_parameters()] == ["gf", "weight"]
+    assert [n for n, _ in head.named_parameters()] == ["final_norm", "weight"]
     assert head.w_lm.shape == (16, 32) and head.w_lm.data_ptr() == head.weight.data_ptr()

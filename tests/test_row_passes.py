@@ -161,7 +161,7 @@ def one_pass_in_lm_head(method):
     M, d, V = 45, 40, 256
     head = cnn.LMHeadLoss(d, V, method=method, dtype=torch.float64)
     with torch.no_grad():
-        head.gf.add_(0.1 * torch.randn_like(head.gf))
+        head.final_norm.add_(0.1 * torch.randn_like(head.final_norm))
     t = torch.randint(0, V, (M,))
     t[::6] = -100
     x0, dl = torch.randn(M, d, dtype=torch.float64), torch.tensor(0.7, dtype=torch.float64)
@@ -171,7 +171,7 @@ def one_pass_in_lm_head(method):
         x = x0.clone().requires_grad_(True)
         head.zero_grad(set_to_none=True)
         head._kernel_loss(x, t, "mean").backward(dl)
-        grads.append([x.grad, head.gf.grad, head.weight.grad.t()])
+        grads.append([x.grad, head.final_norm.grad, head.weight.grad.t()])
     final_norm_rows.ONE_PASS = False
     return [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*grads)]
 

@@ -20,7 +20,7 @@ from coda.env import (
     compute_dtype,
     resolve_backend,
 )
-from coda.nn._common import in_dtype, tma_rule
+from coda.nn._common import in_dtype, rename_keys, tma_rule
 from coda.reference.cross_entropy import cross_entropy_ref
 from coda.reference.rmsnorm import rmsnorm_ref
 
@@ -43,7 +43,12 @@ class LMHeadLoss(nn.Module):
     g = 1 and apply g in the backward before the one rounding to bf16, so any g (a mean loss,
     gradient accumulation, loss scaling) gives PyTorch's rounding.
     ``label_smoothing`` is ``F.cross_entropy``'s; ``z_loss`` adds z * logsumexp(logits)^2 per
-    non-ignored token (PaLM's auxiliary loss), reduced with the loss."""
+    non-ignored token (PaLM's auxiliary loss), reduced with the loss.
+
+    Parameters: ``final_norm`` (the final RMSNorm's gain, (d,); ``gf`` before session 21,
+    still loaded under that name) and ``weight``."""
+
+    RENAMED = {"gf": "final_norm"}
 
     def __init__(
         self,
@@ -72,14 +77,18 @@ class LMHeadLoss(nn.Module):
         self.d, self.vocab = d, vocab
         self.eps, self.ignore_index, self.chunk, self.backend = eps, ignore_index, chunk, backend
         self.method = method
-        self.gf = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
+        self.final_norm = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
         self.weight = nn.Parameter(torch.empty(vocab, d, device=device, dtype=dtype))
         self.reset_parameters()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        rename_keys(state_dict, prefix, self.RENAMED)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def reset_parameters(self, std: float = 0.02):
         """The constructor's initialization: weight ~ N(0, std), the final norm's gain 1."""
         nn.init.normal_(self.weight, std=std)
-        nn.init.ones_(self.gf)
+        nn.init.ones_(self.final_norm)
 
     @property
     def w_lm(self) -> torch.Tensor:
@@ -101,7 +110,7 @@ class LMHeadLoss(nn.Module):
         target is ignored, as in PyTorch), "sum" or "none" (per-token losses)."""
         return lm_head_loss(
             x,
-            self.gf,
+            self.final_norm,
             self.w_lm,
             target,
             eps=self.eps,
@@ -118,7 +127,7 @@ class LMHeadLoss(nn.Module):
         """The kernel sequence on (tokens, d) rows (on CPU tensors: through the interpreter)."""
         return _kernel_lm_head_loss(
             xf,
-            self.gf,
+            self.final_norm,
             self.w_lm,
             t,
             self.eps,
@@ -132,7 +141,7 @@ class LMHeadLoss(nn.Module):
 
     def hf_state_dict(self) -> dict:
         return {
-            "model.norm.weight": self.gf.detach().clone(),
+            "model.norm.weight": self.final_norm.detach().clone(),
             "lm_head.weight": self.weight.detach().clone(),
         }
 
@@ -142,7 +151,7 @@ class LMHeadLoss(nn.Module):
         raises ``CodaInputError`` naming the key."""
         shapes = {"model.norm.weight": (self.d,), "lm_head.weight": (self.vocab, self.d)}
         v.check_state_dict(sd, shapes)
-        self.gf.copy_(sd["model.norm.weight"])
+        self.final_norm.copy_(sd["model.norm.weight"])
         self.weight.copy_(sd["lm_head.weight"])
 
 

@@ -22,14 +22,14 @@ from coda.env import (
     resolve_backend,
 )
 from coda.kernels.gemm_rope import default_positions, position_rows, shared_freq_table
-from coda.nn._common import in_dtype, tma_rule
+from coda.nn._common import in_dtype, rename_keys, tma_rule
 from coda.reference.layer import LayerShape, decoder_layer_ref
 
 HF_KEYS = {  # each weight of a layer: the HF ``LlamaDecoderLayer`` weights it is made from
-    "g1": ("input_layernorm.weight",),
+    "attention_norm": ("input_layernorm.weight",),
     "w_qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "w_o": ("self_attn.o_proj.weight",),
-    "g2": ("post_attention_layernorm.weight",),
+    "ffn_norm": ("post_attention_layernorm.weight",),
     "w_il": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "w_d": ("mlp.down_proj.weight",),
     "q_norm": ("self_attn.q_norm.weight",),
@@ -42,7 +42,15 @@ class DecoderLayer(nn.Module):
     (batch, heads, seq, head_dim) tensors (k, v with n_kv_heads heads; causal), used by both
     paths in place of the default causal GQA SDPA (e.g. a flash-attention or HF attention
     function); it is differentiated by autograd. ``qk_norm``: Qwen3's per-head RMSNorm of q
-    and k before RoPE (weights ``q_norm``, ``k_norm`` of head_dim, eps = ``eps``)."""
+    and k before RoPE (weights ``q_norm``, ``k_norm`` of head_dim, eps = ``eps``).
+
+    Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
+    ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
+    norm gains' names end in ``_norm`` so that name-based rules (the HF Trainer's: no weight
+    decay on norms) treat them as a model's norms; before session 21 they were ``g1`` and
+    ``g2``, and state dicts saved under those names still load."""
+
+    RENAMED = {"g1": "attention_norm", "g2": "ffn_norm"}
 
     def __init__(
         self,
@@ -103,10 +111,10 @@ class DecoderLayer(nn.Module):
         self.eps, self.rope_base, self.backend = eps, rope_base, backend
         nqkv = (n_heads + 2 * n_kv_heads) * hd
         kw = {"device": device, "dtype": dtype}
-        self.g1 = nn.Parameter(torch.ones(d, **kw))
+        self.attention_norm = nn.Parameter(torch.ones(d, **kw))
         self.w_qkv = nn.Parameter(torch.empty(d, nqkv, **kw))
         self.w_o = nn.Parameter(torch.empty(n_heads * hd, d, **kw))
-        self.g2 = nn.Parameter(torch.ones(d, **kw))
+        self.ffn_norm = nn.Parameter(torch.ones(d, **kw))
         self.w_il = nn.Parameter(torch.empty(d, 2 * ffn, **kw))
         self.w_d = nn.Parameter(torch.empty(ffn, d, **kw))
         # Qwen3's per-head QK-norm weights (hd,), in the adjacent-pair order of w_qkv's heads
@@ -121,7 +129,7 @@ class DecoderLayer(nn.Module):
         torch.compile trace would change what the trace's guards saw, and recompile the next
         call. A call on another device still builds its own on first use."""
         self._rope_tables.clear()
-        device = self.g1.device
+        device = self.attention_norm.device
         self._on_device("inv_freq", device, lambda d: self._inv_freq.to(d))
         self._freq_table(device)
 
@@ -135,10 +143,14 @@ class DecoderLayer(nn.Module):
         """Whether the layer has Qwen3's QK-norm (its q_norm / k_norm weights)."""
         return self.q_norm is not None
 
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        rename_keys(state_dict, prefix, self.RENAMED)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w_qkv, self.w_o, self.w_il, self.w_d):
             nn.init.normal_(w, std=std)
-        for g in (self.g1, self.g2, self.q_norm, self.k_norm):
+        for g in (self.attention_norm, self.ffn_norm, self.q_norm, self.k_norm):
             if g is not None:
                 nn.init.ones_(g)
 
@@ -176,10 +188,10 @@ class DecoderLayer(nn.Module):
                 raise v.CodaInputError(f"DecoderLayer (kernel path): {self._kernel_rule}")
             return self._kernel_forward(x, pos, attention)
         w = {
-            "g1": self.g1,
+            "g1": self.attention_norm,
             "wqkv": self.w_qkv,
             "wo": self.w_o,
-            "g2": self.g2,
+            "g2": self.ffn_norm,
             "w_il": self.w_il,
             "wd": self.w_d,
         }
@@ -238,7 +250,7 @@ class DecoderLayer(nn.Module):
         )
         dtype = compute_dtype(x)
         x, g1, w_qkv, w_o, g2, w_il, w_d = in_dtype(
-            dtype, x, self.g1, self.w_qkv, self.w_o, self.g2, self.w_il, self.w_d
+            dtype, x, self.attention_norm, self.w_qkv, self.w_o, self.ffn_norm, self.w_il, self.w_d
         )
         qk = in_dtype(dtype, self.q_norm, self.k_norm) if self.qk_norm else None
         with autocast_off(x.device):
@@ -291,10 +303,10 @@ class DecoderLayer(nn.Module):
         d, f, hd = self.d, self.ffn, self.head_dim
         nq, nkv = self.n_heads * hd, self.n_kv_heads * hd
         shapes = {
-            "g1": [(d,)],
+            "attention_norm": [(d,)],
             "w_qkv": [(nq, d), (nkv, d), (nkv, d)],
             "w_o": [(d, nq)],
-            "g2": [(d,)],
+            "ffn_norm": [(d,)],
             "w_il": [(f, d), (f, d)],
             "w_d": [(d, f)],
             "q_norm": [(hd,)],

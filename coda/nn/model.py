@@ -78,7 +78,7 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             layer.reset_parameters(std)
         if self._tied:
-            nn.init.ones_(self.head.gf)
+            nn.init.ones_(self.head.final_norm)
         else:
             self.head.reset_parameters(std)
 
