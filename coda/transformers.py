@@ -1,7 +1,10 @@
 """Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama or Qwen3
-model in place so its decoder layers run coda's kernel sequence and ``model(input_ids, labels=...)``
-returns the loss through coda's LM-head loss, logits never stored (honoring the loss arguments
-HF's own loss reads from the call: ``num_items_in_batch``, ``shift_labels``, ``ignore_index``).
+model in place so its decoder layers run coda's kernel sequence and, in a training step (labels
+given, autograd recording), ``model(input_ids, labels=...)`` returns the loss through coda's
+LM-head loss, logits never stored (honoring the loss arguments HF's own loss reads from the
+call: ``num_items_in_batch``, ``shift_labels``, ``ignore_index``); under ``torch.no_grad`` (an
+evaluation loop reading logits for its metrics) it returns HF's logits and loss, and
+``skip_logits=`` picks either for a call.
 
 What stays the model's own: the embedding, the attention function the config selects (sdpa,
 flash, eager: called with the model's masks and KV cache, so padding, packed sequences and
@@ -314,12 +317,19 @@ def _base_forward(original):
 
 
 def _causal_lm_forward(original):
-    """The causal LM's ``forward``: logits without labels, else the loss through coda's
-    LM-head loss (the final norm inside it), in HF's output type."""
+    """The causal LM's ``forward``: with labels, while autograd records (a training step), the
+    loss through coda's LM-head loss (the final norm inside it) and no logits, in HF's output
+    type; otherwise the model's own forward (logits, and with labels its loss: generation,
+    and evaluation loops that compute metrics from the logits under ``torch.no_grad``).
+    ``skip_logits`` (True or False) overrides that choice for a call."""
 
-    def forward(self, *args, labels=None, **kwargs):
-        if labels is None:  # logits as before (generation, evaluation)
+    def forward(self, *args, labels=None, skip_logits=None, **kwargs):
+        if skip_logits is None:
+            skip_logits = torch.is_grad_enabled()
+        if labels is None:
             return original(self, *args, **kwargs)
+        if not skip_logits:
+            return original(self, *args, labels=labels, **kwargs)
         if len(args) > 5:  # (the model's own leading positional parameters)
             raise v.CodaInputError("apply_coda: pass the arguments after inputs_embeds by name")
         from transformers.modeling_outputs import CausalLMOutputWithPast

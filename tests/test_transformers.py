@@ -191,16 +191,38 @@ def test_hidden_states_and_tuples_as_unpatched(family, coda_path):
     cfg = tiny_config(family, **coda_path)
     ref, patched = pair(cfg, seed=3)
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
-    for labels in (None, ids):
+    for labels in (None, ids):  # (skip_logits: coda's loss under no_grad too)
         with torch.no_grad():
             r = ref(input_ids=ids, labels=labels, output_hidden_states=True)
-            p = patched(input_ids=ids, labels=labels, output_hidden_states=True)
+            p = patched(input_ids=ids, labels=labels, output_hidden_states=True, skip_logits=True)
             assert len(p.hidden_states) == len(r.hidden_states) == cfg.num_hidden_layers + 1
             for a, b in zip(p.hidden_states, r.hidden_states):
                 assert rel_err(a, b) < TOL
             r = ref(input_ids=ids, labels=labels, return_dict=False)
-            p = patched(input_ids=ids, labels=labels, return_dict=False)
+            p = patched(input_ids=ids, labels=labels, return_dict=False, skip_logits=True)
             assert isinstance(p, tuple) and rel_err(p[0], r[0]) < TOL  # the loss, or logits
+
+
+def test_logits_where_a_loop_reads_them(coda_path):
+    """With labels, a training step (autograd recording) gets the loss without logits; an
+    evaluation under no_grad gets HF's logits and loss (metrics read the logits);
+    ``skip_logits`` overrides either way, and the step's gradients are the same."""
+    cfg = tiny_config(**coda_path)
+    ref, patched = pair(cfg, seed=4)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        r, p = ref(input_ids=ids, labels=ids), patched(input_ids=ids, labels=ids)
+        assert rel_err(p.logits, r.logits) < TOL and rel_err(p.loss, r.loss) < TOL
+        assert patched(input_ids=ids, labels=ids, skip_logits=True).logits is None
+    assert patched(input_ids=ids, labels=ids).logits is None
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
+    want = {k: g.clone() for k, g in ct.hf_gradients(patched).items()}
+    patched.zero_grad(set_to_none=True)
+    out = patched(input_ids=ids, labels=ids, skip_logits=False)
+    out.loss.backward()
+    assert rel_err(out.logits, r.logits) < TOL
+    for k, g in ct.hf_gradients(patched).items():
+        assert rel_err(g, want[k], floor=float(want[k].abs().max())) < TOL, k
 
 
 def test_layers_found_by_hf_class_and_name():
