@@ -293,7 +293,11 @@ def _wrap_forward(module, make) -> None:
         def original(self, *args, **kwargs):
             return own(*args, **kwargs)
 
-    module.forward = types.MethodType(make(original), module)
+    forward = make(original)
+    # the class's signature (and name, docs), as tools read it: the Trainer keeps the dataset
+    # columns the forward's signature names, and would drop input_ids for ``(*args, **kwargs)``
+    functools.update_wrapper(forward, type(module).forward)
+    module.forward = types.MethodType(forward, module)
 
 
 def _base_forward(original):

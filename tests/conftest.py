@@ -65,6 +65,23 @@ def no_cache_warnings_from_dynamo():
     assert not sites, sites
 
 
+@pytest.fixture(params=["reference", "kernel"])
+def coda_path(request, monkeypatch):
+    """Run a float64 parity test on coda's reference path (the CPU default), and again with
+    the kernel path forced (``kernel_support`` answers yes: the patched layers and the loss
+    run the kernel sequence, GEMMs through the tile interpreter). Returns the config overrides
+    the kernel path needs (a vocabulary of 16-byte rows)."""
+    import coda.env
+
+    if request.param == "reference":
+        yield {}
+        return
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    coda.env._LAST.clear()
+    yield {"vocab_size": 128}
+    assert coda.last_path("DecoderLayer")[0] == coda.last_path("LMHeadLoss")[0] == "kernel"
+
+
 def rel_err(got: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
     """max |got - ref| / max(max |ref|, floor) (the float64 verifier's metric).
 
