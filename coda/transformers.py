@@ -116,6 +116,9 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         self.register_state_dict_post_hook(_to_hf_keys)
         self.register_load_state_dict_pre_hook(_from_hf_keys)
 
+    def extra_repr(self) -> str:  # (printed under HF's class name: say whose layer it is)
+        return f"coda, {super().extra_repr()}"
+
     def _keep_frozen(self, hf_layer, where: str) -> None:
         """A frozen HF weight (``requires_grad=False``: partial fine-tuning) stays frozen in
         the coda weight it becomes; a coda weight fused from several HF ones (q, k, v into

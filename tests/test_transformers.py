@@ -220,6 +220,7 @@ def test_layers_found_by_hf_class_and_name():
     assert found is type(patched.model.layers[0]) and found is not LlamaDecoderLayer
     for layer in patched.model.layers:
         assert isinstance(layer, (found, LlamaDecoderLayer, ct.CodaLlamaDecoderLayer))
+        assert repr(layer).startswith("LlamaDecoderLayer(\n  coda, d=48")  # says whose it is
     # hooks transformers installed on the layers before the patch are made anew after it
     ids = torch.randint(0, cfg.vocab_size, (1, 6))
     model = copy.deepcopy(ref)

@@ -138,6 +138,13 @@ class DecoderLayer(nn.Module):
         self._build_rope_tables()
         return out
 
+    def extra_repr(self) -> str:
+        qk = ", qk_norm=True" if self.qk_norm else ""
+        return (
+            f"d={self.d}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
+            f"head_dim={self.head_dim}, ffn={self.ffn}{qk}"
+        )
+
     @property
     def qk_norm(self) -> bool:
         """Whether the layer has Qwen3's QK-norm (its q_norm / k_norm weights)."""
