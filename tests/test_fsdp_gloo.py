@@ -2,20 +2,23 @@
 the whole model, one global batch split across them; the loss and every (gathered) gradient
 must equal one unsharded process on the whole batch (fp32, reference path). The benchmark's
 PyTorch peers (eager and per-layer torch.compile) are sharded and checked the same way, and so
-is a sharded model made on the meta device and loaded from the full state dict."""
+is a sharded model made on the meta device and loaded from the full state dict, and an HF
+Llama patched by ``apply_coda`` (``fsdp_hf_worker.py``)."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(tmp_path, *flags) -> tuple:
-    """``fsdp_step.py --check`` on two gloo ranks with ``flags``: (its result, its stdout)."""
+def _run(tmp_path, *flags, script=("benchmarks/fsdp_step.py", "--check")) -> tuple:
+    """``script`` (``fsdp_step.py --check``) on two gloo ranks with ``flags``: (its result,
+    its stdout)."""
     out = tmp_path / "fsdp.json"
     cmd = [
         sys.executable,
@@ -24,8 +27,7 @@ def _run(tmp_path, *flags) -> tuple:
         "--standalone",
         "--nproc_per_node",
         "2",
-        "benchmarks/fsdp_step.py",
-        "--check",
+        *script,
         *flags,
         "--out",
         str(out),
@@ -57,3 +59,15 @@ def test_fsdp2_a_model_made_on_meta_and_loaded_matches_one_process(tmp_path):
     assert result["init"].startswith("meta") and result["world"] == 2
     assert result["loss_rel_diff"] < 1e-5 and result["worst_grad_rel_diff"] < 1e-5, result
     assert "FSDP check: PASS" in stdout
+
+
+def test_fsdp2_shards_a_patched_hf_model(tmp_path):
+    """``fully_shard`` per patched layer (FSDP2 subclasses the patched class again) and on the
+    root of an HF Llama patched by ``apply_coda``: the loss and every gradient (HF layout,
+    gathered) equal the unpatched model's on the whole batch, and the sharded model's
+    ``state_dict()`` is the unpatched model's in HF keys and layouts, gathered exactly."""
+    pytest.importorskip("transformers")
+    result, _ = _run(tmp_path, script=("tests/fsdp_hf_worker.py",))
+    assert result["world"] == 2 and result["layer_class"] == "FSDPLlamaDecoderLayer"
+    assert result["loss_rel_diff"] < 1e-5 and result["worst_grad_rel_diff"] < 1e-5, result
+    assert result["worst_state_rel_diff"] == 0.0, result
