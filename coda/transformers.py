@@ -37,6 +37,7 @@ configured, keep the model's own masks and window).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 
@@ -115,6 +116,8 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             self._gradient_checkpointing_func = hf_layer._gradient_checkpointing_func
         self.register_state_dict_post_hook(_to_hf_keys)
         self.register_load_state_dict_pre_hook(_from_hf_keys)
+
+    hf_keys = True  # state dicts in HF's keys and layouts (``coda_keys`` turns it off)
 
     def extra_repr(self) -> str:  # (printed under HF's class name: say whose layer it is)
         return f"coda, {super().extra_repr()}"
@@ -234,13 +237,36 @@ def _hf_attention_functions():
     return ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 
 
+@contextlib.contextmanager
+def coda_keys(model):
+    """Within it, the patched layers' ``state_dict()`` and ``load_state_dict()`` use coda's
+    own parameter names and layouts (``w_qkv``, ``attention_norm``, ...) instead of HF's. For
+    ``torch.distributed.checkpoint`` (``get_model_state_dict``, ``set_model_state_dict``,
+    ``dcp.save`` / ``dcp.load``: sharded FSDP2 checkpoints), which maps every state-dict key
+    to a module attribute path and so cannot take HF's keys for fused weights; save and load
+    such checkpoints inside it, and export with ``save_pretrained`` outside it."""
+    layers = [m for m in model.modules() if isinstance(m, CodaLlamaDecoderLayer)]
+    before = [m.hf_keys for m in layers]
+    for m in layers:
+        m.hf_keys = False
+    try:
+        yield model
+    finally:
+        for m, flag in zip(layers, before):
+            m.hf_keys = flag
+
+
 def _to_hf_keys(module, state_dict, prefix, local_metadata):
+    if not module.hf_keys:
+        return
     for name in module._parameters:  # coda's own parameters, under HF's keys instead
         state_dict.pop(prefix + name, None)
     state_dict.update(module.hf_state_dict(prefix))
 
 
 def _from_hf_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    if not module.hf_keys:
+        return
     keys = [prefix + k for k in module.hf_shapes()]
     if not all(k in state_dict for k in keys):
         return  # already coda keys, or missing ones: load_state_dict reports them

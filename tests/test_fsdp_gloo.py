@@ -65,9 +65,13 @@ def test_fsdp2_shards_a_patched_hf_model(tmp_path):
     """``fully_shard`` per patched layer (FSDP2 subclasses the patched class again) and on the
     root of an HF Llama patched by ``apply_coda``: the loss and every gradient (HF layout,
     gathered) equal the unpatched model's on the whole batch, and the sharded model's
-    ``state_dict()`` is the unpatched model's in HF keys and layouts, gathered exactly."""
+    ``state_dict()`` is the unpatched model's in HF keys and layouts, gathered exactly; a
+    sharded ``torch.distributed.checkpoint`` round trip (``coda_keys``) keeps the weights."""
     pytest.importorskip("transformers")
     result, _ = _run(tmp_path, script=("tests/fsdp_hf_worker.py",))
     assert result["world"] == 2 and result["layer_class"] == "FSDPLlamaDecoderLayer"
     assert result["loss_rel_diff"] < 1e-5 and result["worst_grad_rel_diff"] < 1e-5, result
     assert result["worst_state_rel_diff"] == 0.0, result
+    # a sharded checkpoint (torch.distributed.checkpoint, in coda's keys) loaded into another
+    # sharded patched model gives it the first one's weights
+    assert result["reloaded_loss_rel_diff"] < 1e-5, result

@@ -273,6 +273,22 @@ def test_state_dict_and_save_pretrained_are_hf(tmp_path):
     assert all(torch.equal(other.state_dict()[k], sd_r[k]) for k in sd_r)
 
 
+def test_coda_keys_are_the_parameters_own():
+    """Inside ``coda_keys`` a patched model's state dict holds its own parameters under their
+    own names (what torch.distributed.checkpoint needs), and loads back so; outside, HF's."""
+    cfg = tiny_config()
+    ref, patched = pair(cfg, seed=3)
+    with ct.coda_keys(patched):
+        own = patched.state_dict()
+        assert own.keys() == dict(patched.named_parameters()).keys()
+        other = ct.apply_coda(LlamaForCausalLM(cfg).double())
+        with ct.coda_keys(other):
+            other.load_state_dict(own)
+    assert patched.state_dict().keys() == ref.state_dict().keys()  # HF's again
+    for k, t in ref.state_dict().items():
+        assert torch.equal(other.state_dict()[k], t), k
+
+
 def test_qwen3_save_pretrained_loads_unpatched(tmp_path):
     cfg = tiny_config("qwen3", tie_word_embeddings=True)
     ref, patched = pair(cfg, seed=6)
