@@ -1,10 +1,10 @@
-"""Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama or Qwen3
-model in place so its decoder layers run coda's kernel sequence and, in a training step (labels
-given, autograd recording), ``model(input_ids, labels=...)`` returns the loss through coda's
-LM-head loss, logits never stored (honoring the loss arguments HF's own loss reads from the
-call: ``num_items_in_batch``, ``shift_labels``, ``ignore_index``); under ``torch.no_grad`` (an
-evaluation loop reading logits for its metrics) it returns HF's logits and loss, and
-``skip_logits=`` picks either for a call.
+"""Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama, Mistral
+or Qwen3 model in place so its decoder layers run coda's kernel sequence and, in a training
+step (labels given, autograd recording), ``model(input_ids, labels=...)`` returns the loss
+through coda's LM-head loss, logits never stored (honoring the loss arguments HF's own loss
+reads from the call: ``num_items_in_batch``, ``shift_labels``, ``ignore_index``); under
+``torch.no_grad`` (an evaluation loop reading logits for its metrics) it returns HF's logits
+and loss, and ``skip_logits=`` picks either for a call.
 
 What stays the model's own: the embedding, the attention function the config selects (sdpa,
 flash, eager: called with the model's masks and KV cache, so padding, packed sequences and
@@ -29,10 +29,11 @@ causal one (the caller gave no attention mask, positions, cache or cache positio
 layer has no sliding window), the patched model's sdpa layers pass no mask, as the eager step
 does.
 
-Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel`` and ``Qwen3ForCausalLM`` /
-``Qwen3Model`` (silu MLP, no biases, RoPE "default" or "llama3"; Qwen3's per-head QK-norm runs
-in the QKV GEMM's epilogue, ``coda.kernels.qk_norm``, and its sliding-window layers, when
-configured, keep the model's own masks and window).
+Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel``, ``MistralForCausalLM`` /
+``MistralModel`` and ``Qwen3ForCausalLM`` / ``Qwen3Model`` (silu MLP, no biases, RoPE
+"default" or "llama3"; Qwen3's per-head QK-norm runs in the QKV GEMM's epilogue,
+``coda.kernels.qk_norm``; Mistral's and Qwen3's sliding windows, when configured, keep the
+model's own masks and window).
 """
 
 from __future__ import annotations
@@ -51,7 +52,14 @@ from coda.env import host_cache
 from coda.nn import DecoderLayer, lm_head_loss
 from coda.nn.layer import HF_KEYS
 
-SUPPORTED = ("LlamaForCausalLM", "LlamaModel", "Qwen3ForCausalLM", "Qwen3Model")
+SUPPORTED = (
+    "LlamaForCausalLM",
+    "LlamaModel",
+    "MistralForCausalLM",
+    "MistralModel",
+    "Qwen3ForCausalLM",
+    "Qwen3Model",
+)
 ROPE_TYPES = ("default", "llama3")
 
 
@@ -159,21 +167,17 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         module = self.self_attn
         implementation = module.config._attn_implementation
         iface = functions.get_interface(implementation, eager)
+        window = _sliding_window(module)
         if (
             self._plain_causal(attention_mask)
             and implementation == "sdpa"
-            and getattr(module, "sliding_window", None) is None
+            and window.get("sliding_window") is None
         ):
             attention_mask = None  # the plain causal mask: SDPA's is_causal, as eagerly
 
         def attention(q, k, v):
             if cache is not None:
                 k, v = cache.update(k, v, module.layer_idx, kwargs=kwargs)  # as LlamaAttention
-            window = (
-                {"sliding_window": module.sliding_window}
-                if hasattr(module, "sliding_window")
-                else {}
-            )
             out, _ = iface(
                 module,
                 q,
@@ -203,6 +207,17 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         cache = past_key_values if past_key_values is not None else kwargs.pop("cache", None)
         attention = self._hf_attention(attention_mask, cache, kwargs)
         return super().forward(hidden_states, position_ids, position_embeddings, attention)
+
+
+def _sliding_window(attention) -> dict:
+    """The ``sliding_window`` argument an HF attention module passes its attention function:
+    its own (Qwen3: per layer, None on full-attention layers), the model's (Mistral), or none
+    (Llama)."""
+    if hasattr(attention, "sliding_window"):
+        return {"sliding_window": attention.sliding_window}
+    if hasattr(attention.config, "sliding_window"):
+        return {"sliding_window": attention.config.sliding_window}
+    return {}
 
 
 @functools.cache
@@ -413,7 +428,7 @@ def _causal_lm_forward(original):
 
 
 def apply_coda(model, *, method: str = "auto"):
-    """Patch a transformers Llama or Qwen3 model (``SUPPORTED``) in place; returns it.
+    """Patch a transformers Llama, Mistral or Qwen3 model (``SUPPORTED``) in place; returns it.
 
     ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "auto" (the default: CE-S,
     "scaled_exp", the fastest on the H200, where the vocabulary is a multiple of 128, else

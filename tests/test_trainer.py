@@ -1,6 +1,6 @@
-"""A patched Hugging Face model in HF's ``Trainer`` (tiny random Llama and Qwen3 models built
-here, on the CPU in float64, reference and forced kernel paths): two optimizer steps of
-two accumulated micro-batches each (the Trainer passes the token count of both,
+"""A patched Hugging Face model in HF's ``Trainer`` (tiny random Llama, Qwen3 and Mistral
+models built here, on the CPU in float64, reference and forced kernel paths): two optimizer
+steps of two accumulated micro-batches each (the Trainer passes the token count of both,
 ``num_items_in_batch``), weight decay by the Trainer's name rule (norms exempt), then an
 evaluation whose metric reads the logits. The losses, the metric and the trained weights equal
 the unpatched model's under the same Trainer. Before session 21 the Trainer dropped
@@ -72,7 +72,7 @@ def _train(model, out_dir, vocab: int):
     return losses, trainer.evaluate()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_the_trainer_trains_a_patched_model_as_the_unpatched_one(family, coda_path, tmp_path):
     cfg = tiny_config(family, **coda_path)
     ref, patched = pair(cfg, seed=5)

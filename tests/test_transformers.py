@@ -46,12 +46,18 @@ def tiny_config(family: str = "llama", **kw):
     )
     if family == "qwen3":
         return Qwen3Config(**{**base, "head_dim": 16, **kw})
+    if family == "mistral":  # (its default window is 4096: no window unless one is given)
+        from transformers import MistralConfig
+
+        return MistralConfig(**{**base, "head_dim": 12, "sliding_window": None, **kw})
     return LlamaConfig(**{**base, **kw})
 
 
 def model_class(config):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+    if isinstance(config, MistralConfig):
+        return MistralForCausalLM
     return Qwen3ForCausalLM if isinstance(config, Qwen3Config) else LlamaForCausalLM
 
 
@@ -345,6 +351,22 @@ def test_patched_qwen3_sliding_window_and_eager_attention(kw):
     with torch.no_grad():
         assert rel_err(patched(ids).logits, ref(ids).logits) < TOL
     assert_same_step(ref, patched, input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "sliding_window"])
+def test_patched_mistral_matches_unpatched_float64(window, coda_path):
+    """Mistral (Llama's layer; the model's sliding window, when configured, in its masks and
+    passed to its attention function): logits, loss and every gradient as unpatched, with a
+    padding mask too."""
+    cfg = tiny_config("mistral", sliding_window=window, **coda_path)
+    ref, patched = pair(cfg, seed=6)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11))
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, ref(ids).logits) < TOL
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
+    assert_same_step(ref, patched, input_ids=ids, attention_mask=mask, labels=ids)
 
 
 @pytest.mark.parametrize("head_dim", [16, 12], ids=["epilogue", "row-pass"])

@@ -148,6 +148,17 @@ def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
     assert calls == [(False, False)] * 2  # no capture: transformers' mask, as it made it
 
 
+def test_capture_keeps_a_sliding_window_mask(monkeypatch):
+    """A Mistral model with a sliding window builds a windowed mask: under a capture it is
+    not the plain causal one and stays (emulated as above; the same loss as eagerly)."""
+    _, model = pair(tiny_config("mistral", sliding_window=4))
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = model(input_ids=ids, labels=ids).loss
+    calls = _emulate_a_5_17_capture(monkeypatch)
+    got = model(input_ids=ids, labels=ids).loss
+    assert calls == [(False, False)] * 2 and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "llama3-rope"])
 def test_a_model_patched_on_meta_and_loaded_matches(family):
     """A model made on the meta device (sharded before it is loaded, as FSDP2 recipes do) is
