@@ -482,7 +482,8 @@ def _protocol_models(family: str, device: str, seed: int = 0):
         vocab_size=1024,
         num_hidden_layers=2,
     )
-    cfg = tiny_config(family, **shape, **({"head_dim": 64} if family == "qwen3" else {}))
+    extra = {"qwen3": {"head_dim": 64}, "mistral": {"head_dim": 64, "sliding_window": 128}}
+    cfg = tiny_config(family, **shape, **extra.get(family, {}))
     torch.manual_seed(seed)
     ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
     return cfg, copy.deepcopy(ref).double(), ref, ct.apply_coda(copy.deepcopy(ref))
@@ -525,7 +526,7 @@ def protocol_run(family: str, device: str, seed: int = 0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_gpu_patched_model_protocol(family):
     """H200: a patched bf16 Llama / Qwen3 (coda's kernels, HF's sdpa) against the unpatched
     bf16 model, both against a float64 copy: loss and every gradient no worse than the
