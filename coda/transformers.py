@@ -85,6 +85,8 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     so ``model.gradient_checkpointing_enable()`` (the Trainer's ``gradient_checkpointing``)
     checkpoints it as it would the layer it replaced, before or after the patch."""
 
+    hf_keys = True  # ``state_dict()`` in HF's keys and layouts (``coda_keys`` turns it off)
+
     def __init__(self, hf_layer, config, inv_freq, mask_hint):
         attn = hf_layer.self_attn
         qk_norm = hasattr(attn, "q_norm")
@@ -124,8 +126,6 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             self._gradient_checkpointing_func = hf_layer._gradient_checkpointing_func
         self.register_state_dict_post_hook(_to_hf_keys)
         self.register_load_state_dict_pre_hook(_from_hf_keys)
-
-    hf_keys = True  # state dicts in HF's keys and layouts (``coda_keys`` turns it off)
 
     def extra_repr(self) -> str:  # (printed under HF's class name: say whose layer it is)
         return f"coda, {super().extra_repr()}"
@@ -254,12 +254,13 @@ def _hf_attention_functions():
 
 @contextlib.contextmanager
 def coda_keys(model):
-    """Within it, the patched layers' ``state_dict()`` and ``load_state_dict()`` use coda's
-    own parameter names and layouts (``w_qkv``, ``attention_norm``, ...) instead of HF's. For
-    ``torch.distributed.checkpoint`` (``get_model_state_dict``, ``set_model_state_dict``,
-    ``dcp.save`` / ``dcp.load``: sharded FSDP2 checkpoints), which maps every state-dict key
-    to a module attribute path and so cannot take HF's keys for fused weights; save and load
-    such checkpoints inside it, and export with ``save_pretrained`` outside it."""
+    """Within it, the patched layers' ``state_dict()`` uses coda's own parameter names and
+    layouts (``w_qkv``, ``attention_norm``, ...) instead of HF's (``load_state_dict`` takes
+    either, always). For ``torch.distributed.checkpoint`` (``get_model_state_dict``,
+    ``set_model_state_dict``, ``dcp.save`` / ``dcp.load``: sharded FSDP2 checkpoints), which
+    maps every state-dict key to a module attribute path and so cannot take HF's keys for
+    fused weights; save and load such checkpoints inside it, and export with
+    ``save_pretrained`` outside it."""
     layers = [m for m in model.modules() if isinstance(m, CodaLlamaDecoderLayer)]
     before = [m.hf_keys for m in layers]
     for m in layers:
@@ -280,8 +281,6 @@ def _to_hf_keys(module, state_dict, prefix, local_metadata):
 
 
 def _from_hf_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-    if not module.hf_keys:
-        return
     keys = [prefix + k for k in module.hf_shapes()]
     if not all(k in state_dict for k in keys):
         return  # already coda keys, or missing ones: load_state_dict reports them
@@ -372,11 +371,9 @@ def _causal_lm_forward(original):
     ``skip_logits`` (True or False) overrides that choice for a call."""
 
     def forward(self, *args, labels=None, skip_logits=None, **kwargs):
-        if skip_logits is None:
-            skip_logits = torch.is_grad_enabled()
         if labels is None:
             return original(self, *args, **kwargs)
-        if not skip_logits:
+        if not (torch.is_grad_enabled() if skip_logits is None else skip_logits):
             return original(self, *args, labels=labels, **kwargs)
         if len(args) > 5:  # (the model's own leading positional parameters)
             raise v.CodaInputError("apply_coda: pass the arguments after inputs_embeds by name")

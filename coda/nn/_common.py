@@ -19,11 +19,15 @@ def tma_rule(**dims) -> str | None:
     return None
 
 
-def rename_keys(state_dict: dict, prefix: str, renamed: dict) -> None:
-    """Move ``prefix + old`` to ``prefix + new`` for each {old: new} of ``renamed`` in a state
-    dict being loaded (``_load_from_state_dict``), so a checkpoint saved before a parameter
-    was renamed still loads; a dict holding both names is left for ``load_state_dict`` to
-    report."""
-    for old, new in renamed.items():
-        if prefix + old in state_dict and prefix + new not in state_dict:
-            state_dict[prefix + new] = state_dict.pop(prefix + old)
+class FormerNames:
+    """Mixin for a module whose parameters were renamed: ``load_state_dict`` also takes a
+    state dict saved under the former names (``RENAMED``: {old: new}); a dict holding both
+    names is left for ``load_state_dict`` to report."""
+
+    RENAMED: dict = {}
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        for old, new in self.RENAMED.items():
+            if prefix + old in state_dict and prefix + new not in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+        super()._load_from_state_dict(state_dict, prefix, *args)

@@ -20,12 +20,12 @@ from coda.env import (
     compute_dtype,
     resolve_backend,
 )
-from coda.nn._common import in_dtype, rename_keys, tma_rule
+from coda.nn._common import FormerNames, in_dtype, tma_rule
 from coda.reference.cross_entropy import cross_entropy_ref
 from coda.reference.rmsnorm import rmsnorm_ref
 
 
-class LMHeadLoss(nn.Module):
+class LMHeadLoss(FormerNames, nn.Module):
     """Final RMSNorm + LM head + cross-entropy. ``weight`` is (vocab, d), as ``nn.Linear``'s
     and HF's ``lm_head.weight``; ``w_lm`` is its (d, vocab) view, logits = y @ w_lm. Stored so,
     the kernel path's fp32 (vocab, d) weight-gradient accumulator leaves as the gradient without
@@ -80,10 +80,6 @@ class LMHeadLoss(nn.Module):
         self.final_norm = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
         self.weight = nn.Parameter(torch.empty(vocab, d, device=device, dtype=dtype))
         self.reset_parameters()
-
-    def _load_from_state_dict(self, state_dict, prefix, *args):
-        rename_keys(state_dict, prefix, self.RENAMED)
-        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def reset_parameters(self, std: float = 0.02):
         """The constructor's initialization: weight ~ N(0, std), the final norm's gain 1."""

@@ -22,7 +22,7 @@ from coda.env import (
     resolve_backend,
 )
 from coda.kernels.gemm_rope import default_positions, position_rows, shared_freq_table
-from coda.nn._common import in_dtype, rename_keys, tma_rule
+from coda.nn._common import FormerNames, in_dtype, tma_rule
 from coda.reference.layer import LayerShape, decoder_layer_ref
 
 HF_KEYS = {  # each weight of a layer: the HF ``LlamaDecoderLayer`` weights it is made from
@@ -37,7 +37,7 @@ HF_KEYS = {  # each weight of a layer: the HF ``LlamaDecoderLayer`` weights it i
 }
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(FormerNames, nn.Module):
     """Pre-norm Llama decoder layer. ``attention``: a callable (q, k, v) -> o on
     (batch, heads, seq, head_dim) tensors (k, v with n_kv_heads heads; causal), used by both
     paths in place of the default causal GQA SDPA (e.g. a flash-attention or HF attention
@@ -149,10 +149,6 @@ class DecoderLayer(nn.Module):
     def qk_norm(self) -> bool:
         """Whether the layer has Qwen3's QK-norm (its q_norm / k_norm weights)."""
         return self.q_norm is not None
-
-    def _load_from_state_dict(self, state_dict, prefix, *args):
-        rename_keys(state_dict, prefix, self.RENAMED)
-        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w_qkv, self.w_o, self.w_il, self.w_d):
