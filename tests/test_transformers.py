@@ -579,10 +579,10 @@ def call_surface_errors(device: str):
 @pytest.mark.gpu
 def test_gpu_hf_call_surface():
     """H200: each HF call option of a patched model on the kernel path within bf16 distance
-    of the float64 unpatched model, and each loss argument moving the loss by far more than
-    that distance (an ignored argument would fail)."""
+    of the float64 unpatched model, and each loss argument moving the loss ten times further
+    than the patched model's error (an ignored argument would leave the error at that move)."""
     errors = call_surface_errors("cuda")
     assert coda.last_path("DecoderLayer")[0] == coda.last_path("LMHeadLoss")[0] == "kernel"
     for check, (err, moved) in errors.items():
         assert err < 2e-2, (check, err)
-        assert moved is None or moved > 0.1, (check, moved)
+        assert moved is None or err < moved / 10, (check, err, moved)  # ignored: err ~ moved
