@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import types
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -221,17 +221,35 @@ def _sliding_window(attention) -> dict:
 
 
 @functools.cache
+@host_cache()
 def patched_class(hf_class: type) -> type:
     """The class of a layer that replaced an ``hf_class`` layer: coda's layer first (its
     ``forward`` and state-dict hooks), then ``hf_class``, under ``hf_class``'s name. So what
     finds decoder layers by class or by class name finds patched ones too: transformers'
     ``output_hidden_states`` hooks (``isinstance`` on the layer class), the Trainer's and
-    accelerate's FSDP auto-wrap (a ``_no_split_modules`` name looked up on the modules)."""
+    accelerate's FSDP auto-wrap (a ``_no_split_modules`` name looked up on the modules). One
+    class per ``hf_class``; made at run time, it is no module attribute that pickle could
+    name, so a pickled patched layer names ``hf_class`` instead (``torch.save(model)``)."""
     return type(
         hf_class.__name__,
         (CodaLlamaDecoderLayer, hf_class),
-        {"__module__": __name__, "__doc__": f"coda's layer in place of a {hf_class.__name__}."},
+        {
+            "__module__": __name__,
+            "__doc__": f"coda's layer in place of a {hf_class.__name__}.",
+            "__reduce_ex__": _reduce_patched_layer,
+            "coda_hf_class": hf_class,
+        },
     )
+
+
+def _reduce_patched_layer(layer, protocol):
+    if type(layer) is not patched_class(layer.coda_hf_class):  # (a subclass: FSDP2's)
+        return super(CodaLlamaDecoderLayer, layer).__reduce_ex__(protocol)
+    return _new_patched_layer, (layer.coda_hf_class,), layer.__dict__
+
+
+def _new_patched_layer(hf_class: type):
+    return object.__new__(patched_class(hf_class))
 
 
 def _inverse_frequencies(rotary, config) -> torch.Tensor:
@@ -322,25 +340,38 @@ def _capturing() -> bool:
     )
 
 
-def _wrap_forward(module, make) -> None:
-    """``module.forward`` becomes ``make(original)`` bound to ``module``, where
-    ``original(self, *args, **kwargs)`` runs the forward it had. The class's own forward is
-    taken unbound, so a deep copy of the patched model runs its own weights (a bound method
-    in the closure would call the original model's); an instance-level forward set by someone
-    else before is kept as it is, bound to its module."""
-    own = module.__dict__.get("forward")
-    if own is None:
-        original = type(module).forward
-    else:
+class _PatchedForward:
+    """``module.forward`` as ``apply_coda`` wraps it: ``WRAPS[wrap](original)`` called with
+    ``module``, where ``original(self, *args, **kwargs)`` runs the forward the module had:
+    its class's, taken unbound (so a deep copy of the patched model runs its own weights), or
+    an instance-level forward someone else set before (kept as it is, bound to its module).
+    An object rather than a bound closure so that the model pickles (``torch.save(model)``)
+    as (module, wrap, former forward) and comes back patched; it shows the class forward's
+    signature, name and docs, as tools read them (the Trainer keeps the dataset columns the
+    forward's signature names: it would drop ``input_ids`` for ``(*args, **kwargs)``)."""
 
-        def original(self, *args, **kwargs):
-            return own(*args, **kwargs)
+    def __init__(self, module, wrap: str, former=None):
+        self.module, self.wrap, self.former = module, wrap, former
+        if former is None:
+            original = type(module).forward
+        else:
 
-    forward = make(original)
-    # the class's signature (and name, docs), as tools read it: the Trainer keeps the dataset
-    # columns the forward's signature names, and would drop input_ids for ``(*args, **kwargs)``
-    functools.update_wrapper(forward, type(module).forward)
-    module.forward = types.MethodType(forward, module)
+            def original(self, *args, **kwargs):
+                return former(*args, **kwargs)
+
+        self._forward = WRAPS[wrap](original)
+        functools.update_wrapper(self, type(module).forward)
+        self.__signature__ = inspect.signature(type(module).forward.__get__(module))
+
+    def __call__(self, *args, **kwargs):
+        return self._forward(self.module, *args, **kwargs)
+
+    def __reduce__(self):
+        return _PatchedForward, (self.module, self.wrap, self.former)
+
+
+def _wrap_forward(module, wrap: str) -> None:
+    module.forward = _PatchedForward(module, wrap, module.__dict__.get("forward"))
 
 
 def _base_forward(original):
@@ -424,6 +455,9 @@ def _causal_lm_forward(original):
     return forward
 
 
+WRAPS = {"base": _base_forward, "causal_lm": _causal_lm_forward}
+
+
 def apply_coda(model, *, method: str = "auto"):
     """Patch a transformers Llama, Mistral or Qwen3 model (``SUPPORTED``) in place; returns it.
 
@@ -441,7 +475,7 @@ def apply_coda(model, *, method: str = "auto"):
     inv_freq = _inverse_frequencies(base.rotary_emb, config)
     if getattr(base, "coda_mask_hint", None) is None:  # (not patched before)
         base.coda_mask_hint = _MaskHint()
-        _wrap_forward(base, _base_forward)
+        _wrap_forward(base, "base")
     replaced = False
     for i, layer in enumerate(base.layers):
         if not isinstance(layer, CodaLlamaDecoderLayer):
@@ -453,7 +487,7 @@ def apply_coda(model, *, method: str = "auto"):
         # first call asking for them: the patched layers are new modules, to be hooked anew
         base.__dict__.pop("_output_capturing_hooks_installed", None)
     if name.endswith("ForCausalLM") and not getattr(model, "coda_method", None):
-        _wrap_forward(model, _causal_lm_forward)
+        _wrap_forward(model, "causal_lm")
     model.coda_method = method
     return model
 

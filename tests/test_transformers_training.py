@@ -79,6 +79,25 @@ def test_a_deep_copy_of_a_patched_model_runs_its_own_weights():
         assert torch.equal(call(c), b_before) and not torch.equal(call(a), b_before)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_patched_model_pickles(family, tmp_path):
+    """``torch.save(model)`` / ``torch.load`` of a whole patched model (pickle): it comes back
+    patched (the layers of the one patched class per HF class, sharing the model's mask hint;
+    the forwards coda's: a training call returns the loss without logits), and its step gives
+    the original's loss and gradients bitwise."""
+    _, a = pair(tiny_config(family))
+    torch.save(a, tmp_path / "model.pt")
+    b = torch.load(tmp_path / "model.pt", weights_only=False)
+    hf_class = type(b.model.layers[0]).coda_hf_class
+    assert {type(layer) for layer in b.model.layers} == {ct.patched_class(hf_class)}
+    assert all(layer.mask_hint is b.model.coda_mask_hint for layer in b.model.layers)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    assert b(input_ids=ids, labels=ids).logits is None
+    assert torch.equal(_step(b, input_ids=ids, labels=ids), _step(a, input_ids=ids, labels=ids))
+    got, want = ct.hf_gradients(b), ct.hf_gradients(a)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_an_instance_forward_set_before_the_patch_still_runs():
     """A forward someone set on the instance before ``apply_coda`` (a hook library's wrapper)
     stays in the call chain: the patched forward calls it, with and without labels."""
