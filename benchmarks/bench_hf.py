@@ -2,7 +2,8 @@
 .loss.backward()`` at 4 x 4096 tokens, tokens/s and peak memory, for a Llama-3.2-1B-shaped
 ``LlamaForCausalLM`` and a Qwen3-0.6B-shaped ``Qwen3ForCausalLM`` (random init, bf16, sdpa),
 in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and loss stay
-eager, as users compile it), with Liger's instance patch, and patched by
+eager, as users compile it), with Liger's instance patch (called as the others, and with
+``use_cache=False``, which a patched model's training call implies), and patched by
 ``coda.transformers.apply_coda``, and patched with HF's activation checkpointing on (what it
 saves in memory and costs in time). Every variant starts from the same weights. coda's and
 Liger's rows also carry one step's per-kernel table and GPU idle time (after the timing).
@@ -150,14 +151,17 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
     ]
     if liger is not None:
         out.append(("hf_liger", lambda: liger.patch(copy.deepcopy(base))))
+        # the same, called with ``use_cache=False`` (README's tip), as coda's training call
+        # runs by default: the like-for-like row
+        out.append(("hf_liger_no_cache", lambda: liger.patch(copy.deepcopy(base))))
     chosen = selected("CODA_HF_PEERS", [name for name, _ in out])
     return [(name, make) for name, make in out if not chosen or name in chosen]
 
 
-def _step(model, ids):
+def _step(model, ids, **call):
     def step():
         model.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(input_ids=ids, labels=ids, **call).loss.backward()
 
     return step
 
@@ -195,8 +199,9 @@ def run() -> list[dict]:
                 continue
             try:
                 model = make()
-                step = _step(model, ids)
-                step = liger.wrap(step) if label == "hf_liger" else step
+                call = {"use_cache": False} if label.endswith("_no_cache") else {}
+                step = _step(model, ids, **call)
+                step = liger.wrap(step) if label.startswith("hf_liger") else step
                 peaks[label] = step_peak(step, model)
                 if label in PROFILED:
                     try:  # a failed profile must not cost the timing

@@ -98,6 +98,25 @@ def test_a_patched_model_pickles(family, tmp_path):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def _cache(out):
+    """The KV cache an HF output carries (``cache`` from transformers 5.3, else
+    ``past_key_values``)."""
+    return getattr(out, "cache" if "cache" in type(out).__dataclass_fields__ else "past_key_values")
+
+
+def test_a_training_step_makes_no_kv_cache_unless_asked():
+    """A training call (labels, autograd recording) fills no KV cache, which the unpatched
+    model's default config makes in every forward; ``use_cache=True`` still gets one, and the
+    loss is the same either way."""
+    ref, patched = pair(tiny_config())
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(5))
+    assert _cache(ref(input_ids=ids, labels=ids)) is not None  # HF's default
+    out = patched(input_ids=ids, labels=ids)
+    asked = patched(input_ids=ids, labels=ids, use_cache=True)
+    assert _cache(out) is None and _cache(asked) is not None
+    assert torch.equal(out.loss, asked.loss)
+
+
 def test_an_instance_forward_set_before_the_patch_still_runs():
     """A forward someone set on the instance before ``apply_coda`` (a hook library's wrapper)
     stays in the call chain: the patched forward calls it, with and without labels."""
