@@ -397,8 +397,9 @@ def _base_forward(original):
 def _causal_lm_forward(original):
     """The causal LM's ``forward``: with labels, while autograd records (a training step), the
     loss through coda's LM-head loss (the final norm inside it), no logits and no KV cache
-    (unless ``use_cache=True`` or a cache is given), in HF's output type; otherwise the model's own forward (logits, and with labels its loss: generation,
-    and evaluation loops that compute metrics from the logits under ``torch.no_grad``).
+    (unless ``use_cache=True`` or a cache is given), in HF's output type; otherwise the
+    model's own forward (logits, and with labels its loss: generation, and evaluation loops
+    that compute metrics from the logits under ``torch.no_grad``).
     ``skip_logits`` (True or False) overrides that choice for a call."""
 
     def forward(self, *args, labels=None, skip_logits=None, **kwargs):
