@@ -3,7 +3,8 @@ the whole model, one global batch split across them; the loss and every (gathere
 must equal one unsharded process on the whole batch (fp32, reference path). The benchmark's
 PyTorch peers (eager and per-layer torch.compile) are sharded and checked the same way, and so
 is a sharded model made on the meta device and loaded from the full state dict, and an HF
-Llama patched by ``apply_coda`` (``fsdp_hf_worker.py``)."""
+Llama patched by ``apply_coda`` (``fsdp_hf_worker.py``; its ``gpu`` test runs it on NCCL
+with bf16 compute, one rank per GPU)."""
 
 import json
 import os
@@ -16,9 +17,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(tmp_path, *flags, script=("benchmarks/fsdp_step.py", "--check")) -> tuple:
-    """``script`` (``fsdp_step.py --check``) on two gloo ranks with ``flags``: (its result,
-    its stdout)."""
+def _run(tmp_path, *flags, script=("benchmarks/fsdp_step.py", "--check"), nproc=2) -> tuple:
+    """``script`` (``fsdp_step.py --check``) on ``nproc`` ranks (gloo on CPUs, NCCL on GPUs)
+    with ``flags``: (its result, its stdout)."""
     out = tmp_path / "fsdp.json"
     cmd = [
         sys.executable,
@@ -26,13 +27,14 @@ def _run(tmp_path, *flags, script=("benchmarks/fsdp_step.py", "--check")) -> tup
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node",
-        "2",
+        str(nproc),
         *script,
         *flags,
         "--out",
         str(out),
     ]
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -70,8 +72,25 @@ def test_fsdp2_shards_a_patched_hf_model(tmp_path):
     pytest.importorskip("transformers")
     result, _ = _run(tmp_path, script=("tests/fsdp_hf_worker.py",))
     assert result["world"] == 2 and result["layer_class"] == "FSDPLlamaDecoderLayer"
+    assert result["device"] == "cpu" and result["path"] == "reference"
     assert result["loss_rel_diff"] < 1e-5 and result["worst_grad_rel_diff"] < 1e-5, result
     assert result["worst_state_rel_diff"] == 0.0, result
     # a sharded checkpoint (torch.distributed.checkpoint, in coda's keys) loaded into another
     # sharded patched model gives it the first one's weights
     assert result["reloaded_loss_rel_diff"] < 1e-5, result
+
+
+@pytest.mark.gpu
+def test_gpu_fsdp2_shards_a_patched_hf_model(tmp_path):
+    """The same on GPUs (NCCL, one rank per GPU: a single rank on one H200), fp32 weights
+    gathered in bf16 for compute on the kernel path: the loss and every gradient equal one
+    unsharded patched bf16 model's on the whole batch within ``fsdp_step.py``'s bf16 bound,
+    the gathered state dict the unpatched model's exactly, and a sharded checkpoint round
+    trip keeps the weights (its loss, HF's bf16 head under no_grad, within the same bound)."""
+    pytest.importorskip("transformers")
+    n = torch.cuda.device_count()
+    result, _ = _run(tmp_path, script=("tests/fsdp_hf_worker.py",), nproc=n)
+    assert result["world"] == n and result["device"] == "cuda" and result["path"] == "kernel"
+    assert result["loss_rel_diff"] < 2e-2 and result["worst_grad_rel_diff"] < 2e-2, result
+    assert result["worst_state_rel_diff"] == 0.0, result
+    assert result["reloaded_loss_rel_diff"] < 2e-2, result
