@@ -394,12 +394,26 @@ def _base_forward(original):
     return forward
 
 
+def _cache_is_only_a_cost(args: tuple, kwargs: dict) -> bool:
+    """Whether a training call can run without the KV cache transformers' default config
+    fills in every forward (two copies of each layer's keys and values, never read in a
+    training step: 2.1 ms of a 1B step, 6.4 ms of Qwen3-0.6B's, benchmarks/NOTES.md session
+    22) and give exactly the unpatched model's result: the call names no cache setting and
+    gives no position ids. With position ids and no attention mask, transformers looks for
+    packed documents (positions restarting) only when there is no cache, and then masks
+    attention at their boundaries: the cache decides the result there, so it stays."""
+    if len(args) > 2:  # (input_ids, attention_mask, position_ids, ... by position)
+        return False
+    asked = ("use_cache", "past_key_values", "cache", "position_ids")
+    return all(kwargs.get(k) is None for k in asked)
+
+
 def _causal_lm_forward(original):
     """The causal LM's ``forward``: with labels, while autograd records (a training step), the
-    loss through coda's LM-head loss (the final norm inside it), no logits and no KV cache
-    (unless ``use_cache=True`` or a cache is given), in HF's output type; otherwise the
-    model's own forward (logits, and with labels its loss: generation, and evaluation loops
-    that compute metrics from the logits under ``torch.no_grad``).
+    loss through coda's LM-head loss (the final norm inside it), no logits and, where that
+    changes nothing else (``_cache_is_only_a_cost``), no KV cache, in HF's output type;
+    otherwise the model's own forward (logits, and with labels its loss: generation, and
+    evaluation loops that compute metrics from the logits under ``torch.no_grad``).
     ``skip_logits`` (True or False) overrides that choice for a call."""
 
     def forward(self, *args, labels=None, skip_logits=None, **kwargs):
@@ -418,10 +432,7 @@ def _causal_lm_forward(original):
         if shift is None:  # as HF's ForCausalLMLoss: tokens < n predict n
             shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         kwargs.pop("logits_to_keep", None)  # no logits are formed
-        if not any(k in kwargs for k in ("use_cache", "past_key_values", "cache")):
-            # no KV cache unless asked: transformers' default config fills one in every
-            # forward, two copies of each layer's keys and values that a training step never
-            # reads (session 22: 2.0 ms of a 1B step, 6.4 ms of Qwen3-0.6B's in run 21)
+        if _cache_is_only_a_cost(args, kwargs):
             kwargs["use_cache"] = False
         return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
         norm = self.model.norm

@@ -107,7 +107,10 @@ def _cache(out):
 def test_a_training_step_makes_no_kv_cache_unless_asked():
     """A training call (labels, autograd recording) fills no KV cache, which the unpatched
     model's default config makes in every forward; ``use_cache=True`` still gets one, and the
-    loss is the same either way."""
+    loss is the same either way. With position ids (packed documents) the cache stays: without
+    one, transformers masks attention at the documents' boundaries, with one it does not, so
+    the cache decides the loss there (``test_padding_and_packed_sequences_behave_as_unpatched``
+    compares it with the unpatched model's)."""
     ref, patched = pair(tiny_config())
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(5))
     assert _cache(ref(input_ids=ids, labels=ids)) is not None  # HF's default
@@ -115,6 +118,8 @@ def test_a_training_step_makes_no_kv_cache_unless_asked():
     asked = patched(input_ids=ids, labels=ids, use_cache=True)
     assert _cache(out) is None and _cache(asked) is not None
     assert torch.equal(out.loss, asked.loss)
+    packed = torch.cat([torch.arange(4), torch.arange(5)])[None].expand(2, -1)
+    assert _cache(patched(input_ids=ids, labels=ids, position_ids=packed)) is not None
 
 
 def test_an_instance_forward_set_before_the_patch_still_runs():
