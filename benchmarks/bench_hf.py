@@ -234,7 +234,11 @@ def run() -> list[dict]:
                 )
             )
         steps = timed = None
-        peers = [t for k, t in times.items() if k in ("hf_torch_compile", "hf_liger")]
+        peers = [
+            t
+            for k, t in times.items()
+            if k in ("hf_torch_compile", "hf_liger", "hf_liger_no_cache")
+        ]
         for r in rows:
             if peers and r["name"].startswith(f"hf/{name}/") and "ms" in r:
                 r["speedup_vs_best_peer"] = min(peers) / (r["ms"] * 1e-3)
