@@ -221,7 +221,6 @@ def _sliding_window(attention) -> dict:
 
 
 @functools.cache
-@host_cache()
 def patched_class(hf_class: type) -> type:
     """The class of a layer that replaced an ``hf_class`` layer: coda's layer first (its
     ``forward`` and state-dict hooks), then ``hf_class``, under ``hf_class``'s name. So what
