@@ -340,17 +340,17 @@ def _capturing() -> bool:
 
 
 class _PatchedForward:
-    """``module.forward`` as ``apply_coda`` wraps it: ``WRAPS[wrap](original)`` called with
+    """``module.forward`` as ``apply_coda`` wraps it: ``make(original)`` called with
     ``module``, where ``original(self, *args, **kwargs)`` runs the forward the module had:
     its class's, taken unbound (so a deep copy of the patched model runs its own weights), or
     an instance-level forward someone else set before (kept as it is, bound to its module).
     An object rather than a bound closure so that the model pickles (``torch.save(model)``)
-    as (module, wrap, former forward) and comes back patched; it shows the class forward's
+    as (module, make, former forward) and comes back patched; it shows the class forward's
     signature, name and docs, as tools read them (the Trainer keeps the dataset columns the
     forward's signature names: it would drop ``input_ids`` for ``(*args, **kwargs)``)."""
 
-    def __init__(self, module, wrap: str, former=None):
-        self.module, self.wrap, self.former = module, wrap, former
+    def __init__(self, module, make, former=None):
+        self.module, self.make, self.former = module, make, former
         if former is None:
             original = type(module).forward
         else:
@@ -358,7 +358,7 @@ class _PatchedForward:
             def original(self, *args, **kwargs):
                 return former(*args, **kwargs)
 
-        self._forward = WRAPS[wrap](original)
+        self._forward = make(original)
         functools.update_wrapper(self, type(module).forward)
         self.__signature__ = inspect.signature(type(module).forward.__get__(module))
 
@@ -366,11 +366,11 @@ class _PatchedForward:
         return self._forward(self.module, *args, **kwargs)
 
     def __reduce__(self):
-        return _PatchedForward, (self.module, self.wrap, self.former)
+        return _PatchedForward, (self.module, self.make, self.former)
 
 
-def _wrap_forward(module, wrap: str) -> None:
-    module.forward = _PatchedForward(module, wrap, module.__dict__.get("forward"))
+def _wrap_forward(module, make) -> None:
+    module.forward = _PatchedForward(module, make, module.__dict__.get("forward"))
 
 
 def _base_forward(original):
@@ -471,9 +471,6 @@ def _causal_lm_forward(original):
     return forward
 
 
-WRAPS = {"base": _base_forward, "causal_lm": _causal_lm_forward}
-
-
 def apply_coda(model, *, method: str = "auto"):
     """Patch a transformers Llama, Mistral or Qwen3 model (``SUPPORTED``) in place; returns it.
 
@@ -491,7 +488,7 @@ def apply_coda(model, *, method: str = "auto"):
     inv_freq = _inverse_frequencies(base.rotary_emb, config)
     if getattr(base, "coda_mask_hint", None) is None:  # (not patched before)
         base.coda_mask_hint = _MaskHint()
-        _wrap_forward(base, "base")
+        _wrap_forward(base, _base_forward)
     replaced = False
     for i, layer in enumerate(base.layers):
         if not isinstance(layer, CodaLlamaDecoderLayer):
@@ -503,7 +500,7 @@ def apply_coda(model, *, method: str = "auto"):
         # first call asking for them: the patched layers are new modules, to be hooked anew
         base.__dict__.pop("_output_capturing_hooks_installed", None)
     if name.endswith("ForCausalLM") and not getattr(model, "coda_method", None):
-        _wrap_forward(model, "causal_lm")
+        _wrap_forward(model, _causal_lm_forward)
     model.coda_method = method
     return model
 
