@@ -160,6 +160,7 @@ def suite_list(args) -> list:
         bench_layer_grad_numerics,
         bench_numerics,
         bench_train,
+        probe_qk_norm_pass,
         tune_configs,
     )
 
@@ -184,6 +185,7 @@ def suite_list(args) -> list:
             "train_demo_graph",
             Demo(["demos/train.py", "--graph", "--png", os.path.join(args.out, "train_graph.png")]),
         ),
+        *([("qk_norm_pass", probe_qk_norm_pass)] if "qk_norm_pass" in args.only.split(",") else []),
     ]
 
 
