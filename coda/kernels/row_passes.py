@@ -35,18 +35,36 @@ from coda.kernels.norm_rows import CORR_SCALED, row_stat
 from coda.kernels.qk_norm import dqk_norm_rope_heads_split_z
 
 BLOCK_ROWS = 64  # token rows per program by default: a 64 x hd tile
-# (kernel, head_dim) -> (token rows per program, warps), where an H200 sweep found better than
-# the default (``benchmarks/tune_configs.py``, CODA_TUNE_ONLY=row_pass; the record in ``SWEPT``)
-# medians, ms at M = 16384 (default -> tuned): the QK-norm pass at Qwen3-0.6B's layer 0.339 ->
-# 0.214 (32 rows, 2 warps); drope at the 1B layer (hd 64) 0.118 -> 0.107, at hd 128 0.156 -> 0.143
+# (kernel, head_dim) -> (token rows per program, warps), where an H200 measurement found better
+# than the default (``benchmarks/tune_configs.py``, CODA_TUNE_ONLY=row_pass, alone; the QK-norm
+# pass inside Qwen3's step, ``benchmarks/probe_qk_norm_pass.py``; the records in ``SWEPT``).
+# Medians at M = 16384, default -> tuned: drope at the 1B layer (hd 64) 0.118 -> 0.107 ms, at
+# hd 128 0.156 -> 0.143 (alone); the QK-norm pass at Qwen3-0.6B's layer 0.351 -> 0.248 ms per
+# call inside the step (alone on the step's own arguments 0.324 -> 0.239; run 23's synthetic
+# sweep had picked (32, 2), 0.297 ms in the step)
 TUNED: dict[tuple[str, int], tuple[int, int]] = {
-    ("dqk_norm", 128): (32, 2),
+    ("dqk_norm", 128): (16, 2),
     ("drope", 64): (16, 2),
     ("drope", 128): (16, 2),
 }
-SWEPT = "benchmarks/results/2026-11-30_h200_run23.json (commit bdba4f2), tuning row_pass_*"
-# the sweep's candidates (every one tested in the interpreter, tests/test_row_passes.py)
-LAUNCH_SHAPES = ((16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (128, 16))
+SWEPT = (
+    "benchmarks/results/2026-11-30_h200_run23.json (commit bdba4f2), tuning row_pass_*; "
+    "benchmarks/results/2026-12-02_h200_run97.json (commit f7aaa9b), qk_norm_pass"
+)
+# the candidates (every one tested in the interpreter, tests/test_row_passes.py)
+LAUNCH_SHAPES = (
+    (8, 1),
+    (8, 2),
+    (16, 1),
+    (16, 2),
+    (32, 2),
+    (32, 4),
+    (64, 4),
+    (64, 8),
+    (128, 4),
+    (128, 8),
+    (128, 16),
+)
 
 
 @triton.jit
