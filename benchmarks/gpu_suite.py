@@ -144,6 +144,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_TUNE_SHAPES",
     "CODA_TUNE_ONLY",
     "CODA_TUNE_WIDE",
+    "CODA_QK_PASS_SHAPES",
 )
 
 

@@ -6,14 +6,15 @@ alone at 214 us on synthetic inputs. This takes the step's own arguments (the fi
 call, recorded as the backward makes it), times the pass alone on them at every launch shape
 of ``LAUNCH_SHAPES``, and times the whole step with each shape installed: the kernel's
 microseconds per call from the step's profile, and the step's milliseconds. A suite of
-``gpu_suite.py`` run only when named (``--only qk_norm_pass``).
+``gpu_suite.py`` run only when named (``--only qk_norm_pass``); ``CODA_QK_PASS_SHAPES``
+("8x1,16x2") times only those launch shapes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from benchmarks._common import bench, bench_long, kernel_table, out_of_time, progress
+from benchmarks._common import bench, bench_long, kernel_table, out_of_time, progress, selected
 from benchmarks.bench_hf import BATCH, SEQ, SHAPES, _step, build
 
 
@@ -47,9 +48,12 @@ def run() -> list[dict]:
     strides = {f"{n}_stride": list(t.stride()) for n, t in zip(("dq", "dk", "dv"), args[:3])}
     key = ("dqk_norm", args[14])  # (kernel, head_dim)
     tuned = rpk.TUNED.get(key)
+    chosen = selected("CODA_QK_PASS_SHAPES", [f"{r}x{w}" for r, w in rpk.LAUNCH_SHAPES])
     rows = []
     try:
         for launch in rpk.LAUNCH_SHAPES:
+            if chosen and f"{launch[0]}x{launch[1]}" not in chosen:
+                continue
             if out_of_time():
                 break
             rpk.TUNED[key] = launch
