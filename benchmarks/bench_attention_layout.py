@@ -7,7 +7,7 @@ of the QKV GEMM's one (B, S, H + 2 Hkv, hd) output; HF's projections give each i
 (B, S, heads, hd) buffer. This times SDPA (causal, GQA as HF calls it, bf16) forward alone
 and forward+backward on both layouts and on contiguous (B, heads, S, hd) tensors, at both
 models' attention shapes, with the copy that would give each layout from the packed one,
-and records the strides of the gradients SDPA returns for each.
+and records the strides of the gradients SDPA returns for each and its three largest kernels.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import bench
+from benchmarks._common import bench, kernel_table
 
 SHAPES = {  # batch, seq, heads, kv heads, head_dim
     "llama-3.2-1B": (4, 4096, 32, 8, 64),
@@ -65,8 +65,15 @@ def run() -> list[dict]:
             step()
             grads = {f"d{n}_stride": list(t.grad.stride()) for n, t in zip("qkv", (q, k, v))}
             rows.append({"name": f"attention_layout/{name}/forward", **dims, **bench(fwd)})
+            kernels = [k["kernel"][:60] for k in kernel_table(step, steps=2, top=3)]
             rows.append(
-                {"name": f"attention_layout/{name}/fwd_bwd", **dims, **grads, **bench(step)}
+                {
+                    "name": f"attention_layout/{name}/fwd_bwd",
+                    **dims,
+                    **grads,
+                    "top_kernels": kernels,
+                    **bench(step),
+                }
             )
             rows.append(
                 {

@@ -40,10 +40,20 @@ def run() -> list[dict]:
     step = _step(model, ids)
     seen: list = []
     inner, rpk.dqk_norm_rope_heads_triton = _recording(rpk, seen)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def sdpa_recording(q, k, v, *a, **kw):  # what attention is handed in the step
+        if not calls:
+            calls.append({f"{n}_in_stride": list(t.stride()) for n, t in zip("qkv", (q, k, v))})
+            calls[0]["sdpa_kwargs"] = sorted(kw)
+        return sdpa(q, k, v, *a, **kw)
+
+    torch.nn.functional.scaled_dot_product_attention = sdpa_recording
     try:
         step()
     finally:
         rpk.dqk_norm_rope_heads_triton = inner
+        torch.nn.functional.scaled_dot_product_attention = sdpa
     args, kw = seen[0]
     strides = {f"{n}_stride": list(t.stride()) for n, t in zip(("dq", "dk", "dv"), args[:3])}
     key = ("dqk_norm", args[14])  # (kernel, head_dim)
@@ -71,6 +81,7 @@ def run() -> list[dict]:
                         "in_step_kernel_us": k["us"] / k["calls"],
                         "step_ms": bench_long(step)["ms"],
                         **strides,
+                        **(calls[0] if calls else {"sdpa": "not called"}),
                     }
                 )
             )
