@@ -144,7 +144,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_TUNE_SHAPES",
     "CODA_TUNE_ONLY",
     "CODA_TUNE_WIDE",
-    "CODA_QK_PASS_SHAPES",
+    "CODA_ROW_PASS_SHAPES",
 )
 
 
@@ -161,7 +161,7 @@ def suite_list(args) -> list:
         bench_layer_grad_numerics,
         bench_numerics,
         bench_train,
-        probe_qk_norm_pass,
+        probe_row_passes,
         tune_configs,
     )
 
@@ -186,7 +186,12 @@ def suite_list(args) -> list:
             "train_demo_graph",
             Demo(["demos/train.py", "--graph", "--png", os.path.join(args.out, "train_graph.png")]),
         ),
-        *([("qk_norm_pass", probe_qk_norm_pass)] if "qk_norm_pass" in args.only.split(",") else []),
+        # the row-pass probes: only when named
+        *[
+            (name, probe_row_passes.Suite(name))
+            for name in probe_row_passes.PASSES
+            if name in args.only.split(",")
+        ],
     ]
 
 

@@ -316,3 +316,26 @@ def test_the_deferred_dw_probe_computes_what_the_reduce_add_and_cast_compute():
     )
     assert torch.allclose(probe, expected, rtol=1e-12, atol=1e-12)
     assert torch.allclose(current, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_the_row_pass_probe_records_the_first_call_and_puts_everything_back():
+    """``probe_row_passes._Recorded``: the pass's first call's arguments and attention's input
+    strides are kept, later calls pass through, and both names are restored on leaving."""
+    import torch.nn.functional as F
+
+    from benchmarks import probe_row_passes as prp
+
+    name = prp.PASSES["drope_pass"][1]
+    sdpa = F.scaled_dot_product_attention
+    calls = []
+    fake = SimpleNamespace(**{name: lambda *a, **kw: calls.append((a, kw)) or len(calls)})
+    q = torch.randn(1, 6, 2, 4).transpose(1, 2)  # (B, heads, S, hd) views of a packed buffer
+    with prp._Recorded(fake, name) as rec:
+        assert getattr(fake, name)(1, 2, shape=None) == 1 and getattr(fake, name)(3) == 2
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        F.scaled_dot_product_attention(q.contiguous(), q, q)
+    assert rec.args == ((1, 2), {"shape": None}) and len(calls) == 2
+    assert rec.attention["q_in_stride"] == list(q.stride()) and rec.attention["sdpa_kwargs"] == [
+        "is_causal"
+    ]
+    assert F.scaled_dot_product_attention is sdpa and getattr(fake, name) is rec.inner

@@ -37,7 +37,7 @@ from coda.kernels.qk_norm import dqk_norm_rope_heads_split_z
 BLOCK_ROWS = 64  # token rows per program by default: a 64 x hd tile
 # (kernel, head_dim) -> (token rows per program, warps), where an H200 measurement found better
 # than the default (``benchmarks/tune_configs.py``, CODA_TUNE_ONLY=row_pass, alone; the QK-norm
-# pass inside Qwen3's step, ``benchmarks/probe_qk_norm_pass.py``; the records in ``SWEPT``).
+# pass inside Qwen3's step, ``benchmarks/probe_row_passes.py``; the records in ``SWEPT``).
 # Medians at M = 16384, default -> tuned: drope at the 1B layer (hd 64) 0.118 -> 0.107 ms, at
 # hd 128 0.156 -> 0.143 (alone); the QK-norm pass at Qwen3-0.6B's layer 0.337 -> 0.181 ms per
 # call inside the step (alone on the step's own arguments 0.327 -> 0.195; one warp: the row

@@ -1,0 +1,124 @@
+"""Probe: B11's row passes (``coda.kernels.row_passes``) inside an HF model's training step.
+
+Run 93's kernel table of the patched HF Qwen3-0.6B step (4 x 4096 tokens) put the QK-norm
+pass at 306 us per call (28 calls, 8.6 ms of a 171.6 ms step), where run 23's sweep had timed
+it alone at 214 us on synthetic inputs. For one pass this takes the step's own arguments (the
+first layer's call, recorded as the backward makes it) and what attention is handed, times
+the pass alone on those arguments at every launch shape of ``LAUNCH_SHAPES``, and times the
+whole step with each shape installed: the kernel's microseconds per call from the step's
+profile, and the step's milliseconds. Suites of ``gpu_suite.py`` run only when named:
+``qk_norm_pass`` (Qwen3-0.6B's QK-norm pass) and ``drope_pass`` (Llama-3.2-1B's dRoPE pass);
+``CODA_ROW_PASS_SHAPES`` ("8x1,16x2") times only those launch shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks._common import bench, bench_long, kernel_table, out_of_time, progress, selected
+from benchmarks.bench_hf import BATCH, SEQ, SHAPES, _step, build
+
+# suite -> (HF shape, the pass's function in row_passes, its TUNED name, the index of its
+# head_dim argument, its kernel's name in a profile)
+PASSES = {
+    "qk_norm_pass": (
+        "qwen3-0.6B",
+        "dqk_norm_rope_heads_triton",
+        "dqk_norm",
+        14,
+        "_dqk_norm_kernel",
+    ),
+    "drope_pass": ("llama-3.2-1B", "drope_heads_triton", "drope", 8, "_drope_kernel"),
+}
+
+
+class _Recorded:
+    """Within ``with``: ``row_passes.<name>`` and SDPA keep their first call's arguments (the
+    pass's as given; attention's input strides and keyword names)."""
+
+    def __init__(self, rpk, name):
+        self.rpk, self.name = rpk, name
+        self.inner = getattr(rpk, name)
+        self.sdpa = torch.nn.functional.scaled_dot_product_attention
+        self.args, self.attention = None, {"sdpa": "not called"}
+
+    def _pass(self, *args, **kw):
+        if self.args is None:
+            self.args = (args, kw)
+        return self.inner(*args, **kw)
+
+    def _sdpa(self, q, k, v, *a, **kw):
+        if "sdpa" in self.attention:
+            self.attention = {f"{n}_in_stride": list(t.stride()) for n, t in zip("qkv", (q, k, v))}
+            self.attention["sdpa_kwargs"] = sorted(kw)
+        return self.sdpa(q, k, v, *a, **kw)
+
+    def __enter__(self):
+        setattr(self.rpk, self.name, self._pass)
+        torch.nn.functional.scaled_dot_product_attention = self._sdpa
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.rpk, self.name, self.inner)
+        torch.nn.functional.scaled_dot_product_attention = self.sdpa
+
+
+def run_pass(suite: str) -> list[dict]:
+    import coda.transformers as ct
+    from coda.kernels import row_passes as rpk
+
+    shape_name, fn_name, tuned_name, hd_at, kernel_name = PASSES[suite]
+    family, shape = SHAPES[shape_name]
+    model = ct.apply_coda(build(family, shape, "cuda", torch.bfloat16))
+    ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
+    step = _step(model, ids)
+    with _Recorded(rpk, fn_name) as rec:
+        step()
+    args, kw = rec.args
+    inner = rec.inner
+    strides = {f"{n}_stride": list(t.stride()) for n, t in zip(("dq", "dk", "dv"), args[:3])}
+    key = (tuned_name, args[hd_at])  # (kernel, head_dim)
+    tuned = rpk.TUNED.get(key)
+    chosen = selected("CODA_ROW_PASS_SHAPES", [f"{r}x{w}" for r, w in rpk.LAUNCH_SHAPES])
+    rows = []
+    try:
+        for launch in rpk.LAUNCH_SHAPES:
+            if chosen and f"{launch[0]}x{launch[1]}" not in chosen:
+                continue
+            if out_of_time():
+                break
+            rpk.TUNED[key] = launch
+            alone = bench(lambda launch=launch: inner(*args, **kw, shape=launch))
+            per_kernel = {k["kernel"]: k for k in kernel_table(step, steps=2, top=100_000)}
+            k = per_kernel.get(kernel_name, {"us": float("nan"), "calls": 1})
+            rows.append(
+                progress(
+                    {
+                        "name": f"{suite}/{shape_name}",
+                        "rows_per_program": launch[0],
+                        "warps": launch[1],
+                        "tuned": launch == tuned,
+                        "alone_ms": alone["ms"],
+                        "in_step_kernel_us": k["us"] / k["calls"],
+                        "step_ms": bench_long(step)["ms"],
+                        **strides,
+                        **rec.attention,
+                    }
+                )
+            )
+    finally:
+        if tuned is None:
+            rpk.TUNED.pop(key, None)
+        else:
+            rpk.TUNED[key] = tuned
+    return rows
+
+
+class Suite:
+    """One pass of ``PASSES`` as a ``gpu_suite.py`` entry."""
+
+    def __init__(self, suite: str):
+        self.suite = suite
+
+    def run(self) -> list[dict]:
+        return run_pass(self.suite)
