@@ -216,9 +216,13 @@ def main():
     known = [n for n, _ in suites]
     unknown = set(args.only.split(",")) - set(known) - {"", "none"}
     if unknown:  # before any test runs: a misspelt suite would cost a device call
+        from benchmarks import probe_row_passes
+
         ap.error(
             f"--only: unknown {sorted(unknown)}; known: {', '.join(known)}, none"
             + ("" if args.tune else " (and tuning, with --tune)")
+            + "; the row-pass probes run only when named: "
+            + ", ".join(probe_row_passes.PASSES)
         )
     if args.only:
         suites = [(n, m) for n, m in suites if n in args.only.split(",")]
