@@ -40,9 +40,9 @@ BLOCK_ROWS = 64  # token rows per program by default: a 64 x hd tile
 # pass inside Qwen3's step, ``benchmarks/probe_row_passes.py``; the records in ``SWEPT``).
 # Medians at M = 16384, default -> tuned: drope at the 1B layer (hd 64) 0.118 -> 0.107 ms, at
 # hd 128 0.156 -> 0.143 (alone); the QK-norm pass at Qwen3-0.6B's layer 0.337 -> 0.181 ms per
-# call inside the step (alone on the step's own arguments 0.327 -> 0.195; one warp: the row
-# and column sums stay in the warp). Run 23's synthetic sweep had picked (32, 2): 0.282 ms in
-# the step
+# call inside the step (alone on the step's own arguments 0.327 -> 0.195; why one warp wins
+# was not measured: at one warp every row and column sum stays inside the warp). Run 23's
+# synthetic sweep had picked (32, 2): 0.282 ms in the step
 TUNED: dict[tuple[str, int], tuple[int, int]] = {
     ("dqk_norm", 128): (8, 1),
     ("drope", 64): (16, 2),
@@ -50,8 +50,8 @@ TUNED: dict[tuple[str, int], tuple[int, int]] = {
 }
 SWEPT = (
     "benchmarks/results/2026-11-30_h200_run23.json (commit bdba4f2), tuning row_pass_*; "
-    "benchmarks/results/2026-12-02_h200_run97.json (commit f7aaa9b) and _run98.json "
-    "(commit 6dd2e47), qk_norm_pass"
+    "benchmarks/results/2026-12-02_h200_run97.json (commit f7aaa9b), _run98.json (6dd2e47) "
+    "and _run100.json (21870b5), qk_norm_pass"
 )
 # the candidates (every one tested in the interpreter, tests/test_row_passes.py)
 LAUNCH_SHAPES = (
