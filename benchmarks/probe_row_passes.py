@@ -13,22 +13,18 @@ profile, and the step's milliseconds. Suites of ``gpu_suite.py`` run only when n
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from benchmarks._common import bench, bench_long, kernel_table, out_of_time, progress, selected
 from benchmarks.bench_hf import BATCH, SEQ, SHAPES, _step, build
 
-# suite -> (HF shape, the pass's function in row_passes, its TUNED name, the index of its
-# head_dim argument, its kernel's name in a profile)
+# suite -> (HF shape, the pass's function in row_passes, its TUNED name, its kernel's name
+# in a profile)
 PASSES = {
-    "qk_norm_pass": (
-        "qwen3-0.6B",
-        "dqk_norm_rope_heads_triton",
-        "dqk_norm",
-        14,
-        "_dqk_norm_kernel",
-    ),
-    "drope_pass": ("llama-3.2-1B", "drope_heads_triton", "drope", 8, "_drope_kernel"),
+    "qk_norm_pass": ("qwen3-0.6B", "dqk_norm_rope_heads_triton", "dqk_norm", "_dqk_norm_kernel"),
+    "drope_pass": ("llama-3.2-1B", "drope_heads_triton", "drope", "_drope_kernel"),
 }
 
 
@@ -67,7 +63,7 @@ def run_pass(suite: str) -> list[dict]:
     import coda.transformers as ct
     from coda.kernels import row_passes as rpk
 
-    shape_name, fn_name, tuned_name, hd_at, kernel_name = PASSES[suite]
+    shape_name, fn_name, tuned_name, kernel_name = PASSES[suite]
     family, shape = SHAPES[shape_name]
     model = ct.apply_coda(build(family, shape, "cuda", torch.bfloat16))
     ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
@@ -77,7 +73,8 @@ def run_pass(suite: str) -> list[dict]:
     args, kw = rec.args
     inner = rec.inner
     strides = {f"{n}_stride": list(t.stride()) for n, t in zip(("dq", "dk", "dv"), args[:3])}
-    key = (tuned_name, args[hd_at])  # (kernel, head_dim)
+    head_dim = inspect.signature(inner).bind(*args, **kw).arguments["head_dim"]
+    key = (tuned_name, head_dim)
     tuned = rpk.TUNED.get(key)
     chosen = selected("CODA_ROW_PASS_SHAPES", [f"{r}x{w}" for r, w in rpk.LAUNCH_SHAPES])
     rows = []

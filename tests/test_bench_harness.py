@@ -339,3 +339,17 @@ def test_the_row_pass_probe_records_the_first_call_and_puts_everything_back():
         "is_causal"
     ]
     assert F.scaled_dot_product_attention is sdpa and getattr(fake, name) is rec.inner
+
+
+def test_the_row_pass_probe_names_real_passes():
+    """Each probed pass names a function of ``row_passes`` taking ``head_dim`` (how the probe
+    finds its ``TUNED`` key), a tuned kernel name and an HF shape the benchmark builds."""
+    import inspect
+
+    from benchmarks import bench_hf, probe_row_passes
+    from coda.kernels import row_passes
+
+    for shape, fn, tuned, kernel in probe_row_passes.PASSES.values():
+        assert "head_dim" in inspect.signature(getattr(row_passes, fn)).parameters
+        assert any(name == tuned for name, _ in row_passes.TUNED)
+        assert shape in bench_hf.SHAPES and callable(getattr(row_passes, kernel))
