@@ -311,3 +311,13 @@ def test_tuned_launch_shapes_are_tested_candidates():
     from coda.kernels.row_passes import LAUNCH_SHAPES, TUNED
 
     assert TUNED and all(shape in LAUNCH_SHAPES for shape in TUNED.values()), TUNED
+
+
+@pytest.mark.compile
+def test_the_sass_reader_counts_a_compiled_pass():
+    """``benchmarks/sass_row_passes.py`` (session 23's reading of the launch shapes) compiles a
+    pass as the step specializes it and reads its registers and instructions back."""
+    from benchmarks import sass_row_passes as sass
+
+    c = sass.counts(sass.compiled("drope", 16, 2))
+    assert c["registers"] > 0 and c["instructions"] > c["LDG"] > 0 and c["STG"] > 0, c

@@ -40,8 +40,8 @@ BLOCK_ROWS = 64  # token rows per program by default: a 64 x hd tile
 # pass inside Qwen3's step, ``benchmarks/probe_row_passes.py``; the records in ``SWEPT``).
 # Medians at M = 16384, default -> tuned: drope at the 1B layer (hd 64) 0.118 -> 0.107 ms, at
 # hd 128 0.156 -> 0.143 (alone); the QK-norm pass at Qwen3-0.6B's layer 0.337 -> 0.181 ms per
-# call inside the step (alone on the step's own arguments 0.327 -> 0.195; why one warp wins
-# was not measured: at one warp every row and column sum stays inside the warp). Run 23's
+# call inside the step (alone on the step's own arguments 0.327 -> 0.195; at one warp its
+# layout conversions need no barriers: 2 in its SASS against 23-45 at 2-16 warps). Run 23's
 # synthetic sweep had picked (32, 2): 0.282 ms in the step
 TUNED: dict[tuple[str, int], tuple[int, int]] = {
     ("dqk_norm", 128): (8, 1),
