@@ -60,6 +60,8 @@ class _Recorded:
 
 
 def run_pass(suite: str) -> list[dict]:
+    """One row per launch shape: the pass alone on the step's arguments, its kernel inside the
+    step, and the step, with that shape installed in ``TUNED`` (restored after)."""
     import coda.transformers as ct
     from coda.kernels import row_passes as rpk
 
