@@ -26,50 +26,33 @@ from triton.compiler import ASTSource
 
 from coda.kernels import row_passes as rp
 
-# each kernel's integer arguments at the step's call (M = 4 x 4096 tokens), and its head_dim
+SEQ, TOKENS = 4096, 16384  # the HF benchmark's 4 x 4096 tokens
+
+
+def step_ints(heads: int, kv_heads: int, head_dim: int) -> dict:
+    """The integer arguments both kernels take at the step's call: the token count and the
+    (batch, head, seq) strides of dq, dk, dv as cuDNN's attention returns them in the step,
+    (B, S, heads, hd) in memory (``probe_row_passes`` recorded them at Qwen3's step, run 102;
+    taken alike at Llama's)."""
+    out = dict(M=TOKENS, S=SEQ, n_q=heads, n_k=kv_heads)
+    for g, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+        out.update({f"s{g}b": SEQ * n * head_dim, f"s{g}h": head_dim, f"s{g}s": n * head_dim})
+    return out
+
+
+def _qk_norm_ints(heads: int, kv_heads: int, head_dim: int) -> dict:
+    """``step_ints`` and the QK-norm pass's own: z's even and odd halves (row stride, unit
+    column stride), the stored v's row stride and the head statistic's."""
+    n = heads + 2 * kv_heads
+    zs = dict(z_row=(heads + kv_heads) * head_dim // 2, z_col=1, v_row=n * head_dim, s_row=n)
+    return {**step_ints(heads, kv_heads, head_dim), **zs}
+
+
+# kernel -> (its function, head_dim, its integer arguments at the step's call): Qwen3-0.6B's
+# QK-norm pass (16 q heads, 8 kv heads, hd 128), Llama-3.2-1B's dRoPE pass (32, 8, 64)
 STEP_ARGS = {
-    "dqk_norm": (
-        rp._dqk_norm_kernel,
-        128,
-        dict(
-            M=16384,
-            S=4096,
-            n_q=16,
-            n_k=8,
-            z_row=1536,
-            z_col=1,
-            v_row=4096,
-            s_row=32,
-            sqb=8388608,
-            sqh=128,
-            sqs=2048,
-            skb=4194304,
-            skh=128,
-            sks=1024,
-            svb=4194304,
-            svh=128,
-            svs=1024,
-        ),
-    ),  # fmt: skip
-    "drope": (
-        rp._drope_kernel,
-        64,
-        dict(
-            M=16384,
-            S=4096,
-            n_q=32,
-            n_k=8,
-            sqb=8388608,
-            sqh=64,
-            sqs=2048,
-            skb=2097152,
-            skh=64,
-            sks=512,
-            svb=2097152,
-            svh=64,
-            svs=512,
-        ),
-    ),  # fmt: skip
+    "dqk_norm": (rp._dqk_norm_kernel, 128, _qk_norm_ints(16, 8, 128)),
+    "drope": (rp._drope_kernel, 64, step_ints(32, 8, 64)),
 }
 COUNTED = ("BAR", "LDS", "STS", "SHFL", "LDG", "STG")
 
