@@ -12,19 +12,16 @@ why the QK-norm pass runs fastest at one warp (benchmarks/NOTES.md).
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import subprocess
 import sys
 import tempfile
 
-import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from coda.kernels import row_passes as rp
+from coda.kernels._triton import cubin_sm90, next_power_of_2
 
 SEQ, TOKENS = 4096, 16384  # the HF benchmark's 4 x 4096 tokens
 
@@ -67,18 +64,10 @@ def _tool(name: str) -> str:
 def compiled(name: str, rows: int, warps: int) -> bytes:
     """The cubin of kernel ``name`` at (rows per program, warps), specialized as at the step."""
     fn, hd, ints = STEP_ARGS[name]
-    params = list(inspect.signature(fn).parameters)
-    consts = {"HD": hd, "HP": triton.next_power_of_2(hd), "BM": rows, "ACC": tl.float32}
-    consts.update({n: 1 for n in params if ints.get(n) == 1})
-    sig = {n: "constexpr" if n in consts else rp.POINTERS.get(n, "i32") for n in params}
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(params)
-        if n not in consts and (n in rp.POINTERS or ints.get(n, 1) % 16 == 0)
-    }
-    src = ASTSource(fn=triton.jit(fn), signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    return k.asm["cubin"]
+    consts = {"HD": hd, "HP": next_power_of_2(hd), "BM": rows, "ACC": tl.float32}
+    consts.update({n: 1 for n, v in ints.items() if v == 1})
+    divisible = [*rp.POINTERS, *(n for n, v in ints.items() if v % 16 == 0)]
+    return cubin_sm90(fn, rp.POINTERS, consts, warps, divisible=divisible)
 
 
 def counts(cubin: bytes) -> dict:

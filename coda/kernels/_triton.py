@@ -116,17 +116,25 @@ def acc_type(t: torch.Tensor):
     return tl.float64 if t.dtype == torch.float64 else tl.float32
 
 
-def compile_sm90(fn, pointers: dict, consts: dict, num_warps: int = 4, arch: int = 90) -> int:
-    """Compile ``fn`` for ``sm_{arch}`` without a GPU (Triton ships ptxas): the CPU compile
-    test. ``pointers``: each pointer argument's Triton type ("*bf16", ...); ``consts``: the
-    constexpr arguments; every other argument is an i32. Returns the cubin's size in bytes."""
+def cubin_sm90(
+    fn, pointers: dict, consts: dict, num_warps: int = 4, arch: int = 90, divisible=()
+) -> bytes:
+    """``fn`` compiled for ``sm_{arch}`` without a GPU (Triton ships ptxas): its cubin.
+    ``pointers``: each pointer argument's Triton type ("*bf16", ...); ``consts``: the
+    constexpr arguments; every other argument is an i32. ``divisible``: the arguments to
+    compile as divisible by 16, as Triton's JIT specializes a call whose pointers and integers
+    are (``benchmarks/sass_row_passes.py`` reads the code a launch runs)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = {
-        name: "constexpr" if name in consts else pointers.get(name, "i32")
-        for name in inspect.signature(fn).parameters
-    }
-    src = ASTSource(fn=triton.jit(fn), signature=sig, constexprs=consts)
+    names = list(inspect.signature(fn).parameters)
+    sig = {name: "constexpr" if name in consts else pointers.get(name, "i32") for name in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible}
+    src = ASTSource(fn=triton.jit(fn), signature=sig, constexprs=consts, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
-    return len(triton.compile(src, target=target, options={"num_warps": num_warps}).asm["cubin"])
+    return triton.compile(src, target=target, options={"num_warps": num_warps}).asm["cubin"]
+
+
+def compile_sm90(fn, pointers: dict, consts: dict, num_warps: int = 4, arch: int = 90) -> int:
+    """``cubin_sm90``'s size in bytes: the CPU compile test."""
+    return len(cubin_sm90(fn, pointers, consts, num_warps, arch))
