@@ -149,8 +149,9 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
 
 
 def suite_list(args) -> list:
-    """(name, runner) of every benchmark suite, in run order ("tuning" only with --tune);
-    ``--only`` picks among these names, or "none" (the tests alone)."""
+    """(name, runner) of every benchmark suite, in run order ("tuning" only with --tune; the
+    row-pass probes only when ``--only`` names them); ``--only`` picks among these names, or
+    "none" (the tests alone)."""
     from benchmarks import (
         bench_attention_layout,
         bench_attention_numerics,
@@ -186,13 +187,18 @@ def suite_list(args) -> list:
             "train_demo_graph",
             Demo(["demos/train.py", "--graph", "--png", os.path.join(args.out, "train_graph.png")]),
         ),
-        # the row-pass probes: only when named
-        *[
-            (name, probe_row_passes.Suite(name))
-            for name in probe_row_passes.PASSES
-            if name in args.only.split(",")
-        ],
+        # the row-pass probes (diagnostics: run only when named)
+        *[(name, probe_row_passes.Suite(name)) for name in probe_row_passes.PASSES],
     ]
+
+
+def chosen(suites: list, only: str) -> list:
+    """The suites ``--only`` names, in run order; without ``--only`` every suite but the
+    row-pass probes (diagnostics, run only when named)."""
+    from benchmarks.probe_row_passes import PASSES as only_when_named
+
+    named = only.split(",")
+    return [(n, m) for n, m in suites if n in named or (not only and n not in only_when_named)]
 
 
 def main():
@@ -216,16 +222,11 @@ def main():
     known = [n for n, _ in suites]
     unknown = set(args.only.split(",")) - set(known) - {"", "none"}
     if unknown:  # before any test runs: a misspelt suite would cost a device call
-        from benchmarks import probe_row_passes
-
         ap.error(
             f"--only: unknown {sorted(unknown)}; known: {', '.join(known)}, none"
             + ("" if args.tune else " (and tuning, with --tune)")
-            + "; the row-pass probes run only when named: "
-            + ", ".join(probe_row_passes.PASSES)
         )
-    if args.only:
-        suites = [(n, m) for n, m in suites if n in args.only.split(",")]
+    suites = chosen(suites, args.only)
     t_start = time.time()
     if args.budget_s is not None:  # long benchmarks skip their remaining variants past it
         os.environ["CODA_SUITE_DEADLINE"] = str(t_start + args.budget_s)

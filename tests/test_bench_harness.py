@@ -353,3 +353,12 @@ def test_the_row_pass_probe_names_real_passes():
         assert "head_dim" in inspect.signature(getattr(row_passes, fn)).parameters
         assert any(name == tuned for name, _ in row_passes.TUNED)
         assert shape in bench_hf.SHAPES and callable(getattr(row_passes, kernel))
+
+
+def test_a_run_of_every_suite_leaves_the_row_pass_probes_out():
+    from benchmarks import gpu_suite
+
+    suites = [("hf", 1), ("qk_norm_pass", 2), ("drope_pass", 3), ("host", 4)]
+    assert gpu_suite.chosen(suites, "") == [("hf", 1), ("host", 4)]
+    assert gpu_suite.chosen(suites, "host,qk_norm_pass") == [("qk_norm_pass", 2), ("host", 4)]
+    assert gpu_suite.chosen(suites, "none") == []
