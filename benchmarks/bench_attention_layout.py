@@ -24,8 +24,8 @@ SHAPES = {  # batch, seq, heads, kv heads, head_dim
 
 
 def layouts(B, S, H, Hkv, hd):
-    """name -> a function giving (q, k, v) (B, heads, S, hd) in that layout, and the packed
-    buffer they are copied from."""
+    """name -> a function giving (q, k, v) (B, heads, S, hd) in that layout: views of one
+    packed random buffer (coda's), or copies of them (timing a function is timing its copy)."""
     bf = torch.bfloat16
     packed = torch.randn(B, S, H + 2 * Hkv, hd, device="cuda", dtype=bf)
 

@@ -78,12 +78,11 @@ def run_pass(suite: str) -> list[dict]:
     head_dim = inspect.signature(inner).bind(*args, **kw).arguments["head_dim"]
     key = (tuned_name, head_dim)
     tuned = rpk.TUNED.get(key)
-    chosen = selected("CODA_ROW_PASS_SHAPES", [f"{r}x{w}" for r, w in rpk.LAUNCH_SHAPES])
+    named = {f"{r}x{w}": (r, w) for r, w in rpk.LAUNCH_SHAPES}  # CODA_ROW_PASS_SHAPES' names
+    chosen = selected("CODA_ROW_PASS_SHAPES", named)
     rows = []
     try:
-        for launch in rpk.LAUNCH_SHAPES:
-            if chosen and f"{launch[0]}x{launch[1]}" not in chosen:
-                continue
+        for launch in [named[n] for n in chosen] if chosen else rpk.LAUNCH_SHAPES:
             if out_of_time():
                 break
             rpk.TUNED[key] = launch
