@@ -71,11 +71,10 @@ def main(out: str) -> None:  # (argv: --out PATH, as fsdp_step.py's)
     gpu = torch.cuda.is_available()
     dist.init_process_group("nccl" if gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else None
+    device, policy = None, {}
     if gpu:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    policy = {}
-    if gpu:
         policy["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
     cfg = tiny_config(**(GPU_SHAPE if gpu else {}))
     torch.manual_seed(0)
