@@ -8,8 +8,7 @@ the pass alone on those arguments at every launch shape of ``LAUNCH_SHAPES``, an
 whole step with each shape installed: the kernel's microseconds per call from the step's
 profile, and the step's milliseconds. Suites of ``gpu_suite.py`` run only when named:
 ``qk_norm_pass`` (Qwen3-0.6B's QK-norm pass) and ``drope_pass`` (Llama-3.2-1B's dRoPE pass);
-``CODA_ROW_PASS_SHAPES`` ("8x1,8x1w16s2": ``row_passes.Launch.name``) times only those
-launch shapes.
+``CODA_ROW_PASS_SHAPES`` ("8x1,16x2") times only those launch shapes.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ def run_pass(suite: str) -> list[dict]:
     head_dim = inspect.signature(inner).bind(*args, **kw).arguments["head_dim"]
     key = (tuned_name, head_dim)
     tuned = rpk.TUNED.get(key)
-    named = {go.name: go for go in rpk.LAUNCH_SHAPES}  # CODA_ROW_PASS_SHAPES' names
+    named = {f"{r}x{w}": (r, w) for r, w in rpk.LAUNCH_SHAPES}  # CODA_ROW_PASS_SHAPES' names
     chosen = selected("CODA_ROW_PASS_SHAPES", named)
     rows = []
     try:
@@ -94,11 +93,8 @@ def run_pass(suite: str) -> list[dict]:
                 progress(
                     {
                         "name": f"{suite}/{shape_name}",
-                        "launch": launch.name,
-                        "rows_per_block": launch.rows,
-                        "warps": launch.warps,
-                        "blocks_per_program": launch.walk,
-                        "stages": launch.stages,
+                        "rows_per_program": launch[0],
+                        "warps": launch[1],
                         "tuned": launch == tuned,
                         "alone_ms": alone["ms"],
                         "in_step_kernel_us": k["us"] / k["calls"],

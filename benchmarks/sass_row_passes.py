@@ -51,7 +51,7 @@ STEP_ARGS = {
     "dqk_norm": (rp._dqk_norm_kernel, 128, _qk_norm_ints(16, 8, 128)),
     "drope": (rp._drope_kernel, 64, step_ints(32, 8, 64)),
 }
-COUNTED = ("BAR", "LDS", "STS", "SHFL", "LDG", "LDGSTS", "STG")
+COUNTED = ("BAR", "LDS", "STS", "SHFL", "LDG", "STG")
 
 
 def _tool(name: str) -> str:
@@ -61,14 +61,13 @@ def _tool(name: str) -> str:
     return os.path.join(folder, name)
 
 
-def compiled(name: str, go: rp.Launch) -> bytes:
-    """The cubin of kernel ``name`` at launch ``go``, specialized as at the step."""
+def compiled(name: str, rows: int, warps: int) -> bytes:
+    """The cubin of kernel ``name`` at (rows per program, warps), specialized as at the step."""
     fn, hd, ints = STEP_ARGS[name]
-    consts = {"HD": hd, "HP": next_power_of_2(hd), "ACC": tl.float32}
-    consts.update(BM=go.rows, WALK=go.walk, STAGES=go.stages)
+    consts = {"HD": hd, "HP": next_power_of_2(hd), "BM": rows, "ACC": tl.float32}
     consts.update({n: 1 for n, v in ints.items() if v == 1})
     divisible = [*rp.POINTERS, *(n for n, v in ints.items() if v % 16 == 0)]
-    return cubin_sm90(fn, rp.POINTERS, consts, go.warps, divisible=divisible)
+    return cubin_sm90(fn, rp.POINTERS, consts, warps, divisible=divisible)
 
 
 def counts(cubin: bytes) -> dict:
@@ -88,10 +87,10 @@ def counts(cubin: bytes) -> dict:
 
 def main():
     name = sys.argv[1] if len(sys.argv) > 1 else "dqk_norm"
-    head = ["registers", "instructions", *COUNTED]
-    print(f"{name}: launch (rows x warps, w blocks walked, s in flight), " + ", ".join(head))
-    for go in rp.LAUNCH_SHAPES:
-        print(f"{go.name:10s}", *(counts(compiled(name, go))[k] for k in head))
+    print(f"{name}: rows x warps, " + ", ".join(["registers", "instructions", *COUNTED]))
+    for rows, warps in rp.LAUNCH_SHAPES:
+        c = counts(compiled(name, rows, warps))
+        print(f"{rows:4d} x {warps:<2d}", *(c[k] for k in ("registers", "instructions", *COUNTED)))
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ CASES = [  # (B, S, H, Hkv, hd)
 
 def row_pass_case(B, S, H, Hkv, hd, dtype, device="cpu", contiguous_q=False, seed=0, shape=None):
     """Inputs of both passes, and the largest error of each output against its oracle, in
-    units of the output's largest magnitude. ``shape``: the kernels' ``Launch`` (or its
-    fields), else their default."""
+    units of the output's largest magnitude. ``shape``: the kernels' (rows per program,
+    warps), else their default."""
     from coda.kernels.drope import drope_heads
     from coda.kernels.qk_norm import dqk_norm_rope_heads
     from coda.kernels.row_passes import dqk_norm_rope_heads_triton, drope_heads_triton
@@ -189,13 +189,11 @@ for dtype in (torch.float64, torch.bfloat16):
         out.append(["final_norm " + str(dtype), case, {"err": final_norm_case(*case, dtype, i)}])
 for method in ("recompute", "scaled_exp"):  # the one-pass final norm inside the LM head
     out.append(["one_pass " + method, method, {"err": one_pass_in_lm_head(method)}])
-# every (rows, blocks walked) the launch shapes give, at 90 rows: programs whose last blocks
-# lie past the rows (the interpreter runs a program as whole arrays, so its warps and stages
-# change nothing here; every launch compiles for sm_90 in
-# test_row_passes_compile_at_every_launch_shape)
-for rows, walk in sorted({(go.rows, go.walk) for go in LAUNCH_SHAPES}):
-    errs = row_pass_case(2, 45, 2, 1, 16, torch.float64, shape=(rows, 1, walk))
-    out.append(["shape", [rows, walk], errs])
+# every row count the launch shapes give: rows across programs (the interpreter runs a
+# program as whole arrays, so its warp count changes nothing here; every (rows, warps)
+# compiles for sm_90 in test_row_passes_compile_at_every_launch_shape)
+for rows in sorted({bm for bm, _ in LAUNCH_SHAPES}):
+    out.append(["shape", rows, row_pass_case(2, 45, 2, 1, 16, torch.float64, shape=(rows, 1))])
 for i, case in enumerate(TARGET_CASES):
     for hf_layout in (False, True):
         out.append(["target_terms", case, {"err": list(target_terms_case(*case, hf_layout, i))}])
@@ -211,8 +209,8 @@ def test_row_passes_in_triton_interpreter_equal_oracles():
     results = triton_child.results(_CHILD)
     from coda.kernels.row_passes import LAUNCH_SHAPES
 
-    walks = {(go.rows, go.walk) for go in LAUNCH_SHAPES}
-    n_cases = len(walks) + 2 * len(CASES) + 2 * len(TARGET_CASES)
+    row_counts = {bm for bm, _ in LAUNCH_SHAPES}
+    n_cases = len(row_counts) + 2 * len(CASES) + 2 * len(TARGET_CASES)
     assert len(results) == n_cases + 2 * len(FINAL_NORM_CASES) + 2
     for dtype, case, errs in results:
         if dtype == "target_terms":
@@ -309,7 +307,7 @@ def test_gpu_target_terms_equal_torch_form(how):
 
 
 def test_tuned_launch_shapes_are_tested_candidates():
-    """Every tuned launch is one of the candidates the interpreter test runs."""
+    """Every tuned (rows, warps) is one of the candidates the interpreter test runs."""
     from coda.kernels.row_passes import LAUNCH_SHAPES, TUNED
 
     assert TUNED and all(shape in LAUNCH_SHAPES for shape in TUNED.values()), TUNED
@@ -318,13 +316,8 @@ def test_tuned_launch_shapes_are_tested_candidates():
 @pytest.mark.compile
 def test_the_sass_reader_counts_a_compiled_pass():
     """``benchmarks/sass_row_passes.py`` (session 23's reading of the launch shapes) compiles a
-    pass as the step specializes it and reads its registers and instructions back; a program
-    walking blocks with two in flight loads the next one asynchronously (LDGSTS), one that
-    walks with none ahead does not."""
+    pass as the step specializes it and reads its registers and instructions back."""
     from benchmarks import sass_row_passes as sass
-    from coda.kernels.row_passes import Launch
 
-    c = sass.counts(sass.compiled("drope", Launch(16, 2)))
+    c = sass.counts(sass.compiled("drope", 16, 2))
     assert c["registers"] > 0 and c["instructions"] > c["LDG"] > 0 and c["STG"] > 0, c
-    assert sass.counts(sass.compiled("dqk_norm", Launch(8, 1, 4, 2)))["LDGSTS"] > 0
-    assert sass.counts(sass.compiled("dqk_norm", Launch(8, 1, 4, 1)))["LDGSTS"] == 0

@@ -24,8 +24,6 @@ torch oracle, and they compile for sm_90 on the CPU).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -37,39 +35,18 @@ from coda.kernels.norm_rows import CORR_SCALED, row_stat
 from coda.kernels.qk_norm import dqk_norm_rope_heads_split_z
 
 BLOCK_ROWS = 64  # token rows per program by default: a 64 x hd tile
-
-
-class Launch(NamedTuple):
-    """How a pass is launched: programs of ``warps`` warps, each walking ``walk`` consecutive
-    blocks of ``rows`` token rows of one head, with ``stages`` blocks' loads in flight (1:
-    none ahead). Walking several blocks writes a program's head-norm weight-gradient partials
-    once for all of them and reads the norm weights once."""
-
-    rows: int
-    warps: int
-    walk: int = 1
-    stages: int = 1
-
-    @property
-    def name(self) -> str:
-        """As ``CODA_ROW_PASS_SHAPES`` names it: "8x1", or "8x1w4s2" walking 4 blocks with
-        2 in flight."""
-        tail = f"w{self.walk}s{self.stages}" if (self.walk, self.stages) != (1, 1) else ""
-        return f"{self.rows}x{self.warps}{tail}"
-
-
-# (kernel, head_dim) -> its ``Launch``, where an H200 measurement found better than the
-# default (``benchmarks/tune_configs.py``, CODA_TUNE_ONLY=row_pass, alone; the QK-norm pass
-# inside Qwen3's step, ``benchmarks/probe_row_passes.py``; the records in ``SWEPT``). Medians
-# at M = 16384, default -> tuned: drope at the 1B layer (hd 64) 0.118 -> 0.107 ms, at hd 128
-# 0.156 -> 0.143 (alone); the QK-norm pass at Qwen3-0.6B's layer 0.337 -> 0.181 ms per call
-# inside the step (alone on the step's own arguments 0.327 -> 0.195; at one warp its layout
-# conversions need no barriers: 2 in its SASS against 23-45 at 2-16 warps). Run 23's
+# (kernel, head_dim) -> (token rows per program, warps), where an H200 measurement found better
+# than the default (``benchmarks/tune_configs.py``, CODA_TUNE_ONLY=row_pass, alone; the QK-norm
+# pass inside Qwen3's step, ``benchmarks/probe_row_passes.py``; the records in ``SWEPT``).
+# Medians at M = 16384, default -> tuned: drope at the 1B layer (hd 64) 0.118 -> 0.107 ms, at
+# hd 128 0.156 -> 0.143 (alone); the QK-norm pass at Qwen3-0.6B's layer 0.337 -> 0.181 ms per
+# call inside the step (alone on the step's own arguments 0.327 -> 0.195; at one warp its
+# layout conversions need no barriers: 2 in its SASS against 23-45 at 2-16 warps). Run 23's
 # synthetic sweep had picked (32, 2): 0.282 ms in the step
-TUNED: dict[tuple[str, int], Launch] = {
-    ("dqk_norm", 128): Launch(8, 1),
-    ("drope", 64): Launch(16, 2),
-    ("drope", 128): Launch(16, 2),
+TUNED: dict[tuple[str, int], tuple[int, int]] = {
+    ("dqk_norm", 128): (8, 1),
+    ("drope", 64): (16, 2),
+    ("drope", 128): (16, 2),
 }
 SWEPT = (
     "benchmarks/results/2026-11-30_h200_run23.json (commit bdba4f2), tuning row_pass_*; "
@@ -77,27 +54,19 @@ SWEPT = (
     "and _run100.json (21870b5), qk_norm_pass"
 )
 # the candidates (every one tested in the interpreter, tests/test_row_passes.py)
-LAUNCH_SHAPES = tuple(
-    Launch(*shape)
-    for shape in (
-        (4, 1),
-        (8, 1),
-        (8, 2),
-        (16, 1),
-        (16, 2),
-        (32, 2),
-        (32, 4),
-        (64, 4),
-        (64, 8),
-        (128, 4),
-        (128, 8),
-        (128, 16),
-        (8, 1, 4, 2),
-        (8, 1, 16, 2),
-        (8, 1, 16, 3),
-        (16, 1, 4, 2),
-        (16, 2, 4, 2),
-    )
+LAUNCH_SHAPES = (
+    (4, 1),
+    (8, 1),
+    (8, 2),
+    (16, 1),
+    (16, 2),
+    (32, 2),
+    (32, 4),
+    (64, 4),
+    (64, 8),
+    (128, 4),
+    (128, 8),
+    (128, 16),
 )
 
 
@@ -122,13 +91,14 @@ def _head_gradient_tile(
     return tl.load(src[:, None] + j[None, :], mask=mask, other=0.0).to(ACC)
 
 
-@triton.jit
-def _drope_block(
-    dq, dk, dv, qkv, rstd, cos, sin, out, s_part, h, rows,
-    M, S, n_q, n_k, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+def _drope_kernel(
+    dq, dk, dv, qkv, rstd, cos, sin, out, s_part,
+    M, S, n_q, n_k,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
     HD: tl.constexpr, HP: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """One (BM rows x head h) block of the dRoPE pass: its dz~0 tile and its S0 partials."""
+    h = tl.program_id(0)  # the head: q heads, then k, then v (the QKV GEMM's column order)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
     live = rows < M
     x = _head_gradient_tile(
         dq, dk, dv, h, rows, M, S, n_q, n_k,
@@ -152,34 +122,15 @@ def _drope_block(
     tl.store(out + at, y.to(out.dtype.element_ty), mask=mask)
 
 
-def _drope_kernel(
-    dq, dk, dv, qkv, rstd, cos, sin, out, s_part,
-    M, S, n_q, n_k,
-    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-    HD: tl.constexpr, HP: tl.constexpr, BM: tl.constexpr, WALK: tl.constexpr,
-    STAGES: tl.constexpr, ACC: tl.constexpr,
-):  # fmt: skip
-    h = tl.program_id(0)  # the head: q heads, then k, then v (the QKV GEMM's column order)
-    # the program's WALK consecutive blocks of BM token rows, STAGES > 1: the next block's
-    # loads in flight (through shared memory) while this one computes
-    for t in tl.range(0, WALK, num_stages=STAGES):
-        rows = (tl.program_id(1) * WALK + t) * BM + tl.arange(0, BM)
-        _drope_block(
-            dq, dk, dv, qkv, rstd, cos, sin, out, s_part, h, rows,
-            M, S, n_q, n_k, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, HD, HP, BM, ACC,
-        )  # fmt: skip
-
-
-@triton.jit
-def _dqk_norm_block(
-    dq, dk, dv, z_even, z_odd, z_v, s_head, rstd, cos, sin, w1, w2, out, s_part, h, rows,
-    M, S, n_q, n_k, z_row, z_col, v_row, s_row,
+def _dqk_norm_kernel(
+    dq, dk, dv, z_even, z_odd, z_v, s_head, rstd, cos, sin, q_norm, k_norm, out, s_part,
+    dw_part, M, S, n_q, n_k, z_row, z_col, v_row, s_row,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
     HD: tl.constexpr, HP: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """One (BM rows x head h) block of the QK-norm pass: its dz~0 tile and S0 partials, and
-    (returned) its rows' share of the head norm's weight gradient as the even and odd
-    entries (zeros for a v head). ``w1``, ``w2``: the head's norm weight, even and odd."""
+    h = tl.program_id(0)
+    blk = tl.program_id(1)
+    rows = blk * BM + tl.arange(0, BM)
     live = rows < M
     x = _head_gradient_tile(
         dq, dk, dv, h, rows, M, S, n_q, n_k,
@@ -193,6 +144,8 @@ def _dqk_norm_block(
     r64 = rows.to(tl.int64)[:, None]
     r = tl.load(rstd + rows, mask=live, other=1.0).to(ACC)[:, None]
     n_heads = n_q + 2 * n_k
+    at = r64 * (n_heads * HD) + h * HD + j[None, :]
+    part = rows.to(tl.int64) * n_heads + h
     if h < n_q + n_k:  # a normed, rotated head: RoPE^T, then the head norm's backward
         zc = r64 * z_row + (h * (HD // 2) + i[None, :]) * z_col  # z's pair (2i, 2i + 1)
         z1 = tl.load(z_even + zc, mask=half_mask, other=0.0).to(ACC)
@@ -202,57 +155,27 @@ def _dqk_norm_block(
         sn = tl.load(sin + half, mask=half_mask, other=0.0).to(ACC)
         n1, n2 = d1 * c + d2 * sn, d2 * c - d1 * sn  # dq_n = RoPE^T(dout)
         sh = tl.load(s_head + rows.to(tl.int64) * s_row + h, mask=live, other=0.0).to(ACC)[:, None]
+        wm = i < HD // 2
+        if h < n_q:
+            w1 = tl.load(q_norm + 2 * i, mask=wm, other=0.0).to(ACC)[None, :]
+            w2 = tl.load(q_norm + 2 * i + 1, mask=wm, other=0.0).to(ACC)[None, :]
+        else:
+            w1 = tl.load(k_norm + 2 * i, mask=wm, other=0.0).to(ACC)[None, :]
+            w2 = tl.load(k_norm + 2 * i + 1, mask=wm, other=0.0).to(ACC)[None, :]
         q1, q2 = z1 * sh, z2 * sh  # q_hat
         e1, e2 = n1 * w1, n2 * w2  # dq_hat
         mean = tl.sum(e1 * q1 + e2 * q2, 1)[:, None] / HD
         g1, g2 = sh * (e1 - q1 * mean), sh * (e2 - q2 * mean)
-        dw1, dw2 = tl.sum(n1 * q1, 0), tl.sum(n2 * q2, 0)
+        dw = tl.join(tl.sum(n1 * q1, 0), tl.sum(n2 * q2, 0))  # (hd/2, 2): this block's dw_h
+        tl.store(dw_part + (blk * (n_q + n_k) + h) * HD + j, tl.reshape(dw, (HP,)), mask=j < HD)
     else:  # a v head passes through; its z is the stored v
         vc = r64 * v_row + (h - n_q - n_k) * HD + 2 * i[None, :]
         z1 = tl.load(z_v + vc, mask=half_mask, other=0.0).to(ACC)
         z2 = tl.load(z_v + vc + 1, mask=half_mask, other=0.0).to(ACC)
         g1, g2 = d1, d2
-        dw1 = tl.zeros((HP // 2,), ACC)
-        dw2 = tl.zeros((HP // 2,), ACC)
-    tl.store(s_part + rows.to(tl.int64) * n_heads + h, tl.sum(g1 * z1 + g2 * z2, 1), mask=live)
+    tl.store(s_part + part, tl.sum(g1 * z1 + g2 * z2, 1), mask=live)
     y = tl.reshape(tl.join(g1 * r, g2 * r), (BM, HP))
-    at = r64 * (n_heads * HD) + h * HD + j[None, :]
     tl.store(out + at, y.to(out.dtype.element_ty), mask=mask)
-    return dw1, dw2
-
-
-def _dqk_norm_kernel(
-    dq, dk, dv, z_even, z_odd, z_v, s_head, rstd, cos, sin, q_norm, k_norm, out, s_part,
-    dw_part, M, S, n_q, n_k, z_row, z_col, v_row, s_row,
-    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-    HD: tl.constexpr, HP: tl.constexpr, BM: tl.constexpr, WALK: tl.constexpr,
-    STAGES: tl.constexpr, ACC: tl.constexpr,
-):  # fmt: skip
-    h = tl.program_id(0)
-    group = tl.program_id(1)  # the program's WALK consecutive blocks (as in _drope_kernel)
-    i = tl.arange(0, HP // 2)
-    wm = i < HD // 2
-    if h < n_q:  # the head norm's weight (a v head reads k's and leaves it unused)
-        w1 = tl.load(q_norm + 2 * i, mask=wm, other=0.0).to(ACC)[None, :]
-        w2 = tl.load(q_norm + 2 * i + 1, mask=wm, other=0.0).to(ACC)[None, :]
-    else:
-        w1 = tl.load(k_norm + 2 * i, mask=wm, other=0.0).to(ACC)[None, :]
-        w2 = tl.load(k_norm + 2 * i + 1, mask=wm, other=0.0).to(ACC)[None, :]
-    dw1 = tl.zeros((HP // 2,), ACC)
-    dw2 = tl.zeros((HP // 2,), ACC)
-    for t in tl.range(0, WALK, num_stages=STAGES):
-        rows = (group * WALK + t) * BM + tl.arange(0, BM)
-        b1, b2 = _dqk_norm_block(
-            dq, dk, dv, z_even, z_odd, z_v, s_head, rstd, cos, sin, w1, w2, out, s_part, h,
-            rows, M, S, n_q, n_k, z_row, z_col, v_row, s_row,
-            sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, HD, HP, BM, ACC,
-        )  # fmt: skip
-        dw1 += b1
-        dw2 += b2
-    if h < n_q + n_k:  # this program's share of dw_h, once
-        j = tl.arange(0, HP)
-        dw = tl.reshape(tl.join(dw1, dw2), (HP,))
-        tl.store(dw_part + (group * (n_q + n_k) + h) * HD + j, dw, mask=j < HD)
 
 
 def _warps(head_dim: int) -> int:
@@ -260,11 +183,10 @@ def _warps(head_dim: int) -> int:
     return max(4, BLOCK_ROWS * next_power_of_2(head_dim) // 2 // 16 // 32)
 
 
-def launch_shape(name: str, head_dim: int, shape=None) -> Launch:
-    """The ``Launch`` of kernel ``name`` ("drope" or "dqk_norm"): ``shape`` if given (the
-    sweep; a tuple of its fields), else the tuned entry, else BLOCK_ROWS rows at the default
-    warps."""
-    return Launch(*(shape or TUNED.get((name, head_dim)) or (BLOCK_ROWS, _warps(head_dim))))
+def launch_shape(name: str, head_dim: int, shape=None) -> tuple[int, int]:
+    """(token rows per program, warps) of kernel ``name`` ("drope" or "dqk_norm"): ``shape``
+    if given (the sweep), else the tuned entry, else (BLOCK_ROWS, the default warps)."""
+    return shape or TUNED.get((name, head_dim)) or (BLOCK_ROWS, _warps(head_dim))
 
 
 def _rows_contiguous(*tensors):
@@ -286,7 +208,7 @@ def _row_statistic(s_part, rstd, d):
 
 def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d, shape=None):
     """``drope.drope_heads`` in one pass. Returns (dz~0 (M, Nqkv) in qkv's dtype, corr0 (M,)).
-    ``shape``: a ``Launch`` (or its fields) instead of ``launch_shape``'s."""
+    ``shape``: (rows per program, warps) instead of ``launch_shape``'s."""
     B, n_q, S, hd = dq.shape
     n_k = dk.shape[1]
     assert n_rot_heads == n_q + n_k and hd == head_dim
@@ -296,12 +218,11 @@ def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d
     (dq, dk, dv), strides = _head_strides(dq, dk, dv)
     out = torch.empty_like(qkv)
     s_part = torch.empty(M, n_q + 2 * n_k, dtype=acc_dtype(qkv), device=qkv.device)
-    go = launch_shape("drope", hd, shape)
-    grid = (n_q + 2 * n_k, cdiv(cdiv(M, go.rows), go.walk))
+    bm, warps = launch_shape("drope", hd, shape)
+    grid = (n_q + 2 * n_k, cdiv(M, bm))
     kernel(_drope_kernel)[grid](
         dq, dk, dv, qkv, rstd, cos, sin, out, s_part, M, S, n_q, n_k, *strides,
-        HD=hd, HP=next_power_of_2(hd), BM=go.rows, WALK=go.walk, STAGES=go.stages,
-        ACC=acc_type(qkv), num_warps=go.warps,
+        HD=hd, HP=next_power_of_2(hd), BM=bm, ACC=acc_type(qkv), num_warps=warps,
     )  # fmt: skip
     return out, _row_statistic(s_part, rstd, d)
 
@@ -333,14 +254,13 @@ def dqk_norm_rope_heads_triton(
     acc = acc_dtype(z_even)
     out = torch.empty(M, n_heads * hd, dtype=z_even.dtype, device=z_even.device)
     s_part = torch.empty(M, n_heads, dtype=acc, device=out.device)
-    go = launch_shape("dqk_norm", hd, shape)
-    groups = cdiv(cdiv(M, go.rows), go.walk)  # programs per head
-    dw_part = torch.empty(groups, n_q + n_k, hd, dtype=acc, device=out.device)
-    kernel(_dqk_norm_kernel)[(n_heads, groups)](
+    bm, warps = launch_shape("dqk_norm", hd, shape)
+    blocks = cdiv(M, bm)
+    dw_part = torch.empty(blocks, n_q + n_k, hd, dtype=acc, device=out.device)
+    kernel(_dqk_norm_kernel)[(n_heads, blocks)](
         dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, out, s_part,
         dw_part, M, S, n_q, n_k, z_row, z_col, z_v.stride(0), s.stride(0), *strides,
-        HD=hd, HP=next_power_of_2(hd), BM=go.rows, WALK=go.walk, STAGES=go.stages,
-        ACC=acc_type(z_even), num_warps=go.warps,
+        HD=hd, HP=next_power_of_2(hd), BM=bm, ACC=acc_type(z_even), num_warps=warps,
     )  # fmt: skip
     dw = dw_part.sum(0)
     return out, _row_statistic(s_part, rstd, d), dw[:n_q].sum(0), dw[n_q:].sum(0)
@@ -377,8 +297,8 @@ def compile_row_passes(head_dim: int, arch: int = 90, shape=None) -> list[int]:
     ``sm_{arch}`` on the CPU: cubin sizes."""
     sizes = []
     for name, fn in (("drope", _drope_kernel), ("dqk_norm", _dqk_norm_kernel)):
-        go = launch_shape(name, head_dim, shape)
-        consts = {"HD": head_dim, "HP": next_power_of_2(head_dim), "ACC": tl.float32}
-        consts.update(BM=go.rows, WALK=go.walk, STAGES=go.stages)
-        sizes.append(compile_sm90(fn, POINTERS, consts, go.warps, arch))
+        bm, warps = launch_shape(name, head_dim, shape)
+        hp = next_power_of_2(head_dim)
+        consts = {"HD": head_dim, "HP": hp, "BM": bm, "ACC": tl.float32}
+        sizes.append(compile_sm90(fn, POINTERS, consts, warps, arch))
     return sizes
