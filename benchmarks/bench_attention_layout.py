@@ -8,6 +8,13 @@ of the QKV GEMM's one (B, S, H + 2 Hkv, hd) output; HF's projections give each i
 and forward+backward on both layouts and on contiguous (B, heads, S, hd) tensors, at both
 models' attention shapes, with the copy that would give each layout from the packed one,
 and records the strides of the gradients SDPA returns for each and its three largest kernels.
+
+Timed alone, the packed views cost 0.09-0.11 ms per layer (run 102), under half of what the
+patched steps' attention loses to Liger's. ``IN_STEP`` (a ``gpu_suite.py`` suite run only
+when named, ``--only attention_in_step``) asks the question inside the step: the patched HF
+model's training step with SDPA handed each layout (a copy in the step where the layout is
+not the packed one), the attention kernels' microseconds per call from the step's profile,
+the step's kernel time and its GPU clock and power.
 """
 
 from __future__ import annotations
@@ -15,11 +22,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import bench, kernel_table
+from benchmarks._common import bench, bench_long, clocked, kernel_table, out_of_time, progress
 
 SHAPES = {  # batch, seq, heads, kv heads, head_dim
     "llama-3.2-1B": (4, 4096, 32, 8, 64),
     "qwen3-0.6B": (4, 4096, 16, 8, 128),
+}
+
+
+IN_STEP = "attention_in_step"
+# layout -> what SDPA is handed in its place, from the step's (B, heads, S, hd) views
+RELAYOUT = {
+    "packed_views (coda)": lambda t: t,
+    "own_buffers (HF)": lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),
+    "contiguous_bhsd": lambda t: t.contiguous(),
 }
 
 
@@ -83,3 +99,59 @@ def run() -> list[dict]:
                 }
             )
     return rows
+
+
+def _in_step(shape_name: str) -> list[dict]:
+    """One row per layout of ``RELAYOUT``: the patched HF model's step at ``shape_name`` with
+    attention's inputs in that layout."""
+    import coda.transformers as ct
+    from benchmarks import bench_hf
+
+    family, shape = bench_hf.SHAPES[shape_name]
+    model = ct.apply_coda(bench_hf.build(family, shape, "cuda", torch.bfloat16))
+    ids = torch.randint(0, shape["vocab_size"], (bench_hf.BATCH, bench_hf.SEQ), device="cuda")
+    step = bench_hf._step(model, ids)
+    sdpa = F.scaled_dot_product_attention
+    rows = []
+    try:
+        for name, relayout in RELAYOUT.items():
+            if out_of_time():
+                break
+
+            def handed(q, k, v, *a, relayout=relayout, **kw):
+                return sdpa(relayout(q), relayout(k), relayout(v), *a, **kw)
+
+            F.scaled_dot_product_attention = handed  # HF's sdpa attention calls it by name
+            kernels = kernel_table(step, steps=2, top=100_000)
+            timed = clocked(bench_long)(step)
+            F.scaled_dot_product_attention = sdpa
+
+            def per_call(part, kernels=kernels):
+                ks = [k for k in kernels if part in k["kernel"]]
+                return sum(k["us"] for k in ks) / max(sum(k["calls"] for k in ks), 1)
+
+            rows.append(
+                progress(
+                    {
+                        "name": f"{IN_STEP}/{shape_name}/{name}",
+                        "attention_bprop_us_per_call": per_call("flash_bprop"),
+                        "attention_fprop_us_per_call": per_call("flash_fprop"),
+                        "attention_ms": sum(k["us"] for k in kernels if "cudnn" in k["kernel"])
+                        / 1e3,
+                        "copy_ms": sum(k["us"] for k in kernels if "copy" in k["kernel"]) / 1e3,
+                        "kernel_ms": sum(k["us"] for k in kernels) / 1e3,
+                        "step_ms": timed["ms"],
+                        **{k: timed[k] for k in ("sm_mhz", "power_w") if k in timed},
+                    }
+                )
+            )
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    return rows
+
+
+class InStep:
+    """``IN_STEP`` as a ``gpu_suite.py`` entry: both HF shapes."""
+
+    def run(self) -> list[dict]:
+        return [row for shape_name in SHAPES for row in _in_step(shape_name)]

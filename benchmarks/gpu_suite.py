@@ -150,7 +150,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
 
 def suite_list(args) -> list:
     """(name, runner) of every benchmark suite, in run order ("tuning" only with --tune; the
-    row-pass probes only when ``--only`` names them); ``--only`` picks among these names, or
+    diagnostics only when ``--only`` names them); ``--only`` picks among these names, or
     "none" (the tests alone)."""
     from benchmarks import (
         bench_attention_layout,
@@ -187,16 +187,19 @@ def suite_list(args) -> list:
             "train_demo_graph",
             Demo(["demos/train.py", "--graph", "--png", os.path.join(args.out, "train_graph.png")]),
         ),
-        # the row-pass probes (diagnostics: run only when named)
+        # diagnostics, run only when named: the row-pass probes, attention inside the step
         *[(name, probe_row_passes.Suite(name)) for name in probe_row_passes.PASSES],
+        (bench_attention_layout.IN_STEP, bench_attention_layout.InStep()),
     ]
 
 
 def chosen(suites: list, only: str) -> list:
     """The suites ``--only`` names, in run order; without ``--only`` every suite but the
-    row-pass probes (diagnostics, run only when named)."""
-    from benchmarks.probe_row_passes import PASSES as only_when_named
+    diagnostics (the row-pass probes and attention inside the step, run only when named)."""
+    from benchmarks.bench_attention_layout import IN_STEP
+    from benchmarks.probe_row_passes import PASSES
 
+    only_when_named = {*PASSES, IN_STEP}
     named = only.split(",")
     return [(n, m) for n, m in suites if n in named or (not only and n not in only_when_named)]
 

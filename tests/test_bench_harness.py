@@ -355,10 +355,14 @@ def test_the_row_pass_probe_names_real_passes():
         assert shape in bench_hf.SHAPES and callable(getattr(row_passes, kernel))
 
 
-def test_a_run_of_every_suite_leaves_the_row_pass_probes_out():
+def test_a_run_of_every_suite_leaves_the_diagnostics_out():
     from benchmarks import gpu_suite
 
     suites = [("hf", 1), ("qk_norm_pass", 2), ("drope_pass", 3), ("host", 4)]
+    suites.append(("attention_in_step", 5))
     assert gpu_suite.chosen(suites, "") == [("hf", 1), ("host", 4)]
     assert gpu_suite.chosen(suites, "host,qk_norm_pass") == [("qk_norm_pass", 2), ("host", 4)]
+    assert gpu_suite.chosen(suites, "attention_in_step") == [("attention_in_step", 5)]
     assert gpu_suite.chosen(suites, "none") == []
+    names = [name for name, _ in gpu_suite.suite_list(SimpleNamespace(tune=False, out="."))]
+    assert "attention_in_step" in names and "qk_norm_pass" in names

@@ -36,22 +36,26 @@ from coda.kernels.qk_norm import dqk_norm_rope_heads_split_z
 
 BLOCK_ROWS = 64  # token rows per program by default: a 64 x hd tile
 # (kernel, head_dim) -> (token rows per program, warps), where an H200 measurement found better
-# than the default (``benchmarks/tune_configs.py``, CODA_TUNE_ONLY=row_pass, alone; the QK-norm
-# pass inside Qwen3's step, ``benchmarks/probe_row_passes.py``; the records in ``SWEPT``).
-# Medians at M = 16384, default -> tuned: drope at the 1B layer (hd 64) 0.118 -> 0.107 ms, at
-# hd 128 0.156 -> 0.143 (alone); the QK-norm pass at Qwen3-0.6B's layer 0.337 -> 0.181 ms per
-# call inside the step (alone on the step's own arguments 0.327 -> 0.195; at one warp its
-# layout conversions need no barriers: 2 in its SASS against 23-45 at 2-16 warps). Run 23's
-# synthetic sweep had picked (32, 2): 0.282 ms in the step
+# than the default (``benchmarks/tune_configs.py``, CODA_TUNE_ONLY=row_pass, alone; each pass
+# inside its HF model's step, ``benchmarks/probe_row_passes.py``; the records in ``SWEPT``).
+# Medians at M = 16384, default -> tuned: drope at hd 128 0.156 -> 0.143 ms (alone); drope at
+# the 1B layer (hd 64) 90.3 -> 82.8 us per call inside Llama-1B's step (run 23's alone pick,
+# (16, 2), had read 0.107 ms against the default's 0.118); the QK-norm pass at Qwen3-0.6B's
+# layer 0.337 -> 0.181 ms per call inside the step (alone on the step's own arguments 0.327
+# -> 0.195; at one warp its layout conversions need no barriers: 2 in its SASS against 23-45
+# at 2-16 warps). Run 23's synthetic sweep had picked (32, 2): 0.282 ms in the step. A
+# program walking several row blocks (its dW partials written once, the next block's loads in
+# flight) ran slower in both steps (runs 103-104: 271-336 us per QK-norm call, 87 per drope)
 TUNED: dict[tuple[str, int], tuple[int, int]] = {
     ("dqk_norm", 128): (8, 1),
-    ("drope", 64): (16, 2),
+    ("drope", 64): (8, 1),
     ("drope", 128): (16, 2),
 }
 SWEPT = (
     "benchmarks/results/2026-11-30_h200_run23.json (commit bdba4f2), tuning row_pass_*; "
     "benchmarks/results/2026-12-02_h200_run97.json (commit f7aaa9b), _run98.json (6dd2e47) "
-    "and _run100.json (21870b5), qk_norm_pass"
+    "and _run100.json (21870b5), qk_norm_pass; _run103.json and _run104.json (fd258f5), "
+    "qk_norm_pass and drope_pass"
 )
 # the candidates (every one tested in the interpreter, tests/test_row_passes.py)
 LAUNCH_SHAPES = (
