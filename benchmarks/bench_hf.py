@@ -9,7 +9,9 @@ saves in memory and costs in time). Every variant starts from the same weights. 
 Liger's rows also carry one step's per-kernel table and GPU idle time (after the timing).
 
 Each variant's peak memory is measured as if it were alone (``_common.PeakAlone``), then
-every variant is timed in interleaved rounds (``_common.interleaved``). Liger's patch also
+every variant is timed in interleaved rounds (``_common.interleaved``), with the GPU's clock
+and power over the round (``_common.clocked``: a step that runs at the power cap runs at a
+lower clock, attention's kernels included). Liger's patch also
 rebinds process-wide names (the model class's forward, RoPE), so ``LigerSwitch`` applies them
 around Liger's own steps only.
 """
@@ -24,6 +26,7 @@ from benchmarks._common import (
     SKIPPED,
     PeakAlone,
     bench_long,
+    clocked,
     interleaved,
     out_of_time,
     progress,
@@ -218,7 +221,7 @@ def run() -> list[dict]:
             torch.cuda.empty_cache()
         timed = {}
         if steps and not out_of_time():
-            timed = interleaved(steps, timer=bench_long)
+            timed = interleaved(steps, timer=clocked(bench_long))
         times = {label: t["ms"] * 1e-3 for label, t in timed.items()}
         for label, t in timed.items():
             rows.append(
