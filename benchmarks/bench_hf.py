@@ -63,7 +63,7 @@ SHAPES = {
     ),
 }
 BATCH, SEQ = 4, 4096
-PROFILED = ("hf_coda", "hf_liger")  # per-kernel tables, after the timed steps
+PROFILED = ("hf_coda", "hf_liger", "hf_liger_no_cache")  # per-kernel tables (pass 1)
 
 
 def build(family: str, shape: dict, device, dtype):
