@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import fro_err, random_dims, rel_err
 
+import coda
 import coda.nn as cnn
 from coda.kernels import drope, dswiglu, rmsnorm_bwd, wgrad
 from coda.kernels import gemm_rmsnorm_gemm as rg
@@ -231,6 +232,16 @@ def test_module_dtype_mismatch_is_an_error():
     layer, _ = _small_layer(torch.float32)
     with pytest.raises(TypeError, match="x is torch.float64 but the parameters are"):
         layer(torch.zeros(1, 3, 48, dtype=F64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.complex64])
+def test_layer_positions_must_be_integers(dtype):
+    """Token positions of another dtype are refused, naming the rule: bool ones would
+    otherwise rotate every token by position 0 or 1, a wrong result without an error."""
+    layer, _ = _small_layer(torch.float32)
+    with pytest.raises(coda.CodaInputError, match="positions: expected integer"):
+        layer(torch.zeros(1, 3, 48), positions=torch.zeros(3, dtype=dtype))
+    layer(torch.zeros(1, 3, 48), positions=torch.arange(3))  # the same call with integers runs
 
 
 # -- level 2 ----------------------------------------------------------------------------------
