@@ -74,19 +74,23 @@ def gate_up_weight_to_hf(w_il: torch.Tensor):
     return g.contiguous(), u.contiguous()
 
 
-def head_weight_from_hf(weight: torch.Tensor) -> torch.Tensor:
-    """A per-head norm weight (Qwen3's q_norm / k_norm, (hd,)) in HF order -> the
-    adjacent-pair order of coda's q and k heads (the same permutation as their columns)."""
+def _check_head_weight(weight: torch.Tensor) -> None:
     v.check_tensor("weight", weight)
     if weight.dim() != 1 or weight.shape[0] % 2:
         raise v.CodaInputError(
             f"weight: expected a 1-D head norm weight of even length, got {tuple(weight.shape)}"
         )
+
+
+def head_weight_from_hf(weight: torch.Tensor) -> torch.Tensor:
+    """A per-head norm weight (Qwen3's q_norm / k_norm, (hd,)) in HF order -> the
+    adjacent-pair order of coda's q and k heads (the same permutation as their columns)."""
+    _check_head_weight(weight)
     return weight[head_perm(weight.shape[0]).to(weight.device)]
 
 
 def head_weight_to_hf(weight: torch.Tensor) -> torch.Tensor:
     """Inverse of ``head_weight_from_hf`` (exact)."""
-    v.check_tensor("weight", weight)
+    _check_head_weight(weight)
     inv = torch.argsort(head_perm(weight.shape[0])).to(weight.device)
     return weight[inv].clone()

@@ -309,6 +309,9 @@ def test_forward_ops_bad_input():
         coda.gemm_rmsnorm_gemm(x, w, torch.randn(8, 10), torch.ones(10), torch.randn(9, 4))
     with pytest.raises(NotImplementedError, match="forward-only"):
         coda.gemm_swiglu(x, w.requires_grad_(True))
+    for convert in (layouts.head_weight_from_hf, layouts.head_weight_to_hf):  # one rule both ways
+        with pytest.raises(coda.CodaInputError, match="1-D head norm weight of even length"):
+            convert(torch.ones(7))
 
 
 # -- level 2: every kernel configuration compiles for sm_90a ------------------------------------
