@@ -145,6 +145,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_TUNE_ONLY",
     "CODA_TUNE_WIDE",
     "CODA_ROW_PASS_SHAPES",
+    "CODA_GEMM_KEYS",
 )
 
 
@@ -162,6 +163,7 @@ def suite_list(args) -> list:
         bench_layer_grad_numerics,
         bench_numerics,
         bench_train,
+        probe_gemm_in_step,
         probe_row_passes,
         tune_configs,
     )
@@ -187,19 +189,22 @@ def suite_list(args) -> list:
             "train_demo_graph",
             Demo(["demos/train.py", "--graph", "--png", os.path.join(args.out, "train_graph.png")]),
         ),
-        # diagnostics, run only when named: the row-pass probes, attention inside the step
+        # diagnostics, run only when named: the row-pass probes, attention and GEMM configs
+        # inside the step
         *[(name, probe_row_passes.Suite(name)) for name in probe_row_passes.PASSES],
         (bench_attention_layout.IN_STEP, bench_attention_layout.InStep()),
+        (probe_gemm_in_step.SUITE, probe_gemm_in_step.Suite()),
     ]
 
 
 def chosen(suites: list, only: str) -> list:
     """The suites ``--only`` names, in run order; without ``--only`` every suite but the
-    diagnostics (the row-pass probes and attention inside the step, run only when named)."""
+    diagnostics (the probes inside an HF step, run only when named)."""
     from benchmarks.bench_attention_layout import IN_STEP
+    from benchmarks.probe_gemm_in_step import SUITE
     from benchmarks.probe_row_passes import PASSES
 
-    only_when_named = {*PASSES, IN_STEP}
+    only_when_named = {*PASSES, IN_STEP, SUITE}
     named = only.split(",")
     return [(n, m) for n, m in suites if n in named or (not only and n not in only_when_named)]
 

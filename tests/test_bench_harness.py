@@ -359,10 +359,38 @@ def test_a_run_of_every_suite_leaves_the_diagnostics_out():
     from benchmarks import gpu_suite
 
     suites = [("hf", 1), ("qk_norm_pass", 2), ("drope_pass", 3), ("host", 4)]
-    suites.append(("attention_in_step", 5))
+    suites += [("attention_in_step", 5), ("gemm_in_step", 6)]
     assert gpu_suite.chosen(suites, "") == [("hf", 1), ("host", 4)]
     assert gpu_suite.chosen(suites, "host,qk_norm_pass") == [("qk_norm_pass", 2), ("host", 4)]
     assert gpu_suite.chosen(suites, "attention_in_step") == [("attention_in_step", 5)]
     assert gpu_suite.chosen(suites, "none") == []
     names = [name for name, _ in gpu_suite.suite_list(SimpleNamespace(tune=False, out="."))]
-    assert "attention_in_step" in names and "qk_norm_pass" in names
+    assert {"attention_in_step", "qk_norm_pass", "gemm_in_step"} <= set(names)
+
+
+def test_the_gemm_probe_varies_only_the_swizzle_of_a_key_the_step_looks_up():
+    """Each key of ``probe_gemm_in_step.KEYS`` is a GEMM the Llama-1B layer runs (a
+    ``config_for`` kernel at the 1B shape's K and N), and its candidates are its current config
+    at each swizzle: the probe's rows differ from today's step in that one field."""
+    import dataclasses
+
+    from benchmarks import probe_gemm_in_step as probe
+    from benchmarks.bench_hf import SHAPES
+    from coda.kernels import tuned
+
+    shape = SHAPES[probe.SHAPE][1]
+    d, f, tokens = shape["hidden_size"], shape["intermediate_size"], probe.BATCH * probe.SEQ
+    layer_gemms = {  # (K, N) of each GEMM in the layer's kernel sequence with an epilogue
+        "swiglu": (d, 2 * f),  # gate/up
+        "residual": (f, d),  # down projection
+        "dswiglu": (d, f),  # the down projection's dgrad
+        "norm_bwd": (2 * f, d),  # the gate/up dgrad
+        "wgrad": (tokens, 2 * f),  # the gate/up weight gradient
+    }
+    for kernel, k, n in probe.KEYS.values():
+        assert kernel in tuned.KERNELS and layer_gemms[kernel] == (k, n), (kernel, k, n)
+        now = probe.current((kernel, k, n))
+        got = probe.candidates((kernel, k, n))
+        assert now in got and len(set(got)) == len(probe.SWIZZLES)
+        for cfg in got:
+            assert dataclasses.replace(cfg, max_swizzle_size=now.max_swizzle_size) == now

@@ -76,3 +76,13 @@ def test_lookups_are_keyed_by_kernel():
 def test_every_tuned_tile_compiles_for_sm90(pair):
     kernel, config = pair
     assert COMPILE[kernel](config) in (0, 1, 2)  # a compile error raises
+
+
+@pytest.mark.compile
+def test_a_raster_swizzle_other_than_quacks_default_compiles():
+    """``benchmarks/probe_gemm_in_step.py`` varies ``max_swizzle_size`` (a runtime argument of
+    quack's tile scheduler): a config with another one goes through coda's launch path."""
+    import dataclasses
+
+    config = dataclasses.replace(DEFAULT, max_swizzle_size=1)
+    assert COMPILE["dswiglu"](config) in (0, 1)

@@ -1,0 +1,101 @@
+"""Probe: a GEMM's tile config timed inside an HF model's training step, at the power cap.
+
+``tuned.TUNED`` was chosen by ``tune_configs.py`` timing each GEMM alone, on an idle GPU near
+boost clock. The patched HF steps run at the H200's power cap (~690 W; NOTES.md, session 24),
+where a kernel's time follows the clock the whole step settles at, so a config that moves
+fewer bytes (the raster swizzle's L2 reuse) can win in the step though it ties alone.
+``max_swizzle_size`` (the width of quack's tile raster groups) has never been swept (8, quack's
+default, everywhere). For each GEMM key of ``KEYS`` this installs each candidate of
+``candidates`` in ``TUNED`` (restored after), profiles the patched Llama-3.2-1B step and
+times it: the quack kernels' milliseconds per step (only the installed key's kernels should
+move), the step's milliseconds, and the GPU clock and power over the timed step.
+
+A ``gpu_suite.py`` suite run only when named (``--only gemm_in_step``); ``CODA_GEMM_KEYS``
+("swiglu,dswiglu") picks among ``KEYS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from benchmarks._common import bench_long, clocked, kernel_table, out_of_time, progress, selected
+from benchmarks.bench_hf import BATCH, SEQ, SHAPES, _step, build
+
+SUITE = "gemm_in_step"
+SHAPE = "llama-3.2-1B"
+# name -> the (kernel, K, N) key of ``tuned.TUNED`` at the Llama-1B step (M = 16384 tokens):
+# its epilogue GEMMs by time in run 100's profile
+KEYS = {
+    "norm_bwd": ("norm_bwd", 16384, 2048),  # gate/up dgrad + norm backward (B6)
+    "swiglu": ("swiglu", 2048, 16384),  # gate/up + SwiGLU (F4)
+    "dswiglu": ("dswiglu", 2048, 8192),  # down dgrad + dSwiGLU (B4)
+    "down": ("residual", 8192, 2048),  # down projection + residual
+    "wgrad": ("wgrad", 16384, 16384),  # gate/up weight gradient (B7)
+}
+SWIZZLES = (1, 2, 4, 8)
+
+
+def current(key):
+    """The config the step runs at ``key`` today (its tuned entry, else the default)."""
+    from coda.kernels.tuned import config_for
+
+    kernel, k, n = key
+    return config_for(kernel, BATCH * SEQ, k, n)
+
+
+def candidates(key) -> list:
+    """The key's current config at each raster swizzle of ``SWIZZLES`` (its own among them)."""
+    return [dataclasses.replace(current(key), max_swizzle_size=s) for s in SWIZZLES]
+
+
+def _row(name, cfg, now, step) -> dict:
+    kernels = kernel_table(step, steps=2, top=100_000)
+    timed = clocked(bench_long)(step)
+    quack = [k for k in kernels if "quack" in k["kernel"]]
+    return {
+        "name": f"{SUITE}/{SHAPE}/{name}",
+        "config": dataclasses.asdict(cfg),
+        "current": cfg == now,
+        "quack_ms": sum(k["us"] for k in quack) / 1e3,
+        "kernel_ms": sum(k["us"] for k in kernels) / 1e3,
+        "step_ms": timed["ms"],
+        **{k: timed[k] for k in ("sm_mhz", "power_w") if k in timed},
+        "quack_kernels": [
+            {"kernel": k["kernel"][:90], "calls": k["calls"], "us": k["us"]} for k in quack[:12]
+        ],
+    }
+
+
+def run() -> list[dict]:
+    import coda.transformers as ct
+    from coda.kernels import tuned
+
+    family, shape = SHAPES[SHAPE]
+    model = ct.apply_coda(build(family, shape, "cuda", torch.bfloat16))
+    ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
+    step = _step(model, ids)
+    rows = []
+    for name in selected("CODA_GEMM_KEYS", KEYS) or KEYS:
+        key = KEYS[name]
+        saved, now = tuned.TUNED.get(key), current(key)
+        try:
+            for cfg in candidates(key):
+                if out_of_time():
+                    return rows
+                tuned.TUNED[key] = cfg
+                rows.append(progress(_row(name, cfg, now, step)))
+        finally:
+            if saved is None:
+                tuned.TUNED.pop(key, None)
+            else:
+                tuned.TUNED[key] = saved
+    return rows
+
+
+class Suite:
+    """``SUITE`` as a ``gpu_suite.py`` entry."""
+
+    def run(self) -> list[dict]:
+        return run()
