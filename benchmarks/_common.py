@@ -7,6 +7,7 @@ process right next to the others. Rows are plain dicts; ``gpu_suite.py`` writes 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
@@ -15,6 +16,20 @@ import time
 import warnings
 
 import torch
+
+
+@contextlib.contextmanager
+def restored(table: dict, key):
+    """Within ``with``: ``table[key]`` may be set at will (a probe installing a tuned entry in
+    turn); on exit it is as before, absent if it was."""
+    had, before = key in table, table.get(key)
+    try:
+        yield
+    finally:
+        if had:
+            table[key] = before
+        else:
+            table.pop(key, None)
 
 
 def out_of_time() -> bool:

@@ -20,7 +20,15 @@ import dataclasses
 
 import torch
 
-from benchmarks._common import bench_long, clocked, kernel_table, out_of_time, progress, selected
+from benchmarks._common import (
+    bench_long,
+    clocked,
+    kernel_table,
+    out_of_time,
+    progress,
+    restored,
+    selected,
+)
 from benchmarks.bench_hf import BATCH, SEQ, SHAPES, _step, build
 
 SUITE = "gemm_in_step"
@@ -79,18 +87,13 @@ def run() -> list[dict]:
     rows = []
     for name in selected("CODA_GEMM_KEYS", KEYS) or KEYS:
         key = KEYS[name]
-        saved, now = tuned.TUNED.get(key), current(key)
-        try:
+        now = current(key)
+        with restored(tuned.TUNED, key):
             for cfg in candidates(key):
                 if out_of_time():
                     return rows
                 tuned.TUNED[key] = cfg
                 rows.append(progress(_row(name, cfg, now, step)))
-        finally:
-            if saved is None:
-                tuned.TUNED.pop(key, None)
-            else:
-                tuned.TUNED[key] = saved
     return rows
 
 

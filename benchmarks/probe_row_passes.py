@@ -17,7 +17,15 @@ import inspect
 
 import torch
 
-from benchmarks._common import bench, bench_long, kernel_table, out_of_time, progress, selected
+from benchmarks._common import (
+    bench,
+    bench_long,
+    kernel_table,
+    out_of_time,
+    progress,
+    restored,
+    selected,
+)
 from benchmarks.bench_hf import BATCH, SEQ, SHAPES, _step, build
 
 # suite -> (HF shape, the pass's function in row_passes, its TUNED name, its kernel's name
@@ -81,7 +89,7 @@ def run_pass(suite: str) -> list[dict]:
     named = {f"{r}x{w}": (r, w) for r, w in rpk.LAUNCH_SHAPES}  # CODA_ROW_PASS_SHAPES' names
     chosen = selected("CODA_ROW_PASS_SHAPES", named)
     rows = []
-    try:
+    with restored(rpk.TUNED, key):
         for launch in [named[n] for n in chosen] if chosen else rpk.LAUNCH_SHAPES:
             if out_of_time():
                 break
@@ -104,11 +112,6 @@ def run_pass(suite: str) -> list[dict]:
                     }
                 )
             )
-    finally:
-        if tuned is None:
-            rpk.TUNED.pop(key, None)
-        else:
-            rpk.TUNED[key] = tuned
     return rows
 
 

@@ -394,3 +394,14 @@ def test_the_gemm_probe_varies_only_the_swizzle_of_a_key_the_step_looks_up():
         assert now in got and len(set(got)) == len(probe.SWIZZLES)
         for cfg in got:
             assert dataclasses.replace(cfg, max_swizzle_size=now.max_swizzle_size) == now
+
+
+def test_a_probe_leaves_the_table_it_installs_into_as_it_found_it():
+    table = {"kept": 1}
+    with _common.restored(table, "kept"), _common.restored(table, "new"):
+        table["kept"], table["new"] = 2, 3
+    assert table == {"kept": 1}
+    with pytest.raises(RuntimeError), _common.restored(table, "kept"):
+        table["kept"] = 5
+        raise RuntimeError("a probe cut short")
+    assert table == {"kept": 1}
