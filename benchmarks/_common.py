@@ -18,6 +18,11 @@ import warnings
 import torch
 
 
+class Diagnostic:
+    """A ``gpu_suite.py`` entry run only when ``--only`` names it (a probe inside an HF step),
+    never by a run of every suite. Subclasses give ``run() -> list[dict]``."""
+
+
 @contextlib.contextmanager
 def restored(table: dict, key):
     """Within ``with``: ``table[key]`` may be set at will (a probe installing a tuned entry in

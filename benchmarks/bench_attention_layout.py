@@ -22,7 +22,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import bench, bench_long, clocked, kernel_table, out_of_time, progress
+from benchmarks._common import (
+    Diagnostic,
+    bench,
+    bench_long,
+    clocked,
+    kernel_table,
+    out_of_time,
+    progress,
+)
 
 SHAPES = {  # batch, seq, heads, kv heads, head_dim
     "llama-3.2-1B": (4, 4096, 32, 8, 64),
@@ -124,7 +132,6 @@ def _in_step(shape_name: str) -> list[dict]:
             F.scaled_dot_product_attention = handed  # HF's sdpa attention calls it by name
             kernels = kernel_table(step, steps=2, top=100_000)
             timed = clocked(bench_long)(step)
-            F.scaled_dot_product_attention = sdpa
 
             def per_call(part, kernels=kernels):
                 ks = [k for k in kernels if part in k["kernel"]]
@@ -150,7 +157,7 @@ def _in_step(shape_name: str) -> list[dict]:
     return rows
 
 
-class InStep:
+class InStep(Diagnostic):
     """``IN_STEP`` as a ``gpu_suite.py`` entry: both HF shapes."""
 
     def run(self) -> list[dict]:

@@ -199,14 +199,11 @@ def suite_list(args) -> list:
 
 def chosen(suites: list, only: str) -> list:
     """The suites ``--only`` names, in run order; without ``--only`` every suite but the
-    diagnostics (the probes inside an HF step, run only when named)."""
-    from benchmarks.bench_attention_layout import IN_STEP
-    from benchmarks.probe_gemm_in_step import SUITE
-    from benchmarks.probe_row_passes import PASSES
+    diagnostics (``_common.Diagnostic``: run only when named)."""
+    from benchmarks._common import Diagnostic
 
-    only_when_named = {*PASSES, IN_STEP, SUITE}
     named = only.split(",")
-    return [(n, m) for n, m in suites if n in named or (not only and n not in only_when_named)]
+    return [(n, m) for n, m in suites if n in named or (not only and not isinstance(m, Diagnostic))]
 
 
 def main():

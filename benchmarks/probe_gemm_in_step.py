@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from benchmarks._common import (
+    Diagnostic,
     bench_long,
     clocked,
     kernel_table,
@@ -97,7 +98,7 @@ def run() -> list[dict]:
     return rows
 
 
-class Suite:
+class Suite(Diagnostic):
     """``SUITE`` as a ``gpu_suite.py`` entry."""
 
     def run(self) -> list[dict]:

@@ -18,6 +18,7 @@ import inspect
 import torch
 
 from benchmarks._common import (
+    Diagnostic,
     bench,
     bench_long,
     kernel_table,
@@ -115,7 +116,7 @@ def run_pass(suite: str) -> list[dict]:
     return rows
 
 
-class Suite:
+class Suite(Diagnostic):
     """One pass of ``PASSES`` as a ``gpu_suite.py`` entry."""
 
     def __init__(self, suite: str):

@@ -26,6 +26,11 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 
 
 # -- tensors -----------------------------------------------------------------------------------
+def is_integer(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds integers (bool is not: as token positions it would read as 0, 1)."""
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
 def check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise CodaInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")

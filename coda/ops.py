@@ -331,7 +331,7 @@ def gemm_rope(
         if head_dim % 2:
             raise v.CodaInputError(f"head_dim must be even, got {head_dim}")
         v.check_vector("positions", positions, ("x.shape[0]", M))
-        if positions.is_complex() or positions.dtype == torch.bool:
+        if not (positions.is_floating_point() or v.is_integer(positions)):
             raise v.CodaInputError(f"positions: must be integer or float, got {positions.dtype}")
         _check_rstd(rstd, x)
         if (q_norm is None) != (k_norm is None):

@@ -216,9 +216,7 @@ class DecoderLayer(FormerNames, nn.Module):
             return default_positions(B, S, device)
         v.check_tensor("positions", positions)
         n = positions.numel()
-        integer = not (positions.is_floating_point() or positions.is_complex())
-        integer = integer and positions.dtype != torch.bool  # bool would read as positions 0, 1
-        if not integer or positions.shape[-1] != S or n not in (S, B * S):
+        if not v.is_integer(positions) or positions.shape[-1] != S or n not in (S, B * S):
             raise v.CodaInputError(
                 f"positions: expected integer (batch, seq) = ({B}, {S}) or (seq,), got "
                 f"{positions.dtype} {tuple(positions.shape)}"
