@@ -366,7 +366,14 @@ def test_a_run_of_every_suite_leaves_the_diagnostics_out():
     assert gpu_suite.chosen(suites, "none") == []
     every = gpu_suite.suite_list(SimpleNamespace(tune=False, out="."))
     diagnostics = {name for name, m in every if isinstance(m, _common.Diagnostic)}
-    assert diagnostics == {"qk_norm_pass", "drope_pass", "attention_in_step", "gemm_in_step"}
+    assert diagnostics == {
+        "qk_norm_pass",
+        "drope_pass",
+        "attention_in_step",
+        "gemm_in_step",
+        "ncu_qk_norm",
+        "ncu_traffic",
+    }
 
 
 def test_the_gemm_probe_varies_only_the_swizzle_of_a_key_the_step_looks_up():
@@ -406,3 +413,44 @@ def test_a_probe_leaves_the_table_it_installs_into_as_it_found_it():
         table["kept"] = 5
         raise RuntimeError("a probe cut short")
     assert table == {"kept": 1}
+
+
+def test_the_ncu_probe_reads_its_csv_pages():
+    """ncu's CSV as the probe reads it: its ``==PROF==`` notes and the raw page's units row
+    dropped, each kernel's calls and metrics summed (bytes and ns: ``--print-units base``),
+    the total first; the details page as (section, metric, unit, value) rows."""
+    from benchmarks import probe_ncu
+
+    metrics = probe_ncu.TRAFFIC_METRICS
+    head = ["ID", "Kernel Name", *metrics]
+    raw = "\n".join(
+        [
+            "==PROF== Connected to process 1",
+            ",".join(f'"{h}"' for h in head),
+            ",".join(['""', '""', '"ns"', '"byte"', '"byte"', '"byte"']),
+            '"0","gemm","1000","2,000,000","1000000","5000000"',
+            '"1","norm","500","100","50","200"',
+            '"2","gemm","3000","4000000","0","1000000"',
+            "==PROF== Disconnected from process 1",
+        ]
+    )
+    rows = probe_ncu.traffic_rows(probe_ncu.parse_csv(raw), "coda")
+    total, first, second = rows
+    assert (first["kernel"], first["calls"], first["us"]) == ("gemm", 2, 4.0)
+    assert (first["dram_read_mb"], first["dram_write_mb"], first["l2_mb"]) == (6.0, 1.0, 6.0)
+    assert second["kernel"] == "norm" and second["dram_read_mb"] == 1e-4
+    assert total["kernel"] == "total" and total["calls"] == 3 and total["us"] == 4.5
+    details = "\n".join(
+        [
+            '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"',
+            '"0","_dqk_norm_kernel","Occupancy","Achieved Occupancy","%","41.5"',
+            '"0","_dqk_norm_kernel","WarpStateStats","","",""',
+        ]
+    )
+    (only,) = probe_ncu.details_rows(probe_ncu.parse_csv(details))
+    assert (only["section"], only["metric"], only["value"]) == (
+        "Occupancy",
+        "Achieved Occupancy",
+        41.5,
+    )
+    assert probe_ncu.parse_csv("==PROF== nothing profiled") == []
