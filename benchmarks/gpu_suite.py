@@ -146,6 +146,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_TUNE_WIDE",
     "CODA_ROW_PASS_SHAPES",
     "CODA_GEMM_KEYS",
+    "CODA_GEMM_VARY",
 )
 
 

@@ -11,12 +11,13 @@ times it: the quack kernels' milliseconds per step (only the installed key's ker
 move), the step's milliseconds, and the GPU clock and power over the timed step.
 
 A ``gpu_suite.py`` suite run only when named (``--only gemm_in_step``); ``CODA_GEMM_KEYS``
-("swiglu,dswiglu") picks among ``KEYS``.
+("swiglu,dswiglu") picks among ``KEYS``, ``CODA_GEMM_VARY`` ("swizzle" or "tile") what varies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -31,6 +32,7 @@ from benchmarks._common import (
     selected,
 )
 from benchmarks.bench_hf import BATCH, SEQ, SHAPES, _step, build
+from coda.kernels.config import GemmConfig
 
 SUITE = "gemm_in_step"
 SHAPE = "llama-3.2-1B"
@@ -44,6 +46,16 @@ KEYS = {
     "wgrad": ("wgrad", 16384, 16384),  # gate/up weight gradient (B7)
 }
 SWIZZLES = (1, 2, 4, 8)
+# cooperative tiles cuBLAS runs in the same step (Liger's rows, run 109's ncu table), each
+# wider per warpgroup instruction than the ping-pong 128 x 192 (fewer shared-memory bytes per
+# multiply-add); a tile a key's epilogue cannot take is recorded with quack's error
+TILES = (
+    GemmConfig(128, 256, 2, 1, False),
+    GemmConfig(128, 256, 1, 2, False),
+    GemmConfig(256, 128, 2, 1, False),
+    GemmConfig(256, 192, 2, 1, False),
+)
+VARIED = ("swizzle", "tile")  # CODA_GEMM_VARY: what ``candidates`` varies (default: tile)
 
 
 def current(key):
@@ -54,9 +66,14 @@ def current(key):
     return config_for(kernel, BATCH * SEQ, k, n)
 
 
-def candidates(key) -> list:
-    """The key's current config at each raster swizzle of ``SWIZZLES`` (its own among them)."""
-    return [dataclasses.replace(current(key), max_swizzle_size=s) for s in SWIZZLES]
+def candidates(key, vary: str = "tile") -> list:
+    """The key's current config first, then: at each raster swizzle of ``SWIZZLES``
+    (``vary="swizzle"``; run 109: none won), or each tile of ``TILES`` not already current."""
+    now = current(key)
+    if vary == "swizzle":
+        others = [s for s in SWIZZLES if s != now.max_swizzle_size]
+        return [now] + [dataclasses.replace(now, max_swizzle_size=s) for s in others]
+    return [now] + [t for t in TILES if t != now]
 
 
 def _row(name, cfg, now, step) -> dict:
@@ -86,15 +103,27 @@ def run() -> list[dict]:
     ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
     step = _step(model, ids)
     rows = []
+    vary = os.environ.get("CODA_GEMM_VARY", "tile")
+    if vary not in VARIED:
+        raise ValueError(f"CODA_GEMM_VARY: one of {VARIED}, got {vary!r}")
     for name in selected("CODA_GEMM_KEYS", KEYS) or KEYS:
         key = KEYS[name]
         now = current(key)
         with restored(tuned.TUNED, key):
-            for cfg in candidates(key):
+            for cfg in candidates(key, vary):
                 if out_of_time():
                     return rows
                 tuned.TUNED[key] = cfg
-                rows.append(progress(_row(name, cfg, now, step)))
+                try:
+                    rows.append(progress(_row(name, cfg, now, step)))
+                except Exception as e:  # a tile this epilogue cannot take
+                    rows.append(
+                        {
+                            "name": f"{SUITE}/{SHAPE}/{name}",
+                            "config": dataclasses.asdict(cfg),
+                            "error": repr(e)[:300],
+                        }
+                    )
     return rows
 
 

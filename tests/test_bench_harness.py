@@ -376,10 +376,11 @@ def test_a_run_of_every_suite_leaves_the_diagnostics_out():
     }
 
 
-def test_the_gemm_probe_varies_only_the_swizzle_of_a_key_the_step_looks_up():
+def test_the_gemm_probe_varies_one_thing_of_a_key_the_step_looks_up():
     """Each key of ``probe_gemm_in_step.KEYS`` is a GEMM the Llama-1B layer runs (a
-    ``config_for`` kernel at the 1B shape's K and N), and its candidates are its current config
-    at each swizzle: the probe's rows differ from today's step in that one field."""
+    ``config_for`` kernel at the 1B shape's K and N), and its candidates start with its
+    current config: then that config at each other swizzle (the probe's rows differ from
+    today's step in that one field), or each other tile of ``TILES``."""
     import dataclasses
 
     from benchmarks import probe_gemm_in_step as probe
@@ -398,10 +399,12 @@ def test_the_gemm_probe_varies_only_the_swizzle_of_a_key_the_step_looks_up():
     for kernel, k, n in probe.KEYS.values():
         assert kernel in tuned.KERNELS and layer_gemms[kernel] == (k, n), (kernel, k, n)
         now = probe.current((kernel, k, n))
-        got = probe.candidates((kernel, k, n))
-        assert now in got and len(set(got)) == len(probe.SWIZZLES)
+        got = probe.candidates((kernel, k, n), "swizzle")
+        assert got[0] == now and len(set(got)) == len(probe.SWIZZLES)
         for cfg in got:
             assert dataclasses.replace(cfg, max_swizzle_size=now.max_swizzle_size) == now
+        tiles = probe.candidates((kernel, k, n), "tile")
+        assert tiles[0] == now and set(tiles[1:]) == set(probe.TILES) - {now}
 
 
 def test_a_probe_leaves_the_table_it_installs_into_as_it_found_it():
