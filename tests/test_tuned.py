@@ -60,10 +60,11 @@ def test_every_kernel_has_a_compile_and_every_key_names_one():
 
 
 def test_lookups_are_keyed_by_kernel():
-    # K = 8192, N = 2048: the d = 1024 demo's QKV wgrad (tuned) and the 1B layer's down
-    # projection (swept in run 20: the default won) meet at one (K, N)
+    # K = 8192, N = 2048: the d = 1024 demo's QKV wgrad and the 1B layer's down projection
+    # (run 111) meet at one (K, N), each with its own tile
     assert tuned.config_for("wgrad", 8192, 8192, 2048) == GemmConfig(128, 128, 2, 1, True)
-    assert tuned.config_for("residual", 16384, 8192, 2048) == DEFAULT
+    assert tuned.config_for("residual", 16384, 8192, 2048) == GemmConfig(128, 256, 1, 2, False)
+    assert tuned.config_for("norm_bwd", 16384, 8192, 2048) == DEFAULT
     # a kernel with its own default takes it where no entry exists, others quack's
     assert tuned.config_for("dswiglu", 16384, 2048, 5632) == tuned.DSWIGLU != DEFAULT
     assert tuned.config_for("swiglu", 16384, 24, 40) == DEFAULT
@@ -86,3 +87,45 @@ def test_a_raster_swizzle_other_than_quacks_default_compiles():
 
     config = dataclasses.replace(DEFAULT, max_swizzle_size=1)
     assert COMPILE["dswiglu"](config) in (0, 1)
+
+
+# -- level 3: each tuned tile of the residual and gamma-row wgrad kernels at its own (K, N) -------
+ON_GPU = sorted(k for k in tuned.TUNED if k[0] in ("residual", "wgrad"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", ON_GPU, ids=[f"{k}-{K}x{N}" for k, K, N in ON_GPU])
+def test_gpu_each_tuned_residual_and_wgrad_tile(key):
+    """H200: the tile ``config_for`` hands out at ``key`` (as the layer step runs it) is
+    right at that key's K and N (a few rows; a wgrad's K, the token count, cut to 2048): each
+    output's error vs fp32 no worse than the PyTorch bf16 path's (CODA's protocol)."""
+    import torch
+    from conftest import fro_err
+
+    import coda
+    from coda.reference import rmsnorm as rn_ref
+
+    kernel, K, N = key
+    g = torch.Generator(device="cuda").manual_seed(K + N)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * scale
+
+    def no_worse(name, got, ref, peer):
+        e_k, e_t = fro_err(got, ref), fro_err(peer, ref)
+        assert torch.isfinite(got).all() and e_k <= e_t, f"{key} {name}: {e_k:.3e} vs {e_t:.3e}"
+
+    if kernel == "residual":
+        x, w, res, gamma = rand(640, K), rand(K, N, scale=K**-0.5), rand(640, N), rand(N)
+        out = coda.gemm_residual_rms(x, w, res, gamma, backend="kernel")
+        h, a, r = rn_ref.gemm_residual_rms_ref(x, w, res, gamma)
+        h_t, a_t, r_t = rn_ref.gemm_residual_rms_torch(x, w, res, gamma)
+        no_worse("h", out.h, h, h_t)
+        no_worse("normed", out.normed, a, a_t)
+        no_worse("rstd", out.rstd, r, r_t)
+    else:
+        tokens, d = min(K, 2048), 384
+        h, dz, gamma = rand(tokens, d), rand(tokens, N, scale=tokens**-0.5), rand(d)
+        got = wgrad.wgrad_gamma_rows(h, dz, gamma)
+        ref = rn_ref.wgrad_gamma_rows_ref(h.double(), dz.double(), gamma.double())
+        no_worse("dW", got, ref, rn_ref.wgrad_gamma_rows_ref(h, dz, gamma))
