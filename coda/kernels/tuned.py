@@ -58,7 +58,8 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
     # the Llama-3.2-1B-shaped layer (d = 2048, 32/8 heads of 64, f = 8192; run 20: each winner
     # 1-3 % under the default config; the gate/up norm-backward keeps the default). Two tiles
     # chosen inside the patched HF step at the power cap (run 111, benchmarks/
-    # probe_gemm_in_step.py), where they ran 3 % faster per call than the alone sweep's pick:
+    # probe_gemm_in_step.py): 3 % faster per call than the alone sweep's pick in that run, at
+    # the edge of run-to-run spread (the old tiles read 786 and 1600 us in run 110)
     ("residual", 8192, 2048): GemmConfig(128, 256, 1, 2, _COOP),  # down proj: 785 vs 809 us
     ("wgrad", 16384, 16384): GemmConfig(128, 256, 2, 1, _COOP),  # gate/up: 1561 vs 1613 us
     ("rope", 2048, 3072): GemmConfig(128, 192, 1, 2, _PP),
