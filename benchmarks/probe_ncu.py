@@ -2,8 +2,9 @@
 
 Two questions the step's timings cannot answer (NOTES.md, session 24):
 - ``ncu_qk_norm``: what bounds Qwen3's one-warp QK-norm backward pass (~180 us per call in the
-  step against ~84 us of traffic at 4.8 TB/s)? Its full Nsight Compute report (every section:
-  throughput, memory workload, occupancy, warp stall reasons) for the first call of a step.
+  step against ~84 us of traffic at 4.8 TB/s)? Its full Nsight Compute report (each
+  section's summary: throughput, memory workload, occupancy, scheduler and warp-state
+  statistics, launch shape and registers) for the first call of a step.
 - ``ncu_traffic``: the steps run at the H200's power cap, where a step's time follows its
   energy; which kernels move the bytes? DRAM bytes read and written, L2 bytes and time of
   every kernel of one step of a 2-layer Llama-3.2-1B-shaped model (each layer's kernels are
@@ -171,7 +172,8 @@ def profile(suite: str, timeout_s: float = 240) -> list[dict]:
         return [
             {"name": suite, "error": f"no ncu rows (rc {rc})", "tail": (stdout + stderr)[-2000:]}
         ]
-    made = details_rows(rows) if "--set" in opts else traffic_rows(rows, child[3])
+    peer = child[child.index("--peer") + 1]
+    made = details_rows(rows) if "--set" in opts else traffic_rows(rows, peer)
     for r in made:
         r["ncu_version"] = version[-1] if version else "?"
     return made
