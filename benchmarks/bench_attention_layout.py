@@ -115,10 +115,7 @@ def _in_step(shape_name: str) -> list[dict]:
     import coda.transformers as ct
     from benchmarks import bench_hf
 
-    family, shape = bench_hf.SHAPES[shape_name]
-    model = ct.apply_coda(bench_hf.build(family, shape, "cuda", torch.bfloat16))
-    ids = torch.randint(0, shape["vocab_size"], (bench_hf.BATCH, bench_hf.SEQ), device="cuda")
-    step = bench_hf._step(model, ids)
+    step = bench_hf.training_step(shape_name, ct.apply_coda)
     sdpa = F.scaled_dot_product_attention
     rows = []
     try:

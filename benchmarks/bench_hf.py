@@ -169,6 +169,21 @@ def _step(model, ids, **call):
     return step
 
 
+def training_step(shape_name: str, patch=None, layers: int | None = None, **call):
+    """One training step (``_step``) of the bf16 HF model of ``SHAPES[shape_name]`` on the GPU
+    at BATCH x SEQ random tokens, built by ``build`` and patched in place by ``patch`` (e.g.
+    ``coda.transformers.apply_coda``); ``layers`` overrides the depth; ``call``: the model
+    call's keywords. What the probes time and profile."""
+    family, shape = SHAPES[shape_name]
+    if layers is not None:
+        shape = {**shape, "num_hidden_layers": layers}
+    model = build(family, shape, "cuda", torch.bfloat16)
+    if patch is not None:
+        model = patch(model)
+    ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
+    return _step(model, ids, **call)
+
+
 def step_peak(step, model, steps: int = 4) -> float:
     """Peak GiB of ``steps`` runs of ``step`` (the first ones compile) as if ``model`` were
     alone on the GPU (``PeakAlone``: the variants kept for interleaved timing not counted)."""

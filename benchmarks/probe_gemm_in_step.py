@@ -3,9 +3,8 @@
 ``tuned.TUNED`` was chosen by ``tune_configs.py`` timing each GEMM alone, on an idle GPU near
 boost clock. The patched HF steps run at the H200's power cap (~690 W; NOTES.md, session 24),
 where a kernel's time follows the clock the whole step settles at, so a config that moves
-fewer bytes (the raster swizzle's L2 reuse) can win in the step though it ties alone.
-``max_swizzle_size`` (the width of quack's tile raster groups) has never been swept (8, quack's
-default, everywhere). For each GEMM key of ``KEYS`` this installs each candidate of
+fewer bytes (the raster swizzle's L2 reuse, a wider tile's fewer shared-memory reads) can win
+in the step though it ties alone. For each GEMM key of ``KEYS`` this installs each candidate of
 ``candidates`` in ``TUNED`` (restored after), profiles the patched Llama-3.2-1B step and
 times it: the quack kernels' milliseconds per step (only the installed key's kernels should
 move), the step's milliseconds, and the GPU clock and power over the timed step.
@@ -19,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import torch
-
 from benchmarks._common import (
     Diagnostic,
     bench_long,
@@ -31,7 +28,7 @@ from benchmarks._common import (
     restored,
     selected,
 )
-from benchmarks.bench_hf import BATCH, SEQ, SHAPES, _step, build
+from benchmarks.bench_hf import BATCH, SEQ, training_step
 from coda.kernels.config import GemmConfig
 
 SUITE = "gemm_in_step"
@@ -69,7 +66,7 @@ def current(key):
 
 def candidates(key, vary: str = "tile") -> list:
     """The key's current config first, then: at each raster swizzle of ``SWIZZLES``
-    (``vary="swizzle"``; run 109: none won), or each tile of ``TILES`` not already current."""
+    (``vary="swizzle"``; run 110: none won), or each tile of ``TILES`` not already current."""
     now = current(key)
     if vary == "swizzle":
         others = [s for s in SWIZZLES if s != now.max_swizzle_size]
@@ -99,14 +96,11 @@ def run() -> list[dict]:
     import coda.transformers as ct
     from coda.kernels import tuned
 
-    family, shape = SHAPES[SHAPE]
-    model = ct.apply_coda(build(family, shape, "cuda", torch.bfloat16))
-    ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
-    step = _step(model, ids)
-    rows = []
     vary = os.environ.get("CODA_GEMM_VARY", "tile")
-    if vary not in VARIED:
+    if vary not in VARIED:  # before the model is built
         raise ValueError(f"CODA_GEMM_VARY: one of {VARIED}, got {vary!r}")
+    step = training_step(SHAPE, ct.apply_coda)
+    rows = []
     for name in selected("CODA_GEMM_KEYS", KEYS) or KEYS:
         key = KEYS[name]
         now = current(key)

@@ -39,19 +39,19 @@ TRAFFIC_METRICS = (
     "dram__bytes_write.sum",
     "lts__t_bytes.sum",
 )
+TRAFFIC = ["--metrics", ",".join(TRAFFIC_METRICS), "--page", "raw"]
 CHILDREN = {  # suite -> the child's arguments and ncu's
     "ncu_qk_norm": (
         ["--shape", "qwen3-0.6B", "--peer", "coda", "--layers", "2"],
         ["--set", "full", "-k", "regex:_dqk_norm_kernel", "-c", "1", "--page", "details"],
     ),
-    "ncu_traffic_coda": (
-        ["--shape", "llama-3.2-1B", "--peer", "coda", "--layers", "2"],
-        ["--metrics", ",".join(TRAFFIC_METRICS), "--page", "raw"],
-    ),
-    "ncu_traffic_liger": (
-        ["--shape", "llama-3.2-1B", "--peer", "liger", "--layers", "2"],
-        ["--metrics", ",".join(TRAFFIC_METRICS), "--page", "raw"],
-    ),
+    **{
+        f"ncu_traffic_{peer}": (
+            ["--shape", "llama-3.2-1B", "--peer", peer, "--layers", "2"],
+            TRAFFIC,
+        )
+        for peer in ("coda", "liger")
+    },
 }
 
 
@@ -177,27 +177,20 @@ def profile(suite: str, timeout_s: float = 240) -> list[dict]:
 
 def child(argv) -> None:
     """Build the model, warm two steps, profile the third (``cudaProfilerStart/Stop``)."""
-    from benchmarks.bench_hf import BATCH, SEQ, SHAPES, LigerSwitch, _step, build
+    from benchmarks.bench_hf import SHAPES, LigerSwitch, training_step
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", required=True)
     ap.add_argument("--peer", choices=("coda", "liger"), required=True)
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args(argv)
-    family, shape = SHAPES[args.shape]
-    model = build(family, {**shape, "num_hidden_layers": args.layers}, "cuda", torch.bfloat16)
     if args.peer == "coda":
         import coda.transformers as ct
 
-        model, call = ct.apply_coda(model), {}
-    else:
-        # the patch's process-wide rebinds are undone by ``patch`` and put back by ``wrap``
-        switch = LigerSwitch.of(family)
-        model, call = switch.patch(model), {"use_cache": False}
-    ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
-    step = _step(model, ids, **call)
-    if args.peer == "liger":
-        step = switch.wrap(step)
+        step = training_step(args.shape, ct.apply_coda, args.layers)
+    else:  # the patch's process-wide rebinds are undone by ``patch``, put back by ``wrap``
+        switch = LigerSwitch.of(SHAPES[args.shape][0])
+        step = switch.wrap(training_step(args.shape, switch.patch, args.layers, use_cache=False))
     for _ in range(2):
         step()
     torch.cuda.synchronize()

@@ -27,7 +27,7 @@ from benchmarks._common import (
     restored,
     selected,
 )
-from benchmarks.bench_hf import BATCH, SEQ, SHAPES, _step, build
+from benchmarks.bench_hf import training_step
 
 # suite -> (HF shape, the pass's function in row_passes, its TUNED name, its kernel's name
 # in a profile)
@@ -75,10 +75,7 @@ def run_pass(suite: str) -> list[dict]:
     from coda.kernels import row_passes as rpk
 
     shape_name, fn_name, tuned_name, kernel_name = PASSES[suite]
-    family, shape = SHAPES[shape_name]
-    model = ct.apply_coda(build(family, shape, "cuda", torch.bfloat16))
-    ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
-    step = _step(model, ids)
+    step = training_step(shape_name, ct.apply_coda)
     with _Recorded(rpk, fn_name) as rec:
         step()
     args, kw = rec.args
