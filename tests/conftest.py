@@ -106,6 +106,14 @@ def fro_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).norm() / ref.norm().clamp(min=1e-300))
 
 
+def assert_no_worse(name: str, got, ref, peer) -> None:
+    """CODA's protocol for one output: finite, and its error vs ``ref`` (fp32 or float64) no
+    worse than ``peer``'s (the plain PyTorch bf16 path's)."""
+    e_k, e_t = fro_err(got, ref), fro_err(peer, ref)
+    assert torch.isfinite(got).all(), name
+    assert e_k <= e_t, f"{name}: coda {e_k:.3e} vs torch bf16 {e_t:.3e}"
+
+
 def random_dims(seed: int, **ranges) -> dict:
     """One random instantiation of named dimensions, each drawn from [lo, hi]."""
     g = torch.Generator().manual_seed(seed)

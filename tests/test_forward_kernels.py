@@ -7,7 +7,7 @@ sm_90a; level 3 (``gpu``) checks CODA's error protocol and one compile for many 
 
 import pytest
 import torch
-from conftest import fro_err, random_dims, rel_err
+from conftest import assert_no_worse, fro_err, random_dims, rel_err
 
 import coda
 from coda import layouts
@@ -351,20 +351,14 @@ def _gpu_inputs(M, K, N, seed):
     return g, x, w, r
 
 
-def _no_worse(name, got, ref, peer):
-    e_k, e_t = fro_err(got, ref), fro_err(peer, ref)
-    assert torch.isfinite(got).all(), name
-    assert e_k <= e_t, f"{name}: coda {e_k:.3e} vs torch bf16 {e_t:.3e}"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,K,f", [(4096, 2048, 5632), (1000, 512, 1000)])
 def test_gpu_swiglu(M, K, f):
     g, x, w, r = _gpu_inputs(M, K, 2 * f, M + f)
     out = coda.gemm_swiglu(x, w, r, save_preact=True, backend="kernel")
     s_ref, u_ref = sw_ref.gemm_swiglu_ref(x, w, r)
-    _no_worse("s", out.s, s_ref, sw_ref.gemm_swiglu_torch(x, w, r))
-    _no_worse("preact", out.preact, u_ref, x @ w)
+    assert_no_worse("s", out.s, s_ref, sw_ref.gemm_swiglu_torch(x, w, r))
+    assert_no_worse("preact", out.preact, u_ref, x @ w)
 
 
 @pytest.mark.gpu
@@ -389,7 +383,7 @@ def test_gpu_qk_norm_rope(M, K, H, Hkv, hd):
 
     qk = torch.cat([normed(z[:, :nq], H, qn), normed(z[:, nq : nq + nk], Hkv, kn)], 1)
     peer = torch.cat([rope_ref.rope_adjacent_ref(qk, cs.bfloat16()).flatten(1), z[:, nq + nk :]], 1)
-    _no_worse("qkv", got, want, peer)
+    assert_no_worse("qkv", got, want, peer)
 
 
 @pytest.mark.gpu
@@ -442,7 +436,7 @@ def test_gpu_rope(M, K, H, Hkv):
     )
     cs = rope_ref.rope_table(pos.cpu(), hd).cuda()
     want = rope_ref.gemm_rope_ref(x, w, r, cs, H, Hkv, hd)
-    _no_worse("qkv", got, want, rope_ref.gemm_rope_torch(x, w, r, pos.cpu(), H, Hkv, hd))
+    assert_no_worse("qkv", got, want, rope_ref.gemm_rope_torch(x, w, r, pos.cpu(), H, Hkv, hd))
     nv = Hkv * hd
     assert (
         torch.equal(got[:, -nv:], (r[:, None] * (x.float() @ w.float()))[:, -nv:].bfloat16())
@@ -462,7 +456,7 @@ def test_gpu_linear_cross_entropy(M, K, V):
         want = ce_ref.linear_cross_entropy_ref(x, w, r, t, reduction=reduction)
         peer = ce_ref.linear_cross_entropy_torch(x, w, r, t, reduction=reduction)
         if reduction == "none":
-            _no_worse("loss_rows", got, want, peer)
+            assert_no_worse("loss_rows", got, want, peer)
         else:
             assert abs(got - want) <= abs(peer - want) + 1e-6
 
@@ -478,7 +472,7 @@ def test_gpu_rmsnorm_gemm_block(M, K, d, N2):
     ref = rn_ref.gemm_rmsnorm_gemm_ref(x, w1, res, gamma, w2)
     peer = rn_ref.gemm_rmsnorm_gemm_torch(x, w1, res, gamma, w2)
     for name, a, b, c in zip(("h", "z", "rstd"), out, ref, peer):
-        _no_worse(name, a, b, c)
+        assert_no_worse(name, a, b, c)
 
 
 @pytest.mark.gpu
