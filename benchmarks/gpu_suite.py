@@ -147,6 +147,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_ROW_PASS_SHAPES",
     "CODA_GEMM_KEYS",
     "CODA_GEMM_VARY",
+    "CODA_ORIGIN_KERNELS",
 )
 
 
@@ -165,6 +166,7 @@ def suite_list(args) -> list:
         bench_numerics,
         bench_train,
         probe_gemm_in_step,
+        probe_kernel_origin,
         probe_ncu,
         probe_row_passes,
         tune_configs,
@@ -192,11 +194,12 @@ def suite_list(args) -> list:
             Demo(["demos/train.py", "--graph", "--png", os.path.join(args.out, "train_graph.png")]),
         ),
         # diagnostics, run only when named: the row-pass probes, attention and GEMM configs
-        # inside the step, hardware counters (ncu) on the step's kernels
+        # inside the step, hardware counters (ncu) on the step's kernels, who launches a kernel
         *[(name, probe_row_passes.Suite(name)) for name in probe_row_passes.PASSES],
         (bench_attention_layout.IN_STEP, bench_attention_layout.InStep()),
         (probe_gemm_in_step.SUITE, probe_gemm_in_step.Suite()),
         *[(name, probe_ncu.Suite(name)) for name in probe_ncu.SUITES],
+        (probe_kernel_origin.SUITE, probe_kernel_origin.Suite()),
     ]
 
 

@@ -373,6 +373,7 @@ def test_a_run_of_every_suite_leaves_the_diagnostics_out():
         "gemm_in_step",
         "ncu_qk_norm",
         "ncu_traffic",
+        "kernel_origin",
     }
 
 
@@ -458,3 +459,27 @@ def test_the_ncu_probe_reads_its_csv_pages():
         41.5,
     )
     assert probe_ncu.parse_csv("==PROF== nothing profiled") == []
+
+
+def test_the_origin_probe_names_each_matching_kernels_callers():
+    """``probe_kernel_origin.origins``: kernels matched by name and summed per (op, shapes,
+    callers), torch's own Python frames left out of the callers, largest first."""
+    from benchmarks import probe_kernel_origin as pko
+
+    def event(name, parent=None, kernels=(), shapes=()):
+        kernels = [SimpleNamespace(name=k, duration=us) for k, us in kernels]
+        return SimpleNamespace(name=name, cpu_parent=parent, kernels=kernels, input_shapes=shapes)
+
+    frame = event("coda/transformers.py(418): forward")
+    inner = event("site-packages/torch/autograd/graph.py(966): _engine_run_backward", frame)
+    node = event("SliceBackward0", inner)
+    zeros = event("aten::zeros", node)
+    fills = [event("aten::fill_", zeros, [("FillFunctor<bf16>", 24.0)], [[8, 4]]) for _ in "ab"]
+    gemm = event("aten::mm", frame, [("sm90_gemm", 500.0)])
+    other = event("aten::zero_", frame, [("zero_kernel", 5.0)], [[2]])
+    rows = pko.origins([frame, inner, node, zeros, *fills, gemm, other], "fill|zero", steps=2)
+    assert [r["op"] for r in rows] == ["aten::fill_", "aten::zero_"]
+    first = rows[0]
+    assert (first["launches"], first["us"], first["kernels"]) == (1.0, 24.0, ["FillFunctor<bf16>"])
+    assert first["callers"] == ["aten::zeros", "SliceBackward0", frame.name]
+    assert rows[1]["callers"] == [frame.name]

@@ -1,0 +1,104 @@
+"""Probe: which code launches a kernel of the patched HF step.
+
+A kernel table names kernels, not their callers: run 112's table of coda's Llama-1B step held
+21 bf16 fill kernels (0.50 ms) whose origin no table could say (benchmarks/NOTES.md, session
+25). This profiles one step of the patched Llama-3.2-1B HF model with the CPU side and Python
+frames recorded, and for every kernel whose name matches ``CODA_ORIGIN_KERNELS`` (a regular
+expression; default: fills and zeroing) reports the chain of operators and Python frames
+that launched it (innermost first, torch's own Python frames left out), with its launches,
+microseconds per step and input shapes, largest first.
+
+A ``gpu_suite.py`` suite run only when named (``--only kernel_origin``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+
+from benchmarks._common import Diagnostic, progress
+
+SUITE = "kernel_origin"
+SHAPE = "llama-3.2-1B"
+DEFAULT_PATTERN = r"fill|zero"  # CODA_ORIGIN_KERNELS
+DEPTH = 10  # callers kept per chain
+
+
+def caller_chain(event, depth: int = DEPTH) -> tuple:
+    """Names of ``event``'s enclosing operators and Python frames, innermost first, without
+    torch's own Python frames (whose file paths name the machine's install)."""
+    chain, up = [], event.cpu_parent
+    while up is not None and len(chain) < depth:
+        name = up.name
+        if "torch/" not in name or "(" not in name:  # keep ops and non-torch frames
+            chain.append(re.sub(r"^.*?site-packages/", "", name))
+        up = up.cpu_parent
+    return tuple(chain)
+
+
+def origins(events, pattern: str, steps: int = 1) -> list[dict]:
+    """Per (launching op, input shapes, callers): launches and device microseconds per step of
+    the kernels matching ``pattern`` (any case), from profiler ``events`` (``FunctionEvent``
+    with their ``kernels``), largest first."""
+    match = re.compile(pattern, re.IGNORECASE)
+    table: dict = defaultdict(lambda: {"launches": 0, "us": 0.0, "kernels": set()})
+    for e in events:
+        hits = [k for k in getattr(e, "kernels", ()) if match.search(k.name)]
+        if not hits:
+            continue
+        key = (e.name, str(e.input_shapes)[:120], caller_chain(e))
+        row = table[key]
+        row["launches"] += len(hits)
+        row["us"] += sum(k.duration for k in hits)
+        row["kernels"].update(k.name[:80] for k in hits)
+    rows = [
+        {
+            "op": op,
+            "shapes": shapes,
+            "callers": list(chain),
+            "launches": r["launches"] / steps,
+            "us": r["us"] / steps,
+            "kernels": sorted(r["kernels"]),
+        }
+        for (op, shapes, chain), r in table.items()
+    ]
+    rows.sort(key=lambda r: -r["us"])
+    return rows
+
+
+def run() -> list[dict]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import coda.transformers as ct
+    from benchmarks.bench_hf import training_step
+
+    pattern = os.environ.get("CODA_ORIGIN_KERNELS", DEFAULT_PATTERN)
+    step = training_step(SHAPE, ct.apply_coda)
+    for _ in range(2):  # compile, warm the allocator
+        step()
+    torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities, record_shapes=True, with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = origins(prof.events(), pattern)
+    return [
+        progress(
+            {
+                "name": f"{SUITE}/{SHAPE}",
+                "pattern": pattern,
+                "launches": sum(r["launches"] for r in rows),
+                "us": sum(r["us"] for r in rows),
+                "origins": rows[:40],
+            }
+        )
+    ]
+
+
+class Suite(Diagnostic):
+    """``SUITE`` as a ``gpu_suite.py`` entry."""
+
+    def run(self) -> list[dict]:
+        return run()
