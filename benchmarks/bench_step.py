@@ -269,23 +269,27 @@ def _model_flops(cfg, tokens) -> float:
     return 6 * params * tokens + 3 * attn
 
 
+# the model suite's shapes (``CODA_MODEL_SHAPES`` picks): Llama-3.2-1B and the demo's d=1024
+MODEL_SHAPES = {
+    "llama-1B": dict(
+        vocab=128256,
+        d=2048,
+        layers=16,
+        heads=32,
+        kv_heads=8,
+        hd=64,
+        ffn=8192,
+        batch=4,
+        seq=4096,
+    ),
+    "demo-d1024": dict(
+        vocab=8192, d=1024, layers=4, heads=8, kv_heads=4, hd=128, ffn=2816, batch=8, seq=1024
+    ),
+}
+
+
 def model_rows(liger) -> list[dict]:
-    configs = {
-        "llama-1B": dict(
-            vocab=128256,
-            d=2048,
-            layers=16,
-            heads=32,
-            kv_heads=8,
-            hd=64,
-            ffn=8192,
-            batch=4,
-            seq=4096,
-        ),
-        "demo-d1024": dict(
-            vocab=8192, d=1024, layers=4, heads=8, kv_heads=4, hd=128, ffn=2816, batch=8, seq=1024
-        ),
-    }
+    configs = MODEL_SHAPES
     chosen = selected("CODA_MODEL_SHAPES", configs)
     only_peers = model_peers()
     rows = []

@@ -148,6 +148,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_GEMM_KEYS",
     "CODA_GEMM_VARY",
     "CODA_ORIGIN_KERNELS",
+    "CODA_ORIGIN_STEPS",
 )
 
 

@@ -2,13 +2,15 @@
 
 A kernel table names kernels, not their callers: run 112's table of coda's Llama-1B step held
 21 bf16 fill kernels (0.50 ms) whose origin no table could say (benchmarks/NOTES.md, session
-25). This profiles one step of the patched Llama-3.2-1B HF model with the CPU side and Python
-frames recorded, and for every kernel whose name matches ``CODA_ORIGIN_KERNELS`` (a regular
+25). This profiles one training step with the CPU side and Python frames recorded (the patched
+Llama-3.2-1B HF model, and coda's own d=1024 demo model with its AdamW step, where small
+kernels weigh most), and for every kernel whose name matches ``CODA_ORIGIN_KERNELS`` (a regular
 expression; default: fills and zeroing) reports the chain of operators and Python frames
 that launched it (innermost first, torch's own Python frames left out), with its launches,
 microseconds per step and input shapes, largest first.
 
-A ``gpu_suite.py`` suite run only when named (``--only kernel_origin``).
+A ``gpu_suite.py`` suite run only when named (``--only kernel_origin``); ``CODA_ORIGIN_STEPS``
+picks among ``STEPS``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections import defaultdict
 from benchmarks._common import Diagnostic, progress
 
 SUITE = "kernel_origin"
-SHAPE = "llama-3.2-1B"
+STEPS = ("hf-llama-3.2-1B", "model-demo-d1024")  # CODA_ORIGIN_STEPS
 DEFAULT_PATTERN = r"fill|zero"  # CODA_ORIGIN_KERNELS
 DEPTH = 10  # callers kept per chain
 
@@ -67,34 +69,75 @@ def origins(events, pattern: str, steps: int = 1) -> list[dict]:
     return rows
 
 
+def hf_step():
+    import coda.transformers as ct
+    from benchmarks.bench_hf import training_step
+
+    return training_step("llama-3.2-1B", ct.apply_coda)
+
+
+def model_step():
+    """coda's d=1024 demo model (``bench_step``'s "demo-d1024"), forward, backward and a
+    fused AdamW step, as the model suite times it."""
+    import torch
+
+    import coda.nn as cnn
+    from benchmarks.bench_step import MODEL_SHAPES
+
+    c = MODEL_SHAPES["demo-d1024"]
+    torch.manual_seed(0)
+    model = cnn.CausalLM(
+        c["vocab"], c["d"], c["layers"], c["heads"], c["kv_heads"], c["ffn"],
+        head_dim=c["hd"], device="cuda",
+    )  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    tok, tgt = (
+        torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device="cuda") for _ in range(2)
+    )
+
+    def step():
+        model(tok, tgt).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def run() -> list[dict]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    import coda.transformers as ct
-    from benchmarks.bench_hf import training_step
+    from benchmarks._common import selected
 
     pattern = os.environ.get("CODA_ORIGIN_KERNELS", DEFAULT_PATTERN)
-    step = training_step(SHAPE, ct.apply_coda)
-    for _ in range(2):  # compile, warm the allocator
-        step()
-    torch.cuda.synchronize()
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with profile(activities=activities, record_shapes=True, with_stack=True) as prof:
-        step()
+    makers = {"hf-llama-3.2-1B": hf_step, "model-demo-d1024": model_step}
+    rows = []
+    for name in selected("CODA_ORIGIN_STEPS", STEPS) or STEPS:
+        step = makers[name]()
+        for _ in range(3):  # compile, warm the allocator
+            step()
         torch.cuda.synchronize()
-    rows = origins(prof.events(), pattern)
-    return [
-        progress(
-            {
-                "name": f"{SUITE}/{SHAPE}",
-                "pattern": pattern,
-                "launches": sum(r["launches"] for r in rows),
-                "us": sum(r["us"] for r in rows),
-                "origins": rows[:40],
-            }
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities, record_shapes=True, with_stack=True) as prof:
+            step()
+            torch.cuda.synchronize()
+        found = origins(prof.events(), pattern)
+        kernel_us = sum(e.device_time for e in prof.events() if e.device_type.name == "CUDA")
+        rows.append(
+            progress(
+                {
+                    "name": f"{SUITE}/{name}",
+                    "pattern": pattern,
+                    "step_kernel_us": kernel_us,
+                    "launches": sum(r["launches"] for r in found),
+                    "us": sum(r["us"] for r in found),
+                    "origins": found[:40],
+                }
+            )
         )
-    ]
+        step = prof = None
+        torch.cuda.empty_cache()
+    return rows
 
 
 class Suite(Diagnostic):

@@ -91,7 +91,7 @@ def _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres, want_dw: bool = True):
     )
     # B13 (its tile keyed by M: chosen inside)
     dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1) if want_dw else None
-    return dx0, dg1.to(g1.dtype), dw_qkv
+    return dx0, dg1, dw_qkv
 
 
 class AttentionInput(torch.autograd.Function):
@@ -204,11 +204,16 @@ class AttentionOutput(torch.autograd.Function):
             o, w_o, x0, g2, eps, config_for("residual", M, K, w_o.shape[1])
         )
         ctx.mark_non_differentiable(a1, r1)
+        # no zero gradients for a1 and r1: autograd would otherwise fill an (M, d) and an (M,)
+        # tensor of zeros for them at every backward (0.36 ms of a Llama-1B step, run 116)
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(o, w_o)
         return x1, a1, r1
 
     @staticmethod
     def backward(ctx, dx1, _da1, _dr1):
+        if dx1 is None:  # x1 did not reach the loss
+            return None, None, None, None, None
         o, w_o = ctx.saved_tensors
         dx1 = dx1.contiguous()
         do = dx1 @ w_o.t()  # B8
@@ -245,7 +250,7 @@ class MLP(torch.autograd.Function):
             dz1, w_il, x1, g2, corr1, dx2, config_for("norm_bwd", M, 2 * f, d)
         )  # B6 + A7
         dw_il = lib.wgrad_gamma_rows(x1, dz1, g2) if ctx.needs_input_grad[4] else None  # B7
-        return dx1, None, None, dg2.to(g2.dtype), dw_il, dw_d
+        return dx1, None, None, dg2, dw_il, dw_d
 
 
 def decoder_layer(

@@ -1,8 +1,8 @@
 """RMSNorm's row kernels (``coda.kernels.norm_rows``: the entry norm F0, the final norm, the
-AUX statistics A1 / A6 / A9) against their torch forms: in Triton's interpreter on the CPU
-(switched on before triton is imported, so in a child process), compiled for sm_90 without a
-GPU, and on the H200. Also the host-side memo that lets a stack of layers share its RoPE
-tables (``env.TensorMemo``).
+AUX statistics A1 / A6 / A9, dgamma's column sums A7 / A10) against their torch forms: in
+Triton's interpreter on the CPU (switched on before triton is imported, so in a child
+process), compiled for sm_90 without a GPU, and on the H200. Also the host-side memo that
+lets a stack of layers share its RoPE tables (``env.TensorMemo``).
 
 Cases: token counts that are not a multiple of a program's rows, row widths that are not
 powers of two, partial counts of 1, under one chunk and over several (the AUX loop), float64
@@ -16,6 +16,7 @@ import triton_child
 
 NORM_CASES = [(37, 24), (5, 1000), (130, 256), (3, 2048)]  # (M, d)
 STAT_CASES = [(45, 1), (200, 17), (129, 64), (7, 150)]  # (M, T)
+COL_CASES = [(1, 5), (37, 150), (129, 64), (200, 1000)]  # (T, N): dgamma's partials
 
 
 def norm_case(M, d, dtype, device="cpu", seed=0) -> dict:
@@ -53,6 +54,17 @@ def stat_case(M, T, dtype, device="cpu", seed=0) -> dict:
     return out
 
 
+def col_case(T, N, dtype, out_dtype, device="cpu", seed=0) -> dict:
+    """dgamma's column sums: the kernel against the torch form, and its output dtype."""
+    from coda.kernels import norm_rows as nr
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    Q = torch.randn(T, N + 3, generator=g, device=device, dtype=dtype)[:, :N]  # strided rows
+    got = nr.col_sums_triton(Q, out_dtype)
+    ref = Q.sum(0).to(out_dtype)
+    return {"col sums": [_rel(got, ref)], "col sums dtypes": [got.dtype == out_dtype]}
+
+
 def _rel(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
@@ -64,7 +76,9 @@ def _bound(dtype) -> float:
 _CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
-from test_norm_rows import NORM_CASES, STAT_CASES, norm_case, stat_case, strided_rows_case
+from test_norm_rows import (
+    COL_CASES, NORM_CASES, STAT_CASES, col_case, norm_case, stat_case, strided_rows_case
+)
 out = []
 for dtype in (torch.float64, torch.bfloat16):
     for i, case in enumerate(NORM_CASES):
@@ -72,6 +86,9 @@ for dtype in (torch.float64, torch.bfloat16):
 for dtype in (torch.float64, torch.float32):
     for i, case in enumerate(STAT_CASES):
         out.append([str(dtype), case, stat_case(*case, dtype, seed=i)])
+for dtype, out_dtype in ((torch.float64, torch.float64), (torch.float32, torch.bfloat16)):
+    for i, case in enumerate(COL_CASES):
+        out.append([str(out_dtype), case, col_case(*case, dtype, out_dtype, seed=i)])
 out.append(["fallback", None, strided_rows_case()])
 print(json.dumps(out))
 """
@@ -91,7 +108,7 @@ def strided_rows_case() -> dict:
 
 def test_norm_rows_in_triton_interpreter_equal_torch_forms():
     results = triton_child.results(_CHILD)
-    assert len(results) == 2 * len(NORM_CASES) + 2 * len(STAT_CASES) + 1
+    assert len(results) == 2 * (len(NORM_CASES) + len(STAT_CASES) + len(COL_CASES)) + 1
     assert results.pop()[2]["exact"] == [1.0] * 4
     for dtype, case, errs in results:
         fp32 = "float32" in dtype  # the AUX statistics in fp32, as the kernel path's
@@ -192,6 +209,9 @@ def test_gpu_norm_rows_equal_torch_forms(M, d):
     for T in (1, d // 128, 3 * d // 128 + 1):
         for name, e in stat_case(M, T, torch.float32, "cuda").items():
             assert max(e) <= 1e-5, (T, name, e)
+    for T in (1, M // 128 + 1):  # dgamma's partials: one per 128-token tile
+        col = col_case(T, d, torch.float32, torch.bfloat16, "cuda")
+        assert col["col sums dtypes"] == [True] and col["col sums"][0] <= _bound(torch.bfloat16)
 
 
 def test_device_table_caches_keep_nothing_built_during_a_graph_capture(monkeypatch):

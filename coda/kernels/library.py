@@ -235,7 +235,7 @@ def _norm_bwd(
 @_norm_bwd.register_fake
 def _(dz, w2, h, gamma, corr, dres, cfg):
     d = w2.shape[0]
-    return _empty(dz.shape[0], d, like=dz), _empty(d, like=dz, dtype=acc_dtype(dz))
+    return _empty(dz.shape[0], d, like=dz), _empty(d, like=dz, dtype=gamma.dtype)
 
 
 @torch.library.custom_op("coda::wgrad_gamma_rows", mutates_args=())

@@ -7,6 +7,7 @@ epilogue's per-tile partials (A1's rstd, A6/A9's correction).
     A1:          r[m]    = (sum_t P[m, t] / d + eps)^-1/2          (P: RED_m partials of h^2)
     A6:          corr[m] = -(r^3 / d) * sum_t P[m, t]              (P: partials of S)
     A9:          corr[m] = -(r^3 / d) * (sum_t P[m, t] / r)        (P: partials of S * r)
+    A7 / A10:    dgamma[n] = sum_i Q[i, n], rounded once to gamma's dtype  (Q: RED_n partials)
 
 Their torch forms (``entry_norm_torch``, ``final_norm_torch`` here, ``primitives.aux`` for
 the AUX) are the CPU path and the oracle. Why kernels of our own: through ``fused``
@@ -27,7 +28,7 @@ import triton.language as tl
 
 from coda.kernels._launch import acc_dtype, fused
 from coda.kernels._triton import acc_type, cdiv, compile_sm90, kernel, next_power_of_2, on_triton
-from coda.primitives.aux import norm_correction, rstd_from_sumsq
+from coda.primitives.aux import combine_col_partials, norm_correction, rstd_from_sumsq
 
 MAX_ROW = 16384  # widest row one program holds in registers; wider rows take the torch form
 # the kernels on the GPU; False: the norms through ``fused`` (Inductor) and the statistics as
@@ -102,6 +103,23 @@ def _row_stat_kernel(
     tl.store(out + rows, res, mask=live)
 
 
+def _col_sums_kernel(
+    Q, out, T, N, q_row, BT: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr
+):  # fmt: skip
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    live = cols < N
+    s = tl.zeros([BN], dtype=ACC)
+    for t0 in range(0, T, BT):
+        rows = t0 + tl.arange(0, BT)
+        mask = (rows < T)[:, None] & live[None, :]
+        q = tl.load(Q + rows.to(tl.int64)[:, None] * q_row + cols[None, :], mask=mask, other=0.0)
+        s += tl.sum(q.to(ACC), 0)
+    tl.store(out + cols, s.to(out.dtype.element_ty), mask=live)
+
+
+COL_BLOCK = 64  # columns per program of the partials' sums: 32 programs at d = 2048
+
+
 def _rows_launch(d: int) -> tuple[int, int]:
     """(rows per program, warps) for rows of ``d`` entries: ~4k values per program."""
     bd = next_power_of_2(max(d, 16))
@@ -136,6 +154,20 @@ def row_stat_triton(partials, rstd, d: int, eps: float, mode: int):
             partials, partials if rstd is None else rstd, out, M, T, partials.stride(0), d, eps,
             MODE=mode, BM=bm, BT=min(64, next_power_of_2(max(T, 1))),
             ACC=acc_type(partials), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def col_sums_triton(partials, dtype):
+    """A7 / A10: the column sums of (T, N) per-tile partials with unit column stride, summed
+    in the partials' dtype and rounded once to ``dtype``, in one launch."""
+    T, N = partials.shape
+    assert partials.stride(1) == 1 or N == 1
+    out = torch.empty(N, dtype=dtype, device=partials.device)
+    if N:
+        kernel(_col_sums_kernel)[(cdiv(N, COL_BLOCK),)](
+            partials, out, T, N, partials.stride(0),
+            BT=64, BN=COL_BLOCK, ACC=acc_type(partials), num_warps=4,
         )  # fmt: skip
     return out
 
@@ -177,8 +209,17 @@ def row_stat(partials, rstd, d: int, eps: float = 0.0, mode: int = RSTD):
     return row_stat_torch(partials, rstd, d, eps, mode)
 
 
+def col_sums(partials, dtype):
+    """dgamma from the norm-backward GEMM's RED_n partials (T, N): summed in fp32 (float64
+    for proofs) and rounded once to ``dtype`` (gamma's), as one launch on the GPU where torch
+    ran a reduction and a cast (two launches of ~8 and ~3 us per layer norm)."""
+    if _on_kernel(partials):
+        return col_sums_triton(partials, dtype)
+    return combine_col_partials(partials).to(dtype)
+
+
 def compile_norm_rows(d: int, arch: int = 90) -> list[int]:
-    """Both kernels (bf16 rows, fp32 statistics) at their launch shapes for rows of ``d``
+    """The three kernels (bf16 rows, fp32 statistics) at their launch shapes for rows of ``d``
     entries, compiled for ``sm_{arch}`` on the CPU: cubin sizes."""
     bm, warps = _rows_launch(d)
     pointers = {"x": "*bf16", "gamma": "*bf16", "out": "*bf16", "rstd": "*fp32", "eps": "fp32"}
@@ -196,4 +237,7 @@ def compile_norm_rows(d: int, arch: int = 90) -> list[int]:
     for mode in (RSTD, CORR, CORR_SCALED):
         consts = {"MODE": mode, "BM": 128, "BT": 64, "ACC": tl.float32}
         sizes.append(compile_sm90(_row_stat_kernel, pointers, consts, 4, arch))
+    pointers = {"Q": "*fp32", "out": "*bf16"}
+    consts = {"BT": 64, "BN": COL_BLOCK, "ACC": tl.float32}
+    sizes.append(compile_sm90(_col_sums_kernel, pointers, consts, 4, arch))
     return sizes

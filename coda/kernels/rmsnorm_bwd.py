@@ -6,7 +6,8 @@
                                             TILE-LD dres as the GEMM's C (residual gradient)
     TILE-ST dh (bf16)
     Q[i, j] = sum_{m in M-tile i} acc * h   RED_n: dgamma partials
-AUX:  dgamma = sum_i Q;   corr = -(rstd^3 / d) * S   (S from the producer's RED_m partials)
+AUX:  dgamma = sum_i Q (rounded once to gamma's dtype);   corr = -(rstd^3 / d) * S
+      (S from the producer's RED_m partials)
 
 Supported: bf16, d a multiple of 8. Tests: tests/test_backward_kernels.py.
 """
@@ -17,9 +18,8 @@ import torch
 
 from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
-from coda.kernels.norm_rows import CORR, row_stat
+from coda.kernels.norm_rows import CORR, col_sums, row_stat
 from coda.primitives import ColLoad, ColPartials, RowLoad, TileC, TileLoad, epilogue_program
-from coda.primitives.aux import combine_col_partials
 from coda.reference.rmsnorm import norm_bwd_apply_ref  # noqa: F401  (the kernel's reference)
 
 
@@ -45,7 +45,8 @@ def norm_corr(rstd, stat_partials, d: int):
 
 
 def norm_bwd_kernel(dz, w2, h, gamma, corr, dres=None, config: GemmConfig = DEFAULT, dry=False):
-    """acc = dz @ w2^T (``w2`` is the (d, N2) forward weight); returns (dh, dgamma fp32)."""
+    """acc = dz @ w2^T (``w2`` is the (d, N2) forward weight); returns (dh, dgamma in gamma's
+    dtype, summed in fp32)."""
     M, d = dz.shape[0], w2.shape[0]
     dh = torch.empty(M, d, dtype=dz.dtype, device=dz.device)
     parts = torch.empty(config.grid(M, d)[0], d, dtype=acc_dtype(dz), device=dz.device)
@@ -61,14 +62,14 @@ def norm_bwd_kernel(dz, w2, h, gamma, corr, dres=None, config: GemmConfig = DEFA
         outputs={"dgamma": parts},
         dry=dry,
     )
-    return compiled if dry else (dh, combine_col_partials(parts))
+    return compiled if dry else (dh, col_sums(parts, gamma.dtype))
 
 
 def norm_bwd_interpreted(dz, w2, h, gamma, corr, dres=None, config: GemmConfig = DEFAULT):
     program = norm_bwd if dres is None else norm_bwd_residual
     operands = {"h": h, "gamma": gamma, "corr": corr, **({} if dres is None else {"c": dres})}
     out = interpret_gemm(program, dz, w2.t(), config=config, operands=operands)
-    return out["D"], combine_col_partials(out["dgamma"])
+    return out["D"], col_sums(out["dgamma"], gamma.dtype)
 
 
 def compile_norm_bwd(n2, d, *, residual: bool, config=DEFAULT, m=256) -> int:
