@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from coda.kernels._launch import acc_dtype
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.gemm_rmsnorm_gemm import gemm_scale_rows_kernel
 from coda.kernels.tuned import config_for
@@ -31,7 +30,9 @@ def wgrad_gamma_rows(h, dz, gamma, config: GemmConfig | None = None, dry=False):
     autograd Functions, and a table lookup on it there would recompile per token count."""
     if config is None:
         config = config_for("wgrad", h.shape[1], h.shape[0], dz.shape[1])
-    return gemm_scale_rows_kernel(h.t(), dz, gamma.to(acc_dtype(h)), config, dry=dry)
+    # gamma in its own dtype: the epilogue widens it on load (exactly), where a cast to fp32
+    # was a launch per call
+    return gemm_scale_rows_kernel(h.t(), dz, gamma, config, dry=dry)
 
 
 def compile_wgrad_gamma_rows(d, n, *, config=DEFAULT, m=256) -> int:
