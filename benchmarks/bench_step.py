@@ -365,6 +365,10 @@ def model_rows(liger) -> list[dict]:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
             def fwd_bwd(model=model):
+                # gradients set to None first, as a training step has them: called back to
+                # back without it (the kernel table's profiled calls, before session 26),
+                # every call added its gradients into the last call's, one add per parameter
+                model.zero_grad(set_to_none=True)
                 model(tok, tgt).backward()
 
             def full(model=model, opt=opt):
