@@ -270,3 +270,55 @@ def test_lm_head_loss_names_the_vocabulary_rule(monkeypatch):
     head = cnn.LMHeadLoss(16, 200, method="scaled_exp", dtype=F64)
     with pytest.raises(coda.CodaInputError, match="vocab % 128 == 0"):
         head(torch.randn(4, 16, dtype=F64), torch.zeros(4, dtype=torch.long))
+
+
+# -- the strip u as a Triton pass (``strip_u_triton``) --------------------------------------------
+STRIP_CASES = [(1, 1, 64), (37, 3, 192), (130, 5, 128), (300, 7, 256), (129, 668, 192)]
+
+
+def strip_case(C, t_n, tile_n, seed=0, device="cpu") -> bool:
+    """The kernel's u against the torch form, bitwise: k integer-valued (as GEMM1's rounded
+    tile statistic), some tiles > 100 below their row's max (the floor), padded token counts."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = torch.randint(-30, 30, (C, t_n), generator=g, device=device).float()
+    k[:, 0] -= 150.0 * (torch.rand(C, generator=g, device=device) < 0.3)  # floored tiles
+    K = k.amax(dim=1)
+    got = cse.strip_u_triton(k, K, tile_n, torch.bfloat16)
+    ref = cse.strip_u_torch(k, K, tile_n, torch.bfloat16)
+    return got.shape == ref.shape and torch.equal(got, ref)
+
+
+_STRIP_CHILD = """
+import json, sys
+sys.path.insert(0, "tests")
+from test_ce_scaled_exp import STRIP_CASES, strip_case
+print(json.dumps([strip_case(*c, seed=i) for i, c in enumerate(STRIP_CASES)]))
+"""
+
+
+def test_strip_kernel_in_triton_interpreter_equals_torch_form():
+    import triton_child
+
+    assert triton_child.results(_STRIP_CHILD) == [True] * len(STRIP_CASES)
+
+
+def test_strip_comparison_can_fail():
+    """A strip off by one power of two anywhere is caught: ``torch.equal`` on the powers."""
+    k = torch.tensor([[0.0, -3.0]])
+    u = cse.strip_u_torch(k, k.amax(1), 128, torch.bfloat16)
+    assert u.shape == (4, 1) and u[:, 0].tolist() == [1.0, 1.0, 0.125, 0.125]
+    assert not torch.equal(u, cse.strip_u_torch(k - 1.0, k.amax(1), 128, torch.bfloat16))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("tile_n", [64, 128, 192, 256])
+def test_strip_kernel_compiles_for_sm90(tile_n):
+    assert cse.compile_strip_u(tile_n) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("C, t_n, tile_n", [(4096, 668, 192), (16384, 171, 192), (333, 7, 256)])
+def test_gpu_strip_kernel_equals_torch_form(C, t_n, tile_n):
+    """At the LM heads' chunk shapes (Llama's V = 128256 at 4096 tokens; V = 32768 at 16384)."""
+    assert strip_case(C, t_n, tile_n, device="cuda")

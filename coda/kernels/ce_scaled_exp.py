@@ -15,8 +15,9 @@ per-row v = 2^K e^-lse: a power of two per (row, N-tile) times a per-row fp32 fa
 the gradient GEMMs read E itself, scaled per (row, 64 columns) on its way into the mainloop
 (``ScaleA``), instead of a dlogits tensor:
 
-    glue  u[b, m] = 2^(k[m, t(b)] - K[m]) (bf16 strip), c = r w v, xs = c a, and E' = E with
-          each row's target entry zeroed, so that u v E' = alpha p off the target (``scaled_glue``)
+    glue  u[b, m] = 2^(k[m, t(b)] - K[m]) (bf16 strip, ``strip_u``), c = r w v, xs = c a, and
+          E' = E with each row's target entry zeroed, so that u v E' = alpha p off the target
+          (``scaled_glue``)
     dX    G = c (.) ((u (.) E') @ W^T)        fp32, the final norm's backward follows
     dW    dW^T (+)= (u (.) E')^T @ xs         fp32, TMA reduce-add over token chunks
     hot   G[m] += h_m W[:, y_m], dW^T[y_m] += h_m a_m with h = r w (alpha p_y - (1 - eps)) in
@@ -37,8 +38,10 @@ from __future__ import annotations
 import math
 
 import torch
+import triton.language as tl
 
 from coda.kernels._launch import acc_dtype, example_operands, fused, launch
+from coda.kernels._triton import cdiv, compile_sm90, kernel, on_triton
 from coda.kernels.config import GemmConfig
 from coda.kernels.linear_cross_entropy_chunked import add_target_terms, row_dot, target_coef
 from coda.primitives import (
@@ -216,25 +219,81 @@ def chunk_rows_scaled(vocab: int) -> int:
     return max(128, (E_CHUNK_BYTES // (2 * vocab)) // 128 * 128)
 
 
-def scaled_glue(sum_exp, k, tl, target, rstd, weight, a, tile_n: int, z_loss, smoothing):
-    """Per row, from GEMM1's partials (C x T_N values, no pass over C x V): lse, the strip
-    u (V / 64, C) bf16 = 2^(k - K) per 64-column block, the per-row factor c = r w v (fp32;
-    v = 2^K e^-lse (1 + 2 z lse)), xs = c a (bf16: dW's B operand), and the target entry's
-    gradient r w (alpha p_y - (1 - eps)) in fp32 (``target_coef``; label smoothing eps: its
-    uniform -eps / V share of every entry is a rank-1 term the caller adds).
+def scaled_glue(sum_exp, k, target_logit, target, rstd, weight, a, z_loss, smoothing):
+    """Per row, from GEMM1's partials (C x T_N values, no pass over C x V): lse, K = max_t k
+    (``strip_u``'s input), the per-row factor c = r w v (fp32; v = 2^K e^-lse (1 + 2 z lse)),
+    xs = c a (bf16: dW's B operand), and the target entry's gradient r w (alpha p_y - (1 -
+    eps)) in fp32 (``target_coef``; label smoothing eps: its uniform -eps / V share of every
+    entry is a rank-1 term the caller adds).
     """
     K, T = scaled_total(sum_exp, k)
     lse = _lse(K, T)
     alpha = 1.0 + 2.0 * z_loss * lse if z_loss else 1.0
     v = alpha / T  # 2^K e^-lse alpha, without forming 2^K (which overflows fp32 past K = 127)
     c = rstd * weight * v
-    # (C, T_N): exact powers of two, floored at 2^-100 so that bf16 holds them (a tile whose
-    # max is > 69 nats under the row's then reads p 2^30 x too large: < 1e-30, and its
-    # target entry below stays finite and exact, being formed with the same u)
-    uk = torch.exp2((k - K[:, None]).clamp(min=-U_FLOOR))
-    u = uk.repeat_interleave(tile_n // STRIP, dim=1).t().contiguous().to(a.dtype)
     xs = (c[:, None] * a.to(c.dtype)).to(a.dtype)
-    return lse, u, c, xs, target_coef(tl, lse, rstd, weight, smoothing, z_loss)
+    return lse, K, c, xs, target_coef(target_logit, lse, rstd, weight, smoothing, z_loss)
+
+
+# The strip u (V / 64, C): exact powers of two 2^(k[m, t(b)] - K[m]) per 64-column block b
+# (in N-tile t(b) = b // (tile_n / 64)), floored at 2^-100 so that bf16 holds them (a tile
+# whose max is > 69 nats under the row's then reads p 2^30 x too large: < 1e-30, and its
+# target entry stays finite and exact, being formed with the same u). Transposed against k,
+# so that the gradient GEMMs' transform reads it along the token rows.
+def strip_u_torch(k, K, tile_n: int, dtype):
+    """``strip_u`` in torch: the CPU path and the oracle."""
+    uk = torch.exp2((k - K[:, None]).clamp(min=-U_FLOOR))
+    return uk.repeat_interleave(tile_n // STRIP, dim=1).t().contiguous().to(dtype)
+
+
+def _strip_kernel(
+    k, K, u, C, B, k_row,
+    R: tl.constexpr, BB: tl.constexpr, BM: tl.constexpr, FLOOR: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0) * BB + tl.arange(0, BB)  # strip rows (64-column blocks of V)
+    m = tl.program_id(1) * BM + tl.arange(0, BM)  # token rows: u's contiguous axis
+    live_m = m < C
+    mask = (b < B)[:, None] & live_m[None, :]
+    kv = tl.load(k + m.to(tl.int64)[None, :] * k_row + (b // R)[:, None], mask=mask, other=0.0)
+    top = tl.load(K + m, mask=live_m, other=0.0)
+    e = tl.exp2(tl.maximum(kv - top[None, :], -FLOOR))
+    tl.store(u + b.to(tl.int64)[:, None] * C + m[None, :], e.to(u.dtype.element_ty), mask=mask)
+
+
+STRIP_BLOCK = (32, 128)  # a program's (strip rows, token rows)
+
+
+def strip_u_triton(k, K, tile_n: int, dtype):
+    """``strip_u`` in one pass that writes u along its contiguous token axis (Inductor's
+    transposing form ran at ~0.5 TB/s: 53 us a 4096-token chunk at V = 128256, run 116)."""
+    C, t_n = k.shape
+    B = t_n * (tile_n // STRIP)
+    u = torch.empty(B, C, dtype=dtype, device=k.device)
+    if B and C:
+        bb, bm = STRIP_BLOCK
+        kernel(_strip_kernel)[(cdiv(B, bb), cdiv(C, bm))](
+            k, K, u, C, B, k.stride(0),
+            R=tile_n // STRIP, BB=bb, BM=bm, FLOOR=float(U_FLOOR), num_warps=4,
+        )  # fmt: skip
+    return u
+
+
+def strip_u(k, K, tile_n: int, dtype):
+    """u (V / 64, C) in ``dtype`` from GEMM1's tile statistic k (C, T_N) and its row max K:
+    the Triton pass on the GPU (outside a torch.compile trace), else the torch form. Both are
+    exact: every value is a power of two."""
+    if on_triton(k) and k.stride(1) == 1 and not torch.compiler.is_compiling():
+        return strip_u_triton(k, K, tile_n, dtype)
+    return strip_u_torch(k, K, tile_n, dtype)
+
+
+def compile_strip_u(tile_n: int = 192, arch: int = 90) -> int:
+    """The strip kernel (fp32 statistics, bf16 u) compiled for ``sm_{arch}`` on the CPU: the
+    cubin's size."""
+    bb, bm = STRIP_BLOCK
+    pointers = {"k": "*fp32", "K": "*fp32", "u": "*bf16"}
+    consts = {"R": tile_n // STRIP, "BB": bb, "BM": bm, "FLOOR": float(U_FLOOR)}
+    return compile_sm90(_strip_kernel, pointers, consts, num_warps=4, arch=arch)
 
 
 def linear_cross_entropy_scaled(
@@ -266,7 +325,7 @@ def linear_cross_entropy_scaled(
     acc = acc_dtype(a)
     rows = max(128, rows // 128 * 128)
     lse = torch.empty(M, dtype=acc, device=a.device)
-    tl = torch.empty_like(lse)
+    y_logit = torch.empty_like(lse)
     G = torch.empty(M, d, dtype=acc, device=a.device)
     # dW^T, summed over chunks in fp32
     dw_t = torch.empty(V if want_dw else 0, d, dtype=acc, device=a.device)
@@ -284,9 +343,8 @@ def linear_cross_entropy_scaled(
             t_c = torch.cat([t_c, t_c.new_full((C - n,), -1)])
             w_c = torch.cat([w_c, w_c.new_zeros(C - n)])
         e, sum_exp, k, tl_c = scaled_exp_logits_kernel(a_c, w_lm, r_c, t_c, cfg)
-        lse_c, u, c, xs, coef = glue(
-            sum_exp, k, tl_c, t_c, r_c, w_c, a_c, cfg.tile_n, z_loss, label_smoothing
-        )
+        lse_c, K, c, xs, coef = glue(sum_exp, k, tl_c, t_c, r_c, w_c, a_c, z_loss, label_smoothing)
+        u = strip_u(k, K, cfg.tile_n, a.dtype)
         # E' = E with each row's target entry zeroed (ignored and padded rows have c = 0, so
         # their clamped entry may be zeroed too: no mask, no boolean indexing, no host sync)
         # (the zero is a device scalar: a Python 0 is a host-to-device copy, which a CUDA graph
@@ -298,7 +356,7 @@ def linear_cross_entropy_scaled(
         if want_dw:
             scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
         add_target_terms(G_c, dw_t if want_dw else None, a_c, t_c, coef, w_lm)  # exact, fp32
-        lse[R], tl[R] = lse_c[:n], tl_c[:n]
+        lse[R], y_logit[R] = lse_c[:n], tl_c[:n]
         if C != n:
             G[R] = G_c[:n]
         if label_smoothing:
@@ -309,7 +367,7 @@ def linear_cross_entropy_scaled(
         if want_dw:
             dw_t -= shift * smooth_sum[None, :]
     S = row_dot(G, a, rstd) if interpreted else fused(row_dot)(G, a, rstd)
-    return lse, tl, G, S, dw_t.t()
+    return lse, y_logit, G, S, dw_t.t()
 
 
 def compile_scaled_grad_dx(d: int, v: int, *, m: int = 256, config=None) -> int:
