@@ -40,30 +40,28 @@ def caller_chain(event, depth: int = DEPTH) -> tuple:
 
 
 def origins(events, pattern: str, steps: int = 1) -> list[dict]:
-    """Per (launching op, input shapes, callers): launches and device microseconds per step of
-    the kernels matching ``pattern`` (any case), from profiler ``events`` (``FunctionEvent``
-    with their ``kernels``), largest first."""
+    """Per (kernel, launching op, input shapes, callers): launches and device microseconds per
+    step of the kernels matching ``pattern`` (any case), from profiler ``events``
+    (``FunctionEvent`` with their ``kernels``), largest first. Keyed by kernel too: a node that
+    launches Triton kernels directly (an autograd Function's backward) launches several."""
     match = re.compile(pattern, re.IGNORECASE)
-    table: dict = defaultdict(lambda: {"launches": 0, "us": 0.0, "kernels": set()})
+    table: dict = defaultdict(lambda: {"launches": 0, "us": 0.0})
     for e in events:
-        hits = [k for k in getattr(e, "kernels", ()) if match.search(k.name)]
-        if not hits:
-            continue
-        key = (e.name, str(e.input_shapes)[:120], caller_chain(e))
-        row = table[key]
-        row["launches"] += len(hits)
-        row["us"] += sum(k.duration for k in hits)
-        row["kernels"].update(k.name[:80] for k in hits)
+        for k in getattr(e, "kernels", ()):
+            if match.search(k.name):
+                row = table[(k.name[:80], e.name, str(e.input_shapes)[:120], caller_chain(e))]
+                row["launches"] += 1
+                row["us"] += k.duration
     rows = [
         {
+            "kernel": kernel_name,
             "op": op,
             "shapes": shapes,
             "callers": list(chain),
             "launches": r["launches"] / steps,
             "us": r["us"] / steps,
-            "kernels": sorted(r["kernels"]),
         }
-        for (op, shapes, chain), r in table.items()
+        for (kernel_name, op, shapes, chain), r in table.items()
     ]
     rows.sort(key=lambda r: -r["us"])
     return rows

@@ -462,8 +462,8 @@ def test_the_ncu_probe_reads_its_csv_pages():
 
 
 def test_the_origin_probe_names_each_matching_kernels_callers():
-    """``probe_kernel_origin.origins``: kernels matched by name and summed per (op, shapes,
-    callers), torch's own Python frames left out of the callers, largest first."""
+    """``probe_kernel_origin.origins``: kernels matched by name and summed per (kernel, op,
+    shapes, callers), torch's own Python frames left out of the callers, largest first."""
     from benchmarks import probe_kernel_origin as pko
 
     def event(name, parent=None, kernels=(), shapes=()):
@@ -477,9 +477,12 @@ def test_the_origin_probe_names_each_matching_kernels_callers():
     fills = [event("aten::fill_", zeros, [("FillFunctor<bf16>", 24.0)], [[8, 4]]) for _ in "ab"]
     gemm = event("aten::mm", frame, [("sm90_gemm", 500.0)])
     other = event("aten::zero_", frame, [("zero_kernel", 5.0)], [[2]])
-    rows = pko.origins([frame, inner, node, zeros, *fills, gemm, other], "fill|zero", steps=2)
-    assert [r["op"] for r in rows] == ["aten::fill_", "aten::zero_"]
+    backward = event("MLPBackward", None, [("_col_sums_kernel", 4.0), ("_row_stat_kernel", 2.0)])
+    found = [frame, inner, node, zeros, *fills, gemm, other, backward]
+    rows = pko.origins(found, "fill|zero|^_", steps=2)
+    assert [r["op"] for r in rows] == ["aten::fill_", "aten::zero_", "MLPBackward", "MLPBackward"]
     first = rows[0]
-    assert (first["launches"], first["us"], first["kernels"]) == (1.0, 24.0, ["FillFunctor<bf16>"])
+    assert (first["launches"], first["us"], first["kernel"]) == (1.0, 24.0, "FillFunctor<bf16>")
+    assert [r["kernel"] for r in rows[2:]] == ["_col_sums_kernel", "_row_stat_kernel"]
     assert first["callers"] == ["aten::zeros", "SliceBackward0", frame.name]
     assert rows[1]["callers"] == [frame.name]
