@@ -288,6 +288,16 @@ MODEL_SHAPES = {
 }
 
 
+def build_model(cfg: dict):
+    """coda's ``CausalLM`` of a ``MODEL_SHAPES`` entry on the GPU, seeded (every peer starts
+    from its weights)."""
+    torch.manual_seed(0)
+    return cnn.CausalLM(
+        cfg["vocab"], cfg["d"], cfg["layers"], cfg["heads"], cfg["kv_heads"], cfg["ffn"],
+        head_dim=cfg["hd"], device="cuda",
+    )  # fmt: skip
+
+
 def model_rows(liger) -> list[dict]:
     configs = MODEL_SHAPES
     chosen = selected("CODA_MODEL_SHAPES", configs)
@@ -296,18 +306,8 @@ def model_rows(liger) -> list[dict]:
     for name, cfg in configs.items():
         if chosen and name not in chosen:
             continue
-        torch.manual_seed(0)
         tokens_n = cfg["batch"] * cfg["seq"]
-        coda_model = cnn.CausalLM(
-            cfg["vocab"],
-            cfg["d"],
-            cfg["layers"],
-            cfg["heads"],
-            cfg["kv_heads"],
-            cfg["ffn"],
-            head_dim=cfg["hd"],
-            device="cuda",
-        )
+        coda_model = build_model(cfg)
 
         def coda_copy(edit):
             model = copy.deepcopy(coda_model)

@@ -19,10 +19,9 @@ import os
 import re
 from collections import defaultdict
 
-from benchmarks._common import Diagnostic, progress
+from benchmarks._common import Diagnostic, progress, selected
 
 SUITE = "kernel_origin"
-STEPS = ("hf-llama-3.2-1B", "model-demo-d1024")  # CODA_ORIGIN_STEPS
 DEFAULT_PATTERN = r"fill|zero"  # CODA_ORIGIN_KERNELS
 DEPTH = 10  # callers kept per chain
 
@@ -79,15 +78,10 @@ def model_step():
     fused AdamW step, as the model suite times it."""
     import torch
 
-    import coda.nn as cnn
-    from benchmarks.bench_step import MODEL_SHAPES
+    from benchmarks.bench_step import MODEL_SHAPES, build_model
 
     c = MODEL_SHAPES["demo-d1024"]
-    torch.manual_seed(0)
-    model = cnn.CausalLM(
-        c["vocab"], c["d"], c["layers"], c["heads"], c["kv_heads"], c["ffn"],
-        head_dim=c["hd"], device="cuda",
-    )  # fmt: skip
+    model = build_model(c)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tok, tgt = (
         torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device="cuda") for _ in range(2)
@@ -101,17 +95,17 @@ def model_step():
     return step
 
 
+STEPS = {"hf-llama-3.2-1B": hf_step, "model-demo-d1024": model_step}  # CODA_ORIGIN_STEPS
+
+
 def run() -> list[dict]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks._common import selected
-
     pattern = os.environ.get("CODA_ORIGIN_KERNELS", DEFAULT_PATTERN)
-    makers = {"hf-llama-3.2-1B": hf_step, "model-demo-d1024": model_step}
     rows = []
     for name in selected("CODA_ORIGIN_STEPS", STEPS) or STEPS:
-        step = makers[name]()
+        step = STEPS[name]()
         for _ in range(3):  # compile, warm the allocator
             step()
         torch.cuda.synchronize()

@@ -267,6 +267,7 @@ def strip_u_triton(k, K, tile_n: int, dtype):
     """``strip_u`` in one pass that writes u along its contiguous token axis (Inductor's
     transposing form ran at ~0.5 TB/s: 53 us a 4096-token chunk at V = 128256, run 116)."""
     C, t_n = k.shape
+    assert k.stride(1) == 1 and K.is_contiguous(), "GEMM1's statistics, as it writes them"
     B = t_n * (tile_n // STRIP)
     u = torch.empty(B, C, dtype=dtype, device=k.device)
     if B and C:
@@ -280,9 +281,9 @@ def strip_u_triton(k, K, tile_n: int, dtype):
 
 def strip_u(k, K, tile_n: int, dtype):
     """u (V / 64, C) in ``dtype`` from GEMM1's tile statistic k (C, T_N) and its row max K:
-    the Triton pass on the GPU (outside a torch.compile trace), else the torch form. Both are
-    exact: every value is a power of two."""
-    if on_triton(k) and k.stride(1) == 1 and not torch.compiler.is_compiling():
+    the Triton pass on the GPU, else the torch form (CE-S runs inside a custom op, so never in
+    a torch.compile trace). Both are exact: every value is a power of two."""
+    if on_triton(k):
         return strip_u_triton(k, K, tile_n, dtype)
     return strip_u_torch(k, K, tile_n, dtype)
 
