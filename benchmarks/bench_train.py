@@ -40,7 +40,7 @@ from benchmarks._common import (
 from benchmarks.bench_forward import ffn, heads
 from benchmarks.bench_layer import HD, S, attention, layer_widths, split_heads
 from coda import _quack
-from coda.kernels import ce_scaled_exp, final_norm_rows
+from coda.kernels import ce_scaled_exp
 from coda.reference.rope import apply_rope_hf, hf_cos_sin
 
 B = 4
@@ -265,8 +265,6 @@ def lm_head_rows(liger) -> list[dict]:
                 ),
                 [gf, w_dv],
             ),
-            # the final norm's backward as the one-pass Triton kernel (``final_norm_rows``)
-            "coda_norm_pass": (lambda: head(x, t), [head.final_norm, head.weight]),
             "coda_recompute": (lambda: head_r(x, t), [head.final_norm, head.weight]),
             "coda_chunked": (lambda: head_c(x, t), [head.final_norm, head.weight]),
             "torch_eager": (torch_loss, [gf, w_lin]),
@@ -304,10 +302,6 @@ def lm_head_rows(liger) -> list[dict]:
             return step
 
         steps = {name: make_step(fn, params) for name, (fn, params) in variants.items()}
-        # the switch holds through the backward too: the whole step runs under it
-        steps["coda_norm_pass"] = mock.patch.object(final_norm_rows, "ONE_PASS", True)(
-            steps["coda_norm_pass"]
-        )
         # each variant once for its extra memory (and to surface an error), then every
         # variant and the floor's three GEMMs timed in interleaved rounds (``interleaved``)
         extra = {}
@@ -356,7 +350,7 @@ def lm_head_rows(liger) -> list[dict]:
                     extra_peak_gib=extra[name],
                 )
             )
-        for name in ("coda", "coda_norm_pass", "coda_dv_weight", "coda_e2g", "coda_recompute"):
+        for name in ("coda", "coda_dv_weight", "coda_e2g", "coda_recompute"):
             if not out_of_time():
                 rows.append(
                     {

@@ -22,11 +22,12 @@ from coda.kernels import library as lib
 from coda.kernels._launch import fused
 from coda.kernels.ce_scaled_exp import chunk_rows_scaled
 from coda.kernels.drope import cached_head_rotation
-from coda.kernels.final_norm_rows import final_norm_backward
+from coda.kernels.final_norm_rows import head_norm_backward
 from coda.kernels.gemm_rope import cached_freq_table
 from coda.kernels.linear_cross_entropy import logits_row_sum
 from coda.kernels.linear_cross_entropy_bwd import (
     ce_grad_weights,
+    final_norm_bwd_normed,
     row_scale,
     weight_grad_from_acc,
 )
@@ -342,12 +343,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 rows, op = chunk_rows_scaled(V), lib.lm_head_scaled
             ctx.want_dw = ctx.needs_input_grad[2]  # (a frozen LM head: no dW GEMM at all)
-            lse, tl, G, S, dw_acc = op(
+            lse, tl, G, coef, dw_acc = op(
                 y, w, ones, target, weight, rows, cfg, smooth, z_loss, ctx.want_dw
             )
-            # kept unrounded (G, S and dW in fp32): the backward applies the upstream
-            # gradient before the one rounding to bf16
-            ctx.save_for_backward(G, S, x2, gf, r, dw_acc, w_lm)
+            # kept unrounded (G, coef and dW in fp32): the backward adds G's target entries
+            # and applies the upstream gradient before the one rounding to bf16
+            # (the target entries read w_lm itself: under autocast no bf16 copy is kept)
+            ctx.save_for_backward(G, coef, target, x2, gf, r, dw_acc, w_lm)
             return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
         parts, tl = lib.lm_head_stats(y, w, ones, target, cfg)  # F6
         lse = combine_lse(parts)  # A3
@@ -360,8 +362,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, g):
         nones = (None,) * 8
         if ctx.method in ("chunked", "scaled_exp"):
-            G, S, x2, gf, r, dw_acc, w_lm = ctx.saved_tensors
-            dx2, dgf = final_norm_backward(G, S, x2, gf, r, g)
+            G, coef, target, x2, gf, r, dw_acc, w_lm = ctx.saved_tensors
+            dx2, dgf = head_norm_backward(G, coef, target, w_lm, x2, gf, r, g)
             dw = weight_grad_from_acc(dw_acc, g, w_lm) if ctx.want_dw else None
             return dx2, dgf.to(gf.dtype), dw, *nones
         x2, y, r, ones, lse, tl, target, gf, w = ctx.saved_tensors
@@ -372,5 +374,5 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         G, S, dw = lib.lm_head_bwd(
             y, w, ones, lse, tl, target, p_scale, chunk, cfg, hot=hot, shift=shift, want_dw=want_dw
         )  # B1 + B3 + B2
-        dx2, dgf = final_norm_backward(G, S, x2, gf, r)  # A4 + A5
+        dx2, dgf = fused(final_norm_bwd_normed)(G, S, x2, gf, r)  # A4 + A5
         return dx2, dgf.to(gf.dtype), dw.to(ctx.w_dtype) if want_dw else None, *nones

@@ -113,18 +113,23 @@ def test_cross_entropy_backward_loop(seed, reduction):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_cross_entropy_chunked_loop(seed, reduction):
     """CE-C (interpreted F6' per row chunk, the softmax-gradient row kernel, B2'/B3') gives the
-    loss and the g = 1 gradients of autograd, for every row-chunk size."""
+    loss and the g = 1 gradients of autograd, for every row-chunk size, the final norm's
+    backward adding G's target entries (``head_norm_bwd_torch``)."""
     d = random_dims(seed, M=(1, 90), d=(1, 24), V=(2, 300), rows=(1, 40))
     h, gamma, w, t, loss = _final_norm_ce_case(seed, d["M"], d["d"], d["V"], reduction)
     loss.backward()
+    from coda.kernels.final_norm_rows import head_norm_bwd_torch
+
     hd, gd, wd = h.detach(), gamma.detach(), w.detach()
-    a, r = hd * gd, rn_ref.rstd_ref(hd, 1e-5)
-    weight = ceb.row_scale(t, -100, reduction, torch.ones((), dtype=F64))
-    lse, tl, G, S, dw = cec.linear_cross_entropy_chunked(
-        a, wd, r, t, weight, d["rows"], SMALL, interpreted=True
+    r = rn_ref.rstd_ref(hd, 1e-5)
+    y, ones = hd * r[:, None] * gd, torch.ones_like(r)  # the normed operand, as the layer runs it
+    one = torch.ones((), dtype=F64)
+    weight = ceb.row_scale(t, -100, reduction, one)
+    lse, tl, G, coef, dw = cec.linear_cross_entropy_chunked(
+        y, wd, ones, t, weight, d["rows"], SMALL, interpreted=True
     )
     assert rel_err(ce_ref.ce_from_stats_ref(lse, tl, t, reduction=reduction), loss.detach()) < 1e-12
-    dh, dgamma = ceb.final_norm_bwd(G, S, hd, gd, r)
+    dh, dgamma = head_norm_bwd_torch(G, coef, t, wd, hd, gd, r, one)
     assert rel_err(dh, h.grad) < 1e-12 and rel_err(dgamma, gamma.grad) < 1e-12
     assert rel_err(dw, w.grad) < 1e-12
 

@@ -103,6 +103,16 @@ def _autograd_reference(a, w, rstd, t, weight, smoothing, z_loss):
     return lse.detach(), ly.detach(), a.grad, w.grad
 
 
+def _with_targets(G, coef, t, w):
+    """dL/da from the program's softmax share G and its target coefficients: G + coef W[:, y]
+    (the backward's first step, ``head_norm_backward``)."""
+    from coda.kernels.linear_cross_entropy_chunked import add_target_terms_torch
+
+    G = G.clone()
+    add_target_terms_torch(G, None, None, t, coef, w)
+    return G
+
+
 @pytest.mark.parametrize(
     "seed, M, d, V, rows, smoothing, z_loss",
     [
@@ -116,22 +126,23 @@ def _autograd_reference(a, w, rstd, t, weight, smoothing, z_loss):
 def test_three_gemm_method_equals_autograd(seed, M, d, V, rows, smoothing, z_loss):
     """CE-S end to end in float64 (GEMM1, the glue with the target fix, the dX and dW GEMMs
     through their A-operand transform, the rank-1 smoothing terms): lse, the target logit,
-    dL/da, S and dL/dW equal autograd's through the canonical loss."""
-    from coda.kernels.linear_cross_entropy_chunked import row_dot
+    dL/da (the softmax share plus the target entries) and dL/dW equal autograd's through the
+    canonical loss, and the softmax share alone is autograd's off the target entries."""
     from coda.primitives.aux import ce_row_weights
 
     a, w, rstd, t = _case(seed, M, d, V, scale=3.0)
     weight = ce_row_weights(t, -100, "mean", F64)
-    lse, tl, G, S, dw = cse.linear_cross_entropy_scaled(
+    lse, tl, G, coef, dw = cse.linear_cross_entropy_scaled(
         a, w, rstd, t, weight, rows=rows, interpreted=True, label_smoothing=smoothing, z_loss=z_loss
     )
     lse_r, ly_r, G_r, dw_r = _autograd_reference(a, w, rstd, t, weight, smoothing, z_loss)
     valid = t >= 0
     assert rel_err(lse, lse_r) < 1e-12
     assert rel_err(tl[valid], ly_r[valid]) < 1e-12
-    assert rel_err(G, G_r) < 1e-11
+    assert rel_err(_with_targets(G, coef, t, w), G_r) < 1e-11
     assert rel_err(dw, dw_r) < 1e-11
-    assert rel_err(S, row_dot(G_r, a, rstd)) < 1e-11
+    # the target entries' share, alone: coef_m W[:, y_m] is autograd's G less the rest
+    assert rel_err(_with_targets(torch.zeros_like(G), coef, t, w), G_r - G) < 1e-10
 
 
 def test_scale_a_strip_rules_are_coda_errors():
@@ -207,9 +218,10 @@ def test_far_tiles_stay_finite_in_bf16():
     logits = a @ w
     assert float(logits[0, :128].max() - logits[0, 128:].max()) > 100
     bf = torch.bfloat16
-    _, _, G, _, dw = cse.linear_cross_entropy_scaled(
+    _, _, G, coef, dw = cse.linear_cross_entropy_scaled(
         a.to(bf), w.to(bf), rstd.float(), t, weight.float(), rows=128, interpreted=True
     )
+    G = _with_targets(G, coef, t, w.to(bf))
     _, _, G_r, dw_r = _autograd_reference(a, w, rstd, t, weight, 0.0, 0.0)
     assert torch.isfinite(G).all() and torch.isfinite(dw.float()).all()
     assert rel_err(G, G_r) < 0.05 and rel_err(dw, dw_r) < 0.05
@@ -239,7 +251,7 @@ def test_three_gemm_method_fuzz_float64():
         reduction = rng.choice(["mean", "sum"])
         smoothing, z_loss = rng.choice([0.0, 0.1]), rng.choice([0.0, 1e-3])
         weight = ce_row_weights(t, -100, reduction, F64)
-        lse, tl, G, S, dw = cse.linear_cross_entropy_scaled(
+        lse, tl, G, coef, dw = cse.linear_cross_entropy_scaled(
             a,
             w,
             rstd,
@@ -256,7 +268,7 @@ def test_three_gemm_method_fuzz_float64():
         valid = t >= 0
         assert rel_err(tl[valid], ly_r[valid], floor=1.0) < 1e-12, what
         scale = max(float(G_r.abs().max()), float(dw_r.abs().max()), 1e-300)
-        assert rel_err(G, G_r, floor=scale) < 1e-11, what
+        assert rel_err(_with_targets(G, coef, t, w), G_r, floor=scale) < 1e-11, what
         assert rel_err(dw, dw_r, floor=scale) < 1e-11, what
 
 

@@ -1,8 +1,8 @@
 """The hand-written Triton kernels against their torch oracles: B11's row passes
 (``coda.kernels.row_passes`` vs ``drope.drope_heads``, ``qk_norm.dqk_norm_rope_heads``), the
 LM head's exact target entries (``coda.kernels.target_terms`` vs the torch form of
-``add_target_terms``) and its one-pass final-norm backward (``coda.kernels.final_norm_rows``
-vs ``final_norm_bwd_normed_scaled``): on the CPU through Triton's
+``add_target_terms``) and its final-norm backward with those entries folded in
+(``coda.kernels.final_norm_rows`` vs ``head_norm_bwd_torch``): on the CPU through Triton's
 interpreter (it must be switched on before triton is imported, so those cases run in a child
 process), compiled for sm_90 without a GPU, and on the H200.
 
@@ -127,68 +127,45 @@ def target_terms_case(M, d, V, how, hf_layout, seed=0, device="cpu"):
     return err, scale > 1e-300
 
 
-FINAL_NORM_CASES = [(37, 24), (64, 520), (5, 256), (130, 300)]  # (M, d): tiles cut both ways
+HEAD_NORM_CASES = [(37, 24, 40), (64, 520, 300), (5, 256, 7), (130, 300, 129)]  # (M, d, V)
 
 
-def final_norm_case(M, d, dtype, seed=0, device="cpu"):
-    """Largest error of (dh, dgamma) of the one-pass final-norm backward against its torch
-    form, in units of each output's largest magnitude."""
-    from coda.kernels.final_norm_rows import final_norm_bwd_triton
-    from coda.kernels.linear_cross_entropy_bwd import final_norm_bwd_normed_scaled
+def head_norm_case(M, d, V, dtype, seed=0, device="cpu", hf_layout=True):
+    """Largest error of (dh, dgamma) of the LM head's final-norm backward kernel (target
+    entries folded in) against its torch form, in units of each output's largest magnitude:
+    a third of the rows ignored (coef 0, target -100), W in HF's (V, d) storage or (d, V)."""
+    from coda.kernels.final_norm_rows import head_norm_bwd_torch, head_norm_bwd_triton
 
     g = torch.Generator(device=device).manual_seed(seed)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    G = torch.randn(M, d, generator=g, device=device, dtype=acc)
-    h = torch.randn(M, d, generator=g, device=device, dtype=dtype)
-    gamma = 1 + 0.1 * torch.randn(d, generator=g, device=device, dtype=dtype)
-    rstd = torch.rand(M, generator=g, device=device, dtype=acc) + 0.5
-    S = torch.randn(M, generator=g, device=device, dtype=acc) * d**0.5
+
+    def rnd(*shape, dt=acc):
+        return torch.randn(*shape, generator=g, device=device, dtype=dt)
+
+    G, h = rnd(M, d), rnd(M, d, dt=dtype)
+    w = rnd(V, d, dt=dtype).t() if hf_layout else rnd(d, V, dt=dtype)
+    target = torch.randint(0, V, (M,), generator=g, device=device)
+    target[::3] = -100
+    coef = rnd(M) * (target >= 0)
+    gamma, rstd = 1 + 0.1 * rnd(d, dt=dtype), rnd(M).abs() + 0.5
     up = torch.tensor(0.37, dtype=acc, device=device)
-    got = final_norm_bwd_triton(G, S, h, gamma, rstd, up)
-    ref = final_norm_bwd_normed_scaled(G, S, h, gamma, rstd, up)
+    got = head_norm_bwd_triton(G, coef, target, w, h, gamma, rstd, up)
+    ref = head_norm_bwd_torch(G, coef, target, w, h, gamma, rstd, up)
     return [((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
             for a, b in zip(got, ref)]  # fmt: skip
-
-
-def one_pass_in_lm_head(method):
-    """The LM head's kernel path (float64, any upstream gradient) with its final-norm backward
-    as the one-pass kernel against the same with the torch form: the largest relative error
-    of dx, dgamma, dW (the switch's wiring, both backward branches)."""
-    import coda.nn as cnn
-    from coda.kernels import final_norm_rows
-
-    torch.manual_seed(1)
-    M, d, V = 45, 40, 256
-    head = cnn.LMHeadLoss(d, V, method=method, dtype=torch.float64)
-    with torch.no_grad():
-        head.final_norm.add_(0.1 * torch.randn_like(head.final_norm))
-    t = torch.randint(0, V, (M,))
-    t[::6] = -100
-    x0, dl = torch.randn(M, d, dtype=torch.float64), torch.tensor(0.7, dtype=torch.float64)
-    grads = []
-    for one_pass in (False, True):
-        final_norm_rows.ONE_PASS = one_pass
-        x = x0.clone().requires_grad_(True)
-        head.zero_grad(set_to_none=True)
-        head._kernel_loss(x, t, "mean").backward(dl)
-        grads.append([x.grad, head.final_norm.grad, head.weight.grad.t()])
-    final_norm_rows.ONE_PASS = False
-    return [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*grads)]
 
 
 _CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
-from test_row_passes import CASES, FINAL_NORM_CASES, TARGET_CASES, final_norm_case
-from test_row_passes import one_pass_in_lm_head
+from test_row_passes import CASES, HEAD_NORM_CASES, TARGET_CASES, head_norm_case
 from test_row_passes import row_pass_case, target_terms_case
 from coda.kernels.row_passes import LAUNCH_SHAPES
 out = []
 for dtype in (torch.float64, torch.bfloat16):
-    for i, case in enumerate(FINAL_NORM_CASES):
-        out.append(["final_norm " + str(dtype), case, {"err": final_norm_case(*case, dtype, i)}])
-for method in ("recompute", "scaled_exp"):  # the one-pass final norm inside the LM head
-    out.append(["one_pass " + method, method, {"err": one_pass_in_lm_head(method)}])
+    for i, case in enumerate(HEAD_NORM_CASES):
+        err = head_norm_case(*case, dtype, i, hf_layout=bool(i % 2))
+        out.append(["head_norm " + str(dtype), case, {"err": err}])
 # every row count the launch shapes give: rows across programs (the interpreter runs a
 # program as whole arrays, so its warp count changes nothing here; every (rows, warps)
 # compiles for sm_90 in test_row_passes_compile_at_every_launch_shape)
@@ -211,7 +188,7 @@ def test_row_passes_in_triton_interpreter_equal_oracles():
 
     row_counts = {bm for bm, _ in LAUNCH_SHAPES}
     n_cases = len(row_counts) + 2 * len(CASES) + 2 * len(TARGET_CASES)
-    assert len(results) == n_cases + 2 * len(FINAL_NORM_CASES) + 2
+    assert len(results) == n_cases + 2 * len(HEAD_NORM_CASES)
     for dtype, case, errs in results:
         if dtype == "target_terms":
             err, added = errs["err"]
@@ -266,10 +243,10 @@ def test_row_passes_compile_for_sm90(head_dim):
 
 
 @pytest.mark.compile
-def test_final_norm_pass_compiles_for_sm90():
-    from coda.kernels.final_norm_rows import compile_final_norm_bwd
+def test_head_norm_pass_compiles_for_sm90():
+    from coda.kernels.final_norm_rows import compile_head_norm_bwd
 
-    assert compile_final_norm_bwd() > 0
+    assert compile_head_norm_bwd() > 0
 
 
 @pytest.mark.compile
@@ -291,11 +268,12 @@ def test_gpu_row_passes_equal_oracles(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", FINAL_NORM_CASES + [(16384, 2048), (4099, 4096)])
-def test_gpu_final_norm_pass_equals_torch_form(case):
+@pytest.mark.parametrize("case", HEAD_NORM_CASES + [(16384, 2048, 32768), (4099, 4096, 128256)])
+def test_gpu_head_norm_pass_equals_torch_form(case):
     for dtype in (torch.float64, torch.bfloat16):
-        errs = final_norm_case(*case, dtype, device="cuda")
-        assert max(errs) <= _bound(dtype), (dtype, case, errs)
+        for hf_layout in (True, False):
+            errs = head_norm_case(*case, dtype, device="cuda", hf_layout=hf_layout)
+            assert max(errs) <= _bound(dtype), (dtype, case, hf_layout, errs)
 
 
 @pytest.mark.gpu

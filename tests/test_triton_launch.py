@@ -122,7 +122,7 @@ def test_gpu_direct_launches_equal_tritons_own(monkeypatch):
     """Every coda Triton kernel on the H200, launched by Triton's own call and then (its key
     seen once) directly: the same bits, at an odd token count and with a 2-byte-misaligned
     input (a key of its own, compiled without the alignment assumption)."""
-    from coda.kernels.final_norm_rows import final_norm_bwd_triton
+    from coda.kernels.final_norm_rows import head_norm_bwd_triton
     from coda.kernels.norm_rows import CORR, RSTD, norm_rows_triton, row_stat_triton
     from coda.kernels.row_passes import drope_heads_triton
     from coda.kernels.target_terms import add_target_terms_triton
@@ -146,7 +146,7 @@ def test_gpu_direct_launches_equal_tritons_own(monkeypatch):
     target = torch.randint(0, V, (M,), generator=g, device="cuda")
     target[::7] = -100
     coef = r(M, dt=f32) * (target >= 0)
-    G0, D0, S0, up = r(M, d, dt=f32), r(V, d, dt=f32), r(M, dt=f32), r((), dt=f32)
+    G0, D0, up = r(M, d, dt=f32), r(V, d, dt=f32), r((), dt=f32)
 
     def every_kernel():
         G, D = G0.clone(), D0.clone()
@@ -159,7 +159,7 @@ def test_gpu_direct_launches_equal_tritons_own(monkeypatch):
             *drope_heads_triton(dq, dk, dv, qkv, rstd, theta.cos(), theta.sin(), H + Hkv, hd, d),
             G,
             D,
-            *final_norm_bwd_triton(G0, S0, x, gamma, rstd, up),
+            *head_norm_bwd_triton(G0, coef, target, w, x, gamma, rstd, up),
         ]
 
     monkeypatch.setattr(_triton, "FAST_LAUNCH", False)

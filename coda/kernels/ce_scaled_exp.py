@@ -20,8 +20,10 @@ the gradient GEMMs read E itself, scaled per (row, 64 columns) on its way into t
           (``scaled_glue``)
     dX    G = c (.) ((u (.) E') @ W^T)        fp32, the final norm's backward follows
     dW    dW^T (+)= (u (.) E')^T @ xs         fp32, TMA reduce-add over token chunks
-    hot   G[m] += h_m W[:, y_m], dW^T[y_m] += h_m a_m with h = r w (alpha p_y - (1 - eps)) in
-          fp32 (``add_target_terms``): the one large entry per row never rounded to bf16
+    hot   dW^T[y_m] += h_m a_m with h = r w (alpha p_y - (1 - eps)) in fp32
+          (``add_target_terms``), and G's share G[m] += h_m W[:, y_m] in the backward, on its
+          way through the final norm (``final_norm_rows.head_norm_backward``): the one large
+          entry per row never rounded to bf16
 
 GEMM1's tile must cover whole N-tiles of V (tile_n | V): the maximum is over the tile's own
 columns, which a ragged last tile would pad with zeros; the strips need V % 128 == 0.
@@ -43,7 +45,7 @@ import triton.language as tl
 from coda.kernels._launch import acc_dtype, example_operands, fused, launch
 from coda.kernels._triton import cdiv, compile_sm90, kernel, on_triton
 from coda.kernels.config import GemmConfig
-from coda.kernels.linear_cross_entropy_chunked import add_target_terms, row_dot, target_coef
+from coda.kernels.linear_cross_entropy_chunked import add_target_terms, target_coef
 from coda.primitives import (
     ColLoad,
     ColSelect,
@@ -312,7 +314,8 @@ def linear_cross_entropy_scaled(
 ):
     """CE-S, forward stats and g = 1 gradients in three GEMMs per token chunk (GEMM1 storing
     E, dX and dW reading E through the A-operand transform). Returns (lse, target_logit,
-    G (M x d, fp32), S, dW_lm) as ``linear_cross_entropy_chunked`` does, dW_lm the fp32
+    G (M x d, fp32, the softmax share), coef, dW_lm) as ``linear_cross_entropy_chunked`` does
+    (G + coef W[:, y] is dL/da: the backward adds the target entries), dW_lm the fp32
     accumulator as a (d, V) view of its (V, d) storage (without ``want_dw``, a frozen weight:
     no dW GEMM, an empty (d, 0) dW_lm). ``weight``: the per-row loss weight (1/M_valid or 1;
     0 on ignored rows). V must be a multiple of 128."""
@@ -326,7 +329,7 @@ def linear_cross_entropy_scaled(
     acc = acc_dtype(a)
     rows = max(128, rows // 128 * 128)
     lse = torch.empty(M, dtype=acc, device=a.device)
-    y_logit = torch.empty_like(lse)
+    y_logit, coefs = torch.empty_like(lse), torch.empty_like(lse)
     G = torch.empty(M, d, dtype=acc, device=a.device)
     # dW^T, summed over chunks in fp32
     dw_t = torch.empty(V if want_dw else 0, d, dtype=acc, device=a.device)
@@ -356,8 +359,9 @@ def linear_cross_entropy_scaled(
         scaled_grad_dx_kernel(e, w_lm, u, c, G_c)
         if want_dw:
             scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
-        add_target_terms(G_c, dw_t if want_dw else None, a_c, t_c, coef, w_lm)  # exact, fp32
-        lse[R], y_logit[R] = lse_c[:n], tl_c[:n]
+        if want_dw:  # exact, fp32 (G's share: in the backward)
+            add_target_terms(None, dw_t, a_c, t_c, coef, w_lm)
+        lse[R], y_logit[R], coefs[R] = lse_c[:n], tl_c[:n], coef[:n]
         if C != n:
             G[R] = G_c[:n]
         if label_smoothing:
@@ -367,8 +371,7 @@ def linear_cross_entropy_scaled(
         G -= shift * (rstd * weight.to(acc))[:, None] * w_lm.sum(1, dtype=acc)[None, :]
         if want_dw:
             dw_t -= shift * smooth_sum[None, :]
-    S = row_dot(G, a, rstd) if interpreted else fused(row_dot)(G, a, rstd)
-    return lse, y_logit, G, S, dw_t.t()
+    return lse, y_logit, G, coefs, dw_t.t()
 
 
 def compile_scaled_grad_dx(d: int, v: int, *, m: int = 256, config=None) -> int:

@@ -18,9 +18,11 @@ QuACK chunked design). For each chunk of rows R (one chunk of logits live at a t
     B3'  dW_lm (+)= a[R]^T @ dz~           quack GEMM whose TMA store reduce-adds the fp32
                                            result into one fp32 dW (the first chunk stores):
                                            no bf16 rounding per chunk, no separate add pass
-    hot  the target entries, exact in fp32 (``add_target_terms``, shared with CE-S)
-then   S = sum_j G_j a_j / rstd (the final norm's statistic, = sum_n dl_n l_n / rstd, one
-       pass over M x d) and dh = gamma * G + corr * h, dgamma = sum_m G * h.
+    hot  the target entries, exact in fp32: dW's added here (``add_target_terms``, shared
+         with CE-S), G's left to the backward, which adds them on its way through the final
+         norm (``final_norm_rows.head_norm_backward``: G + coef W[y], S, dh and dgamma in one
+         program per row block), so the returned G is the softmax share and coef the target
+         entries' per-row coefficient.
 
 Extra memory: one chunk of fp32 logits and its bf16 dz~ (``chunk_rows``: 384 MiB together),
 the fp32 G and the fp32 d x V dW, both kept to the backward (which applies g and rounds once).
@@ -115,7 +117,8 @@ def target_coef(tl, lse, rstd, weight, label_smoothing=0.0, z_loss=0.0, shift=0.
 
 def add_target_terms(G, dw_t, a, target, coef, w_lm):
     """The target entries' share of both gradients, added in fp32 outside the GEMMs (whose
-    operands hold 0 there): G[m] += coef_m W[:, y_m] and dW^T[y_m] += coef_m a_m.
+    operands hold 0 there): G[m] += coef_m W[:, y_m] and dW^T[y_m] += coef_m a_m (G None:
+    dW's share only, G's being added by the final norm's backward, ``head_norm_backward``).
 
     Why: a bf16 target entry is the one large value of its row, and on near-uniform rows
     (early training) all rows' entries are nearly the same number, so their roundings add up
@@ -125,7 +128,7 @@ def add_target_terms(G, dw_t, a, target, coef, w_lm):
     accumulator (None: no dW wanted); the sums run in a fixed order (sorted by target), so
     deterministically. Rows whose target is ignored (or padding) have weight 0, so coef 0:
     their clamped index adds 0."""
-    if on_triton(G):  # the same in two Triton kernels (``target_terms``)
+    if on_triton(a):  # the same in two Triton kernels (``target_terms``)
         return add_target_terms_triton(G, dw_t, a, target, coef, w_lm)
     return add_target_terms_torch(G, dw_t, a, target, coef, w_lm)
 
@@ -133,15 +136,10 @@ def add_target_terms(G, dw_t, a, target, coef, w_lm):
 def add_target_terms_torch(G, dw_t, a, target, coef, w_lm):
     """``add_target_terms`` in torch: the CPU path, and the Triton kernels' oracle."""
     y = target.clamp(0, w_lm.shape[1] - 1).long()
-    G.addcmul_(coef[:, None], w_lm.t()[y].to(G.dtype))
+    if G is not None:
+        G.addcmul_(coef[:, None], w_lm.t()[y].to(G.dtype))
     if dw_t is not None:
         dw_t.index_put_((y,), coef[:, None] * a.to(dw_t.dtype), accumulate=True)
-
-
-def row_dot(G, a, rstd):
-    """S[m] = sum_j G[m, j] a[m, j] / rstd[m], accumulated in fp32 (float64 for proofs)."""
-    acc = torch.float64 if G.dtype == torch.float64 else torch.float32
-    return (G.to(acc) * a.to(acc)).sum(-1) / rstd
 
 
 def g_config(rows: int, v: int, d: int) -> GemmConfig:
@@ -177,9 +175,10 @@ def linear_cross_entropy_chunked(
     z_loss: float = 0.0,
     want_dw: bool = True,
 ):
-    """Forward stats and g = 1 gradients. Returns (lse, target_logit, G (M x d), S, dW_lm),
-    dW_lm fp32 in w_lm's layout (rounded once, with the upstream gradient, by
-    ``weight_grad_from_acc``). ``weight`` is the per-row loss weight (1/M_valid or 1; 0 on
+    """Forward stats and g = 1 gradients. Returns (lse, target_logit, G (M x d), coef (M,),
+    dW_lm): G the softmax share of dL/da, whose target entries G + coef W[:, y] adds (the
+    backward does, ``head_norm_backward``), dW_lm complete, fp32 in w_lm's layout (rounded
+    once, with the upstream gradient, by ``weight_grad_from_acc``). ``weight`` is the per-row loss weight (1/M_valid or 1; 0 on
     ignored rows). Without ``want_dw`` (a frozen weight) dW's GEMMs are not run and dW_lm is
     an empty (d, 0) tensor: no V x d accumulator."""
     M, d = a.shape
@@ -187,6 +186,7 @@ def linear_cross_entropy_chunked(
     lse = torch.empty(M, dtype=acc_dtype(a), device=a.device)
     tl = torch.empty_like(lse)
     G = torch.empty(M, d, dtype=acc_dtype(a), device=a.device)
+    coefs = torch.empty_like(lse)
     dz = torch.empty(min(rows, M), V, dtype=a.dtype, device=a.device)
     # dW sums one partial product per token chunk in fp32 (the GEMM reduce-adds its fp32 tile
     # into it); the backward rounds it to w_lm's dtype once, with the upstream gradient, in
@@ -221,7 +221,7 @@ def linear_cross_entropy_chunked(
         if want_dw:
             A, B, D, cfg = dw_gemm(a[R], dzr, dw, rows)
             launch(passthrough, A, B, config=cfg, d=D, add_to_output=r0 > 0)
-        coef = target_coef(
+        coefs[R] = target_coef(
             tl[R],
             lse[R],
             rstd[R],
@@ -230,9 +230,9 @@ def linear_cross_entropy_chunked(
             z_loss,
             label_smoothing / V,
         )
-        add_target_terms(G[R], dw.t() if want_dw else None, a[R], target[R], coef, w_lm)
-    S = row_dot(G, a, rstd) if interpreted else fused(row_dot)(G, a, rstd)
-    return lse, tl, G, S, dw
+        if want_dw:
+            add_target_terms(None, dw.t(), a[R], target[R], coefs[R], w_lm)
+    return lse, tl, G, coefs, dw
 
 
 def compile_logits_chunk(d, v, *, w_major="n", config=DEFAULT, m=256) -> int:

@@ -78,29 +78,29 @@ def _scatter_kernel(
 
 def add_target_terms_triton(G, dw_t, a, target, coef, w_lm):
     """``add_target_terms`` (same arguments) in two kernels. G (M, d) and dw_t (V, d) fp32
-    (float64 in proofs) with unit column stride, or dw_t None (a frozen weight: the scatter
-    kernel not launched); w_lm (d, V) in either layout."""
+    (float64 in proofs) with unit column stride, either None (the gather kernel not launched
+    without G, the scatter kernel not without dw_t: a frozen weight); w_lm (d, V) in either
+    layout."""
     M, d = a.shape
     V = w_lm.shape[1]
-    assert G.stride(1) == 1 and a.stride(1) == 1 and (dw_t is None or dw_t.stride(1) == 1)
-    if M == 0:
+    assert a.stride(1) == 1 and all(t is None or t.stride(1) == 1 for t in (G, dw_t))
+    if M == 0 or (G is None and dw_t is None):
         return
     # int32 keys: the radix sort makes half the passes it makes over int64 (V < 2^31)
     keys = torch.where((target >= 0) & (target < V), target, V).to(torch.int32)
     keys, order = torch.sort(keys, stable=True)
-    acc = acc_type(G)
-    grid = (cdiv(M, ROWS), cdiv(d, COLS))
-    kernel(_gather_kernel)[grid](
-        G, w_lm, keys, order, coef, M, V, d, G.stride(0), w_lm.stride(0), w_lm.stride(1),
-        BM=ROWS, BD=COLS, ACC=acc,
-    )  # fmt: skip
-    if dw_t is None:
-        return
-    grid = (cdiv(M, CH), cdiv(d, BD))
-    kernel(_scatter_kernel)[grid](
-        dw_t, a, keys, order, coef, M, V, d, dw_t.stride(0), a.stride(0),
-        CH=CH, BD=BD, ACC=acc,
-    )  # fmt: skip
+    if G is not None:
+        grid = (cdiv(M, ROWS), cdiv(d, COLS))
+        kernel(_gather_kernel)[grid](
+            G, w_lm, keys, order, coef, M, V, d, G.stride(0), w_lm.stride(0), w_lm.stride(1),
+            BM=ROWS, BD=COLS, ACC=acc_type(G),
+        )  # fmt: skip
+    if dw_t is not None:
+        grid = (cdiv(M, CH), cdiv(d, BD))
+        kernel(_scatter_kernel)[grid](
+            dw_t, a, keys, order, coef, M, V, d, dw_t.stride(0), a.stride(0),
+            CH=CH, BD=BD, ACC=acc_type(dw_t),
+        )  # fmt: skip
 
 
 def compile_target_terms(arch: int = 90) -> list[int]:
