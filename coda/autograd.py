@@ -343,13 +343,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 rows, op = chunk_rows_scaled(V), lib.lm_head_scaled
             ctx.want_dw = ctx.needs_input_grad[2]  # (a frozen LM head: no dW GEMM at all)
-            lse, tl, G, coef, dw_acc = op(
+            lse, tl, G, coef, S, dw_acc = op(
                 y, w, ones, target, weight, rows, cfg, smooth, z_loss, ctx.want_dw
             )
             # kept unrounded (G, coef and dW in fp32): the backward adds G's target entries
             # and applies the upstream gradient before the one rounding to bf16
             # (the target entries read w_lm itself: under autocast no bf16 copy is kept)
-            ctx.save_for_backward(G, coef, target, x2, gf, r, dw_acc, w_lm)
+            ctx.save_for_backward(G, coef, S, target, x2, gf, r, dw_acc, w_lm)
             return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
         parts, tl = lib.lm_head_stats(y, w, ones, target, cfg)  # F6
         lse = combine_lse(parts)  # A3
@@ -362,8 +362,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, g):
         nones = (None,) * 8
         if ctx.method in ("chunked", "scaled_exp"):
-            G, coef, target, x2, gf, r, dw_acc, w_lm = ctx.saved_tensors
-            dx2, dgf = head_norm_backward(G, coef, target, w_lm, x2, gf, r, g)
+            G, coef, S, target, x2, gf, r, dw_acc, w_lm = ctx.saved_tensors
+            dx2, dgf = head_norm_backward(G, coef, S, target, w_lm, x2, gf, r, g)
             dw = weight_grad_from_acc(dw_acc, g, w_lm) if ctx.want_dw else None
             return dx2, dgf.to(gf.dtype), dw, *nones
         x2, y, r, ones, lse, tl, target, gf, w = ctx.saved_tensors

@@ -125,11 +125,11 @@ def test_cross_entropy_chunked_loop(seed, reduction):
     y, ones = hd * r[:, None] * gd, torch.ones_like(r)  # the normed operand, as the layer runs it
     one = torch.ones((), dtype=F64)
     weight = ceb.row_scale(t, -100, reduction, one)
-    lse, tl, G, coef, dw = cec.linear_cross_entropy_chunked(
+    lse, tl, G, coef, S, dw = cec.linear_cross_entropy_chunked(
         y, wd, ones, t, weight, d["rows"], SMALL, interpreted=True
     )
     assert rel_err(ce_ref.ce_from_stats_ref(lse, tl, t, reduction=reduction), loss.detach()) < 1e-12
-    dh, dgamma = head_norm_bwd_torch(G, coef, t, wd, hd, gd, r, one)
+    dh, dgamma = head_norm_bwd_torch(G, coef, S, t, wd, hd, gd, r, one)
     assert rel_err(dh, h.grad) < 1e-12 and rel_err(dgamma, gamma.grad) < 1e-12
     assert rel_err(dw, w.grad) < 1e-12
 

@@ -41,9 +41,9 @@ def _case(seed, M, d, V, scale=1.0):
 def test_kernel_equals_its_definition_and_the_softmax(seed, M, d, V, tile_m, tile_n):
     a, w, rstd, t = _case(seed, M, d, V, scale=8.0)
     cfg = GemmConfig(tile_m=tile_m, tile_n=tile_n)
-    e, s, k, tl = cse.scaled_exp_logits_kernel(a, w, rstd, t, cfg)
+    e, s, q, k, tl = cse.scaled_exp_logits_kernel(a, w, rstd, t, cfg)
     want = scaled_exp_logits_ref(a, w, rstd, t, tile_n)
-    for got, ref in zip((e, s, k, tl), want):
+    for got, ref in zip((e, s, q, k, tl), want):
         assert rel_err(got, ref, floor=1.0) < 1e-12
     # the reparameterization: k integers, E <= sqrt 2, E 2^k = exp(l), lse and softmax exact
     assert torch.equal(k, k.round()) and float(e.max()) <= math.sqrt(2) * (1 + 1e-12)
@@ -57,7 +57,10 @@ def test_kernel_equals_its_definition_and_the_softmax(seed, M, d, V, tile_m, til
     v = torch.exp2(K[:, 0]) * torch.exp(-lse)
     p = torch.exp2(k - K).repeat_interleave(tile_n, dim=1) * v[:, None] * e
     assert rel_err(p, torch.softmax(logits, dim=1)) < 1e-12
-    assert s.shape == k.shape == (M, T)
+    # the partials of E l give the softmax mean of the logits (CE-S's norm statistic)
+    mean = (torch.exp2(k - K) * q).sum(1) * v
+    assert rel_err(mean, (torch.softmax(logits, dim=1) * logits).sum(1), floor=1.0) < 1e-12
+    assert s.shape == q.shape == k.shape == (M, T)
     hit = t >= 0
     assert torch.equal(tl[~hit], torch.zeros_like(tl[~hit]))
 
@@ -66,8 +69,8 @@ def test_no_overflow_at_large_logits_in_fp32():
     """Logits in the thousands: exp(l) overflows fp32, the scaled form does not."""
     a, w, rstd, t = _case(5, 64, 16, 128, scale=4000.0)
     cfg = GemmConfig(tile_m=64, tile_n=64)
-    e, s, k, _ = cse.scaled_exp_logits_kernel(a.float(), w.float(), rstd.float(), t, cfg)
-    assert torch.isfinite(e).all() and torch.isfinite(s).all()
+    e, s, q, k, _ = cse.scaled_exp_logits_kernel(a.float(), w.float(), rstd.float(), t, cfg)
+    assert torch.isfinite(e).all() and torch.isfinite(s).all() and torch.isfinite(q).all()
     logits = rstd[:, None] * (a @ w)
     assert float(logits.abs().max()) > 1000
     lse = cse.lse_from_scaled(s.double(), k.double())
@@ -126,13 +129,14 @@ def _with_targets(G, coef, t, w):
 def test_three_gemm_method_equals_autograd(seed, M, d, V, rows, smoothing, z_loss):
     """CE-S end to end in float64 (GEMM1, the glue with the target fix, the dX and dW GEMMs
     through their A-operand transform, the rank-1 smoothing terms): lse, the target logit,
-    dL/da (the softmax share plus the target entries) and dL/dW equal autograd's through the
-    canonical loss, and the softmax share alone is autograd's off the target entries."""
+    dL/da (the softmax share plus the target entries), the final norm's statistic S from
+    GEMM1's partials and dL/dW equal autograd's through the canonical loss, and the softmax
+    share alone is autograd's off the target entries."""
     from coda.primitives.aux import ce_row_weights
 
     a, w, rstd, t = _case(seed, M, d, V, scale=3.0)
     weight = ce_row_weights(t, -100, "mean", F64)
-    lse, tl, G, coef, dw = cse.linear_cross_entropy_scaled(
+    lse, tl, G, coef, S, dw = cse.linear_cross_entropy_scaled(
         a, w, rstd, t, weight, rows=rows, interpreted=True, label_smoothing=smoothing, z_loss=z_loss
     )
     lse_r, ly_r, G_r, dw_r = _autograd_reference(a, w, rstd, t, weight, smoothing, z_loss)
@@ -143,6 +147,7 @@ def test_three_gemm_method_equals_autograd(seed, M, d, V, rows, smoothing, z_los
     assert rel_err(dw, dw_r) < 1e-11
     # the target entries' share, alone: coef_m W[:, y_m] is autograd's G less the rest
     assert rel_err(_with_targets(torch.zeros_like(G), coef, t, w), G_r - G) < 1e-10
+    assert rel_err(S, (G_r * a).sum(-1) / rstd) < 1e-11
 
 
 def test_scale_a_strip_rules_are_coda_errors():
@@ -218,7 +223,7 @@ def test_far_tiles_stay_finite_in_bf16():
     logits = a @ w
     assert float(logits[0, :128].max() - logits[0, 128:].max()) > 100
     bf = torch.bfloat16
-    _, _, G, coef, dw = cse.linear_cross_entropy_scaled(
+    _, _, G, coef, _, dw = cse.linear_cross_entropy_scaled(
         a.to(bf), w.to(bf), rstd.float(), t, weight.float(), rows=128, interpreted=True
     )
     G = _with_targets(G, coef, t, w.to(bf))
@@ -251,7 +256,7 @@ def test_three_gemm_method_fuzz_float64():
         reduction = rng.choice(["mean", "sum"])
         smoothing, z_loss = rng.choice([0.0, 0.1]), rng.choice([0.0, 1e-3])
         weight = ce_row_weights(t, -100, reduction, F64)
-        lse, tl, G, coef, dw = cse.linear_cross_entropy_scaled(
+        lse, tl, G, coef, S, dw = cse.linear_cross_entropy_scaled(
             a,
             w,
             rstd,
@@ -270,6 +275,8 @@ def test_three_gemm_method_fuzz_float64():
         scale = max(float(G_r.abs().max()), float(dw_r.abs().max()), 1e-300)
         assert rel_err(_with_targets(G, coef, t, w), G_r, floor=scale) < 1e-11, what
         assert rel_err(dw, dw_r, floor=scale) < 1e-11, what
+        S_r = (G_r * a).sum(-1) / rstd
+        assert rel_err(S, S_r, floor=max(float(S_r.abs().max()), 1e-300)) < 1e-11, what
 
 
 def test_lm_head_loss_names_the_vocabulary_rule(monkeypatch):

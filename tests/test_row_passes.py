@@ -127,13 +127,14 @@ def target_terms_case(M, d, V, how, hf_layout, seed=0, device="cpu"):
     return err, scale > 1e-300
 
 
-HEAD_NORM_CASES = [(37, 24, 40), (64, 520, 300), (5, 256, 7), (130, 300, 129)]  # (M, d, V)
+HEAD_NORM_CASES = [(37, 24, 40), (64, 520, 300), (5, 256, 7), (4200, 40, 129)]  # (M, d, V)
 
 
 def head_norm_case(M, d, V, dtype, seed=0, device="cpu", hf_layout=True):
     """Largest error of (dh, dgamma) of the LM head's final-norm backward kernel (target
     entries folded in) against its torch form, in units of each output's largest magnitude:
-    a third of the rows ignored (coef 0, target -100), W in HF's (V, d) storage or (d, V)."""
+    a third of the rows ignored (coef 0, target -100), W in HF's (V, d) storage or (d, V),
+    row counts over and under the kernel's P row groups of BM rows."""
     from coda.kernels.final_norm_rows import head_norm_bwd_torch, head_norm_bwd_triton
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -146,11 +147,11 @@ def head_norm_case(M, d, V, dtype, seed=0, device="cpu", hf_layout=True):
     w = rnd(V, d, dt=dtype).t() if hf_layout else rnd(d, V, dt=dtype)
     target = torch.randint(0, V, (M,), generator=g, device=device)
     target[::3] = -100
-    coef = rnd(M) * (target >= 0)
+    coef, S = rnd(M) * (target >= 0), rnd(M) * d**0.5
     gamma, rstd = 1 + 0.1 * rnd(d, dt=dtype), rnd(M).abs() + 0.5
     up = torch.tensor(0.37, dtype=acc, device=device)
-    got = head_norm_bwd_triton(G, coef, target, w, h, gamma, rstd, up)
-    ref = head_norm_bwd_torch(G, coef, target, w, h, gamma, rstd, up)
+    got = head_norm_bwd_triton(G, coef, S, target, w, h, gamma, rstd, up)
+    ref = head_norm_bwd_torch(G, coef, S, target, w, h, gamma, rstd, up)
     return [((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
             for a, b in zip(got, ref)]  # fmt: skip
 

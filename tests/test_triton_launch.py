@@ -146,7 +146,7 @@ def test_gpu_direct_launches_equal_tritons_own(monkeypatch):
     target = torch.randint(0, V, (M,), generator=g, device="cuda")
     target[::7] = -100
     coef = r(M, dt=f32) * (target >= 0)
-    G0, D0, up = r(M, d, dt=f32), r(V, d, dt=f32), r((), dt=f32)
+    G0, D0, S0, up = r(M, d, dt=f32), r(V, d, dt=f32), r(M, dt=f32), r((), dt=f32)
 
     def every_kernel():
         G, D = G0.clone(), D0.clone()
@@ -159,7 +159,7 @@ def test_gpu_direct_launches_equal_tritons_own(monkeypatch):
             *drope_heads_triton(dq, dk, dv, qkv, rstd, theta.cos(), theta.sin(), H + Hkv, hd, d),
             G,
             D,
-            *head_norm_bwd_triton(G0, coef, target, w, x, gamma, rstd, up),
+            *head_norm_bwd_triton(G0, coef, S0, target, w, x, gamma, rstd, up),
         ]
 
     monkeypatch.setattr(_triton, "FAST_LAUNCH", False)

@@ -285,12 +285,13 @@ def _lm_head_gradients_fake(
     stat = _empty(M, like=a, dtype=acc)
     dw = _empty(w.shape[1] if want_dw else 0, w.shape[0], like=a, dtype=acc).t()
     g = _empty(M, d, like=a, dtype=acc)
-    return stat, torch.empty_like(stat), g, torch.empty_like(stat), dw
+    return stat, torch.empty_like(stat), g, torch.empty_like(stat), torch.empty_like(stat), dw
 
 
 def _lm_head_gradients_op(name: str, program):
     """The custom op of an LM-head program that forms its g = 1 gradients in the forward
-    (CE-C, CE-S): (lse, target logit, G, S, dW fp32) with one schema."""
+    (CE-C, CE-S): (lse, target logit, G, coef, S, dW fp32) with one schema: G the softmax
+    share of dL/da, coef its target entries' coefficient per row."""
 
     @torch.library.custom_op(f"coda::{name}", mutates_args=())
     def op(
@@ -304,7 +305,7 @@ def _lm_head_gradients_op(name: str, program):
         label_smoothing: float,
         z_loss: float,
         want_dw: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg_ = _gc(cfg)
         options = {"label_smoothing": label_smoothing, "z_loss": z_loss, "want_dw": want_dw}
         return program(a, w, rstd, target, weight, rows, cfg_, **options)

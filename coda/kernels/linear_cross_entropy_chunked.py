@@ -20,9 +20,11 @@ QuACK chunked design). For each chunk of rows R (one chunk of logits live at a t
                                            no bf16 rounding per chunk, no separate add pass
     hot  the target entries, exact in fp32: dW's added here (``add_target_terms``, shared
          with CE-S), G's left to the backward, which adds them on its way through the final
-         norm (``final_norm_rows.head_norm_backward``: G + coef W[y], S, dh and dgamma in one
-         program per row block), so the returned G is the softmax share and coef the target
-         entries' per-row coefficient.
+         norm (``final_norm_rows.head_norm_backward``: G + coef W[y], dh and dgamma in one
+         pass), so the returned G is the softmax share and coef the target entries' per-row
+         coefficient
+then   S = sum_j (G + coef W[:, y])_j a_j / rstd (the final norm's statistic, = sum_n dl_n l_n /
+       rstd; one pass over M x d, ``norm_stat``).
 
 Extra memory: one chunk of fp32 logits and its bf16 dz~ (``chunk_rows``: 384 MiB together),
 the fp32 G and the fp32 d x V dW, both kept to the backward (which applies g and rounds once).
@@ -142,6 +144,14 @@ def add_target_terms_torch(G, dw_t, a, target, coef, w_lm):
         dw_t.index_put_((y,), coef[:, None] * a.to(dw_t.dtype), accumulate=True)
 
 
+def norm_stat(G, a, rstd, coef, target_logit):
+    """S[m] = sum_j (G + coef W[:, y])[m, j] a[m, j] / rstd[m] from the softmax share G: its
+    row dot plus the target entry's, coef l_y / rstd (l_y = rstd W[:, y] . a), accumulated
+    in fp32 (float64 for proofs)."""
+    acc = torch.float64 if G.dtype == torch.float64 else torch.float32
+    return ((G.to(acc) * a.to(acc)).sum(-1) + coef * target_logit / rstd) / rstd
+
+
 def g_config(rows: int, v: int, d: int) -> GemmConfig:
     """Tile config of B2' (rows x d, K = V)."""
     return config_for("passthrough", rows, v, d)
@@ -175,10 +185,11 @@ def linear_cross_entropy_chunked(
     z_loss: float = 0.0,
     want_dw: bool = True,
 ):
-    """Forward stats and g = 1 gradients. Returns (lse, target_logit, G (M x d), coef (M,),
+    """Forward stats and g = 1 gradients. Returns (lse, target_logit, G (M x d), coef (M,), S,
     dW_lm): G the softmax share of dL/da, whose target entries G + coef W[:, y] adds (the
-    backward does, ``head_norm_backward``), dW_lm complete, fp32 in w_lm's layout (rounded
-    once, with the upstream gradient, by ``weight_grad_from_acc``). ``weight`` is the per-row loss weight (1/M_valid or 1; 0 on
+    backward does, ``head_norm_backward``), S the final norm's statistic, dW_lm complete,
+    fp32 in w_lm's layout (rounded once, with the upstream gradient, by
+    ``weight_grad_from_acc``). ``weight`` is the per-row loss weight (1/M_valid or 1; 0 on
     ignored rows). Without ``want_dw`` (a frozen weight) dW's GEMMs are not run and dW_lm is
     an empty (d, 0) tensor: no V x d accumulator."""
     M, d = a.shape
@@ -232,7 +243,8 @@ def linear_cross_entropy_chunked(
         )
         if want_dw:
             add_target_terms(None, dw.t(), a[R], target[R], coefs[R], w_lm)
-    return lse, tl, G, coefs, dw
+    S = (norm_stat if interpreted else fused(norm_stat))(G, a, rstd, coefs, tl)
+    return lse, tl, G, coefs, S, dw
 
 
 def compile_logits_chunk(d, v, *, w_major="n", config=DEFAULT, m=256) -> int:
