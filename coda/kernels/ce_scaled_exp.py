@@ -7,8 +7,6 @@ the two gradient GEMMs through an A-operand transform. GEMM1:
     k[m, t] = rne(log2 e * max_{n in t} l[m, n])     prepass statistic (TileMaxLog2), per N-tile
     E[m, n] = 2^(l log2 e - k[m, t])     the stored tile (bf16; E <= sqrt 2)
     s[m, t] = sum_{n in t} E[m, n]       RED_m partials
-    q[m, t] = sum_{n in t} E[m, n] l[m, n]   RED_m partials: the final norm's statistic S
-                                         without a pass over G (``scaled_glue``)
     l_y[m]  = l[m, y_m]                  VEC-ST COL, the exact fp32 target logit
 
 From them, with K[m] = max_t k[m, t]:  lse[m] = ln 2 * (K + log2 sum_t 2^(k - K) s)
@@ -47,7 +45,7 @@ import triton.language as tl
 from coda.kernels._launch import acc_dtype, example_operands, fused, launch
 from coda.kernels._triton import cdiv, compile_sm90, kernel, on_triton
 from coda.kernels.config import GemmConfig
-from coda.kernels.linear_cross_entropy_chunked import add_target_terms, target_coef
+from coda.kernels.linear_cross_entropy_chunked import add_target_terms, norm_stat, target_coef
 from coda.primitives import (
     ColLoad,
     ColSelect,
@@ -69,17 +67,13 @@ def _row_logits(acc, rstd):
 
 @epilogue_program(
     inputs=[ColLoad("rstd"), TileMaxLog2("k", out="k_tile")],
-    sinks=[
-        RowPartials("sum_exp"),
-        RowPartials("sum_el"),
-        ColSelect("target_logit", index="target"),
-    ],
+    sinks=[RowPartials("sum_exp"), ColSelect("target_logit", index="target")],
     prepass=_row_logits,
 )
 def scaled_exp_logits(acc, rstd, k):
     logit = acc * rstd
     e = exp2(logit * LOG2E - k)
-    return {"D": e, "sum_exp": e, "sum_el": e * logit, "target_logit": logit}
+    return {"D": e, "sum_exp": e, "target_logit": logit}
 
 
 def scaled_exp_config(v: int, config: GemmConfig) -> GemmConfig:
@@ -94,8 +88,8 @@ def scaled_exp_config(v: int, config: GemmConfig) -> GemmConfig:
 
 
 def scaled_exp_logits_kernel(a, w_lm, rstd, target, config: GemmConfig, dry=False):
-    """Returns (E bf16 (M, V), sum_exp and sum_el fp32 (M, T_N), k fp32 (M, T_N), target logit
-    fp32 (M,), 0 where not selected). ``config.tile_n`` must divide V (``scaled_exp_config``)."""
+    """Returns (E bf16 (M, V), sum_exp fp32 (M, T_N), k fp32 (M, T_N), target logit fp32 (M,),
+    0 where not selected). ``config.tile_n`` must divide V (``scaled_exp_config``)."""
     M, V = a.shape[0], w_lm.shape[1]
     if V % config.tile_n:
         raise ValueError(f"V = {V} must be a multiple of tile_n = {config.tile_n}")
@@ -104,7 +98,6 @@ def scaled_exp_logits_kernel(a, w_lm, rstd, target, config: GemmConfig, dry=Fals
     e = torch.empty(M, V, dtype=a.dtype, device=a.device)
     outputs = {
         "sum_exp": torch.empty(M, t_n, dtype=acc, device=a.device),
-        "sum_el": torch.empty(M, t_n, dtype=acc, device=a.device),
         "k_tile": torch.empty(M, t_n, dtype=acc, device=a.device),
         "target_logit": torch.zeros(M, dtype=acc, device=a.device),
     }
@@ -121,7 +114,7 @@ def scaled_exp_logits_kernel(a, w_lm, rstd, target, config: GemmConfig, dry=Fals
     )
     if dry:
         return compiled
-    return e, outputs["sum_exp"], outputs["sum_el"], outputs["k_tile"], outputs["target_logit"]
+    return e, outputs["sum_exp"], outputs["k_tile"], outputs["target_logit"]
 
 
 def scaled_total(sum_exp, k):
@@ -228,33 +221,20 @@ def chunk_rows_scaled(vocab: int) -> int:
     return max(128, (E_CHUNK_BYTES // (2 * vocab)) // 128 * 128)
 
 
-def scaled_glue(sum_exp, sum_el, k, target_logit, rstd, weight, a, smooth_l, z_loss, smoothing):
+def scaled_glue(sum_exp, k, target_logit, target, rstd, weight, a, z_loss, smoothing):
     """Per row, from GEMM1's partials (C x T_N values, no pass over C x V): lse, K = max_t k
     (``strip_u``'s input), the per-row factor c = r w v (fp32; v = 2^K e^-lse (1 + 2 z lse)),
-    xs = c a (bf16: dW's B operand), the target entry's gradient r w (alpha p_y - (1 - eps))
-    in fp32 (``target_coef``; label smoothing eps: its uniform -eps / V share of every entry
-    is a rank-1 term the caller adds), and the final norm's statistic
-
-        S = sum_j (dL/da)_j a_j / r = sum_n dl_n l_n / r
-          = w (alpha sum_n p_n l_n - (1 - eps) l_y - (eps / V) sum_n l_n) / r
-
-    with sum_n p l = sum_t 2^(k_t - K) q_t / T from GEMM1's exact fp32 logits, where S was a
-    pass over the fp32 G (``smooth_l``: (eps / V) sum_n l_n per row, None without smoothing).
+    xs = c a (bf16: dW's B operand), and the target entry's gradient r w (alpha p_y - (1 -
+    eps)) in fp32 (``target_coef``; label smoothing eps: its uniform -eps / V share of every
+    entry is a rank-1 term the caller adds).
     """
-    K = k.amax(dim=1, keepdim=True)
-    scale = torch.exp2(k - K)
-    T = (scale * sum_exp).sum(dim=1)
-    K = K[:, 0]
+    K, T = scaled_total(sum_exp, k)
     lse = _lse(K, T)
     alpha = 1.0 + 2.0 * z_loss * lse if z_loss else 1.0
     v = alpha / T  # 2^K e^-lse alpha, without forming 2^K (which overflows fp32 past K = 127)
     c = rstd * weight * v
     xs = (c[:, None] * a.to(c.dtype)).to(a.dtype)
-    coef = target_coef(target_logit, lse, rstd, weight, smoothing, z_loss)
-    s = v * (scale * sum_el).sum(dim=1) - (1.0 - smoothing) * target_logit
-    if smooth_l is not None:
-        s = s - smooth_l
-    return lse, K, c, xs, coef, weight * s / rstd
+    return lse, K, c, xs, target_coef(target_logit, lse, rstd, weight, smoothing, z_loss)
 
 
 # The strip u (V / 64, C): exact powers of two 2^(k[m, t(b)] - K[m]) per 64-column block b
@@ -336,7 +316,7 @@ def linear_cross_entropy_scaled(
     E, dX and dW reading E through the A-operand transform). Returns (lse, target_logit,
     G (M x d, fp32, the softmax share), coef, S, dW_lm) as ``linear_cross_entropy_chunked``
     does (G + coef W[:, y] is dL/da: the backward adds the target entries; S the final norm's
-    statistic, from GEMM1's partials: ``scaled_glue``), dW_lm the fp32
+    statistic, ``norm_stat``), dW_lm the fp32
     accumulator as a (d, V) view of its (V, d) storage (without ``want_dw``, a frozen weight:
     no dW GEMM, an empty (d, 0) dW_lm). ``weight``: the per-row loss weight (1/M_valid or 1;
     0 on ignored rows). V must be a multiple of 128."""
@@ -350,13 +330,11 @@ def linear_cross_entropy_scaled(
     acc = acc_dtype(a)
     rows = max(128, rows // 128 * 128)
     lse = torch.empty(M, dtype=acc, device=a.device)
-    y_logit, coefs, S = torch.empty_like(lse), torch.empty_like(lse), torch.empty_like(lse)
+    y_logit, coefs = torch.empty_like(lse), torch.empty_like(lse)
     G = torch.empty(M, d, dtype=acc, device=a.device)
     # dW^T, summed over chunks in fp32
     dw_t = torch.empty(V if want_dw else 0, d, dtype=acc, device=a.device)
     smooth_sum = torch.zeros(d, dtype=acc, device=a.device)  # sum_m r w a (label smoothing)
-    # (eps / V) sum_n W[:, n]: a row's logits sum to r a . sum_n W[:, n] (label smoothing)
-    w_sum = w_lm.sum(1, dtype=acc) * (label_smoothing / V) if label_smoothing else None
     glue = scaled_glue if interpreted else fused(scaled_glue)
     row_index = torch.arange(min(rows, -(-M // 128) * 128), device=a.device)
     for r0 in range(0, M, rows):
@@ -369,11 +347,8 @@ def linear_cross_entropy_scaled(
             r_c = torch.cat([r_c, r_c.new_ones(C - n)])
             t_c = torch.cat([t_c, t_c.new_full((C - n,), -1)])
             w_c = torch.cat([w_c, w_c.new_zeros(C - n)])
-        e, sum_exp, sum_el, k, tl_c = scaled_exp_logits_kernel(a_c, w_lm, r_c, t_c, cfg)
-        smooth_l = None if w_sum is None else r_c * (a_c.to(acc) @ w_sum)
-        lse_c, K, c, xs, coef, S_c = glue(
-            sum_exp, sum_el, k, tl_c, r_c, w_c, a_c, smooth_l, z_loss, label_smoothing
-        )
+        e, sum_exp, k, tl_c = scaled_exp_logits_kernel(a_c, w_lm, r_c, t_c, cfg)
+        lse_c, K, c, xs, coef = glue(sum_exp, k, tl_c, t_c, r_c, w_c, a_c, z_loss, label_smoothing)
         u = strip_u(k, K, cfg.tile_n, a.dtype)
         # E' = E with each row's target entry zeroed (ignored and padded rows have c = 0, so
         # their clamped entry may be zeroed too: no mask, no boolean indexing, no host sync)
@@ -387,16 +362,17 @@ def linear_cross_entropy_scaled(
             scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
         if want_dw:  # exact, fp32 (G's share: in the backward)
             add_target_terms(None, dw_t, a_c, t_c, coef, w_lm)
-        lse[R], y_logit[R], coefs[R], S[R] = lse_c[:n], tl_c[:n], coef[:n], S_c[:n]
+        lse[R], y_logit[R], coefs[R] = lse_c[:n], tl_c[:n], coef[:n]
         if C != n:
             G[R] = G_c[:n]
         if label_smoothing:
             smooth_sum += (r_c * w_c) @ a_c.to(acc)
     if label_smoothing:  # the uniform -eps/V of every dl: rank-1 in both gradients
         shift = label_smoothing / V
-        G -= (rstd * weight.to(acc))[:, None] * w_sum[None, :]
+        G -= shift * (rstd * weight.to(acc))[:, None] * w_lm.sum(1, dtype=acc)[None, :]
         if want_dw:
             dw_t -= shift * smooth_sum[None, :]
+    S = (norm_stat if interpreted else fused(norm_stat))(G, a, rstd, coefs, y_logit)
     return lse, y_logit, G, coefs, S, dw_t.t()
 
 

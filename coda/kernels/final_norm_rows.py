@@ -4,9 +4,9 @@ pass over the token rows, for the programs that form their g = 1 gradients in th
 
 Those programs hand back G, the softmax share of dL/dy (fp32, each row's target entry left
 out), coef, the target entries' per-row coefficient, and the norm's statistic S = sum_j
-(dL/dy)_j y_j (CE-S from its logits GEMM's partials, without a pass over G). With W the (V, d)
-rows of the LM head's weight, y = h rstd gamma the GEMMs' normed operand and g the upstream
-gradient:
+(dL/dy)_j y_j (``linear_cross_entropy_chunked.norm_stat``: G's row dot plus coef l_y). With
+W the (V, d) rows of the LM head's weight, y = h rstd gamma the GEMMs' normed operand and g
+the upstream gradient:
 
     Gf[m, j]  = G[m, j] + coef_m W[y_m, j]                 the target entry, exact in fp32
     dh[m, j]  = g r_m gamma_j Gf[m, j] - (g S_m r_m^2 / d) h[m, j]    rounded once to h's dtype
@@ -15,13 +15,15 @@ gradient:
 W's rows enter rounded to h's dtype, as the GEMMs read W (under autocast the fp32 weight:
 the same values as the forward's bf16 copy, which is not kept). ``head_norm_bwd_torch`` is
 that in torch: the CPU path, what a torch.compile trace fuses, and the oracle. Why a kernel:
-the forward added the target entries into G (a read and a write of G), summed S (a read of
-G), and the backward's Inductor form read G twice more (dh, then dgamma's column sums): 0.27
-ms of the d = 2048, V = 32768 LM head's 0.69 ms of row work at 16384 tokens (run 118). Here
-each program takes a column block of d and every P-th block of token rows, reads G, W[y] and
-h once, writes dh, and keeps its column block's dgamma terms in registers across its rows:
-P rows of partials, summed by one small launch (no atomics: deterministic). g stays on the
-device (no host sync).
+the forward added the target entries into G (a read and a write of G, 80 us at d = 2048,
+16384 tokens) and the backward's Inductor form read G twice (dh, then dgamma's column sums,
+128 us; run 118). Here each program takes a column block of d and every P-th block of token
+rows, reads G, W[y] and h once, writes dh, and keeps its column block's dgamma terms in
+registers across its rows: P rows of partials, summed by one small launch (no atomics:
+deterministic); 126 us (run 121). g stays on the device (no host sync). S stays a pass of its
+own: the logits GEMM's epilogue can sum E l per tile instead (S = w (sum p l - l_y)), but
+that reduction cost the GEMM 2.2 % (62 us at V = 32768, ~0.57 ms at d = 4096, V = 128256: run
+121), more than the pass it saves (~57 us at d = 2048) wherever V is the larger dimension.
 """
 
 from __future__ import annotations
