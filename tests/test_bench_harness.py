@@ -374,6 +374,7 @@ def test_a_run_of_every_suite_leaves_the_diagnostics_out():
         "ncu_qk_norm",
         "ncu_traffic",
         "kernel_origin",
+        "head_norm_pass",
     }
 
 

@@ -130,7 +130,7 @@ def target_terms_case(M, d, V, how, hf_layout, seed=0, device="cpu"):
 HEAD_NORM_CASES = [(37, 24, 40), (64, 520, 300), (5, 256, 7), (4200, 40, 129)]  # (M, d, V)
 
 
-def head_norm_case(M, d, V, dtype, seed=0, device="cpu", hf_layout=True):
+def head_norm_case(M, d, V, dtype, seed=0, device="cpu", hf_layout=True, launch=None):
     """Largest error of (dh, dgamma) of the LM head's final-norm backward kernel (target
     entries folded in) against its torch form, in units of each output's largest magnitude:
     a third of the rows ignored (coef 0, target -100), W in HF's (V, d) storage or (d, V),
@@ -150,7 +150,7 @@ def head_norm_case(M, d, V, dtype, seed=0, device="cpu", hf_layout=True):
     coef, S = rnd(M) * (target >= 0), rnd(M) * d**0.5
     gamma, rstd = 1 + 0.1 * rnd(d, dt=dtype), rnd(M).abs() + 0.5
     up = torch.tensor(0.37, dtype=acc, device=device)
-    got = head_norm_bwd_triton(G, coef, S, target, w, h, gamma, rstd, up)
+    got = head_norm_bwd_triton(G, coef, S, target, w, h, gamma, rstd, up, launch)
     ref = head_norm_bwd_torch(G, coef, S, target, w, h, gamma, rstd, up)
     return [((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
             for a, b in zip(got, ref)]  # fmt: skip
@@ -167,6 +167,10 @@ for dtype in (torch.float64, torch.bfloat16):
     for i, case in enumerate(HEAD_NORM_CASES):
         err = head_norm_case(*case, dtype, i, hf_layout=bool(i % 2))
         out.append(["head_norm " + str(dtype), case, {"err": err}])
+from coda.kernels.final_norm_rows import LAUNCH_SHAPES as HEAD_SHAPES
+for launch in HEAD_SHAPES:  # every launch shape the probe times, rows over P row groups
+    err = head_norm_case(4200, 40, 129, torch.float64, 9, launch=launch)
+    out.append(["head_norm_launch", list(launch), {"err": err}])
 # every row count the launch shapes give: rows across programs (the interpreter runs a
 # program as whole arrays, so its warp count changes nothing here; every (rows, warps)
 # compiles for sm_90 in test_row_passes_compile_at_every_launch_shape)
@@ -189,7 +193,9 @@ def test_row_passes_in_triton_interpreter_equal_oracles():
 
     row_counts = {bm for bm, _ in LAUNCH_SHAPES}
     n_cases = len(row_counts) + 2 * len(CASES) + 2 * len(TARGET_CASES)
-    assert len(results) == n_cases + 2 * len(HEAD_NORM_CASES)
+    from coda.kernels.final_norm_rows import LAUNCH_SHAPES as HEAD_SHAPES
+
+    assert len(results) == n_cases + 2 * len(HEAD_NORM_CASES) + len(HEAD_SHAPES)
     for dtype, case, errs in results:
         if dtype == "target_terms":
             err, added = errs["err"]
@@ -244,10 +250,12 @@ def test_row_passes_compile_for_sm90(head_dim):
 
 
 @pytest.mark.compile
-def test_head_norm_pass_compiles_for_sm90():
-    from coda.kernels.final_norm_rows import compile_head_norm_bwd
+def test_head_norm_pass_compiles_at_every_launch_shape():
+    from coda.kernels.final_norm_rows import LAUNCH, LAUNCH_SHAPES, compile_head_norm_bwd
 
-    assert compile_head_norm_bwd() > 0
+    assert LAUNCH in LAUNCH_SHAPES
+    for shape in LAUNCH_SHAPES:
+        assert compile_head_norm_bwd(shape) > 0, shape
 
 
 @pytest.mark.compile

@@ -35,8 +35,13 @@ from coda.kernels._triton import acc_type, cdiv, compile_sm90, kernel, on_triton
 from coda.kernels.linear_cross_entropy_bwd import final_norm_bwd_normed_scaled
 from coda.kernels.norm_rows import col_sums_triton
 
-BM, BD = 32, 256  # a program's token rows per step; its columns of d
-P = 128  # row groups: programs per column block, rows of dgamma's partials
+# (token rows per step, columns of d, row groups = programs per column block = rows of
+# dgamma's partials, warps); ``benchmarks/probe_head_norm.py`` times the candidates
+LAUNCH = (32, 256, 128, 8)
+LAUNCH_SHAPES = (
+    (32, 256, 128, 8), (16, 256, 128, 4), (32, 128, 256, 4), (64, 256, 64, 8),
+    (32, 512, 128, 8), (16, 512, 256, 8), (32, 256, 264, 8), (64, 128, 128, 8),
+)  # fmt: skip
 
 
 def head_norm_bwd_torch(G, coef, S, target, w_lm, h, gamma, rstd, g):
@@ -80,9 +85,11 @@ def _head_norm_bwd_kernel(
     tl.store(part + tl.program_id(0) * d + cols, acc, mask=cm)
 
 
-def head_norm_bwd_triton(G, coef, S, target, w_lm, h, gamma, rstd, g):
+def head_norm_bwd_triton(G, coef, S, target, w_lm, h, gamma, rstd, g, launch=None):
     """``head_norm_bwd_torch`` (same arguments) in two launches: G (M, d) and h with unit
-    column stride, coef, S, target, gamma and rstd contiguous. dh takes h's row stride."""
+    column stride, coef, S, target, gamma and rstd contiguous. dh takes h's row stride.
+    ``launch``: (BM, BD, P, warps) instead of ``LAUNCH`` (the probe)."""
+    BM, BD, P, warps = launch or LAUNCH
     M, d = h.shape
     assert G.stride(1) == 1 and h.stride(1) == 1, (G.stride(), h.stride())
     tables = (coef, S, target, gamma, rstd)
@@ -93,7 +100,7 @@ def head_norm_bwd_triton(G, coef, S, target, w_lm, h, gamma, rstd, g):
         kernel(_head_norm_bwd_kernel)[(P, cdiv(d, BD))](
             G, w_lm, target, coef, S, h, gamma, rstd, g, dh, part, M, d, w_lm.shape[1],
             G.stride(0), h.stride(0), w_lm.stride(0), w_lm.stride(1),
-            BM=BM, BD=BD, P=P, ACC=acc_type(G), num_warps=8,
+            BM=BM, BD=BD, P=P, ACC=acc_type(G), num_warps=warps,
         )  # fmt: skip
     return dh, col_sums_triton(part, G.dtype)
 
@@ -107,11 +114,12 @@ def head_norm_backward(G, coef, S, target, w_lm, h, gamma, rstd, g):
     return head_norm_bwd_torch(G, coef, S, target, w_lm, h, gamma, rstd, g)
 
 
-def compile_head_norm_bwd(arch: int = 90) -> int:
-    """The kernel (fp32 G and tables, bf16 W, h and gamma, int64 targets) compiled for
-    ``sm_{arch}`` on the CPU: the cubin's size."""
+def compile_head_norm_bwd(launch=LAUNCH, arch: int = 90) -> int:
+    """The kernel (fp32 G and tables, bf16 W, h and gamma, int64 targets) at a launch shape,
+    compiled for ``sm_{arch}`` on the CPU: the cubin's size."""
+    BM, BD, P, warps = launch
     pointers = {n: "*fp32" for n in ("G", "coef", "S", "rstd", "g", "part")}
     pointers.update({n: "*bf16" for n in ("W", "h", "gamma", "dh")})
     pointers["target"] = "*i64"
     consts = {"BM": BM, "BD": BD, "P": P, "ACC": tl.float32}
-    return compile_sm90(_head_norm_bwd_kernel, pointers, consts, num_warps=8, arch=arch)
+    return compile_sm90(_head_norm_bwd_kernel, pointers, consts, num_warps=warps, arch=arch)
