@@ -20,10 +20,9 @@ the forward added the target entries into G (a read and a write of G, 80 us at d
 128 us; run 118). Here each program takes a column block of d and every P-th block of token
 rows, reads G, W[y] and h once, writes dh, and keeps its column block's dgamma terms in
 registers across its rows: P rows of partials, summed by one small launch (no atomics:
-deterministic); 126 us (run 121). g stays on the device (no host sync). S stays a pass of its
-own: the logits GEMM's epilogue can sum E l per tile instead (S = w (sum p l - l_y)), but
-that reduction cost the GEMM 2.2 % (62 us at V = 32768, ~0.57 ms at d = 4096, V = 128256: run
-121), more than the pass it saves (~57 us at d = 2048) wherever V is the larger dimension.
+deterministic). g stays on the device (no host sync). S stays a pass of its own (the logits
+GEMM's epilogue could sum E l per tile instead, measured once: benchmarks/NOTES.md, session
+27).
 """
 
 from __future__ import annotations
@@ -36,8 +35,11 @@ from coda.kernels.linear_cross_entropy_bwd import final_norm_bwd_normed_scaled
 from coda.kernels.norm_rows import col_sums_triton
 
 # (token rows per step, columns of d, row groups = programs per column block = rows of
-# dgamma's partials, warps); ``benchmarks/probe_head_norm.py`` times the candidates
-LAUNCH = (32, 256, 128, 8)
+# dgamma's partials, warps). ``benchmarks/probe_head_norm.py`` timed the candidates alone
+# (run 122, M = 16384, L2 flushed): 32 x 128 over 256 row groups at 4 warps 103.5 us at
+# d = 2048 and 184.6 at d = 4096 (3.2-3.6 TB/s), the first shape 130.6 and 238.6; the torch
+# form through Inductor 297.5 and 549.0
+LAUNCH = (32, 128, 256, 4)
 LAUNCH_SHAPES = (
     (32, 256, 128, 8), (16, 256, 128, 4), (32, 128, 256, 4), (64, 256, 64, 8),
     (32, 512, 128, 8), (16, 512, 256, 8), (32, 256, 264, 8), (64, 128, 128, 8),
