@@ -149,15 +149,14 @@ def test_gpu_direct_launches_equal_tritons_own(monkeypatch):
     G0, D0, S0, up = r(M, d, dt=f32), r(V, d, dt=f32), r(M, dt=f32), r((), dt=f32)
 
     def every_kernel():
-        G, D = G0.clone(), D0.clone()
-        add_target_terms_triton(G, D, a, target, coef, w)
+        D = D0.clone()
+        add_target_terms_triton(D, a, target, coef)
         return [
             *norm_rows_triton(x, gamma, 1e-5, True),
             *norm_rows_triton(x_off, gamma, 1e-5, False),
             row_stat_triton(parts, None, d, 1e-5, RSTD),
             row_stat_triton(parts, rstd, d, 1e-5, CORR),
             *drope_heads_triton(dq, dk, dv, qkv, rstd, theta.cos(), theta.sin(), H + Hkv, hd, d),
-            G,
             D,
             *head_norm_bwd_triton(G0, coef, S0, target, w, x, gamma, rstd, up),
         ]

@@ -361,7 +361,7 @@ def linear_cross_entropy_scaled(
         if want_dw:
             scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
         if want_dw:  # exact, fp32 (G's share: in the backward)
-            add_target_terms(None, dw_t, a_c, t_c, coef, w_lm)
+            add_target_terms(dw_t, a_c, t_c, coef)
         lse[R], y_logit[R], coefs[R] = lse_c[:n], tl_c[:n], coef[:n]
         if C != n:
             G[R] = G_c[:n]

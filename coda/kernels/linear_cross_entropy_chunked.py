@@ -117,31 +117,27 @@ def target_coef(tl, lse, rstd, weight, label_smoothing=0.0, z_loss=0.0, shift=0.
     return rstd * weight * (alpha * torch.expm1(tl - lse) + (alpha - 1.0 + label_smoothing - shift))
 
 
-def add_target_terms(G, dw_t, a, target, coef, w_lm):
-    """The target entries' share of both gradients, added in fp32 outside the GEMMs (whose
-    operands hold 0 there): G[m] += coef_m W[:, y_m] and dW^T[y_m] += coef_m a_m (G None:
-    dW's share only, G's being added by the final norm's backward, ``head_norm_backward``).
+def add_target_terms(dw_t, a, target, coef):
+    """The target entries' share of dW, added in fp32 outside the GEMMs (whose operands hold 0
+    there): dW^T[y_m] += coef_m a_m. Their share of dL/da, coef_m W[:, y_m], is added by the
+    final norm's backward on its way through G (``final_norm_rows.head_norm_backward``).
 
     Why: a bf16 target entry is the one large value of its row, and on near-uniform rows
     (early training) all rows' entries are nearly the same number, so their roundings add up
     coherently in dX and dW instead of averaging out; PyTorch's bf16 dlogits round them too,
     so the comparison went either way depending on the upstream gradient's mantissa. Exact
     here, these terms are never the larger error. ``dw_t``: a (V, d) view of the fp32 dW
-    accumulator (None: no dW wanted); the sums run in a fixed order (sorted by target), so
-    deterministically. Rows whose target is ignored (or padding) have weight 0, so coef 0:
-    their clamped index adds 0."""
-    if on_triton(a):  # the same in two Triton kernels (``target_terms``)
-        return add_target_terms_triton(G, dw_t, a, target, coef, w_lm)
-    return add_target_terms_torch(G, dw_t, a, target, coef, w_lm)
+    accumulator; the sums run in a fixed order (sorted by target), so deterministically. Rows
+    whose target is ignored (or padding) have weight 0, so coef 0: their clamped index adds 0."""
+    if on_triton(a):  # the same as a Triton kernel (``target_terms``)
+        return add_target_terms_triton(dw_t, a, target, coef)
+    return add_target_terms_torch(dw_t, a, target, coef)
 
 
-def add_target_terms_torch(G, dw_t, a, target, coef, w_lm):
-    """``add_target_terms`` in torch: the CPU path, and the Triton kernels' oracle."""
-    y = target.clamp(0, w_lm.shape[1] - 1).long()
-    if G is not None:
-        G.addcmul_(coef[:, None], w_lm.t()[y].to(G.dtype))
-    if dw_t is not None:
-        dw_t.index_put_((y,), coef[:, None] * a.to(dw_t.dtype), accumulate=True)
+def add_target_terms_torch(dw_t, a, target, coef):
+    """``add_target_terms`` in torch: the CPU path, and the Triton kernel's oracle."""
+    y = target.clamp(0, dw_t.shape[0] - 1).long()
+    dw_t.index_put_((y,), coef[:, None] * a.to(dw_t.dtype), accumulate=True)
 
 
 def norm_stat(G, a, rstd, coef, target_logit):
@@ -242,7 +238,7 @@ def linear_cross_entropy_chunked(
             label_smoothing / V,
         )
         if want_dw:
-            add_target_terms(None, dw.t(), a[R], target[R], coefs[R], w_lm)
+            add_target_terms(dw.t(), a[R], target[R], coefs[R])
     S = (norm_stat if interpreted else fused(norm_stat))(G, a, rstd, coefs, tl)
     return lse, tl, G, coefs, S, dw
 
