@@ -316,10 +316,10 @@ def linear_cross_entropy_scaled(
     E, dX and dW reading E through the A-operand transform). Returns (lse, target_logit,
     G (M x d, fp32, the softmax share), coef, S, dW_lm) as ``linear_cross_entropy_chunked``
     does (G + coef W[:, y] is dL/da: the backward adds the target entries; S the final norm's
-    statistic, ``norm_stat``), dW_lm the fp32
-    accumulator as a (d, V) view of its (V, d) storage (without ``want_dw``, a frozen weight:
-    no dW GEMM, an empty (d, 0) dW_lm). ``weight``: the per-row loss weight (1/M_valid or 1;
-    0 on ignored rows). V must be a multiple of 128."""
+    statistic, ``norm_stat``), dW_lm the fp32 accumulator as a (d, V) view of its (V, d)
+    storage (without ``want_dw``, a frozen weight: no dW GEMM, an empty (d, 0) dW_lm).
+    ``weight``: the per-row loss weight (1/M_valid or 1; 0 on ignored rows). V must be a
+    multiple of 128."""
     from coda._validate import CodaInputError
 
     M, d = a.shape
@@ -358,9 +358,8 @@ def linear_cross_entropy_scaled(
         # dX straight into G's rows, except for a padded last chunk
         G_c = G[R] if C == n else torch.empty(C, d, dtype=acc, device=a.device)
         scaled_grad_dx_kernel(e, w_lm, u, c, G_c)
-        if want_dw:
+        if want_dw:  # then the target entries' share, exact in fp32 (G's: in the backward)
             scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
-        if want_dw:  # exact, fp32 (G's share: in the backward)
             add_target_terms(dw_t, a_c, t_c, coef)
         lse[R], y_logit[R], coefs[R] = lse_c[:n], tl_c[:n], coef[:n]
         if C != n:
