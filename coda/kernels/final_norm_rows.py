@@ -110,10 +110,18 @@ def head_norm_bwd_triton(G, coef, S, target, w_lm, h, gamma, rstd, g, launch=Non
 def head_norm_backward(G, coef, S, target, w_lm, h, gamma, rstd, g):
     """The LM head's final-norm backward with its target entries (module docstring): the
     Triton pass on the GPU, outside a torch.compile trace (which fuses the torch form
-    itself), else the torch form. Returns (dh, dgamma in G's dtype)."""
-    if not torch.compiler.is_compiling() and on_triton(G):
+    itself), on the layouts it takes (unit column strides, contiguous tables: a strided
+    target or a column-strided hidden state takes the torch form), else the torch form.
+    Returns (dh, dgamma in G's dtype)."""
+    fits = _fits(G, coef, S, target, h, gamma, rstd)
+    if not torch.compiler.is_compiling() and on_triton(G) and fits:
         return head_norm_bwd_triton(G, coef, S, target, w_lm, h, gamma, rstd, g)
     return head_norm_bwd_torch(G, coef, S, target, w_lm, h, gamma, rstd, g)
+
+
+def _fits(G, coef, S, target, h, gamma, rstd) -> bool:
+    tables = (coef, S, target, gamma, rstd)
+    return G.stride(1) == 1 and h.stride(1) == 1 and all(t.is_contiguous() for t in tables)
 
 
 def compile_head_norm_bwd(launch=LAUNCH, arch: int = 90) -> int:
