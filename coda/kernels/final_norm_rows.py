@@ -93,9 +93,7 @@ def head_norm_bwd_triton(G, coef, S, target, w_lm, h, gamma, rstd, g, launch=Non
     ``launch``: (BM, BD, P, warps) instead of ``LAUNCH`` (the probe)."""
     BM, BD, P, warps = launch or LAUNCH
     M, d = h.shape
-    assert G.stride(1) == 1 and h.stride(1) == 1, (G.stride(), h.stride())
-    tables = (coef, S, target, gamma, rstd)
-    assert all(t.is_contiguous() for t in tables), "per-row / column tables"
+    assert _fits(G, coef, S, target, h, gamma, rstd), "unit column strides, contiguous tables"
     dh = torch.empty_strided((M, d), (h.stride(0), 1), dtype=h.dtype, device=h.device)
     part = torch.empty(P, d, dtype=G.dtype, device=G.device)  # every program writes its row
     if M:
@@ -120,6 +118,7 @@ def head_norm_backward(G, coef, S, target, w_lm, h, gamma, rstd, g):
 
 
 def _fits(G, coef, S, target, h, gamma, rstd) -> bool:
+    """The layouts the pass takes: G and h with unit column stride, every table contiguous."""
     tables = (coef, S, target, gamma, rstd)
     return G.stride(1) == 1 and h.stride(1) == 1 and all(t.is_contiguous() for t in tables)
 
