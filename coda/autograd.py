@@ -365,7 +365,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             G, coef, S, target, x2, gf, r, dw_acc, w_lm = ctx.saved_tensors
             dx2, dgf = head_norm_backward(G, coef, S, target, w_lm, x2, gf, r, g)
             dw = weight_grad_from_acc(dw_acc, g, w_lm) if ctx.want_dw else None
-            return dx2, dgf.to(gf.dtype), dw, *nones
+            return dx2, dgf, dw, *nones  # dgf in gf's dtype already (one rounding)
         x2, y, r, ones, lse, tl, target, gf, w = ctx.saved_tensors
         ignore_index, reduction, chunk, cfg, smooth, z_loss = ctx.cfg
         scale = row_scale(target, ignore_index, reduction, g)

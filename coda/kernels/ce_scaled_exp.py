@@ -221,7 +221,7 @@ def chunk_rows_scaled(vocab: int) -> int:
     return max(128, (E_CHUNK_BYTES // (2 * vocab)) // 128 * 128)
 
 
-def scaled_glue(sum_exp, k, target_logit, target, rstd, weight, a, z_loss, smoothing):
+def scaled_glue(sum_exp, k, target_logit, rstd, weight, a, z_loss, smoothing):
     """Per row, from GEMM1's partials (C x T_N values, no pass over C x V): lse, K = max_t k
     (``strip_u``'s input), the per-row factor c = r w v (fp32; v = 2^K e^-lse (1 + 2 z lse)),
     xs = c a (bf16: dW's B operand), and the target entry's gradient r w (alpha p_y - (1 -
@@ -348,7 +348,7 @@ def linear_cross_entropy_scaled(
             t_c = torch.cat([t_c, t_c.new_full((C - n,), -1)])
             w_c = torch.cat([w_c, w_c.new_zeros(C - n)])
         e, sum_exp, k, tl_c = scaled_exp_logits_kernel(a_c, w_lm, r_c, t_c, cfg)
-        lse_c, K, c, xs, coef = glue(sum_exp, k, tl_c, t_c, r_c, w_c, a_c, z_loss, label_smoothing)
+        lse_c, K, c, xs, coef = glue(sum_exp, k, tl_c, r_c, w_c, a_c, z_loss, label_smoothing)
         u = strip_u(k, K, cfg.tile_n, a.dtype)
         # E' = E with each row's target entry zeroed (ignored and padded rows have c = 0, so
         # their clamped entry may be zeroed too: no mask, no boolean indexing, no host sync)

@@ -47,14 +47,15 @@ LAUNCH_SHAPES = (
 
 
 def head_norm_bwd_torch(G, coef, S, target, w_lm, h, gamma, rstd, g):
-    """(dh in h's dtype, dgamma in G's dtype) from the softmax share G (M, d), the target
+    """(dh in h's dtype, dgamma in gamma's) from the softmax share G (M, d), the target
     coefficients coef (M,), the statistic S (M,), the targets (out of range: coef 0), w_lm
     (d, V) in either layout, the final norm's input h, gamma and rstd, and the upstream
     gradient g (0-d)."""
     acc = G.dtype
     y = target.clamp(0, w_lm.shape[1] - 1).long()
     Gf = torch.addcmul(G, coef[:, None].to(acc), w_lm.t()[y].to(h.dtype).to(acc))
-    return final_norm_bwd_normed_scaled(Gf, S, h, gamma, rstd, g)
+    dh, dgamma = final_norm_bwd_normed_scaled(Gf, S, h, gamma, rstd, g)
+    return dh, dgamma.to(gamma.dtype)
 
 
 def _head_norm_bwd_kernel(
@@ -102,7 +103,7 @@ def head_norm_bwd_triton(G, coef, S, target, w_lm, h, gamma, rstd, g, launch=Non
             G.stride(0), h.stride(0), w_lm.stride(0), w_lm.stride(1),
             BM=BM, BD=BD, P=P, ACC=acc_type(G), num_warps=warps,
         )  # fmt: skip
-    return dh, col_sums_triton(part, G.dtype)
+    return dh, col_sums_triton(part, gamma.dtype)  # summed in fp32, rounded once
 
 
 def head_norm_backward(G, coef, S, target, w_lm, h, gamma, rstd, g):
@@ -110,9 +111,9 @@ def head_norm_backward(G, coef, S, target, w_lm, h, gamma, rstd, g):
     Triton pass on the GPU, outside a torch.compile trace (which fuses the torch form
     itself), on the layouts it takes (unit column strides, contiguous tables: a strided
     target or a column-strided hidden state takes the torch form), else the torch form.
-    Returns (dh, dgamma in G's dtype)."""
-    fits = _fits(G, coef, S, target, h, gamma, rstd)
-    if not torch.compiler.is_compiling() and on_triton(G) and fits:
+    Returns (dh, dgamma in gamma's dtype)."""
+    on_gpu = not torch.compiler.is_compiling() and on_triton(G)
+    if on_gpu and _fits(G, coef, S, target, h, gamma, rstd):
         return head_norm_bwd_triton(G, coef, S, target, w_lm, h, gamma, rstd, g)
     return head_norm_bwd_torch(G, coef, S, target, w_lm, h, gamma, rstd, g)
 
