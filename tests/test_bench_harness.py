@@ -66,6 +66,19 @@ def test_the_model_step_runs_the_default_peers_unless_some_are_named(monkeypatch
         bench_step.model_peers()
 
 
+def test_the_lm_head_runs_every_variant_unless_some_are_named(monkeypatch):
+    from benchmarks import bench_train
+
+    monkeypatch.delenv("CODA_LM_HEAD_PEERS", raising=False)
+    assert bench_train.lm_head_variants() == list(bench_train.LM_HEAD_VARIANTS)
+    monkeypatch.setenv("CODA_LM_HEAD_PEERS", "torch_compile,quack_chunked_lce")
+    # coda's default always, in the table's order
+    assert bench_train.lm_head_variants() == ["coda", "torch_compile", "quack_chunked_lce"]
+    monkeypatch.setenv("CODA_LM_HEAD_PEERS", "coda,flce")
+    with pytest.raises(ValueError, match="flce"):
+        bench_train.lm_head_variants()
+
+
 def test_suite_and_layer_selections_are_checked(monkeypatch, capsys):
     """``gpu_suite --only`` refuses an unknown suite before any test or benchmark runs (the old
     "train" suite among them: it is "layer_train" now, the LM head its own suite), and
@@ -487,3 +500,23 @@ def test_the_origin_probe_names_each_matching_kernels_callers():
     assert [r["kernel"] for r in rows[2:]] == ["_col_sums_kernel", "_row_stat_kernel"]
     assert first["callers"] == ["aten::zeros", "SliceBackward0", frame.name]
     assert rows[1]["callers"] == [frame.name]
+
+
+def test_every_selection_variable_is_named_in_the_recorded_command():
+    """A benchmark that reads a ``CODA_*`` variable to choose shapes, peers or configs must
+    have it in ``gpu_suite.SELECTIONS``, which writes it into the record's command: else a
+    record would not say what ran (``--budget-s``'s deadline is the suite's own, from its
+    command line)."""
+    import pathlib
+    import re
+
+    from benchmarks import gpu_suite
+
+    read = set()
+    for path in pathlib.Path(gpu_suite.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        read |= set(re.findall(r'(?:selected|environ\.get)\(\s*"(CODA_[A-Z_]+)"', text))
+    assert "CODA_LM_HEAD_PEERS" in read  # the scan finds what it looks for
+    assert read - {"CODA_SUITE_DEADLINE"} <= set(gpu_suite.SELECTIONS), sorted(
+        read - set(gpu_suite.SELECTIONS)
+    )
