@@ -289,6 +289,26 @@ def decoder_layer(
     return MLP.apply(x1, a1, r1, g2, w_il, w_d)
 
 
+class Embedding(torch.autograd.Function):
+    """Token embedding: torch's gather forward; backward one sorted scatter of the output's
+    gradient rows into a zeroed table (``coda.kernels.embedding``), deterministic.
+    ``padding_idx``: -1 for none (its row receives no gradient, as in ``nn.Embedding``)."""
+
+    @staticmethod
+    def forward(ctx, tokens, weight, padding_idx: int):
+        ctx.save_for_backward(tokens)
+        ctx.vocab, ctx.padding_idx = weight.shape[0], padding_idx
+        return F.embedding(tokens, weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        (tokens,) = ctx.saved_tensors
+        d = g.shape[-1]
+        flat = tokens.reshape(-1)
+        dw = lib.embedding_backward(flat, g.reshape(-1, d), ctx.vocab, ctx.padding_idx)
+        return None, dw, None
+
+
 LM_HEAD_METHODS = ("auto", "recompute", "chunked", "scaled_exp")  # LinearCrossEntropyFunction's
 
 

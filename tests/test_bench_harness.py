@@ -520,3 +520,31 @@ def test_every_selection_variable_is_named_in_the_recorded_command():
     assert read - {"CODA_SUITE_DEADLINE"} <= set(gpu_suite.SELECTIONS), sorted(
         read - set(gpu_suite.SELECTIONS)
     )
+
+
+def test_the_coda_embedding_variant_keeps_the_model_and_its_weight():
+    """The model suite's ``coda_embedding`` variant: the same model, its embedding a
+    ``coda.nn.Embedding`` holding the same values (so its step differs only in the
+    embedding's backward on the GPU)."""
+    import copy
+    import warnings
+
+    import coda.nn as cnn
+    from benchmarks import bench_step
+
+    torch.manual_seed(0)
+    model = cnn.CausalLM(64, 16, 1, 2, 1, 24, head_dim=8, dtype=torch.float64)
+    other = copy.deepcopy(model)
+    bench_step._coda_embedding(other)
+    assert type(other.embed) is cnn.Embedding and type(model.embed) is torch.nn.Embedding
+    assert torch.equal(other.embed.weight, model.embed.weight)
+    t = torch.randint(0, 64, (2, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reference path's one-time notice on the CPU
+        losses = [m(t, t) for m in (model, other)]
+    assert torch.equal(*losses)
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(other.embed.weight.grad, model.embed.weight.grad)
+    # one parameter table, not the swapped-out one beside it
+    assert len(list(other.parameters())) == len(list(model.parameters()))

@@ -110,6 +110,8 @@ def op_samples():
         _r(hd),
         d,
     )
+    tokens = torch.randint(0, V, (M,))
+    samples["embedding_backward"] = (tokens, _r(M, d), V, int(tokens[0]))  # (a padding row)
     # the training variant of the QK-norm epilogue: the same inputs, and z kept on the first
     # 32 of N = 64 columns (the tiles past them clipped)
     samples["gemm_qk_norm_rope_keep_z"] = (*samples["gemm_qk_norm_rope"], 32)

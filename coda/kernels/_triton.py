@@ -1,6 +1,6 @@
-"""What coda's hand-written Triton kernels (``norm_rows``, ``row_passes``, ``target_terms``,
-``final_norm_rows``) share: where they run, their launcher, their accumulator type, and their
-compile for sm_90 without a GPU.
+"""What coda's hand-written Triton kernels (``norm_rows``, ``row_passes``, ``target_terms``
+and the embedding's backward through it, ``final_norm_rows``) share: where they run, their
+launcher, their accumulator type, and their compile for sm_90 without a GPU.
 
 They run on CUDA tensors, and on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``
 set before triton is imported: how CI tests them); elsewhere their callers take the torch

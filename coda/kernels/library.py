@@ -14,6 +14,7 @@ import torch
 
 from coda.kernels import ce_scaled_exp as _cse
 from coda.kernels import dswiglu as _dsw
+from coda.kernels import embedding as _emb
 from coda.kernels import gemm_residual_rms as _grr
 from coda.kernels import gemm_rmsnorm_gemm as _rg
 from coda.kernels import gemm_rope as _rope
@@ -371,6 +372,18 @@ def _(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d):
     )
 
 
+@torch.library.custom_op("coda::embedding_backward", mutates_args=())
+def _embedding_backward(
+    tokens: torch.Tensor, grad: torch.Tensor, vocab: int, padding_idx: int
+) -> torch.Tensor:
+    return _emb.embedding_backward(tokens, grad, vocab, padding_idx)
+
+
+@_embedding_backward.register_fake
+def _(tokens, grad, vocab, padding_idx):
+    return _empty(vocab, grad.shape[1], like=grad)
+
+
 # -- what coda.autograd calls: the kernel directly, or the op while torch.compile traces --------
 def _either(op, direct):
     def call(*args, **kwargs):
@@ -434,6 +447,7 @@ lm_head_bwd = _either(
 )
 
 drope_rows = _either(_drope_rows, _rp.drope_pass)
+embedding_backward = _either(_embedding_backward, _emb.embedding_backward)
 dqk_norm_rows = _either(_dqk_norm_rows, _rp.dqk_norm_pass)
 
 
@@ -468,4 +482,5 @@ OPS = {
     "lm_head_scaled": _lm_head_scaled,
     "drope_rows": _drope_rows,
     "dqk_norm_rows": _dqk_norm_rows,
+    "embedding_backward": _embedding_backward,
 }

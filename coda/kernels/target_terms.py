@@ -15,7 +15,8 @@ run of equal targets that *starts* among them, summing the run's rows in order (
 rows if the run goes on) and adding the sum to dW^T's row once. No atomics, so the result is
 deterministic; each (vocabulary row, column block) is written by one program. Rows whose
 target is out of range (ignored, padding: their h is 0) sort last under the key V and are
-skipped.
+skipped. The same kernel without the per-row factor is the token embedding's backward,
+dE[t_m] += dx_m (``coda.kernels.embedding``): ``scatter_rows_triton``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ CH, BD = 16, 512  # sorted rows per program, columns per program
 
 def _scatter_kernel(
     dw, a, keys, order, coef, M, V, d, dw_row, a_row,
-    CH: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+    CH: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     i0 = tl.program_id(0) * CH
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -47,31 +48,47 @@ def _scatter_kernel(
         while tl.load(keys + j, mask=j < M, other=-1) == key:
             r = tl.load(order + j).to(tl.int64)
             x = tl.load(a + r * a_row + cols, mask=cm, other=0.0).to(ACC)
-            acc += tl.load(coef + r).to(ACC) * x
+            if SCALED:
+                x = tl.load(coef + r).to(ACC) * x
+            acc += x
             j += 1
         at = dw + key.to(tl.int64) * dw_row + cols
-        tl.store(at, tl.load(at, mask=cm, other=0.0) + acc, mask=cm)
+        total = tl.load(at, mask=cm, other=0.0).to(ACC) + acc
+        tl.store(at, total.to(dw.dtype.element_ty, fp_downcast_rounding="rtne"), mask=cm)
+
+
+def scatter_rows_triton(dst, src, index, coef=None):
+    """dst[index_m] += coef_m src_m for every row m whose index lies in [0, V) (``coef``
+    None: 1), summed in fp32 (float64 in proofs) per destination row in token order and added
+    to it once. dst (V, d) and src (M, d) with unit column strides."""
+    M, d = src.shape
+    V = dst.shape[0]
+    assert src.stride(1) == 1 and dst.stride(1) == 1, (src.stride(), dst.stride())
+    if M == 0:
+        return
+    # int32 keys: the radix sort makes half the passes it makes over int64 (V < 2^31)
+    keys = torch.where((index >= 0) & (index < V), index, V).to(torch.int32)
+    keys, order = torch.sort(keys, stable=True)
+    kernel(_scatter_kernel)[(cdiv(M, CH), cdiv(d, BD))](
+        dst, src, keys, order, keys if coef is None else coef, M, V, d, dst.stride(0),
+        src.stride(0), CH=CH, BD=BD, ACC=acc_type(dst), SCALED=coef is not None,
+    )  # fmt: skip
 
 
 def add_target_terms_triton(dw_t, a, target, coef):
     """``add_target_terms`` (same arguments): dw_t (V, d) fp32 (float64 in proofs) and a with
     unit column stride."""
-    M, d = a.shape
-    V = dw_t.shape[0]
-    assert a.stride(1) == 1 and dw_t.stride(1) == 1, (a.stride(), dw_t.stride())
-    if M == 0:
-        return
-    # int32 keys: the radix sort makes half the passes it makes over int64 (V < 2^31)
-    keys = torch.where((target >= 0) & (target < V), target, V).to(torch.int32)
-    keys, order = torch.sort(keys, stable=True)
-    kernel(_scatter_kernel)[(cdiv(M, CH), cdiv(d, BD))](
-        dw_t, a, keys, order, coef, M, V, d, dw_t.stride(0), a.stride(0),
-        CH=CH, BD=BD, ACC=acc_type(dw_t),
-    )  # fmt: skip
+    scatter_rows_triton(dw_t, a, target, coef)
 
 
 def compile_target_terms(arch: int = 90) -> list[int]:
-    """The kernel (fp32 dW, bf16 a, int32 sorted targets) compiled for ``sm_{arch}`` on the
-    CPU: its cubin's size, in a list."""
+    """The kernel compiled for ``sm_{arch}`` on the CPU, as the LM head runs it (fp32 dW, bf16
+    a, int32 sorted targets, a factor per row) and as the embedding's backward does (bf16 dE,
+    no factor): its cubins' sizes."""
     pointers = {"coef": "*fp32", "dw": "*fp32", "a": "*bf16", "keys": "*i32", "order": "*i64"}
-    return [compile_sm90(_scatter_kernel, pointers, {"CH": CH, "BD": BD, "ACC": tl.float32})]
+    consts = {"CH": CH, "BD": BD, "ACC": tl.float32}
+    plain = {**pointers, "dw": "*bf16", "coef": "*i32"}
+    return [
+        compile_sm90(_scatter_kernel, pointers, {**consts, "SCALED": True}, arch=arch),
+        compile_sm90(_scatter_kernel, plain, {**consts, "SCALED": False}, arch=arch),
+    ]

@@ -8,6 +8,8 @@ kernel path. ``CausalLM`` (``coda.nn.model``): embedding, layers, head. On an SM
 bf16 tensors they run ``coda.autograd``'s kernel sequences; elsewhere the same math through
 the differentiable pure-torch reference (``coda.env`` reports the choice). ``GraphedStep``
 (``coda.nn.graph``): a training step of any of them, captured once as a CUDA graph.
+``Embedding`` (``coda.nn.embedding``): ``nn.Embedding`` with coda's deterministic backward
+on the GPU.
 
 Parameter layout (documented departure from HF): a layer's weights are (in, out) matrices in
 coda's paired layouts, the ones the epilogues need: ``w_qkv`` = [q | k | v] with q and k in
@@ -17,6 +19,7 @@ unaffected; KERNELS.md [I3.3]). ``load_hf_state_dict`` / ``hf_state_dict`` conve
 with HF's key names. The LM head's weight is (vocab, d), as HF's.
 """
 
+from coda.nn.embedding import Embedding
 from coda.nn.graph import GraphedStep
 from coda.nn.head import LM_HEAD_METHODS, LMHeadLoss, lm_head_loss
 from coda.nn.layer import DecoderLayer
@@ -26,6 +29,7 @@ __all__ = [
     "LM_HEAD_METHODS",
     "CausalLM",
     "DecoderLayer",
+    "Embedding",
     "GraphedStep",
     "LMHeadLoss",
     "lm_head_loss",
