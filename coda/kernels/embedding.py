@@ -30,11 +30,10 @@ def _live(tokens, vocab: int, padding_idx: int):
 def embedding_backward_torch(tokens, grad, vocab: int, padding_idx: int = -1):
     """``embedding_backward`` in torch: the CPU path and the Triton kernel's oracle."""
     acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    index = _live(tokens, vocab, padding_idx)
-    keep = index < vocab
-    table = torch.zeros(vocab, grad.shape[1], dtype=acc, device=grad.device)
-    table.index_add_(0, index[keep], grad[keep].to(acc))
-    return table.to(grad.dtype)
+    # one spare row takes the padding rows' sums (no mask: no host sync)
+    table = torch.zeros(vocab + 1, grad.shape[1], dtype=acc, device=grad.device)
+    table.index_add_(0, _live(tokens, vocab, padding_idx), grad.to(acc))
+    return table[:vocab].to(grad.dtype)
 
 
 def embedding_backward(tokens, grad, vocab: int, padding_idx: int = -1):
