@@ -97,7 +97,7 @@ def target_terms_case(M, d, V, how, seed=0, device="cpu"):
     """Largest error of dW^T after the Triton form against the torch form, in units of the
     largest added term, and whether anything was added at all."""
     from coda.kernels.linear_cross_entropy_chunked import add_target_terms_torch
-    from coda.kernels.target_terms import add_target_terms_triton
+    from coda.kernels.target_terms import scatter_rows_triton
 
     g = torch.Generator().manual_seed(seed)
     f64 = torch.float64
@@ -115,7 +115,7 @@ def target_terms_case(M, d, V, how, seed=0, device="cpu"):
     D0 = torch.randn(V, d, generator=g, dtype=f64)
     a, target, coef, D0 = (t.to(device) for t in (a, target, coef, D0))
     D1, D2 = D0.clone(), D0.clone()
-    add_target_terms_triton(D1, a, target, coef)
+    scatter_rows_triton(D1, a, target, coef)
     add_target_terms_torch(D2, a, target, coef)
     scale = max((D2 - D0).abs().max().item(), 1e-300)
     return (D1 - D2).abs().max().item() / scale, scale > 1e-300

@@ -125,7 +125,7 @@ def test_gpu_direct_launches_equal_tritons_own(monkeypatch):
     from coda.kernels.final_norm_rows import head_norm_bwd_triton
     from coda.kernels.norm_rows import CORR, RSTD, norm_rows_triton, row_stat_triton
     from coda.kernels.row_passes import drope_heads_triton
-    from coda.kernels.target_terms import add_target_terms_triton
+    from coda.kernels.target_terms import scatter_rows_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
     bf, f32 = torch.bfloat16, torch.float32
@@ -150,7 +150,7 @@ def test_gpu_direct_launches_equal_tritons_own(monkeypatch):
 
     def every_kernel():
         D = D0.clone()
-        add_target_terms_triton(D, a, target, coef)
+        scatter_rows_triton(D, a, target, coef)
         return [
             *norm_rows_triton(x, gamma, 1e-5, True),
             *norm_rows_triton(x_off, gamma, 1e-5, False),

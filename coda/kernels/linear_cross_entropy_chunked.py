@@ -39,7 +39,7 @@ from coda.kernels._launch import acc_dtype, example_operands, fused, interpret_g
 from coda.kernels._triton import on_triton
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.linear_cross_entropy_bwd import passthrough
-from coda.kernels.target_terms import add_target_terms_triton
+from coda.kernels.target_terms import scatter_rows_triton
 from coda.kernels.tuned import config_for
 from coda.primitives import ColLoad, ColSelect, OnlineLSE, epilogue_program
 from coda.primitives.aux import combine_lse
@@ -130,7 +130,7 @@ def add_target_terms(dw_t, a, target, coef):
     accumulator; the sums run in a fixed order (sorted by target), so deterministically. Rows
     whose target is ignored (or padding) have weight 0, so coef 0: their clamped index adds 0."""
     if on_triton(a):  # the same as a Triton kernel (``target_terms``)
-        return add_target_terms_triton(dw_t, a, target, coef)
+        return scatter_rows_triton(dw_t, a, target, coef)
     return add_target_terms_torch(dw_t, a, target, coef)
 
 

@@ -60,7 +60,9 @@ def _scatter_kernel(
 def scatter_rows_triton(dst, src, index, coef=None):
     """dst[index_m] += coef_m src_m for every row m whose index lies in [0, V) (``coef``
     None: 1), summed in fp32 (float64 in proofs) per destination row in token order and added
-    to it once. dst (V, d) and src (M, d) with unit column strides."""
+    to it once. dst (V, d) and src (M, d) with unit column strides. The LM head's
+    ``add_target_terms`` on the GPU (dst its fp32 dW accumulator), and the embedding's
+    backward (``coda.kernels.embedding``, coef None)."""
     M, d = src.shape
     V = dst.shape[0]
     assert src.stride(1) == 1 and dst.stride(1) == 1, (src.stride(), dst.stride())
@@ -70,15 +72,10 @@ def scatter_rows_triton(dst, src, index, coef=None):
     keys = torch.where((index >= 0) & (index < V), index, V).to(torch.int32)
     keys, order = torch.sort(keys, stable=True)
     kernel(_scatter_kernel)[(cdiv(M, CH), cdiv(d, BD))](
+        # (unscaled: the kernel never reads its coef pointer; any tensor stands in)
         dst, src, keys, order, keys if coef is None else coef, M, V, d, dst.stride(0),
         src.stride(0), CH=CH, BD=BD, ACC=acc_type(dst), SCALED=coef is not None,
     )  # fmt: skip
-
-
-def add_target_terms_triton(dw_t, a, target, coef):
-    """``add_target_terms`` (same arguments): dw_t (V, d) fp32 (float64 in proofs) and a with
-    unit column stride."""
-    scatter_rows_triton(dw_t, a, target, coef)
 
 
 def compile_target_terms(arch: int = 90) -> list[int]:
