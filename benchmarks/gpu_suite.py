@@ -160,6 +160,7 @@ def suite_list(args) -> list:
     from benchmarks import (
         bench_attention_layout,
         bench_attention_numerics,
+        bench_embedding,
         bench_forward,
         bench_gemm_residual_rms,
         bench_hf,
@@ -183,6 +184,7 @@ def suite_list(args) -> list:
         ("layer_grad_numerics", bench_layer_grad_numerics),
         *([("tuning", tune_configs)] if args.tune else []),
         ("gemm_residual_rms", bench_gemm_residual_rms),
+        ("embedding", bench_embedding),
         ("forward", bench_forward),
         ("layer_forward", bench_layer),
         ("layer_train", bench_train.LayerOnly),
