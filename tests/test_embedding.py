@@ -3,9 +3,11 @@
 
 CPU: the autograd Function's kernel-path code against autograd through ``F.embedding`` in
 float64 (repeated tokens, a padding row, odd widths); the Triton kernel in Triton's
-interpreter against its torch form, bitwise (both sum each row's tokens in fp32 in token
-order and round once); sm_90a compile. GPU: the same comparison at a Llama-1B step's shape,
-two runs bitwise, and the module's gradient against fp32 with CODA's protocol."""
+interpreter against its torch form, within the summation error bound of fp32 sums taken in
+another order (plus one rounding step of a bf16 table), with runs of equal tokens that cross
+many programs' chunks (Zipf-distributed ids, one run over every row); sm_90a compile. GPU: the
+same comparison at a Llama-1B step's shape, two runs bitwise, and the module's gradient against
+fp32 with CODA's protocol."""
 
 from __future__ import annotations
 
@@ -26,6 +28,11 @@ F64, BF16 = torch.float64, torch.bfloat16
 def _tokens(M, V, how, g, device="cpu"):
     if how == "skewed":  # a few tokens repeated far past a program's 16 sorted rows
         t = (torch.rand(M, generator=g) ** 4 * V).long()
+    elif how == "zipf":  # as text's tokens: the most frequent a sizeable share of all
+        p = torch.arange(1, V + 1, dtype=F64).pow(-1.1)
+        t = torch.multinomial(p / p.sum(), M, replacement=True, generator=g)
+    elif how == "runs":  # runs of 17 equal tokens: every one crosses a chunk's edge
+        t = torch.arange(M) // 17 % V
     elif how == "one":
         t = torch.full((M,), V // 2)
     else:
@@ -40,6 +47,7 @@ def _tokens(M, V, how, g, device="cpu"):
         ((2, 100), 200, 40, 7, 3, "skewed"),
         ((64,), 64, 520, 300, 10, "one"),  # one run (d past a program's 512 columns)
         ((5, 1), 5, 9, 11, 0, "uniform"),
+        ((3, 150), 450, 8, 60, 1, "zipf"),
     ],
 )
 def test_backward_equals_autograd_through_f_embedding(shape, M, d, V, pad, how):
@@ -76,7 +84,7 @@ def test_torch_form_sums_in_fp32_and_rounds_once():
 _CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
-from test_embedding import _tokens
+from test_embedding import _tokens, within_bound
 from coda.kernels.embedding import embedding_backward, embedding_backward_torch
 out = []
 for i, (M, d, V, pad, how, dtype) in enumerate([
@@ -85,26 +93,44 @@ for i, (M, d, V, pad, how, dtype) in enumerate([
     (64, 520, 300, -1, "one", torch.float32),
     (300, 16, 257, 0, "uniform", torch.float64),
     (0, 8, 10, -1, "uniform", torch.bfloat16),
+    (700, 24, 50, -1, "zipf", torch.float32),
+    (1500, 8, 9, -1, "one", torch.float64),  # one run over 94 chunks: six steps of QB pieces
+    (400, 40, 1000, 2, "runs", torch.bfloat16),
+    (16, 8, 3, -1, "skewed", torch.float32),  # one chunk: the run pass does not launch
 ]):
     g = torch.Generator().manual_seed(i)
     tokens = _tokens(M, V, how, g)
     if pad >= 0:
         tokens[::3] = pad
     grad = torch.randn(M, d, generator=g).to(dtype)
-    a = embedding_backward(tokens, grad, V, pad)  # the Triton kernel, interpreted
+    a = embedding_backward(tokens, grad, V, pad)  # the Triton kernels, interpreted
     b = embedding_backward_torch(tokens, grad, V, pad)
-    steps = ((a.double() - b.double()).abs() / (b.double().abs() * 2.0**-7 + 1e-300)).max()
-    out.append([M, str(a.dtype), bool(torch.equal(a, b)), steps.item(), bool(b.any())])
+    out.append([M, str(a.dtype), within_bound(a, b, tokens, grad, V, pad), bool(b.any())])
 print(json.dumps(out))
 """
 
 
+def within_bound(a, b, tokens, grad, V, pad):
+    """Largest |a - b| over its bound: both are each row's tokens summed in fp32 (float64 for
+    a float64 table), in different orders, each rounded once to the table's dtype. Two sums
+    of the same n terms differ by at most 2 n u sum|x| (u the accumulator's unit roundoff);
+    a bf16 table's roundings add one step of the value at most."""
+    acc_u = 2.0**-53 if grad.dtype == F64 else 2.0**-24
+    step = 2.0**-7 if grad.dtype == BF16 else 0.0
+    n = max(tokens.numel(), 1)
+    abs_sum = embedding_backward_torch(tokens, grad.double().abs(), V, pad)
+    bound = b.double().abs() * step + 2 * n * acc_u * abs_sum
+    return ((a.double() - b.double()).abs() / (bound + 1e-300)).max().item() if n else 0.0
+
+
 def test_kernel_in_triton_interpreter_equals_torch_form():
-    """Bitwise in fp32 and float64 (the same fp32 sums in the same order); a bf16 table within
-    one bf16 step: the interpreter's fp32-to-bf16 cast truncates where the GPU's rounds to
-    nearest even (the GPU test below compares bitwise)."""
-    for M, dtype, equal, steps, nonzero in triton_child.results(_CHILD):
-        assert equal or (dtype == "torch.bfloat16" and steps <= 1.0), (M, dtype, steps)
+    """Within ``within_bound``: the kernels sum a run's pieces chunk by chunk where the torch
+    form sums token by token, and the interpreter's fp32-to-bf16 cast truncates where the
+    GPU's rounds to nearest even."""
+    results = triton_child.results(_CHILD)
+    assert len(results) == 9
+    for M, dtype, err, nonzero in results:
+        assert err <= 1.0, (M, dtype, err)
         assert nonzero == (M > 0), (M, dtype)
 
 
@@ -126,12 +152,12 @@ def test_the_function_compiles_whole_and_equals_eager():
 
 
 def test_a_wrong_sum_is_detected():
-    """The comparison can fail: a table with one token's row dropped differs."""
+    """The comparison can fail: a table with one token's row dropped is far out of bound."""
     tokens = torch.tensor([0, 1, 1, 2])
     grad = torch.randn(4, 8, dtype=F64)
     a = embedding_backward(tokens, grad, 3)
     b = embedding_backward(tokens[:3], grad[:3], 3)
-    assert not torch.equal(a, b)
+    assert within_bound(b, a, tokens, grad, 3, -1) > 1e6
 
 
 @pytest.mark.compile
@@ -158,7 +184,7 @@ def test_module_is_nn_embedding_and_refuses_what_it_lacks():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("how", ["uniform", "skewed"])
+@pytest.mark.parametrize("how", ["uniform", "skewed", "zipf"])
 def test_gpu_kernel_equals_torch_form_and_repeats_bitwise(how):
     g = torch.Generator().manual_seed(5)
     M, d, V = 16384, 2048, 128256
@@ -166,7 +192,8 @@ def test_gpu_kernel_equals_torch_form_and_repeats_bitwise(how):
     grad = torch.randn(M, d, generator=g).to(BF16).cuda()
     a = embedding_backward(tokens, grad, V, 7)
     assert torch.equal(a, embedding_backward(tokens, grad, V, 7))
-    assert torch.equal(a, embedding_backward_torch(tokens, grad, V, 7))
+    b = embedding_backward_torch(tokens, grad, V, 7)
+    assert within_bound(a, b, tokens, grad, V, 7) <= 1.0
 
 
 @pytest.mark.gpu

@@ -89,6 +89,8 @@ TARGET_CASES = [  # (M, d, V, how the targets are drawn)
     (37, 24, 50, "uniform"),
     (200, 40, 7, "skewed"),  # runs longer than a program's 16 sorted rows
     (64, 520, 300, "one"),  # a single run over every row; d past one 512-column block
+    (1500, 8, 9, "one"),  # one run over 94 chunks: six steps of the run pass's QB pieces
+    (400, 40, 1000, "runs"),  # runs of 17: every one crosses a chunk's edge
     (33, 16, 90, "ignored"),  # every target ignored: nothing added
 ]
 
@@ -106,6 +108,8 @@ def target_terms_case(M, d, V, how, seed=0, device="cpu"):
         target = (torch.rand(M, generator=g) ** 4 * V).long()
     elif how == "one":
         target = torch.full((M,), V // 2)
+    elif how == "runs":
+        target = torch.arange(M) // 17 % V
     else:
         target = torch.randint(0, V, (M,), generator=g)
     target[::5] = -100

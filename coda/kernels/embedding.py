@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from coda.kernels._triton import on_triton
-from coda.kernels.target_terms import compile_target_terms, scatter_rows_triton
+from coda.kernels.target_terms import compile_scatter, scatter_rows_triton
 
 
 def _live(tokens, vocab: int, padding_idx: int):
@@ -48,6 +48,6 @@ def embedding_backward(tokens, grad, vocab: int, padding_idx: int = -1):
 
 
 def compile_embedding_backward(arch: int = 90) -> int:
-    """The kernel as the embedding's backward runs it (bf16 table, no factor) compiled for
-    ``sm_{arch}`` on the CPU: its cubin's size."""
-    return compile_target_terms(arch)[1]
+    """The kernels as the embedding's backward runs them (bf16 table, no factor) compiled for
+    ``sm_{arch}`` on the CPU: their cubins' total size."""
+    return sum(compile_scatter(arch, scaled=False))
