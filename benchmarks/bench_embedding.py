@@ -9,7 +9,8 @@ one program: the most frequent id then owns a run of hundreds of rows, summed in
 
 Rows: ``backward/*`` the backward alone (the module's gradient call at its shape),
 ``step/*`` what a user calls, ``emb(ids)`` and its ``.backward(dy)``. Variants are timed
-round-robin (``interleaved``).
+round-robin (``interleaved``); ``host_ms`` is each call's host time on an idle GPU (a call
+whose host time nears its GPU time is timed as host-bound).
 
     python -m benchmarks.bench_embedding     # prints rows (needs an SM90 GPU)
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks._common import interleaved, row
+from benchmarks._common import host_ms, interleaved, row
 from coda import nn as cnn
 from coda.kernels.embedding import embedding_backward
 
@@ -53,17 +54,16 @@ def run() -> list[dict]:
 
                 return call
 
-            timings = interleaved(
-                {
-                    "backward/torch": lambda: torch.ops.aten.embedding_dense_backward(
-                        dy, ids, V, -1, False
-                    ),
-                    "backward/coda": lambda: embedding_backward(ids, dy, V),
-                    "step/torch_eager": step(torch_emb),
-                    "step/torch_compile": step(compiled),
-                    "step/coda": step(coda_emb),
-                }
-            )
+            fns = {
+                "backward/torch": lambda: torch.ops.aten.embedding_dense_backward(
+                    dy, ids, V, -1, False
+                ),
+                "backward/coda": lambda: embedding_backward(ids, dy, V),
+                "step/torch_eager": step(torch_emb),
+                "step/torch_compile": step(compiled),
+                "step/coda": step(coda_emb),
+            }
+            timings = interleaved(fns)
             top = torch.bincount(ids, minlength=V).max().item()
             shape = {"model": name, "vocab": V, "d": d, "tokens": M, "ids": dist, "top_count": top}
             for variant, t in timings.items():
@@ -76,6 +76,7 @@ def run() -> list[dict]:
                         t,
                         0.0,
                         speedup_vs_torch=peer["ms"] / t["ms"],
+                        host_ms=host_ms(fns[variant]),
                     )
                 )
     return rows
