@@ -59,7 +59,7 @@ MODEL_PEERS = (
     "coda_compile",
     "coda_recompute",
     "coda_checkpointed",
-    "coda_embedding",
+    "coda_torch_embedding",
 )
 # run when ``CODA_MODEL_PEERS`` names none: the others (torch eager, torch.compile's CUDA
 # graphs, coda compiled, recomputing, checkpointed) are opt-in, since all of them with their
@@ -299,10 +299,12 @@ def build_model(cfg: dict):
     )  # fmt: skip
 
 
-def _coda_embedding(model) -> None:
-    """``model``'s ``nn.Embedding`` swapped for ``coda.nn.Embedding`` holding its weight."""
-    old = model.embed
-    model.embed = cnn.Embedding(*old.weight.shape, _weight=old.weight)
+def _torch_embedding(model) -> None:
+    """``model``'s ``coda.nn.Embedding`` swapped for torch's ``nn.Embedding`` holding its
+    weight (tied to the LM head's where the model ties them): the step before session 29."""
+    w = model.embed.weight
+    model.embed = torch.nn.Embedding(*w.shape, _weight=w.detach())  # (wraps a new Parameter)
+    model.embed.weight = w
 
 
 def model_rows(liger) -> list[dict]:
@@ -339,9 +341,9 @@ def model_rows(liger) -> list[dict]:
             "coda_recompute": lambda: coda_copy(lambda m: setattr(m.head, "method", "recompute")),
             # activation checkpointing per layer (issue 11)
             "coda_checkpointed": lambda: coda_copy(lambda m: setattr(m, "checkpoint", True)),
-            # the embedding's backward as coda's sorted scatter (``coda.nn.Embedding``), the
-            # same weight, in place of torch's (session 28: built, not yet timed)
-            "coda_embedding": lambda: coda_copy(_coda_embedding),
+            # the embedding's backward as torch's (``nn.Embedding``, the same weight) in place
+            # of coda's sorted scatter: the step before session 29
+            "coda_torch_embedding": lambda: coda_copy(_torch_embedding),
         }
         peers = {
             k: make()

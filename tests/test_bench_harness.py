@@ -522,10 +522,11 @@ def test_every_selection_variable_is_named_in_the_recorded_command():
     )
 
 
-def test_the_coda_embedding_variant_keeps_the_model_and_its_weight():
-    """The model suite's ``coda_embedding`` variant: the same model, its embedding a
-    ``coda.nn.Embedding`` holding the same values (so its step differs only in the
-    embedding's backward on the GPU)."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_torch_embedding_variant_keeps_the_model_and_its_weight(tied):
+    """The model suite's ``coda_torch_embedding`` variant: the same model, its embedding
+    torch's ``nn.Embedding`` holding the same parameter (so its step differs only in the
+    embedding's backward on the GPU, and a tied LM head stays tied)."""
     import copy
     import warnings
 
@@ -533,10 +534,11 @@ def test_the_coda_embedding_variant_keeps_the_model_and_its_weight():
     from benchmarks import bench_step
 
     torch.manual_seed(0)
-    model = cnn.CausalLM(64, 16, 1, 2, 1, 24, head_dim=8, dtype=torch.float64)
+    model = cnn.CausalLM(64, 16, 1, 2, 1, 24, head_dim=8, dtype=torch.float64, tie_embeddings=tied)
     other = copy.deepcopy(model)
-    bench_step._coda_embedding(other)
-    assert type(other.embed) is cnn.Embedding and type(model.embed) is torch.nn.Embedding
+    bench_step._torch_embedding(other)
+    assert type(model.embed) is cnn.Embedding and type(other.embed) is torch.nn.Embedding
+    assert (other.head.weight is other.embed.weight) == tied
     assert torch.equal(other.embed.weight, model.embed.weight)
     t = torch.randint(0, 64, (2, 5))
     with warnings.catch_warnings():

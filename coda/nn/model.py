@@ -8,12 +8,14 @@ import torch.utils.checkpoint
 from torch import nn
 
 from coda import _validate as v
+from coda.nn.embedding import Embedding
 from coda.nn.head import LMHeadLoss
 from coda.nn.layer import DecoderLayer
 
 
 class CausalLM(nn.Module):
-    """A Llama-style causal LM built from coda's modules: token embedding, ``n_layers``
+    """A Llama-style causal LM built from coda's modules: token embedding (``coda.nn.Embedding``:
+    its backward coda's sorted scatter), ``n_layers``
     ``DecoderLayer``s, and ``LMHeadLoss`` (final norm + LM head + cross-entropy, logits never
     stored on the kernel path). ``forward(tokens, targets)`` returns the loss.
 
@@ -50,7 +52,7 @@ class CausalLM(nn.Module):
         # made uninitialized (nn.Embedding's own N(0, 1) draw skipped), then drawn here, so
         # the constructor draws in reset_parameters' order: embedding, layers, head
         weight = torch.empty(vocab, d, device=device, dtype=dtype)
-        self.embed = nn.Embedding(vocab, d, _weight=weight)
+        self.embed = Embedding(vocab, d, _weight=weight, backend=backend)
         nn.init.normal_(self.embed.weight, std=0.02)
         self.layers = nn.ModuleList(
             DecoderLayer(d, n_heads, n_kv_heads, ffn, head_dim, eps, rope_base, **kw)
