@@ -1,13 +1,15 @@
 """The token embedding's backward, dE[t_m] += dx_m over the M token rows, as one sorted
-scatter: ``target_terms``' kernel without its per-row factor.
+scatter: ``target_terms``' kernels without their per-row factor.
 
 PyTorch's CUDA embedding backward sorts the int64 tokens, sums partial segments of rows into
-an fp32 buffer and scatters them (``compute_grad_weight`` and ``sum_and_scatter``: 553 us of
-the Llama-1B-shaped model step, ~100 us of the d = 1024 model's, H200 run 125). Here the
-tokens are sorted as int32 once (stable: equal tokens keep their order), and each run of
-equal tokens is summed in fp32 and written to its row once, into a zeroed table in the
-weight's dtype: one rounding per row, no atomics, deterministic. ``padding_idx``'s row stays
-zero, as ``nn.Embedding``'s. On the CPU (and as the GPU kernel's oracle) the same sums by
+an fp32 buffer and scatters them (``compute_grad_weight`` and ``sum_and_scatter``: 549 us of
+the Llama-1B-shaped model step, H200 run 126). Here the tokens are sorted as int32 once
+(stable: equal tokens keep their order), each run of equal tokens is summed in fp32 (in
+pieces of at most 16 rows, then piece by piece: ``target_terms``) and added to its row of a
+zeroed table in the weight's dtype once: one rounding per row, no atomics, deterministic.
+At 16384 tokens into V = 128256, d = 2048: 293 us against torch's 737 with uniform ids, 305
+against 548 with Zipf-distributed ones (run 128). ``padding_idx``'s row stays zero, as
+``nn.Embedding``'s. On the CPU (and as the GPU kernels' oracle) the same sums by
 ``index_add_`` in fp32, rounded once.
 """
 

@@ -31,26 +31,34 @@ dE[t_m] += dx_m (``coda.kernels.embedding``): ``scatter_rows_triton``.
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from coda.kernels._triton import acc_type, cdiv, compile_sm90, kernel
 
 CH, BD = 16, 512  # sorted rows per program, columns per program
 QB = 16  # a long run's pieces summed per step of ``_run_sums_kernel``
-HEAD, TAIL = 0, 1  # a chunk's two scratch slots
+# a chunk's two scratch slots, part[chunk, slot, :]: 0 its HEAD piece, 1 its TAIL piece
+
+
+@triton.jit
+def _chunk(keys, M, d, CH: tl.constexpr, BD: tl.constexpr):
+    """This program's chunk: its index p, its sorted rows [i0, stop), its columns and their
+    mask, and the keys either side of it (-1 past either end)."""
+    p = tl.program_id(0)
+    i0 = p * CH
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    stop = tl.minimum(i0 + CH, M)
+    before = tl.load(keys + i0 - 1, mask=i0 > 0, other=-1)
+    after = tl.load(keys + stop, mask=stop < M, other=-1)
+    return p, i0, stop, cols, cols < d, before, after
 
 
 def _chunk_sums_kernel(
     dw, a, keys, order, coef, part, M, V, d, dw_row, a_row,
     CH: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
-    p = tl.program_id(0)
-    i0 = p * CH
-    cols = tl.program_id(1) * BD + tl.arange(0, BD)
-    cm = cols < d
-    stop = tl.minimum(i0 + CH, M)
-    before = tl.load(keys + i0 - 1, mask=i0 > 0, other=-1)  # the keys either side of the chunk
-    after = tl.load(keys + stop, mask=stop < M, other=-1)
+    p, i0, stop, cols, cm, before, after = _chunk(keys, M, d, CH, BD)
     j = i0
     while tl.load(keys + j, mask=j < stop, other=V) < V:  # each run (piece) in the chunk
         key = tl.load(keys + j)
@@ -77,14 +85,8 @@ def _run_sums_kernel(
     dw, keys, part, M, V, d, dw_row,
     CH: tl.constexpr, BD: tl.constexpr, QB: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    p = tl.program_id(0)
-    i0 = p * CH
-    cols = tl.program_id(1) * BD + tl.arange(0, BD)
-    cm = cols < d
-    stop = tl.minimum(i0 + CH, M)
+    p, i0, stop, cols, cm, before, after = _chunk(keys, M, d, CH, BD)
     last = tl.load(keys + stop - 1)
-    after = tl.load(keys + stop, mask=stop < M, other=-1)
-    before = tl.load(keys + i0 - 1, mask=i0 > 0, other=-1)
     if (last == after) & (last < V) & (last != before):  # a run starts here and goes on
         acc = tl.load(part + (p * 2 + 1).to(tl.int64) * d + cols, mask=cm, other=0.0)
         q = p + 1
