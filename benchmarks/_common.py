@@ -71,6 +71,20 @@ def selected(var: str, known) -> list[str]:
     return chosen
 
 
+TOKEN_DISTRIBUTIONS = ("uniform", "zipf")
+
+
+def token_ids(dist: str, vocab: int, n: int, gen=None) -> torch.Tensor:
+    """``n`` token ids in [0, vocab) on the GPU: uniform (``torch.randint``), or Zipf-
+    distributed (s = 1.1 over the vocabulary by rank, as text's token counts roughly are; the
+    most frequent id then ~13-16 % of all), in a random order."""
+    if dist == "uniform":
+        return torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+    rank = torch.arange(1, vocab + 1, device="cuda", dtype=torch.float64)
+    p = rank.pow(-1.1)
+    return torch.multinomial(p / p.sum(), n, replacement=True, generator=gen)
+
+
 def own_bytes(module) -> int:
     """Bytes of ``module``'s parameters and buffers (each storage once)."""
     seen = {}

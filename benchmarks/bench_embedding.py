@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks._common import host_ms, interleaved, row
+from benchmarks._common import TOKEN_DISTRIBUTIONS, host_ms, interleaved, row, token_ids
 from coda import nn as cnn
 from coda.kernels.embedding import embedding_backward
 
@@ -27,19 +27,10 @@ from coda.kernels.embedding import embedding_backward
 SHAPES = [("llama-1B", 128256, 2048, 16384), ("demo-d1024", 8192, 1024, 8192)]
 
 
-def token_ids(dist: str, vocab: int, n: int, gen) -> torch.Tensor:
-    """``n`` ids in [0, vocab): uniform, or Zipf-distributed (s = 1.1) in a shuffled order."""
-    if dist == "uniform":
-        return torch.randint(0, vocab, (n,), device="cuda", generator=gen)
-    rank = torch.arange(1, vocab + 1, device="cuda", dtype=torch.float64)
-    p = rank.pow(-1.1)
-    return torch.multinomial(p / p.sum(), n, replacement=True, generator=gen)
-
-
 def run() -> list[dict]:
     rows = []
     for name, V, d, M in SHAPES:
-        for dist in ("uniform", "zipf"):
+        for dist in TOKEN_DISTRIBUTIONS:
             gen = torch.Generator(device="cuda").manual_seed(0)
             ids = token_ids(dist, V, M, gen)
             dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import coda.nn as cnn
 from benchmarks._common import (
     SKIPPED,
+    TOKEN_DISTRIBUTIONS,
     against_floor,
     bench,
     beside_floor,
@@ -35,6 +36,7 @@ from benchmarks._common import (
     row,
     selected,
     steady_idle,
+    token_ids,
     without_row_kernels,
 )
 from benchmarks.bench_forward import ffn, heads
@@ -211,6 +213,17 @@ def lm_head_shapes():
 
 IGNORE_EVERY = 7  # 1 in 7 targets is ignore_index, as in issue 9's protocol
 
+
+def lm_head_targets() -> str:
+    """How the LM head's targets are drawn: uniform (the default, every record before session
+    29), or as ``CODA_LM_HEAD_TARGETS=zipf`` names (text-like: the exact target entries'
+    scatter then sums long runs of one id)."""
+    chosen = selected("CODA_LM_HEAD_TARGETS", TOKEN_DISTRIBUTIONS)
+    if len(chosen) > 1:
+        raise ValueError(f"CODA_LM_HEAD_TARGETS: one distribution, got {chosen}")
+    return chosen[0] if chosen else "uniform"
+
+
 # every LM-head variant, coda's first (its default program, then its other programs and
 # weight layouts), then the peers
 LM_HEAD_VARIANTS = (
@@ -238,6 +251,7 @@ def _graphed_ms(step):
 def lm_head_rows(liger) -> list[dict]:
     rows = []
     quack_lce = _quack.chunked_linear_cross_entropy()
+    targets = lm_head_targets()
     for d, V, quack_chunk in lm_head_shapes():
         first = len(rows)
         head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel")  # "auto": CE-S here
@@ -247,7 +261,7 @@ def lm_head_rows(liger) -> list[dict]:
         head_c.final_norm, head_c.weight = head.final_norm, head.weight
         head_r.final_norm, head_r.weight = head.final_norm, head.weight
         x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        t = torch.randint(0, V, (M,), device="cuda")
+        t = token_ids(targets, V, M)
         t[::IGNORE_EVERY] = -100
         w_lin = head.weight.detach().clone().requires_grad_(True)  # (V, d) peers
         # (d, V)-contiguous: the layout LMHeadLoss held its weight in before session 15
@@ -309,7 +323,7 @@ def lm_head_rows(liger) -> list[dict]:
             "dgrad": lambda: g @ w.t(),
             "wgrad": lambda: a.t() @ g,
         }
-        shape = {"M": M, "d": d, "V": V}
+        shape = {"M": M, "d": d, "V": V, "targets": targets}
 
         def make_step(fn, params):
             def step():

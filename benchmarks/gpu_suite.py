@@ -140,6 +140,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_LAYER_SHAPES",
     "CODA_LM_HEAD_SHAPES",
     "CODA_LM_HEAD_PEERS",
+    "CODA_LM_HEAD_TARGETS",
     "CODA_MODEL_SHAPES",
     "CODA_MODEL_PEERS",
     "CODA_TUNE_SHAPES",

@@ -550,3 +550,17 @@ def test_the_torch_embedding_variant_keeps_the_model_and_its_weight(tied):
     assert torch.equal(other.embed.weight.grad, model.embed.weight.grad)
     # one parameter table, not the swapped-out one beside it
     assert len(list(other.parameters())) == len(list(model.parameters()))
+
+
+def test_lm_head_targets_selection(monkeypatch):
+    """``CODA_LM_HEAD_TARGETS``: uniform unless one known distribution is named."""
+    from benchmarks import bench_train
+
+    monkeypatch.delenv("CODA_LM_HEAD_TARGETS", raising=False)
+    assert bench_train.lm_head_targets() == "uniform"
+    monkeypatch.setenv("CODA_LM_HEAD_TARGETS", "zipf")
+    assert bench_train.lm_head_targets() == "zipf"
+    for bad in ("zipf,uniform", "normal"):
+        monkeypatch.setenv("CODA_LM_HEAD_TARGETS", bad)
+        with pytest.raises(ValueError, match="CODA_LM_HEAD_TARGETS"):
+            bench_train.lm_head_targets()
