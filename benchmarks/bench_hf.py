@@ -5,7 +5,8 @@ in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and 
 eager, as users compile it), with Liger's instance patch (called as the others, and with
 ``use_cache=False``, which a patched model's training call implies), and patched by
 ``coda.transformers.apply_coda``, and patched with HF's activation checkpointing on (what it
-saves in memory and costs in time). Every variant starts from the same weights. coda's and
+saves in memory and costs in time), and patched with the embedding's backward left as
+torch's (``apply_coda(embedding=False)``). Every variant starts from the same weights. coda's and
 Liger's rows also carry one step's per-kernel table and GPU idle time (after the timing).
 
 Each variant's peak memory is measured as if it were alone (``_common.PeakAlone``), then
@@ -151,6 +152,8 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
         ("hf_torch_compile", compiled),
         ("hf_coda", lambda: ct.apply_coda(copy.deepcopy(base))),
         ("hf_coda_checkpointed", checkpointed),
+        # the embedding's backward left as torch's (before session 29)
+        ("hf_coda_torch_embedding", lambda: ct.apply_coda(copy.deepcopy(base), embedding=False)),
     ]
     if liger is not None:
         out.append(("hf_liger", lambda: liger.patch(copy.deepcopy(base))))

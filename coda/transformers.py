@@ -6,7 +6,10 @@ reads from the call: ``num_items_in_batch``, ``shift_labels``, ``ignore_index``)
 ``torch.no_grad`` (an evaluation loop reading logits for its metrics) it returns HF's logits
 and loss, and ``skip_logits=`` picks either for a call.
 
-What stays the model's own: the embedding, the attention function the config selects (sdpa,
+The token embedding stays the model's module and parameter (tied to the LM head where the
+model ties them); only its backward becomes coda's deterministic sorted scatter
+(``coda.nn.Embedding``: the module's class, ``embedding=False`` leaves it as it is). What
+stays the model's own besides: the attention function the config selects (sdpa,
 flash, eager: called with the model's masks and KV cache, so padding, packed sequences and
 generation behave as before), the RoPE tables the model computes (the reference path uses them
 as given; the kernel path forms the same angles from ``position_ids`` and the model's inverse
@@ -49,7 +52,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from coda import _validate as v
 from coda.autograd import LM_HEAD_METHODS
 from coda.env import host_cache
-from coda.nn import DecoderLayer, lm_head_loss
+from coda.nn import DecoderLayer, Embedding, lm_head_loss
 from coda.nn.layer import HF_KEYS
 
 SUPPORTED = (
@@ -471,13 +474,15 @@ def _causal_lm_forward(original):
     return forward
 
 
-def apply_coda(model, *, method: str = "auto"):
+def apply_coda(model, *, method: str = "auto", embedding: bool = True):
     """Patch a transformers Llama, Mistral or Qwen3 model (``SUPPORTED``) in place; returns it.
 
     ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "auto" (the default: CE-S,
     "scaled_exp", the fastest on the H200, where the vocabulary is a multiple of 128, else
     "recompute"), "scaled_exp", "recompute" (least memory) or "chunked". Each decoder layer
-    becomes a ``CodaLlamaDecoderLayer``."""
+    becomes a ``CodaLlamaDecoderLayer``. ``embedding``: the token embedding (a plain
+    ``nn.Embedding``) becomes a ``coda.nn.Embedding`` in place, the same module and parameter
+    (``_patch_embedding``)."""
     name = type(model).__name__
     if name not in SUPPORTED:
         raise v.CodaInputError(f"apply_coda: {name} is not supported ({', '.join(SUPPORTED)})")
@@ -499,10 +504,25 @@ def apply_coda(model, *, method: str = "auto"):
     if replaced:  # transformers hooks the layers for ``output_hidden_states`` once, at the
         # first call asking for them: the patched layers are new modules, to be hooked anew
         base.__dict__.pop("_output_capturing_hooks_installed", None)
+    if embedding:
+        _patch_embedding(base.embed_tokens)
     if name.endswith("ForCausalLM") and not getattr(model, "coda_method", None):
         _wrap_forward(model, _causal_lm_forward)
     model.coda_method = method
     return model
+
+
+def _patch_embedding(embed) -> None:
+    """``embed`` made a ``coda.nn.Embedding`` in place (its class: the same module, parameter,
+    hooks and padding row) where it is a plain ``nn.Embedding`` that coda's backward covers;
+    an embedding of another class, or using ``max_norm``, ``scale_grad_by_freq`` or ``sparse``,
+    is left as it is."""
+    if type(embed) is not torch.nn.Embedding:
+        return
+    if embed.max_norm is not None or embed.scale_grad_by_freq or embed.sparse:
+        return
+    embed.__class__ = Embedding
+    embed.backend = "auto"
 
 
 def hf_gradients(model) -> dict:

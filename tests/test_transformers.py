@@ -238,6 +238,29 @@ def test_layers_found_by_hf_class_and_name():
         assert rel_err(out[1], ref(input_ids=ids, output_hidden_states=True).hidden_states[1]) < TOL
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_embedding_becomes_codas_in_place(tied):
+    """``apply_coda`` makes the token embedding a ``coda.nn.Embedding`` in place: the same
+    module and parameter (still the LM head's where tied), the same padding row; with
+    ``embedding=False``, or for an embedding coda's backward does not cover, it is left."""
+    import coda.nn as cnn
+
+    cfg = tiny_config("llama", tie_word_embeddings=tied, pad_token_id=3)
+    model = model_class(cfg)(cfg).double()
+    embed, weight = model.model.embed_tokens, model.model.embed_tokens.weight
+    ct.apply_coda(model)
+    assert model.model.embed_tokens is embed and type(embed) is cnn.Embedding
+    assert embed.weight is weight and embed.padding_idx == 3
+    assert (model.lm_head.weight is weight) == tied
+    ct.apply_coda(model)  # again: nothing changes
+    assert type(model.model.embed_tokens) is cnn.Embedding
+    left = ct.apply_coda(model_class(cfg)(cfg).double(), embedding=False)
+    assert type(left.model.embed_tokens) is torch.nn.Embedding
+    sparse = model_class(cfg)(cfg).double()
+    sparse.model.embed_tokens.sparse = True
+    assert type(ct.apply_coda(sparse).model.embed_tokens) is torch.nn.Embedding
+
+
 def test_output_attentions_is_refused():
     cfg = tiny_config(attn_implementation="eager")
     _, patched = pair(cfg)
@@ -434,6 +457,8 @@ def test_patched_model_kernel_path_on_cpu(family, mode, method, monkeypatch):
         loss_r = _step(ref, input_ids=ids, labels=ids)
         loss_p = _step(patched, input_ids=ids, labels=ids)
     assert coda.last_path("DecoderLayer")[0] == coda.last_path("LMHeadLoss")[0] == "kernel"
+    # (an fp32 table under autocast is nn.Embedding's own: autocast leaves the gather fp32)
+    assert coda.last_path("Embedding")[0] == ("reference" if mode == "autocast" else "kernel")
     tol = TOL if mode == "float64" else 3e-2
     assert rel_err(loss_p, loss_r) < tol
     grads_p = ct.hf_gradients(patched)
