@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from coda.kernels._launch import acc_dtype
 from coda.kernels._triton import on_triton
 from coda.kernels.target_terms import compile_scatter, scatter_rows_triton
 
@@ -31,7 +32,7 @@ def _live(tokens, vocab: int, padding_idx: int):
 
 def embedding_backward_torch(tokens, grad, vocab: int, padding_idx: int = -1):
     """``embedding_backward`` in torch: the CPU path and the Triton kernel's oracle."""
-    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(grad)
     # one spare row takes the padding rows' sums (no mask: no host sync)
     table = torch.zeros(vocab + 1, grad.shape[1], dtype=acc, device=grad.device)
     table.index_add_(0, _live(tokens, vocab, padding_idx), grad.to(acc))

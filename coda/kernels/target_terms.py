@@ -1,4 +1,4 @@
-"""The LM head's exact target entries in dW (``add_target_terms``) as a Triton kernel (GPU).
+"""The LM head's exact target entries in dW (``add_target_terms``) as two Triton kernels (GPU).
 
 CE-C and CE-S leave each row's target entry out of their bf16 GEMM operands and add its share
 in fp32 (why: ``linear_cross_entropy_chunked.add_target_terms``, whose torch form stays the
@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from coda.kernels._launch import acc_dtype
 from coda.kernels._triton import acc_type, cdiv, compile_sm90, kernel
 
 CH, BD = 16, 512  # sorted rows per program, columns per program
@@ -118,9 +119,9 @@ def scatter_rows_triton(dst, src, index, coef=None):
     # int32 keys: the radix sort makes half the passes it makes over int64 (V < 2^31)
     keys = torch.where((index >= 0) & (index < V), index, V).to(torch.int32)
     keys, order = torch.sort(keys, stable=True)
-    acc = torch.float64 if dst.dtype == torch.float64 else torch.float32
     grid = (cdiv(M, CH), cdiv(d, BD))
-    part = torch.empty(grid[0], 2, d, dtype=acc, device=dst.device)  # read only where written
+    # the pieces' scratch, read only where written
+    part = torch.empty(grid[0], 2, d, dtype=acc_dtype(dst), device=dst.device)
     kernel(_chunk_sums_kernel)[grid](
         # (unscaled: the kernel never reads its coef pointer; any tensor stands in)
         dst, src, keys, order, keys if coef is None else coef, part, M, V, d, dst.stride(0),
