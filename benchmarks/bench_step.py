@@ -300,11 +300,10 @@ def build_model(cfg: dict):
 
 
 def _torch_embedding(model) -> None:
-    """``model``'s ``coda.nn.Embedding`` swapped for torch's ``nn.Embedding`` holding its
-    weight (tied to the LM head's where the model ties them): the step before session 29."""
-    w = model.embed.weight
-    model.embed = torch.nn.Embedding(*w.shape, _weight=w.detach())  # (wraps a new Parameter)
-    model.embed.weight = w
+    """``model``'s ``coda.nn.Embedding`` made torch's ``nn.Embedding`` in place (the inverse of
+    ``coda.nn.Embedding.adopt``: the same module and weight, tied where the model ties them):
+    the step before session 29."""
+    model.embed.__class__ = torch.nn.Embedding
 
 
 def model_rows(liger) -> list[dict]:

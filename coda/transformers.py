@@ -482,7 +482,7 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True):
     "recompute"), "scaled_exp", "recompute" (least memory) or "chunked". Each decoder layer
     becomes a ``CodaLlamaDecoderLayer``. ``embedding``: the token embedding (a plain
     ``nn.Embedding``) becomes a ``coda.nn.Embedding`` in place, the same module and parameter
-    (``_patch_embedding``)."""
+    (``coda.nn.Embedding.adopt``)."""
     name = type(model).__name__
     if name not in SUPPORTED:
         raise v.CodaInputError(f"apply_coda: {name} is not supported ({', '.join(SUPPORTED)})")
@@ -504,25 +504,12 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True):
     if replaced:  # transformers hooks the layers for ``output_hidden_states`` once, at the
         # first call asking for them: the patched layers are new modules, to be hooked anew
         base.__dict__.pop("_output_capturing_hooks_installed", None)
-    if embedding:
-        _patch_embedding(base.embed_tokens)
+    if embedding:  # left as it is where coda's backward does not cover it
+        Embedding.adopt(base.embed_tokens)
     if name.endswith("ForCausalLM") and not getattr(model, "coda_method", None):
         _wrap_forward(model, _causal_lm_forward)
     model.coda_method = method
     return model
-
-
-def _patch_embedding(embed) -> None:
-    """``embed`` made a ``coda.nn.Embedding`` in place (its class: the same module, parameter,
-    hooks and padding row) where it is a plain ``nn.Embedding`` that coda's backward covers;
-    an embedding of another class, or using ``max_norm``, ``scale_grad_by_freq`` or ``sparse``,
-    is left as it is."""
-    if type(embed) is not torch.nn.Embedding:
-        return
-    if embed.max_norm is not None or embed.scale_grad_by_freq or embed.sparse:
-        return
-    embed.__class__ = Embedding
-    embed.backend = "auto"
 
 
 def hf_gradients(model) -> dict:

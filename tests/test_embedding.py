@@ -179,6 +179,8 @@ def test_module_is_nn_embedding_and_refuses_what_it_lacks():
     for name in ("max_norm", "scale_grad_by_freq", "sparse"):
         with pytest.raises(coda.CodaInputError, match=name):
             cnn.Embedding(30, 8, **{name: 1.0 if name == "max_norm" else True})
+    with pytest.raises(coda.CodaInputError, match="max_norm"):  # a norm of 0 renorms too
+        cnn.Embedding(30, 8, max_norm=0.0)
     with pytest.raises(coda.UnsupportedDeviceError):
         cnn.Embedding(30, 8, backend="kernel")(t)
 
