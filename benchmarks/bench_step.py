@@ -36,6 +36,7 @@ from benchmarks._common import (
     kernel_table,
     liger_functional,
     out_of_time,
+    progress,
     row,
     selected,
     where_time_goes,
@@ -387,14 +388,20 @@ def model_rows(liger) -> list[dict]:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
+            t0 = time.perf_counter()
             try:
                 with PeakAlone(model) as mem:
                     for _ in range(5):
                         full()
                 peaks[peer] = mem.gib
             except Exception as e:
-                rows.append({"name": f"model/{name}/{peer}", "error": repr(e)[:300]})
+                rows.append(progress({"name": f"model/{name}/{peer}", "error": repr(e)[:300]}))
                 continue
+            # the first five steps' wall time holds any compile (torch.compile's, the kernels'
+            # first build), reported as it happens: a call cut later keeps it
+            first = {"name": f"model/{name}/{peer}/first_5_steps", "s": time.perf_counter() - t0}
+            print(f"model/{name}/{peer}: first 5 steps {first['s']:.0f} s", flush=True)
+            rows.append(progress({**first, "peak_gib": peaks[peer]}))
             fns[f"{peer}/step+adamw"], fns[f"{peer}/fwd+bwd"] = full, fwd_bwd
             if peer in PROFILED and not out_of_time():
                 try:  # where the forward+backward's time goes, beside the peers' (issue 8)
@@ -422,7 +429,7 @@ def model_rows(liger) -> list[dict]:
         if fns and not out_of_time():
             timed = interleaved(fns, timer=bench_long)
             for label, t in timed.items():
-                rows.append(model_row(label, t, peaks[label.split("/")[0]]))
+                rows.append(progress(model_row(label, t, peaks[label.split("/")[0]])))
         fns = timed = None
         peers = None
         torch.cuda.empty_cache()
