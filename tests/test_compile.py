@@ -7,6 +7,9 @@ path's custom ops under torch.compile: ``test_custom_ops.py``.)"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import no_cache_warnings_from_dynamo, rel_err
@@ -135,6 +138,75 @@ def test_layer_builds_its_rope_tables_when_made_and_moved():
     x = torch.randn(1, 3, 40, dtype=torch.float64)
     layer._kernel_forward(x)
     assert set(layer._rope_tables) == keys
+
+
+# a fresh process: Inductor's lowering table is global, and an earlier compile in the same
+# process would have filled it through the implicit path this test is about
+_NO_IMPLICIT_FALLBACKS = """
+import torch, torch._inductor.config as ic
+import coda.nn as cnn
+from coda.autograd import Embedding
+
+class Step(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.randn(128, 40))
+        self.layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=torch.float32)
+        self.head = cnn.LMHeadLoss(40, 128, dtype=torch.float32)
+
+    def forward(self, tok, t):
+        x = Embedding.apply(tok, self.embed, -1)
+        h = self.layer._kernel_forward(x).reshape(-1, 40)
+        return self.head._kernel_loss(h, t.reshape(-1), "mean")
+
+torch.manual_seed(0)
+model = Step()
+tok, t = torch.randint(0, 128, (2, 9)), torch.randint(0, 128, (2, 9))
+with ic.patch(implicit_fallbacks=False, force_disable_caches=True):
+    torch.compile(model, fullgraph=True)(tok, t).backward()
+assert model.embed.grad is not None
+print("compiled")
+"""
+
+
+def test_inductor_never_takes_its_implicit_fallback_for_a_coda_op():
+    """Inductor lowers coda's ops through the fallbacks coda registers when they are first
+    traced, never through its implicit path, whose eager formatting of the arguments' IR did
+    not end in 400 s at the Llama-1B shape on torch 2.11 (``coda.kernels.library``). With
+    Inductor's implicit fallbacks switched off, a kernel-path step (embedding, layer, LM head:
+    forward and backward ops) compiles with the default backend and runs."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_IMPLICIT_FALLBACKS],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+_DEEP_MODEL_ON_GPU = """
+import torch, torch._inductor.config as ic
+import coda.nn as cnn
+
+torch.manual_seed(0)
+model = cnn.CausalLM(4096, 256, 16, 4, 2, 768, device="cuda", backend="kernel")
+tok = torch.randint(0, 4096, (2, 512), device="cuda")
+with ic.patch(implicit_fallbacks=False, force_disable_caches=True):
+    torch.compile(model)(tok, tok).backward()
+assert model.embed.weight.grad is not None
+print("compiled")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_deep_model_compiles_without_implicit_fallbacks():
+    """The H200 form of the test above, at the depth where the implicit path's formatting
+    hung (16 layers; run 136's 1B model): a kernel-path ``CausalLM`` compiled with Inductor's
+    implicit fallbacks off, in a fresh process, so every coda op is lowered through coda's
+    own registration."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _DEEP_MODEL_ON_GPU],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
 @pytest.mark.gpu

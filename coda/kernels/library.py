@@ -6,9 +6,19 @@ kernel function itself (quack's SM90 GEMM on the GPU, the tile interpreter on th
 Eager calls skip the dispatcher (a custom op costs microseconds of host time per call): each
 function here calls its kernel directly unless ``torch.compile`` is tracing. Tile configs
 cross the op boundary as six ints (``GemmConfig`` fields).
+
+Inductor lowers every op to a call of it (a fallback kernel), registered by coda the first
+time an op is traced with Inductor loaded (``_inductor_fallbacks``), not left to Inductor's
+implicit path: that path first formats each argument's IR for an info log, eagerly before
+torch 2.13, and an argument deep in a model's backward graph (the embedding's gradient under
+16 layers) formats as a string that grows exponentially with the depth (pytorch#139501): the
+Llama-1B-shaped model's compile ran for over 400 s without ending (H200, torch 2.11, run 136).
 """
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import torch
 
@@ -51,6 +61,48 @@ def _empty(*shape, like, dtype=None):
     return torch.empty(*shape, dtype=dtype or like.dtype, device=like.device)
 
 
+def _fake(op):
+    """``op``'s fake implementation, registered behind ``_inductor_fallbacks`` (a fake
+    implementation runs exactly when an op is traced)."""
+
+    def register(fn):
+        @functools.wraps(fn)
+        def fake(*args, **kwargs):
+            _inductor_fallbacks()
+            return fn(*args, **kwargs)
+
+        op.register_fake(fake)
+        return fn
+
+    return register
+
+
+_FALLBACKS = {"made": False}
+
+
+def _inductor_fallbacks() -> None:
+    """Every coda op lowered by Inductor as a fallback kernel with the layout constraint of
+    its tag, which is what Inductor's implicit path makes, without that path's IR formatting
+    (module docstring). Once, and only once Inductor is loaded (``torch.compile``'s default
+    backend has imported it by the time it traces the joint graph); where a torch lacks these
+    internals, Inductor's own path stays."""
+    if _FALLBACKS["made"] or "torch._inductor.lowering" not in sys.modules:
+        return
+    _FALLBACKS["made"] = True
+    try:
+        from torch._inductor import lowering
+        from torch._library.utils import get_layout_constraint_tag
+
+        for name in OPS:
+            target = getattr(torch.ops.coda, name).default
+            if target not in lowering.lowerings:
+                tag = get_layout_constraint_tag(target, with_default=True)
+                constraint = lowering.tag_to_layout_constraint(tag)
+                lowering.make_fallback(target, layout_constraint=constraint)
+    except (ImportError, AttributeError):
+        pass
+
+
 # -- forward ------------------------------------------------------------------------------------
 @torch.library.custom_op("coda::gemm_rope", mutates_args=())
 def _gemm_rope(
@@ -64,7 +116,7 @@ def _gemm_rope(
     return _rope.gemm_rope_kernel(a, w, rstd, pos, freq, _gc(cfg))
 
 
-@_gemm_rope.register_fake
+@_fake(_gemm_rope)
 def _(a, w, rstd, pos, freq, cfg):
     return _empty(a.shape[0], w.shape[1], like=a)
 
@@ -87,7 +139,7 @@ def _gemm_qk_norm_rope(
     )
 
 
-@_gemm_qk_norm_rope.register_fake
+@_fake(_gemm_qk_norm_rope)
 def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg):
     return _empty(a.shape[0], w.shape[1], like=a)
 
@@ -111,7 +163,7 @@ def _gemm_qk_norm_rope_keep_z(
     )
 
 
-@_gemm_qk_norm_rope_keep_z.register_fake
+@_fake(_gemm_qk_norm_rope_keep_z)
 def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg, z_cols):
     M, N = a.shape[0], w.shape[1]
     half = _empty(M, z_cols // 2, like=a)
@@ -135,7 +187,7 @@ def _gemm_residual_rms(
     return _grr.gemm_residual_rms_kernel(x, w, res, gamma, eps, _gc(cfg))
 
 
-@_gemm_residual_rms.register_fake
+@_fake(_gemm_residual_rms)
 def _(x, w, res, gamma, eps, cfg):
     M, N = x.shape[0], w.shape[1]
     return _empty(M, N, like=x), _empty(M, N, like=x), _empty(M, like=x, dtype=acc_dtype(x))
@@ -149,7 +201,7 @@ def _gemm_residual(
     return h, sumsq
 
 
-@_gemm_residual.register_fake
+@_fake(_gemm_residual)
 def _(x, w, res, cfg):
     M, N = x.shape[0], w.shape[1]
     return _empty(M, N, like=x), _empty(M, cdiv(N, cfg[1]), like=x, dtype=acc_dtype(x))
@@ -162,7 +214,7 @@ def _gemm_swiglu(
     return _sw.gemm_swiglu_kernel(a, w, rstd, True, _gc(cfg))
 
 
-@_gemm_swiglu.register_fake
+@_fake(_gemm_swiglu)
 def _(a, w, rstd, cfg):
     M, N = a.shape[0], w.shape[1]
     return _empty(M, N // 2, like=a), _empty(M, N, like=a)
@@ -175,7 +227,7 @@ def _gemm_scale_rows(
     return _rg.gemm_scale_rows_kernel(a, w, scale, _gc(cfg))
 
 
-@_gemm_scale_rows.register_fake
+@_fake(_gemm_scale_rows)
 def _(a, w, scale, cfg):
     return _empty(a.shape[0], w.shape[1], like=a)
 
@@ -187,7 +239,7 @@ def _gemm_swiglu_only(
     return _sw.gemm_swiglu_kernel(a, w, rstd, False, _gc(cfg))[0]
 
 
-@_gemm_swiglu_only.register_fake
+@_fake(_gemm_swiglu_only)
 def _(a, w, rstd, cfg):
     return _empty(a.shape[0], w.shape[1] // 2, like=a)
 
@@ -199,7 +251,7 @@ def _lm_head_stats(
     return _lce.lm_head_stats_kernel(a, w, rstd, target, _gc(cfg))
 
 
-@_lm_head_stats.register_fake
+@_fake(_lm_head_stats)
 def _(a, w, rstd, target, cfg):
     M, acc = a.shape[0], acc_dtype(a)
     return _empty(M, cdiv(w.shape[1], cfg[1]), like=a, dtype=acc), _empty(M, like=a, dtype=acc)
@@ -213,7 +265,7 @@ def _dswiglu(
     return _dsw.dswiglu_kernel(dx, w_d, u, rstd, _gc(cfg))
 
 
-@_dswiglu.register_fake
+@_fake(_dswiglu)
 def _(dx, w_d, u, rstd, cfg):
     M, f = dx.shape[0], w_d.shape[0]
     stat = _empty(M, cdiv(f, cfg[1]), like=dx, dtype=acc_dtype(dx))
@@ -233,7 +285,7 @@ def _norm_bwd(
     return _nb.norm_bwd_kernel(dz, w2, h, gamma, corr, dres, _gc(cfg))
 
 
-@_norm_bwd.register_fake
+@_fake(_norm_bwd)
 def _(dz, w2, h, gamma, corr, dres, cfg):
     d = w2.shape[0]
     return _empty(dz.shape[0], d, like=dz), _empty(d, like=dz, dtype=gamma.dtype)
@@ -244,7 +296,7 @@ def _wgrad_gamma_rows(h: torch.Tensor, dz: torch.Tensor, gamma: torch.Tensor) ->
     return _wg.wgrad_gamma_rows(h, dz, gamma)  # its tile chosen here, from concrete shapes
 
 
-@_wgrad_gamma_rows.register_fake
+@_fake(_wgrad_gamma_rows)
 def _(h, dz, gamma):
     return _empty(h.shape[1], dz.shape[1], like=h)
 
@@ -270,7 +322,7 @@ def _lm_head_bwd(
     return G, S, dw
 
 
-@_lm_head_bwd.register_fake
+@_fake(_lm_head_bwd)
 def _(a, w, rstd, lse, tl, target, scale, chunk, cfg, hot, shift, want_dw):
     M, d, V, acc = a.shape[0], a.shape[1], w.shape[1] if want_dw else 0, acc_dtype(a)
     return _empty(M, d, like=a, dtype=acc), _empty(M, like=a, dtype=acc), _empty(d, V, like=a)
@@ -311,7 +363,7 @@ def _lm_head_gradients_op(name: str, program):
         options = {"label_smoothing": label_smoothing, "z_loss": z_loss, "want_dw": want_dw}
         return program(a, w, rstd, target, weight, rows, cfg_, **options)
 
-    op.register_fake(_lm_head_gradients_fake)
+    _fake(op)(_lm_head_gradients_fake)
     return op
 
 
@@ -334,7 +386,7 @@ def _drope_rows(
     return _rp.drope_pass(dq, dk, dv, qkv, rstd, cos, sin, d)
 
 
-@_drope_rows.register_fake
+@_fake(_drope_rows)
 def _(dq, dk, dv, qkv, rstd, cos, sin, d):
     return _empty(*qkv.shape, like=qkv), _empty(qkv.shape[0], like=rstd)
 
@@ -358,7 +410,7 @@ def _dqk_norm_rows(
     return _rp.dqk_norm_pass(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d)
 
 
-@_dqk_norm_rows.register_fake
+@_fake(_dqk_norm_rows)
 def _(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d):
     M, hd = z_even.shape[0], dq.shape[-1]
     n_heads = dq.shape[1] + 2 * dk.shape[1]
@@ -379,7 +431,7 @@ def _embedding_backward(
     return _emb.embedding_backward(tokens, grad, vocab, padding_idx)
 
 
-@_embedding_backward.register_fake
+@_fake(_embedding_backward)
 def _(tokens, grad, vocab, padding_idx):
     return _empty(vocab, grad.shape[1], like=grad)
 
