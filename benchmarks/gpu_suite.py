@@ -9,6 +9,10 @@ and for each shape the median ms, p20/p80, TFLOP/s and ratios against the peers.
 is rewritten after each suite; ``--budget-s`` keeps later suites and variants from starting,
 and a call ended by SIGTERM (``timeout`` set under the device's own limit) still writes it,
 naming the part that was cut, with the rows that suite had reported (``_common.progress``).
+A SIGTERM is acted on only between Python bytecodes of the main thread, so a suite blocked
+in C++ (a backward pass waiting on Inductor's compile: run 134) never writes it; ``--limit-s``
+arms a watchdog thread that writes the same record, with every thread's stack, and ends the
+process at that limit wherever the main thread is.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -236,6 +242,14 @@ def main():
         help="time budget of the whole call: the tests are cut at it and no benchmark starts "
         "after it (each is recorded as skipped), so a call under a hard limit keeps its results",
     )
+    ap.add_argument(
+        "--limit-s",
+        type=float,
+        default=None,
+        help="hard limit of the whole call: at it a watchdog thread writes the record (the part "
+        "running named as cut, with its rows so far and every thread's stack) and ends the "
+        "process with status 124, even while the main thread is blocked outside Python",
+    )
     args = ap.parse_args()
     suites = suite_list(args)
     known = [n for n, _ in suites]
@@ -267,6 +281,11 @@ def main():
     }
     running = {"part": "setup" if args.skip_tests else "gpu tests", "since": time.time()}
     signal.signal(signal.SIGTERM, lambda signum, _: _cut(record, args.out, running, signum))
+    if args.limit_s is not None:
+        left = t_start + args.limit_s - time.time()
+        watchdog = threading.Timer(left, _limit_reached, (record, args.out, running))
+        watchdog.daemon = True
+        watchdog.start()
     if not args.skip_tests:
         record["gpu_tests"] = run_tests(args.out, args.tests, args.budget_s, args.workers)
         print("gpu tests:", record["gpu_tests"]["summary"], flush=True)
@@ -349,25 +368,69 @@ def _cut(record, out_dir, running, signum):
     leaving no record at all."""
     from benchmarks._common import PROGRESS
 
-    part, seconds = running["part"], time.time() - running["since"]
-    cut = f"cut by signal {signum} after {seconds:.0f} s of this part"
-    if "benchmarks" in record:  # a benchmark suite was running
-        record["benchmarks"][part] = {"cut": cut, "rows_so_far": list(PROGRESS)}
-    else:
-        record["cut"] = f"{part}: {cut}"
+    _mark_cut(record, running, f"cut by signal {signum}", PROGRESS)
     write_record(record, out_dir)
     sys.exit(128 + signum)
+
+
+def _mark_cut(record, running, how, rows, **more):
+    part, seconds = running["part"], time.time() - running["since"]
+    cut = f"{how} after {seconds:.0f} s of this part"
+    if "benchmarks" in record:  # a benchmark suite was running
+        record["benchmarks"][part] = {"cut": cut, "rows_so_far": list(rows), **more}
+    else:
+        record["cut"] = f"{part}: {cut}"
+        record.update(more)
+
+
+def _stacks() -> list[str]:
+    """Every thread's Python stack (``faulthandler``'s text), runs of a repeated frame folded
+    into one line with its count."""
+    import faulthandler
+
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        lines = [ln.rstrip() for ln in f if ln.strip()]
+    folded: list[str] = []
+    for ln in lines:
+        if folded and folded[-1].split(" [x")[0] == ln:
+            head, _, n = folded[-1].partition(" [x")
+            folded[-1] = f"{head} [x{int(n.rstrip(']') or 1) + 1}]"
+        else:
+            folded.append(ln)
+    return folded
+
+
+def _hard_exit(code: int) -> None:
+    os._exit(code)
+
+
+def _limit_reached(record, out_dir, running):
+    """``--limit-s`` spent (the watchdog thread): the record as ``_cut`` writes it, plus every
+    thread's stack, then the process ends (status 124, as ``timeout``'s) wherever its main
+    thread is."""
+    from benchmarks._common import PROGRESS
+
+    _mark_cut(record, running, "cut by --limit-s", PROGRESS, stacks=_stacks())
+    write_record(record, out_dir)
+    print("gpu_suite: --limit-s reached; record written", flush=True)
+    _hard_exit(124)
+
+
+_WRITING = threading.Lock()  # the main thread and the watchdog both write the record
 
 
 def write_record(record, out_dir):
     gpu = record["env"].get("gpu", "nogpu").split()[-1].lower()
     fname = f"{record['date'][:10]}_{gpu}.json"
-    # compact: every GPU call carries the working tree, which is kept under 4 MB
-    text = no_machine_paths(json.dumps(record, separators=(",", ":")), out_dir)
-    for d in (os.path.join(ROOT, "benchmarks", "results"), out_dir):
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, fname), "w") as f:
-            f.write(text)
+    with _WRITING:
+        # compact: every GPU call carries the working tree, which is kept under 4 MB
+        text = no_machine_paths(json.dumps(record, separators=(",", ":")), out_dir)
+        for d in (os.path.join(ROOT, "benchmarks", "results"), out_dir):
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, fname), "w") as f:
+                f.write(text)
 
 
 def print_table(record):

@@ -137,6 +137,45 @@ def test_a_call_cut_by_sigterm_still_writes_its_record(monkeypatch, tmp_path):
     assert benchmarks["cut"]["rows_so_far"] == [{"name": "cut/first", "ms": 2.0}]
 
 
+def test_a_call_past_its_limit_writes_its_record_while_blocked(monkeypatch, tmp_path):
+    """``--limit-s``: a suite blocked outside Python (here a wait on an event, as a backward
+    pass waits on Inductor's compile) still gets its record at the limit, from the watchdog
+    thread: the part named as cut, its rows so far and every thread's stack, then the exit
+    with status 124 (stood in for here, so the test process lives)."""
+    import json
+    import threading
+
+    from benchmarks import gpu_suite
+
+    released, seen = threading.Event(), {}
+
+    def exit_stand_in(code):
+        (path,) = (tmp_path / "out").glob("*.json")
+        seen.update(code=code, record=json.loads(path.read_text()))
+        released.set()
+
+    class Blocked:
+        @staticmethod
+        def run():
+            _common.progress({"name": "blocked/first", "ms": 3.0})
+            assert released.wait(timeout=60), "the watchdog never fired"
+            return []
+
+    monkeypatch.setattr(gpu_suite, "ROOT", str(tmp_path))
+    monkeypatch.setattr(gpu_suite, "suite_list", lambda args: [("blocked", Blocked)])
+    monkeypatch.setattr(gpu_suite, "_hard_exit", exit_stand_in)
+    out = tmp_path / "out"
+    argv = ["gpu_suite.py", "--skip-tests", "--out", str(out), "--limit-s", "2"]
+    monkeypatch.setattr("sys.argv", argv)
+    gpu_suite.main()
+    assert seen["code"] == 124
+    cut = seen["record"]["benchmarks"]["blocked"]
+    assert cut["cut"].startswith("cut by --limit-s after ")
+    assert cut["rows_so_far"] == [{"name": "blocked/first", "ms": 3.0}]
+    blocked_frame = [ln for ln in cut["stacks"] if "test_bench_harness.py" in ln and "in run" in ln]
+    assert blocked_frame, cut["stacks"]  # the main thread's stack, inside the blocked suite
+
+
 def test_records_name_no_folder_of_the_machine(tmp_path):
     from benchmarks import gpu_suite
 
