@@ -99,7 +99,7 @@ def _inductor_fallbacks() -> None:
                 tag = get_layout_constraint_tag(target, with_default=True)
                 constraint = lowering.tag_to_layout_constraint(tag)
                 lowering.make_fallback(target, layout_constraint=constraint)
-    except (ImportError, AttributeError):
+    except (ImportError, AttributeError, TypeError):  # another torch's internals
         pass
 
 
