@@ -11,10 +11,10 @@ Inductor lowers every op to a call of it (a fallback kernel), registered by coda
 time an op is traced with Inductor loaded (``_inductor_fallbacks``), not left to Inductor's
 implicit path: that path first formats each argument's IR for an info log (built even when
 the log is off in torch releases before the lazy message of 2.13, the version CI runs), and
-an argument deep in a model's
-backward graph (the embedding's gradient under 16 layers) formats as a string that grows
-exponentially with the depth (pytorch#139501). On the H200 image's torch 2.11 the
-Llama-1B-shaped model's backward compile was still formatting IR after 450 s (runs 134, 136).
+an argument deep in a model's backward graph (the embedding's gradient under 16 layers)
+formats as a string that grows exponentially with the depth (pytorch#139501). On the H200
+image's torch 2.11 the Llama-1B-shaped model's backward compile was still formatting IR
+after 450 s (runs 134, 136).
 """
 
 from __future__ import annotations
