@@ -26,6 +26,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -353,12 +354,13 @@ class Demo:
 
 def no_machine_paths(text: str, out_dir: str | None = None) -> str:
     """Records name GPU, versions, commit and command, never a folder of the machine: paths in
-    captured tracebacks and warnings become repository-relative or "site-packages/...", and
-    the output folder (a demo's plot) "$OUT"."""
+    captured tracebacks, warnings and stacks become repository-relative, "site-packages/..."
+    or "stdlib/...", and the output folder (a demo's plot) "$OUT"."""
     if out_dir:
         text = text.replace(os.path.abspath(out_dir), "$OUT")
     text = text.replace(ROOT + os.sep, "")
-    return re.sub(r"/[^\s\"']*/site-packages/", "site-packages/", text)
+    text = re.sub(r"/[^\s\"']*/site-packages/", "site-packages/", text)
+    return text.replace(sysconfig.get_paths()["stdlib"] + os.sep, "stdlib/")
 
 
 def _cut(record, out_dir, running, signum):

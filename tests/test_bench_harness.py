@@ -177,13 +177,17 @@ def test_a_call_past_its_limit_writes_its_record_while_blocked(monkeypatch, tmp_
 
 
 def test_records_name_no_folder_of_the_machine(tmp_path):
+    import sysconfig
+
     from benchmarks import gpu_suite
 
     out = str(tmp_path / "out")
     text = f"python demos/train.py --png {out}/train.png; {gpu_suite.ROOT}/coda/ops.py:3"
     text += "; /usr/lib/python3/site-packages/torch/x.py"
+    text += f"; {sysconfig.get_paths()['stdlib']}/threading.py"  # a thread's stack
     assert gpu_suite.no_machine_paths(text, out) == (
         "python demos/train.py --png $OUT/train.png; coda/ops.py:3; site-packages/torch/x.py"
+        "; stdlib/threading.py"
     )
 
 
