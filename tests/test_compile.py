@@ -7,6 +7,7 @@ path's custom ops under torch.compile: ``test_custom_ops.py``.)"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -140,24 +141,25 @@ def test_layer_builds_its_rope_tables_when_made_and_moved():
     assert set(layer._rope_tables) == keys
 
 
+def _errors(stderr: str) -> str:
+    """A child's exception lines (the traceback's last lines may be a long IR dump)."""
+    return "\n".join(ln for ln in stderr.splitlines() if "Error" in ln)[-3000:]
+
+
 # a fresh process: Inductor's lowering table is global, and an earlier compile in the same
 # process would have filled it through the implicit path this test is about
 _NO_IMPLICIT_FALLBACKS = """
 import torch, torch._inductor.config as ic
-import coda.nn as cnn
 from coda.autograd import Embedding
+from test_compile import _KernelStep
 
-class Step(torch.nn.Module):
+class Step(_KernelStep):  # the kernel-path step above, fed by coda's embedding function
     def __init__(self):
-        super().__init__()
+        super().__init__(dtype=torch.float32)
         self.embed = torch.nn.Parameter(torch.randn(128, 40))
-        self.layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=torch.float32)
-        self.head = cnn.LMHeadLoss(40, 128, dtype=torch.float32)
 
     def forward(self, tok, t):
-        x = Embedding.apply(tok, self.embed, -1)
-        h = self.layer._kernel_forward(x).reshape(-1, 40)
-        return self.head._kernel_loss(h, t.reshape(-1), "mean")
+        return super().forward(Embedding.apply(tok, self.embed, -1), t)
 
 torch.manual_seed(0)
 model = Step()
@@ -177,9 +179,9 @@ def test_inductor_never_takes_its_implicit_fallback_for_a_coda_op():
     forward and backward ops) compiles with the default backend and runs."""
     proc = subprocess.run(
         [sys.executable, "-c", _NO_IMPLICIT_FALLBACKS],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, cwd=os.path.dirname(__file__),
     )  # fmt: skip
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled" in proc.stdout, _errors(proc.stderr)
 
 
 _DEEP_MODEL_ON_GPU = """
@@ -206,7 +208,7 @@ def test_gpu_deep_model_compiles_without_implicit_fallbacks():
         [sys.executable, "-c", _DEEP_MODEL_ON_GPU],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled" in proc.stdout, _errors(proc.stderr)
 
 
 @pytest.mark.gpu
