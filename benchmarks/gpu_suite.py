@@ -177,6 +177,7 @@ def suite_list(args) -> list:
         bench_numerics,
         bench_train,
         probe_gemm_in_step,
+        probe_graph_gaps,
         probe_head_norm,
         probe_kernel_origin,
         probe_ncu,
@@ -208,13 +209,14 @@ def suite_list(args) -> list:
         ),
         # diagnostics, run only when named: the row-pass probes, attention and GEMM configs
         # inside the step, hardware counters (ncu) on the step's kernels, who launches a kernel,
-        # the LM head's final-norm pass at each launch shape
+        # the LM head's final-norm pass at each launch shape, a graphed step's kernels and gaps
         *[(name, probe_row_passes.Suite(name)) for name in probe_row_passes.PASSES],
         (bench_attention_layout.IN_STEP, bench_attention_layout.InStep()),
         (probe_gemm_in_step.SUITE, probe_gemm_in_step.Suite()),
         *[(name, probe_ncu.Suite(name)) for name in probe_ncu.SUITES],
         (probe_kernel_origin.SUITE, probe_kernel_origin.Suite()),
         (probe_head_norm.SUITE, probe_head_norm.Suite()),
+        (probe_graph_gaps.SUITE, probe_graph_gaps.Suite()),
     ]
 
 

@@ -1,33 +1,29 @@
-"""Probe: where a graphed d=1024 model step spends the time its kernels do not.
+"""Probe: where a graphed d=1024 model step spends the time its forward+backward kernels do not.
 
 Run 71: coda's step through ``coda.nn.GraphedStep`` took 6.83 ms for 5.87 ms of kernels, and
-torch.compile's with its own CUDA graphs 7.14 ms for 6.53. This probe profiles back-to-back
-calls of each (the demo's d=1024 model, 8 x 1024 tokens, step + AdamW) and splits every
-call's span (first kernel's start to last kernel's end) into kernel time and idle stretches
-between kernels: how many kernels, how many gaps of which size, and which kernel pairs the
-largest gaps sit between.
+torch.compile's with its own CUDA graphs 7.14 ms for 6.53; run 133: 6.66 against 7.34 ms, each
+~1 ms over its forward+backward kernels. This probe profiles back-to-back calls of each (the
+demo's d=1024 model, 8 x 1024 tokens, step + AdamW) and splits every call's span (first
+kernel's start to last kernel's end) into kernel time and idle stretches between kernels: how
+many kernels, how many gaps of which size, which kernel pairs the largest gaps sit between,
+and the kernel time by kernel name (so the optimizer's and the gradients' zeroing kernels
+show beside the step's own). Each step is also timed back to back without the profiler.
 
-    python benchmarks/probe_graph_gaps.py [--out DIR]   (CUDA; writes DIR/probe_graph_gaps.json)
+A ``gpu_suite.py`` suite run only when named (``--only graph_gaps``).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
-import os
-import time
 
-import torch
+from benchmarks._common import Diagnostic, _gaps, _profiled_kernels, progress
 
-import coda.nn as cnn
-from benchmarks._common import _gaps, _profiled_kernels
-from benchmarks.bench_step import graphed_train_step
-from coda.reference.model import TorchLlama
-
+SUITE = "graph_gaps"
 CFG = dict(vocab=8192, d=1024, layers=4, heads=8, kv_heads=4, hd=128, ffn=2816, batch=8, seq=1024)
 CALLS = 5
 BUCKETS = (1.0, 2.0, 3.0, 5.0, 10.0, 50.0, float("inf"))  # us, upper bounds
+TOP = 30  # kernel names kept, largest first
+OPTIMIZER = ("adam", "multi_tensor")  # name fragments of the optimizer's kernels
 
 
 def split(fn, calls: int = CALLS) -> dict:
@@ -40,9 +36,15 @@ def split(fn, calls: int = CALLS) -> dict:
         counts[bucket] += 1
         sums[bucket] += gap
         pairs[(before, after)] += gap
+    by_name, launches = collections.Counter(), collections.Counter()
+    for e in ev:
+        by_name[e.name[:90]] += e.device_time
+        launches[e.name[:90]] += 1
+    optimizer_us = sum(us for n, us in by_name.items() if any(f in n.lower() for f in OPTIMIZER))
     return {
         "kernels_per_call": len(ev) / calls,
         "kernel_us_per_call": kernel_us,
+        "optimizer_kernel_us_per_call": optimizer_us / calls,
         "span_us_per_call": span_us,
         "idle_us_per_call": span_us - kernel_us,
         "gaps_by_size_us": {
@@ -51,12 +53,20 @@ def split(fn, calls: int = CALLS) -> dict:
         "largest_pairs_us_per_call": [
             {"before": a, "after": b, "us": us / calls} for (a, b), us in pairs.most_common(15)
         ],
+        "kernels_by_name_us_per_call": [
+            {"kernel": n, "launches": launches[n] / calls, "us": us / calls}
+            for n, us in by_name.most_common(TOP)
+        ],
     }
 
 
 def back_to_back(fn, calls: int = 50) -> dict:
     """ms per call of ``calls`` back-to-back calls (CUDA events around all of them), and the
     host's ms per call to enqueue them (if it is below the GPU's, the host is not the bound)."""
+    import time
+
+    import torch
+
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -71,10 +81,13 @@ def back_to_back(fn, calls: int = 50) -> dict:
     return {"gpu_ms_per_call": start.elapsed_time(end) / calls, "host_ms_per_call": host}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
+def run() -> list[dict]:
+    import torch
+
+    import coda.nn as cnn
+    from benchmarks.bench_step import graphed_train_step
+    from coda.reference.model import TorchLlama
+
     c = CFG
     torch.manual_seed(0)
     model = cnn.CausalLM(
@@ -84,15 +97,14 @@ def main():
     )
     tok = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device="cuda")
     tgt = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device="cuda")
-    rows = {"config": c}
     step = graphed_train_step(model, tok, tgt)  # warmed up and captured
-    rows["coda_graphed"] = split(step)
-    rows["coda_graphed"]["timed"] = {
+    coda_row = {"name": f"{SUITE}/coda_graphed", "config": c, **split(step)}
+    coda_row["timed"] = {
         "GraphedStep call": back_to_back(step),
         "its graph's replay alone": back_to_back(step.func._graph.replay),
         "GraphedStep call again": back_to_back(step),
     }
-    print("coda_graphed", json.dumps(rows["coda_graphed"]["timed"]))
+    rows = [progress(coda_row)]
     model.zero_grad(set_to_none=True)
     peer = torch.compile(TorchLlama.of(model), mode="reduce-overhead")
     opt = torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True)
@@ -104,12 +116,14 @@ def main():
 
     for _ in range(5):
         compiled_step()
-    rows["torch_compile_graphed"] = split(compiled_step)
-    rows["torch_compile_graphed"]["timed"] = {"step": back_to_back(compiled_step)}
-    print("torch_compile_graphed", json.dumps(rows["torch_compile_graphed"]["timed"]))
-    with open(os.path.join(args.out, "probe_graph_gaps.json"), "w") as f:
-        json.dump({"torch": torch.__version__, **rows}, f, indent=1)
+    peer_row = {"name": f"{SUITE}/torch_compile_graphed", "config": c, **split(compiled_step)}
+    peer_row["timed"] = {"step": back_to_back(compiled_step)}
+    rows.append(progress(peer_row))
+    return rows
 
 
-if __name__ == "__main__":
-    main()
+class Suite(Diagnostic):
+    """``SUITE`` as a ``gpu_suite.py`` entry."""
+
+    def run(self) -> list[dict]:
+        return run()

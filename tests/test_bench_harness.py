@@ -431,6 +431,7 @@ def test_a_run_of_every_suite_leaves_the_diagnostics_out():
         "ncu_traffic",
         "kernel_origin",
         "head_norm_pass",
+        "graph_gaps",
     }
 
 
