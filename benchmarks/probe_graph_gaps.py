@@ -7,7 +7,9 @@ demo's d=1024 model, 8 x 1024 tokens, step + AdamW) and splits every call's span
 kernel's start to last kernel's end) into kernel time and idle stretches between kernels: how
 many kernels, how many gaps of which size, which kernel pairs the largest gaps sit between,
 and the kernel time by kernel name (so the optimizer's and the gradients' zeroing kernels
-show beside the step's own). Each step is also timed back to back without the profiler.
+show beside the step's own); then, over a chain of calls, the idle inside a call apart from
+the idle between calls, and the host's cost of one call. Each step is also timed back to back
+without the profiler, with the GPU's clock and power.
 
 A ``gpu_suite.py`` suite run only when named (``--only graph_gaps``).
 """
@@ -60,6 +62,38 @@ def split(fn, calls: int = CALLS) -> dict:
     }
 
 
+def chain(fn, calls: int = 20) -> dict:
+    """``calls`` back-to-back calls profiled (after a warm-up): per call, the GPU span, its
+    kernel time, the idle inside a call and the idle between calls (a call's kernels are the
+    events from one multiple of the kernels per call to the next), and the host's cost of one
+    call started on an idle GPU (``_common.host_ms``: if it is above the GPU's time between
+    calls, the host is what the GPU waits for)."""
+    from benchmarks._common import host_ms
+
+    fn()
+    ev = _profiled_kernels(fn, calls)
+    per_call, rest = divmod(len(ev), calls)
+    if rest:
+        return {"kernels": len(ev), "error": f"{len(ev)} kernels in {calls} calls: no period"}
+    inside = between = 0.0
+    busy_end = ev[0].time_range.end
+    for i in range(1, len(ev)):
+        busy_end = max(busy_end, ev[i - 1].time_range.end)
+        gap = max(0.0, ev[i].time_range.start - busy_end)
+        if i % per_call == 0:
+            between += gap
+        else:
+            inside += gap
+    return {
+        "kernels_per_call": per_call,
+        "span_us_per_call": (ev[-1].time_range.end - ev[0].time_range.start) / calls,
+        "kernel_us_per_call": sum(e.device_time for e in ev) / calls,
+        "idle_inside_us_per_call": inside / calls,
+        "idle_between_us_per_call": between / (calls - 1),
+        "host_us_one_call_idle_gpu": host_ms(fn, reps=9) * 1e3,
+    }
+
+
 def back_to_back(fn, calls: int = 50) -> dict:
     """ms per call of ``calls`` back-to-back calls (CUDA events around all of them), and the
     host's ms per call to enqueue them (if it is below the GPU's, the host is not the bound)."""
@@ -81,6 +115,16 @@ def back_to_back(fn, calls: int = 50) -> dict:
     return {"gpu_ms_per_call": start.elapsed_time(end) / calls, "host_ms_per_call": host}
 
 
+def timed(fn) -> dict:
+    """``back_to_back`` with the GPU's clock and power sampled while it runs."""
+    from benchmarks._common import GpuClock
+
+    back_to_back(fn, calls=10)  # settle before the sampled window
+    with GpuClock() as clock:
+        t = back_to_back(fn, calls=200)
+    return {**t, **clock.medians()}
+
+
 def run() -> list[dict]:
     import torch
 
@@ -99,11 +143,13 @@ def run() -> list[dict]:
     tgt = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device="cuda")
     step = graphed_train_step(model, tok, tgt)  # warmed up and captured
     coda_row = {"name": f"{SUITE}/coda_graphed", "config": c, **split(step)}
+    replay = step.func._graph.replay
     coda_row["timed"] = {
-        "GraphedStep call": back_to_back(step),
-        "its graph's replay alone": back_to_back(step.func._graph.replay),
-        "GraphedStep call again": back_to_back(step),
+        "GraphedStep call": timed(step),
+        "its graph's replay alone": timed(replay),
+        "GraphedStep call again": timed(step),
     }
+    coda_row["chain"] = {"GraphedStep call": chain(step), "its graph's replay alone": chain(replay)}
     rows = [progress(coda_row)]
     model.zero_grad(set_to_none=True)
     peer = torch.compile(TorchLlama.of(model), mode="reduce-overhead")
@@ -117,7 +163,8 @@ def run() -> list[dict]:
     for _ in range(5):
         compiled_step()
     peer_row = {"name": f"{SUITE}/torch_compile_graphed", "config": c, **split(compiled_step)}
-    peer_row["timed"] = {"step": back_to_back(compiled_step)}
+    peer_row["timed"] = {"step": timed(compiled_step)}
+    peer_row["chain"] = {"step": chain(compiled_step)}
     rows.append(progress(peer_row))
     return rows
 
