@@ -31,6 +31,7 @@ from benchmarks._common import (
     PeakAlone,
     bench,
     bench_long,
+    clocked,
     graphed,
     interleaved,
     kernel_table,
@@ -365,6 +366,9 @@ def model_rows(liger) -> list[dict]:
                 tokens_per_s=tokens_n / seconds,
                 mfu=flops / seconds / (PEAK_TFLOPS * 1e12),
                 peak_gib=peak,
+                # at the power cap a step's speed is its energy: the GPU's median draw over
+                # the timed round, times the step (None where nvidia-smi gave nothing)
+                joules_per_step=t["power_w"] * seconds if "power_w" in t else None,
             )
 
         # pass 1, one peer at a time: its peak memory as if alone (``PeakAlone``: the other
@@ -427,7 +431,7 @@ def model_rows(liger) -> list[dict]:
             replay = None
         # pass 2: every peer's step timed in interleaved rounds (``_common.interleaved``)
         if fns and not out_of_time():
-            timed = interleaved(fns, timer=bench_long)
+            timed = interleaved(fns, timer=clocked(bench_long))
             for label, t in timed.items():
                 rows.append(progress(model_row(label, t, peaks[label.split("/")[0]])))
         fns = timed = None
