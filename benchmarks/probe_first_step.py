@@ -31,9 +31,9 @@ def main():
     import coda.nn as cnn
 
     imported = time.perf_counter() - t_import
-    cfg = dict(vocab=8192, d=1024, layers=4, heads=8, kv_heads=4, ffn=2816)
+    cfg = dict(vocab=8192, d=1024, n_layers=4, n_heads=8, n_kv_heads=4, ffn=2816, head_dim=128)
     torch.manual_seed(0)
-    model = cnn.CausalLM(*cfg.values(), head_dim=128, device="cuda")
+    model = cnn.CausalLM(**cfg, device="cuda")
     tok = torch.randint(0, cfg["vocab"], (8, 1024), device="cuda")
 
     def step() -> float:

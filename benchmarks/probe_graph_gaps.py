@@ -17,8 +17,18 @@ A ``gpu_suite.py`` suite run only when named (``--only graph_gaps``).
 from __future__ import annotations
 
 import collections
+import time
 
-from benchmarks._common import Diagnostic, _gaps, _profiled_kernels, progress
+import torch
+
+from benchmarks._common import (
+    Diagnostic,
+    GpuClock,
+    _gaps,
+    _profiled_kernels,
+    host_ms,
+    progress,
+)
 
 SUITE = "graph_gaps"
 CFG = dict(vocab=8192, d=1024, layers=4, heads=8, kv_heads=4, hd=128, ffn=2816, batch=8, seq=1024)
@@ -68,8 +78,6 @@ def chain(fn, calls: int = 20) -> dict:
     events from one multiple of the kernels per call to the next), and the host's cost of one
     call started on an idle GPU (``_common.host_ms``: if it is above the GPU's time between
     calls, the host is what the GPU waits for)."""
-    from benchmarks._common import host_ms
-
     fn()
     ev = _profiled_kernels(fn, calls)
     per_call, rest = divmod(len(ev), calls)
@@ -97,10 +105,6 @@ def chain(fn, calls: int = 20) -> dict:
 def back_to_back(fn, calls: int = 50) -> dict:
     """ms per call of ``calls`` back-to-back calls (CUDA events around all of them), and the
     host's ms per call to enqueue them (if it is below the GPU's, the host is not the bound)."""
-    import time
-
-    import torch
-
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -117,8 +121,6 @@ def back_to_back(fn, calls: int = 50) -> dict:
 
 def timed(fn) -> dict:
     """``back_to_back`` with the GPU's clock and power sampled while it runs."""
-    from benchmarks._common import GpuClock
-
     back_to_back(fn, calls=10)  # settle before the sampled window
     with GpuClock() as clock:
         t = back_to_back(fn, calls=200)
@@ -126,8 +128,6 @@ def timed(fn) -> dict:
 
 
 def run() -> list[dict]:
-    import torch
-
     import coda.nn as cnn
     from benchmarks.bench_step import graphed_train_step
     from coda.reference.model import TorchLlama
