@@ -5,7 +5,7 @@ kernel function itself (quack's SM90 GEMM on the GPU, the tile interpreter on th
 
 Eager calls skip the dispatcher (a custom op costs microseconds of host time per call): each
 function here calls its kernel directly unless ``torch.compile`` is tracing. Tile configs
-cross the op boundary as six ints (``GemmConfig`` fields).
+cross the op boundary as seven ints (``GemmConfig`` fields).
 
 Inductor lowers every op to a call of it (a fallback kernel), registered by coda the first
 time an op is traced with Inductor loaded (``_inductor_fallbacks``), not left to Inductor's
