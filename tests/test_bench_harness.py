@@ -43,6 +43,25 @@ def test_steady_idle_leaves_out_the_first_call(monkeypatch):
     assert report["steady_kernel_ms"] == pytest.approx(4 * 8 / 2 * 1e-3)
 
 
+def test_graph_gaps_chain_splits_idle_inside_and_between_calls(monkeypatch):
+    from benchmarks import probe_graph_gaps
+
+    # three calls of two kernels (8 us each); 2, 2 and 9 us idle inside them, 7 and 0 between
+    starts = [0, 10, 25, 35, 43, 60]
+    events = [_event(f"k{i % 2}", t, t + 8) for i, t in enumerate(starts)]
+    monkeypatch.setattr(probe_graph_gaps, "_profiled_kernels", lambda fn, n: events)
+    monkeypatch.setattr(probe_graph_gaps, "host_ms", lambda fn, reps: 0.25)
+    report = probe_graph_gaps.chain(lambda: None, calls=3)
+    assert report["kernels_per_call"] == 2
+    assert report["idle_inside_us_per_call"] == pytest.approx(13 / 3)
+    assert report["idle_between_us_per_call"] == pytest.approx(7 / 2)
+    assert report["kernel_us_per_call"] == pytest.approx(16)
+    assert report["span_us_per_call"] == pytest.approx(68 / 3)
+    assert report["host_us_one_call_idle_gpu"] == pytest.approx(250)
+    # a kernel count that is no multiple of the calls has no period to split by
+    assert "error" in probe_graph_gaps.chain(lambda: None, calls=4)
+
+
 def test_selected_names_are_checked(monkeypatch):
     monkeypatch.delenv("CODA_X", raising=False)
     assert _common.selected("CODA_X", ["a", "b"]) == []  # none listed: all
