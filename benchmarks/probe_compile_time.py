@@ -21,6 +21,7 @@ import time
 import torch
 
 import coda.nn as cnn
+from benchmarks.bench_step import _torch_embedding
 
 
 def one(layers: int, d: int, vocab: int, embedding: str, tokens=(4, 4096)) -> dict:
@@ -29,7 +30,7 @@ def one(layers: int, d: int, vocab: int, embedding: str, tokens=(4, 4096)) -> di
     heads = d // 64
     model = cnn.CausalLM(vocab, d, layers, heads, max(1, heads // 4), 4 * d, device="cuda")
     if embedding == "torch":
-        model.embed.__class__ = torch.nn.Embedding
+        _torch_embedding(model)
     tok = torch.randint(0, vocab, tokens, device="cuda")
 
     def step(run):
