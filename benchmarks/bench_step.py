@@ -59,12 +59,13 @@ MODEL_PEERS = (
     "torch_eager",
     "torch_compile_graphed",
     "coda_compile",
+    "coda_compile_graphed",
     "coda_recompute",
     "coda_checkpointed",
     "coda_torch_embedding",
 )
 # run when ``CODA_MODEL_PEERS`` names none: the others (torch eager, torch.compile's CUDA
-# graphs, coda compiled, recomputing, checkpointed) are opt-in, since all of them with their
+# graphs, coda compiled with and without them, recomputing, checkpointed) are opt-in, since all of them with their
 # AdamW states and pass 2's steps do not fit on one H200 at the 1B shape (run 66: out of
 # memory at 132.9 GiB with the seven of then)
 MODEL_DEFAULT_PEERS = ("coda", "torch_compile", "liger")
@@ -338,6 +339,11 @@ def model_rows(liger) -> list[dict]:
                 TorchLlama.of(coda_model), mode="reduce-overhead"
             ),
             "coda_compile": lambda: torch.compile(copy.deepcopy(coda_model)),
+            # coda under torch.compile's own CUDA graphs: a user's one-line route to graphs
+            # (coda's ops are capturable); its AdamW step stays eager, as the peer's above
+            "coda_compile_graphed": lambda: torch.compile(
+                copy.deepcopy(coda_model), mode="reduce-overhead"
+            ),
             # the four-GEMM LM head, least memory
             "coda_recompute": lambda: coda_copy(lambda m: setattr(m.head, "method", "recompute")),
             # activation checkpointing per layer (issue 11)
