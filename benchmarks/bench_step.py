@@ -65,9 +65,9 @@ MODEL_PEERS = (
     "coda_torch_embedding",
 )
 # run when ``CODA_MODEL_PEERS`` names none: the others (torch eager, torch.compile's CUDA
-# graphs, coda compiled with and without them, recomputing, checkpointed) are opt-in, since all of them with their
-# AdamW states and pass 2's steps do not fit on one H200 at the 1B shape (run 66: out of
-# memory at 132.9 GiB with the seven of then)
+# graphs, coda compiled with and without them, recomputing, checkpointed) are opt-in, since
+# all of them with their AdamW states and pass 2's steps do not fit on one H200 at the 1B
+# shape (run 66: out of memory at 132.9 GiB with the seven of then)
 MODEL_DEFAULT_PEERS = ("coda", "torch_compile", "liger")
 
 

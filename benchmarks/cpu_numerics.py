@@ -101,7 +101,7 @@ def qk_short(limit=25):
 
 def hf(seeds=4):
     from conftest import fro_err
-    from test_transformers import protocol_run
+    from test_transformers_gpu import protocol_run
 
     _kernel_path_on_cpu()
     for family in ("llama", "qwen3"):

@@ -1,0 +1,208 @@
+"""The benchmark probes' own logic (``benchmarks/probe_*.py``, ``tune_configs``), on the CPU:
+each computes what it claims to, names real kernels and passes, and puts back whatever it
+patches. The probes' timings need the GPU; these rules do not."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from benchmarks import _common
+
+
+def test_the_deferred_dw_probe_computes_what_the_reduce_add_and_cast_compute():
+    """``tune_configs``' probe for the LM head's last dW chunk (its program through the tile
+    interpreter, float64) equals today's reduce-adding dW GEMM followed by the cast with g, so
+    its H200 timing compares two ways of computing one thing."""
+    from benchmarks import tune_configs as tc
+    from coda.kernels import ce_scaled_exp as cse
+    from coda.kernels.config import GemmConfig
+
+    g = torch.Generator().manual_seed(0)
+    rows, d, V = 256, 96, 384  # the strips' 64-row blocks over V, whole 128-row tiles of rows
+    f64 = torch.float64
+    e = torch.rand(rows, V, dtype=f64, generator=g)
+    xs = torch.randn(rows, d, dtype=f64, generator=g)
+    u = torch.exp2(-torch.randint(0, 4, (V // cse.STRIP, rows), generator=g).to(f64))
+    dw_t = torch.randn(V, d, dtype=f64, generator=g)
+    like = torch.empty(V, d, dtype=f64).t()
+    expected = (dw_t + (u.repeat_interleave(cse.STRIP, 0) * e.t()) @ xs) * 0.37
+    probe, current = tc.dw_final_pair(
+        cse, e, xs, u, dw_t, torch.tensor(0.37, dtype=f64), like, GemmConfig(128, 64, 2, 1, False)
+    )
+    assert torch.allclose(probe, expected, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(current, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_the_row_pass_probe_records_the_first_call_and_puts_everything_back():
+    """``probe_row_passes._Recorded``: the pass's first call's arguments and attention's input
+    strides are kept, later calls pass through, and both names are restored on leaving."""
+    import torch.nn.functional as F
+
+    from benchmarks import probe_row_passes as prp
+
+    name = prp.PASSES["drope_pass"][1]
+    sdpa = F.scaled_dot_product_attention
+    calls = []
+    fake = SimpleNamespace(**{name: lambda *a, **kw: calls.append((a, kw)) or len(calls)})
+    q = torch.randn(1, 6, 2, 4).transpose(1, 2)  # (B, heads, S, hd) views of a packed buffer
+    with prp._Recorded(fake, name) as rec:
+        assert getattr(fake, name)(1, 2, shape=None) == 1 and getattr(fake, name)(3) == 2
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        F.scaled_dot_product_attention(q.contiguous(), q, q)
+    assert rec.args == ((1, 2), {"shape": None}) and len(calls) == 2
+    assert rec.attention["q_in_stride"] == list(q.stride()) and rec.attention["sdpa_kwargs"] == [
+        "is_causal"
+    ]
+    assert F.scaled_dot_product_attention is sdpa and getattr(fake, name) is rec.inner
+
+
+def test_the_row_pass_probe_names_real_passes():
+    """Each probed pass names a function of ``row_passes`` taking ``head_dim`` (how the probe
+    finds its ``TUNED`` key), a tuned kernel name and an HF shape the benchmark builds."""
+    import inspect
+
+    from benchmarks import bench_hf, probe_row_passes
+    from coda.kernels import row_passes
+
+    for shape, fn, tuned, kernel in probe_row_passes.PASSES.values():
+        assert "head_dim" in inspect.signature(getattr(row_passes, fn)).parameters
+        assert any(name == tuned for name, _ in row_passes.TUNED)
+        assert shape in bench_hf.SHAPES and callable(getattr(row_passes, kernel))
+
+
+def test_a_run_of_every_suite_leaves_the_diagnostics_out():
+    from benchmarks import gpu_suite
+
+    probe, attention = _common.Diagnostic(), _common.Diagnostic()
+    suites = [("hf", 1), ("qk_norm_pass", probe), ("host", 4), ("attention_in_step", attention)]
+    assert gpu_suite.chosen(suites, "") == [("hf", 1), ("host", 4)]
+    assert gpu_suite.chosen(suites, "host,qk_norm_pass") == [("qk_norm_pass", probe), ("host", 4)]
+    assert gpu_suite.chosen(suites, "attention_in_step") == [("attention_in_step", attention)]
+    assert gpu_suite.chosen(suites, "none") == []
+    every = gpu_suite.suite_list(SimpleNamespace(tune=False, out="."))
+    diagnostics = {name for name, m in every if isinstance(m, _common.Diagnostic)}
+    assert diagnostics == {
+        "qk_norm_pass",
+        "drope_pass",
+        "attention_in_step",
+        "gemm_in_step",
+        "ncu_qk_norm",
+        "ncu_traffic",
+        "kernel_origin",
+        "head_norm_pass",
+        "graph_gaps",
+    }
+
+
+def test_the_gemm_probe_varies_one_thing_of_a_key_the_step_looks_up():
+    """Each key of ``probe_gemm_in_step.KEYS`` is a GEMM the Llama-1B layer runs (a
+    ``config_for`` kernel at the 1B shape's K and N), and its candidates start with its
+    current config: then that config at each other swizzle (the probe's rows differ from
+    today's step in that one field), or each other tile of ``TILES``."""
+    import dataclasses
+
+    from benchmarks import probe_gemm_in_step as probe
+    from benchmarks.bench_hf import SHAPES
+    from coda.kernels import tuned
+
+    shape = SHAPES[probe.SHAPE][1]
+    d, f, tokens = shape["hidden_size"], shape["intermediate_size"], probe.BATCH * probe.SEQ
+    layer_gemms = {  # (K, N) of each GEMM in the layer's kernel sequence with an epilogue
+        "swiglu": (d, 2 * f),  # gate/up
+        "residual": (f, d),  # down projection
+        "dswiglu": (d, f),  # the down projection's dgrad
+        "norm_bwd": (2 * f, d),  # the gate/up dgrad
+        "wgrad": (tokens, 2 * f),  # the gate/up weight gradient
+        "lm_head": (d, shape["vocab_size"]),  # the LM head's logits
+    }
+    for kernel, k, n in probe.KEYS.values():
+        assert kernel in tuned.KERNELS and layer_gemms[kernel] == (k, n), (kernel, k, n)
+        now = probe.current((kernel, k, n))
+        got = probe.candidates((kernel, k, n), "swizzle")
+        assert got[0] == now and len(set(got)) == len(probe.SWIZZLES)
+        for cfg in got:
+            assert dataclasses.replace(cfg, max_swizzle_size=now.max_swizzle_size) == now
+        tiles = probe.candidates((kernel, k, n), "tile")
+        assert tiles[0] == now and set(tiles[1:]) == set(probe.TILES) - {now}
+
+
+def test_a_probe_leaves_the_table_it_installs_into_as_it_found_it():
+    table = {"kept": 1}
+    with _common.restored(table, "kept"), _common.restored(table, "new"):
+        table["kept"], table["new"] = 2, 3
+    assert table == {"kept": 1}
+    with pytest.raises(RuntimeError), _common.restored(table, "kept"):
+        table["kept"] = 5
+        raise RuntimeError("a probe cut short")
+    assert table == {"kept": 1}
+
+
+def test_the_ncu_probe_reads_its_csv_pages():
+    """ncu's CSV as the probe reads it: its ``==PROF==`` notes and the raw page's units row
+    dropped, each kernel's calls and metrics summed (bytes and ns: ``--print-units base``),
+    the total first; the details page as (section, metric, unit, value) rows."""
+    from benchmarks import probe_ncu
+
+    metrics = probe_ncu.TRAFFIC_METRICS
+    head = ["ID", "Kernel Name", *metrics]
+    raw = "\n".join(
+        [
+            "==PROF== Connected to process 1",
+            ",".join(f'"{h}"' for h in head),
+            ",".join(['""', '""', '"ns"', '"byte"', '"byte"', '"byte"']),
+            '"0","gemm","1000","2,000,000","1000000","5000000"',
+            '"1","norm","500","100","50","200"',
+            '"2","gemm","3000","4000000","0","1000000"',
+            "==PROF== Disconnected from process 1",
+        ]
+    )
+    rows = probe_ncu.traffic_rows(probe_ncu.parse_csv(raw), "coda")
+    total, first, second = rows
+    assert (first["kernel"], first["calls"], first["us"]) == ("gemm", 2, 4.0)
+    assert (first["dram_read_mb"], first["dram_write_mb"], first["l2_mb"]) == (6.0, 1.0, 6.0)
+    assert second["kernel"] == "norm" and second["dram_read_mb"] == 1e-4
+    assert total["kernel"] == "total" and total["calls"] == 3 and total["us"] == 4.5
+    details = "\n".join(
+        [
+            '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"',
+            '"0","_dqk_norm_kernel","Occupancy","Achieved Occupancy","%","41.5"',
+            '"0","_dqk_norm_kernel","WarpStateStats","","",""',
+        ]
+    )
+    (only,) = probe_ncu.details_rows(probe_ncu.parse_csv(details))
+    assert (only["section"], only["metric"], only["value"]) == (
+        "Occupancy",
+        "Achieved Occupancy",
+        41.5,
+    )
+    assert probe_ncu.parse_csv("==PROF== nothing profiled") == []
+
+
+def test_the_origin_probe_names_each_matching_kernels_callers():
+    """``probe_kernel_origin.origins``: kernels matched by name and summed per (kernel, op,
+    shapes, callers), torch's own Python frames left out of the callers, largest first."""
+    from benchmarks import probe_kernel_origin as pko
+
+    def event(name, parent=None, kernels=(), shapes=()):
+        kernels = [SimpleNamespace(name=k, duration=us) for k, us in kernels]
+        return SimpleNamespace(name=name, cpu_parent=parent, kernels=kernels, input_shapes=shapes)
+
+    frame = event("coda/transformers.py(418): forward")
+    inner = event("site-packages/torch/autograd/graph.py(966): _engine_run_backward", frame)
+    node = event("SliceBackward0", inner)
+    zeros = event("aten::zeros", node)
+    fills = [event("aten::fill_", zeros, [("FillFunctor<bf16>", 24.0)], [[8, 4]]) for _ in "ab"]
+    gemm = event("aten::mm", frame, [("sm90_gemm", 500.0)])
+    other = event("aten::zero_", frame, [("zero_kernel", 5.0)], [[2]])
+    backward = event("MLPBackward", None, [("_col_sums_kernel", 4.0), ("_row_stat_kernel", 2.0)])
+    found = [frame, inner, node, zeros, *fills, gemm, other, backward]
+    rows = pko.origins(found, "fill|zero|^_", steps=2)
+    assert [r["op"] for r in rows] == ["aten::fill_", "aten::zero_", "MLPBackward", "MLPBackward"]
+    first = rows[0]
+    assert (first["launches"], first["us"], first["kernel"]) == (1.0, 24.0, "FillFunctor<bf16>")
+    assert [r["kernel"] for r in rows[2:]] == ["_col_sums_kernel", "_row_stat_kernel"]
+    assert first["callers"] == ["aten::zeros", "SliceBackward0", frame.name]
+    assert rows[1]["callers"] == [frame.name]
