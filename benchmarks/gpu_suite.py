@@ -357,11 +357,13 @@ class Demo:
 def no_machine_paths(text: str, out_dir: str | None = None) -> str:
     """Records name GPU, versions, commit and command, never a folder of the machine: paths in
     captured tracebacks, warnings and stacks become repository-relative, "site-packages/..."
-    or "stdlib/...", and the output folder (a demo's plot) "$OUT"."""
+    or "stdlib/...", Inductor's generated code "torchinductor/...", and the output folder (a
+    demo's plot) "$OUT"."""
     if out_dir:
         text = text.replace(os.path.abspath(out_dir), "$OUT")
     text = text.replace(ROOT + os.sep, "")
     text = re.sub(r"/[^\s\"']*/site-packages/", "site-packages/", text)
+    text = re.sub(r"/[^\s\"']*/torchinductor_[^/\s\"']*/", "torchinductor/", text)
     return text.replace(sysconfig.get_paths()["stdlib"] + os.sep, "stdlib/")
 
 

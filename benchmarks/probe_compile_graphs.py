@@ -1,0 +1,99 @@
+"""Probe: which model shapes ``torch.compile(model, mode="reduce-overhead")`` captures over
+coda's kernel path, each in a child process (a failed capture poisons its process), with the
+first error's whole traceback.
+
+Run 144 ran the d=1024 demo model this way after its eager steps in the same process; run 145
+failed the capture of the 1B-shaped one (cudaErrorStreamCaptureInvalidated), and in fresh
+processes every shape failed it, at the forward graph's ``capture_end``. The cases here
+bisect: the model fresh, after two eager steps, with sync warnings on while recording, and
+one ``DecoderLayer`` or ``LMHeadLoss`` alone. ``python benchmarks/probe_compile_graphs.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import traceback
+
+D1024 = (8192, 1024, 4, 8, 4, 2816, 128, 8, 1024)  # vocab, d, layers, heads, kv, ffn, hd, B, S
+# what each child compiles with mode="reduce-overhead", in a fresh process
+CASES = ("model", "model_after_eager_steps", "model_sync_warn", "layer", "lm_head")
+
+
+def child(case: str) -> dict:
+    import warnings
+
+    import torch
+
+    import coda.nn as cnn
+
+    V, d, L, H, Hkv, f, hd, B, S = D1024
+    torch.manual_seed(0)
+    tok = torch.randint(0, V, (B, S), device="cuda")
+    if case == "layer":
+        module = cnn.DecoderLayer(d, H, Hkv, f, head_dim=hd, device="cuda")
+        x = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        args = (x,)
+    elif case == "lm_head":
+        module = cnn.LMHeadLoss(d, V, device="cuda")
+        x = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        args = (x, tok)
+    else:
+        module = cnn.CausalLM(V, d, L, H, Hkv, f, head_dim=hd, device="cuda")
+        args = (tok, tok)
+    if case == "model_after_eager_steps":
+        for _ in range(2):
+            module(*args).backward()
+    compiled = torch.compile(module, mode="reduce-overhead")
+    out = {"case": case, "steps": 0, "warnings": []}
+    try:
+        for i in range(4):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                if case == "model_sync_warn" and i == 1:
+                    torch.cuda.set_sync_debug_mode("warn")
+                y = compiled(*args)
+                (y if y.dim() == 0 else y.float().square().mean()).backward()
+                torch.cuda.set_sync_debug_mode("default")
+            out["warnings"] += [str(w.message)[:300] for w in seen if "sync" in str(w.message)]
+            module.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            out["steps"] += 1
+    except Exception:
+        out["error"] = traceback.format_exc()[-2500:]
+    from torch._dynamo.utils import counters
+
+    out["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+    return out
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print("RESULT " + json.dumps(child(sys.argv[2])), flush=True)
+        return
+    for name in CASES:
+        try:
+            p = subprocess.run(
+                [sys.executable, __file__, "--child", name],
+                capture_output=True,
+                text=True,
+                timeout=110,
+            )
+        except subprocess.TimeoutExpired:
+            print(f"== {name}: timed out", flush=True)
+            continue
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        if lines:
+            r = json.loads(lines[-1][7:])
+            print(f"== {name}: {r['steps']} steps, skips {r['cudagraph_skips']}", flush=True)
+            for w in r["warnings"][:5]:
+                print("   sync warning:", w, flush=True)
+            if "error" in r:
+                print(r["error"], flush=True)
+        else:
+            print(f"== {name}: rc {p.returncode}\n{p.stderr[-4000:]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
