@@ -19,6 +19,8 @@ import traceback
 D1024 = (8192, 1024, 4, 8, 4, 2816, 128, 8, 1024)  # vocab, d, layers, heads, kv, ffn, hd, B, S
 # what each child compiles with mode="reduce-overhead", in a fresh process
 CASES = ("model", "model_after_eager_steps", "model_sync_warn", "layer", "lm_head")
+# run 146 found the LM head alone failing: its methods, its row glue as plain torch, few tokens
+CASES += ("lm_head_chunked", "lm_head_recompute", "lm_head_unfused", "lm_head_512_tokens")
 
 
 def child(case: str) -> dict:
@@ -35,9 +37,17 @@ def child(case: str) -> dict:
         module = cnn.DecoderLayer(d, H, Hkv, f, head_dim=hd, device="cuda")
         x = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         args = (x,)
-    elif case == "lm_head":
+    elif case.startswith("lm_head"):
         module = cnn.LMHeadLoss(d, V, device="cuda")
-        x = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        if case in ("lm_head_chunked", "lm_head_recompute"):
+            module.method = case.split("_")[-1]
+        if case == "lm_head_unfused":  # the row glue as plain torch ops, not torch.compile'd
+            import coda.kernels._launch as launch
+
+            launch._compiled_row_kernel = lambda fn: fn
+        if case == "lm_head_512_tokens":
+            tok = tok[:1, :512]
+        x = torch.randn(*tok.shape, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         args = (x, tok)
     else:
         module = cnn.CausalLM(V, d, L, H, Hkv, f, head_dim=hd, device="cuda")
@@ -69,10 +79,10 @@ def child(case: str) -> dict:
 
 
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":  # else: the cases named, or all
         print("RESULT " + json.dumps(child(sys.argv[2])), flush=True)
         return
-    for name in CASES:
+    for name in sys.argv[1:] or CASES:
         try:
             p = subprocess.run(
                 [sys.executable, __file__, "--child", name],
