@@ -2,11 +2,16 @@
 coda's kernel path, each in a child process (a failed capture poisons its process), with the
 first error's whole traceback.
 
-Run 144 ran the d=1024 demo model this way after its eager steps in the same process; run 145
-failed the capture of the 1B-shaped one (cudaErrorStreamCaptureInvalidated), and in fresh
-processes every shape failed it, at the forward graph's ``capture_end``. The cases here
+Run 144 ran the d=1024 demo model this way after four other peers' steps in the same process
+(coda eager, torch.compile with and without its graphs, coda compiled); run 145 failed the
+capture of the 1B-shaped one (cudaErrorStreamCaptureInvalidated), and in fresh processes every
+shape failed it, at the forward graph's ``capture_end`` (run 146). The cases here
 bisect: the model fresh, after two eager steps, with sync warnings on while recording, and
-one ``DecoderLayer`` or ``LMHeadLoss`` alone. ``python benchmarks/probe_compile_graphs.py``.
+one ``DecoderLayer`` or ``LMHeadLoss`` alone (run 147: only the layer's forward recorded; the
+head alone failed as the model did; the layer's case then failed on its input's gradient,
+which this probe let accumulate across steps, since fixed), then the head's methods, its row
+glue as plain torch and a 512-token head (not yet run).
+``python benchmarks/probe_compile_graphs.py [case ...]``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ def child(case: str) -> dict:
     V, d, L, H, Hkv, f, hd, B, S = D1024
     torch.manual_seed(0)
     tok = torch.randint(0, V, (B, S), device="cuda")
+    x = None  # the layer's and the head's input, a leaf: its gradient dropped every step
     if case == "layer":
         module = cnn.DecoderLayer(d, H, Hkv, f, head_dim=hd, device="cuda")
         x = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -66,8 +72,11 @@ def child(case: str) -> dict:
                 y = compiled(*args)
                 (y if y.dim() == 0 else y.float().square().mean()).backward()
                 torch.cuda.set_sync_debug_mode("default")
-            out["warnings"] += [str(w.message)[:300] for w in seen if "sync" in str(w.message)]
+            found = [str(w.message) for w in seen]
+            out["warnings"] += [m[:300] for m in found if "synchronizing CUDA operation" in m]
             module.zero_grad(set_to_none=True)
+            if x is not None:  # else it accumulates into the last step's graph-owned buffer
+                x.grad = None
             torch.cuda.synchronize()
             out["steps"] += 1
     except Exception:
