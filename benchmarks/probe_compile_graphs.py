@@ -69,11 +69,14 @@ def child(case: str) -> dict:
                 warnings.simplefilter("always")
                 if case == "model_sync_warn" and i == 1:
                     torch.cuda.set_sync_debug_mode("warn")
-                y = compiled(*args)
-                (y if y.dim() == 0 else y.float().square().mean()).backward()
-                torch.cuda.set_sync_debug_mode("default")
-            found = [str(w.message) for w in seen]
-            out["warnings"] += [m[:300] for m in found if "synchronizing CUDA operation" in m]
+                try:
+                    y = compiled(*args)
+                    (y if y.dim() == 0 else y.float().square().mean()).backward()
+                finally:  # a failing step's warnings are the ones wanted
+                    torch.cuda.set_sync_debug_mode("default")
+                    found = [str(w.message) for w in seen]
+                    keep = [m[:300] for m in found if "synchronizing CUDA operation" in m]
+                    out["warnings"] += keep
             module.zero_grad(set_to_none=True)
             if x is not None:  # else it accumulates into the last step's graph-owned buffer
                 x.grad = None
