@@ -158,6 +158,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_GEMM_VARY",
     "CODA_ORIGIN_KERNELS",
     "CODA_ORIGIN_STEPS",
+    "CODA_COMPILE_GRAPHS",
 )
 
 
@@ -176,6 +177,7 @@ def suite_list(args) -> list:
         bench_layer_grad_numerics,
         bench_numerics,
         bench_train,
+        probe_compile_graphs,
         probe_gemm_in_step,
         probe_graph_gaps,
         probe_head_norm,
@@ -209,7 +211,8 @@ def suite_list(args) -> list:
         ),
         # diagnostics, run only when named: the row-pass probes, attention and GEMM configs
         # inside the step, hardware counters (ncu) on the step's kernels, who launches a kernel,
-        # the LM head's final-norm pass at each launch shape, a graphed step's kernels and gaps
+        # the LM head's final-norm pass at each launch shape, a graphed step's kernels and gaps,
+        # which shapes torch.compile's own CUDA graphs capture over coda
         *[(name, probe_row_passes.Suite(name)) for name in probe_row_passes.PASSES],
         (bench_attention_layout.IN_STEP, bench_attention_layout.InStep()),
         (probe_gemm_in_step.SUITE, probe_gemm_in_step.Suite()),
@@ -217,6 +220,7 @@ def suite_list(args) -> list:
         (probe_kernel_origin.SUITE, probe_kernel_origin.Suite()),
         (probe_head_norm.SUITE, probe_head_norm.Suite()),
         (probe_graph_gaps.SUITE, probe_graph_gaps.Suite()),
+        (probe_compile_graphs.SUITE, probe_compile_graphs.Suite()),
     ]
 
 

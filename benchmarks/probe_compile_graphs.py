@@ -11,20 +11,26 @@ one ``DecoderLayer`` or ``LMHeadLoss`` alone (run 147: only the layer's forward 
 head alone failed as the model did; the layer's case then failed on its input's gradient,
 which this probe let accumulate across steps, since fixed), then the head's methods, its row
 glue as plain torch and a 512-token head (not yet run).
-``python benchmarks/probe_compile_graphs.py [case ...]``.
+
+A ``gpu_suite.py`` suite run only when named (``--only compile_graphs``; ``CODA_COMPILE_GRAPHS``
+picks cases), or alone: ``python -m benchmarks.probe_compile_graphs [case ...]``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import traceback
 
+from benchmarks._common import Diagnostic, progress, selected
+
+SUITE = "compile_graphs"
 D1024 = (8192, 1024, 4, 8, 4, 2816, 128, 8, 1024)  # vocab, d, layers, heads, kv, ffn, hd, B, S
 # what each child compiles with mode="reduce-overhead", in a fresh process
 CASES = ("model", "model_after_eager_steps", "model_sync_warn", "layer", "lm_head")
-# run 146 found the LM head alone failing: its methods, its row glue as plain torch, few tokens
+# run 147 found the LM head alone failing: its methods, its row glue as plain torch, few tokens
 CASES += ("lm_head_chunked", "lm_head_recompute", "lm_head_unfused", "lm_head_512_tokens")
 
 
@@ -90,31 +96,43 @@ def child(case: str) -> dict:
     return out
 
 
+def run_case(name: str) -> dict:
+    """``child(name)`` in a fresh process: its result, or how the process ended."""
+    try:
+        p = subprocess.run(
+            [sys.executable, "-m", "benchmarks.probe_compile_graphs", "--child", name],
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # the repository
+            capture_output=True,
+            text=True,
+            timeout=110,
+        )
+    except subprocess.TimeoutExpired:
+        return {"case": name, "error": "timed out (110 s)"}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if lines:
+        return json.loads(lines[-1][7:])
+    return {"case": name, "error": f"rc {p.returncode}: {p.stderr[-3000:]}"}
+
+
+class Suite(Diagnostic):
+    """``SUITE`` as a ``gpu_suite.py`` entry: every case, or those in ``CODA_COMPILE_GRAPHS``."""
+
+    def run(self) -> list[dict]:
+        names = selected("CODA_COMPILE_GRAPHS", CASES) or CASES
+        return [progress({"name": f"{SUITE}/{n}", **run_case(n)}) for n in names]
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--child":  # else: the cases named, or all
         print("RESULT " + json.dumps(child(sys.argv[2])), flush=True)
         return
     for name in sys.argv[1:] or CASES:
-        try:
-            p = subprocess.run(
-                [sys.executable, __file__, "--child", name],
-                capture_output=True,
-                text=True,
-                timeout=110,
-            )
-        except subprocess.TimeoutExpired:
-            print(f"== {name}: timed out", flush=True)
-            continue
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        if lines:
-            r = json.loads(lines[-1][7:])
-            print(f"== {name}: {r['steps']} steps, skips {r['cudagraph_skips']}", flush=True)
-            for w in r["warnings"][:5]:
-                print("   sync warning:", w, flush=True)
-            if "error" in r:
-                print(r["error"], flush=True)
-        else:
-            print(f"== {name}: rc {p.returncode}\n{p.stderr[-4000:]}", flush=True)
+        r = run_case(name)
+        print(f"== {name}: {r.get('steps', 0)} steps, skips {r.get('cudagraph_skips')}")
+        for w in r.get("warnings", [])[:5]:
+            print("   sync warning:", w)
+        if "error" in r:
+            print(r["error"], flush=True)
 
 
 if __name__ == "__main__":
