@@ -339,8 +339,9 @@ def model_rows(liger) -> list[dict]:
                 TorchLlama.of(coda_model), mode="reduce-overhead"
             ),
             "coda_compile": lambda: torch.compile(copy.deepcopy(coda_model)),
-            # coda under torch.compile's own CUDA graphs: a user's one-line route to graphs
-            # (coda's ops are capturable); its AdamW step stays eager, as the peer's above
+            # coda under torch.compile's own CUDA graphs, a user's one-line route to graphs:
+            # its capture fails at 4096+ tokens in a fresh process (runs 145-147, the LM head;
+            # NOTES session 33); its AdamW step stays eager, as the peer's above
             "coda_compile_graphed": lambda: torch.compile(
                 copy.deepcopy(coda_model), mode="reduce-overhead"
             ),
