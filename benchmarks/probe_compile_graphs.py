@@ -25,9 +25,9 @@ import sys
 import traceback
 
 from benchmarks._common import Diagnostic, progress, selected
+from benchmarks.bench_step import MODEL_SHAPES, build_model
 
 SUITE = "compile_graphs"
-D1024 = (8192, 1024, 4, 8, 4, 2816, 128, 8, 1024)  # vocab, d, layers, heads, kv, ffn, hd, B, S
 # what each child compiles with mode="reduce-overhead", in a fresh process
 CASES = ("model", "model_after_eager_steps", "model_sync_warn", "layer", "lm_head")
 # run 147 found the LM head alone failing: its methods, its row glue as plain torch, few tokens
@@ -41,12 +41,14 @@ def child(case: str) -> dict:
 
     import coda.nn as cnn
 
-    V, d, L, H, Hkv, f, hd, B, S = D1024
+    c = MODEL_SHAPES["demo-d1024"]  # the demo's model, 8 x 1024 tokens
+    V, d, B, S = c["vocab"], c["d"], c["batch"], c["seq"]
     torch.manual_seed(0)
     tok = torch.randint(0, V, (B, S), device="cuda")
     x = None  # the layer's and the head's input, a leaf: its gradient dropped every step
     if case == "layer":
-        module = cnn.DecoderLayer(d, H, Hkv, f, head_dim=hd, device="cuda")
+        heads = (c["heads"], c["kv_heads"], c["ffn"])
+        module = cnn.DecoderLayer(d, *heads, head_dim=c["hd"], device="cuda")
         x = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         args = (x,)
     elif case.startswith("lm_head"):
@@ -62,7 +64,7 @@ def child(case: str) -> dict:
         x = torch.randn(*tok.shape, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         args = (x, tok)
     else:
-        module = cnn.CausalLM(V, d, L, H, Hkv, f, head_dim=hd, device="cuda")
+        module = build_model(c)
         args = (tok, tok)
     if case == "model_after_eager_steps":
         for _ in range(2):

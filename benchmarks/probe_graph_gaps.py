@@ -31,9 +31,10 @@ from benchmarks._common import (
     host_ms,
     progress,
 )
+from benchmarks.bench_step import MODEL_SHAPES, build_model, graphed_train_step
 
 SUITE = "graph_gaps"
-CFG = dict(vocab=8192, d=1024, layers=4, heads=8, kv_heads=4, hd=128, ffn=2816, batch=8, seq=1024)
+CFG = MODEL_SHAPES["demo-d1024"]  # the demo's model, 8 x 1024 tokens
 CALLS = 5
 BUCKETS = (1.0, 2.0, 3.0, 5.0, 10.0, 50.0, float("inf"))  # us, upper bounds
 TOP = 30  # kernel names kept, largest first
@@ -130,17 +131,10 @@ def timed(fn) -> dict:
 
 
 def run() -> list[dict]:
-    import coda.nn as cnn
-    from benchmarks.bench_step import graphed_train_step
     from coda.reference.model import TorchLlama
 
     c = CFG
-    torch.manual_seed(0)
-    model = cnn.CausalLM(
-        *(c[k] for k in ("vocab", "d", "layers", "heads", "kv_heads", "ffn")),
-        head_dim=c["hd"],
-        device="cuda",
-    )
+    model = build_model(c)
     tok = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device="cuda")
     tgt = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device="cuda")
     step = graphed_train_step(model, tok, tgt)  # warmed up and captured
