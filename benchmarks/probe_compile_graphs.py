@@ -32,6 +32,10 @@ SUITE = "compile_graphs"
 CASES = ("model", "model_after_eager_steps", "model_sync_warn", "layer", "lm_head")
 # run 147 found the LM head alone failing: its methods, its row glue as plain torch, few tokens
 CASES += ("lm_head_chunked", "lm_head_recompute", "lm_head_unfused", "lm_head_512_tokens")
+# controls: the head captured by torch.cuda.graph by hand after two warm steps, eager and
+# compiled (default mode), in both capture error modes ("global": any thread's unsafe call
+# invalidates the capture; "thread_local": only this thread's)
+CASES += ("lm_head_eager_manual", "lm_head_compiled_manual", "lm_head_compiled_manual_local")
 
 
 def child(case: str) -> dict:
@@ -69,8 +73,10 @@ def child(case: str) -> dict:
     if case == "model_after_eager_steps":
         for _ in range(2):
             module(*args).backward()
+    out = {"case": case, "steps": 0, "warnings": [], "graphs_after_step": []}
+    if case.endswith(("_manual", "_manual_local")):
+        return manual_capture(case, module, args, x, out)
     compiled = torch.compile(module, mode="reduce-overhead")
-    out = {"case": case, "steps": 0, "warnings": []}
     try:
         for i in range(4):
             with warnings.catch_warnings(record=True) as seen:
@@ -90,11 +96,55 @@ def child(case: str) -> dict:
                 x.grad = None
             torch.cuda.synchronize()
             out["steps"] += 1
+            out["graphs_after_step"].append(unique_graphs())
     except Exception:
         out["error"] = traceback.format_exc()[-2500:]
     from torch._dynamo.utils import counters
 
     out["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+    return out
+
+
+def unique_graphs() -> int:
+    """How many graphs Dynamo has compiled in this process (nested row kernels included)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def manual_capture(case, module, args, x, out) -> dict:
+    """Two warm steps of ``module`` (compiled in default mode unless the case is eager), then
+    one step recorded by ``torch.cuda.graph`` and replayed twice."""
+    import torch
+
+    step = torch.compile(module) if "compiled" in case else module
+    mode = "thread_local" if case.endswith("_local") else "global"
+
+    def one():
+        step(*args).backward()
+        module.zero_grad(set_to_none=False)  # the graph's gradient buffers stay put
+        if x is not None:
+            x.grad = None
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                one()
+                out["steps"] += 1
+                out["graphs_after_step"].append(unique_graphs())
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode=mode):
+            one()
+        out["graphs_after_step"].append(unique_graphs())
+        for _ in range(2):
+            graph.replay()
+        torch.cuda.synchronize()
+        out["steps"] += 1
+    except Exception:
+        out["error"] = traceback.format_exc()[-2500:]
     return out
 
 
@@ -107,12 +157,14 @@ def run_case(name: str) -> dict:
             capture_output=True,
             text=True,
             timeout=110,
+            env={**os.environ, "TORCH_LOGS": "recompiles"},
         )
     except subprocess.TimeoutExpired:
         return {"case": name, "error": "timed out (110 s)"}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    logged = [ln[-300:] for ln in p.stderr.splitlines() if "ecompil" in ln][-12:]
     if lines:
-        return json.loads(lines[-1][7:])
+        return {**json.loads(lines[-1][7:]), "recompiles": logged}
     return {"case": name, "error": f"rc {p.returncode}: {p.stderr[-3000:]}"}
 
 
@@ -131,6 +183,9 @@ def main():
     for name in sys.argv[1:] or CASES:
         r = run_case(name)
         print(f"== {name}: {r.get('steps', 0)} steps, skips {r.get('cudagraph_skips')}")
+        print("   graphs after each step:", r.get("graphs_after_step"))
+        for ln in r.get("recompiles", []):
+            print("   ", ln)
         for w in r.get("warnings", [])[:5]:
             print("   sync warning:", w)
         if "error" in r:
