@@ -245,8 +245,18 @@ def test_gpu_kernel_path_compiles_once_for_every_token_count():
     assert frames[0] >= 1 and frames == [frames[0]] * 3, frames
 
 
+# (vocab, d, layers, heads, kv heads, ffn), (batch, seq): a small model, and one layer of the
+# demo's d = 1024 model, whose LM head failed its capture until row kernels compiled once
+# for every caller (runs 145-147; ``test_a_row_kernel_compiles_once_for_every_caller``)
+GRAPHED_MODELS = {
+    "small": ((4096, 512, 2, 4, 2, 1408), (2, 256)),
+    "demo_width": ((8192, 1024, 1, 8, 4, 2816), (8, 1024)),
+}
+
+
 @pytest.mark.gpu
-def test_gpu_compiled_with_its_cuda_graphs_trains_as_eager():
+@pytest.mark.parametrize("shape", list(GRAPHED_MODELS))
+def test_gpu_compiled_with_its_cuda_graphs_trains_as_eager(shape):
     """``torch.compile(model, mode="reduce-overhead")`` over a kernel-path ``CausalLM``: coda's
     ops are captured in Inductor's CUDA graphs (none skipped), and four AdamW steps, replays
     among them, give the eager model's losses and gradients (the glue's bf16 rounding aside)."""
@@ -254,15 +264,16 @@ def test_gpu_compiled_with_its_cuda_graphs_trains_as_eager():
 
     from torch._dynamo.utils import counters
 
+    dims, (batch, seq) = GRAPHED_MODELS[shape]
     torch.manual_seed(0)
-    eager = cnn.CausalLM(4096, 512, 2, 4, 2, 1408, device="cuda", backend="kernel")
+    eager = cnn.CausalLM(*dims, device="cuda", backend="kernel")
     graphed = copy.deepcopy(eager)
     compiled = torch.compile(graphed, mode="reduce-overhead")
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for m in (eager, graphed)]
     counters["inductor"]["cudagraph_skips"] = 0
     for step in range(4):
-        tok = torch.randint(0, 4096, (2, 256), device="cuda")
-        tgt = torch.randint(0, 4096, (2, 256), device="cuda")
+        tok = torch.randint(0, dims[0], (batch, seq), device="cuda")
+        tgt = torch.randint(0, dims[0], (batch, seq), device="cuda")
         results = []
         for run, model, opt in zip((eager, compiled), (eager, graphed), opts):
             loss = run(tok, tgt)
@@ -274,3 +285,44 @@ def test_gpu_compiled_with_its_cuda_graphs_trains_as_eager():
         for a, e in zip(*results):
             assert ((a - e).norm() / e.norm()).item() < 2e-2, step
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.parametrize("outer", ["aot_eager", "inductor"])
+def test_a_row_kernel_compiles_once_for_every_caller(monkeypatch, outer):
+    """``fused``'s compiled row kernel, called from an autograd.Function in eager mode and
+    from a custom op's implementation in three steps of a compiled function, compiles once:
+    each recompile after the first step would land inside the step CUDA graph trees record
+    (``mode="reduce-overhead"``) and invalidate the capture (runs 145-147)."""
+    from torch._dynamo.testing import CompileCounter
+
+    import coda.kernels._launch as launch
+
+    torch._dynamo.reset()  # (the other parametrization's compiled forms)
+    counter = CompileCounter()
+    monkeypatch.setattr(launch, "COMPILED_ON", ("cpu",))
+    monkeypatch.setattr(launch, "ROW_BACKEND", counter)
+
+    def rows(a):  # a fresh function: its own compiled form
+        return (a * a).sum(1, keepdim=True).rsqrt() * a
+
+    @torch.library.custom_op("coda_test::rows_" + outer, mutates_args=())
+    def op(a: torch.Tensor) -> torch.Tensor:
+        return launch.fused(rows)(a)
+
+    op.register_fake(lambda a: torch.empty_like(a))
+
+    class Rows(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return launch.fused(rows)(a)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    x = torch.randn(6, 5)
+    assert torch.equal(Rows.apply(x), rows(x))
+    step = torch.compile(lambda a: op(a.cos()), backend=outer)
+    for _ in range(3):
+        assert torch.allclose(step(x), rows(x.cos()))
+    assert counter.frame_count == 1

@@ -155,13 +155,36 @@ def fused(fn):
     return fn if torch.compiler.is_compiling() else _compiled_row_kernel(fn)
 
 
+COMPILED_ON = ("cuda",)  # the device types whose tensors take the compiled form
+ROW_BACKEND = "inductor"  # (tests count compiles with a counting backend instead)
+
+
 @functools.cache  # reached only outside a torch.compile trace (``fused``)
 def _compiled_row_kernel(fn):
-    compiled = torch.compile(fn, dynamic=True, options={"triton.coalesce_tiling_analysis": False})
+    """``fn`` compiled, called with autograd's dispatch keys excluded, as inside a custom op.
+
+    Why excluded: Dynamo guards each input's dispatch keys as the thread's dispatch state
+    leaves them. A row kernel is called from an autograd.Function (those keys active) and from
+    a custom op's implementation under a user's torch.compile (where the dispatcher has
+    excluded them, or not: on its first call the op arrives through the dispatcher, later
+    through Inductor's direct call). Each new state recompiled ``fn`` once more; the second
+    step of a compiled coda LM head did, and under ``mode="reduce-overhead"`` that step is
+    the one CUDA graph trees record, so Inductor compiled and benchmarked kernels inside the
+    capture and invalidated it (``cudaErrorStreamCaptureInvalidated``, runs 145-147). With
+    one state every caller shares one compiled form (tests/test_compile.py). Row kernels
+    never build an autograd graph: coda's Functions write their backward themselves."""
+    if ROW_BACKEND == "inductor":
+        options = {"triton.coalesce_tiling_analysis": False}
+        compiled = torch.compile(fn, dynamic=True, options=options)
+    else:
+        compiled = torch.compile(fn, dynamic=True, backend=ROW_BACKEND)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         first = next(a for a in args if isinstance(a, torch.Tensor))
-        return compiled(*args, **kwargs) if first.is_cuda else fn(*args, **kwargs)
+        if first.device.type not in COMPILED_ON:
+            return fn(*args, **kwargs)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return compiled(*args, **kwargs)
 
     return run
