@@ -10,7 +10,10 @@ bisect: the model fresh, after two eager steps, with sync warnings on while reco
 one ``DecoderLayer`` or ``LMHeadLoss`` alone (run 147: only the layer's forward recorded; the
 head alone failed as the model did; the layer's case then failed on its input's gradient,
 which this probe let accumulate across steps, since fixed), then the head's methods, its row
-glue as plain torch and a 512-token head (not yet run).
+glue as plain torch, a 512-token head and hand-captured controls. The cause, found on the CPU
+(session 34): ``fused``'s nested compiled row kernels recompiled at the step CUDA graph trees
+record (``coda.kernels._launch``); after the fix the head and the model capture (runs
+148-149).
 
 A ``gpu_suite.py`` suite run only when named (``--only compile_graphs``; ``CODA_COMPILE_GRAPHS``
 picks cases), or alone: ``python -m benchmarks.probe_compile_graphs [case ...]``.
