@@ -209,6 +209,17 @@ def suite_list(args) -> list:
             "train_demo_graph",
             Demo(["demos/train.py", "--graph", "--png", os.path.join(args.out, "train_graph.png")]),
         ),
+        (
+            "train_demo_compiled",
+            Demo(
+                [
+                    "demos/train.py",
+                    "--compile",
+                    "--png",
+                    os.path.join(args.out, "train_compiled.png"),
+                ]
+            ),
+        ),
         # diagnostics, run only when named: the row-pass probes, attention and GEMM configs
         # inside the step, hardware counters (ncu) on the step's kernels, who launches a kernel,
         # the LM head's final-norm pass at each launch shape, a graphed step's kernels and gaps,

@@ -3,11 +3,16 @@ same batches, with plain PyTorch; print final losses and tokens/s, overlay the l
 
     python demos/train.py                 # H200: 4 layers, d=1024, 300 steps (kernel path)
     python demos/train.py --graph         # ... each model's step as one CUDA graph
+    python demos/train.py --compile       # ... each model under torch.compile's CUDA graphs
     python demos/train.py --steps 30      # CPU: a tiny model through the reference path
 
 At d=1024 an eager step is bound by the host, which enqueues every kernel from Python;
 ``--graph`` trains both models through ``coda.nn.GraphedStep`` (the same steps on the same
-batches, replayed from one CUDA graph each), which times their kernels instead.
+batches, replayed from one CUDA graph each), which times their kernels instead, and
+``--compile`` the way most users would: each model under
+``torch.compile(mode="reduce-overhead")`` (Inductor fuses the plain model and the glue
+around coda's ops, and records CUDA graphs; the optimizer step stays eager). On the CPU
+``--compile`` traces with ``backend="aot_eager"``: it checks the trace, not the speed.
 
 The coda model is ``coda.nn.CausalLM``; the PyTorch one is ``coda.reference.model.TorchLlama``
 built from its HF state dict. The plot goes to ``--out`` (default ``out/``, git-ignored).
@@ -45,11 +50,13 @@ def markov_batches(vocab, batch, seq, steps, device, seed=0, branch=4):
         yield tok[:, :-1].to(device), tok[:, 1:].to(device)
 
 
-def train(model, batches, steps, lr, warmup_steps, graph=False):
+def train(model, batches, steps, lr, warmup_steps, graph=False, compiled=False):
     """AdamW for ``steps`` batches. Tokens/s is timed over the steps after the first
     ``warmup_steps`` (compiles and warm-up excluded); None when no step is left to time.
-    ``graph`` (a CUDA model): each step through ``coda.nn.GraphedStep``, the same math."""
-    captured = graph and next(model.parameters()).is_cuda
+    ``graph`` (a CUDA model): each step through ``coda.nn.GraphedStep``, the same math.
+    ``compiled``: the model under ``torch.compile`` (``--compile``), the optimizer eager."""
+    on_gpu = next(model.parameters()).is_cuda
+    captured = graph and on_gpu
     if captured:  # a graph reads the lr from the device, so the schedule reaches it
         lr = torch.tensor(lr, device="cuda")
     opt = torch.optim.AdamW(
@@ -58,6 +65,11 @@ def train(model, batches, steps, lr, warmup_steps, graph=False):
     )  # fmt: skip
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     run = cnn.GraphedStep(model, opt) if graph else None
+    forward = model
+    if compiled:  # its CUDA graphs on the GPU; on the CPU the trace alone (no C++ compile)
+        forward = torch.compile(
+            model, **({"mode": "reduce-overhead"} if on_gpu else {"backend": "aot_eager"})
+        )
     losses, t_start, tokens = [], None, 0
     for step, (x, y) in enumerate(batches):
         if step == warmup_steps:
@@ -67,12 +79,15 @@ def train(model, batches, steps, lr, warmup_steps, graph=False):
         if run is not None:
             loss = run(x, y)
         else:
-            loss = model(x, y)
+            if compiled and on_gpu:  # a new step: the graphs' last outputs may be reused
+                torch.compiler.cudagraph_mark_step_begin()
+            loss = forward(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         sched.step()
-        losses.append(loss.detach())  # no per-step host sync
+        # no per-step host sync; a copy, as a graph's next replay overwrites its output
+        losses.append(loss.detach().clone())
         tokens += x.numel()
     losses = [float(v) for v in losses]  # synchronizes
     speed = tokens / (time.perf_counter() - t_start) if t_start is not None else None
@@ -120,8 +135,16 @@ def parse_args(argv=None):
         help="train each model through coda.nn.GraphedStep: its step as one CUDA graph "
         "(on a GPU; the CPU runs the same steps eagerly)",
     )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help='train each model under torch.compile(mode="reduce-overhead") (on a GPU; the '
+        'CPU traces with backend="aot_eager")',
+    )
     args = ap.parse_args(argv)
     check_step_args(ap, args)
+    if args.graph and args.compile:
+        ap.error("--graph and --compile are two ways to the same CUDA graphs: pick one")
     return args
 
 
@@ -148,7 +171,8 @@ def main(argv=None):
         dtype=dtype,
     )
     torch_model = TorchLlama.of(coda_model)
-    print(f"model: {cfg}, {steps} steps, {device}, {dtype}" + (", graphed" if args.graph else ""))
+    how = ", graphed" if args.graph else ", compiled" if args.compile else ""
+    print(f"model: {cfg}, {steps} steps, {device}, {dtype}{how}")
     print("path:", "kernel (SM90)" if gpu else "reference (CPU: checks the math, not the speed)")
     data = dict(vocab=cfg["vocab"], batch=cfg["batch"], seq=cfg["seq"], steps=steps, device=device)
     batches = list(markov_batches(**data))  # once, for both models, before any clock starts
@@ -158,7 +182,9 @@ def main(argv=None):
     for name, model in (("coda", coda_model), ("pytorch", torch_model)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", coda.CodaReferencePathWarning)  # said above
-            losses, speed[name] = train(model, batches, steps, lr, args.warmup, args.graph)
+            losses, speed[name] = train(
+                model, batches, steps, lr, args.warmup, args.graph, args.compile
+            )
         results[name] = losses
         rate = f"{speed[name]:,.0f} tokens/s" if speed[name] else "not timed (steps <= warmup)"
         print(
@@ -170,8 +196,11 @@ def main(argv=None):
     print(f"tokens/s coda / pytorch = {ratio}; max |loss difference| over the run = {diff:.4f}")
     if not gpu:
         print("(CPU: both models run plain torch math; tokens/s here says nothing about coda)")
-    elif not args.graph:
-        print("(eager steps at this size wait on the host's launches; --graph times the kernels)")
+    elif not (args.graph or args.compile):
+        print(
+            "(eager steps at this size wait on the host's launches; "
+            "--graph or --compile time the kernels)"
+        )
     try:
         import matplotlib
 

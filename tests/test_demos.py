@@ -40,6 +40,13 @@ def test_train_demo_graph_flag_runs_the_same_steps(tmp_path):
     assert diff < 1e-3
 
 
+def test_train_demo_compile_flag_runs_the_same_steps(tmp_path):
+    out = run("demos/train.py", "--steps", "6", "--compile", "--png", str(tmp_path / "loss.png"))
+    assert "compiled" in out and "coda     final loss" in out  # CPU: traced by aot_eager
+    diff = float(out.split("max |loss difference| over the run = ")[1].split()[0])
+    assert diff < 1e-3
+
+
 def test_hf_finetune_demo_runs():
     out = run("demos/hf_finetune.py", "--steps", "6", "--no-progress")
     assert "unpatched  final loss" in out and "coda       final loss" in out
