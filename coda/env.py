@@ -35,26 +35,63 @@ _WARNED: set = set()
 def capturing(t: torch.Tensor | None = None) -> bool:
     """Whether work (on ``t``'s device, if given) would be recorded into a CUDA graph now
     instead of run: a device tensor built then holds nothing until the graph replays, so no
-    cache may keep one."""
+    cache may keep one beyond the capture (``capture_memo``)."""
     on_cuda = t.is_cuda if t is not None else torch.cuda.is_initialized()
     return on_cuda and torch.cuda.is_current_stream_capturing()
+
+
+_CAPTURE_MEMO: dict | None = None  # the open ``capture_memo``'s entries
+
+
+@contextlib.contextmanager
+def capture_memo():
+    """While coda records a CUDA graph (``coda.nn.GraphedStep``): the device tables a step
+    derives once and every layer reads (``TensorMemo``'s and ``host_cache(device_tensors=
+    True)``'s: RoPE's position rows and cos/sin) are remembered for the rest of the capture,
+    where the graph makes them before their first reader, and forgotten when it ends (outside
+    the graph they hold nothing). Without it each layer of a captured step rebuilt them: about
+    a dozen small kernels per layer. Captures elsewhere (torch.compile's CUDA graph trees
+    record traced code, which Inductor deduplicates) run uncached as before."""
+    global _CAPTURE_MEMO
+    outer, _CAPTURE_MEMO = _CAPTURE_MEMO, {}
+    try:
+        yield
+    finally:
+        _CAPTURE_MEMO = outer
+
+
+def _in_capture(owner, key, build, keep=()):
+    """``build()`` while capturing: remembered under (``owner``, ``key``) in the open
+    ``capture_memo``, else run every time. The entry holds ``owner`` and ``keep`` (the objects
+    whose ids ``key`` holds), so no id in a key is reused while it lives."""
+    memo = _CAPTURE_MEMO
+    if memo is None:
+        return build()
+    full = (id(owner), key)
+    if full not in memo:
+        memo[full] = (owner, keep, build())
+    return memo[full][2]
 
 
 def host_cache(maxsize: int | None = None, device_tensors: bool = False):
     """``functools.lru_cache`` for a host-side helper of plain values (a device's capability, a
     positions table, a compiled row kernel): cached in eager calls; inside a torch.compile
     trace it runs uncached, as Dynamo runs it anyway (Dynamo ignores an lru_cache wrapper and
-    warns each time it meets one). ``device_tensors``: it returns device tensors, so it also
-    runs uncached while a CUDA graph is captured (a tensor built then holds nothing until the
-    graph replays). ``cache_clear`` / ``cache_info`` as lru_cache's."""
+    warns each time it meets one). ``device_tensors``: it returns device tensors, so while a
+    CUDA graph is captured it is cached only for that capture (``capture_memo``), as a tensor
+    built then holds nothing until the graph replays. ``cache_clear`` / ``cache_info`` as
+    lru_cache's."""
 
     def decorate(fn):
         cached = functools.lru_cache(maxsize=maxsize)(fn)
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if torch.compiler.is_compiling() or (device_tensors and capturing()):
+            if torch.compiler.is_compiling():
                 return fn(*args, **kwargs)
+            if device_tensors and capturing():
+                key = (args, tuple(sorted(kwargs.items())))
+                return _in_capture(call, key, lambda: fn(*args, **kwargs))
             return cached(*args, **kwargs)
 
         call.cache_clear, call.cache_info = cached.cache_clear, cached.cache_info
@@ -70,7 +107,8 @@ class TensorMemo:
     layer of a step is given (positions -> their float rows, positions -> RoPE's cos/sin), so
     a stack computes them once per step, or once in all when the tensor is reused. Keeps the
     ``maxsize`` entries made last (each holds its tensors, so their ids stay unique); runs
-    ``fn`` uncached inside a torch.compile trace and while a CUDA graph is captured."""
+    ``fn`` uncached inside a torch.compile trace, and while a CUDA graph is captured remembers
+    only for that capture (``capture_memo``)."""
 
     def __init__(self, fn, maxsize: int = 8):
         self.fn, self.maxsize, self._memo = fn, maxsize, {}
@@ -78,11 +116,13 @@ class TensorMemo:
         functools.update_wrapper(self, fn)
 
     def __call__(self, t: torch.Tensor, *args):
-        if not self.enabled or torch.compiler.is_compiling() or capturing(t):
+        if not self.enabled or torch.compiler.is_compiling():
             return self.fn(t, *args)
         # tensors by identity; an entry holds them, so no id is reused while it lives
         ids = tuple(id(a) if isinstance(a, torch.Tensor) else a for a in args)
         key = (id(t), t._version, *ids)
+        if capturing(t):
+            return _in_capture(self, key, lambda: self.fn(t, *args), keep=(t, args))
         hit = self._memo.get(key)
         if hit is None:
             if len(self._memo) >= self.maxsize:

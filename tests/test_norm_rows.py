@@ -214,9 +214,11 @@ def test_gpu_norm_rows_equal_torch_forms(M, d):
         assert col["col sums dtypes"] == [True] and col["col sums"][0] <= _bound(torch.bfloat16)
 
 
-def test_device_table_caches_keep_nothing_built_during_a_graph_capture(monkeypatch):
+def test_device_table_caches_keep_nothing_beyond_a_graph_capture(monkeypatch):
     """While a CUDA graph is captured, a device tensor built holds nothing until the graph
-    replays: the tensor caches then compute and keep nothing (``env.capturing`` stood in)."""
+    replays: the tensor caches then keep nothing beyond the capture (``env.capturing`` stood
+    in): nothing at all in a capture not coda's, and for the capture's length in one coda opens
+    (``env.capture_memo``, ``GraphedStep``'s)."""
     from coda import env
     from coda.kernels import gemm_rope
 
@@ -237,7 +239,17 @@ def test_device_table_caches_keep_nothing_built_during_a_graph_capture(monkeypat
         inv, (2, 1), "cpu"
     )
     assert len(built) == 4 and not memo._memo and table.cache_info().currsize == 0
+    # inside coda's own capture (GraphedStep): once per capture, forgotten at its end
+    for _ in range(2):
+        with env.capture_memo():
+            for _ in range(3):  # every layer of the captured step
+                assert torch.equal(memo(t), t + 1) and torch.equal(table(4), torch.zeros(4))
+            with env.capture_memo():  # a nested one starts empty and leaves the outer's
+                memo(t)
+            memo(t)
+    assert len(built) == 4 + 2 * 3 and not memo._memo and table.cache_info().currsize == 0
+    assert env._CAPTURE_MEMO is None
     monkeypatch.undo()
     for _ in range(2):
         memo(t), table(4)
-    assert len(built) == 6  # outside a capture: each built once, then remembered
+    assert len(built) == 12  # outside a capture: each built once, then remembered

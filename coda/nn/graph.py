@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from coda import _validate as v
+from coda.env import capture_memo
 
 
 def check_capturable(optimizer: torch.optim.Optimizer) -> None:
@@ -146,7 +147,7 @@ class GraphedStep:
         buffers = [_buffer(a) for a in args], {k: _buffer(a) for k, a in kwargs.items()}
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with capture_memo(), torch.cuda.graph(graph):  # a step's tables made once in it
                 loss = self._step(*buffers)
         except RuntimeError as e:
             raise RuntimeError(
