@@ -220,7 +220,7 @@ def test_device_table_caches_keep_nothing_beyond_a_graph_capture(monkeypatch):
     in): nothing at all in a capture not coda's, and for the capture's length in one coda opens
     (``env.capture_memo``, ``GraphedStep``'s)."""
     from coda import env
-    from coda.kernels import gemm_rope
+    from coda.kernels import gemm_rope, qk_norm
 
     built = []
     memo = env.TensorMemo(lambda t: built.append(1) or t + 1)
@@ -237,6 +237,9 @@ def test_device_table_caches_keep_nothing_beyond_a_graph_capture(monkeypatch):
     inv = torch.rand(4, dtype=torch.float64)
     assert gemm_rope.shared_freq_table(inv, (2, 1), "cpu") is not gemm_rope.shared_freq_table(
         inv, (2, 1), "cpu"
+    )
+    assert qk_norm._plain_row(4, 2, torch.float32, "cpu") is not qk_norm._plain_row(
+        4, 2, torch.float32, "cpu"
     )
     assert len(built) == 4 and not memo._memo and table.cache_info().currsize == 0
     # inside coda's own capture (GraphedStep): once per capture, forgotten at its end

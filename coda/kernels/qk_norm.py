@@ -35,6 +35,7 @@ import functools
 
 import torch
 
+from coda.env import host_cache
 from coda.kernels._launch import acc_dtype, example_operands, launch
 from coda.kernels.config import GemmConfig
 from coda.kernels.drope import pack_heads, rotate_pairs
@@ -162,7 +163,7 @@ def column_rows(q_norm, k_norm, n_q: int, n_k: int, n_v: int, dtype=torch.float3
     return head_w, _plain_row((n_q + n_k) * hd, n_v * hd, dtype, q_norm.device)
 
 
-@functools.lru_cache(maxsize=16)
+@host_cache(maxsize=16, device_tensors=True)  # (a device tensor: kept beyond no capture)
 def _plain_row(n_rot_cols: int, n_v_cols: int, dtype, device):
     return torch.cat(
         [
