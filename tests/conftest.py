@@ -216,3 +216,31 @@ def _fresh_op_checks():
 
     ops._CHECKED.clear()
     yield
+
+
+def assert_compiled_graphs_train_as_eager(eager, batches, loss_of) -> None:
+    """``torch.compile(mode="reduce-overhead")`` over a copy of the CUDA model ``eager``: one
+    AdamW step per batch, replays among them, gives the eager model's losses and gradients
+    (the glue's bf16 rounding aside), and no CUDA graph is skipped. ``loss_of(run, batch)`` is
+    a step's loss from a model or its compiled form."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    graphed = copy.deepcopy(eager)
+    compiled = torch.compile(graphed, mode="reduce-overhead")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for m in (eager, graphed)]
+    counters["inductor"]["cudagraph_skips"] = 0
+    for step, batch in enumerate(batches):
+        results = []
+        for run, model, opt in zip((eager, compiled), (eager, graphed), opts):
+            torch.compiler.cudagraph_mark_step_begin()
+            loss = loss_of(run, batch)
+            loss.backward()
+            grads = [p.grad.float().clone() for p in model.parameters()]
+            results.append([loss.detach().float().clone(), *grads])  # graph-owned buffers
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for a, e in zip(*results):
+            assert ((a - e).norm() / e.norm()).item() < 2e-2, step
+    assert counters["inductor"]["cudagraph_skips"] == 0

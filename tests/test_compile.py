@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import no_cache_warnings_from_dynamo, rel_err
+from conftest import assert_compiled_graphs_train_as_eager, no_cache_warnings_from_dynamo, rel_err
 
 import coda.nn as cnn
 
@@ -260,31 +260,11 @@ def test_gpu_compiled_with_its_cuda_graphs_trains_as_eager(shape):
     """``torch.compile(model, mode="reduce-overhead")`` over a kernel-path ``CausalLM``: coda's
     ops are captured in Inductor's CUDA graphs (none skipped), and four AdamW steps, replays
     among them, give the eager model's losses and gradients (the glue's bf16 rounding aside)."""
-    import copy
-
-    from torch._dynamo.utils import counters
-
     dims, (batch, seq) = GRAPHED_MODELS[shape]
     torch.manual_seed(0)
     eager = cnn.CausalLM(*dims, device="cuda", backend="kernel")
-    graphed = copy.deepcopy(eager)
-    compiled = torch.compile(graphed, mode="reduce-overhead")
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for m in (eager, graphed)]
-    counters["inductor"]["cudagraph_skips"] = 0
-    for step in range(4):
-        tok = torch.randint(0, dims[0], (batch, seq), device="cuda")
-        tgt = torch.randint(0, dims[0], (batch, seq), device="cuda")
-        results = []
-        for run, model, opt in zip((eager, compiled), (eager, graphed), opts):
-            loss = run(tok, tgt)
-            loss.backward()
-            grads = [p.grad.float().clone() for p in model.parameters()]
-            results.append([loss.detach().float().clone(), *grads])  # graph-owned buffers
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        for a, e in zip(*results):
-            assert ((a - e).norm() / e.norm()).item() < 2e-2, step
-    assert counters["inductor"]["cudagraph_skips"] == 0
+    batches = [torch.randint(0, dims[0], (2, batch, seq), device="cuda") for _ in range(4)]
+    assert_compiled_graphs_train_as_eager(eager, batches, lambda run, b: run(b[0], b[1]))
 
 
 @pytest.mark.parametrize("outer", ["aot_eager", "inductor"])

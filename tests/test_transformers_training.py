@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
+from conftest import assert_compiled_graphs_train_as_eager  # noqa: E402
 from test_transformers import (  # noqa: E402
     _step,
     assert_same_step,
@@ -451,29 +452,15 @@ def test_gpu_patched_model_trains_under_torch_compiles_cuda_graphs(family):
     attention, batch by keyword, loss from ``.loss``) trains as the eager patched model over
     four AdamW steps (losses and gradients to the glue's bf16 rounding), no CUDA graph
     skipped: HF's mask building and coda's ops trace into graphs Inductor records."""
-    from torch._dynamo.utils import counters
-
     shape = dict(hidden_size=256, intermediate_size=512, vocab_size=1024, num_hidden_layers=2)
     head = {"head_dim": 64} if family == "qwen3" else {}
     cfg = tiny_config(family, **shape, **head, attn_implementation="sdpa")
     torch.manual_seed(0)
     eager = ct.apply_coda(model_class(cfg)(cfg).to("cuda", torch.bfloat16))
-    graphed = copy.deepcopy(eager)
-    compiled = torch.compile(graphed, mode="reduce-overhead")
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for m in (eager, graphed)]
-    counters["inductor"]["cudagraph_skips"] = 0
     g = torch.Generator().manual_seed(3)
-    for step in range(4):
-        ids = torch.randint(0, 1024, (4, 256), generator=g).cuda()
-        results = []
-        for run, model, opt in zip((eager, compiled), (eager, graphed), opts):
-            torch.compiler.cudagraph_mark_step_begin()
-            loss = run(input_ids=ids, labels=ids).loss
-            loss.backward()
-            grads = [p.grad.float().clone() for p in model.parameters()]
-            results.append([loss.detach().float().clone(), *grads])  # graph-owned buffers
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        for a, e in zip(*results):
-            assert ((a - e).norm() / e.norm()).item() < 2e-2, step
-    assert counters["inductor"]["cudagraph_skips"] == 0
+    batches = [torch.randint(0, 1024, (4, 256), generator=g).cuda() for _ in range(4)]
+
+    def loss_of(run, ids):
+        return run(input_ids=ids, labels=ids).loss
+
+    assert_compiled_graphs_train_as_eager(eager, batches, loss_of)
