@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from coda._validate import CodaInputError
 from coda.kernels import library as lib
 from coda.kernels._launch import fused
 from coda.kernels.ce_scaled_exp import chunk_rows_scaled
@@ -52,6 +53,21 @@ def root_float_use(value: float) -> None:
     another Function. Used here first, the float belongs to the outer graph, which every
     Function may read. In eager mode a plain comparison."""
     torch._check(value > 0)
+
+
+def differentiable_once(name: str) -> None:
+    """Called first by every backward here. The kernel path's backward runs kernels autograd
+    cannot see through, so the gradients it returns carry no graph: a second derivative
+    (``create_graph=True``: a gradient penalty, a Hessian-vector product) would silently miss
+    their share. It raises instead, saying what has one. (Inside a torch.compile trace the
+    backward is traced with grad mode off: never raised there.)"""
+    if torch.is_grad_enabled():
+        raise CodaInputError(
+            f"{name}: coda's kernel path is differentiable once; a backward with "
+            f"create_graph=True (a second derivative) needs backend='reference', whose "
+            f"torch ops autograd differentiates again (attention as far as its SDPA "
+            f"backend allows: the math one does)"
+        )
 
 
 @dataclass(frozen=True)
@@ -119,6 +135,7 @@ class AttentionInput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv, dres):
+        differentiable_once("AttentionInput")
         x0, r0, qkv, g1, w_qkv, pos, freq = ctx.saved_tensors
         dims = ctx.dims
         d = x0.shape[1]
@@ -170,6 +187,7 @@ class AttentionInputQKNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv, dres):
+        differentiable_once("AttentionInputQKNorm")
         x0, r0, z_even, z_odd, s, qkv, g1, w_qkv, q_norm, k_norm, pos, freq = ctx.saved_tensors
         dims = ctx.dims
         cos, sin = cached_head_rotation(pos, freq, dims.head_dim, r0.dtype)
@@ -213,6 +231,7 @@ class AttentionOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx1, _da1, _dr1):
+        differentiable_once("AttentionOutput")
         if dx1 is None:  # x1 did not reach the loss
             return None, None, None, None, None
         o, w_o = ctx.saved_tensors
@@ -240,6 +259,7 @@ class MLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx2):
+        differentiable_once("MLP")
         x1, r1, u, g2, w_il, w_d = ctx.saved_tensors
         M, d = x1.shape
         f = w_d.shape[0]
@@ -302,6 +322,7 @@ class Embedding(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        differentiable_once("Embedding")
         (tokens,) = ctx.saved_tensors
         d = g.shape[-1]
         flat = tokens.reshape(-1)
@@ -380,6 +401,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        differentiable_once("LinearCrossEntropyFunction")
         nones = (None,) * 8
         if ctx.method in ("chunked", "scaled_exp"):
             G, coef, S, target, x2, gf, r, dw_acc, w_lm = ctx.saved_tensors

@@ -542,3 +542,36 @@ def test_lm_head_loss_weight_view_is_not_assignable():
         head.w_lm = torch.nn.Parameter(torch.zeros(16, 32, dtype=F64))
     assert [n for n, _ in head.named_parameters()] == ["final_norm", "weight"]
     assert head.w_lm.shape == (16, 32) and head.w_lm.data_ptr() == head.weight.data_ptr()
+
+
+def test_kernel_path_refuses_a_second_derivative_the_reference_path_takes_it(monkeypatch):
+    """``create_graph=True`` through the kernel path's Functions (whose backward on the GPU is
+    kernels autograd cannot see through) raises, naming the rule and the way out, for the
+    layer, the LM head and the embedding; the reference path gives a second derivative; a
+    plain backward through the kernel path runs as before."""
+    from coda._validate import CodaInputError
+
+    torch.manual_seed(0)
+    layer = cnn.DecoderLayer(32, 2, 1, 48, dtype=F64)
+    head = cnn.LMHeadLoss(32, 64, dtype=F64)
+    x = torch.randn(1, 5, 32, dtype=F64, requires_grad=True)
+    t = torch.randint(0, 64, (1, 5))
+    for name, loss in (
+        ("MLP", lambda: layer._kernel_forward(x).square().sum()),
+        ("LinearCrossEntropyFunction", lambda: head._kernel_loss(x.view(5, 32), t.view(5), "sum")),
+    ):
+        with pytest.raises(CodaInputError, match=f"{name}: .*create_graph=True.*reference"):
+            torch.autograd.grad(loss(), x, create_graph=True)
+        loss().backward()  # once: as before
+    emb = cnn.Embedding(64, 32, dtype=F64)
+    with monkeypatch.context() as m:  # the kernel path forced: the interpreter's scatter
+        m.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+        with pytest.raises(CodaInputError, match="Embedding: .*create_graph"):
+            torch.autograd.grad(emb(t).square().sum(), emb.weight, create_graph=True)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # (flash attention's backward is differentiable once)
+        for loss in (lambda: layer(x).square().sum(), lambda: head(x, t)):  # reference path
+            (g,) = torch.autograd.grad(loss(), x, create_graph=True)
+            (gg,) = torch.autograd.grad(g.square().sum(), x)
+            assert torch.isfinite(gg).all() and gg.abs().sum() > 0
