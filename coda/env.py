@@ -107,8 +107,9 @@ class TensorMemo:
     layer of a step is given (positions -> their float rows, positions -> RoPE's cos/sin), so
     a stack computes them once per step, or once in all when the tensor is reused. Keeps the
     ``maxsize`` entries made last (each holds its tensors, so their ids stay unique); runs
-    ``fn`` uncached inside a torch.compile trace, and while a CUDA graph is captured remembers
-    only for that capture (``capture_memo``)."""
+    ``fn`` uncached inside a torch.compile trace and for an inference tensor (made under
+    ``torch.inference_mode``: in-place writes to it move no version), and while a CUDA graph
+    is captured remembers only for that capture (``capture_memo``)."""
 
     def __init__(self, fn, maxsize: int = 8):
         self.fn, self.maxsize, self._memo = fn, maxsize, {}
@@ -116,8 +117,8 @@ class TensorMemo:
         functools.update_wrapper(self, fn)
 
     def __call__(self, t: torch.Tensor, *args):
-        if not self.enabled or torch.compiler.is_compiling():
-            return self.fn(t, *args)
+        if not self.enabled or torch.compiler.is_compiling() or t.is_inference():
+            return self.fn(t, *args)  # (an inference tensor has no version to key on)
         # tensors by identity; an entry holds them, so no id is reused while it lives
         ids = tuple(id(a) if isinstance(a, torch.Tensor) else a for a in args)
         key = (id(t), t._version, *ids)

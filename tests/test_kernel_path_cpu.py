@@ -575,3 +575,22 @@ def test_kernel_path_refuses_a_second_derivative_the_reference_path_takes_it(mon
             (g,) = torch.autograd.grad(loss(), x, create_graph=True)
             (gg,) = torch.autograd.grad(g.square().sum(), x)
             assert torch.isfinite(gg).all() and gg.abs().sum() > 0
+
+
+def test_kernel_path_runs_under_inference_mode(monkeypatch):
+    """Under ``torch.inference_mode`` (evaluation, generation) the kernel path runs on
+    inference tensors, positions made there included (they carry no version, which the
+    position-table cache keys on: it builds their rows uncached), and gives its no_grad
+    results exactly."""
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    torch.manual_seed(0)
+    layer = cnn.DecoderLayer(32, 2, 1, 48, dtype=F64)
+    model = cnn.CausalLM(64, 32, 2, 2, 1, 48, dtype=F64)
+    x, tok = torch.randn(2, 5, 32, dtype=F64), torch.randint(0, 64, (2, 5))
+    pos = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        want = layer(x, pos), model(tok, tok)
+    with torch.inference_mode():
+        got = layer(x.clone(), pos.clone()), model(tok.clone(), tok.clone())
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert coda.last_path("DecoderLayer")[0] == "kernel"
