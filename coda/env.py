@@ -173,12 +173,18 @@ def autocast_off(device: torch.device):
     return contextlib.nullcontext()
 
 
-REFERENCE_ASKED = "backend='reference' was asked for"  # the one reference path not warned of
+REFERENCE_ASKED = "backend='reference' was asked for"  # reference paths not warned of:
+NO_TOKENS = "no tokens (an empty batch: nothing to launch)"  # ... and this one
+UNWARNED = (REFERENCE_ASKED, NO_TOKENS)
 
 
-def resolve_backend(op: str, backend: str, device: torch.device, dtype=None) -> str:
+def resolve_backend(
+    op: str, backend: str, device: torch.device, dtype=None, empty: bool = False
+) -> str:
     """'kernel' or 'reference' for one call of ``op``; records and reports the choice
-    (``record``)."""
+    (``record``). ``empty``: the call has no tokens, so where the kernel could run the
+    reference path returns its empty result (and zero gradients) instead of launching kernels
+    over nothing."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
@@ -186,7 +192,7 @@ def resolve_backend(op: str, backend: str, device: torch.device, dtype=None) -> 
     else:
         ok, reason = kernel_support(device, dtype)
         if ok:
-            path, reason = "kernel", "SM90 GPU"
+            path, reason = ("reference", NO_TOKENS) if empty else ("kernel", "SM90 GPU")
         elif backend == "kernel":
             raise UnsupportedDeviceError(f"{op}: backend='kernel' cannot run: {reason}")
         else:
@@ -202,7 +208,7 @@ def record(op: str, path: str, reason: str) -> None:
     device and dtype, and global bookkeeping would only force recompiles."""
     if torch.compiler.is_compiling():
         return
-    if path == "reference" and reason != REFERENCE_ASKED and (op, reason) not in _WARNED:
+    if path == "reference" and reason not in UNWARNED and (op, reason) not in _WARNED:
         _WARNED.add((op, reason))
         warnings.warn(
             f"coda.{op} runs its pure-torch reference path: {reason}",

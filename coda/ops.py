@@ -51,7 +51,8 @@ REFERENCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _start(op: str, backend: str, named: dict) -> str:
-    """Shared checks; returns the path. Float inputs must share one device and dtype."""
+    """Shared checks; returns the path (the reference's for no rows: nothing to launch).
+    Float inputs must share one device and dtype."""
     device = v.check_same_device(named)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in named.values()):
         raise NotImplementedError(
@@ -60,7 +61,8 @@ def _start(op: str, backend: str, named: dict) -> str:
     not_float = ("rstd", "target", "positions")
     floats = {n: t for n, t in named.items() if t is not None and n not in not_float}
     dtype = next(iter(floats.values())).dtype
-    path = resolve_backend(op, backend, device, dtype if dtype in REFERENCE_DTYPES else None)
+    dtype = dtype if dtype in REFERENCE_DTYPES else None
+    path = resolve_backend(op, backend, device, dtype, empty=named["x"].shape[0] == 0)
     v.check_float_dtypes(floats, KERNEL_DTYPES if path == "kernel" else REFERENCE_DTYPES)
     return path
 

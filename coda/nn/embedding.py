@@ -53,7 +53,8 @@ class Embedding(nn.Embedding):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if resolve_backend("Embedding", self.backend, w.device, w.dtype) != "kernel":
+        empty = tokens.numel() == 0
+        if resolve_backend("Embedding", self.backend, w.device, w.dtype, empty) != "kernel":
             return super().forward(tokens)
         pad = -1 if self.padding_idx is None else self.padding_idx
         return EmbeddingFunction.apply(tokens, w, pad)

@@ -194,7 +194,8 @@ def lm_head_loss(
     label_smoothing, z_loss = v.check_ce_options(label_smoothing, z_loss)
     t = v.check_targets(target, x.shape[:-1], vocab, ignore_index)
     xf = x.reshape(-1, d)
-    if resolve_backend("LMHeadLoss", backend, x.device, compute_dtype(x)) == "kernel":
+    path = resolve_backend("LMHeadLoss", backend, x.device, compute_dtype(x), empty=x.numel() == 0)
+    if path == "kernel":
         rule = tma_rule(d=d, vocab=vocab)
         if rule and vocab % 8:  # the usual case: a token added to a vocabulary
             rule += (

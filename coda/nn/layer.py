@@ -186,7 +186,10 @@ class DecoderLayer(FormerNames, nn.Module):
         v.check_activation("DecoderLayer", x, self.d, self.w_qkv)
         B, S, d = x.shape
         pos = self._positions(positions, B, S, x.device)
-        if resolve_backend("DecoderLayer", self.backend, x.device, compute_dtype(x)) == "kernel":
+        path = resolve_backend(
+            "DecoderLayer", self.backend, x.device, compute_dtype(x), empty=x.numel() == 0
+        )
+        if path == "kernel":
             if self._kernel_rule:
                 raise v.CodaInputError(f"DecoderLayer (kernel path): {self._kernel_rule}")
             return self._kernel_forward(x, pos, attention)

@@ -1,0 +1,97 @@
+"""The kernel path at the edges of what a training or evaluation loop hands it, on the CPU
+with the kernel path forced (``kernel_support`` stood in; GEMMs through the tile
+interpreter): an empty batch (no tokens: nothing to launch, the reference's empty result and
+zero gradients), ``torch.inference_mode`` (inference tensors carry no version), and a second
+derivative (refused: the kernels' backward carries no graph)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import coda
+import coda.nn as cnn
+from coda.env import NO_TOKENS
+
+F64 = torch.float64
+
+
+@pytest.fixture
+def kernel_forced(monkeypatch):
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+
+
+@pytest.mark.parametrize("batch,seq", [(0, 5), (2, 0)])
+def test_an_empty_batch_launches_nothing_and_gives_zero_gradients(kernel_forced, batch, seq):
+    """No tokens: the layer, the LM head, the embedding and a fused op return the reference's
+    empty results and zero gradients (the layer's backward crashed in its dRoPE pass before),
+    and say why (``last_path``), without a reference-path warning."""
+    import warnings
+
+    torch.manual_seed(0)
+    layer, head = cnn.DecoderLayer(32, 2, 1, 48, dtype=F64), cnn.LMHeadLoss(32, 64, dtype=F64)
+    emb = cnn.Embedding(64, 32, dtype=F64)
+    x = torch.randn(batch, seq, 32, dtype=F64, requires_grad=True)
+    t = torch.randint(0, 64, (batch, seq))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", coda.CodaReferencePathWarning)
+        (layer(x).sum() + head(x, t, reduction="sum") + emb(t).sum()).backward()
+        assert torch.isnan(head(x.detach(), t))  # a mean over no tokens, as PyTorch's
+        no_rows = torch.zeros(0, 32, dtype=torch.bfloat16)
+        s = coda.gemm_swiglu(no_rows, torch.ones(32, 64, dtype=torch.bfloat16))
+    assert x.grad.shape == x.shape and s.s.shape == (0, 32)
+    for module in (layer, head, emb):
+        assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in module.parameters())
+    for op in ("DecoderLayer", "LMHeadLoss", "Embedding", "gemm_swiglu"):
+        assert coda.last_path(op) == ("reference", NO_TOKENS), op
+
+
+def test_kernel_path_refuses_a_second_derivative_the_reference_path_takes_it(monkeypatch):
+    """``create_graph=True`` through the kernel path's Functions (whose backward on the GPU is
+    kernels autograd cannot see through) raises, naming the rule and the way out, for the
+    layer, the LM head and the embedding; the reference path gives a second derivative; a
+    plain backward through the kernel path runs as before."""
+    from coda._validate import CodaInputError
+
+    torch.manual_seed(0)
+    layer = cnn.DecoderLayer(32, 2, 1, 48, dtype=F64)
+    head = cnn.LMHeadLoss(32, 64, dtype=F64)
+    x = torch.randn(1, 5, 32, dtype=F64, requires_grad=True)
+    t = torch.randint(0, 64, (1, 5))
+    for name, loss in (
+        ("MLP", lambda: layer._kernel_forward(x).square().sum()),
+        ("LinearCrossEntropyFunction", lambda: head._kernel_loss(x.view(5, 32), t.view(5), "sum")),
+    ):
+        with pytest.raises(CodaInputError, match=f"{name}: .*create_graph=True.*reference"):
+            torch.autograd.grad(loss(), x, create_graph=True)
+        loss().backward()  # once: as before
+    emb = cnn.Embedding(64, 32, dtype=F64)
+    with monkeypatch.context() as m:  # the kernel path forced: the interpreter's scatter
+        m.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+        with pytest.raises(CodaInputError, match="Embedding: .*create_graph"):
+            torch.autograd.grad(emb(t).square().sum(), emb.weight, create_graph=True)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # (flash attention's backward is differentiable once)
+        for loss in (lambda: layer(x).square().sum(), lambda: head(x, t)):  # reference path
+            (g,) = torch.autograd.grad(loss(), x, create_graph=True)
+            (gg,) = torch.autograd.grad(g.square().sum(), x)
+            assert torch.isfinite(gg).all() and gg.abs().sum() > 0
+
+
+def test_kernel_path_runs_under_inference_mode(kernel_forced):
+    """Under ``torch.inference_mode`` (evaluation, generation) the kernel path runs on
+    inference tensors, positions made there included (they carry no version, which the
+    position-table cache keys on: it builds their rows uncached), and gives its no_grad
+    results exactly."""
+    torch.manual_seed(0)
+    layer = cnn.DecoderLayer(32, 2, 1, 48, dtype=F64)
+    model = cnn.CausalLM(64, 32, 2, 2, 1, 48, dtype=F64)
+    x, tok = torch.randn(2, 5, 32, dtype=F64), torch.randint(0, 64, (2, 5))
+    pos = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        want = layer(x, pos), model(tok, tok)
+    with torch.inference_mode():
+        got = layer(x.clone(), pos.clone()), model(tok.clone(), tok.clone())
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert coda.last_path("DecoderLayer")[0] == "kernel"
