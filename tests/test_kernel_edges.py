@@ -95,3 +95,37 @@ def test_kernel_path_runs_under_inference_mode(kernel_forced):
         got = layer(x.clone(), pos.clone()), model(tok.clone(), tok.clone())
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert coda.last_path("DecoderLayer")[0] == "kernel"
+
+
+def _grads_after(module, inputs, backward) -> list:
+    for p in (*module.parameters(), *inputs):
+        p.grad = None
+    backward()
+    return [p.grad.clone() for p in (*module.parameters(), *inputs)]
+
+
+@pytest.mark.parametrize("case", ["layer", "layer_qk_norm", "recompute", "chunked", "scaled_exp"])
+def test_a_retained_graph_backs_up_twice_to_twice_the_gradients(kernel_forced, case):
+    """``backward(retain_graph=True)`` then ``backward()`` gives exactly twice one backward's
+    gradients: no backward writes into what its Function saved (a later in-place saving of
+    memory there would be caught here)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 32, dtype=F64, requires_grad=True)
+    t = torch.randint(0, 128, (2, 5))
+    if case.startswith("layer"):
+        module = cnn.DecoderLayer(32, 2, 1, 48, dtype=F64, qk_norm=case.endswith("norm"))
+    else:
+        module = cnn.LMHeadLoss(32, 128, dtype=F64, method=case)
+
+    def loss():
+        return module(x).square().sum() if case.startswith("layer") else module(x, t)
+
+    once = _grads_after(module, [x], lambda: loss().backward())
+
+    def twice():
+        out = loss()
+        out.backward(retain_graph=True)
+        out.backward()
+
+    for a, b in zip(_grads_after(module, [x], twice), once):
+        assert torch.equal(a, 2 * b)
