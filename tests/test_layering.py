@@ -1,4 +1,5 @@
-"""The layer stack only imports downward, and quack is imported in one place.
+"""The layer stack only imports downward, quack is imported in one place, and the plain
+memos (``functools.cache`` / ``lru_cache``) are the listed host-only ones.
 
     reference, primitives  ->  kernels  ->  ops, layouts, autograd  ->  nn  ->  transformers
 (``env`` and ``_validate`` are leaves any layer may use; ``_quack`` is the only module that
@@ -85,3 +86,33 @@ def test_quack_is_imported_only_by_the_seam():
         if any(m.split(".")[0] == "quack" for m in coda_imports(p))
     ]
     assert users == ["_quack.py"], users
+
+
+# The plain memos coda keeps, each of host values (a compiled program or launcher, a module,
+# a class, a flag): none returns a device tensor. A helper that does goes through
+# ``coda.env.host_cache(device_tensors=True)`` or ``TensorMemo``, which a CUDA graph capture
+# and a torch.compile trace respect (an ``lru_cache`` of a device tensor built inside a
+# capture keeps memory only the graph owns, and Dynamo warns at each one it meets: run 152).
+PLAIN_MEMOS = {
+    "_quack.py": {"_modules", "scale_a_mod"},
+    "kernels/_launch.py": {"_compiled_row_kernel"},
+    "kernels/_triton.py": {"interpreted", "kernel"},
+    "kernels/qk_norm.py": {"qk_norm_rope_program"},
+    "primitives/lowering.py": {"lower"},
+    "transformers.py": {"patched_class"},
+}
+
+
+def _plain_memo(decorator) -> bool:
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
+    return name in ("cache", "lru_cache")
+
+
+def test_plain_memos_are_the_listed_host_ones():
+    found = {}
+    for path in modules():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.FunctionDef) and any(map(_plain_memo, node.decorator_list)):
+                found.setdefault(os.path.relpath(path, ROOT), set()).add(node.name)
+    assert found == PLAIN_MEMOS, found
