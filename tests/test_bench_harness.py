@@ -435,3 +435,29 @@ def test_lm_head_targets_selection(monkeypatch):
         monkeypatch.setenv("CODA_LM_HEAD_TARGETS", bad)
         with pytest.raises(ValueError, match="CODA_LM_HEAD_TARGETS"):
             bench_train.lm_head_targets()
+
+
+def test_source_digest_names_the_tree_by_its_content(tmp_path):
+    """A record's ``source_sha256``: the same files give the same digest wherever they lie; a
+    changed byte, a renamed file or a new source file changes it; caches and non-source
+    files do not."""
+    from benchmarks import gpu_suite
+
+    def tree(root, files):
+        for rel, text in files.items():
+            path = root / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        return gpu_suite.source_digest(str(root))
+
+    base = {"coda/a.py": "x = 1\n", "tests/t.py": "y = 2\n", "README.md": "r"}
+    same = tree(tmp_path / "one", base)
+    assert same == tree(tmp_path / "two", base) and len(same) == 16
+    extra = {"coda/__pycache__/a.cpython.pyc": "", "coda/notes.txt": "n", "README.md": "s"}
+    assert tree(tmp_path / "three", {**base, **extra}) == same
+    edited = {**base, "coda/a.py": "x = 2\n"}
+    renamed = {"coda/b.py": "x = 1\n", "tests/t.py": "y = 2\n"}
+    added = {**base, "demos/d.py": ""}
+    for i, files in enumerate((edited, renamed, added)):
+        assert tree(tmp_path / f"changed{i}", files) != same
+    assert gpu_suite.source_digest() == gpu_suite.source_digest()  # this checkout's
