@@ -129,3 +129,32 @@ def test_a_retained_graph_backs_up_twice_to_twice_the_gradients(kernel_forced, c
 
     for a, b in zip(_grads_after(module, [x], twice), once):
         assert torch.equal(a, 2 * b)
+
+
+@pytest.mark.gpu
+def test_gpu_edges_of_the_kernel_path():
+    """H200, bf16: an empty batch launches nothing and gives zero gradients, caller positions
+    made under ``torch.inference_mode`` run the kernel path as under no_grad, and a second
+    derivative through it is refused."""
+    from coda._validate import CodaInputError
+
+    torch.manual_seed(0)
+    layer = cnn.DecoderLayer(256, 4, 2, 512, device="cuda")
+    head = cnn.LMHeadLoss(256, 1024, device="cuda")
+    empty = torch.randn(0, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    (
+        layer(empty).float().sum()
+        + head(empty, torch.zeros(0, 128, dtype=torch.long).cuda(), "sum")
+    ).backward()
+    assert coda.last_path("DecoderLayer") == ("reference", NO_TOKENS)
+    assert all(torch.count_nonzero(p.grad) == 0 for p in (*layer.parameters(), *head.parameters()))
+    x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(128, device="cuda").repeat(2, 1)
+    with torch.no_grad():
+        want = layer(x, pos)
+    with torch.inference_mode():
+        got = layer(x.clone(), pos.clone())
+    assert coda.last_path("DecoderLayer")[0] == "kernel" and torch.equal(got, want)
+    xg = x.clone().requires_grad_(True)
+    with pytest.raises(CodaInputError, match="create_graph=True"):
+        torch.autograd.grad(layer(xg).float().square().sum(), xg, create_graph=True)
