@@ -31,7 +31,7 @@ import torch
 
 from coda import _validate as v
 from coda._quack import PlanTape
-from coda.env import last_path, record, resolve_backend
+from coda.env import host_cache, last_path, record, resolve_backend
 from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype
 from coda.kernels.config import GemmConfig
@@ -100,8 +100,14 @@ def _check_residual_gemm(x, w, residual, gamma, w_name="w") -> None:
 
 
 def _rstd(rstd, x):
-    """``rstd``, or ones (no row scale) where it is None."""
-    return torch.ones(x.shape[0], dtype=acc_dtype(x), device=x.device) if rstd is None else rstd
+    """``rstd``, or ones (no row scale) where it is None: one table per row count and device,
+    not a fill launched on every call (the ops only read it)."""
+    return _unit_rows(x.shape[0], acc_dtype(x), x.device) if rstd is None else rstd
+
+
+@host_cache(maxsize=16, device_tensors=True)
+def _unit_rows(m: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.ones(m, dtype=dtype, device=device)
 
 
 # (op, plain arguments, grad mode, each tensor's signature) -> (path, reason, PlanTape)

@@ -114,3 +114,17 @@ def test_one_plan_tape_per_signature(kernel_path, monkeypatch):
     monkeypatch.setattr(ops, "PLAN_TAPES", False)  # the benchmarks' same-run comparison
     assert tape_of(x, w) == ("kernel", ops.UNTAPED)
     assert ops._checked("gemm_swiglu", lambda: "kernel", plain, {"x": [1]})[1] is ops.UNTAPED
+
+
+def test_a_missing_rstd_is_one_kept_table_of_ones(monkeypatch):
+    """``rstd=None`` (no row scale) reads one table of ones per row count and device, made
+    once, not a fill launched per call; while a CUDA graph is captured (stood in) it is made
+    afresh, as any device table then."""
+    x = torch.randn(5, 8, dtype=BF)
+    ones = ops._rstd(None, x)
+    assert torch.equal(ones, torch.ones(5)) and ones.dtype == torch.float32
+    assert ops._rstd(None, x.clone()) is ones and ops._rstd(None, x[:4]) is not ones
+    given = torch.rand(5)
+    assert ops._rstd(given, x) is given
+    monkeypatch.setattr(env, "capturing", lambda t=None: True)
+    assert ops._rstd(None, x) is not ones
