@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from coda._validate import CodaInputError
 from coda.kernels import library as lib
-from coda.kernels._launch import fused
+from coda.kernels._launch import fused, unit_rows
 from coda.kernels.ce_scaled_exp import chunk_rows_scaled
 from coda.kernels.drope import cached_head_rotation
 from coda.kernels.final_norm_rows import head_norm_backward
@@ -368,7 +368,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # an fp32 weight gets the three-GEMM programs' fp32 accumulator, never rounded to bf16)
         w = w_lm if w_lm.dtype == x2.dtype else w_lm.to(x2.dtype)
         y, r = final_norm(x2, gf, eps)
-        ones = torch.ones_like(r)  # the row scale is already in y
+        ones = unit_rows(M, r.dtype, r.device)  # the row scale is already in y
         cfg = config_for("lm_head", M, d, V)
         if method in ("chunked", "scaled_exp") and reduction == "none":
             # per-token losses need per-token weights in dW and dgamma, which the chunked

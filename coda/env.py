@@ -79,8 +79,9 @@ def host_cache(maxsize: int | None = None, device_tensors: bool = False):
     trace it runs uncached, as Dynamo runs it anyway (Dynamo ignores an lru_cache wrapper and
     warns each time it meets one). ``device_tensors``: it returns device tensors, so while a
     CUDA graph is captured it is cached only for that capture (``capture_memo``), as a tensor
-    built then holds nothing until the graph replays. ``cache_clear`` / ``cache_info`` as
-    lru_cache's."""
+    built then holds nothing until the graph replays; and it is called where a torch.compile
+    trace sees it, never from a custom op's implementation (which CUDA graph trees warm up in
+    their memory pool). ``cache_clear`` / ``cache_info`` as lru_cache's."""
 
     def decorate(fn):
         cached = functools.lru_cache(maxsize=maxsize)(fn)

@@ -31,9 +31,9 @@ import torch
 
 from coda import _validate as v
 from coda._quack import PlanTape
-from coda.env import host_cache, last_path, record, resolve_backend
+from coda.env import last_path, record, resolve_backend
 from coda.kernels import library as lib
-from coda.kernels._launch import acc_dtype
+from coda.kernels._launch import acc_dtype, unit_rows
 from coda.kernels.config import GemmConfig
 from coda.kernels.gemm_rmsnorm_gemm import gemm_rmsnorm_gemm_kernel
 from coda.kernels.gemm_rope import cached_freq_table
@@ -102,12 +102,7 @@ def _check_residual_gemm(x, w, residual, gamma, w_name="w") -> None:
 def _rstd(rstd, x):
     """``rstd``, or ones (no row scale) where it is None: one table per row count and device,
     not a fill launched on every call (the ops only read it)."""
-    return _unit_rows(x.shape[0], acc_dtype(x), x.device) if rstd is None else rstd
-
-
-@host_cache(maxsize=16, device_tensors=True)
-def _unit_rows(m: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.ones(m, dtype=dtype, device=device)
+    return unit_rows(x.shape[0], acc_dtype(x), x.device) if rstd is None else rstd
 
 
 # (op, plain arguments, grad mode, each tensor's signature) -> (path, reason, PlanTape)

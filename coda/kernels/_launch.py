@@ -15,6 +15,7 @@ import functools
 import torch
 
 from coda import _quack
+from coda.env import host_cache
 from coda.kernels.config import GemmConfig
 from coda.primitives.lowering import epi_args, lower
 
@@ -83,6 +84,16 @@ def acc_dtype(t) -> torch.dtype:
     """The accumulator / statistics dtype for inputs like ``t``: fp32 (the kernel's), or
     float64 for float64 inputs (the CPU proofs)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+@host_cache(maxsize=16, device_tensors=True)
+def unit_rows(m: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """m ones: a row scale of 1 that a kernel only reads (a program's rstd operand where the
+    rows are already scaled, or none was given), made once per shape and device instead of
+    filled on every call. Called where a torch.compile trace sees it (an op, a Function),
+    never from a kernel's own code: a custom op's implementation runs in CUDA graph trees'
+    memory pool during their warm-up, where no cache may keep a tensor."""
+    return torch.ones(m, dtype=dtype, device=device)
 
 
 def _interpret_into(program, x, w, config, d, c, operands, outputs, add_to_output):

@@ -334,7 +334,8 @@ def linear_cross_entropy_scaled(
     G = torch.empty(M, d, dtype=acc, device=a.device)
     # dW^T, summed over chunks in fp32
     dw_t = torch.empty(V if want_dw else 0, d, dtype=acc, device=a.device)
-    smooth_sum = torch.zeros(d, dtype=acc, device=a.device)  # sum_m r w a (label smoothing)
+    if label_smoothing:  # sum_m r w a
+        smooth_sum = torch.zeros(d, dtype=acc, device=a.device)
     glue = scaled_glue if interpreted else fused(scaled_glue)
     row_index = torch.arange(min(rows, -(-M // 128) * 128), device=a.device)
     for r0 in range(0, M, rows):
