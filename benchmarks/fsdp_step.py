@@ -18,6 +18,9 @@ whole); the check then also covers that path.
 ``--peers``: the same model (same weights) in plain PyTorch (``TorchLlama``), eager and with
 each layer under ``torch.compile`` (TorchTitan's recipe), sharded the same way and timed the
 same way in the same run.
+``--compile``: coda's own layers each under ``torch.compile`` before sharding, as TorchTitan
+compiles its blocks (Inductor on GPUs; on CPUs ``backend="aot_eager"``: the trace and the
+sharding wiring are what the check tests there, not Inductor's CPU code).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -60,6 +64,11 @@ def parse_args(argv=None):
         help="make the sharded model on the meta device, then to_empty and load the full "
         "state dict (TorchTitan's way)",
     )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="each coda layer under torch.compile before sharding (TorchTitan's recipe)",
+    )
     ap.add_argument("--out", default=None, help="write the result JSON here (rank 0)")
     ap.add_argument("--commit", default="unknown", help="the git commit, for the record")
     return ap.parse_args(argv)
@@ -71,11 +80,19 @@ def sharded(reference, args, device, gpu: bool):
     layers rebuild their RoPE tables there) and loaded from the full state dict, each rank
     keeping its shard (``set_model_state_dict``), as a large model is made and restored."""
     if not args.meta_init:
-        return shard(copy.deepcopy(reference), gpu)
-    model = shard(build(args, torch.device("meta")), gpu)
+        return shard(compiled_layers(copy.deepcopy(reference), args.compile, gpu), gpu)
+    model = shard(compiled_layers(build(args, torch.device("meta")), args.compile, gpu), gpu)
     model.to_empty(device=device)
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, reference.state_dict(), options=options)
+    return model
+
+
+def compiled_layers(model, compile_: bool, gpu: bool):
+    """``model`` with each layer under ``torch.compile`` where ``compile_`` (``--compile``)."""
+    if compile_:
+        for layer in model.layers:
+            layer.compile(**({} if gpu else {"backend": "aot_eager"}))
     return model
 
 
@@ -187,6 +204,8 @@ def main(argv=None):
         "world": world,
         "device": str(device),
         "init": "meta, then the full state dict" if args.meta_init else "a copy, sharded",
+        "coda_layers_compiled": args.compile,
+        "dynamo_graphs": counters["stats"]["unique_graphs"],  # compiled so far (this rank)
         "loss": float(global_loss),
     }
 

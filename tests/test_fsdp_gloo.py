@@ -63,6 +63,17 @@ def test_fsdp2_a_model_made_on_meta_and_loaded_matches_one_process(tmp_path):
     assert "FSDP check: PASS" in stdout
 
 
+def test_fsdp2_over_compiled_coda_layers_matches_one_process(tmp_path):
+    """TorchTitan's recipe over coda: each coda layer under ``torch.compile`` (``aot_eager``
+    on the CPU), then sharded; the loss and every gradient still equal one unsharded,
+    uncompiled process's."""
+    result, stdout = _run(tmp_path, "--compile")
+    assert result["coda_layers_compiled"] and result["world"] == 2
+    assert result["dynamo_graphs"] >= 1  # traced (both layers share one compiled graph)
+    assert result["loss_rel_diff"] < 1e-5 and result["worst_grad_rel_diff"] < 1e-5, result
+    assert "FSDP check: PASS" in stdout
+
+
 def test_fsdp2_shards_a_patched_hf_model(tmp_path):
     """``fully_shard`` per patched layer (FSDP2 subclasses the patched class again) and on the
     root of an HF Llama patched by ``apply_coda``: the loss and every gradient (HF layout,
