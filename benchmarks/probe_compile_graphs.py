@@ -10,7 +10,8 @@ bisect: the model fresh, after two eager steps, with sync warnings on while reco
 one ``DecoderLayer`` or ``LMHeadLoss`` alone (run 147: only the layer's forward recorded; the
 head alone failed as the model did; the layer's case then failed on its input's gradient,
 which this probe let accumulate across steps, since fixed), then the head's methods, its row
-glue as plain torch, a 512-token head and hand-captured controls. The cause, found on the CPU
+glue as plain torch and a 512-token head, each with Dynamo's graph count after every step and
+its recompile log. The cause, found on the CPU
 (session 34): ``fused``'s nested compiled row kernels recompiled at the step CUDA graph trees
 record (``coda.kernels._launch``); after the fix the head and the model capture (runs
 148-149).
@@ -35,10 +36,6 @@ SUITE = "compile_graphs"
 CASES = ("model", "model_after_eager_steps", "model_sync_warn", "layer", "lm_head")
 # run 147 found the LM head alone failing: its methods, its row glue as plain torch, few tokens
 CASES += ("lm_head_chunked", "lm_head_recompute", "lm_head_unfused", "lm_head_512_tokens")
-# controls: the head captured by torch.cuda.graph by hand after two warm steps, eager and
-# compiled (default mode), in both capture error modes ("global": any thread's unsafe call
-# invalidates the capture; "thread_local": only this thread's)
-CASES += ("lm_head_eager_manual", "lm_head_compiled_manual", "lm_head_compiled_manual_local")
 
 
 def child(case: str) -> dict:
@@ -77,8 +74,6 @@ def child(case: str) -> dict:
         for _ in range(2):
             module(*args).backward()
     out = {"case": case, "steps": 0, "warnings": [], "graphs_after_step": []}
-    if case.endswith(("_manual", "_manual_local")):
-        return manual_capture(case, module, args, x, out)
     compiled = torch.compile(module, mode="reduce-overhead")
     try:
         for i in range(4):
@@ -113,42 +108,6 @@ def unique_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
-
-
-def manual_capture(case, module, args, x, out) -> dict:
-    """Two warm steps of ``module`` (compiled in default mode unless the case is eager), then
-    one step recorded by ``torch.cuda.graph`` and replayed twice."""
-    import torch
-
-    step = torch.compile(module) if "compiled" in case else module
-    mode = "thread_local" if case.endswith("_local") else "global"
-
-    def one():
-        step(*args).backward()
-        module.zero_grad(set_to_none=False)  # the graph's gradient buffers stay put
-        if x is not None:
-            x.grad = None
-
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                one()
-                out["steps"] += 1
-                out["graphs_after_step"].append(unique_graphs())
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode=mode):
-            one()
-        out["graphs_after_step"].append(unique_graphs())
-        for _ in range(2):
-            graph.replay()
-        torch.cuda.synchronize()
-        out["steps"] += 1
-    except Exception:
-        out["error"] = traceback.format_exc()[-2500:]
-    return out
 
 
 def run_case(name: str) -> dict:
