@@ -358,6 +358,16 @@ def test_a_checkpointing_recompute_under_a_capture_keeps_sdpa_causal(monkeypatch
         assert torch.equal(p.grad, grads[n]), n
 
 
+def _small_cuda_model(family: str, attn: str = "sdpa"):
+    """The gpu tests' unpatched HF model: 2 layers, d = 256, V = 1024 (Qwen3 with head_dim
+    64, as the protocol test's), bf16 on the GPU, seeded."""
+    shape = dict(hidden_size=256, intermediate_size=512, vocab_size=1024, num_hidden_layers=2)
+    head = {"head_dim": 64} if family == "qwen3" else {}
+    cfg = tiny_config(family, **shape, **head, attn_implementation=attn)
+    torch.manual_seed(0)
+    return model_class(cfg)(cfg).to("cuda", torch.bfloat16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_gpu_hf_checkpointing_recomputes_the_kernel_path(family, monkeypatch):
@@ -366,11 +376,7 @@ def test_gpu_hf_checkpointing_recomputes_the_kernel_path(family, monkeypatch):
     bitwise the same step's without checkpointing: the recompute runs the same kernels."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    shape = dict(hidden_size=256, intermediate_size=512, vocab_size=1024, num_hidden_layers=2)
-    head = {"head_dim": 64} if family == "qwen3" else {}
-    cfg = tiny_config(family, **shape, **head)
-    torch.manual_seed(0)
-    plain = ct.apply_coda(model_class(cfg)(cfg).to("cuda", torch.bfloat16)).train()
+    plain = ct.apply_coda(_small_cuda_model(family)).train()
     checkpointed = copy.deepcopy(plain)
     _enable_checkpointing(checkpointed)
     ids = torch.randint(0, 1024, (4, 256), device="cuda")
@@ -406,11 +412,7 @@ def test_gpu_graphed_step_trains_a_patched_model(family):
     import coda.nn as cnn
 
     def models(attn):
-        shape = dict(hidden_size=256, intermediate_size=512, vocab_size=1024, num_hidden_layers=2)
-        head = {"head_dim": 64} if family == "qwen3" else {}  # as the protocol test's
-        cfg = tiny_config(family, **shape, **head, attn_implementation=attn)
-        torch.manual_seed(0)
-        ref = model_class(cfg)(cfg).to("cuda", torch.bfloat16)
+        ref = _small_cuda_model(family, attn)
         return [ct.apply_coda(copy.deepcopy(ref)) for _ in range(2)]
 
     def adamw(model):
@@ -452,11 +454,7 @@ def test_gpu_patched_model_trains_under_torch_compiles_cuda_graphs(family):
     attention, batch by keyword, loss from ``.loss``) trains as the eager patched model over
     four AdamW steps (losses and gradients to the glue's bf16 rounding), no CUDA graph
     skipped: HF's mask building and coda's ops trace into graphs Inductor records."""
-    shape = dict(hidden_size=256, intermediate_size=512, vocab_size=1024, num_hidden_layers=2)
-    head = {"head_dim": 64} if family == "qwen3" else {}
-    cfg = tiny_config(family, **shape, **head, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    eager = ct.apply_coda(model_class(cfg)(cfg).to("cuda", torch.bfloat16))
+    eager = ct.apply_coda(_small_cuda_model(family))
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 1024, (4, 256), generator=g).cuda() for _ in range(4)]
 
