@@ -102,6 +102,8 @@ def attention_ref(q, k, v, s: LayerShape, attention=None):
     if attention is not None:
         o = attention(heads(q, s.heads), heads(k, s.kv_heads), heads(v, s.kv_heads))
         return o.transpose(1, 2).reshape(B * S, s.heads * hd)
+    if B * S == 0:  # no tokens: CUDA SDPA returns None for an empty batch (torch 2.11, run 153)
+        return q * 0  # (0, H*hd), still in the graph: every weight gets its (zero) gradient
     rep = s.heads // s.kv_heads
     kk = heads(k, s.kv_heads).repeat_interleave(rep, dim=1)
     vv = heads(v, s.kv_heads).repeat_interleave(rep, dim=1)
