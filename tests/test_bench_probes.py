@@ -207,3 +207,32 @@ def test_the_origin_probe_names_each_matching_kernels_callers():
     assert [r["kernel"] for r in rows[2:]] == ["_col_sums_kernel", "_row_stat_kernel"]
     assert first["callers"] == ["aten::zeros", "SliceBackward0", frame.name]
     assert rows[1]["callers"] == [frame.name]
+
+
+def test_the_cpu_host_probe_times_the_kernel_branch_and_puts_everything_back():
+    """``probe_host_cpu``: with quack stood in, ``coda.gemm_swiglu`` on CPU tensors takes the
+    kernel path through ``launch``'s GPU branch (the stub counts its launches: the probe times
+    that branch, not the interpreter), each nested piece costs no more than the one holding it,
+    and afterwards the reference path, the interpreter and quack are as they were."""
+    import warnings
+
+    import coda
+    import coda.env
+    from benchmarks import probe_host_cpu as probe
+    from coda import _quack, ops
+    from coda.kernels import _launch
+
+    before = (coda.env.kernel_support, _launch.INTERPRETED_ON)
+    us = probe.pieces(calls=50)
+    assert us.pop("launches seen") >= 5 * 50
+    names = list(us)
+    nested = names[2:5]  # the switch, the kernel function and launch, each inside the last
+    assert all(v > 0 for v in us.values())
+    assert all(us[a] >= 0.9 * us[b] for a, b in zip(nested, nested[1:]))
+    assert (coda.env.kernel_support, _launch.INTERPRETED_ON) == before
+    assert not ops._CHECKED and not _quack._PLANS  # no token plan left behind
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", coda.CodaReferencePathWarning)
+        coda.gemm_swiglu(x, torch.randn(8, 16, dtype=torch.bfloat16))
+    assert coda.last_path("gemm_swiglu")[0] == "reference"
