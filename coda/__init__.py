@@ -5,8 +5,9 @@ and their backward) runs in the epilogue of quack's SM90 GEMM while the output t
 on chip, plus small auxiliary reductions over per-tile partials. On the CPU and non-SM90 GPUs
 the same calls run pure-torch references (``coda.env`` says which path ran and why).
 
-Layers, bottom up (imports only go down): ``coda.reference`` and ``coda.primitives`` ->
-``coda.kernels`` -> ``coda.ops`` and ``coda.layouts``.
+Layers, bottom up (imports only go down; ``tests/test_layering.py``): ``coda.reference`` and
+``coda.primitives`` -> ``coda.kernels`` -> ``coda.ops``, ``coda.layouts`` and ``coda.autograd``
+-> ``coda.nn`` (the training modules) -> ``coda.transformers`` (``apply_coda`` for HF models).
 """
 
 from coda._validate import CodaInputError  # noqa: F401
