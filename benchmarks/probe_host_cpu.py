@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -33,10 +34,9 @@ def stood_in():
     from coda import _quack, ops
     from coda.kernels import _launch
 
-    _quack._modules()
+    host = _quack._modules()["host"]
     from quack.epilogue.frontend import EpiMod
 
-    host = _quack._modules()["host"]
     launches: list = []
     patches = [
         (coda.env, "kernel_support", lambda device, dtype=None: (True, "stood in")),
@@ -44,18 +44,14 @@ def stood_in():
         (EpiMod, "gemm", lambda self, *args, **kwargs: object()),  # a token plan
         (host, "run_gemm_epi_plan", lambda plan, A, B, D, C, epi: launches.append(plan)),
     ]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    try:
+    with contextlib.ExitStack() as stack:
         for owner, name, value in patches:
-            setattr(owner, name, value)
+            stack.enter_context(mock.patch.object(owner, name, value))
+        stack.callback(ops._CHECKED.clear)  # run first on the way out, and now:
+        stack.callback(_quack._PLANS.clear)
         ops._CHECKED.clear()
         _quack._PLANS.clear()
         yield launches
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
-        ops._CHECKED.clear()
-        _quack._PLANS.clear()
 
 
 def _us(fn, calls: int) -> float:
