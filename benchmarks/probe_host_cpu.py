@@ -40,7 +40,7 @@ def stood_in():
     launches: list = []
     patches = [
         (coda.env, "kernel_support", lambda device, dtype=None: (True, "stood in")),
-        (_launch, "INTERPRETED_ON", ()),
+        (_launch, "INTERPRET_OFF_GPU", False),
         (EpiMod, "gemm", lambda self, *args, **kwargs: object()),  # a token plan
         (host, "run_gemm_epi_plan", lambda plan, A, B, D, C, epi: launches.append(plan)),
     ]
@@ -126,7 +126,7 @@ def pieces(calls: int = 20000) -> dict:
                 lambda: _quack.run_epi_gemm(mod, x, w_il, None, None, args, config)
             ),
             "entering and leaving the plan tape": taped(lambda: None),
-            "the output's allocation (torch.empty)": lambda: torch.empty(M, F, dtype=BF),
+            "the output's allocation (new_empty)": lambda: x.new_empty(M, F),
         }
         timed = {name: _us(fn, calls) for name, fn in out.items()}
         timed["launches seen"] = len(launches)

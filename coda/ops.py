@@ -105,9 +105,9 @@ def _rstd(rstd, x):
     return unit_rows(x.shape[0], acc_dtype(x), x.device) if rstd is None else rstd
 
 
-# (op, plain arguments, grad mode, each tensor's signature) -> (path, reason, PlanTape)
+# (op, plain arguments, grad mode, x's shape) -> [_Verdict, ...]: one per signature seen
 _CHECKED: dict = {}
-MAX_CHECKED = 4096  # emptied when full (many distinct token counts), then refilled
+MAX_CHECKED = 4096  # verdicts kept; emptied when full (many distinct token counts), then refilled
 UNTAPED = contextlib.nullcontext()  # calls whose launches each look their plan up by key
 PLAN_TAPES = True  # False: every call untaped (the host benchmark's same-run comparison)
 
@@ -118,37 +118,104 @@ def _signature(t):
     return (type(t), t.layout, t.dtype, t.device, t.shape, t.stride(), t.requires_grad)
 
 
-def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = ()):
-    """(path, tape) of this call of ``op``: ``check()`` (all of the op's rules; raises on a
-    broken one, returns the path) runs on the first call of each signature, later calls
+def _torch_tensor_guards():
+    """torch's C++ check of tensor metadata (the one Dynamo guards a compiled graph's inputs
+    with: Python type, dispatch keys, which carry device type and layout, device index, dtype,
+    shape, strides, requires_grad), about a fifth of the host time of hashing ``_signature``
+    per tensor. It is internal to torch, so it is used only where it exists with the expected
+    behaviour (probed here once); elsewhere the memo compares ``_signature`` tuples."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        def make(*tensors):
+            return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+
+        a = torch.empty(2, 4)
+        g = make(a)
+        same = g.check(torch.empty(2, 4))
+        differ = (
+            torch.empty(4, 2).t(),  # strides
+            torch.empty(2, 4, dtype=torch.float64),  # dtype
+            torch.empty(2, 4, requires_grad=True),  # requires_grad
+            torch.nn.Parameter(torch.empty(2, 4), requires_grad=False),  # Python type
+            torch.empty(2, 4, device="meta"),  # device
+            None,
+        )
+        if same and not any(g.check(t) for t in differ):
+            return make
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        pass
+    return None
+
+
+_TENSOR_GUARDS = _torch_tensor_guards()
+
+
+class _Verdict:
+    """One signature's verdict: ``matches(*tensors)`` says whether a call has this signature
+    (each tensor's metadata as ``_signature`` reads it), then the path ``check()`` chose, why,
+    the signature's ``PlanTape`` and its kernels' tile configs."""
+
+    __slots__ = ("matches", "path", "reason", "tape", "configs")
+
+    def __init__(self, tensors: tuple, path: str, reason: str, configs):
+        if _TENSOR_GUARDS is not None and all(t is not None for t in tensors):
+            self.matches = _TENSOR_GUARDS(*tensors).check  # False for a None in any place
+        else:
+            signature = tuple(map(_signature, tensors))
+            self.matches = lambda *ts: tuple(map(_signature, ts)) == signature
+        self.path, self.reason, self.tape, self.configs = path, reason, PlanTape(), configs
+
+
+def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = (), configs=None):
+    """(path, tape, configs) of this call of ``op``: ``check()`` (all of the op's rules; raises
+    on a broken one, returns the path) runs on the first call of each signature, later calls
     reuse its verdict and re-check only the base address of each TMA operand named in
     ``tma``. ``tape`` (``coda._quack.PlanTape``, entered around the kernel path) holds the
-    signature's launch plans, so that its later calls build no per-launch plan key. Inside a
-    torch.compile trace ``check()`` always runs (it is traced once), untaped."""
+    signature's launch plans, so that its later calls build no per-launch plan key.
+    ``configs()`` (the tile configs of the op's kernels, a function of its plain arguments and
+    shapes) runs on the kernel path once per signature too; its value is kept with the
+    verdict (None on the reference path). Inside a torch.compile trace ``check()`` and
+    ``configs()`` always run (traced once), untaped.
+
+    The signature: the op, its plain arguments (typed: True is not 1), the grad mode and
+    every tensor's metadata (``_signature``); verdicts are filed by the first four and the
+    first tensor's shape (the token count), and a call's tensors are matched against each."""
     if torch.compiler.is_compiling():
-        return check(), UNTAPED
+        return _uncached(check, configs)
+    values = tuple(tensors.values())
     try:
-        typed = (*plain, *map(type, plain))  # True is not 1, 2.0 is not 2
-        key = (op, typed, torch.is_grad_enabled(), *map(_signature, tensors.values()))
-        hit = _CHECKED.get(key)
+        typed = (*plain, *map(type, plain))
+        key = (op, typed, torch.is_grad_enabled(), values[0].shape)
+        for hit in _CHECKED.get(key, ()):
+            if hit.matches(*values):
+                break
+        else:
+            hit = None
     except (AttributeError, TypeError, RuntimeError):  # no plain metadata: the checks say why
-        return check(), UNTAPED
+        return _uncached(check, configs)
     if hit is None:
         path = check()
         verdict = last_path(op)  # (path, reason) as ``check`` recorded it
         if verdict is None or verdict[0] != path:
-            return path, UNTAPED
-        if len(_CHECKED) >= MAX_CHECKED:
+            return path, UNTAPED, configs() if configs and path == "kernel" else None
+        if sum(map(len, _CHECKED.values())) >= MAX_CHECKED:
             _CHECKED.clear()
-        hit = _CHECKED[key] = (*verdict, PlanTape())
+        hit = _Verdict(values, *verdict, configs() if configs and path == "kernel" else None)
+        _CHECKED[key] = (*_CHECKED.get(key, ()), hit)
     else:
-        path = hit[0]
-        record(op, path, hit[1])
+        path = hit.path
+        record(op, path, hit.reason)
     if path == "kernel":
         for name in tma:
             if tensors[name].data_ptr() % 16:
                 raise v.CodaInputError(f"{name}: base address must be 16-byte aligned for the TMA")
-    return path, hit[2] if PLAN_TAPES else UNTAPED
+    return path, hit.tape if PLAN_TAPES else UNTAPED, hit.configs
+
+
+def _uncached(check, configs):
+    path = check()
+    return path, UNTAPED, configs() if configs and path == "kernel" else None
 
 
 class ResidualRMS(NamedTuple):
@@ -182,10 +249,12 @@ def gemm_residual_rms(
         return path
 
     tma = ("x", "residual", "w")
-    path, tape = _checked("gemm_residual_rms", check, (backend, eps, config), named, tma)
+    plain = (backend, eps, config)
+    path, tape, config = _checked(
+        "gemm_residual_rms", check, plain, named, tma,
+        configs=lambda: config or config_for("residual", *x.shape, w.shape[1]),
+    )  # fmt: skip
     if path == "kernel":
-        (M, K), N = x.shape, w.shape[1]
-        config = config or config_for("residual", M, K, N)
         with tape:
             if gamma is None:
                 h, sumsq = lib.gemm_residual(x, w, residual, config)
@@ -231,11 +300,15 @@ def gemm_rmsnorm_gemm(
 
     tma = ("x", "residual", "w1", "w2")
     plain = (backend, eps, config1, config2)
-    path, tape = _checked("gemm_rmsnorm_gemm", check, plain, named, tma)
+    path, tape, configs = _checked(
+        "gemm_rmsnorm_gemm", check, plain, named, tma,
+        configs=lambda: (
+            config1 or config_for("residual", *x.shape, w1.shape[1]),
+            config2 or config_for("scale_rows", x.shape[0], *w2.shape),
+        ),
+    )  # fmt: skip
     if path == "kernel":
-        (M, K), d = x.shape, w1.shape[1]
-        config1 = config1 or config_for("residual", M, K, d)
-        config2 = config2 or config_for("scale_rows", M, d, w2.shape[1])
+        config1, config2 = configs
         with tape:
             out = gemm_rmsnorm_gemm_kernel(x, w1, residual, gamma, w2, eps, config1, config2)
         return RMSNormGemm(*out)
@@ -278,10 +351,12 @@ def gemm_swiglu(
         return path
 
     plain = (backend, save_preact, config)
-    path, tape = _checked("gemm_swiglu", check, plain, named, ("x", "w_il"))
+    path, tape, config = _checked(
+        "gemm_swiglu", check, plain, named, ("x", "w_il"),
+        configs=lambda: config or config_for("swiglu", *x.shape, w_il.shape[1]),
+    )  # fmt: skip
     r = _rstd(rstd, x)
     if path == "kernel":
-        config = config or config_for("swiglu", *x.shape, w_il.shape[1])
         with tape:
             if save_preact:
                 return SwiGLU(*lib.gemm_swiglu(x, w_il, r, config))
@@ -356,16 +431,20 @@ def gemm_rope(
         return path
 
     args = (backend, head_dim, n_heads, n_kv_heads, rope_base, eps, config)
-    path, tape = _checked("gemm_rope", check, args, named, ("x", "w_qkv"))
+    path, tape, cfg = _checked(
+        "gemm_rope", check, args, named, ("x", "w_qkv"),
+        configs=lambda: config or (
+            config_for("rope", *x.shape, w_qkv.shape[1]) if q_norm is None
+            else qk_norm_config(head_dim)
+        ),
+    )  # fmt: skip
     r = _rstd(rstd, x)
     if path == "kernel":
         freq = cached_freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads, rope_base, x.device)
         pos = positions.to(torch.float32)
         if q_norm is None:
-            cfg = config or config_for("rope", *x.shape, w_qkv.shape[1])
             with tape:
                 return lib.gemm_rope(x, w_qkv, r, pos, freq, cfg)
-        cfg = config or qk_norm_config(head_dim)
         head_w, plain = column_rows(q_norm, k_norm, n_heads, n_kv_heads, n_kv_heads)
         with tape:
             return lib.gemm_qk_norm_rope(x, w_qkv, r, pos, freq, head_w, plain, head_dim, eps, cfg)
@@ -415,10 +494,12 @@ def linear_cross_entropy(
         return path
 
     args = (backend, config)
-    path, tape = _checked("linear_cross_entropy", check, args, named, ("x", "w_lm"))
+    path, tape, config = _checked(
+        "linear_cross_entropy", check, args, named, ("x", "w_lm"),
+        configs=lambda: config or config_for("lm_head", *x.shape, w_lm.shape[1]),
+    )  # fmt: skip
     r = _rstd(rstd, x)
     if path == "kernel":
-        config = config or config_for("lm_head", *x.shape, w_lm.shape[1])
         with tape:
             return linear_cross_entropy_kernel(
                 x, w_lm, r, target, ignore_index, reduction, config, label_smoothing, z_loss

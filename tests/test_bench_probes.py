@@ -225,10 +225,10 @@ def test_the_cpu_host_probe_times_the_kernel_branch_and_puts_everything_back():
     from coda import _quack, ops
     from coda.kernels import _launch
 
-    before = (coda.env.kernel_support, _launch.INTERPRETED_ON)
+    before = (coda.env.kernel_support, _launch.INTERPRET_OFF_GPU)
     calls = 50
     assert probe.pieces(calls)["launches seen"] == 1 + 5 * (calls + 5 * calls)
-    assert (coda.env.kernel_support, _launch.INTERPRETED_ON) == before
+    assert (coda.env.kernel_support, _launch.INTERPRET_OFF_GPU) == before
     assert not ops._CHECKED and not _quack._PLANS  # no token plan left behind
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     with warnings.catch_warnings():

@@ -107,12 +107,12 @@ def test_one_plan_tape_per_signature(kernel_path, monkeypatch):
         return ops._checked("gemm_swiglu", lambda: ops._start("gemm_swiglu", "auto", named),
                             plain, named, ("x", "w_il"))  # fmt: skip
 
-    path, tape = tape_of(x, w)
+    path, tape, _ = tape_of(x, w)
     assert path == "kernel" and isinstance(tape, coda._quack.PlanTape)
     assert tape_of(x.clone(), w.clone())[1] is tape
     assert tape_of(x[:5], w)[1] is not tape
     monkeypatch.setattr(ops, "PLAN_TAPES", False)  # the benchmarks' same-run comparison
-    assert tape_of(x, w) == ("kernel", ops.UNTAPED)
+    assert tape_of(x, w) == ("kernel", ops.UNTAPED, None)
     assert ops._checked("gemm_swiglu", lambda: "kernel", plain, {"x": [1]})[1] is ops.UNTAPED
 
 

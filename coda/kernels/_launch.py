@@ -19,9 +19,10 @@ from coda.env import host_cache
 from coda.kernels.config import GemmConfig
 from coda.primitives.lowering import epi_args, lower
 
-# the device types whose launches run the tile interpreter (``benchmarks/probe_host_cpu.py``
-# empties it to time the GPU branch's host work on CPU tensors, quack stubbed)
-INTERPRETED_ON = ("cpu",)
+# whether launches with tensors off the GPU run the tile interpreter (``benchmarks/
+# probe_host_cpu.py`` turns it off to time the GPU branch's host work on CPU tensors, quack
+# stubbed)
+INTERPRET_OFF_GPU = True
 
 
 def launch(
@@ -44,13 +45,13 @@ def launch(
     xf = program.a_transform
     if xf is not None:
         xf.check(operands[xf.name], x, config.tile_m)
-    if not dry and x.device.type in INTERPRETED_ON:
+    if not dry and not x.is_cuda and INTERPRET_OFF_GPU:
         return _interpret_into(program, x, w, config, d, c, operands, outputs or {}, add_to_output)
     args = epi_args(program, operands, outputs or {})
     a_scale = (xf.kind, operands[xf.name], xf.tile_k) if xf is not None else None
     # which stores are narrower than the tile grid matters only where a plan is built
     clipped = (
-        functools.partial(_clipped_stores, program, outputs or {}, x.shape[0], w.shape[1])
+        (lambda: _clipped_stores(program, outputs or {}, x.shape[0], w.shape[1]))
         if program.stores
         else None
     )

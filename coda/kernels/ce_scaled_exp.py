@@ -95,11 +95,11 @@ def scaled_exp_logits_kernel(a, w_lm, rstd, target, config: GemmConfig, dry=Fals
         raise ValueError(f"V = {V} must be a multiple of tile_n = {config.tile_n}")
     t_n = V // config.tile_n
     acc = acc_dtype(a)
-    e = torch.empty(M, V, dtype=a.dtype, device=a.device)
+    e = a.new_empty(M, V)
     outputs = {
-        "sum_exp": torch.empty(M, t_n, dtype=acc, device=a.device),
-        "k_tile": torch.empty(M, t_n, dtype=acc, device=a.device),
-        "target_logit": torch.zeros(M, dtype=acc, device=a.device),
+        "sum_exp": a.new_empty(M, t_n, dtype=acc),
+        "k_tile": a.new_empty(M, t_n, dtype=acc),
+        "target_logit": a.new_zeros(M, dtype=acc),
     }
     operands = {"rstd": rstd, "target": target, "k": config.tile_n}
     compiled = launch(
@@ -271,7 +271,7 @@ def strip_u_triton(k, K, tile_n: int, dtype):
     C, t_n = k.shape
     assert k.stride(1) == 1 and K.is_contiguous(), "GEMM1's statistics, as it writes them"
     B = t_n * (tile_n // STRIP)
-    u = torch.empty(B, C, dtype=dtype, device=k.device)
+    u = k.new_empty(B, C, dtype=dtype)
     if B and C:
         bb, bm = STRIP_BLOCK
         kernel(_strip_kernel)[(cdiv(B, bb), cdiv(C, bm))](
@@ -329,13 +329,13 @@ def linear_cross_entropy_scaled(
     cfg = scaled_exp_config(V, config or GemmConfig())
     acc = acc_dtype(a)
     rows = max(128, rows // 128 * 128)
-    lse = torch.empty(M, dtype=acc, device=a.device)
+    lse = a.new_empty(M, dtype=acc)
     y_logit, coefs = torch.empty_like(lse), torch.empty_like(lse)
-    G = torch.empty(M, d, dtype=acc, device=a.device)
+    G = a.new_empty(M, d, dtype=acc)
     # dW^T, summed over chunks in fp32
-    dw_t = torch.empty(V if want_dw else 0, d, dtype=acc, device=a.device)
+    dw_t = a.new_empty(V if want_dw else 0, d, dtype=acc)
     if label_smoothing:  # sum_m r w a
-        smooth_sum = torch.zeros(d, dtype=acc, device=a.device)
+        smooth_sum = a.new_zeros(d, dtype=acc)
     glue = scaled_glue if interpreted else fused(scaled_glue)
     row_index = torch.arange(min(rows, -(-M // 128) * 128), device=a.device)
     for r0 in range(0, M, rows):
@@ -357,7 +357,7 @@ def linear_cross_entropy_scaled(
         # capture refuses)
         e.index_put_((row_index[:C], t_c.clamp(0, V - 1).long()), e.new_zeros(()))
         # dX straight into G's rows, except for a padded last chunk
-        G_c = G[R] if C == n else torch.empty(C, d, dtype=acc, device=a.device)
+        G_c = G[R] if C == n else a.new_empty(C, d, dtype=acc)
         scaled_grad_dx_kernel(e, w_lm, u, c, G_c)
         if want_dw:  # then the target entries' share, exact in fp32 (G's: in the backward)
             scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)

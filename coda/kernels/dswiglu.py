@@ -55,8 +55,8 @@ def dswiglu_kernel(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False):
     M, f = dx.shape[0], w_d.shape[0]
     dz = torch.empty_like(u)
     outputs = {
-        "s": torch.empty(M, f, dtype=dx.dtype, device=dx.device),
-        "stat": torch.empty(M, config.grid(M, f)[1], dtype=acc_dtype(dx), device=dx.device),
+        "s": dx.new_empty(M, f),
+        "stat": dx.new_empty(M, config.grid(M, f)[1], dtype=acc_dtype(dx)),
     }
     compiled = launch(
         dswiglu_rescaled,

@@ -34,7 +34,7 @@ def embedding_backward_torch(tokens, grad, vocab: int, padding_idx: int = -1):
     """``embedding_backward`` in torch: the CPU path and the Triton kernel's oracle."""
     acc = acc_dtype(grad)
     # one spare row takes the padding rows' sums (no mask: no host sync)
-    table = torch.zeros(vocab + 1, grad.shape[1], dtype=acc, device=grad.device)
+    table = grad.new_zeros(vocab + 1, grad.shape[1], dtype=acc)
     table.index_add_(0, _live(tokens, vocab, padding_idx), grad.to(acc))
     return table[:vocab].to(grad.dtype)
 
@@ -45,7 +45,7 @@ def embedding_backward(tokens, grad, vocab: int, padding_idx: int = -1):
     if not on_triton(grad):
         return embedding_backward_torch(tokens, grad, vocab, padding_idx)
     grad = grad if grad.stride(1) == 1 else grad.contiguous()
-    table = torch.zeros(vocab, grad.shape[1], dtype=grad.dtype, device=grad.device)
+    table = grad.new_zeros(vocab, grad.shape[1])
     scatter_rows_triton(table, grad, _live(tokens, vocab, padding_idx))
     return table
 

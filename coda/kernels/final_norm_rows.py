@@ -96,7 +96,7 @@ def head_norm_bwd_triton(G, coef, S, target, w_lm, h, gamma, rstd, g, launch=Non
     M, d = h.shape
     assert _fits(G, coef, S, target, h, gamma, rstd), "unit column strides, contiguous tables"
     dh = torch.empty_strided((M, d), (h.stride(0), 1), dtype=h.dtype, device=h.device)
-    part = torch.empty(P, d, dtype=G.dtype, device=G.device)  # every program writes its row
+    part = G.new_empty(P, d)  # every program writes its row
     if M:
         kernel(_head_norm_bwd_kernel)[(P, cdiv(d, BD))](
             G, w_lm, target, coef, S, h, gamma, rstd, g, dh, part, M, d, w_lm.shape[1],

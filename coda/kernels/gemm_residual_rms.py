@@ -55,8 +55,8 @@ def epilogue_gemm(x, w, residual, gamma=None, config: GemmConfig = DEFAULT, dry=
     """The SM90 epilogue GEMM alone: returns (h, a or None, sum-of-squares partials M x T_N),
     or with ``dry`` only compiles it and returns the number of compiles."""
     M, N = x.shape[0], w.shape[1]
-    h = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    outputs = {"sumsq": torch.empty(M, config.grid(M, N)[1], dtype=acc_dtype(x), device=x.device)}
+    h = x.new_empty(M, N)
+    outputs = {"sumsq": x.new_empty(M, config.grid(M, N)[1], dtype=acc_dtype(x))}
     if gamma is not None:
         outputs["normed"] = torch.empty_like(h)
     operands = {} if gamma is None else {"gamma": gamma}

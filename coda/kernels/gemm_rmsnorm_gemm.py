@@ -30,7 +30,7 @@ def gemm_scale_rows_kernel(a, w, scale, config: GemmConfig = DEFAULT, dry=False)
     """z = scale[:, None] * (a @ w) (bf16; the scale fp32 or bf16, widened on load); with
     ``dry`` only compiles. The row scale is RMSNorm's rstd in forward, gamma in a weight
     gradient (KERNELS.md 5.4)."""
-    z = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
+    z = a.new_empty(a.shape[0], w.shape[1])
     compiled = launch(scale_rows, a, w, config=config, d=z, operands={"scale": scale}, dry=dry)
     return compiled if dry else z
 

@@ -103,7 +103,7 @@ def position_rows(positions, batch: int, device) -> torch.Tensor:
 
 def gemm_rope_kernel(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT, dry=False):
     """Returns qkv (M x Nqkv, rotated q and k, plain v); with ``dry`` only compiles."""
-    qkv = torch.empty(a.shape[0], w_qkv.shape[1], dtype=a.dtype, device=a.device)
+    qkv = a.new_empty(a.shape[0], w_qkv.shape[1])
     operands = {"rstd": rstd, "pos": pos, "freq": freq}
     compiled = launch(rope_scaled, a, w_qkv, config=config, d=qkv, operands=operands, dry=dry)
     return compiled if dry else qkv

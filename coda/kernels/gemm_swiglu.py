@@ -39,8 +39,8 @@ def program_for(save_preact: bool):
 def gemm_swiglu_kernel(a, w_il, rstd, save_preact=True, config: GemmConfig = DEFAULT, dry=False):
     """Returns (s (M x f), u (M x 2f) or None); with ``dry`` only compiles."""
     M, n2 = a.shape[0], w_il.shape[1]
-    s = torch.empty(M, n2 // 2, dtype=a.dtype, device=a.device)
-    u = torch.empty(M, n2, dtype=a.dtype, device=a.device) if save_preact else None
+    s = a.new_empty(M, n2 // 2)
+    u = a.new_empty(M, n2) if save_preact else None
     compiled = launch(
         program_for(save_preact),
         a,

@@ -60,7 +60,7 @@ def _gc(c: list[int]) -> GemmConfig:
 
 
 def _empty(*shape, like, dtype=None):
-    return torch.empty(*shape, dtype=dtype or like.dtype, device=like.device)
+    return like.new_empty(*shape, dtype=dtype or like.dtype)
 
 
 def _fake(op):

@@ -37,8 +37,8 @@ def lm_head_stats_kernel(a, w_lm, rstd, target, config: GemmConfig = DEFAULT, dr
     """Returns (lse partials M x T_N, target logit (M,) fp32, 0 where not selected)."""
     M, V = a.shape[0], w_lm.shape[1]
     outputs = {
-        "lse": torch.empty(M, config.grid(M, V)[1], dtype=acc_dtype(a), device=a.device),
-        "target_logit": torch.zeros(M, dtype=acc_dtype(a), device=a.device),
+        "lse": a.new_empty(M, config.grid(M, V)[1], dtype=acc_dtype(a)),
+        "target_logit": a.new_zeros(M, dtype=acc_dtype(a)),
     }
     operands = {"rstd": rstd, "target": target}
     compiled = launch(

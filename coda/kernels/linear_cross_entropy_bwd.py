@@ -92,8 +92,8 @@ def grad_logits_chunk(
     """B1 on one vocabulary chunk: returns (dz~ chunk, per-row S without the one-hot term).
     ``shift`` (per row, label smoothing's uniform term) selects the shifted program."""
     M, n = a.shape[0], w_chunk.shape[1]
-    dz = torch.empty(M, n, dtype=a.dtype, device=a.device)
-    stat = torch.empty(M, config.grid(M, n)[1], dtype=acc_dtype(a), device=a.device)
+    dz = a.new_empty(M, n)
+    stat = a.new_empty(M, config.grid(M, n)[1], dtype=acc_dtype(a))
     operands = {"rstd": rstd, "lse": lse, "scale": scale}
     program = softmax_grad_logits
     if shift is not None:
@@ -140,10 +140,10 @@ def linear_cross_entropy_bwd_kernel(
     hot = scale if hot is None else hot
     (M, d), V = a.shape, w_lm.shape[1]
     chunk = -(-chunk // 8) * 8  # every dW column block starts 16-byte aligned for the TMA
-    G = torch.zeros(M, d, dtype=acc_dtype(a) if not interpreted else a.dtype, device=a.device)
-    S = torch.zeros(M, dtype=G.dtype, device=a.device)
+    G = a.new_zeros(M, d, dtype=acc_dtype(a) if not interpreted else a.dtype)
+    S = a.new_zeros(M, dtype=G.dtype)
     # w_lm's own layout: no copy later
-    dw = torch.empty(d, V if want_dw else 0, dtype=a.dtype, device=a.device)
+    dw = a.new_empty(d, V if want_dw else 0)
     for c0 in range(0, V, chunk):
         wc = w_lm[:, c0 : c0 + chunk]
         if interpreted:

@@ -62,10 +62,10 @@ def chunk_rows(vocab: int) -> int:
 def logits_chunk(a, w_lm, rstd, target, config: GemmConfig = DEFAULT, dry=False):
     """F6' on rows ``a``: returns (logits fp32, lse fp32, target logit fp32)."""
     M, V = a.shape[0], w_lm.shape[1]
-    logits = torch.empty(M, V, dtype=acc_dtype(a), device=a.device)
+    logits = a.new_empty(M, V, dtype=acc_dtype(a))
     outputs = {
-        "lse": torch.empty(M, config.grid(M, V)[1], dtype=acc_dtype(a), device=a.device),
-        "target_logit": torch.zeros(M, dtype=acc_dtype(a), device=a.device),
+        "lse": a.new_empty(M, config.grid(M, V)[1], dtype=acc_dtype(a)),
+        "target_logit": a.new_zeros(M, dtype=acc_dtype(a)),
     }
     compiled = launch(
         logits_with_stats,
@@ -190,11 +190,11 @@ def linear_cross_entropy_chunked(
     an empty (d, 0) tensor: no V x d accumulator."""
     M, d = a.shape
     V = w_lm.shape[1]
-    lse = torch.empty(M, dtype=acc_dtype(a), device=a.device)
+    lse = a.new_empty(M, dtype=acc_dtype(a))
     tl = torch.empty_like(lse)
-    G = torch.empty(M, d, dtype=acc_dtype(a), device=a.device)
+    G = a.new_empty(M, d, dtype=acc_dtype(a))
     coefs = torch.empty_like(lse)
-    dz = torch.empty(min(rows, M), V, dtype=a.dtype, device=a.device)
+    dz = a.new_empty(min(rows, M), V)
     # dW sums one partial product per token chunk in fp32 (the GEMM reduce-adds its fp32 tile
     # into it); the backward rounds it to w_lm's dtype once, with the upstream gradient, in
     # w_lm's layout (``weight_grad_from_acc``). The accumulator is (V, d)-major whatever w_lm's
@@ -202,7 +202,7 @@ def linear_cross_entropy_chunked(
     # it. Into a (d, V) row-major buffer the same scatter ran on a transposed view, which
     # index_put_ makes contiguous and copies back, twice a V x d fp32 pass per token chunk
     # (H200, run 19: 382 ms against CE-S's 92 at d=4096, V=128256)
-    dw = torch.empty(V if want_dw else 0, d, dtype=acc_dtype(a), device=a.device).t()
+    dw = a.new_empty(V if want_dw else 0, d, dtype=acc_dtype(a)).t()
     row_kernel = softmax_grad_rows if interpreted else fused(softmax_grad_rows)
     chunk = logits_chunk_interpreted if interpreted else logits_chunk
     for r0 in range(0, M, rows):

@@ -131,8 +131,8 @@ def norm_rows_triton(x, gamma, eps: float, scaled: bool):
     stride, gamma (d,) contiguous. Returns (out in x's dtype, rstd fp32 / float64)."""
     M, d = x.shape
     assert x.stride(1) == 1 and gamma.is_contiguous() and d <= MAX_ROW
-    out = torch.empty(M, d, dtype=x.dtype, device=x.device)
-    r = torch.empty(M, dtype=acc_dtype(x), device=x.device)
+    out = x.new_empty(M, d)
+    r = x.new_empty(M, dtype=acc_dtype(x))
     if M:
         bm, warps = _rows_launch(d)
         kernel(_norm_rows_kernel)[(cdiv(M, bm),)](
@@ -147,7 +147,7 @@ def row_stat_triton(partials, rstd, d: int, eps: float, mode: int):
     with unit column stride in one pass. Returns (M,) in the partials' dtype."""
     M, T = partials.shape
     assert partials.stride(1) == 1 or T == 1
-    out = torch.empty(M, dtype=partials.dtype, device=partials.device)
+    out = partials.new_empty(M)
     if M:
         bm = 128
         kernel(_row_stat_kernel)[(cdiv(M, bm),)](
@@ -163,7 +163,7 @@ def col_sums_triton(partials, dtype):
     in the partials' dtype and rounded once to ``dtype``, in one launch."""
     T, N = partials.shape
     assert partials.stride(1) == 1 or N == 1
-    out = torch.empty(N, dtype=dtype, device=partials.device)
+    out = partials.new_empty(N, dtype=dtype)
     if N:
         kernel(_col_sums_kernel)[(cdiv(N, COL_BLOCK),)](
             partials, out, T, N, partials.stride(0),

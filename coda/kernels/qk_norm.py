@@ -157,7 +157,7 @@ def column_rows(q_norm, k_norm, n_q: int, n_k: int, n_v: int, dtype=torch.float3
         [
             q_norm.to(dtype).repeat(n_q),
             k_norm.to(dtype).repeat(n_k),
-            torch.zeros(n_v * hd, dtype=dtype, device=q_norm.device),
+            q_norm.new_zeros(n_v * hd, dtype=dtype),
         ]
     )
     return head_w, _plain_row((n_q + n_k) * hd, n_v * hd, dtype, q_norm.device)
@@ -185,7 +185,7 @@ def gemm_qk_norm_rope_kernel(
     (M x Nqkv / hd, fp32; its v-head columns are computed and unused). The training F1 keeps
     z for the q and k heads only: on v columns z is the stored v itself."""
     M, N = a.shape[0], w_qkv.shape[1]
-    qkv = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    qkv = a.new_empty(M, N)
     operands = {"rstd": rstd, "pos": pos, "freq": freq, "head_w": head_w, "plain": plain}
     operands["head_rstd"] = head_dim
     outputs = {}
@@ -193,9 +193,9 @@ def gemm_qk_norm_rope_kernel(
         z_cols = N if z_cols is None else z_cols
         assert 0 < z_cols <= N and z_cols % 2 == 0, z_cols  # on the GPU: 16-byte rows
         outputs = {
-            "z_even": torch.empty(M, z_cols // 2, dtype=a.dtype, device=a.device),
-            "z_odd": torch.empty(M, z_cols // 2, dtype=a.dtype, device=a.device),
-            "head_s": torch.empty(M, N // head_dim, dtype=acc_dtype(a), device=a.device),
+            "z_even": a.new_empty(M, z_cols // 2),
+            "z_odd": a.new_empty(M, z_cols // 2),
+            "head_s": a.new_empty(M, N // head_dim, dtype=acc_dtype(a)),
         }
     program = qk_norm_rope_program(eps, keep_z)
     compiled = launch(

@@ -48,8 +48,8 @@ def norm_bwd_kernel(dz, w2, h, gamma, corr, dres=None, config: GemmConfig = DEFA
     """acc = dz @ w2^T (``w2`` is the (d, N2) forward weight); returns (dh, dgamma in gamma's
     dtype, summed in fp32)."""
     M, d = dz.shape[0], w2.shape[0]
-    dh = torch.empty(M, d, dtype=dz.dtype, device=dz.device)
-    parts = torch.empty(config.grid(M, d)[0], d, dtype=acc_dtype(dz), device=dz.device)
+    dh = dz.new_empty(M, d)
+    parts = dz.new_empty(config.grid(M, d)[0], d, dtype=acc_dtype(dz))
     program = norm_bwd if dres is None else norm_bwd_residual
     compiled = launch(
         program,

@@ -221,7 +221,7 @@ def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d
     _rows_contiguous(rstd, cos, sin)
     (dq, dk, dv), strides = _head_strides(dq, dk, dv)
     out = torch.empty_like(qkv)
-    s_part = torch.empty(M, n_q + 2 * n_k, dtype=acc_dtype(qkv), device=qkv.device)
+    s_part = qkv.new_empty(M, n_q + 2 * n_k, dtype=acc_dtype(qkv))
     bm, warps = launch_shape("drope", hd, shape)
     grid = (n_q + 2 * n_k, cdiv(M, bm))
     kernel(_drope_kernel)[grid](
@@ -256,11 +256,11 @@ def dqk_norm_rope_heads_triton(
     (dq, dk, dv), strides = _head_strides(dq, dk, dv)
     n_heads = n_q + 2 * n_k
     acc = acc_dtype(z_even)
-    out = torch.empty(M, n_heads * hd, dtype=z_even.dtype, device=z_even.device)
-    s_part = torch.empty(M, n_heads, dtype=acc, device=out.device)
+    out = z_even.new_empty(M, n_heads * hd)
+    s_part = out.new_empty(M, n_heads, dtype=acc)
     bm, warps = launch_shape("dqk_norm", hd, shape)
     blocks = cdiv(M, bm)
-    dw_part = torch.empty(blocks, n_q + n_k, hd, dtype=acc, device=out.device)
+    dw_part = out.new_empty(blocks, n_q + n_k, hd, dtype=acc)
     kernel(_dqk_norm_kernel)[(n_heads, blocks)](
         dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, out, s_part,
         dw_part, M, S, n_q, n_k, z_row, z_col, z_v.stride(0), s.stride(0), *strides,

@@ -121,7 +121,7 @@ def scatter_rows_triton(dst, src, index, coef=None):
     keys, order = torch.sort(keys, stable=True)
     grid = (cdiv(M, CH), cdiv(d, BD))
     # the pieces' scratch, read only where written
-    part = torch.empty(grid[0], 2, d, dtype=acc_dtype(dst), device=dst.device)
+    part = dst.new_empty(grid[0], 2, d, dtype=acc_dtype(dst))
     kernel(_chunk_sums_kernel)[grid](
         # (unscaled: the kernel never reads its coef pointer; any tensor stands in)
         dst, src, keys, order, keys if coef is None else coef, part, M, V, d, dst.stride(0),

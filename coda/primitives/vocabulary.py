@@ -109,7 +109,7 @@ class RowLoad(Primitive):
         return as_pairs(a) if mode == "pair" else a
 
     def host_args(self, operands, outputs):
-        return {self.name: operands[self.name].unsqueeze(0)}  # quack's (1, N) batch axis
+        return {self.name: operands[self.name][None]}  # quack's (1, N) batch axis
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class ColLoad(Primitive):
         return v[rows][:, None]  # one value per row, in every mode
 
     def host_args(self, operands, outputs):
-        return {self.name: operands[self.name].unsqueeze(0)}  # quack's (1, M) batch axis
+        return {self.name: operands[self.name][None]}  # quack's (1, M) batch axis
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class ColSelect(Primitive):
         return ops["ColSelect"](self.name, idx_op=index_load), (index_load,)
 
     def host_args(self, operands, outputs):
-        return {self.index: operands[self.index].unsqueeze(0), self.name: outputs[self.name]}
+        return {self.index: operands[self.index][None], self.name: outputs[self.name]}
 
     def write_back(self, buf, value, operands, n_cols):
         idx = operands[self.index]  # only rows whose index lies in some tile are written
