@@ -89,7 +89,7 @@ def pieces(calls: int = 20000) -> dict:
             coda.gemm_swiglu(x, w_il, rstd)
         tape = ops._checked("gemm_swiglu", None, plain, named)[1]
         assert coda.last_path("gemm_swiglu")[0] == "kernel" and tape.state == "replay"
-        mod, args = lower(sw.swiglu_only), {"rstd": rstd[None], "s": s}
+        mod, args = lower(sw.swiglu_only), {"rstd": rstd, "s": s}
 
         def taped(fn):
             def run():

@@ -165,43 +165,50 @@ class PlanTape:
     of building the plan key (metadata of every argument) per launch. A recorded plan whose
     program or config is not the one launched (a sequence that changed) turns the tape off for
     good (the keyed lookup serves every launch); a call that raises before its recording is
-    complete leaves the recording to the next call. A tape serves the thread that made it
-    (its cursor lives in a thread-local); on any other thread its op's launches are keyed."""
+    complete leaves the recording to the next call. A tape serves the thread that made it,
+    once at a time: entered on another thread, or again inside itself, it is not active there
+    and that region's launches are keyed."""
 
-    __slots__ = ("plans", "state", "owner")
+    __slots__ = ("plans", "state", "owner", "at")
 
     def __init__(self):
         self.plans: list = []
         self.state = "record"  # -> "replay" after one complete call; "off" if it diverged
         self.owner = threading.get_ident()
+        self.at = None  # the replay cursor while the tape is active, else None
 
     def __enter__(self):
         active = _ACTIVE
-        active.outer.append((active.tape, active.at))
-        active.tape = self if self.owner == threading.get_ident() else None
-        active.at = 0
+        active.outer.append(active.tape)
+        if self.owner == threading.get_ident() and self.at is None:
+            self.at = 0
+            active.tape = self
+        else:  # another thread's tape, or this tape already active further out
+            active.tape = None
         return self
 
     def __exit__(self, exc_type, exc, tb):
         active = _ACTIVE
         mine = active.tape is self
-        active.tape, active.at = active.outer.pop()
-        if mine and self.state == "record":
-            if exc_type is None:
-                self.state = "replay"
-            else:
-                self.plans.clear()
+        active.tape = active.outer.pop()
+        if mine:
+            self.at = None
+            if self.state == "record":
+                if exc_type is None:
+                    self.state = "replay"
+                else:
+                    self.plans.clear()
         return False
 
     def take(self, mod, config):
         """The next recorded plan if it was resolved for ``mod`` and ``config``, else None."""
         if self.state != "replay":
             return None
-        at = _ACTIVE.at
+        at = self.at
         if at < len(self.plans):
             rec_mod, rec_config, plan = self.plans[at]
             if rec_mod is mod and (rec_config is config or rec_config == config):
-                _ACTIVE.at = at + 1
+                self.at = at + 1
                 return plan
         self.state, self.plans = "off", []
         return None
@@ -212,10 +219,9 @@ class PlanTape:
 
 
 class _Active(threading.local):
-    """Per thread: the PlanTape of the op call running, its cursor, and the enclosing ones."""
+    """Per thread: the PlanTape of the op call running, and the enclosing ones."""
 
     tape = None
-    at = 0
 
     def __init__(self):
         self.outer: list = []

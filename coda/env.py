@@ -207,8 +207,13 @@ def record(op: str, path: str, reason: str) -> None:
     reference-path call of each (op, reason) not asked for warns. Nothing while
     ``torch.compile`` traces: the choice is then fixed in the graph by its guards on the
     device and dtype, and global bookkeeping would only force recompiles."""
-    if torch.compiler.is_compiling():
-        return
+    if not torch.compiler.is_compiling():
+        note(op, path, reason)
+
+
+def note(op: str, path: str, reason: str) -> None:
+    """``record`` where the caller already knows no torch.compile trace is running (the
+    ops' checks memo: a remembered signature's path, noted on each call)."""
     if path == "reference" and reason not in UNWARNED and (op, reason) not in _WARNED:
         _WARNED.add((op, reason))
         warnings.warn(

@@ -31,7 +31,7 @@ import torch
 
 from coda import _validate as v
 from coda._quack import PlanTape
-from coda.env import last_path, record, resolve_backend
+from coda.env import last_path, note, resolve_backend
 from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype, unit_rows
 from coda.kernels.config import GemmConfig
@@ -205,7 +205,7 @@ def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = (), confi
         _CHECKED[key] = (*_CHECKED.get(key, ()), hit)
     else:
         path = hit.path
-        record(op, path, hit.reason)
+        note(op, path, hit.reason)
     if path == "kernel":
         for name in tma:
             if tensors[name].data_ptr() % 16:

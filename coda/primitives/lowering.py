@@ -45,8 +45,8 @@ def lower(program: EpilogueProgram):
 
 def epi_args(program: EpilogueProgram, operands: dict, outputs: dict) -> dict:
     """quack's ``epi_args``: every declared primitive's own host arguments
-    (``Primitive.host_args``: loaded vectors get quack's leading batch axis, tiles, stores,
-    partial buffers and selected columns pass as they are)."""
+    (``Primitive.host_args``: each operand or output buffer under its name, as it is; quack's
+    vector loads take a rank-1 vector as one vector for the whole (unbatched) GEMM)."""
     args = {}
     for p in (*program.inputs, *program.sinks, *program.stores):
         args.update(p.host_args(operands, outputs))

@@ -108,9 +108,6 @@ class RowLoad(Primitive):
         a = v[cols][None, :]
         return as_pairs(a) if mode == "pair" else a
 
-    def host_args(self, operands, outputs):
-        return {self.name: operands[self.name][None]}  # quack's (1, N) batch axis
-
 
 @dataclass(frozen=True)
 class ColLoad(Primitive):
@@ -120,9 +117,6 @@ class ColLoad(Primitive):
 
     def view(self, v, rows, cols, mode):
         return v[rows][:, None]  # one value per row, in every mode
-
-    def host_args(self, operands, outputs):
-        return {self.name: operands[self.name][None]}  # quack's (1, M) batch axis
 
 
 @dataclass(frozen=True)
@@ -152,7 +146,7 @@ class ColSelect(Primitive):
         return ops["ColSelect"](self.name, idx_op=index_load), (index_load,)
 
     def host_args(self, operands, outputs):
-        return {self.index: operands[self.index][None], self.name: outputs[self.name]}
+        return {self.index: operands[self.index], self.name: outputs[self.name]}
 
     def write_back(self, buf, value, operands, n_cols):
         idx = operands[self.index]  # only rows whose index lies in some tile are written
