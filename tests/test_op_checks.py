@@ -128,3 +128,53 @@ def test_a_missing_rstd_is_one_kept_table_of_ones(monkeypatch):
     assert ops._rstd(given, x) is given
     monkeypatch.setattr(env, "capturing", lambda t=None: True)
     assert ops._rstd(None, x) is not ones
+
+
+@pytest.fixture(params=["torch guards", "signature tuples"])
+def matcher(request, monkeypatch):
+    """Both ways the memo matches a call to a remembered signature: torch's C++ tensor guards
+    where this torch has them (probed at import), else ``_signature`` tuples."""
+    if request.param == "torch guards":
+        if ops._TENSOR_GUARDS is None:
+            pytest.skip("this torch lacks the C++ tensor guards the memo probes for")
+    else:
+        monkeypatch.setattr(ops, "_TENSOR_GUARDS", None)
+    ops._CHECKED.clear()
+    yield request.param
+    ops._CHECKED.clear()
+
+
+def test_a_changed_tensor_is_checked_again_by_either_matcher(kernel_path, matcher):
+    """Same op, plain arguments and token count, one tensor's metadata changed: each change
+    gets the full checks, so a broken rule raises instead of riding a remembered verdict."""
+    x, w = _swiglu_inputs()
+    with torch.no_grad():
+        coda.gemm_swiglu(x, w)
+        coda.gemm_swiglu(x.clone(), w.clone())  # remembered
+        assert kernel_path == ["gemm_swiglu"]
+        cases = {
+            "x: the TMA needs a unit stride": x.t().contiguous().t(),  # same shape, col-major
+            "x: dtype must be one of": x.float(),
+        }
+        for rule, bad in cases.items():
+            with pytest.raises(coda.CodaInputError, match=rule):
+                coda.gemm_swiglu(bad, w)
+        coda.gemm_swiglu(x, torch.nn.Parameter(w, requires_grad=False))  # another type: checked
+        coda.gemm_swiglu(x, w, torch.rand(x.shape[0]))  # an rstd where there was None: checked
+    assert kernel_path.count("gemm_swiglu") == 1 + len(cases) + 2
+
+
+def test_the_memo_keeps_each_signatures_tile_config(kernel_path, matcher, monkeypatch):
+    """The op's tile config is resolved with its checks, once per signature, and reused."""
+    from coda.kernels import tuned
+
+    looked_up = []
+    lookup = tuned.config_for
+    monkeypatch.setattr(ops, "config_for", lambda *a: looked_up.append(a) or lookup(*a))
+    x, w = _swiglu_inputs()
+    with torch.no_grad():
+        for _ in range(3):
+            coda.gemm_swiglu(x, w)
+        coda.gemm_swiglu(x[:5], w)  # another token count: resolved again
+    # twice per signature (its checks read the tile's width too), never per call
+    assert [m for _, m, *_ in looked_up] == [8, 8, 5, 5]
