@@ -25,6 +25,8 @@ import os
 import threading
 import warnings
 
+from coda._metadata import matcher
+
 # quack 0.6.5 calls cutlass-dsl 4.8.1 APIs that 4.8 deprecates (LayoutEnum, SmemAllocator, ...):
 # dozens of DeprecationWarnings a user can do nothing about. They are silenced for those two
 # packages only; coda's own warnings and everyone else's are untouched.
@@ -142,16 +144,15 @@ def identity_mod():
     return _modules()["library"].identity_epi
 
 
-def _meta(t):
-    """What a plan depends on in one argument: dtype, shape, strides (never the pointer)."""
-    return (t.dtype, t.shape, t.stride()) if hasattr(t, "stride") else t
-
-
-# (mod, config, add_to_output, device, metadata of every argument) -> quack's GemmEpiPlan.
-# Bounded: with many distinct token counts (dynamic batches) it is emptied when full, and the
-# next call of each shape re-plans through quack's frontend (its own cache still holds it).
+# (mod, config, add_to_output, A's shape, epilogue argument names) -> ((matches, plan), ...),
+# newest first: each plan with a predicate over (A, B, D, C, *epilogue values) saying whether
+# a launch has the metadata it was built for (``coda._metadata.matcher``: every tensor's
+# dtype, device, shape and strides, never the pointer; other values themselves). Bounded:
+# with many distinct token counts (dynamic batches) it is emptied when full, and the next
+# call of each shape re-plans through quack's frontend (its own cache still holds it).
 _PLANS: dict = {}
 MAX_PLANS = 4096
+MAX_PLANS_PER_KEY = 8
 
 
 class PlanTape:
@@ -276,9 +277,10 @@ def run_epi_gemm(
     The first call of a metadata class goes through quack's frontend (validation, kind
     inference, compile-cache lookup) and keeps the resolved plan; every later call with the
     same dtypes, shapes and strides replays it through quack's ``run_gemm_epi_plan``, which
-    makes no host decisions. coda's key is built from its own few arguments, about a fifth of
-    what quack's generic warm-path key reads (its ~40 fields, every op's host key); within an
-    op's ``PlanTape`` the plan comes from the tape and no key is built.
+    makes no host decisions. coda files plans by a few plain values and matches the launch's
+    tensors with torch's C++ tensor guards (``coda._metadata``), a fraction of what quack's
+    generic warm-path key reads (its ~40 fields, every op's host key); within an op's
+    ``PlanTape`` the plan comes from the tape and nothing is matched.
     ``replay=False`` always takes quack's frontend (the benchmarks' "quack raw" baseline).
     ``a_scale`` = (kind, strip, tile_k): A enters as quack's transform bundle and the mainloop
     scales it (``scale_a_mod``); such calls always take quack's frontend (no replay).
@@ -302,24 +304,15 @@ def run_epi_gemm(
         if plan is not None:
             _modules()["host"].run_gemm_epi_plan(plan, A, B, D, C, epi_args)
             return plan
-    if launch and replay:  # the key only where a plan is looked up and kept
-        key = (
-            mod,
-            config,
-            add_to_output,
-            A.device,
-            _meta(A),
-            _meta(B),
-            _meta(D),
-            _meta(C),
-            *[(k, _meta(v)) for k, v in epi_args.items()],
-        )
-        plan = _PLANS.get(key)
-        if plan is not None:
-            _modules()["host"].run_gemm_epi_plan(plan, A, B, D, C, epi_args)
-            if tape is not None:
-                tape.keep(mod, config, plan)
-            return plan
+    if launch and replay:  # a lookup only where a plan is looked up and kept
+        key = (mod, config, add_to_output, A.shape, *epi_args)
+        values = (A, B, D, C, *epi_args.values())
+        for matches, plan in _PLANS.get(key, ()):
+            if matches(*values):
+                _modules()["host"].run_gemm_epi_plan(plan, A, B, D, C, epi_args)
+                if tape is not None:
+                    tape.keep(mod, config, plan)
+                return plan
     clipped = clipped() if clipped is not None else None
     if clipped:
         assert replay and a_scale is None, "a clipped store launches through a plan"
@@ -348,7 +341,7 @@ def run_epi_gemm(
     if key is not None:
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
-        _PLANS[key] = plan
+        _PLANS[key] = ((matcher(values), plan), *_PLANS.get(key, ())[: MAX_PLANS_PER_KEY - 1])
         if tape is not None:
             tape.keep(mod, config, plan)
     return plan

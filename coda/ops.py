@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from coda import _validate as v
+from coda._metadata import matcher
 from coda._quack import PlanTape
 from coda.env import last_path, note, resolve_backend
 from coda.kernels import library as lib
@@ -105,65 +106,23 @@ def _rstd(rstd, x):
     return unit_rows(x.shape[0], acc_dtype(x), x.device) if rstd is None else rstd
 
 
-# (op, plain arguments, grad mode, x's shape) -> [_Verdict, ...]: one per signature seen
+# (op, plain arguments, grad mode, x's shape) -> (_Verdict, ...): one per signature seen
 _CHECKED: dict = {}
-MAX_CHECKED = 4096  # verdicts kept; emptied when full (many distinct token counts), then refilled
+MAX_CHECKED = 4096  # keys kept; emptied when full (many distinct token counts), then refilled
+MAX_VERDICTS = 8  # per key (other strides, dtypes, devices); the oldest dropped beyond it
 UNTAPED = contextlib.nullcontext()  # calls whose launches each look their plan up by key
 PLAN_TAPES = True  # False: every call untaped (the host benchmark's same-run comparison)
 
 
-def _signature(t):
-    if t is None:
-        return None
-    return (type(t), t.layout, t.dtype, t.device, t.shape, t.stride(), t.requires_grad)
-
-
-def _torch_tensor_guards():
-    """torch's C++ check of tensor metadata (the one Dynamo guards a compiled graph's inputs
-    with: Python type, dispatch keys, which carry device type and layout, device index, dtype,
-    shape, strides, requires_grad), about a fifth of the host time of hashing ``_signature``
-    per tensor. It is internal to torch, so it is used only where it exists with the expected
-    behaviour (probed here once); elsewhere the memo compares ``_signature`` tuples."""
-    try:
-        from torch._C._dynamo.guards import TensorGuards
-
-        def make(*tensors):
-            return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-
-        a = torch.empty(2, 4)
-        g = make(a)
-        same = g.check(torch.empty(2, 4))
-        differ = (
-            torch.empty(4, 2).t(),  # strides
-            torch.empty(2, 4, dtype=torch.float64),  # dtype
-            torch.empty(2, 4, requires_grad=True),  # requires_grad
-            torch.nn.Parameter(torch.empty(2, 4), requires_grad=False),  # Python type
-            torch.empty(2, 4, device="meta"),  # device
-            None,
-        )
-        if same and not any(g.check(t) for t in differ):
-            return make
-    except (ImportError, AttributeError, TypeError, RuntimeError):
-        pass
-    return None
-
-
-_TENSOR_GUARDS = _torch_tensor_guards()
-
-
 class _Verdict:
     """One signature's verdict: ``matches(*tensors)`` says whether a call has this signature
-    (each tensor's metadata as ``_signature`` reads it), then the path ``check()`` chose, why,
-    the signature's ``PlanTape`` and its kernels' tile configs."""
+    (``coda._metadata.matcher``), then the path ``check()`` chose, why, the signature's
+    ``PlanTape`` and its kernels' tile configs."""
 
     __slots__ = ("matches", "path", "reason", "tape", "configs")
 
     def __init__(self, tensors: tuple, path: str, reason: str, configs):
-        if _TENSOR_GUARDS is not None and all(t is not None for t in tensors):
-            self.matches = _TENSOR_GUARDS(*tensors).check  # False for a None in any place
-        else:
-            signature = tuple(map(_signature, tensors))
-            self.matches = lambda *ts: tuple(map(_signature, ts)) == signature
+        self.matches = matcher(tensors)
         self.path, self.reason, self.tape, self.configs = path, reason, PlanTape(), configs
 
 
@@ -179,8 +138,9 @@ def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = (), confi
     ``configs()`` always run (traced once), untaped.
 
     The signature: the op, its plain arguments (typed: True is not 1), the grad mode and
-    every tensor's metadata (``_signature``); verdicts are filed by the first four and the
-    first tensor's shape (the token count), and a call's tensors are matched against each."""
+    every tensor's metadata (``coda._metadata``); verdicts are filed by the first three and
+    the first tensor's shape (the token count), and a call's tensors are matched against
+    each."""
     if torch.compiler.is_compiling():
         return _uncached(check, configs)
     values = tuple(tensors.values())
@@ -198,11 +158,11 @@ def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = (), confi
         path = check()
         verdict = last_path(op)  # (path, reason) as ``check`` recorded it
         if verdict is None or verdict[0] != path:
-            return path, UNTAPED, configs() if configs and path == "kernel" else None
-        if sum(map(len, _CHECKED.values())) >= MAX_CHECKED:
+            return path, UNTAPED, _resolved(configs, path)
+        if len(_CHECKED) >= MAX_CHECKED:
             _CHECKED.clear()
-        hit = _Verdict(values, *verdict, configs() if configs and path == "kernel" else None)
-        _CHECKED[key] = (*_CHECKED.get(key, ()), hit)
+        hit = _Verdict(values, *verdict, _resolved(configs, path))
+        _CHECKED[key] = (hit, *_CHECKED.get(key, ())[: MAX_VERDICTS - 1])
     else:
         path = hit.path
         note(op, path, hit.reason)
@@ -215,7 +175,11 @@ def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = (), confi
 
 def _uncached(check, configs):
     path = check()
-    return path, UNTAPED, configs() if configs and path == "kernel" else None
+    return path, UNTAPED, _resolved(configs, path)
+
+
+def _resolved(configs, path: str):
+    return configs() if configs is not None and path == "kernel" else None
 
 
 class ResidualRMS(NamedTuple):

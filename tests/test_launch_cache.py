@@ -58,6 +58,27 @@ def test_same_metadata_replays_new_metadata_plans(replays):
     _quack.run_epi_gemm(mod, a, b, d, None, {"gamma": e["gamma"].double()}, DEFAULT)
     _quack.run_epi_gemm(mod, a, b, d, None, e, DEFAULT, add_to_output=True)
     assert len(mod.planned) == 6 and len(replays) == 1
+    a3 = torch.randn(64, 32, dtype=torch.float64)  # another dtype of A alone
+    _quack.run_epi_gemm(mod, a3, b, d, None, e, DEFAULT)
+    b2 = torch.randn(32, 48)  # B alone new, same metadata: replayed
+    _quack.run_epi_gemm(mod, a, b2, d, None, e, DEFAULT)
+    _quack.run_epi_gemm(mod, a, b, d, None, {**e, "width": 8}, DEFAULT)  # a plain value
+    _quack.run_epi_gemm(mod, a, b, d, None, {**e, "width": 8}, DEFAULT)  # the same value
+    _quack.run_epi_gemm(mod, a, b, d, None, {**e, "width": 16}, DEFAULT)  # another
+    assert len(mod.planned) == 9 and len(replays) == 3
+
+
+def test_plans_per_key_are_bounded_newest_first(replays, monkeypatch):
+    monkeypatch.setattr(_quack, "MAX_PLANS_PER_KEY", 2)
+    mod = FakeMod()
+    a, b, d, e = _args()
+    variants = [b, b.t().contiguous().t(), b.double()]  # three metadata classes of one key
+    for bi in variants:
+        _quack.run_epi_gemm(mod, a, bi, d, None, e, DEFAULT)
+    (plans,) = _quack._PLANS.values()
+    assert [p for _, p in plans] == [("plan", 2), ("plan", 1)]
+    _quack.run_epi_gemm(mod, a, variants[0], d, None, e, DEFAULT)  # dropped: planned again
+    assert len(mod.planned) == 4 and replays == []
 
 
 def test_frontend_only_and_compile_only_calls_store_nothing(replays):
@@ -82,10 +103,11 @@ def test_cache_is_bounded(replays, monkeypatch):
 
 # -- an op's plan tape (``_quack.PlanTape``): plans taken in launch order, no key built ---------
 def _no_keys(monkeypatch):
-    def refuse(t):
-        raise AssertionError("a taped replay built a plan key")
+    class Refuse(dict):
+        def get(self, *args):
+            raise AssertionError("a taped replay looked a plan up by key")
 
-    monkeypatch.setattr(_quack, "_meta", refuse)
+    monkeypatch.setattr(_quack, "_PLANS", Refuse())
 
 
 def test_a_tape_records_one_call_and_replays_it_without_keys(replays, monkeypatch):

@@ -2,8 +2,8 @@
 memos (``functools.cache`` / ``lru_cache``) are the listed host-only ones.
 
     reference, primitives  ->  kernels  ->  ops, layouts, autograd  ->  nn  ->  transformers
-(``env`` and ``_validate`` are leaves any layer may use; ``_quack`` is the only module that
-imports quack.)"""
+(``env``, ``_validate`` and ``_metadata`` are leaves any layer may use; ``_quack`` is the only
+module that imports quack.)"""
 
 import ast
 import os
@@ -19,9 +19,9 @@ RANK = {
     "nn": 3,
     "transformers": 4,
 }
-LEAVES = {"env", "_validate", "_quack", "__init__"}
+LEAVES = {"env", "_validate", "_quack", "_metadata", "__init__"}
 # What each leaf may import from coda (``__init__`` is the package face: it re-exports).
-LEAF_IMPORTS = {"env": {"_quack"}, "_validate": set(), "_quack": set()}
+LEAF_IMPORTS = {"env": {"_quack"}, "_validate": set(), "_quack": {"_metadata"}, "_metadata": set()}
 
 
 def layer_of(path: str) -> str:

@@ -133,12 +133,14 @@ def test_a_missing_rstd_is_one_kept_table_of_ones(monkeypatch):
 @pytest.fixture(params=["torch guards", "signature tuples"])
 def matcher(request, monkeypatch):
     """Both ways the memo matches a call to a remembered signature: torch's C++ tensor guards
-    where this torch has them (probed at import), else ``_signature`` tuples."""
+    where this torch has them (probed at import), else ``signature`` tuples."""
+    from coda import _metadata
+
     if request.param == "torch guards":
-        if ops._TENSOR_GUARDS is None:
+        if _metadata.TENSOR_GUARDS is None:
             pytest.skip("this torch lacks the C++ tensor guards the memo probes for")
     else:
-        monkeypatch.setattr(ops, "_TENSOR_GUARDS", None)
+        monkeypatch.setattr(_metadata, "TENSOR_GUARDS", None)
     ops._CHECKED.clear()
     yield request.param
     ops._CHECKED.clear()
@@ -178,3 +180,18 @@ def test_the_memo_keeps_each_signatures_tile_config(kernel_path, matcher, monkey
         coda.gemm_swiglu(x[:5], w)  # another token count: resolved again
     # twice per signature (its checks read the tile's width too), never per call
     assert [m for _, m, *_ in looked_up] == [8, 8, 5, 5]
+
+
+def test_verdicts_per_key_are_bounded_newest_first(kernel_path, matcher, monkeypatch):
+    """One key (op, plain arguments, grad mode, token count) keeps at most ``MAX_VERDICTS``
+    signatures, the newest first; a dropped one is checked again when it comes back."""
+    monkeypatch.setattr(ops, "MAX_VERDICTS", 2)
+    x, w = _swiglu_inputs()
+    signatures = [w, w.t().contiguous().t(), w.clone().requires_grad_(True)]  # 3 on one key
+    with torch.no_grad():
+        for wi in signatures:
+            coda.gemm_swiglu(x, wi)
+        (verdicts,) = ops._CHECKED.values()
+        assert len(verdicts) == 2 and verdicts[0].matches(x, signatures[2], None)
+        coda.gemm_swiglu(x, signatures[0])  # dropped: checked again
+    assert kernel_path.count("gemm_swiglu") == 4
