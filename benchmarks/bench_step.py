@@ -187,6 +187,7 @@ def host_rows() -> list[dict]:
         calls[name + ", without plan tapes"] = without_plan_tapes(calls[name])
     rows, us = [], {}
     rows.append(host_profile("DecoderLayer forward+backward", layer_step))
+    rows.append(host_profile("LMHeadLoss forward+backward", head_step))
     rows.append(host_profile("coda.gemm_swiglu", calls["coda.gemm_swiglu"], grad=False))
     with torch.no_grad():
         us.update(_host_us(calls, n=60))

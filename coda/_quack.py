@@ -163,7 +163,7 @@ class PlanTape:
     so every launch's program, config and argument metadata repeat. ``coda.ops`` keeps one
     tape per op signature beside its check verdict: within ``with tape:`` the first call
     records each plan ``run_epi_gemm`` resolves, and later calls take them in order instead
-    of building the plan key (metadata of every argument) per launch. A recorded plan whose
+    of matching every argument's metadata against the plan cache per launch. A recorded plan whose
     program or config is not the one launched (a sequence that changed) turns the tape off for
     good (the keyed lookup serves every launch); a call that raises before its recording is
     complete leaves the recording to the next call. A tape serves the thread that made it,
