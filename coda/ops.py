@@ -16,10 +16,12 @@ they refuse inputs that require grad (the autograd layers are ``coda.nn``'s).
 
 Host cost: every rule above depends only on the inputs' metadata (dtype, device, shape,
 strides, requires_grad), the op's plain arguments and the grad mode, so each op runs its checks
-once per such signature (``_checked``) and afterwards only what metadata cannot show, the TMA
-operands' base-address alignment; the signature's launch plans are replayed from a tape kept
-with that verdict (``coda._quack.PlanTape``), with no per-launch plan key. A call then costs
-little more than its kernel launches.
+once per such signature (``_checked``, matching a call with torch's C++ tensor guards through
+``coda._metadata``) and afterwards only what metadata cannot show, the TMA operands'
+base-address alignment; the signature's tile configs are kept with that verdict, and its
+launch plans replayed from a tape kept there too (``coda._quack.PlanTape``), with no
+per-launch lookup. A call then costs little more than its kernel launches (a single-GEMM op
+1.34x quack's own raw call on the H200's host, run 161).
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = (), confi
     on a broken one, returns the path) runs on the first call of each signature, later calls
     reuse its verdict and re-check only the base address of each TMA operand named in
     ``tma``. ``tape`` (``coda._quack.PlanTape``, entered around the kernel path) holds the
-    signature's launch plans, so that its later calls build no per-launch plan key.
+    signature's launch plans, so that its later calls look no plan up per launch.
     ``configs()`` (the tile configs of the op's kernels, a function of its plain arguments and
     shapes) runs on the kernel path once per signature too; its value is kept with the
     verdict (None on the reference path). Inside a torch.compile trace ``check()`` and
