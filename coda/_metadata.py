@@ -59,18 +59,18 @@ TENSOR_GUARDS = _probe_tensor_guards()
 
 def matcher(values: tuple):
     """``matches(*later)``: whether ``later`` (as many values) has the metadata of ``values``.
-    Raises TypeError for a later value where a tensor was (a memo's caller treats it as a
-    miss)."""
+    May raise TypeError for a later value that is neither a tensor nor None where a tensor
+    was (the ops' memo treats it as a miss and runs its checks, which name the rule)."""
     if TENSOR_GUARDS is None:
         want = tuple(map(signature, values))
         return lambda *vs: tuple(map(signature, vs)) == want
     at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    check = TENSOR_GUARDS(*(values[i] for i in at)).check
-    if len(at) == len(values):
-        return check
     rest = tuple((i, type(v), v) for i, v in enumerate(values) if i not in at)
     if not at:
         return lambda *vs: all(type(vs[i]) is t and vs[i] == v for i, t, v in rest)
+    check = TENSOR_GUARDS(*(values[i] for i in at)).check
+    if not rest:
+        return check
     tensors = operator.itemgetter(*at, at[-1])  # a tuple even for one index; the extra dropped
     n = len(at)
 

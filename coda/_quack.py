@@ -147,7 +147,8 @@ def identity_mod():
 # (mod, config, add_to_output, A's shape, epilogue argument names) -> ((matches, plan), ...),
 # newest first: each plan with a predicate over (A, B, D, C, *epilogue values) saying whether
 # a launch has the metadata it was built for (``coda._metadata.matcher``: every tensor's
-# dtype, device, shape and strides, never the pointer; other values themselves). Bounded:
+# type, device, dtype, shape, strides and requires_grad, never the pointer; other values
+# themselves). Bounded:
 # with many distinct token counts (dynamic batches) it is emptied when full, and the next
 # call of each shape re-plans through quack's frontend (its own cache still holds it).
 _PLANS: dict = {}
