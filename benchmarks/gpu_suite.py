@@ -185,6 +185,7 @@ def suite_list(args) -> list:
         probe_kernel_origin,
         probe_ncu,
         probe_row_passes,
+        probe_triton_launch,
         tune_configs,
     )
 
@@ -224,7 +225,8 @@ def suite_list(args) -> list:
         # diagnostics, run only when named: the row-pass probes, attention and GEMM configs
         # inside the step, hardware counters (ncu) on the step's kernels, who launches a kernel,
         # the LM head's final-norm pass at each launch shape, a graphed step's kernels and gaps,
-        # which shapes torch.compile's own CUDA graphs capture over coda
+        # which shapes torch.compile's own CUDA graphs capture over coda, one Triton launch's
+        # host time three ways
         *[(name, probe_row_passes.Suite(name)) for name in probe_row_passes.PASSES],
         (bench_attention_layout.IN_STEP, bench_attention_layout.InStep()),
         (probe_gemm_in_step.SUITE, probe_gemm_in_step.Suite()),
@@ -233,6 +235,7 @@ def suite_list(args) -> list:
         (probe_head_norm.SUITE, probe_head_norm.Suite()),
         (probe_graph_gaps.SUITE, probe_graph_gaps.Suite()),
         (probe_compile_graphs.SUITE, probe_compile_graphs.Suite()),
+        (probe_triton_launch.SUITE, probe_triton_launch.Suite()),
     ]
 
 

@@ -22,7 +22,7 @@ class FakeCompiled:
 
     def __getitem__(self, grid):
         assert len(grid) == 3, grid  # as Triton's CompiledKernel indexes it
-        return lambda *args: self.log.append(("direct", self.tag, grid, args))
+        return lambda *args, **kw: self.log.append(("direct", self.tag, grid, args, kw))
 
 
 class FakeJit:
@@ -41,6 +41,7 @@ class FakeJit:
 @pytest.fixture
 def launcher(monkeypatch):
     monkeypatch.setattr(_triton, "interpreted", lambda: False)
+    monkeypatch.setattr(_triton, "_current_stream", lambda: 77)  # a stream handle
     k = _triton.Kernel(_fn)
     log = []
     k.jit = FakeJit(log)
@@ -58,9 +59,19 @@ def test_the_second_launch_of_a_key_goes_to_the_compiled_kernel(launcher):
     _call(k, x, y)
     _call(k, x, y, grid=(8,))
     assert [e[0] for e in log] == ["jit", "direct"]
-    kind, tag, grid, args = log[1]
+    kind, tag, grid, args, kw = log[1]
     assert tag == 1 and grid == (8, 1, 1)
     assert args == (x, y, 64, 1e-5, 16, "fp32")  # positional, then the constexprs in order
+    assert kw == {"stream": 77}  # the current stream, read at the launch
+
+
+def test_without_a_stream_reader_triton_reads_the_stream(launcher, monkeypatch):
+    k, log = launcher
+    monkeypatch.setattr(_triton, "_current_stream", None)  # a torch build without CUDA
+    x, y = torch.zeros(64), torch.zeros(64)
+    _call(k, x, y)
+    _call(k, x, y)
+    assert log[1][0] == "direct" and log[1][4] == {}
 
 
 def test_any_specialization_change_goes_through_triton(launcher):
@@ -177,3 +188,26 @@ def test_gpu_direct_launches_equal_tritons_own(monkeypatch):
     assert hits and all(hits), hits  # every launch went to its compiled kernel
     for i, (o, t) in enumerate(zip(own, direct)):
         assert o.dtype == t.dtype and torch.equal(o, t), i
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_direct_launches_follow_the_current_stream():
+    """A direct launch goes to the stream current at the call: captured into a CUDA graph
+    (the capture runs on a side stream; a launch on any other stream fails the capture or is
+    missing from the replay), replayed on new data, equal to an eager launch."""
+    from coda.kernels.norm_rows import norm_rows_triton
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(257, 512, generator=g, device="cuda", dtype=torch.bfloat16)
+    gamma = torch.randn(512, generator=g, device="cuda", dtype=torch.bfloat16)
+    norm_rows_triton(x, gamma, 1e-5, False)  # the key seen: the captured launch is direct
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, rstd = norm_rows_triton(x, gamma, 1e-5, False)
+    x.copy_(torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    want_out, want_rstd = norm_rows_triton(x, gamma, 1e-5, False)
+    assert torch.equal(out, want_out) and torch.equal(rstd, want_rstd)

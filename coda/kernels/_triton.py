@@ -10,8 +10,9 @@ Launching: Triton's ``kernel[grid](...)`` binds and specializes every argument a
 compiled kernel up on each call. ``Kernel`` keeps the compiled kernel that call returns under
 a key that determines everything Triton specializes on (each tensor's dtype, device and
 16-byte alignment; every other argument's exact value; the options), and later calls with
-that key launch it directly: ~6 us less host time per launch on the H200's host (run 58,
-benchmarks/NOTES.md session 16; a layer step makes five).
+that key launch it directly, on the current stream read in one C call: ~6 us less host time
+per launch on the H200's host (run 58, benchmarks/NOTES.md session 16; a layer step makes
+nine), and less since session 37.
 """
 
 from __future__ import annotations
@@ -52,19 +53,23 @@ FAST_LAUNCH = True  # False: every launch through Triton's own call (the same-ru
 MAX_COMPILED = 1024  # keys kept per kernel; emptied when full (many distinct shapes)
 
 
-def _spec(a):
-    """What of argument ``a`` the compiled kernel may depend on: a tensor's dtype, device and
-    whether its address is 16-byte aligned (Triton's divisibility); any other value itself
-    (Triton specializes integers on == 1 and divisibility by 16, and types them by range: the
-    value determines all of it)."""
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.device, a.data_ptr() % 16 == 0)
-    return (type(a), a)
+def _stream_reader():
+    """A function returning the current CUDA stream's handle, what Triton's launcher looks up
+    (through two Python calls) when it is given none; None where this torch build has no CUDA
+    (the launcher then looks it up itself)."""
+    device = getattr(torch._C, "_cuda_getDevice", None)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if device is None or raw is None:
+        return None
+    return lambda: raw(device())
+
+
+_current_stream = _stream_reader()
 
 
 class Kernel:
     """A Triton kernel (``fn`` under ``triton.jit``) whose launches after the first of each
-    specialization key (``_spec`` of every argument, and the launch options) go straight to
+    specialization key (``key``: every argument's, and the launch options) go straight to
     the compiled kernel Triton returned for that first launch: ``Kernel(fn)[grid](*args,
     **constexprs_and_options)``, as with ``triton.jit``. Arguments are positional, then the
     remaining parameters by name (the constexprs) and ``num_warps``."""
@@ -79,8 +84,21 @@ class Kernel:
 
     @staticmethod
     def key(args, named) -> tuple:
-        """The specialization key of a launch: ``_spec`` of every argument, and the names."""
-        return (*map(_spec, args), *map(_spec, named.values()), *named)
+        """The specialization key of a launch: what the compiled kernel may depend on. For a
+        tensor its dtype, device and whether its address is 16-byte aligned (Triton's
+        divisibility); for any other argument the value itself (Triton specializes integers
+        on == 1 and divisibility by 16 and types them by range: the value determines all of
+        it) and its type (True is not 1); the named ones (constexprs, options) by name."""
+        return (
+            *[
+                (a.dtype, a.get_device(), a.data_ptr() % 16 == 0)
+                if isinstance(a, torch.Tensor)
+                else (type(a), a)
+                for a in args
+            ],
+            *named.items(),
+            *map(type, named.values()),
+        )
 
     def launch(self, grid, args, named):
         if not FAST_LAUNCH or interpreted():
@@ -93,7 +111,9 @@ class Kernel:
         if hit is not None:
             compiled, tail = hit
             grid = (*grid, 1, 1)[:3]  # the compiled kernel's launcher takes all three dimensions
-            return compiled[grid](*args, *(named[p] for p in tail))
+            if _current_stream is None:
+                return compiled[grid](*args, *(named[p] for p in tail))
+            return compiled[grid](*args, *(named[p] for p in tail), stream=_current_stream())
         compiled = self.jit[grid](*args, **named)
         tail = self.params[len(args) :]
         if callable(getattr(compiled, "__getitem__", None)) and set(tail) <= set(named):

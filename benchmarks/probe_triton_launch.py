@@ -1,0 +1,111 @@
+"""Probe: the host time of one launch of a coda Triton kernel, three ways in one process.
+
+A layer step launches nine Triton kernels and the LM head's call more; each launch's host
+time was ~65 us in run 157's profile, most of it outside the kernel's C launcher. Three
+launchers of the same kernel (``row_stat_triton``'s, the A1 statistic every residual op
+runs), timed in interleaved rounds on an idle GPU:
+
+- ``triton``: Triton's own ``kernel[grid](...)`` (binds and specializes every argument);
+- ``direct, session 16``: coda's launcher as session 16 built it (a key of one tuple per
+  argument built by a function call each, and Triton's runner looking the device and the
+  stream up through two Python calls), kept here as the measurement's code;
+- ``direct``: ``coda.kernels._triton.Kernel`` now (the key in one comprehension, the stream
+  read in one C call and handed to the runner).
+
+``gpu_suite.py`` runs it only when named (``--only triton_launch``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from benchmarks._common import Diagnostic
+from coda.kernels import _triton
+from coda.kernels import norm_rows as nr
+
+SUITE = "triton_launch"
+
+
+def _spec16(a):
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.device, a.data_ptr() % 16 == 0)
+    return (type(a), a)
+
+
+class Session16(_triton.Kernel):
+    """The launcher of session 16 (commit b71b2d3 to session 36), for the same-run A/B."""
+
+    @staticmethod
+    def key(args, named) -> tuple:
+        return (*map(_spec16, args), *map(_spec16, named.values()), *named)
+
+    def launch(self, grid, args, named):
+        key = self.key(args, named)
+        hit = self.compiled.get(key)
+        if hit is not None:
+            compiled, tail = hit
+            grid = (*grid, 1, 1)[:3]
+            return compiled[grid](*args, *(named[p] for p in tail))
+        compiled = self.jit[grid](*args, **named)
+        self.compiled[key] = (compiled, self.params[len(args) :])
+        return compiled
+
+
+def _launchers(partials, out, M, T, d):
+    named = dict(MODE=nr.RSTD, BM=128, BT=8, ACC=_triton.acc_type(partials), num_warps=4)
+    args = (partials, partials, out, M, T, partials.stride(0), d, 1e-5)
+    grid = (-(-M // 128),)
+    now, old = _triton.Kernel(nr._row_stat_kernel), Session16(nr._row_stat_kernel)
+    return {
+        "triton": lambda: now.jit[grid](*args, **named),
+        "direct, session 16": lambda: old[grid](*args, **named),
+        "direct": lambda: now[grid](*args, **named),
+    }
+
+
+def _us_per_launch(fn, n: int = 200) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / n * 1e6
+
+
+def run(rounds: int = 7) -> list[dict]:
+    M, T, d = 256, 8, 2048
+    partials = torch.rand(M, T, device="cuda") + 0.5
+    out = torch.empty(M, device="cuda")
+    fns = _launchers(partials, out, M, T, d)
+    want = None
+    for name, fn in fns.items():  # each compiled and keyed; every way the same result
+        fn(), fn()
+        torch.cuda.synchronize()
+        got = out.clone()
+        want = got if want is None else want
+        assert torch.equal(got, want), name
+    us = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            us[name].append(_us_per_launch(fn))
+    base = statistics.median(us["triton"])
+    return [
+        {
+            "name": f"{SUITE}/{name}",
+            "kernel": "_row_stat_kernel",
+            "M": M,
+            "us_per_launch": statistics.median(v),
+            "rounds_us": v,
+            "ratio_vs_triton": statistics.median(v) / base,
+        }
+        for name, v in us.items()
+    ]
+
+
+class Suite(Diagnostic):
+    def run(self) -> list[dict]:
+        return run()
