@@ -95,6 +95,7 @@ def test_a_run_of_every_suite_leaves_the_diagnostics_out():
         "head_norm_pass",
         "graph_gaps",
         "compile_graphs",
+        "triton_launch",
     }
 
 
