@@ -1,7 +1,7 @@
 """Probe: the host time of one launch of a coda Triton kernel, three ways in one process.
 
-A layer step launches nine Triton kernels and the LM head's call more; each launch's host
-time was ~65 us in run 157's profile, most of it outside the kernel's C launcher. Three
+A layer step launches seven Triton kernels and the LM head's call more; each launch's host
+time read ~65 us under cProfile in run 157, most of it outside the kernel's C launcher. Three
 launchers of the same kernel (``row_stat_triton``'s, the A1 statistic every residual op
 runs), timed in interleaved rounds on an idle GPU:
 
