@@ -17,12 +17,10 @@ runs), timed in interleaved rounds on an idle GPU:
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
-from benchmarks._common import Diagnostic
+from benchmarks._common import Diagnostic, interleaved
+from benchmarks.bench_step import _per_call_us
 from coda.kernels import _triton
 from coda.kernels import norm_rows as nr
 
@@ -66,17 +64,9 @@ def _launchers(partials, out, M, T, d):
     }
 
 
-def _us_per_launch(fn, n: int = 200) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return dt / n * 1e6
-
-
 def run(rounds: int = 7) -> list[dict]:
+    """Each launcher's us per launch: ``interleaved`` rounds of ``_per_call_us`` (the host
+    suite's timer: 200 launches queued on an idle GPU, then one synchronize)."""
     M, T, d = 256, 8, 2048
     partials = torch.rand(M, T, device="cuda") + 0.5
     out = torch.empty(M, device="cuda")
@@ -89,21 +79,18 @@ def run(rounds: int = 7) -> list[dict]:
         got = out.clone()
         want = got if want is None else want
         assert torch.equal(got, want), name
-    us = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            us[name].append(_us_per_launch(fn))
-    base = statistics.median(us["triton"])
+    timed = interleaved(fns, rounds, timer=lambda fn: {"ms": _per_call_us(fn, 200) / 1e3})
+    base = timed["triton"]["ms"]
     return [
         {
             "name": f"{SUITE}/{name}",
             "kernel": "_row_stat_kernel",
             "M": M,
-            "us_per_launch": statistics.median(v),
-            "rounds_us": v,
-            "ratio_vs_triton": statistics.median(v) / base,
+            "us_per_launch": t["ms"] * 1e3,
+            "rounds_us": [ms * 1e3 for ms in t["rounds_ms"]],
+            "ratio_vs_triton": t["ms"] / base,
         }
-        for name, v in us.items()
+        for name, t in timed.items()
     ]
 
 
