@@ -39,7 +39,7 @@ from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype, unit_rows
 from coda.kernels.config import GemmConfig
 from coda.kernels.gemm_rmsnorm_gemm import gemm_rmsnorm_gemm_kernel
-from coda.kernels.gemm_rope import cached_freq_table
+from coda.kernels.gemm_rope import cached_freq_table, position_rows
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
 from coda.kernels.norm_rows import row_stat
 from coda.kernels.qk_norm import column_rows, qk_norm_config
@@ -407,7 +407,9 @@ def gemm_rope(
     r = _rstd(rstd, x)
     if path == "kernel":
         freq = cached_freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads, rope_base, x.device)
-        pos = positions.to(torch.float32)
+        # float32 rows remembered per positions tensor (unchanged, same object): a loop or a
+        # stack of calls given the same positions casts them once, not one launch per call
+        pos = position_rows(positions, 1, x.device)
         if q_norm is None:
             with tape:
                 return lib.gemm_rope(x, w_qkv, r, pos, freq, cfg)

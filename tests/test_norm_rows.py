@@ -195,6 +195,39 @@ def test_layer_stack_builds_rope_tables_once_per_positions(monkeypatch):
     assert len(builds) == 2 and torch.equal(x.grad, grad)
 
 
+def test_gemm_rope_casts_a_positions_tensor_once(monkeypatch):
+    """``coda.gemm_rope`` on the kernel path (the tile interpreter on the CPU) turns integer
+    positions into the epilogue's float32 rows once per positions tensor: calls given the
+    same tensor reuse them (no cast launch per call); a tensor changed in place or a new one
+    is cast again, and every call's result equals a call's on fresh positions."""
+    import coda
+    import coda.env
+    from coda.kernels import gemm_rope
+
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    gemm_rope.position_rows.cache_clear()
+    casts = []
+    real = gemm_rope.position_rows.fn
+    monkeypatch.setattr(gemm_rope.position_rows, "fn", lambda *a: casts.append(1) or real(*a))
+    torch.manual_seed(0)
+    H, Hkv, hd, M, K = 2, 1, 8, 12, 16
+    x = torch.randn(M, K).to(torch.bfloat16)
+    w = (torch.randn(K, (H + 2 * Hkv) * hd) * K**-0.5).to(torch.bfloat16)
+    pos = torch.arange(M) % 5  # packed: restarts per document
+
+    def call(p):
+        with torch.no_grad():
+            return coda.gemm_rope(x, w, p, head_dim=hd, n_heads=H, n_kv_heads=Hkv)
+
+    first = call(pos)
+    assert coda.last_path("gemm_rope")[0] == "kernel"
+    assert torch.equal(call(pos), first) and len(casts) == 1  # remembered
+    pos.add_(3)  # changed in place: cast again, and the rotation follows it
+    moved = call(pos)
+    assert len(casts) == 2 and not torch.equal(moved, first)
+    assert torch.equal(moved, call(pos.clone())) and len(casts) == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M,d", [(16384, 2048), (4097, 4096), (333, 8192), (77, 1000)])
