@@ -351,8 +351,9 @@ def gemm_rope(
 
     w_qkv (K, (n_heads + 2 n_kv_heads) head_dim): columns [q | k | v], q and k in the
     adjacent-pair layout (``coda.layouts.qkv_weight_from_hf``); positions (M,) integer or
-    float32 token positions; rstd (M,) fp32 or None. The result viewed as
-    (B, S, n_heads + 2 n_kv_heads, head_dim) splits into q, k, v heads.
+    float32 token positions (on the kernel path their float32 rows are remembered while the
+    same tensor is passed unchanged: a loop casts them once); rstd (M,) fp32 or None. The
+    result viewed as (B, S, n_heads + 2 n_kv_heads, head_dim) splits into q, k, v heads.
 
     ``q_norm``, ``k_norm`` (head_dim,) (both or neither; ``coda.layouts.head_weight_from_hf``
     converts Qwen3's): each q and k head is RMS-normalized over its head_dim values (eps) and
