@@ -69,9 +69,11 @@ def _us(fn, calls: int) -> float:
 
 def pieces(calls: int = 20000) -> dict:
     """us per call of ``coda.gemm_swiglu`` and of each layer inside it, timed alone, in call
-    order (each row includes the rows below it that it calls)."""
+    order (each row includes the rows below it that it calls); then ``coda.gemm_rope`` and
+    its two table lookups."""
     import coda
     from coda import _quack, ops
+    from coda.kernels import gemm_rope as rp
     from coda.kernels import gemm_swiglu as sw
     from coda.kernels import library as lib
     from coda.kernels._launch import launch
@@ -128,6 +130,24 @@ def pieces(calls: int = 20000) -> dict:
             "entering and leaving the plan tape": taped(lambda: None),
             "the output's allocation (new_empty)": lambda: x.new_empty(M, F),
         }
+        # a second op beside it: ``gemm_rope`` (one kernel a call since session 38), whose
+        # extra host work is its two remembered device tables (positions, frequencies)
+        H, Hkv, hd = 4, 2, 64  # the host benchmark's heads (``bench_step.host_rows``)
+        w_qkv = torch.randn(D, (H + 2 * Hkv) * hd, generator=g).to(BF)
+        pos = torch.arange(M)
+
+        def rope():
+            return coda.gemm_rope(x, w_qkv, pos, head_dim=hd, n_heads=H, n_kv_heads=Hkv, rstd=rstd)
+
+        for _ in range(2):  # checks and records its plan tape, as above
+            rope()
+        out["coda.gemm_rope"] = rope
+        out["its positions' rows (gemm_rope.position_rows, a hit)"] = lambda: rp.position_rows(
+            pos, 1, x.device
+        )
+        out["its frequency table (gemm_rope.cached_freq_table, a hit)"] = lambda: (
+            rp.cached_freq_table(hd, H + Hkv, Hkv, 10000.0, x.device)
+        )
         timed = {name: _us(fn, calls) for name, fn in out.items()}
         timed["launches seen"] = len(launches)
     return timed

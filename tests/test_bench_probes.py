@@ -213,9 +213,10 @@ def test_the_origin_probe_names_each_matching_kernels_callers():
 def test_the_cpu_host_probe_times_the_kernel_branch_and_puts_everything_back():
     """``probe_host_cpu``: with quack stood in, ``coda.gemm_swiglu`` on CPU tensors takes the
     kernel path through ``launch``'s GPU branch: the stub sees exactly one launch per call of
-    each of the five pieces that launch (the op, the switch, the kernel function, ``launch``,
-    ``run_epi_gemm``; warm-up and five rounds each) and of the second of the two first calls
-    (the first plans through quack's frontend, stubbed whole), so the probe times that branch,
+    each of the six pieces that launch (the op, the switch, the kernel function, ``launch``,
+    ``run_epi_gemm``, ``coda.gemm_rope``: one kernel a call; warm-up and five rounds each) and
+    of the second of each op's two first calls (the first plans through quack's frontend,
+    stubbed whole), so the probe times that branch,
     not the interpreter; afterwards the reference path, the interpreter and
     quack are as they were."""
     import warnings
@@ -228,7 +229,7 @@ def test_the_cpu_host_probe_times_the_kernel_branch_and_puts_everything_back():
 
     before = (coda.env.kernel_support, _launch.INTERPRET_OFF_GPU)
     calls = 50
-    assert probe.pieces(calls)["launches seen"] == 1 + 5 * (calls + 5 * calls)
+    assert probe.pieces(calls)["launches seen"] == 2 + 6 * (calls + 5 * calls)
     assert (coda.env.kernel_support, _launch.INTERPRET_OFF_GPU) == before
     assert not ops._CHECKED and not _quack._PLANS  # no token plan left behind
     x = torch.randn(4, 8, dtype=torch.bfloat16)

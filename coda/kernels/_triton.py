@@ -12,7 +12,7 @@ a key that determines everything Triton specializes on (each tensor's dtype, dev
 16-byte alignment; every other argument's exact value; the options), and later calls with
 that key launch it directly, on the current stream read in one C call: ~6 us less host time
 per launch on the H200's host (run 58, benchmarks/NOTES.md session 16; a layer step makes
-seven), ~1.5 us less again since session 37 (run 163).
+seven), ~1.2-1.5 us less again since session 37 (runs 163-164).
 """
 
 from __future__ import annotations
