@@ -39,7 +39,7 @@ from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype, unit_rows
 from coda.kernels.config import GemmConfig
 from coda.kernels.gemm_rmsnorm_gemm import gemm_rmsnorm_gemm_kernel
-from coda.kernels.gemm_rope import cached_freq_table, position_rows
+from coda.kernels.gemm_rope import LOADED_POSITIONS, cached_freq_table, position_rows
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
 from coda.kernels.norm_rows import row_stat
 from coda.kernels.qk_norm import column_rows, qk_norm_config
@@ -351,8 +351,9 @@ def gemm_rope(
 
     w_qkv (K, (n_heads + 2 n_kv_heads) head_dim): columns [q | k | v], q and k in the
     adjacent-pair layout (``coda.layouts.qkv_weight_from_hf``); positions (M,) integer or
-    float32 token positions (on the kernel path their float32 rows are remembered while the
-    same tensor is passed unchanged: a loop casts them once); rstd (M,) fp32 or None. The
+    float token positions (on the kernel path the epilogue loads int64, int32 and float32
+    positions as they are, exact below 2^24; another dtype's float32 rows are remembered while
+    the same tensor is passed unchanged: a loop casts them once); rstd (M,) fp32 or None. The
     result viewed as (B, S, n_heads + 2 n_kv_heads, head_dim) splits into q, k, v heads.
 
     ``q_norm``, ``k_norm`` (head_dim,) (both or neither; ``coda.layouts.head_weight_from_hf``
@@ -408,9 +409,11 @@ def gemm_rope(
     r = _rstd(rstd, x)
     if path == "kernel":
         freq = cached_freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads, rope_base, x.device)
-        # float32 rows remembered per positions tensor (unchanged, same object): a loop or a
-        # stack of calls given the same positions casts them once, not one launch per call
-        pos = position_rows(positions, 1, x.device)
+        # int64 / int32 / float32 positions are loaded as they are; another dtype's float32
+        # rows are remembered per positions tensor (unchanged, same object): cast once
+        pos = positions
+        if positions.dtype not in LOADED_POSITIONS:
+            pos = position_rows(positions, 1, x.device)
         if q_norm is None:
             with tape:
                 return lib.gemm_rope(x, w_qkv, r, pos, freq, cfg)

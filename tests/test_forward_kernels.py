@@ -342,6 +342,15 @@ def test_compiles_for_sm90(kernel, w_major):
     assert COMPILES[kernel](w_major) in (0, 1)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("pos_dtype", [torch.int64, torch.int32])
+def test_rope_loads_integer_positions_for_sm90(pos_dtype):
+    """The RoPE epilogues load a caller's integer positions as they are (``coda.gemm_rope``
+    passes int64 / int32 positions uncast): F1 and its QK-norm form compile with them."""
+    assert rp.compile_gemm_rope(256, 640, pos_dtype=pos_dtype) in (0, 1)
+    assert qkn.compile_gemm_qk_norm_rope(256, 512, 64, pos_dtype=pos_dtype) in (0, 1)
+
+
 # -- level 3: on an SM90 GPU --------------------------------------------------------------------
 def _gpu_inputs(M, K, N, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -437,6 +446,11 @@ def test_gpu_rope(M, K, H, Hkv):
     cs = rope_ref.rope_table(pos.cpu(), hd).cuda()
     want = rope_ref.gemm_rope_ref(x, w, r, cs, H, Hkv, hd)
     assert_no_worse("qkv", got, want, rope_ref.gemm_rope_torch(x, w, r, pos.cpu(), H, Hkv, hd))
+    for other in (pos.int(), pos.float(), pos.short()):  # loaded as they are, or cast once
+        same = coda.gemm_rope(
+            x, w, other, head_dim=hd, n_heads=H, n_kv_heads=Hkv, rstd=r, backend="kernel"
+        )
+        assert torch.equal(same, got), other.dtype
     nv = Hkv * hd
     assert (
         torch.equal(got[:, -nv:], (r[:, None] * (x.float() @ w.float()))[:, -nv:].bfloat16())

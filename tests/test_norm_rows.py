@@ -195,11 +195,15 @@ def test_layer_stack_builds_rope_tables_once_per_positions(monkeypatch):
     assert len(builds) == 2 and torch.equal(x.grad, grad)
 
 
-def test_gemm_rope_casts_a_positions_tensor_once(monkeypatch):
-    """``coda.gemm_rope`` on the kernel path (the tile interpreter on the CPU) turns integer
-    positions into the epilogue's float32 rows once per positions tensor: calls given the
-    same tensor reuse them (no cast launch per call); a tensor changed in place or a new one
-    is cast again, and every call's result equals a call's on fresh positions."""
+@pytest.mark.parametrize(
+    "dtype", [torch.int64, torch.int32, torch.float32, torch.int16, torch.float64]
+)
+def test_gemm_rope_casts_positions_at_most_once(monkeypatch, dtype):
+    """``coda.gemm_rope`` on the kernel path (the tile interpreter on the CPU): int64, int32
+    and float32 positions reach the epilogue as they are (it converts each value as it loads
+    it: no cast at all); another dtype's float32 rows are made once per positions tensor
+    (calls given the same tensor reuse them; a tensor changed in place or a new one is cast
+    again). Every result equals the call's on the same positions in float32."""
     import coda
     import coda.env
     from coda.kernels import gemm_rope
@@ -213,19 +217,21 @@ def test_gemm_rope_casts_a_positions_tensor_once(monkeypatch):
     H, Hkv, hd, M, K = 2, 1, 8, 12, 16
     x = torch.randn(M, K).to(torch.bfloat16)
     w = (torch.randn(K, (H + 2 * Hkv) * hd) * K**-0.5).to(torch.bfloat16)
-    pos = torch.arange(M) % 5  # packed: restarts per document
+    pos = (torch.arange(M) % 5 + 1000).to(dtype)  # packed: restarts per document
 
     def call(p):
         with torch.no_grad():
             return coda.gemm_rope(x, w, p, head_dim=hd, n_heads=H, n_kv_heads=Hkv)
 
+    per_call = 0 if dtype in gemm_rope.LOADED_POSITIONS else 1
     first = call(pos)
     assert coda.last_path("gemm_rope")[0] == "kernel"
-    assert torch.equal(call(pos), first) and len(casts) == 1  # remembered
+    assert torch.equal(first, call(pos.to(torch.float32))) and len(casts) == per_call
+    assert torch.equal(call(pos), first) and len(casts) == per_call  # remembered
     pos.add_(3)  # changed in place: cast again, and the rotation follows it
     moved = call(pos)
-    assert len(casts) == 2 and not torch.equal(moved, first)
-    assert torch.equal(moved, call(pos.clone())) and len(casts) == 3
+    assert len(casts) == 2 * per_call and not torch.equal(moved, first)
+    assert torch.equal(moved, call(pos.clone())) and len(casts) == 3 * per_call
 
 
 @pytest.mark.gpu

@@ -90,6 +90,11 @@ def default_positions(batch: int, seq: int, device) -> torch.Tensor:
     return torch.arange(seq, device=device, dtype=torch.float32).repeat(batch)
 
 
+# positions the epilogue loads as they are (each value converted to float32 in registers as it
+# is loaded, exact below 2^24): a caller's int64 / int32 / float32 positions need no cast
+LOADED_POSITIONS = (torch.int64, torch.int32, torch.float32)
+
+
 @functools.partial(TensorMemo, maxsize=2)
 def position_rows(positions, batch: int, device) -> torch.Tensor:
     """A caller's integer positions ((batch, seq) or (seq,)) as the float32 token rows the
@@ -114,6 +119,7 @@ def gemm_rope_interpreted(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAUL
     return interpret_gemm(rope_scaled, a, w_qkv, config=config, operands=operands)["D"]
 
 
-def compile_gemm_rope(k, n, *, w_major="n", config=DEFAULT, m=256) -> int:
+def compile_gemm_rope(k, n, *, w_major="n", config=DEFAULT, m=256, pos_dtype=torch.float32) -> int:
     a, w = example_operands(m, k, n, w_major)
-    return gemm_rope_kernel(a, w, torch.empty(m), torch.empty(m), torch.empty(n), config, dry=True)
+    pos = torch.zeros(m, dtype=pos_dtype)
+    return gemm_rope_kernel(a, w, torch.empty(m), pos, torch.empty(n), config, dry=True)

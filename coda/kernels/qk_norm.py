@@ -228,11 +228,13 @@ def qk_norm_config(head_dim: int) -> GemmConfig | None:
     return None
 
 
-def compile_gemm_qk_norm_rope(k, n, head_dim, *, keep_z=False, eps=1e-6, m=256) -> int:
+def compile_gemm_qk_norm_rope(
+    k, n, head_dim, *, keep_z=False, eps=1e-6, m=256, pos_dtype=torch.float32
+) -> int:
     a, w = example_operands(m, k, n)
-    f, r = torch.empty(n), torch.empty(m)
+    f, r, pos = torch.empty(n), torch.empty(m), torch.zeros(m, dtype=pos_dtype)
     cfg = qk_norm_config(head_dim)
     z_cols = n - head_dim if keep_z else None  # z kept short of the last head: clipped tiles
     return gemm_qk_norm_rope_kernel(
-        a, w, r, r, f, f, f, head_dim, eps, cfg, keep_z, dry=True, z_cols=z_cols
+        a, w, r, pos, f, f, f, head_dim, eps, cfg, keep_z, dry=True, z_cols=z_cols
     )

@@ -49,8 +49,13 @@ def interpret(
     if mode == "pair" and (N % 2 or tile_n % 2):
         raise ValueError(f"pair mode needs even N and tile_n, got N={N}, tile_n={tile_n}")
     t_m, t_n = math.ceil(M / tile_m), math.ceil(N / tile_n)
+    # a loaded vector or tile reaches the program in the accumulator's dtype, integer ones
+    # too (token positions), as quack's loads convert them; an index operand stays integer
+    loads = {p.name for p in program.inputs if not p.from_prepass}
     ops = {
-        name: v.to(dt) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        name: v.to(dt)
+        if isinstance(v, torch.Tensor) and (v.is_floating_point() or name in loads)
+        else v
         for name, v in operands.items()
     }
 
