@@ -343,12 +343,12 @@ def test_compiles_for_sm90(kernel, w_major):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("pos_dtype", [torch.int64, torch.int32])
-def test_rope_loads_integer_positions_for_sm90(pos_dtype):
+def test_rope_loads_integer_positions_for_sm90():
     """The RoPE epilogues load a caller's integer positions as they are (``coda.gemm_rope``
-    passes int64 / int32 positions uncast): F1 and its QK-norm form compile with them."""
-    assert rp.compile_gemm_rope(256, 640, pos_dtype=pos_dtype) in (0, 1)
-    assert qkn.compile_gemm_qk_norm_rope(256, 512, 64, pos_dtype=pos_dtype) in (0, 1)
+    passes int64 / int32 positions uncast; one vector load serves every program): F1 compiles
+    with int64 positions, its QK-norm form with int32."""
+    assert rp.compile_gemm_rope(256, 640, pos_dtype=torch.int64) in (0, 1)
+    assert qkn.compile_gemm_qk_norm_rope(256, 512, 64, pos_dtype=torch.int32) in (0, 1)
 
 
 # -- level 3: on an SM90 GPU --------------------------------------------------------------------
