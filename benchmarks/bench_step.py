@@ -87,12 +87,29 @@ def _per_call_us(fn, n=300) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+HOST_ROUNDS = 15  # a round of the cheapest calls is ~3 ms: 15 cost seconds, not minutes
+
+
 def _host_us(fns: dict, n: int) -> dict:
-    """us per call of each of ``fns``: ``interleaved`` rounds (5) of ``_per_call_us`` over
-    ``n`` calls, each function once per round: host time drifts within a run (a collection,
-    the CPU's clock), and a same-run comparison must not depend on order."""
-    timed = interleaved(fns, rounds=5, timer=lambda fn: {"ms": _per_call_us(fn, n) / 1e3})
-    return {name: t["ms"] * 1e3 for name, t in timed.items()}
+    """us per call of each of ``fns`` (``us``, the median round) with every round's figure
+    (``rounds_us``) and their spread: ``interleaved`` rounds of ``_per_call_us`` over ``n``
+    calls, each function once per round: host time drifts within a run (a collection, the
+    CPU's clock, a neighbour on the host), and a same-run comparison must not depend on
+    order. Five rounds of 60 calls let one slow stretch move a ratio by a quarter (run 169's
+    quack call read 19.6 us against 13.5-14.5 in runs 164 and 168)."""
+
+    def timer(fn):
+        return {"ms": _per_call_us(fn, n) / 1e3}
+
+    timed = interleaved(fns, rounds=HOST_ROUNDS, timer=timer)
+    return {
+        name: {
+            "us": t["ms"] * 1e3,
+            "rounds_us": [ms * 1e3 for ms in t["rounds_ms"]],
+            "spread": t["spread"],
+        }
+        for name, t in timed.items()
+    }
 
 
 def host_profile(name: str, fn, calls: int = 200, top: int = 25, grad: bool = True) -> dict:
@@ -190,9 +207,11 @@ def host_rows() -> list[dict]:
     rows.append(host_profile("LMHeadLoss forward+backward", head_step))
     rows.append(host_profile("coda.gemm_swiglu", calls["coda.gemm_swiglu"], grad=False))
     with torch.no_grad():
-        us.update(_host_us(calls, n=60))
+        us.update(_host_us(calls, n=200))
     us.update(_host_us(steps, n=20))
-    for name, v in us.items():
+    raw_us = us["quack raw GEMM"]["us"]
+    for name, timed in us.items():
+        v = timed["us"]
         grad = torch.enable_grad() if name in steps else torch.no_grad()
         with grad:
             fn = steps.get(name) or calls[name]
@@ -202,9 +221,11 @@ def host_rows() -> list[dict]:
                 "name": f"host/{name}",
                 "M": M,
                 "us_per_call": v,
-                "ratio_vs_quack_raw": v / us["quack raw GEMM"],
+                "ratio_vs_quack_raw": v / raw_us,
                 "kernels_per_call": kernels,
                 "us_per_kernel": v / max(kernels, 1),
+                "rounds_us": timed["rounds_us"],
+                "spread": timed["spread"],
             }
         )
     return rows

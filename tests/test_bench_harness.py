@@ -462,3 +462,21 @@ def test_source_digest_names_the_tree_by_its_content(tmp_path):
     for i, files in enumerate((edited, renamed, added)):
         assert tree(tmp_path / f"changed{i}", files) != same
     assert gpu_suite.source_digest() == gpu_suite.source_digest()  # this checkout's
+
+
+def test_host_timing_keeps_every_round_and_takes_the_median(monkeypatch):
+    """``bench_step._host_us``: each function timed once per round, ``HOST_ROUNDS`` rounds;
+    a row's figure is its median round (one slow round moves it not at all), and the record
+    keeps every round and their spread."""
+    from benchmarks import bench_step
+
+    rounds = bench_step.HOST_ROUNDS
+    fast = iter([10.0] * (rounds - 1) + [40.0])  # one slow stretch, in the last round
+    slow = iter([20.0 + i for i in range(rounds)])
+    monkeypatch.setattr(bench_step, "_per_call_us", lambda fn, n: fn())
+    got = bench_step._host_us({"fast": lambda: next(fast), "slow": lambda: next(slow)}, n=3)
+    assert got["fast"]["us"] == pytest.approx(10.0)
+    assert got["fast"]["rounds_us"] == pytest.approx([10.0] * (rounds - 1) + [40.0])
+    assert got["fast"]["spread"] == pytest.approx(3.0)
+    assert got["slow"]["us"] == pytest.approx(20.0 + (rounds - 1) / 2)
+    assert len(got["slow"]["rounds_us"]) == rounds
