@@ -394,3 +394,18 @@ def test_gpu_a_frozen_lm_head_gives_the_same_other_gradients(method):
     assert head.weight.grad is None
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V,d", [(32768, 2048), (128256, 4096), (1000, 24)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_weight_grad_cast_is_the_torch_form_bitwise(V, d, dtype):
+    """H200: the LM head's dW cast (``weight_grad_from_acc`` through its Triton kernel) equals
+    torch's ``(acc * g).to(dtype)`` bitwise in ``LMHeadLoss``'s layout, for bf16 weights and
+    for fp32 ones (autocast's master weights), at the benchmark's shapes and an odd one."""
+    g = torch.tensor(0.37, device="cuda")
+    acc = torch.randn(V, d, device="cuda") * 50  # CE-S's (V, d)-major accumulator
+    like = torch.empty(V, d, device="cuda", dtype=dtype).t()
+    got = ceb.weight_grad_from_acc(acc.t(), g, like)
+    assert got.stride() == like.stride() and got.dtype == dtype
+    assert torch.equal(got, (acc.t() * g).to(dtype))

@@ -486,6 +486,52 @@ def test_weight_grad_from_acc_every_layout():
     assert out.is_contiguous() and torch.equal(out, want.t())
 
 
+_CAST_CHILD = """
+import json, torch
+from coda.kernels.linear_cross_entropy_bwd import (
+    CAST_BLOCK, scaled_cast_triton, weight_grad_from_acc
+)
+out = []
+g = torch.tensor(0.37)
+for i, n in enumerate((1, 7, CAST_BLOCK - 1, CAST_BLOCK, 3 * CAST_BLOCK + 5)):
+    for src, dst in ((torch.float32, torch.bfloat16), (torch.float64, torch.float64)):
+        acc = torch.randn(n, generator=torch.Generator().manual_seed(i), dtype=src) * 100
+        got, want = scaled_cast_triton(acc, g, dst), (acc * g.to(src)).to(dst)
+        err = ((got.double() - want.double()).abs() / want.double().abs()).max().item()
+        out.append([n, str(dst), got.dtype == dst, err])
+acc_vd = torch.randn(CAST_BLOCK + 3, 5)  # CE-S's (V, d) accumulator, LMHeadLoss's weight.t()
+like = torch.empty(CAST_BLOCK + 3, 5, dtype=torch.bfloat16).t()
+got = weight_grad_from_acc(acc_vd.t(), g, like)
+want = (acc_vd.t() * g).bfloat16()
+err = ((got.double() - want.double()).abs() / want.double().abs()).max().item()
+out.append(["layout", got.stride() == like.stride(), err])
+print(json.dumps(out))
+"""
+
+
+def test_weight_grad_cast_kernel_in_triton_interpreter_equals_torch_form():
+    """The dW cast's Triton kernel (``scaled_cast_triton``) in Triton's interpreter against
+    the torch form's ``(acc * g).to(dtype)`` at sizes off and on its block: float64 to float64
+    bitwise, fp32 to bf16 within one bf16 step (the interpreter truncates where the GPU rounds
+    to nearest even; on the H200 the test below is bitwise); ``weight_grad_from_acc`` takes it
+    for LMHeadLoss's layout and keeps that layout's strides."""
+    import triton_child
+
+    results = triton_child.results(_CAST_CHILD)
+    assert len(results) == 11
+    layout, strides_kept, err = results.pop()
+    assert strides_kept and 0 < err <= 2.0**-7  # (> 0: the kernel, not the torch form, ran)
+    for n, dtype, dtype_ok, err in results:
+        assert dtype_ok and err <= (0.0 if dtype == "torch.float64" else 2.0**-7), (n, dtype)
+
+
+@pytest.mark.compile
+def test_weight_grad_cast_kernel_compiles_for_sm90():
+    from coda.kernels.linear_cross_entropy_bwd import compile_scaled_cast
+
+    assert compile_scaled_cast() > 0
+
+
 def test_kernel_path_names_the_vocabulary_rule_and_the_hf_remedy(monkeypatch):
     """An LM head whose vocabulary is not a multiple of 8 cannot take the kernel path (16-byte
     TMA rows): the error names the rule and, since a token added to a vocabulary is the usual

@@ -21,8 +21,10 @@ Peak extra memory: M |C| 2 bytes (dz~) + M d 4 bytes (G). Tests: tests/test_back
 from __future__ import annotations
 
 import torch
+import triton.language as tl
 
 from coda.kernels._launch import acc_dtype, example_operands, fused, interpret_gemm, launch
+from coda.kernels._triton import cdiv, compile_sm90, kernel, on_triton
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.tuned import config_for
 from coda.primitives import ColLoad, RowPartials, epilogue_program, exp
@@ -194,19 +196,62 @@ def _scaled_cast(acc, g, dtype):
     return (acc * g.to(acc.dtype)).to(dtype).contiguous()
 
 
+def _scaled_cast_kernel(acc, g, out, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    a = tl.load(acc + offs, mask=live)
+    # one product in acc's dtype, rounded once to out's (to nearest even on the GPU, as torch;
+    # Triton's interpreter truncates instead)
+    tl.store(out + offs, (a * tl.load(g).to(a.dtype)).to(out.dtype.element_ty), mask=live)
+
+
+CAST_BLOCK = 4096  # elements per program: 16 a thread at 8 warps, four 16-byte loads of fp32
+
+
+def scaled_cast_triton(acc, g, dtype):
+    """``_scaled_cast`` of a contiguous ``acc`` by a one-element ``g`` on its device, as one
+    Triton launch whose tile is fixed here. Through ``fused`` the same pass is an Inductor
+    kernel compiled for dynamic shapes, whose launch config Inductor autotunes once, at the
+    first call's size, and keeps for every size: first called at a small head (the host
+    benchmark's d=256, V=1024), it then ran the d=4096, V=128256 cast at half its bandwidth
+    (2.05 ms against 1.05; run 169, benchmarks/NOTES.md session 39)."""
+    out = torch.empty_like(acc, dtype=dtype)
+    n = acc.numel()
+    if n:
+        grid = (cdiv(n, CAST_BLOCK),)
+        kernel(_scaled_cast_kernel)[grid](acc, g, out, n, BLOCK=CAST_BLOCK, num_warps=8)
+    return out
+
+
+def compile_scaled_cast(arch: int = 90) -> int:
+    """The cast kernel (fp32 accumulator, bf16 gradient) compiled for ``sm_{arch}`` on the
+    CPU: its cubin's size."""
+    pointers = {"acc": "*fp32", "g": "*fp32", "out": "*bf16"}
+    return compile_sm90(_scaled_cast_kernel, pointers, {"BLOCK": CAST_BLOCK}, 8, arch)
+
+
+def _cast_pass(acc, g, dtype):
+    """``_scaled_cast`` where ``acc`` is contiguous: the Triton pass on its device (outside a
+    torch.compile trace, which fuses the torch form instead), else the torch form."""
+    if acc.is_contiguous() and not torch.compiler.is_compiling() and on_triton(acc):
+        if g.numel() == 1 and g.device == acc.device:
+            return scaled_cast_triton(acc, g, dtype)
+    return fused(_scaled_cast)(acc, g, dtype)
+
+
 def weight_grad_from_acc(acc, g, like):
     """``g * acc`` rounded once to ``like``'s dtype, in ``like``'s layout: the LM head's
     weight gradient from its fp32 accumulator (formed at an upstream gradient of 1), one
-    fused pass on the GPU (Inductor: ``fused``) in whichever orientation ``like`` is
-    contiguous. ``LMHeadLoss``'s and HF's (V, d) ``weight.t()`` view runs on both tensors'
-    contiguous (V, d) storage (torch's own mul into a bf16 ``out`` took 1.30 ms in the HF
-    Llama-1B step, this 0.54: runs 21, 27); a (d, V)-contiguous weight against CE-S's (V, d)
-    accumulator is a transposing pass (3.07 ms against 1.04 at d = 4096, V = 128256: run 54).
-    Any other layout: a copy."""
+    pass on the GPU in whichever orientation ``like`` is contiguous (``_cast_pass``).
+    ``LMHeadLoss``'s and HF's (V, d) ``weight.t()`` view runs on both tensors' contiguous
+    (V, d) storage (torch's own mul into a bf16 ``out`` took 1.30 ms in the HF Llama-1B step,
+    Inductor's pass 0.54: runs 21, 27); a (d, V)-contiguous weight against CE-S's (V, d)
+    accumulator is a transposing pass (Inductor: 3.07 ms against 1.04 at d = 4096,
+    V = 128256: run 54). Any other layout: a copy."""
     if like.is_contiguous():
-        return fused(_scaled_cast)(acc, g, like.dtype)
+        return _cast_pass(acc, g, like.dtype)
     if like.t().is_contiguous():
-        return fused(_scaled_cast)(acc.t(), g, like.dtype).t()
+        return _cast_pass(acc.t(), g, like.dtype).t()
     return torch.empty_like(like).copy_(acc * g.to(acc.dtype))
 
 
