@@ -331,8 +331,8 @@ def main():
             continue
         # each suite starts from no compiled code, as in a process of its own: Inductor
         # autotunes a dynamic-shape kernel's launch once, at its first call's size, and keeps
-        # it (run 169: the host suite's tiny LM head left the d=4096 head's row kernels tuned
-        # for 256 rows; NOTES session 39)
+        # it, so a suite's row kernels must not depend on which suite ran before (run 169:
+        # the LM head's Inductor dW cast profiled at 2x run 163's after the host suite)
         torch._dynamo.reset()
         try:
             record["benchmarks"][name] = mod.run()
