@@ -95,8 +95,9 @@ def _host_us(fns: dict, n: int) -> dict:
     (``rounds_us``) and their spread: ``interleaved`` rounds of ``_per_call_us`` over ``n``
     calls, each function once per round: host time drifts within a run (a collection, the
     CPU's clock, a neighbour on the host), and a same-run comparison must not depend on
-    order. Five rounds of 60 calls let one slow stretch move a ratio by a quarter (run 169's
-    quack call read 19.6 us against 13.5-14.5 in runs 164 and 168)."""
+    order. Run 169 read quack's raw call at 19.6 us against 13.5-14.5 in runs 164 and 168,
+    from 5 rounds of 60 calls and with no round kept to tell why: the rounds are now kept,
+    and more and longer (15 of 200 calls)."""
 
     def timer(fn):
         return {"ms": _per_call_us(fn, n) / 1e3}
