@@ -7,9 +7,11 @@ now ran first in the process. This times the cast at d=4096, V=128256 and d=2048
 a fresh process after a first call at ``first`` ("none": the big shapes first; "tiny": the
 host suite's shape first), both through Inductor (``fused``) and through coda's Triton
 kernel (``scaled_cast_triton``, what ``weight_grad_from_acc`` runs since session 39), CUDA
-events, median of 30 calls, with the bandwidth each reaches.
+events, median of 30 calls, with the bandwidth each reaches. ``xs`` (session 40) times CE-S's
+other (C, d) row pass the same two ways: dW's B operand xs = c (.) a, until then inside the
+glue's Inductor kernels, now ``row_scaled_triton``, at the chunk shapes of both heads.
 
-    python benchmarks/probe_row_kernel_order.py none|tiny
+    python benchmarks/probe_row_kernel_order.py none|tiny [xs]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import torch
 
 from coda.kernels._launch import fused
+from coda.kernels.ce_scaled_exp import row_scaled_torch, row_scaled_triton
 from coda.kernels.linear_cross_entropy_bwd import _scaled_cast, scaled_cast_triton
 
 FORMS = {
@@ -29,24 +32,56 @@ FORMS = {
 }
 
 
-def cast_ms(form: str, d: int, V: int, reps: int = 30) -> float:
-    acc = torch.randn(V, d, device="cuda")  # CE-S's (V, d)-major accumulator
-    g = torch.tensor(0.5, device="cuda")
+XS_FORMS = {
+    "inductor": lambda a, c: fused(row_scaled_torch)(a, c),
+    "triton": row_scaled_triton,
+}
+
+
+def median_ms(fn, args, reps: int) -> float:
     for _ in range(3):
-        FORMS[form](acc, g)
+        fn(*args)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        FORMS[form](acc, g)
+        fn(*args)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
+def cast_ms(form: str, d: int, V: int, reps: int = 30) -> float:
+    acc = torch.randn(V, d, device="cuda")  # CE-S's (V, d)-major accumulator
+    return median_ms(FORMS[form], (acc, torch.tensor(0.5, device="cuda")), reps)
+
+
+def xs_ms(form: str, C: int, d: int, reps: int = 30) -> float:
+    a = torch.randn(C, d, device="cuda").bfloat16()  # a chunk's normed rows
+    return median_ms(XS_FORMS[form], (a, torch.rand(C, device="cuda")), reps)
+
+
+def xs_rows(first: str) -> list[dict]:
+    """xs at d = 2048 (one 16384-token chunk at V = 32768) and at d = 4096 and 2048 (a
+    4096-token chunk at V = 128256): bf16 read and written, c read."""
+    rows = []
+    for form in XS_FORMS:
+        if first == "tiny":
+            xs_ms(form, 128, 256, reps=3)
+        for C, d in ((16384, 2048), (4096, 4096), (4096, 2048)):
+            ms = xs_ms(form, C, d)
+            tbs = C * (4 * d + 4) / ms / 1e9
+            rows.append({"pass": "xs", "first": first, "form": form, "C": C, "d": d, "ms": ms,
+                         "TB/s": tbs})  # fmt: skip
+    return rows
+
+
 if __name__ == "__main__":
     first = sys.argv[1]
+    if sys.argv[2:] == ["xs"]:
+        print(json.dumps(xs_rows(first)))
+        sys.exit()
     rows = []
     for form in FORMS:
         if first == "tiny":
