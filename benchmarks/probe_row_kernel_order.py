@@ -9,7 +9,9 @@ host suite's shape first), both through Inductor (``fused``) and through coda's 
 kernel (``scaled_cast_triton``, what ``weight_grad_from_acc`` runs since session 39), CUDA
 events, median of 30 calls, with the bandwidth each reaches. ``xs`` (session 40) times CE-S's
 other (C, d) row pass the same two ways: dW's B operand xs = c (.) a, until then inside the
-glue's Inductor kernels, now ``row_scaled_triton``, at the chunk shapes of both heads.
+glue's Inductor kernels, now ``row_scaled_triton``, at the chunk shapes of both heads, and
+the glue's per-row values (lse, K, c, coef from GEMM1's (C, T_N) statistics) through Inductor
+(``fused(scaled_glue)``) and as ``scaled_glue_triton``.
 
     python benchmarks/probe_row_kernel_order.py none|tiny [xs]
 """
@@ -23,7 +25,12 @@ import sys
 import torch
 
 from coda.kernels._launch import fused
-from coda.kernels.ce_scaled_exp import row_scaled_torch, row_scaled_triton
+from coda.kernels.ce_scaled_exp import (
+    row_scaled_torch,
+    row_scaled_triton,
+    scaled_glue,
+    scaled_glue_triton,
+)
 from coda.kernels.linear_cross_entropy_bwd import _scaled_cast, scaled_cast_triton
 
 FORMS = {
@@ -62,6 +69,19 @@ def xs_ms(form: str, C: int, d: int, reps: int = 30) -> float:
     return median_ms(XS_FORMS[form], (a, torch.rand(C, device="cuda")), reps)
 
 
+GLUE_FORMS = {
+    "inductor": lambda *args: fused(scaled_glue)(*args, 0.0, 0.0),
+    "triton": lambda *args: scaled_glue_triton(*args, 0.0, 0.0),
+}
+
+
+def glue_ms(form: str, C: int, t_n: int, reps: int = 30) -> float:
+    k = torch.randint(-40, 40, (C, t_n), device="cuda").float()
+    s = 1.0 + 100.0 * torch.rand(C, t_n, device="cuda")
+    rows = [torch.rand(C, device="cuda") for _ in range(3)]  # target logit, rstd, weight
+    return median_ms(GLUE_FORMS[form], (s, k, *rows), reps)
+
+
 def xs_rows(first: str) -> list[dict]:
     """xs at d = 2048 (one 16384-token chunk at V = 32768) and at d = 4096 and 2048 (a
     4096-token chunk at V = 128256): bf16 read and written, c read."""
@@ -74,6 +94,13 @@ def xs_rows(first: str) -> list[dict]:
             tbs = C * (4 * d + 4) / ms / 1e9
             rows.append({"pass": "xs", "first": first, "form": form, "C": C, "d": d, "ms": ms,
                          "TB/s": tbs})  # fmt: skip
+    for form in GLUE_FORMS:  # the glue at V = 32768 (16384 rows) and V = 128256 (4096 rows)
+        if first == "tiny":
+            glue_ms(form, 128, 8, reps=3)
+        for C, t_n in ((16384, 171), (4096, 668)):
+            ms = glue_ms(form, C, t_n)
+            rows.append({"pass": "glue", "first": first, "form": form, "C": C, "T_N": t_n,
+                         "ms": ms, "TB/s": C * (8 * t_n + 28) / ms / 1e9})  # fmt: skip
     return rows
 
 

@@ -13,6 +13,7 @@ from conftest import rel_err
 
 from coda.kernels import ce_scaled_exp as cse
 from coda.kernels.config import GemmConfig
+from coda.kernels.linear_cross_entropy_chunked import target_coef
 from coda.reference.cross_entropy import scaled_exp_logits_ref
 
 F64 = torch.float64
@@ -413,3 +414,100 @@ def test_gpu_row_scale_kernel_equals_torch_form(C, D):
     one: bitwise, bf16 and fp32 rows."""
     assert row_scale_case(C, D, device="cuda") == 0.0
     assert row_scale_case(C, D, device="cuda", dtype=torch.float32) == 0.0
+
+
+# -- the glue's per-row values as a Triton pass (``scaled_glue_triton``) --------------------------
+# (rows, N-tiles, z_loss, label smoothing): rows and tiles off the block (16 x 128), one tile,
+# several steps of the running max, the options
+GLUE_CASES = [(1, 1, 0.0, 0.0), (37, 171, 0.0, 0.0), (130, 300, 1e-4, 0.1), (16, 668, 0.0, 0.0)]
+
+
+def glue_inputs(C, t_n, seed=0, device="cpu"):
+    """GEMM1's statistics as it writes them (k integer-valued, per-tile sums in [1, tile_n
+    sqrt 2], the rising maxima in later tiles too), ignored rows (weight 0), and on even rows
+    a confident prediction: one tile far above the rest with lse near 0, so that l_y - lse
+    is a small number held to full precision (expm1's case: p_y - 1 near 0)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = torch.randint(-40, 40, (C, t_n), generator=g, device=device).float()
+    k += torch.arange(t_n, device=device) % 7 == 3  # maxima late in the row
+    s = 1.0 + 100.0 * torch.rand(C, t_n, generator=g, device=device)
+    k[::2], s[::2, -1] = k[::2] - 80.0, 1.0  # confident rows: the last tile holds lse ~ 0
+    k[::2, -1] = 0.0
+    lse = cse.lse_from_scaled(s, k)
+    y = (
+        lse
+        - torch.rand(C, generator=g, device=device)
+        * torch.tensor([1e-6, 10.0], device=device)[torch.arange(C, device=device) % 2]
+    )
+    rstd = 0.5 + torch.rand(C, generator=g, device=device)
+    w = torch.full((C,), 1.0 / max(C, 1), device=device)
+    w[::3] = 0.0
+    return s, k, y, rstd, w
+
+
+def glue_case(C, t_n, z_loss, smoothing, seed=0, device="cpu") -> list[float]:
+    """Each of the kernel's four outputs against the torch form: K's largest difference (0:
+    exact), lse's relative to |lse| + 1, c's relative to c, and coef's relative to coef as
+    the torch form gives it from the kernel's own lse (its target term e^(l_y - lse) - 1 is
+    near 0 on half the rows, where l_y - lse inherits lse's rounding in either form: this
+    isolates the kernel's expm1, which a plain e^x - 1 fails by orders of magnitude)."""
+    s, k, y, rstd, w = glue_inputs(C, t_n, seed, device)
+    got = cse.scaled_glue_triton(s, k, y, rstd, w, z_loss, smoothing)
+    ref = cse.scaled_glue(s, k, y, rstd, w, z_loss, smoothing)
+    coef_ref = target_coef(y, got[0], rstd, w, smoothing, z_loss)
+    if not C:
+        return [0.0] * 4
+
+    def rel(a, b, scale):
+        return float(((a.double() - b.double()).abs() / scale.double().clamp(min=1e-30)).max())
+
+    return [
+        rel(got[1], ref[1], torch.ones_like(ref[1])),
+        rel(got[0], ref[0], ref[0].abs() + 1.0),
+        rel(got[2], ref[2], ref[2].abs()),
+        rel(got[3], coef_ref, coef_ref.abs()),
+    ]
+
+
+_GLUE_CHILD = """
+import json, sys
+sys.path.insert(0, "tests")
+from test_ce_scaled_exp import GLUE_CASES, glue_case
+print(json.dumps([glue_case(*c, seed=i) for i, c in enumerate(GLUE_CASES)]))
+"""
+
+
+def test_glue_kernel_in_triton_interpreter_equals_torch_form():
+    """The glue's Triton kernel in Triton's interpreter (Kahan's expm1 there, libdevice's on
+    the GPU) against the torch form: K exact, lse, c and coef to fp32 round-off (coef
+    relative to itself, its target term near 0 on half the rows)."""
+    import triton_child
+
+    for K_err, lse_err, c_err, coef_err in triton_child.results(_GLUE_CHILD):
+        assert K_err == 0.0 and lse_err < 1e-6 and c_err < 1e-5 and coef_err < 1e-5
+
+
+def test_glue_comparison_can_fail():
+    """A glue off by one tile's sum is caught by the case's measure."""
+    s, k, y, rstd, w = glue_inputs(8, 5)
+    ref = cse.scaled_glue(s, k, y, rstd, w, 0.0, 0.0)
+    s2 = s.clone()
+    s2[:, 0] *= 1.5
+    bad = cse.scaled_glue(s2, k, y, rstd, w, 0.0, 0.0)
+    assert float(((bad[2] - ref[2]).abs() / ref[2].abs().clamp(min=1e-30)).max()) > 1e-5
+
+
+@pytest.mark.compile
+def test_glue_kernel_compiles_for_sm90():
+    assert cse.compile_scaled_glue() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("C, t_n", [(16384, 171), (4096, 668), (333, 7)])
+def test_gpu_glue_kernel_equals_torch_form(C, t_n):
+    """At the LM heads' chunk shapes (V = 32768 at 16384 tokens; V = 128256 at 4096) and an
+    odd one, with and without the options: as on the CPU."""
+    for z_loss, smoothing in ((0.0, 0.0), (1e-4, 0.1)):
+        K_err, lse_err, c_err, coef_err = glue_case(C, t_n, z_loss, smoothing, device="cuda")
+        assert K_err == 0.0 and lse_err < 1e-6 and c_err < 1e-5 and coef_err < 1e-5

@@ -40,10 +40,13 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from coda.kernels._launch import acc_dtype, example_operands, fused, launch
-from coda.kernels._triton import cdiv, compile_sm90, kernel, on_triton
+from coda.kernels._triton import acc_type, cdiv, compile_sm90, kernel, on_triton
+from coda.kernels._triton import interpreted as in_triton_interpreter
 from coda.kernels.config import GemmConfig
 from coda.kernels.linear_cross_entropy_chunked import add_target_terms, norm_stat, target_coef
 from coda.primitives import (
@@ -237,6 +240,93 @@ def scaled_glue(sum_exp, k, target_logit, rstd, weight, z_loss, smoothing):
     return lse, K, c, target_coef(target_logit, lse, rstd, weight, smoothing, z_loss)
 
 
+@triton.jit
+def _expm1(x, LIBDEVICE: tl.constexpr):
+    """e^x - 1 without cancellation near 0: libdevice's on the GPU (what Inductor's form of
+    ``torch.expm1`` calls), else Kahan's (u - 1) x / ln u, u = e^x (Triton's interpreter has
+    no libdevice)."""
+    if LIBDEVICE:
+        return libdevice.expm1(x)
+    else:
+        u = tl.exp(x)
+        um1 = u - 1.0
+        ln_u = tl.where(um1 == 0.0, 1.0, tl.log(u))
+        return tl.where(um1 == 0.0, x, tl.where(um1 == -1.0, -1.0, um1 * x / ln_u))
+
+
+def _glue_kernel(
+    sum_exp, k, y_logit, rstd, weight, lse, K, c, coef, C, T, z_loss, smoothing,
+    BM: tl.constexpr, BT: tl.constexpr, ACC: tl.constexpr, LIBDEVICE: tl.constexpr,
+):  # fmt: skip
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    live = m < C
+    row = m.to(tl.int64)[:, None] * T
+    # K = max_t k and T = sum_t 2^(k - K) s in one pass, the running sum rescaled by the exact
+    # power of two 2^(K_old - K_new) whenever the running max rises (k is integer-valued)
+    top = tl.full([BM], -float("inf"), ACC)
+    total = tl.zeros([BM], ACC)
+    for t0 in range(0, T, BT):
+        t = t0 + tl.arange(0, BT)
+        mask = live[:, None] & (t < T)[None, :]
+        kv = tl.load(k + row + t[None, :], mask=mask, other=-float("inf")).to(ACC)
+        sv = tl.load(sum_exp + row + t[None, :], mask=mask, other=0.0).to(ACC)
+        new = tl.maximum(top, tl.max(kv, 1))
+        new = tl.where(live, new, 0.0)  # a row past C: finite, never stored
+        total = total * tl.exp2(top - new) + tl.sum(tl.exp2(kv - new[:, None]) * sv, 1)
+        top = new
+    lse_m = 0.6931471805599453 * (top + tl.log2(total))
+    alpha = 1.0 + 2.0 * z_loss * lse_m
+    rw = tl.load(rstd + m, mask=live, other=0.0).to(ACC) * tl.load(
+        weight + m, mask=live, other=0.0
+    ).to(ACC)
+    p_y_m1 = _expm1(tl.load(y_logit + m, mask=live, other=0.0).to(ACC) - lse_m, LIBDEVICE)
+    tl.store(lse + m, lse_m, mask=live)
+    tl.store(K + m, top, mask=live)
+    tl.store(c + m, rw * (alpha / total), mask=live)
+    tl.store(coef + m, rw * (alpha * p_y_m1 + (alpha - 1.0 + smoothing)), mask=live)
+
+
+GLUE_BLOCK = (16, 128)  # a program's (token rows, N-tiles a step), 4 warps
+
+
+def scaled_glue_triton(sum_exp, k, target_logit, rstd, weight, z_loss, smoothing):
+    """``scaled_glue`` as one Triton launch over the chunk's rows, its tile fixed here. Inside
+    Inductor (``fused``, dynamic shapes) the same values took 20-25 us a chunk at both heads'
+    shapes (runs 163-170), then 482 us for four 4096-token chunks at V = 128256 in run 173,
+    where its reduction was compiled apart from xs (the launch config of a dynamic-shape
+    reduction is Inductor's, chosen once: benchmarks/NOTES.md, session 40)."""
+    C, T = k.shape
+    assert k.is_contiguous() and sum_exp.is_contiguous(), "GEMM1's statistics, as it writes them"
+    outs = [torch.empty_like(rstd, dtype=k.dtype) for _ in range(4)]  # lse, K, c, coef
+    if C:
+        bm, bt = GLUE_BLOCK
+        kernel(_glue_kernel)[(cdiv(C, bm),)](
+            sum_exp, k, target_logit, rstd, weight, *outs, C, T, float(z_loss),
+            float(smoothing), BM=bm, BT=bt, ACC=acc_type(k), LIBDEVICE=not in_triton_interpreter(),
+            num_warps=4,
+        )  # fmt: skip
+    return tuple(outs)
+
+
+def glue_pass(sum_exp, k, target_logit, rstd, weight, z_loss, smoothing):
+    """``scaled_glue``: the Triton pass on its device (CE-S runs in a custom op: never inside
+    a torch.compile trace), else the torch form through ``fused``."""
+    args = (sum_exp, k, target_logit, rstd, weight, z_loss, smoothing)
+    if on_triton(k) and not torch.compiler.is_compiling():
+        return scaled_glue_triton(*args)
+    return fused(scaled_glue)(*args)
+
+
+def compile_scaled_glue(arch: int = 90) -> int:
+    """The glue kernel (fp32 statistics and rows) compiled for ``sm_{arch}`` on the CPU: the
+    cubin's size."""
+    bm, bt = GLUE_BLOCK
+    names = ("sum_exp", "k", "y_logit", "rstd", "weight", "lse", "K", "c", "coef")
+    pointers = {n: "*fp32" for n in names} | {"z_loss": "fp32", "smoothing": "fp32"}
+    consts = {"BM": bm, "BT": bt, "ACC": tl.float32, "LIBDEVICE": True}
+    return compile_sm90(_glue_kernel, pointers, consts, 4, arch)
+
+
 def row_scaled_torch(a, c):
     """xs = c (.) a: each row of ``a`` times its fp32 factor, rounded once to a's dtype."""
     return (c[:, None] * a.to(c.dtype)).to(a.dtype)
@@ -386,7 +476,7 @@ def linear_cross_entropy_scaled(
     dw_t = a.new_empty(V if want_dw else 0, d, dtype=acc)
     if label_smoothing:  # sum_m r w a
         smooth_sum = a.new_zeros(d, dtype=acc)
-    glue = scaled_glue if interpreted else fused(scaled_glue)
+    glue = scaled_glue if interpreted else glue_pass
     row_index = torch.arange(min(rows, -(-M // 128) * 128), device=a.device)
     for r0 in range(0, M, rows):
         n = min(rows, M - r0)
