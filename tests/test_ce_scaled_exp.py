@@ -401,11 +401,6 @@ def test_row_scale_comparison_can_fail():
     assert ((wrong.double() - ref.double()).abs() / ulp).max() > 1.0
 
 
-@pytest.mark.compile
-def test_row_scale_kernel_compiles_for_sm90():
-    assert cse.compile_row_scaled() > 0
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("C, D", [(16384, 2048), (4096, 4096), (333, 1000)])
@@ -503,8 +498,9 @@ def test_glue_comparison_can_fail():
 
 
 @pytest.mark.compile
-def test_glue_kernel_compiles_for_sm90():
-    assert cse.compile_scaled_glue() > 0
+@pytest.mark.parametrize("compiled", ["compile_row_scaled", "compile_scaled_glue"])
+def test_xs_and_glue_kernels_compile_for_sm90(compiled):
+    assert getattr(cse, compiled)() > 0
 
 
 @pytest.mark.gpu
