@@ -137,13 +137,14 @@ def acc_type(t: torch.Tensor):
 
 
 def cubin_sm90(
-    fn, pointers: dict, consts: dict, num_warps: int = 4, arch: int = 90, divisible=()
+    fn, pointers: dict, consts: dict, num_warps: int = 4, arch: int = 90, divisible=(), **options
 ) -> bytes:
     """``fn`` compiled for ``sm_{arch}`` without a GPU (Triton ships ptxas): its cubin.
     ``pointers``: each pointer argument's Triton type ("*bf16", ...); ``consts``: the
     constexpr arguments; every other argument is an i32. ``divisible``: the arguments to
     compile as divisible by 16, as Triton's JIT specializes a call whose pointers and integers
-    are (``benchmarks/sass_row_passes.py`` reads the code a launch runs)."""
+    are (``benchmarks/sass_row_passes.py`` reads the code a launch runs); ``options``: further
+    compile options the launch passes (``enable_fp_fusion``)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -152,9 +153,12 @@ def cubin_sm90(
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible}
     src = ASTSource(fn=triton.jit(fn), signature=sig, constexprs=consts, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
-    return triton.compile(src, target=target, options={"num_warps": num_warps}).asm["cubin"]
+    options = {"num_warps": num_warps, **options}
+    return triton.compile(src, target=target, options=options).asm["cubin"]
 
 
-def compile_sm90(fn, pointers: dict, consts: dict, num_warps: int = 4, arch: int = 90) -> int:
+def compile_sm90(
+    fn, pointers: dict, consts: dict, num_warps: int = 4, arch: int = 90, **options
+) -> int:
     """``cubin_sm90``'s size in bytes: the CPU compile test."""
-    return len(cubin_sm90(fn, pointers, consts, num_warps, arch))
+    return len(cubin_sm90(fn, pointers, consts, num_warps, arch, **options))

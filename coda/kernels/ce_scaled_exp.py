@@ -290,7 +290,10 @@ GLUE_BLOCK = (16, 128)  # a program's (token rows, N-tiles a step), 4 warps
 
 
 def scaled_glue_triton(sum_exp, k, target_logit, rstd, weight, z_loss, smoothing):
-    """``scaled_glue`` as one Triton launch over the chunk's rows, its tile fixed here. Inside
+    """``scaled_glue`` as one Triton launch over the chunk's rows, its tile fixed here, each
+    value rounded as the torch form rounds it (no fused multiply-adds: with them l_y - lse was
+    formed from lse's unrounded last product, up to half an ulp of lse from the torch form's,
+    which on a near-confident row is a 1e-3 relative change of p_y - 1: run 175). Inside
     Inductor (``fused``, dynamic shapes) the same values took 20-25 us a chunk at both heads'
     shapes (runs 163-170), then 482 us for four 4096-token chunks at V = 128256 in run 173,
     where its reduction was compiled apart from xs (the launch config of a dynamic-shape
@@ -303,7 +306,7 @@ def scaled_glue_triton(sum_exp, k, target_logit, rstd, weight, z_loss, smoothing
         kernel(_glue_kernel)[(cdiv(C, bm),)](
             sum_exp, k, target_logit, rstd, weight, *outs, C, T, float(z_loss),
             float(smoothing), BM=bm, BT=bt, ACC=acc_type(k), LIBDEVICE=not in_triton_interpreter(),
-            num_warps=4,
+            num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return tuple(outs)
 
@@ -324,7 +327,7 @@ def compile_scaled_glue(arch: int = 90) -> int:
     names = ("sum_exp", "k", "y_logit", "rstd", "weight", "lse", "K", "c", "coef")
     pointers = {n: "*fp32" for n in names} | {"z_loss": "fp32", "smoothing": "fp32"}
     consts = {"BM": bm, "BT": bt, "ACC": tl.float32, "LIBDEVICE": True}
-    return compile_sm90(_glue_kernel, pointers, consts, 4, arch)
+    return compile_sm90(_glue_kernel, pointers, consts, 4, arch, enable_fp_fusion=False)
 
 
 def row_scaled_torch(a, c):
