@@ -465,20 +465,34 @@ def glue_case(C, t_n, z_loss, smoothing, seed=0, device="cpu") -> list[float]:
 
 
 _GLUE_CHILD = """
-import json, sys
+import json, sys, torch
 sys.path.insert(0, "tests")
-from test_ce_scaled_exp import GLUE_CASES, glue_case
-print(json.dumps([glue_case(*c, seed=i) for i, c in enumerate(GLUE_CASES)]))
+from test_ce_scaled_exp import GLUE_CASES, glue_case, glue_inputs
+from coda.kernels import ce_scaled_exp as cse
+out = [glue_case(*c, seed=i) for i, c in enumerate(GLUE_CASES)]
+launched = []
+triton_form = cse.scaled_glue_triton
+cse.scaled_glue_triton = lambda *a: launched.append(1) or triton_form(*a)
+s, k, y, rstd, w = glue_inputs(9, 5)
+cse.glue_pass(s, k, y, rstd, w, 0.0, 0.0)  # contiguous rows: the kernel
+strided = torch.stack([rstd, rstd], 1)[:, 0]
+ref = cse.scaled_glue(s, k, y, strided, w, 0.0, 0.0)
+got = cse.glue_pass(s, k, y, strided, w, 0.0, 0.0)  # a strided rstd: the torch form
+same = all(torch.equal(a, b) for a, b in zip(got, ref))
+print(json.dumps(out + [[len(launched), same]]))
 """
 
 
 def test_glue_kernel_in_triton_interpreter_equals_torch_form():
     """The glue's Triton kernel in Triton's interpreter (Kahan's expm1 there, libdevice's on
     the GPU) against the torch form: K exact, lse, c and coef to fp32 round-off (coef
-    relative to itself, its target term near 0 on half the rows)."""
+    relative to itself, its target term near 0 on half the rows); ``glue_pass`` takes it for
+    contiguous rows and only then."""
     import triton_child
 
-    for K_err, lse_err, c_err, coef_err in triton_child.results(_GLUE_CHILD):
+    *cases, (launched, strided_same) = triton_child.results(_GLUE_CHILD)
+    assert launched == 1 and strided_same  # glue_pass: the kernel for contiguous rows only
+    for K_err, lse_err, c_err, coef_err in cases:
         assert K_err == 0.0 and lse_err < 1e-6 and c_err < 1e-5 and coef_err < 1e-5
 
 

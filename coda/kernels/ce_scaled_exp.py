@@ -229,8 +229,9 @@ def scaled_glue(sum_exp, k, target_logit, rstd, weight, z_loss, smoothing):
     (``strip_u``'s input), the per-row factor c = r w v (fp32; v = 2^K e^-lse (1 + 2 z lse)),
     and the target entry's gradient r w (alpha p_y - (1 - eps)) in fp32 (``target_coef``;
     label smoothing eps: its uniform -eps / V share of every entry is a rank-1 term the caller
-    adds). One small row kernel through ``fused``; dW's B operand xs = c a, the glue's one
-    pass over (C, d), is ``row_scaled``'s.
+    adds). The torch form: the CPU path and the oracle (``glue_pass`` runs it as one Triton
+    pass on the GPU); dW's B operand xs = c a, the glue's one pass over (C, d), is
+    ``row_scaled``'s.
     """
     K, T = scaled_total(sum_exp, k)
     lse = _lse(K, T)
@@ -312,10 +313,14 @@ def scaled_glue_triton(sum_exp, k, target_logit, rstd, weight, z_loss, smoothing
 
 
 def glue_pass(sum_exp, k, target_logit, rstd, weight, z_loss, smoothing):
-    """``scaled_glue``: the Triton pass on its device (CE-S runs in a custom op: never inside
-    a torch.compile trace), else the torch form through ``fused``."""
+    """``scaled_glue``: the Triton pass on its device for contiguous rows (CE-S runs in a
+    custom op: never inside a torch.compile trace), else the torch form through ``fused``."""
     args = (sum_exp, k, target_logit, rstd, weight, z_loss, smoothing)
-    if on_triton(k) and not torch.compiler.is_compiling():
+    if (
+        on_triton(k)
+        and not torch.compiler.is_compiling()
+        and all(t.is_contiguous() for t in args[:5])
+    ):
         return scaled_glue_triton(*args)
     return fused(scaled_glue)(*args)
 
@@ -364,11 +369,12 @@ def row_scaled_triton(a, c):
 
 
 def row_scaled(a, c):
-    """xs = c (.) a, dW's B operand: the Triton pass where ``a`` is contiguous on its device
-    and not inside a torch.compile trace (CE-S runs in a custom op: never traced), else the
-    torch form through ``fused``."""
-    if a.is_contiguous() and not torch.compiler.is_compiling() and on_triton(a):
-        return row_scaled_triton(a, c)
+    """xs = c (.) a, dW's B operand: the Triton pass where ``a`` and ``c`` are contiguous on
+    their device and not inside a torch.compile trace (CE-S runs in a custom op: never
+    traced), else the torch form through ``fused``."""
+    if a.is_contiguous() and c.is_contiguous() and on_triton(a):
+        if not torch.compiler.is_compiling():
+            return row_scaled_triton(a, c)
     return fused(row_scaled_torch)(a, c)
 
 
