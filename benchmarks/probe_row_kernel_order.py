@@ -11,7 +11,9 @@ events, median of 30 calls, with the bandwidth each reaches. ``xs`` (session 40)
 other (C, d) row pass the same two ways: dW's B operand xs = c (.) a, until then inside the
 glue's Inductor kernels, now ``row_scaled_triton``, at the chunk shapes of both heads, and
 the glue's per-row values (lse, K, c, coef from GEMM1's (C, T_N) statistics) through Inductor
-(``fused(scaled_glue)``) and as ``scaled_glue_triton``.
+(``fused(scaled_glue)``) and as ``scaled_glue_triton``. For passes this small an event pair
+around one call includes the host's launch time (the GPU idles between calls): their GPU
+time is the suites' kernel tables' (benchmarks/NOTES.md, session 40).
 
     python benchmarks/probe_row_kernel_order.py none|tiny [xs]
 """
