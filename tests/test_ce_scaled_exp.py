@@ -381,7 +381,7 @@ def test_row_scale_kernel_in_triton_interpreter_equals_torch_form():
     """xs's Triton kernel in Triton's interpreter against ``(c[:, None] * a).to(a.dtype)``:
     fp32 rows bitwise, bf16 rows within one bf16 step (the interpreter truncates where the GPU
     rounds to nearest even; on the H200 the test below is bitwise), at sizes off and on the
-    block; ``row_scaled`` launches it for a contiguous ``a`` and only then."""
+    block; ``row_scaled`` launches it for a contiguous ``a`` (and ``c``) and only then."""
     import triton_child
 
     results = triton_child.results(_ROW_SCALE_CHILD)
