@@ -37,6 +37,17 @@ def on_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreted()
 
 
+def contiguous_pass(*tensors: torch.Tensor) -> bool:
+    """Whether a hand-written pass that reads ``tensors`` at unit strides runs its Triton
+    kernel: on their device (``on_triton``), all contiguous, outside a torch.compile trace
+    (which traces and fuses the pass's torch form instead). Else its caller takes that form."""
+    return (  # the trace first: inside one, nothing else is asked (Dynamo would trace it)
+        not torch.compiler.is_compiling()
+        and on_triton(tensors[0])
+        and all(t.is_contiguous() for t in tensors)
+    )
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) of non-negative ints. Host-side launch arithmetic uses these, not
     ``triton.cdiv`` / ``triton.next_power_of_2``: in recent Triton those are constexpr functions

@@ -45,7 +45,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from coda.kernels._launch import acc_dtype, example_operands, fused, launch
-from coda.kernels._triton import acc_type, cdiv, compile_sm90, kernel, on_triton
+from coda.kernels._triton import acc_type, cdiv, compile_sm90, contiguous_pass, kernel, on_triton
 from coda.kernels._triton import interpreted as in_triton_interpreter
 from coda.kernels.config import GemmConfig
 from coda.kernels.linear_cross_entropy_chunked import add_target_terms, norm_stat, target_coef
@@ -316,11 +316,7 @@ def glue_pass(sum_exp, k, target_logit, rstd, weight, z_loss, smoothing):
     """``scaled_glue``: the Triton pass on its device for contiguous rows (CE-S runs in a
     custom op: never inside a torch.compile trace), else the torch form through ``fused``."""
     args = (sum_exp, k, target_logit, rstd, weight, z_loss, smoothing)
-    if (
-        on_triton(k)
-        and not torch.compiler.is_compiling()
-        and all(t.is_contiguous() for t in args[:5])
-    ):
+    if contiguous_pass(*args[:5]):
         return scaled_glue_triton(*args)
     return fused(scaled_glue)(*args)
 
@@ -372,9 +368,8 @@ def row_scaled(a, c):
     """xs = c (.) a, dW's B operand: the Triton pass where ``a`` and ``c`` are contiguous on
     their device and not inside a torch.compile trace (CE-S runs in a custom op: never
     traced), else the torch form through ``fused``."""
-    if a.is_contiguous() and c.is_contiguous() and on_triton(a):
-        if not torch.compiler.is_compiling():
-            return row_scaled_triton(a, c)
+    if contiguous_pass(a, c):
+        return row_scaled_triton(a, c)
     return fused(row_scaled_torch)(a, c)
 
 

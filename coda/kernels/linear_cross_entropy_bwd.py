@@ -24,7 +24,7 @@ import torch
 import triton.language as tl
 
 from coda.kernels._launch import acc_dtype, example_operands, fused, interpret_gemm, launch
-from coda.kernels._triton import cdiv, compile_sm90, kernel, on_triton
+from coda.kernels._triton import cdiv, compile_sm90, contiguous_pass, kernel
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.tuned import config_for
 from coda.primitives import ColLoad, RowPartials, epilogue_program, exp
@@ -233,9 +233,8 @@ def compile_scaled_cast(arch: int = 90) -> int:
 def _cast_pass(acc, g, dtype):
     """``_scaled_cast`` where ``acc`` is contiguous: the Triton pass on its device (outside a
     torch.compile trace, which fuses the torch form instead), else the torch form."""
-    if acc.is_contiguous() and not torch.compiler.is_compiling() and on_triton(acc):
-        if g.numel() == 1 and g.device == acc.device:
-            return scaled_cast_triton(acc, g, dtype)
+    if contiguous_pass(acc) and g.numel() == 1 and g.device == acc.device:
+        return scaled_cast_triton(acc, g, dtype)
     return fused(_scaled_cast)(acc, g, dtype)
 
 
