@@ -331,7 +331,7 @@ def ce_grad_rows(only) -> list[dict]:
         dw_t = torch.zeros(V, d, device="cuda")
         gemms = {
             "ce_grad_dx": (
-                lambda cfg: cse.scaled_grad_dx_kernel(e, w, u, c, g, config=cfg),
+                lambda cfg: cse.scaled_grad_dx_kernel(e, w, u, c, xs, g, config=cfg),
                 lambda: e @ w.t(),
             ),
             "ce_grad_dw": (

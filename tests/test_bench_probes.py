@@ -36,6 +36,35 @@ def test_the_deferred_dw_probe_computes_what_the_reduce_add_and_cast_compute():
     assert torch.allclose(current, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_the_dx_stat_probe_times_two_forms_of_one_thing():
+    """``probe_dx_stat``'s two forms (dX without the epilogue's statistic then a pass over G,
+    and dX with it) give the same G and S (float64, the tile interpreter), and S is the
+    statistic's definition, so the H200 A/B compares two ways of computing one thing."""
+    from benchmarks import probe_dx_stat as probe
+    from coda.kernels import ce_scaled_exp as cse
+
+    g = torch.Generator().manual_seed(1)
+    C, d, V = 256, 200, 384  # d = 200: a ragged last column tile of the dX GEMM
+    f64 = torch.float64
+    o = {
+        "e": torch.rand(C, V, dtype=f64, generator=g),
+        "w": torch.randn(d, V, dtype=f64, generator=g),
+        "u": torch.exp2(-torch.randint(0, 4, (V // cse.STRIP, C), generator=g).to(f64)),
+        "c": torch.rand(C, dtype=f64, generator=g),
+        "a": torch.randn(C, d, dtype=f64, generator=g),
+        "rstd": torch.rand(C, dtype=f64, generator=g) + 0.5,
+        "coef": torch.randn(C, dtype=f64, generator=g),
+        "y_logit": torch.randn(C, dtype=f64, generator=g),
+    }
+    G0, G1 = torch.empty(C, d, dtype=f64), torch.empty(C, d, dtype=f64)
+    S0, S1 = probe.before(o, G0), probe.after(o, G1)
+    G = o["c"][:, None] * ((o["u"].repeat_interleave(cse.STRIP, 0).t() * o["e"]) @ o["w"].t())
+    S = ((G * o["a"]).sum(-1) + o["coef"] * o["y_logit"] / o["rstd"]) / o["rstd"]
+    assert torch.allclose(G0, G, rtol=1e-12, atol=1e-12) and torch.equal(G0, G1)
+    assert torch.allclose(S0, S, rtol=1e-11, atol=1e-11)
+    assert torch.allclose(S1, S, rtol=1e-11, atol=1e-11)
+
+
 def test_the_row_pass_probe_records_the_first_call_and_puts_everything_back():
     """``probe_row_passes._Recorded``: the pass's first call's arguments and attention's input
     strides are kept, later calls pass through, and both names are restored on leaving."""

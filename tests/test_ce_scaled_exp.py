@@ -155,10 +155,11 @@ def test_scale_a_strip_rules_are_coda_errors():
     e = torch.zeros(100, 128, dtype=F64)
     u = torch.ones(2, 100, dtype=F64)
     with pytest.raises(coda.CodaInputError, match="multiple of tile_m = 128"):
-        cse.scaled_grad_dx_kernel(e, w, u, torch.ones(100, dtype=F64), torch.empty(100, 8))
+        cse.scaled_grad_dx_kernel(e, w, u, torch.ones(100, dtype=F64), a, torch.empty(100, 8))
     e = torch.zeros(128, 128, dtype=F64)
     with pytest.raises(coda.CodaInputError, match=r"shape \(2, 128\)"):
-        cse.scaled_grad_dx_kernel(e, w, u, torch.ones(128, dtype=F64), torch.empty(128, 8))
+        a = torch.zeros(128, 8, dtype=F64)
+        cse.scaled_grad_dx_kernel(e, w, u, torch.ones(128, dtype=F64), a, torch.empty(128, 8))
 
 
 @pytest.mark.compile

@@ -191,7 +191,9 @@ def test_the_programs_that_scale_or_copy():
     out = evaluate(cec.logits_with_stats, acc=acc, rstd=r)
     assert out == {"D": r * acc, "lse": r * acc, "target_logit": r * acc}
     assert evaluate(grg.scale_rows, acc=acc, scale=r) == {"D": r * acc}
-    assert evaluate(scaled_grad_dx, acc=acc, row_scale=r) == {"D": r * acc}
+    a = sp.symbols("a", real=True)
+    g = r * acc  # CE-S's dX, and the softmax share of the final norm's statistic with it
+    assert evaluate(scaled_grad_dx, acc=acc, row_scale=r, a=a) == {"D": g, "stat": g * a}
     for program in (ceb.passthrough, scaled_grad_dw):
         assert evaluate(program, acc=acc) == {"D": acc}
 

@@ -18,7 +18,8 @@ the gradient GEMMs read E itself, scaled per (row, 64 columns) on its way into t
     glue  u[b, m] = 2^(k[m, t(b)] - K[m]) (bf16 strip, ``strip_u``), c = r w v (``scaled_glue``),
           xs = c a (``row_scaled``), and E' = E with each row's target entry zeroed, so that
           u v E' = alpha p off the target
-    dX    G = c (.) ((u (.) E') @ W^T)        fp32, the final norm's backward follows
+    dX    G = c (.) ((u (.) E') @ W^T)        fp32, the final norm's backward follows;
+          sum_j G[m, j] a[m, j]               TILE-LD a, RED_m: the norm statistic's row dot
     dW    dW^T (+)= (u (.) E')^T @ xs         fp32, TMA reduce-add over token chunks
     hot   dW^T[y_m] += h_m a_m with h = r w (alpha p_y - (1 - eps)) in fp32
           (``add_target_terms``), and G's share G[m] += h_m W[:, y_m] in the backward, on its
@@ -48,16 +49,22 @@ from coda.kernels._launch import acc_dtype, example_operands, fused, launch
 from coda.kernels._triton import acc_type, cdiv, compile_sm90, contiguous_pass, kernel, on_triton
 from coda.kernels._triton import interpreted as in_triton_interpreter
 from coda.kernels.config import GemmConfig
-from coda.kernels.linear_cross_entropy_chunked import add_target_terms, norm_stat, target_coef
+from coda.kernels.linear_cross_entropy_chunked import (
+    add_target_terms,
+    norm_stat_from_dot,
+    target_coef,
+)
 from coda.primitives import (
     ColLoad,
     ColSelect,
     RowPartials,
     ScaleA,
+    TileLoad,
     TileMaxLog2,
     epilogue_program,
     exp2,
 )
+from coda.primitives.aux import combine_row_partials
 from coda.primitives.vocabulary import LOG2E
 
 STRIP = 64  # vocabulary columns per strip value: the transform's k-tile in dx, 64 rows in dW
@@ -142,10 +149,17 @@ def lse_from_scaled(sum_exp, k):
 # two, bf16), so that dl = c_m * u * E' / r_m with c the per-row fp32 factor r w v.
 
 
-@epilogue_program(inputs=[ColLoad("row_scale")], a_transform=ScaleA("u", tile_k=STRIP))
-def scaled_grad_dx(acc, row_scale):
-    """G = c (.) ((u (.) E') @ W^T), c the per-row scale: dX before the final norm, fp32."""
-    return {"D": acc * row_scale}
+@epilogue_program(
+    inputs=[ColLoad("row_scale"), TileLoad("a")],
+    sinks=[RowPartials("stat")],
+    a_transform=ScaleA("u", tile_k=STRIP),
+)
+def scaled_grad_dx(acc, row_scale, a):
+    """G = c (.) ((u (.) E') @ W^T), c the per-row scale: dX before the final norm, fp32; and
+    the final norm's statistic's softmax share sum_j G[m, j] a[m, j] as RED_m partials (a: the
+    GEMMs' normed operand, the tile congruent with G's)."""
+    g = acc * row_scale
+    return {"D": g, "stat": g * a}
 
 
 @epilogue_program(a_transform=ScaleA("u", rows=STRIP, cols=1, tile_k=STRIP))
@@ -182,18 +196,24 @@ def dw_config(d: int) -> GemmConfig:
     return GemmConfig(128, _grad_tile_n(d), 2, 1, False)
 
 
-def scaled_grad_dx_kernel(e, w_lm, u, c, out, dry=False, config=None):
-    """out (rows, d) fp32 = c (.) ((u (.) e) @ w_lm^T); e (rows, V) bf16, u (V / 64, rows).
-    ``config``: instead of ``dx_config``'s (the sweep)."""
-    return launch(
+def scaled_grad_dx_kernel(e, w_lm, u, c, a, out, dry=False, config=None):
+    """out (rows, d) fp32 = c (.) ((u (.) e) @ w_lm^T); e (rows, V) bf16, u (V / 64, rows), a
+    (rows, d) the normed operand. Returns the per-row sum_j out[m, j] a[m, j] (fp32), the final
+    norm's statistic's softmax share, from the epilogue's partials (the compile count when
+    ``dry``). ``config``: instead of ``dx_config``'s (the sweep)."""
+    config = config or dx_config(w_lm.shape[0])
+    stat = out.new_empty(out.shape[0], config.grid(*out.shape)[1])
+    compiled = launch(
         scaled_grad_dx,
         e,
         w_lm.t(),
-        config=config or dx_config(w_lm.shape[0]),
+        config=config,
         d=out,
-        operands={"row_scale": c, "u": u},
+        operands={"row_scale": c, "u": u, "a": a},
+        outputs={"stat": stat},
         dry=dry,
     )
+    return compiled if dry else combine_row_partials(stat)
 
 
 def scaled_grad_dw_kernel(e, xs, u, out, accumulate: bool, dry=False, config=None):
@@ -460,8 +480,9 @@ def linear_cross_entropy_scaled(
     E, dX and dW reading E through the A-operand transform). Returns (lse, target_logit,
     G (M x d, fp32, the softmax share), coef, S, dW_lm) as ``linear_cross_entropy_chunked``
     does (G + coef W[:, y] is dL/da: the backward adds the target entries; S the final norm's
-    statistic, ``norm_stat``), dW_lm the fp32 accumulator as a (d, V) view of its (V, d)
-    storage (without ``want_dw``, a frozen weight: no dW GEMM, an empty (d, 0) dW_lm).
+    statistic, ``norm_stat``, with its row dot summed in dX's epilogue), dW_lm the fp32
+    accumulator as a (d, V) view of its (V, d) storage (without ``want_dw``, a frozen weight:
+    no dW GEMM, an empty (d, 0) dW_lm).
     ``weight``: the per-row loss weight (1/M_valid or 1; 0 on ignored rows). V must be a
     multiple of 128."""
     from coda._validate import CodaInputError
@@ -474,12 +495,13 @@ def linear_cross_entropy_scaled(
     acc = acc_dtype(a)
     rows = max(128, rows // 128 * 128)
     lse = a.new_empty(M, dtype=acc)
-    y_logit, coefs = torch.empty_like(lse), torch.empty_like(lse)
+    y_logit, coefs, dot = torch.empty_like(lse), torch.empty_like(lse), torch.empty_like(lse)
     G = a.new_empty(M, d, dtype=acc)
     # dW^T, summed over chunks in fp32
     dw_t = a.new_empty(V if want_dw else 0, d, dtype=acc)
-    if label_smoothing:  # sum_m r w a
+    if label_smoothing:  # sum_m r w a, and W's row sums (the uniform term's share of dX)
         smooth_sum = a.new_zeros(d, dtype=acc)
+        w_sum = w_lm.sum(1, dtype=acc)
     glue = scaled_glue if interpreted else glue_pass
     row_index = torch.arange(min(rows, -(-M // 128) * 128), device=a.device)
     for r0 in range(0, M, rows):
@@ -503,21 +525,24 @@ def linear_cross_entropy_scaled(
         e.index_put_((row_index[:C], t_c.clamp(0, V - 1).long()), e.new_zeros(()))
         # dX straight into G's rows, except for a padded last chunk
         G_c = G[R] if C == n else a.new_empty(C, d, dtype=acc)
-        scaled_grad_dx_kernel(e, w_lm, u, c, G_c)
+        dot_c = scaled_grad_dx_kernel(e, w_lm, u, c, a_c, G_c)
         if want_dw:  # then the target entries' share, exact in fp32 (G's: in the backward)
             scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
             add_target_terms(dw_t, a_c, t_c, coef)
-        lse[R], y_logit[R], coefs[R] = lse_c[:n], tl_c[:n], coef[:n]
+        lse[R], y_logit[R], coefs[R], dot[R] = lse_c[:n], tl_c[:n], coef[:n], dot_c[:n]
         if C != n:
             G[R] = G_c[:n]
         if label_smoothing:
-            smooth_sum += (r_c * w_c) @ a_c.to(acc)
-    if label_smoothing:  # the uniform -eps/V of every dl: rank-1 in both gradients
-        shift = label_smoothing / V
-        G -= shift * (rstd * weight.to(acc))[:, None] * w_lm.sum(1, dtype=acc)[None, :]
+            a_f = a_c.to(acc)
+            smooth_sum += (r_c * w_c) @ a_f
+            dot[R] -= (label_smoothing / V) * (r_c * w_c * (a_f @ w_sum))[:n]
+    if label_smoothing:  # the uniform -eps/V of every dl: rank-1 in both gradients (and dot's
+        shift = label_smoothing / V  # share of it, above)
+        G -= shift * (rstd * weight.to(acc))[:, None] * w_sum[None, :]
         if want_dw:
             dw_t -= shift * smooth_sum[None, :]
-    S = (norm_stat if interpreted else fused(norm_stat))(G, a, rstd, coefs, y_logit)
+    # the norm's statistic from dX's epilogue partials: no pass over G
+    S = norm_stat_from_dot(dot, rstd, coefs, y_logit)
     return lse, y_logit, G, coefs, S, dw_t.t()
 
 
@@ -525,8 +550,9 @@ def compile_scaled_grad_dx(d: int, v: int, *, m: int = 256, config=None) -> int:
     e = torch.empty(m, v, dtype=torch.bfloat16)
     w = torch.empty(d, v, dtype=torch.bfloat16)
     u = torch.empty(v // STRIP, m, dtype=torch.bfloat16)
+    a = torch.empty(m, d, dtype=torch.bfloat16)
     out = torch.empty(m, d, dtype=torch.float32)
-    return scaled_grad_dx_kernel(e, w, u, torch.empty(m), out, dry=True, config=config)
+    return scaled_grad_dx_kernel(e, w, u, torch.empty(m), a, out, dry=True, config=config)
 
 
 def compile_scaled_grad_dw(d: int, v: int, *, accumulate: bool, m: int = 256, config=None) -> int:

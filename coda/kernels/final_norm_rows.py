@@ -4,7 +4,8 @@ pass over the token rows, for the programs that form their g = 1 gradients in th
 
 Those programs hand back G, the softmax share of dL/dy (fp32, each row's target entry left
 out), coef, the target entries' per-row coefficient, and the norm's statistic S = sum_j
-(dL/dy)_j y_j (``linear_cross_entropy_chunked.norm_stat``: G's row dot plus coef l_y). With
+(dL/dy)_j y_j (``linear_cross_entropy_chunked.norm_stat``: G's row dot plus coef l_y; CE-S's
+dX GEMM sums the row dot in its epilogue, CE-C's is a pass over G). With
 W the (V, d) rows of the LM head's weight, y = h rstd gamma the GEMMs' normed operand and g
 the upstream gradient:
 
@@ -20,9 +21,9 @@ the forward added the target entries into G (a read and a write of G, 80 us at d
 128 us; run 118). Here each program takes a column block of d and every P-th block of token
 rows, reads G, W[y] and h once, writes dh, and keeps its column block's dgamma terms in
 registers across its rows: P rows of partials, summed by one small launch (no atomics:
-deterministic). g stays on the device (no host sync). S stays a pass of its own (the logits
-GEMM's epilogue could sum E l per tile instead, measured once: benchmarks/NOTES.md, session
-27).
+deterministic). g stays on the device (no host sync). S is not summed here: the program
+would need a row's every column block before its first dh (two sweeps over G were measured
+slower: benchmarks/NOTES.md, session 27).
 """
 
 from __future__ import annotations

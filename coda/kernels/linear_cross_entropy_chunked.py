@@ -145,7 +145,13 @@ def norm_stat(G, a, rstd, coef, target_logit):
     row dot plus the target entry's, coef l_y / rstd (l_y = rstd W[:, y] . a), accumulated
     in fp32 (float64 for proofs)."""
     acc = torch.float64 if G.dtype == torch.float64 else torch.float32
-    return ((G.to(acc) * a.to(acc)).sum(-1) + coef * target_logit / rstd) / rstd
+    return norm_stat_from_dot((G.to(acc) * a.to(acc)).sum(-1), rstd, coef, target_logit)
+
+
+def norm_stat_from_dot(dot, rstd, coef, target_logit):
+    """``norm_stat`` given the softmax share's row dot, sum_j G[m, j] a[m, j] (CE-S sums it
+    in its dX GEMM's epilogue)."""
+    return (dot + coef * target_logit / rstd) / rstd
 
 
 def g_config(rows: int, v: int, d: int) -> GemmConfig:
