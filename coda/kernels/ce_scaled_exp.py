@@ -499,9 +499,10 @@ def linear_cross_entropy_scaled(
     G = a.new_empty(M, d, dtype=acc)
     # dW^T, summed over chunks in fp32
     dw_t = a.new_empty(V if want_dw else 0, d, dtype=acc)
-    if label_smoothing:  # sum_m r w a, and W's row sums (the uniform term's share of dX)
-        smooth_sum = a.new_zeros(d, dtype=acc)
-        w_sum = w_lm.sum(1, dtype=acc)
+    if label_smoothing:  # the uniform -eps/V of every dl: rank-1 in both gradients and S
+        shift = label_smoothing / V
+        smooth_sum = a.new_zeros(d, dtype=acc)  # sum_m r w a: dW's share
+        w_sum = w_lm.sum(1, dtype=acc)  # W's row sums: G's share, and the dot's (a . w_sum)
     glue = scaled_glue if interpreted else glue_pass
     row_index = torch.arange(min(rows, -(-M // 128) * 128), device=a.device)
     for r0 in range(0, M, rows):
@@ -535,9 +536,8 @@ def linear_cross_entropy_scaled(
         if label_smoothing:
             a_f = a_c.to(acc)
             smooth_sum += (r_c * w_c) @ a_f
-            dot[R] -= (label_smoothing / V) * (r_c * w_c * (a_f @ w_sum))[:n]
-    if label_smoothing:  # the uniform -eps/V of every dl: rank-1 in both gradients (and dot's
-        shift = label_smoothing / V  # share of it, above)
+            dot[R] -= shift * (r_c * w_c * (a_f @ w_sum))[:n]
+    if label_smoothing:
         G -= shift * (rstd * weight.to(acc))[:, None] * w_sum[None, :]
         if want_dw:
             dw_t -= shift * smooth_sum[None, :]
