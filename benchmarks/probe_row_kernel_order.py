@@ -27,7 +27,7 @@ import sys
 import torch
 
 from coda.kernels._launch import fused
-from coda.kernels.ce_scaled_exp import (
+from coda.kernels.ce_scaled_rows import (
     row_scaled_torch,
     row_scaled_triton,
     scaled_glue,

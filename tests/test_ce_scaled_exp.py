@@ -1,7 +1,9 @@
-"""The scaled-exp LM-head GEMM (``coda.kernels.ce_scaled_exp``) and its ``TileMaxLog2``
-primitive: level 1 (float64 through the tile interpreter, against the definitions and against
-the softmax / logsumexp they reparameterize) and level 2 (sm_90a compiles). Level 3 (the
-H200) is the LM-head ``gpu`` tests' "scaled_exp" cases: it is ``LMHeadLoss``'s default method."""
+"""The scaled-exp LM-head GEMM (``coda.kernels.ce_scaled_exp``), its row passes
+(``coda.kernels.ce_scaled_rows``) and its ``TileMaxLog2`` primitive: level 1 (float64 through
+the tile interpreter, against the definitions and against the softmax / logsumexp they
+reparameterize; the row passes' Triton kernels in Triton's interpreter) and level 2 (sm_90a
+compiles). Level 3 (the H200) is the gpu tests here and the LM-head ``gpu`` tests'
+"scaled_exp" cases: it is ``LMHeadLoss``'s default method."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from conftest import rel_err
 
 from coda.kernels import ce_scaled_exp as cse
+from coda.kernels import ce_scaled_rows as rows
 from coda.kernels.config import GemmConfig
 from coda.kernels.linear_cross_entropy_chunked import target_coef
 from coda.reference.cross_entropy import scaled_exp_logits_ref
@@ -52,7 +55,7 @@ def test_kernel_equals_its_definition_and_the_softmax(seed, M, d, V, tile_m, til
     T = V // tile_n
     k_cols = k.repeat_interleave(tile_n, dim=1)
     assert rel_err(e * torch.exp2(k_cols), logits.exp()) < 1e-12
-    lse = cse.lse_from_scaled(s, k)
+    lse = rows.lse_from_scaled(s, k)
     assert rel_err(lse, torch.logsumexp(logits, dim=1)) < 1e-14
     K = k.amax(1, keepdim=True)
     v = torch.exp2(K[:, 0]) * torch.exp(-lse)
@@ -71,7 +74,7 @@ def test_no_overflow_at_large_logits_in_fp32():
     assert torch.isfinite(e).all() and torch.isfinite(s).all()
     logits = rstd[:, None] * (a @ w)
     assert float(logits.abs().max()) > 1000
-    lse = cse.lse_from_scaled(s.double(), k.double())
+    lse = rows.lse_from_scaled(s.double(), k.double())
     assert rel_err(lse, torch.logsumexp(logits, dim=1)) < 1e-6
 
 
@@ -298,8 +301,8 @@ def strip_case(C, t_n, tile_n, seed=0, device="cpu") -> bool:
     k = torch.randint(-30, 30, (C, t_n), generator=g, device=device).float()
     k[:, 0] -= 150.0 * (torch.rand(C, generator=g, device=device) < 0.3)  # floored tiles
     K = k.amax(dim=1)
-    got = cse.strip_u_triton(k, K, tile_n, torch.bfloat16)
-    ref = cse.strip_u_torch(k, K, tile_n, torch.bfloat16)
+    got = rows.strip_u_triton(k, K, tile_n, torch.bfloat16)
+    ref = rows.strip_u_torch(k, K, tile_n, torch.bfloat16)
     return got.shape == ref.shape and torch.equal(got, ref)
 
 
@@ -320,15 +323,15 @@ def test_strip_kernel_in_triton_interpreter_equals_torch_form():
 def test_strip_comparison_can_fail():
     """A strip off by one power of two anywhere is caught: ``torch.equal`` on the powers."""
     k = torch.tensor([[0.0, -3.0]])
-    u = cse.strip_u_torch(k, k.amax(1), 128, torch.bfloat16)
+    u = rows.strip_u_torch(k, k.amax(1), 128, torch.bfloat16)
     assert u.shape == (4, 1) and u[:, 0].tolist() == [1.0, 1.0, 0.125, 0.125]
-    assert not torch.equal(u, cse.strip_u_torch(k - 1.0, k.amax(1), 128, torch.bfloat16))
+    assert not torch.equal(u, rows.strip_u_torch(k - 1.0, k.amax(1), 128, torch.bfloat16))
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("tile_n", [64, 128, 192, 256])
 def test_strip_kernel_compiles_for_sm90(tile_n):
-    assert cse.compile_strip_u(tile_n) > 0
+    assert rows.compile_strip_u(tile_n) > 0
 
 
 @pytest.mark.gpu
@@ -354,7 +357,7 @@ def row_scale_case(C, D, seed=0, device="cpu", dtype=torch.bfloat16) -> float:
         torch.randint(-20, 20, (C,), generator=g, device=device).float()
     )
     c[::5] = 0.0
-    got, ref = cse.row_scaled_triton(a, c), cse.row_scaled_torch(a, c)
+    got, ref = rows.row_scaled_triton(a, c), rows.row_scaled_torch(a, c)
     assert got.shape == ref.shape and got.dtype == ref.dtype and got.is_contiguous()
     ulp = torch.finfo(dtype).eps * ref.double().abs().clamp(min=torch.finfo(dtype).tiny)
     return float(((got.double() - ref.double()).abs() / ulp).max()) if got.numel() else 0.0
@@ -364,16 +367,16 @@ _ROW_SCALE_CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
 from test_ce_scaled_exp import ROW_SCALE_CASES, row_scale_case
-from coda.kernels import ce_scaled_exp as cse
+from coda.kernels import ce_scaled_rows as rows
 out = [row_scale_case(*c, seed=i) for i, c in enumerate(ROW_SCALE_CASES)]
 out += [row_scale_case(*c, seed=i, dtype=torch.float32) for i, c in enumerate(ROW_SCALE_CASES)]
 launched = []
-triton_form = cse.row_scaled_triton
-cse.row_scaled_triton = lambda *a: launched.append(1) or triton_form(*a)
+triton_form = rows.row_scaled_triton
+rows.row_scaled_triton = lambda *a: launched.append(1) or triton_form(*a)
 a, c = torch.randn(9, 40).bfloat16(), torch.randn(9)
-got, ref = cse.row_scaled(a, c).double(), cse.row_scaled_torch(a, c).double()  # the kernel
+got, ref = rows.row_scaled(a, c).double(), rows.row_scaled_torch(a, c).double()  # the kernel
 close = bool(((got - ref).abs() <= ref.abs() * 2.0**-7).all())  # within one bf16 step
-cse.row_scaled(a.t().contiguous().t(), c)  # column-major: the torch form
+rows.row_scaled(a.t().contiguous().t(), c)  # column-major: the torch form
 print(json.dumps(out + [close, len(launched)]))
 """
 
@@ -396,8 +399,8 @@ def test_row_scale_kernel_in_triton_interpreter_equals_torch_form():
 def test_row_scale_comparison_can_fail():
     """A row scaled by the wrong factor is caught by the case's measure."""
     a, c = torch.randn(4, 8).bfloat16(), torch.ones(4)
-    ref = cse.row_scaled_torch(a, c)
-    wrong = cse.row_scaled_torch(a, c * 1.01)
+    ref = rows.row_scaled_torch(a, c)
+    wrong = rows.row_scaled_torch(a, c * 1.01)
     ulp = torch.finfo(torch.bfloat16).eps * ref.double().abs().clamp(min=1e-30)
     assert ((wrong.double() - ref.double()).abs() / ulp).max() > 1.0
 
@@ -429,7 +432,7 @@ def glue_inputs(C, t_n, seed=0, device="cpu"):
     s = 1.0 + 100.0 * torch.rand(C, t_n, generator=g, device=device)
     k[::2], s[::2, -1] = k[::2] - 80.0, 1.0  # confident rows: the last tile holds lse ~ 0
     k[::2, -1] = 0.0
-    lse = cse.lse_from_scaled(s, k)
+    lse = rows.lse_from_scaled(s, k)
     y = (
         lse
         - torch.rand(C, generator=g, device=device)
@@ -448,8 +451,8 @@ def glue_case(C, t_n, z_loss, smoothing, seed=0, device="cpu") -> list[float]:
     0 on half the rows, where l_y - lse inherits lse's rounding in either form: this isolates
     the kernel's expm1, which a plain e^x - 1 fails by orders of magnitude)."""
     s, k, y, rstd, w = glue_inputs(C, t_n, seed, device)
-    got = cse.scaled_glue_triton(s, k, y, rstd, w, z_loss, smoothing)
-    ref = cse.scaled_glue(s, k, y, rstd, w, z_loss, smoothing)
+    got = rows.scaled_glue_triton(s, k, y, rstd, w, z_loss, smoothing)
+    ref = rows.scaled_glue(s, k, y, rstd, w, z_loss, smoothing)
     coef_ref = target_coef(y, got[0], rstd, w, smoothing, z_loss)
     if not C:
         return [0.0] * 4
@@ -469,16 +472,16 @@ _GLUE_CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
 from test_ce_scaled_exp import GLUE_CASES, glue_case, glue_inputs
-from coda.kernels import ce_scaled_exp as cse
+from coda.kernels import ce_scaled_rows as rows
 out = [glue_case(*c, seed=i) for i, c in enumerate(GLUE_CASES)]
 launched = []
-triton_form = cse.scaled_glue_triton
-cse.scaled_glue_triton = lambda *a: launched.append(1) or triton_form(*a)
+triton_form = rows.scaled_glue_triton
+rows.scaled_glue_triton = lambda *a: launched.append(1) or triton_form(*a)
 s, k, y, rstd, w = glue_inputs(9, 5)
-cse.glue_pass(s, k, y, rstd, w, 0.0, 0.0)  # contiguous rows: the kernel
+rows.glue_pass(s, k, y, rstd, w, 0.0, 0.0)  # contiguous rows: the kernel
 strided = torch.stack([rstd, rstd], 1)[:, 0]
-ref = cse.scaled_glue(s, k, y, strided, w, 0.0, 0.0)
-got = cse.glue_pass(s, k, y, strided, w, 0.0, 0.0)  # a strided rstd: the torch form
+ref = rows.scaled_glue(s, k, y, strided, w, 0.0, 0.0)
+got = rows.glue_pass(s, k, y, strided, w, 0.0, 0.0)  # a strided rstd: the torch form
 same = all(torch.equal(a, b) for a, b in zip(got, ref))
 print(json.dumps(out + [[len(launched), same]]))
 """
@@ -500,17 +503,17 @@ def test_glue_kernel_in_triton_interpreter_equals_torch_form():
 def test_glue_comparison_can_fail():
     """A glue off by one tile's sum is caught by the case's measure."""
     s, k, y, rstd, w = glue_inputs(8, 5)
-    ref = cse.scaled_glue(s, k, y, rstd, w, 0.0, 0.0)
+    ref = rows.scaled_glue(s, k, y, rstd, w, 0.0, 0.0)
     s2 = s.clone()
     s2[:, 0] *= 1.5
-    bad = cse.scaled_glue(s2, k, y, rstd, w, 0.0, 0.0)
+    bad = rows.scaled_glue(s2, k, y, rstd, w, 0.0, 0.0)
     assert float(((bad[2] - ref[2]).abs() / ref[2].abs().clamp(min=1e-30)).max()) > 1e-5
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("compiled", ["compile_row_scaled", "compile_scaled_glue"])
 def test_xs_and_glue_kernels_compile_for_sm90(compiled):
-    assert getattr(cse, compiled)() > 0
+    assert getattr(rows, compiled)() > 0
 
 
 @pytest.mark.gpu
