@@ -17,12 +17,13 @@ GPU time (profiled), and that both give the same G (bitwise) and S (fp32 summati
 the per-row relative difference is large on rows whose S cancels to near 0, so the normwise
 one is reported beside it).
 
-    python benchmarks/probe_dx_stat.py
+    python benchmarks/probe_dx_stat.py [rounds]     (5 unless given: run 177's count)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 
@@ -76,7 +77,7 @@ def after(o, G):
     return norm_stat_from_dot(dot, o["rstd"], o["coef"], o["y_logit"])
 
 
-def main() -> None:
+def main(rounds: int = 5) -> None:
     rows = []
     for d, V, C in SHAPES:
         o = operands(d, V, C)
@@ -84,7 +85,7 @@ def main() -> None:
         S0, S1 = before(o, G0), after(o, G1)
         torch.cuda.synchronize()
         fns = {"before": lambda o=o, G=G0: before(o, G), "after": lambda o=o, G=G1: after(o, G)}
-        timed = interleaved(fns, rounds=5)
+        timed = interleaved(fns, rounds=rounds)
         rows.append(
             {
                 "d": d,
@@ -109,4 +110,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
