@@ -5,10 +5,11 @@ driver: ``ce_scaled_exp``), each from GEMM1's per-(row, N-tile) statistics or th
     xs     c (.) a, the dW GEMM's B operand (``row_scaled``)
     u      the strip 2^(k[m, t(b)] - K[m]) per 64 vocabulary columns (``strip_u``)
 
-Each has a torch form (the CPU path, what a torch.compile trace fuses, the oracle) and a
-Triton pass with its tile fixed here (the GPU path, as one launch: Inductor's forms of the
-same passes ran 1.5-5x slower, and their launch configs were Inductor's to pick once, at a
-first call: benchmarks/NOTES.md, sessions 39-40), with an sm_90 compile of each for CI.
+Each has a torch form (the CPU path and the oracle; the glue's and xs's also run through
+Inductor, ``fused``, for rows that are not contiguous) and a Triton pass with its tile fixed
+here (the GPU path, one launch each: Inductor's forms of the same passes ran 1.4-5x slower in
+the LM head's kernel tables, with launch configs Inductor picked once, at a first call:
+benchmarks/NOTES.md, sessions 39-40), with an sm_90 compile of each for CI.
 Tests: tests/test_ce_scaled_exp.py (the Triton interpreter against the torch forms; GPU).
 """
 
