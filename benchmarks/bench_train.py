@@ -191,7 +191,10 @@ def layer_rows(liger) -> list[dict]:
                 "name": "layer_train/coda_kernels",
                 **shape,
                 **beside_floor(parts, variants["coda"][0]),
+                # from an idle GPU (one call after a sync: its first kernels wait on the
+                # host's launches) and back to back (as the timed steps and a training loop)
                 **idle_report(variants["coda"][0]),
+                **steady_idle(variants["coda"][0]),
             }
         )
         variants = None  # free this width's weights before the next
