@@ -252,8 +252,9 @@ class MLP(torch.autograd.Function):
         M, d = x1.shape
         f = w_d.shape[0]
         s, u = lib.gemm_swiglu(a1, w_il, r1, config_for("swiglu", M, d, 2 * f))  # F4
-        # F5: residual add only; this boundary's norm is the next layer's F0 (no AUX)
-        x2, _ = lib.gemm_residual(s, w_d, x1, config_for("residual", M, f, d))
+        # F5: the residual add alone (no statistic): this boundary's norm is the next
+        # layer's F0, which computes its own
+        x2 = lib.gemm_residual_add(s, w_d, x1, config_for("residual", M, f, d))
         ctx.save_for_backward(x1, r1, u, g2, w_il, w_d)
         return x2
 

@@ -65,6 +65,26 @@ def test_the_dx_stat_probe_times_two_forms_of_one_thing():
     assert torch.allclose(S1, S, rtol=1e-11, atol=1e-11)
 
 
+def test_the_residual_add_probe_times_three_forms_of_one_output():
+    """``probe_residual_add``'s variants (coda's residual GEMM with and without the statistic,
+    and cuBLAS's addmm) give one output, x1 + s @ W_d (float64: the tile interpreter)."""
+    from benchmarks import probe_residual_add as probe
+    from coda.kernels.config import GemmConfig
+
+    g = torch.Generator().manual_seed(2)
+    f64 = torch.float64
+    o = {
+        "s": torch.randn(200, 72, dtype=f64, generator=g),
+        "w": torch.randn(72, 136, dtype=f64, generator=g),  # N = 136: a ragged N-tile
+        "x1": torch.randn(200, 136, dtype=f64, generator=g),
+    }
+    outs = {n: fn() for n, fn in probe.variants(o, GemmConfig(64, 64, 1, 1, False)).items()}
+    expected = o["x1"] + o["s"] @ o["w"]
+    assert set(outs) == {"sumsq", "add", "cublas"} and torch.equal(outs["sumsq"], outs["add"])
+    for out in outs.values():
+        assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_the_row_pass_probe_records_the_first_call_and_puts_everything_back():
     """``probe_row_passes._Recorded``: the pass's first call's arguments and attention's input
     strides are kept, later calls pass through, and both names are restored on leaving."""

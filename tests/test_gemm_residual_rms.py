@@ -47,6 +47,18 @@ def test_interpreted_program_equals_reference(seed, with_gamma, config):
         assert rel_err(a, a_ref) < 1e-14
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("config", [SMALL, DEFAULT], ids=["64x32", "default"])
+def test_statistic_free_program_is_the_residual_gemm(seed, config):
+    """``stats=False`` (a layer's down projection): h alone, as the program with the
+    statistic computes it, and no partials."""
+    d = random_dims(seed, M=(1, 300), K=(1, 40), N=(1, 420))
+    x, w, res, _ = inputs(d["M"], d["K"], d["N"], seed=seed)
+    h, a, parts = kern.epilogue_gemm(x, w, res, None, config, stats=False)
+    assert a is None and parts is None
+    assert rel_err(h, gemm_residual_rms_ref(x, w, res, None, 1e-5)[0]) < 1e-14
+
+
 def test_public_op_reference_path_on_cpu():
     x, w, res, gamma = inputs(37, 24, 56, dtype=torch.bfloat16)
     out = coda.gemm_residual_rms(x, w, res, gamma, eps=1e-6)
@@ -84,6 +96,12 @@ def test_compiles_for_sm90(with_gamma, w_major):
     assert done in (0, 1)
     # M, N and K are dynamic: another problem size reuses the same compiled kernel
     assert kern.compile_gemm_residual_rms(512, 1032, gamma=with_gamma, w_major=w_major, m=1000) == 0
+
+
+@pytest.mark.compile
+def test_statistic_free_program_compiles_for_sm90():
+    assert kern.compile_gemm_residual_rms(256, 520, gamma=False, stats=False) in (0, 1)
+    assert kern.compile_gemm_residual_rms(512, 1032, gamma=False, stats=False, m=1000) == 0
 
 
 # -- bad input ------------------------------------------------------------------------------

@@ -91,6 +91,7 @@ def test_residual_norm_epilogue_defers_rmsnorm_to_a_row_scale():
         assert same(rstd * col["normed"], h[j] / rms * gamma[j])
     plain = evaluate(grr.residual_sumsq, acc=acc[0], c=c[0])
     assert same(plain["sumsq"], h[0] ** 2) and same(plain["D"], h[0])
+    assert evaluate(grr.residual_add, acc=acc[0], c=c[0]) == {"D": h[0]}
 
 
 def test_norm_backward_epilogue_is_rmsnorm_backward_with_its_residual():
@@ -201,7 +202,7 @@ def test_the_programs_that_scale_or_copy():
 # every program the tests above prove, by name; QK-norm's two are made per eps by a factory
 PROVEN = {
     "swiglu_keep_preact", "swiglu_only", "dswiglu_rescaled", "rope_scaled", "residual_sumsq",
-    "residual_norm_sumsq", "norm_bwd", "norm_bwd_residual", "softmax_grad_logits",
+    "residual_add", "residual_norm_sumsq", "norm_bwd", "norm_bwd_residual", "softmax_grad_logits",
     "softmax_grad_logits_shifted", "scaled_exp_logits", "_qk_norm_rope", "_qk_norm_rope_keep_z",
     "logits_lse_target", "logits_with_stats", "scale_rows", "scaled_grad_dx", "passthrough",
     "scaled_grad_dw",

@@ -1,4 +1,5 @@
-"""GEMM1 of the GEMM-Residual-RMSNorm-GEMM block (KERNELS.md F3/F5 + A1/A2).
+"""GEMM1 of the GEMM-Residual-RMSNorm-GEMM block (KERNELS.md F3/F5 + A1/A2), and the plain
+residual GEMM a layer's last projection is.
 
     acc = x @ w                                   quack SM90 mainloop, fp32 accumulator
     h   = residual + acc                          TileC (residual as the GEMM's C); EW
@@ -9,7 +10,9 @@
 
 ``a`` is GEMM2's A operand (the norm's gamma applied, its row scale r deferred to GEMM2's
 epilogue); without gamma the kernel is the plain "D = residual + A B plus sum-of-squares
-partials". Saved for backward: h and r.
+partials", and without the statistic (``stats=False``, ``residual_add``) D alone: a decoder
+layer's down projection, whose norm is the next layer's entry norm, which computes its own
+(the partials would be dropped). Saved for backward: h and r.
 
 Supported: bf16 x (M, K) row-major, w (K, N) either major, residual (M, N) row-major,
 gamma (N,); K and N multiples of 8 (16-byte TMA rows); any M and any N-tile raggedness.
@@ -47,21 +50,34 @@ def residual_norm_sumsq(acc, c, gamma):
     return {"D": h, "normed": h * gamma, "sumsq": (h, h)}
 
 
-def program_for(gamma) -> object:
+@epilogue_program(inputs=[TileC()])
+def residual_add(acc, c):
+    return {"D": acc + c}
+
+
+def program_for(gamma, stats: bool = True) -> object:
+    if not stats:
+        assert gamma is None, "the normed output needs the statistic"
+        return residual_add
     return residual_sumsq if gamma is None else residual_norm_sumsq
 
 
-def epilogue_gemm(x, w, residual, gamma=None, config: GemmConfig = DEFAULT, dry=False):
-    """The SM90 epilogue GEMM alone: returns (h, a or None, sum-of-squares partials M x T_N),
-    or with ``dry`` only compiles it and returns the number of compiles."""
+def epilogue_gemm(
+    x, w, residual, gamma=None, config: GemmConfig = DEFAULT, dry=False, stats: bool = True
+):
+    """The SM90 epilogue GEMM alone: returns (h, a or None, sum-of-squares partials M x T_N,
+    or None without ``stats``), or with ``dry`` only compiles it and returns the number of
+    compiles."""
     M, N = x.shape[0], w.shape[1]
     h = x.new_empty(M, N)
-    outputs = {"sumsq": x.new_empty(M, config.grid(M, N)[1], dtype=acc_dtype(x))}
+    outputs = {}
+    if stats:
+        outputs["sumsq"] = x.new_empty(M, config.grid(M, N)[1], dtype=acc_dtype(x))
     if gamma is not None:
         outputs["normed"] = torch.empty_like(h)
     operands = {} if gamma is None else {"gamma": gamma}
     compiled = launch(
-        program_for(gamma),
+        program_for(gamma, stats),
         x,
         w,
         config=config,
@@ -71,7 +87,7 @@ def epilogue_gemm(x, w, residual, gamma=None, config: GemmConfig = DEFAULT, dry=
         outputs=outputs,
         dry=dry,
     )
-    return compiled if dry else (h, outputs.get("normed"), outputs["sumsq"])
+    return compiled if dry else (h, outputs.get("normed"), outputs.get("sumsq"))
 
 
 def gemm_residual_rms_kernel(x, w, residual, gamma=None, eps=1e-5, config: GemmConfig = DEFAULT):
@@ -90,10 +106,17 @@ def gemm_residual_rms_interpreted(x, w, residual, gamma=None, eps=1e-5, config=D
 
 
 def compile_gemm_residual_rms(
-    k: int, n: int, *, gamma: bool, w_major: str = "n", config: GemmConfig = DEFAULT, m: int = 256
+    k: int,
+    n: int,
+    *,
+    gamma: bool,
+    stats: bool = True,
+    w_major: str = "n",
+    config: GemmConfig = DEFAULT,
+    m: int = 256,
 ) -> int:
     """Compile for sm_90a without a GPU; returns compiles done (M, N, K are dynamic)."""
     x, w = example_operands(m, k, n, w_major)
     residual = torch.empty(m, n, dtype=torch.bfloat16)
     g = torch.empty(n, dtype=torch.bfloat16) if gamma else None
-    return epilogue_gemm(x, w, residual, g, config, dry=True)
+    return epilogue_gemm(x, w, residual, g, config, dry=True, stats=stats)

@@ -209,6 +209,18 @@ def _(x, w, res, cfg):
     return _empty(M, N, like=x), _empty(M, cdiv(N, cfg[1]), like=x, dtype=acc_dtype(x))
 
 
+@torch.library.custom_op("coda::gemm_residual_add", mutates_args=())
+def _gemm_residual_add(
+    x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, cfg: list[int]
+) -> torch.Tensor:
+    return _grr.epilogue_gemm(x, w, res, None, _gc(cfg), stats=False)[0]
+
+
+@_fake(_gemm_residual_add)
+def _(x, w, res, cfg):
+    return _empty(x.shape[0], w.shape[1], like=x)
+
+
 @torch.library.custom_op("coda::gemm_swiglu", mutates_args=())
 def _gemm_swiglu(
     a: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, cfg: list[int]
@@ -469,6 +481,10 @@ gemm_residual = _either(  # (h, sum-of-squares partials)
     lambda x, w, res, c: _gemm_residual(x, w, res, _cfg(c)),
     lambda x, w, res, c: _grr.epilogue_gemm(x, w, res, None, c)[::2],
 )
+gemm_residual_add = _either(  # h alone (no statistic)
+    lambda x, w, res, c: _gemm_residual_add(x, w, res, _cfg(c)),
+    lambda x, w, res, c: _grr.epilogue_gemm(x, w, res, None, c, stats=False)[0],
+)
 gemm_swiglu = _either(
     lambda a, w, r, c: _gemm_swiglu(a, w, r, _cfg(c)),
     lambda a, w, r, c: _sw.gemm_swiglu_kernel(a, w, r, True, c),
@@ -524,6 +540,7 @@ OPS = {
     "gemm_qk_norm_rope_keep_z": _gemm_qk_norm_rope_keep_z,
     "gemm_residual_rms": _gemm_residual_rms,
     "gemm_residual": _gemm_residual,
+    "gemm_residual_add": _gemm_residual_add,
     "gemm_swiglu": _gemm_swiglu,
     "gemm_scale_rows": _gemm_scale_rows,
     "gemm_swiglu_only": _gemm_swiglu_only,
