@@ -230,6 +230,20 @@ def interleaved(fns: dict, rounds: int = ROUNDS, timer=None) -> dict:
     return out
 
 
+def probe_rows(fns: dict, timed: dict, top: int = 4) -> dict:
+    """A probe's A/B, per variant: the median of ``interleaved``'s rounds, the rounds, the
+    clock of the median round, and the variant's kernels (profiled, the ``top`` longest)."""
+    return {
+        name: {
+            "ms": t["ms"],
+            "rounds_ms": t["rounds_ms"],
+            "sm_mhz": t.get("sm_mhz"),
+            "kernels": kernel_table(fns[name], steps=5, top=top),
+        }
+        for name, t in timed.items()
+    }
+
+
 def in_order(fns: dict):
     """One function that calls every function of ``fns`` in turn: a floor's parts timed as
     one step."""

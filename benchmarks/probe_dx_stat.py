@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from benchmarks._common import interleaved, kernel_table
+from benchmarks._common import interleaved, probe_rows
 from coda.kernels._launch import fused, launch
 from coda.kernels.ce_scaled_exp import STRIP, dx_config, scaled_grad_dx_kernel
 from coda.kernels.linear_cross_entropy_chunked import norm_stat, norm_stat_from_dot
@@ -95,15 +95,7 @@ def main(rounds: int = 5) -> None:
                 # per row (large where S nears 0: random operands cancel), and normwise
                 "S_max_rel_diff": ((S0 - S1).abs() / S0.abs().clamp_min(1e-30)).max().item(),
                 "S_diff_over_max_S": ((S0 - S1).abs().max() / S0.abs().max()).item(),
-                **{
-                    name: {
-                        "ms": t["ms"],
-                        "rounds_ms": t["rounds_ms"],
-                        "sm_mhz": t.get("sm_mhz"),
-                        "kernels": kernel_table(fns[name], steps=5, top=4),
-                    }
-                    for name, t in timed.items()
-                },
+                **probe_rows(fns, timed, top=4),
             }
         )
         print(json.dumps(rows[-1]), flush=True)

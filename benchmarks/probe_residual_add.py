@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from benchmarks._common import interleaved, kernel_table
+from benchmarks._common import interleaved, probe_rows
 from coda.kernels.gemm_residual_rms import epilogue_gemm
 from coda.kernels.tuned import config_for
 
@@ -63,15 +63,7 @@ def main(rounds: int = 5) -> None:
             "N": d,
             "config": vars(config),
             "D_bitwise_equal": same,
-            **{
-                name: {
-                    "ms": t["ms"],
-                    "rounds_ms": t["rounds_ms"],
-                    "sm_mhz": t.get("sm_mhz"),
-                    "kernels": kernel_table(fns[name], steps=5, top=3),
-                }
-                for name, t in timed.items()
-            },
+            **probe_rows(fns, timed, top=3),
         }
         print(json.dumps(row), flush=True)
 

@@ -231,6 +231,26 @@ def test_interleaved_rounds_rotate_and_take_the_median():
     assert out["b"]["spread"] == pytest.approx((8.0 - 1.0) / 2.0)
 
 
+def test_probe_rows_keep_each_variants_rounds_clock_and_its_own_kernels(monkeypatch):
+    profiled = []
+    monkeypatch.setattr(
+        _common, "kernel_table", lambda fn, steps, top: profiled.append(fn) or [{"top": top}]
+    )
+    timed = {
+        "a": {"ms": 2.0, "rounds_ms": [2.0, 3.0], "sm_mhz": 1500.0, "p20_ms": 0.0},
+        "b": {"ms": 1.0, "rounds_ms": [1.0, 1.5]},  # no clock where nvidia-smi gave none
+    }
+    out = _common.probe_rows({"a": "fa", "b": "fb"}, timed, top=3)
+    assert profiled == ["fa", "fb"]
+    assert out["a"] == {
+        "ms": 2.0,
+        "rounds_ms": [2.0, 3.0],
+        "sm_mhz": 1500.0,
+        "kernels": [{"top": 3}],
+    }
+    assert out["b"]["sm_mhz"] is None and out["b"]["rounds_ms"] == [1.0, 1.5]
+
+
 def test_against_floor_sums_the_parts_and_reports_a_failing_variant():
     ms = {"gemm": 2.0, "attn": 1.0, "coda": 3.3, "peer": 3.6, None: 3.3}  # None: both parts
 
