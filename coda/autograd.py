@@ -1,11 +1,34 @@
 """autograd.Functions for the kernel path: a Llama decoder layer and the LM head + loss.
 
-Forward and backward are the kernel sequence of KERNELS.md section 6 (F0..F6, B1..B13): every
-op outside attention is a GEMM epilogue or a small AUX reduction. A layer is three Functions,
-one per fusion boundary (``AttentionInput``: F0-F1 / B11-B13; ``AttentionOutput``: F3 /
-B8-B9; ``MLP``: F4-F5 / B4-B7), composed by ``decoder_layer`` around a pluggable attention
-callable (SDPA by default) that autograd differentiates. Weights are coda-layout (in, out)
-matrices (``coda.layouts``); tokens are rows, batch-major.
+Forward and backward are the kernel sequence of the design notes (KERNELS.md section 6), whose
+step labels the code below cites: every op outside attention is a GEMM epilogue or a small
+AUX reduction. Per layer (x0 in, x2 out; "epi" = in the GEMM's epilogue):
+
+    F0   a0 = x0 * gamma1, r0                    row kernel (``norm_rows.entry_norm``)
+    F1   q, k, v = RoPE(r0 * (a0 @ W_qkv))        epi: row scale, RoPE [, Qwen3's QK-norm]
+    F2   o = attention(q, k, v)                   pluggable (SDPA by default)
+    F3   x1 = x0 + o @ W_o; a1 = x1 * gamma2      epi: residual, norm input, sum of squares
+    A1   r1 from F3's partials                    row kernel
+    F4   s = SwiGLU(r1 * (a1 @ W_il)), u kept     epi: row scale, SwiGLU, pre-activation
+    F5   x2 = x1 + s @ W_d                        epi: residual (the next layer's F0 is its norm)
+    B4   dz1, s = dSwiGLU(dx2 @ W_d^T)            epi: dSwiGLU, s again, the norm statistic
+    B5   dW_d = s^T dx2                           cuBLAS
+    A6   corr1 from B4's partials                 row kernel
+    B6   dx1 = norm backward of dz1 @ W_il^T      epi: + dx2 (residual); A7: dgamma2
+    B7   dW_il = gamma2 (rows) * (x1^T dz1)       epi: row scale
+    B8   do = dx1 @ W_o^T;  B9  dW_o = o^T dx1    cuBLAS
+    B10  dq, dk, dv                               attention's own backward
+    B11  dz0, corr0 from dq, dk, dv               row kernel: dRoPE [, QK-norm's backward]
+    B12  dx0 = norm backward of dz0 @ W_qkv^T     epi: + dx1 (residual); A9: dgamma1
+    B13  dW_qkv = gamma1 (rows) * (x0^T dz0)      epi: row scale
+
+The LM head + loss (final norm, logits never stored whole) is F6 / B1-B3 with A3-A5, by
+method (``LinearCrossEntropyFunction`` below).
+
+A layer is three Functions, one per fusion boundary (``AttentionInput``: F0-F1 / B11-B13;
+``AttentionOutput``: F3 / B8-B9; ``MLP``: F4-F5 / B4-B7), composed by ``decoder_layer``
+around a pluggable attention callable (SDPA by default) that autograd differentiates.
+Weights are coda-layout (in, out) matrices (``coda.layouts``); tokens are rows, batch-major.
 
 Saved per layer: x0, r0, rotated q/k and v (qkv), what attention saves, o, x1, r1, u. Not
 saved: a0, a1, s (recomputed in B4), any norm output, any partial.
