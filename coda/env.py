@@ -17,6 +17,8 @@ import warnings
 
 import torch
 
+from coda._validate import check_choice
+
 BACKENDS = ("auto", "kernel", "reference")
 
 
@@ -186,8 +188,7 @@ def resolve_backend(
     (``record``). ``empty``: the call has no tokens, so where the kernel could run the
     reference path returns its empty result (and zero gradients) instead of launching kernels
     over nothing."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
+    check_choice("backend", backend, BACKENDS)
     if backend == "reference":
         path, reason = "reference", REFERENCE_ASKED
     else:

@@ -121,7 +121,7 @@ def test_bad_shapes_and_devices():
         coda.gemm_residual_rms(x, w.double(), res)
     with pytest.raises(coda.CodaInputError, match="x: dtype must be one of"):
         coda.gemm_residual_rms(x.int(), w.int(), res.int())
-    with pytest.raises(ValueError, match="backend: must be one of"):
+    with pytest.raises(coda.CodaInputError, match="backend: must be one of"):
         coda.gemm_residual_rms(x, w, res, backend="fast")
 
 
