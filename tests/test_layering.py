@@ -21,7 +21,12 @@ RANK = {
 }
 LEAVES = {"env", "_validate", "_quack", "_metadata", "__init__"}
 # What each leaf may import from coda (``__init__`` is the package face: it re-exports).
-LEAF_IMPORTS = {"env": {"_quack", "_validate"}, "_validate": set(), "_quack": {"_metadata"}, "_metadata": set()}
+LEAF_IMPORTS = {
+    "env": {"_quack", "_validate"},
+    "_validate": set(),
+    "_quack": {"_metadata"},
+    "_metadata": set(),
+}
 
 
 def layer_of(path: str) -> str:
