@@ -50,7 +50,8 @@ from coda.reference.model import TorchLlama
 
 BF = torch.bfloat16
 PEAK_TFLOPS = 989.0
-PROFILED = ("coda", "torch_compile", "liger")  # model steps with a per-kernel table
+# model steps with a per-kernel table (coda_compile: opt-in, beside coda's to compare)
+PROFILED = ("coda", "torch_compile", "liger", "coda_compile")
 # every model-step variant, in the order run (``CODA_MODEL_PEERS`` picks among them)
 MODEL_PEERS = (
     "coda",
