@@ -4,7 +4,7 @@ Forward and backward are the kernel sequence of the design notes (KERNELS.md sec
 step labels the code below cites: every op outside attention is a GEMM epilogue or a small
 AUX reduction. Per layer (x0 in, x2 out; "epi" = in the GEMM's epilogue):
 
-    F0   a0 = x0 * gamma1, r0                    row kernel (``norm_rows.entry_norm``)
+    F0   a0 = x0 * gamma1, r0                    row kernel (``norm_rows.norm_rows``)
     F1   q, k, v = RoPE(r0 * (a0 @ W_qkv))        epi: row scale, RoPE [, Qwen3's QK-norm]
     F2   o = attention(q, k, v)                   pluggable (SDPA by default)
     F3   x1 = x0 + o @ W_o; a1 = x1 * gamma2      epi: residual, norm input, sum of squares
@@ -56,7 +56,6 @@ from coda.kernels.linear_cross_entropy_bwd import (
     weight_grad_from_acc,
 )
 from coda.kernels.linear_cross_entropy_chunked import chunk_rows
-from coda.kernels.norm_rows import entry_norm, final_norm
 from coda.kernels.qk_norm import (
     column_rows,
     qk_norm_config,
@@ -148,7 +147,7 @@ class AttentionInput(torch.autograd.Function):
     def forward(ctx, x0, g1, w_qkv, positions, freq, dims: LayerDims):
         M, d = x0.shape
         pos = positions.float()
-        a0, r0 = entry_norm(x0, g1, dims.eps)  # F0
+        a0, r0 = lib.norm_rows(x0, g1, dims.eps, False)  # F0
         qkv = lib.gemm_rope(
             a0, w_qkv, r0, pos, freq, config_for("rope", M, d, w_qkv.shape[1])
         )  # F1
@@ -185,7 +184,7 @@ class AttentionInputQKNorm(torch.autograd.Function):
         M, d = x0.shape
         hd, n_q, n_k = dims.head_dim, dims.heads, dims.kv_heads
         pos = positions.float()
-        a0, r0 = entry_norm(x0, g1, dims.eps)  # F0
+        a0, r0 = lib.norm_rows(x0, g1, dims.eps, False)  # F0
         cfg = qk_norm_config(hd)
         n_rot = (n_q + n_k) * hd
         if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue, z kept
@@ -391,7 +390,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # the GEMMs' weight in x2's dtype; the gradient returns in w_lm's own (under autocast
         # an fp32 weight gets the three-GEMM programs' fp32 accumulator, never rounded to bf16)
         w = w_lm if w_lm.dtype == x2.dtype else w_lm.to(x2.dtype)
-        y, r = final_norm(x2, gf, eps)
+        y, r = lib.norm_rows(x2, gf, eps, True)
         ones = unit_rows(M, r.dtype, r.device)  # the row scale is already in y
         cfg = config_for("lm_head", M, d, V)
         if method in ("chunked", "scaled_exp") and reduction == "none":

@@ -161,7 +161,8 @@ def example_operands(m: int, k: int, n: int, w_major: str = "n", dtype=None):
 
 
 def fused(fn):
-    """A row kernel (F0, the final-norm apply, CE-C's softmax gradient) compiled by
+    """A row kernel (the final norm's backward, CE-C's softmax gradient, the norms on rows
+    their Triton kernel does not take) compiled by
     torch.compile on the GPU: its elementwise ops and row reductions become one or two Triton
     kernels instead of one pass over memory per torch op. On the CPU it runs as written, and
     inside a user's torch.compile trace as well (Inductor fuses it with its neighbours).

@@ -34,6 +34,7 @@ from coda.kernels import gemm_swiglu as _sw
 from coda.kernels import linear_cross_entropy as _lce
 from coda.kernels import linear_cross_entropy_bwd as _ceb
 from coda.kernels import linear_cross_entropy_chunked as _cec
+from coda.kernels import norm_rows as _nr
 from coda.kernels import qk_norm as _qkn
 from coda.kernels import rmsnorm_bwd as _nb
 from coda.kernels import row_passes as _rp
@@ -386,6 +387,18 @@ _lm_head_scaled = _lm_head_gradients_op("lm_head_scaled", _cse.linear_cross_entr
 
 
 # -- row passes (Triton on the GPU, torch on the CPU) ------------------------------------------
+@torch.library.custom_op("coda::norm_rows", mutates_args=())
+def _norm_rows(
+    x: torch.Tensor, gamma: torch.Tensor, eps: float, scaled: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _nr.norm_rows(x, gamma, eps, scaled)
+
+
+@_fake(_norm_rows)
+def _(x, gamma, eps, scaled):
+    return _empty(*x.shape, like=x), _empty(x.shape[0], like=x, dtype=acc_dtype(x))
+
+
 @torch.library.custom_op("coda::drope_rows", mutates_args=())
 def _drope_rows(
     dq: torch.Tensor,
@@ -516,6 +529,10 @@ lm_head_bwd = _either(
     ),
 )
 
+# F0 and the final norm: under torch.compile the same Triton pass as in eager calls (an op),
+# not a torch form for Inductor to regenerate: there is nothing for it to fuse the norm with
+# (its input comes from an op's GEMM, the embedding's gather, or the step's input)
+norm_rows = _either(_norm_rows, _nr.norm_rows)
 drope_rows = _either(_drope_rows, _rp.drope_pass)
 embedding_backward = _either(_embedding_backward, _emb.embedding_backward)
 dqk_norm_rows = _either(_dqk_norm_rows, _rp.dqk_norm_pass)
@@ -551,6 +568,7 @@ OPS = {
     "lm_head_bwd": _lm_head_bwd,
     "lm_head_chunked": _lm_head_chunked,
     "lm_head_scaled": _lm_head_scaled,
+    "norm_rows": _norm_rows,
     "drope_rows": _drope_rows,
     "dqk_norm_rows": _dqk_norm_rows,
     "embedding_backward": _embedding_backward,

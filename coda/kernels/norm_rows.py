@@ -15,10 +15,11 @@ the AUX) are the CPU path and the oracle. Why kernels of our own: through ``fuse
 an AUX statistic ran as three to five eager torch kernels (sum, mul, add, rsqrt / pow), a
 launch each; here each is one launch (measured in benchmarks/NOTES.md, session 13). One
 program per block of rows reads the row (or its partials) once; sums are in a fixed order
-(no atomics). Inside a torch.compile trace the torch forms run, so Inductor fuses them with
-their neighbours; rows the kernel does not take (wider than ``MAX_ROW``, strided columns) take
-them through ``fused``. Float64 inputs accumulate in float64 (the interpreter proofs on the
-CPU).
+(no atomics). Under torch.compile the norms stay these kernels (``library.norm_rows``, a
+custom op: the compiled step runs the eager step's norm kernels), while the AUX statistics,
+called from the Functions between ops, are traced as their torch forms for Inductor; rows the
+kernel does not take (wider than ``MAX_ROW``, strided columns) take the torch forms through
+``fused``. Float64 inputs accumulate in float64 (the interpreter proofs on the CPU).
 """
 
 from __future__ import annotations
@@ -185,21 +186,16 @@ def _rows_fit(x, gamma) -> bool:
     return x.shape[1] <= MAX_ROW and x.stride(1) == 1 and gamma.is_contiguous()
 
 
-def entry_norm(x, gamma, eps: float):
-    """F0: (a = x * gamma in x's dtype, r fp32): the norm of a layer's input when no
-    producing GEMM computed it."""
+def norm_rows(x, gamma, eps: float, scaled: bool):
+    """F0 (``scaled`` False): (a = x * gamma in x's dtype, r fp32), the norm of a layer's input
+    when no producing GEMM computed it; or (True) the final norm before the LM head: y = x *
+    rstd * gamma rounded once (as ``F.rms_norm``), and rstd. The LM head takes y, not the
+    deferred-scale x * gamma: the loss gradient then enters its GEMMs unscaled, rounded
+    exactly as PyTorch rounds it. The kernel path reaches it through ``library.norm_rows`` (a
+    custom op under torch.compile)."""
     if _on_kernel(x) and _rows_fit(x, gamma):
-        return norm_rows_triton(x, gamma, eps, scaled=False)
-    return fused(entry_norm_torch)(x, gamma, eps)
-
-
-def final_norm(x, gamma, eps: float):
-    """The final norm before the LM head: y = x * rstd * gamma rounded once (as
-    ``F.rms_norm``), and rstd. The LM head takes y, not the deferred-scale x * gamma: the loss
-    gradient then enters its GEMMs unscaled, rounded exactly as PyTorch rounds it."""
-    if _on_kernel(x) and _rows_fit(x, gamma):
-        return norm_rows_triton(x, gamma, eps, scaled=True)
-    return fused(final_norm_torch)(x, gamma, eps)
+        return norm_rows_triton(x, gamma, eps, scaled)
+    return fused(final_norm_torch if scaled else entry_norm_torch)(x, gamma, eps)
 
 
 def row_stat(partials, rstd, d: int, eps: float = 0.0, mode: int = RSTD):
