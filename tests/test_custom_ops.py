@@ -111,7 +111,9 @@ def op_samples():
         _r(hd),
         d,
     )
-    samples["norm_rows"] = (_r(M, d), _r(d), 1e-5, True)
+    # a column-major x: the rows the Triton kernel does not take, whose torch form would keep
+    # x's strides (the fake's row-major output must hold for them too)
+    samples["norm_rows"] = (_r(d, M).t(), _r(d), 1e-5, True)
     tokens = torch.randint(0, V, (M,))
     samples["embedding_backward"] = (tokens, _r(M, d), V, int(tokens[0]))  # (a padding row)
     # the training variant of the QK-norm epilogue: the same inputs, and z kept on the first

@@ -192,10 +192,12 @@ def norm_rows(x, gamma, eps: float, scaled: bool):
     rstd * gamma rounded once (as ``F.rms_norm``), and rstd. The LM head takes y, not the
     deferred-scale x * gamma: the loss gradient then enters its GEMMs unscaled, rounded
     exactly as PyTorch rounds it. The kernel path reaches it through ``library.norm_rows`` (a
-    custom op under torch.compile)."""
+    custom op under torch.compile). The output is row-major whatever x's strides (the torch
+    form would keep a column-major x's): the op's fake implementation says so."""
     if _on_kernel(x) and _rows_fit(x, gamma):
         return norm_rows_triton(x, gamma, eps, scaled)
-    return fused(final_norm_torch if scaled else entry_norm_torch)(x, gamma, eps)
+    out, r = fused(final_norm_torch if scaled else entry_norm_torch)(x, gamma, eps)
+    return out.contiguous(), r
 
 
 def row_stat(partials, rstd, d: int, eps: float = 0.0, mode: int = RSTD):
