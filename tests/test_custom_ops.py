@@ -165,6 +165,31 @@ def test_compiled_kernel_path_equals_eager_float64(method, qk_norm):
         assert rel_err(a, b, floor=1e-300) < 1e-12
 
 
+def test_compiled_step_runs_the_norms_as_coda_ops():
+    """F0 and the final norm reach a traced step as ``coda::norm_rows`` (the kernel eager calls
+    launch), not as torch forms for Inductor to regenerate (NOTES, session 44)."""
+    torch.manual_seed(0)
+    F64 = torch.float64
+    layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64)
+    head = cnn.LMHeadLoss(40, 128, method="scaled_exp", chunk=50, dtype=F64)
+    x = torch.randn(2, 9, 40, dtype=F64, requires_grad=True)
+    t = torch.randint(0, 128, (18,))
+    targets = []
+
+    def recording(gm, example_inputs):  # every call in the graph and its Function bodies
+        for mod in gm.modules():
+            if isinstance(mod, torch.fx.GraphModule):
+                targets.extend(n.target for n in mod.graph.nodes if n.op == "call_function")
+        return gm
+
+    def step(x):
+        return head._kernel_loss(layer._kernel_forward(x).reshape(-1, 40), t, "mean")
+
+    with no_cache_warnings_from_dynamo():
+        torch.compile(step, backend=recording, fullgraph=True)(x).backward()
+    assert targets.count(torch.ops.coda.norm_rows.default) == 2  # F0, the final norm
+
+
 def test_config_round_trip():
     for c in (GemmConfig(128, 192, 2, 1, True, 8), GemmConfig(128, 192, 2, 1, False, 8, 2)):
         assert library._gc(library._cfg(c)) == c
