@@ -16,9 +16,10 @@ an AUX statistic ran as three to five eager torch kernels (sum, mul, add, rsqrt 
 launch each; here each is one launch (measured in benchmarks/NOTES.md, session 13). One
 program per block of rows reads the row (or its partials) once; sums are in a fixed order
 (no atomics). Under torch.compile the norms stay these kernels (``library.norm_rows``, a
-custom op: the compiled step runs the eager step's norm kernels), while the AUX statistics,
-called from the Functions between ops, are traced as their torch forms for Inductor; rows the
-kernel does not take (wider than ``MAX_ROW``, strided columns) take the torch forms through
+custom op: the compiled step runs the eager step's norm kernels), and so do the AUX
+statistics a GEMM op computes (A1, A7, A9, A10: inside the op); A6's, which the MLP's
+backward calls between ops, is traced as its torch form for Inductor. Rows the kernel does not
+take (wider than ``MAX_ROW``, strided columns) take the torch forms through
 ``fused``. Float64 inputs accumulate in float64 (the interpreter proofs on the CPU).
 """
 
