@@ -500,3 +500,45 @@ def test_host_timing_keeps_every_round_and_takes_the_median(monkeypatch):
     assert got["fast"]["spread"] == pytest.approx(3.0)
     assert got["slow"]["us"] == pytest.approx(20.0 + (rounds - 1) / 2)
     assert len(got["slow"]["rounds_us"]) == rounds
+
+
+def test_records_energy_reads_each_row_against_its_floor():
+    """``records_energy``'s three ratios, on a made-up record: a row twice the floor's time at
+    half its clock did the floor's cycles; the forward suite's ``coda`` is the module's row."""
+    from benchmarks import records_energy as re_
+
+    def row(name, ms, mhz, w, d=2048, **kw):
+        return {"name": f"s/{name}", "d": d, "ms": ms, "sm_mhz": mhz, "power_w": w, **kw}
+
+    floor = row("floor_as_one_step", 10.0, 1600, 700, ratio_vs_floor=1.03)
+    record = {
+        "benchmarks": {
+            "layer_train": [floor, row("coda", 20.0, 800, 350), row("floor", 9.0, 1500, 690)],
+            "layer_forward": [
+                floor,
+                row("coda", 11.0, 1600, 700),
+                row("coda_decoder_layer", 12.0, 1600, 700),
+            ],
+            "lm_head_train": [
+                floor,
+                row("coda", 11.0, 1500, 700),
+                row("coda", 99.0, 1500, 700, targets="zipf"),  # another target draw: left out
+                row("coda", 13.0, 1500, 700, d=4096),  # no floor at d=4096: left out
+            ],
+        }
+    }
+    got = {(s, n): r for s, _, n, r in re_.table(record, ("coda",))}
+    assert set(got) == {
+        ("layer_train", "coda"),
+        ("layer_forward", "coda_decoder_layer"),
+        ("lm_head_train", "coda"),
+    }
+    train = got[("layer_train", "coda")]
+    assert train["time"] == pytest.approx(2.0)
+    assert train["cycles"] == pytest.approx(1.0)
+    assert train["energy"] == pytest.approx(1.0)
+    assert got[("layer_forward", "coda_decoder_layer")]["time"] == pytest.approx(1.2)
+    head = got[("lm_head_train", "coda")]
+    assert head["cycles"] == pytest.approx(11.0 * 1500 / (10.0 * 1600))
+    assert head["mhz"] == (1500, 1600)
+    assert head["parts"] == 1.03  # the floor as one step over its parts, as recorded
