@@ -15,8 +15,9 @@ over the timed rounds. So for each row against that floor, in the same call:
 and, where the record has it, the same time and cycles against the issues' floor, the floor's
 parts each timed alone (``parts`` = the floor as one step over its parts, ``ratio_vs_floor``).
 
-``cycles`` assumes a step's time scales as 1 / clock, as its compute-bound GEMMs do (its
-memory-bound passes scale less), and the clock is sampled in 15 MHz steps: read it to
+``cycles`` assumes a step's time scales as 1 / clock, as its compute-bound GEMMs do; its
+memory-bound passes and latencies scale less, so for a row under the floor's clock it is a
+lower bound (and ``time`` an upper one). The clock is sampled in 15 MHz steps: read it to
 ~1-2 %. A row with cycles near 1 and energy above 1 loses its time to the power cap, not to
 its kernels' cycles.
 
