@@ -110,8 +110,8 @@ def check_positive_int(name: str, v) -> int:
 
 
 def check_eps(eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
-        raise CodaInputError(f"eps: must be a positive number, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < float("inf"):
+        raise CodaInputError(f"eps: must be a finite positive number, got {eps!r}")
     return float(eps)
 
 
@@ -178,6 +178,23 @@ def check_activation(owner: str, x, d: int, like: torch.Tensor, *, ndim=(3,)) ->
         raise CodaInputError(
             f"{owner}: x is {x.dtype} but the parameters are {like.dtype}; cast one to the other"
         )
+
+
+def check_tokens(tokens, vocab: int) -> None:
+    """``tokens``: an integer (batch, seq) tensor of ids in [0, vocab). The range is checked on
+    the host for CPU tensors outside a torch.compile trace; on a GPU the embedding's gather
+    asserts on the device (``F.embedding``'s own check: no host sync, no extra launch)."""
+    check_tensor("tokens", tokens)
+    if tokens.dim() != 2 or tokens.is_floating_point() or tokens.is_complex():
+        raise CodaInputError(
+            f"tokens: must be an integer (batch, seq) tensor, got {tokens.dtype} "
+            f"{tuple(tokens.shape)}"
+        )
+    if not torch.compiler.is_compiling() and tokens.device.type == "cpu" and tokens.numel():
+        bad = (tokens < 0) | (tokens >= vocab)
+        if bool(bad.any()):
+            first = int(tokens[bad][0])
+            raise CodaInputError(f"tokens: ids must be in [0, {vocab}), got {first}")
 
 
 def check_targets(target, shape, vocab: int, ignore_index: int) -> torch.Tensor:

@@ -209,6 +209,7 @@ def gemm_residual_rms(
 
     def check():
         _check_residual_gemm(x, w, residual, gamma)
+        v.check_eps(eps)
         path = _start("gemm_residual_rms", backend, named)
         if path == "kernel":
             _kernel_layout({"x": x, "residual": residual}, {"w": w}, {"gamma": gamma})
@@ -258,6 +259,7 @@ def gemm_rmsnorm_gemm(
         v.check_tensor("gamma", gamma)  # required here
         _check_residual_gemm(x, w1, residual, gamma, w_name="w1")
         v.check_matrix("w2", w2, rows=("w1.shape[1]", w1.shape[1]))
+        v.check_eps(eps)
         path = _start("gemm_rmsnorm_gemm", backend, named)
         if path == "kernel":
             layout = ({"x": x, "residual": residual}, {"w1": w1, "w2": w2}, {"gamma": gamma})

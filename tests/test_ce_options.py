@@ -113,6 +113,12 @@ def test_bad_options_are_named():
         coda.linear_cross_entropy(
             torch.randn(2, 8), torch.randn(8, 16), torch.zeros(2, dtype=torch.long), z_loss=-1
         )
+    from coda.nn.head import lm_head_loss  # the functional form (``coda.transformers``'s)
+
+    with pytest.raises(coda.CodaInputError, match="eps: must be a finite positive number"):
+        lm_head_loss(
+            torch.randn(2, 8), torch.ones(8), torch.randn(8, 16), torch.zeros(2).long(), eps=0
+        )
 
 
 @pytest.mark.compile

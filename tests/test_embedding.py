@@ -161,6 +161,23 @@ def test_a_wrong_sum_is_detected():
 
 
 @pytest.mark.compile
+def test_the_model_names_tokens_out_of_the_table():
+    """``CausalLM`` refuses a token id outside [0, vocab) on the CPU by name and rule (the
+    embedding's gather would raise torch's bare 'index out of range in self')."""
+    model = cnn.CausalLM(32, 16, 1, 2, 1, 32, dtype=F64)
+    ok = torch.randint(0, 32, (2, 5))
+    for bad in (32, -1):
+        tokens = ok.clone()
+        tokens[1, 3] = bad
+        with pytest.raises(
+            coda.CodaInputError, match=rf"tokens: ids must be in \[0, 32\), got {bad}"
+        ):
+            model(tokens, ok)
+    with pytest.raises(coda.CodaInputError, match="tokens: must be an integer"):
+        model(ok.double(), ok)
+    assert torch.isfinite(model(ok, ok))
+
+
 def test_embedding_backward_compiles_for_sm90():
     from coda.kernels.embedding import compile_embedding_backward
 

@@ -125,6 +125,19 @@ def test_bad_shapes_and_devices():
         coda.gemm_residual_rms(x, w, res, backend="fast")
 
 
+@pytest.mark.parametrize("eps", ["1e-5", None, 0.0, -1e-5, float("inf"), float("nan"), True])
+def test_a_bad_eps_is_named(eps):
+    """eps, a plain argument of the signature: refused by its rule on the first call with it,
+    not a TypeError from the norm or a NaN in the result."""
+    x, w, res, gamma = inputs(16, 24, 32, dtype=torch.float32)
+    w2 = torch.randn(32, 8)
+    with pytest.raises(coda.CodaInputError, match="eps: must be a finite positive number"):
+        coda.gemm_residual_rms(x, w, res, gamma, eps=eps)
+    with pytest.raises(coda.CodaInputError, match="eps: must be a finite positive number"):
+        coda.gemm_rmsnorm_gemm(x, w, res, gamma, w2, eps=eps)
+    coda.gemm_rmsnorm_gemm(x, w, res, gamma, w2, eps=1e-6)  # the rule, not the signature
+
+
 def test_kernel_backend_refuses_cpu():
     x, w, res, _ = inputs(16, 24, 32, dtype=torch.bfloat16)
     with pytest.raises(coda.UnsupportedDeviceError, match="tensors are on cpu"):

@@ -191,6 +191,7 @@ def lm_head_loss(
     v.check_vector("gamma", gamma, ("d", d))
     v.check_choice("reduction", reduction, v.REDUCTIONS)
     v.check_choice("method", method, LM_HEAD_METHODS)
+    v.check_eps(eps)
     label_smoothing, z_loss = v.check_ce_options(label_smoothing, z_loss)
     t = v.check_targets(target, x.shape[:-1], vocab, ignore_index)
     xf = x.reshape(-1, d)

@@ -91,12 +91,7 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
         """tokens, targets (batch, seq) -> the loss (fp32)."""
-        v.check_tensor("tokens", tokens)
-        if tokens.dim() != 2 or tokens.is_floating_point():
-            raise v.CodaInputError(
-                f"tokens: must be an integer (batch, seq) tensor, got {tokens.dtype} "
-                f"{tuple(tokens.shape)}"
-            )
+        v.check_tokens(tokens, self.embed.num_embeddings)
         x = self.embed(tokens)
         for layer in self.layers:
             if self.checkpoint and torch.is_grad_enabled():
