@@ -109,10 +109,21 @@ def check_positive_int(name: str, v) -> int:
     return int(v)
 
 
+def check_positive_number(name: str, value) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not 0 < value < float("inf"):
+        raise CodaInputError(f"{name}: must be a finite positive number, got {value!r}")
+    return float(value)
+
+
 def check_eps(eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < float("inf"):
-        raise CodaInputError(f"eps: must be a finite positive number, got {eps!r}")
-    return float(eps)
+    return check_positive_number("eps", eps)
+
+
+def check_param_dtype(dtype) -> None:
+    """A module's parameter dtype: a floating dtype, or None (torch's default dtype)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise CodaInputError(f"dtype: parameters need a floating dtype, got {dtype!r}")
 
 
 def check_ce_options(label_smoothing, z_loss) -> tuple[float, float]:

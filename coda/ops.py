@@ -378,6 +378,7 @@ def gemm_rope(
         v.check_matrix("w_qkv", w_qkv, rows=("x.shape[1]", K), cols=cols)
         if head_dim % 2:
             raise v.CodaInputError(f"head_dim must be even, got {head_dim}")
+        v.check_positive_number("rope_base", rope_base)
         v.check_vector("positions", positions, ("x.shape[0]", M))
         if not (positions.is_floating_point() or v.is_integer(positions)):
             raise v.CodaInputError(f"positions: must be integer or float, got {positions.dtype}")

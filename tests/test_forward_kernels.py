@@ -301,6 +301,11 @@ def test_forward_ops_bad_input():
         coda.gemm_rope(x, torch.randn(16, 9), torch.arange(8), head_dim=3, n_heads=1, n_kv_heads=1)
     with pytest.raises(coda.CodaInputError, match="positions: expected shape"):
         coda.gemm_rope(x, w, torch.arange(5), head_dim=2, n_heads=3, n_kv_heads=1)
+    for base in ("1e4", 0.0, -1e4, float("nan")):  # NaN rotations before the rule
+        with pytest.raises(coda.CodaInputError, match="rope_base: must be a finite positive"):
+            coda.gemm_rope(
+                x, w, torch.arange(8), head_dim=2, n_heads=3, n_kv_heads=1, rope_base=base
+            )
     with pytest.raises(coda.CodaInputError, match="target: dtype must be int32 or int64"):
         coda.linear_cross_entropy(x, w, torch.zeros(8))
     with pytest.raises(coda.CodaInputError, match="reduction: must be one of"):

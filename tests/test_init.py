@@ -79,3 +79,21 @@ def test_gpu_a_model_made_under_torch_device_cuda_trains():
     assert torch.equal(loss, direct(tokens, tokens))
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_module_arguments_are_named_by_their_rules():
+    """A plain argument of a module that is not a number or a dtype it can hold raises by name
+    and rule when the module is made, not from torch or the RoPE table's arithmetic."""
+    import coda
+
+    with pytest.raises(coda.CodaInputError, match="rope_base: must be a finite positive"):
+        cnn.DecoderLayer(32, 4, 2, 64, rope_base="1e4")
+    for make in (
+        lambda: cnn.DecoderLayer(32, 4, 2, 64, dtype=torch.int32),
+        lambda: cnn.LMHeadLoss(32, 64, dtype=torch.int64),
+        lambda: cnn.CausalLM(64, 32, 1, 4, 2, 64, dtype=torch.int32),
+        lambda: cnn.Embedding(64, 32, dtype=torch.int32),
+    ):
+        with pytest.raises(coda.CodaInputError, match="dtype: parameters need a floating dtype"):
+            make()
+    assert cnn.Embedding(64, 32, dtype=None).weight.dtype == torch.get_default_dtype()

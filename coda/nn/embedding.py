@@ -35,6 +35,7 @@ class Embedding(nn.Embedding):
                  **kwargs):  # fmt: skip
         for name in unsupported(max_norm, scale_grad_by_freq, sparse):
             raise v.CodaInputError(f"Embedding: {name} is not supported")
+        v.check_param_dtype(kwargs.get("dtype"))
         super().__init__(num_embeddings, embedding_dim, padding_idx, **kwargs)
         self.backend = backend
 

@@ -70,6 +70,7 @@ class LMHeadLoss(FormerNames, nn.Module):
         v.check_positive_int("vocab", vocab)
         v.check_positive_int("chunk", chunk)
         v.check_eps(eps)
+        v.check_param_dtype(dtype)
         v.check_choice("method", method, LM_HEAD_METHODS)
         v.check_choice("backend", backend, BACKENDS)
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):

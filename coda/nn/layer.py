@@ -70,6 +70,8 @@ class DecoderLayer(FormerNames, nn.Module):
     ):
         super().__init__()
         hd = v.check_heads(d, n_heads, n_kv_heads, head_dim)
+        v.check_positive_number("rope_base", rope_base)
+        v.check_param_dtype(dtype)
         if inv_freq is None:
             steps = torch.arange(0, hd, 2, dtype=torch.float64, device="cpu")
             inv_freq = rope_base ** (-steps / hd)
@@ -90,8 +92,6 @@ class DecoderLayer(FormerNames, nn.Module):
         self.attention = attention
         v.check_positive_int("ffn", ffn)
         v.check_eps(eps)
-        if not rope_base > 0:
-            raise v.CodaInputError(f"rope_base: must be positive, got {rope_base!r}")
         v.check_choice("backend", backend, BACKENDS)
         self._kernel_rule = tma_rule(
             d=d,

@@ -47,6 +47,7 @@ class CausalLM(nn.Module):
     ):
         super().__init__()
         v.check_positive_int("n_layers", n_layers)
+        v.check_param_dtype(dtype)
         self.checkpoint = bool(checkpoint)
         kw = {"device": device, "dtype": dtype, "backend": backend}
         # made uninitialized (nn.Embedding's own N(0, 1) draw skipped), then drawn here, so
