@@ -34,7 +34,8 @@ does.
 
 Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel``, ``MistralForCausalLM`` /
 ``MistralModel`` and ``Qwen3ForCausalLM`` / ``Qwen3Model`` (silu MLP, no biases, RoPE
-"default" or "llama3"; Qwen3's per-head QK-norm runs in the QKV GEMM's epilogue,
+"default", "linear" or "llama3": a fixed set of inverse frequencies, taken from the model;
+Qwen3's per-head QK-norm runs in the QKV GEMM's epilogue,
 ``coda.kernels.qk_norm``; Mistral's and Qwen3's sliding windows, when configured, keep the
 model's own masks and window).
 """
@@ -63,7 +64,10 @@ SUPPORTED = (
     "Qwen3ForCausalLM",
     "Qwen3Model",
 )
-ROPE_TYPES = ("default", "llama3")
+# RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
+# ``inv_freq``), unscaled: "dynamic" changes them with the sequence length, "yarn" and
+# "longrope" scale cos and sin too
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def _check_config(config, rotary) -> None:

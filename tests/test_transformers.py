@@ -103,8 +103,9 @@ def _step(model, **batch):
             high_freq_factor=4.0,
             original_max_position_embeddings=32,
         ),
+        dict(rope_type="linear", factor=4.0),
     ],
-    ids=["default", "llama3"],
+    ids=["default", "llama3", "linear"],
 )
 def test_patched_llama_matches_unpatched_float64(rope, coda_path):
     cfg = tiny_config(
