@@ -119,6 +119,10 @@ def test_bad_options_are_named():
         lm_head_loss(
             torch.randn(2, 8), torch.ones(8), torch.randn(8, 16), torch.zeros(2).long(), eps=0
         )
+    # the targets on another device than the activations (labels left on the host): by name
+    elsewhere = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    with pytest.raises(coda.CodaInputError, match="one device; got .* target on meta"):
+        cnn.LMHeadLoss(8, 16)(torch.randn(2, 3, 8, dtype=torch.bfloat16), elsewhere)
 
 
 @pytest.mark.compile

@@ -190,6 +190,8 @@ def lm_head_loss(
     d, vocab = w_lm.shape
     v.check_activation("lm_head_loss", x, d, w_lm, ndim=(2, 3))
     v.check_vector("gamma", gamma, ("d", d))
+    v.check_tensor("target", target)
+    v.check_same_device({"x": x, "w_lm": w_lm, "gamma": gamma, "target": target})
     v.check_choice("reduction", reduction, v.REDUCTIONS)
     v.check_choice("method", method, LM_HEAD_METHODS)
     v.check_eps(eps)
