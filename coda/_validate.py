@@ -208,6 +208,30 @@ def check_tokens(tokens, vocab: int) -> None:
             raise CodaInputError(f"tokens: ids must be in [0, {vocab}), got {first}")
 
 
+def check_rope_cos_sin(cos_sin, batch: int, seq: int, head_dim: int) -> None:
+    """HF's RoPE tables: a (cos, sin) pair, each (batch or 1, seq, head_dim)."""
+    pair = isinstance(cos_sin, (tuple, list)) and len(cos_sin) == 2
+    shapes = (
+        [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in cos_sin] if pair else []
+    )
+    if not pair or not all(s and len(s) == 3 and s[0] in (1, batch) and s[1:] == (seq, head_dim)
+                           for s in shapes):  # fmt: skip
+        raise CodaInputError(
+            f"rope_cos_sin: must be (cos, sin) tensors, each (batch or 1, seq, head_dim) = "
+            f"({batch}, {seq}, {head_dim}), got {shapes if pair else type(cos_sin).__name__}"
+        )
+
+
+def check_attention_output(o, q) -> None:
+    """An attention callable's result: a tensor shaped as its q, (batch, heads, seq, head_dim)."""
+    if not isinstance(o, torch.Tensor) or o.shape != q.shape:
+        got = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
+        raise CodaInputError(
+            f"attention: must return a tensor shaped as q, (batch, heads, seq, head_dim) = "
+            f"{tuple(q.shape)}, got {got}"
+        )
+
+
 def check_targets(target, shape, vocab: int, ignore_index: int) -> torch.Tensor:
     """``target`` of ``shape``, int32/int64, each in [0, vocab) or == ignore_index. Returns it
     flattened. The range is checked on the host for CPU tensors, and by a device-side assertion

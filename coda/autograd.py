@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from coda._validate import CodaInputError
+from coda._validate import CodaInputError, check_attention_output
 from coda.kernels import library as lib
 from coda.kernels._launch import fused, unit_rows
 from coda.kernels.ce_scaled_exp import chunk_rows_scaled
@@ -327,6 +327,8 @@ def decoder_layer(
             x0, g1, w_qkv, *qk_norm, positions, freq, dims
         )
     o4 = (attention or sdpa_causal)(q, k, v)
+    if attention is not None:
+        check_attention_output(o4, q)
     o = o4.transpose(1, 2).reshape(x0.shape[0], H * hd)
     x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps)
     return MLP.apply(x1, a1, r1, g2, w_il, w_d)

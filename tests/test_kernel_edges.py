@@ -131,6 +131,30 @@ def test_a_retained_graph_backs_up_twice_to_twice_the_gradients(kernel_forced, c
         assert torch.equal(a, 2 * b)
 
 
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_a_bad_attention_result_or_rope_table_is_named(monkeypatch, path):
+    """A custom attention callable that returns something other than a tensor shaped as its q,
+    or HF's RoPE tables of another shape, fail by name and rule on either path (they failed in
+    a reshape or a broadcast inside the layer)."""
+    if path == "kernel":
+        monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    layer = cnn.DecoderLayer(32, 4, 2, 64, dtype=F64, backend=path)
+    x = torch.randn(2, 5, 32, dtype=F64)
+    for wrong in (lambda q, k, v: q[..., :1], lambda q, k, v: None):
+        with pytest.raises(
+            coda.CodaInputError, match=r"attention: must return a tensor shaped as q"
+        ):
+            layer(x, attention=wrong)
+    layer(x, attention=lambda q, k, v: torch.zeros_like(q))  # the rule, not the callable
+    if path == "reference":  # (the kernel path forms its own angles: the tables go unread)
+        cos = torch.ones(2, 5, 8, dtype=F64)
+        with pytest.raises(coda.CodaInputError, match=r"rope_cos_sin: must be \(cos, sin\)"):
+            layer(x, rope_cos_sin=(cos[..., :4], cos[..., :4]))
+        with pytest.raises(coda.CodaInputError, match="rope_cos_sin"):
+            layer(x, rope_cos_sin=cos)
+        layer(x, rope_cos_sin=(cos[:1], cos[:1] * 0))  # one table for the whole batch
+
+
 @pytest.mark.gpu
 def test_gpu_edges_of_the_kernel_path():
     """H200, bf16: an empty batch launches nothing and gives zero gradients, caller positions

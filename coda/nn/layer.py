@@ -204,6 +204,7 @@ class DecoderLayer(FormerNames, nn.Module):
         if self.qk_norm:
             w["q_norm"], w["k_norm"] = self.q_norm, self.k_norm
         if rope_cos_sin is not None:  # HF's halves -> coda's adjacent (cos, sin) pairs
+            v.check_rope_cos_sin(rope_cos_sin, B, S, self.head_dim)
             half = self.head_dim // 2
             cos, sin = (t.expand(B, S, -1).reshape(B * S, -1)[:, :half] for t in rope_cos_sin)
             cs = torch.stack([cos, sin], dim=-1).flatten(1)

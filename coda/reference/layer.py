@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from coda._validate import check_attention_output
 from coda.reference.cross_entropy import (
     ce_from_stats_ref,
     cross_entropy_ref,
@@ -100,7 +101,9 @@ def attention_ref(q, k, v, s: LayerShape, attention=None):
         return t.reshape(B, S, n, hd).transpose(1, 2)
 
     if attention is not None:
-        o = attention(heads(q, s.heads), heads(k, s.kv_heads), heads(v, s.kv_heads))
+        qh = heads(q, s.heads)
+        o = attention(qh, heads(k, s.kv_heads), heads(v, s.kv_heads))
+        check_attention_output(o, qh)
         return o.transpose(1, 2).reshape(B * S, s.heads * hd)
     if B * S == 0:  # no tokens: CUDA SDPA returns None for an empty batch (torch 2.11, run 153)
         return q * 0  # (0, H*hd), still in the graph: every weight gets its (zero) gradient
