@@ -210,15 +210,21 @@ def check_tokens(tokens, vocab: int) -> None:
 
 def check_rope_cos_sin(cos_sin, batch: int, seq: int, head_dim: int) -> None:
     """HF's RoPE tables: a (cos, sin) pair, each (batch or 1, seq, head_dim)."""
+
+    def fits(t) -> bool:
+        return (
+            isinstance(t, torch.Tensor)
+            and t.dim() == 3
+            and t.shape[0] in (1, batch)
+            and (tuple(t.shape[1:]) == (seq, head_dim))
+        )
+
     pair = isinstance(cos_sin, (tuple, list)) and len(cos_sin) == 2
-    shapes = (
-        [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in cos_sin] if pair else []
-    )
-    if not pair or not all(s and len(s) == 3 and s[0] in (1, batch) and s[1:] == (seq, head_dim)
-                           for s in shapes):  # fmt: skip
+    if not (pair and all(map(fits, cos_sin))):
+        got = [getattr(t, "shape", t) for t in cos_sin] if pair else type(cos_sin).__name__
         raise CodaInputError(
             f"rope_cos_sin: must be (cos, sin) tensors, each (batch or 1, seq, head_dim) = "
-            f"({batch}, {seq}, {head_dim}), got {shapes if pair else type(cos_sin).__name__}"
+            f"({batch}, {seq}, {head_dim}), got {got}"
         )
 
 
