@@ -18,6 +18,19 @@ from test_transformers import _loss_arguments, _step, model_class, tiny_config  
 import coda  # noqa: E402
 import coda.transformers as ct  # noqa: E402
 
+# Llama with a scaled RoPE: the model's inverse frequencies, not the default ones
+ROPES = {
+    "llama3-rope": dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+        rope_theta=500000.0,
+    ),
+    "linear-rope": dict(rope_type="linear", factor=4.0, rope_theta=10000.0),
+}
+
 
 def _protocol_models(family: str, device: str, seed: int = 0):
     shape = dict(
@@ -29,7 +42,8 @@ def _protocol_models(family: str, device: str, seed: int = 0):
         num_hidden_layers=2,
     )
     extra = {"qwen3": {"head_dim": 64}, "mistral": {"head_dim": 64, "sliding_window": 128}}
-    cfg = tiny_config(family, **shape, **extra.get(family, {}))
+    extra.update({name: {"rope_parameters": rope} for name, rope in ROPES.items()})
+    cfg = tiny_config("llama" if family in ROPES else family, **shape, **extra.get(family, {}))
     torch.manual_seed(seed)
     ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
     return cfg, copy.deepcopy(ref).double(), ref, ct.apply_coda(copy.deepcopy(ref))
@@ -72,9 +86,10 @@ def protocol_run(family: str, device: str, seed: int = 0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", *ROPES])
 def test_gpu_patched_model_protocol(family):
-    """H200: a patched bf16 Llama / Qwen3 (coda's kernels, HF's sdpa) against the unpatched
+    """H200: a patched bf16 Llama / Qwen3 / Mistral, and Llama with Llama 3's and linear RoPE
+    scaling (coda's kernels, HF's sdpa) against the unpatched
     bf16 model, both against a float64 copy: loss and every gradient no worse than the
     unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask.
     The scalar loss is compared as an RMS over 64 batches (``loss_error_rms``), with the same
