@@ -27,6 +27,19 @@ import coda  # noqa: E402
 import coda.transformers as ct  # noqa: E402
 
 TOL = 1e-5
+# Llama with a scaled RoPE (``rope_parameters``): the model's inverse frequencies, not the
+# default ones, for the tests that patch such a model (meta-device load, the GPU protocol)
+SCALED_ROPES = {
+    "llama3-rope": dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+        rope_theta=500000.0,
+    ),
+    "linear-rope": dict(rope_type="linear", factor=4.0, rope_theta=10000.0),
+}
 
 
 def tiny_config(family: str = "llama", **kw):

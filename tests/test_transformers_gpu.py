@@ -13,23 +13,16 @@ import torch
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
 from conftest import rel_err  # noqa: E402
-from test_transformers import _loss_arguments, _step, model_class, tiny_config  # noqa: E402
+from test_transformers import (  # noqa: E402
+    SCALED_ROPES,
+    _loss_arguments,
+    _step,
+    model_class,
+    tiny_config,
+)
 
 import coda  # noqa: E402
 import coda.transformers as ct  # noqa: E402
-
-# Llama with a scaled RoPE: the model's inverse frequencies, not the default ones
-ROPES = {
-    "llama3-rope": dict(
-        rope_type="llama3",
-        factor=8.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=64,
-        rope_theta=500000.0,
-    ),
-    "linear-rope": dict(rope_type="linear", factor=4.0, rope_theta=10000.0),
-}
 
 
 def _protocol_models(family: str, device: str, seed: int = 0):
@@ -42,8 +35,9 @@ def _protocol_models(family: str, device: str, seed: int = 0):
         num_hidden_layers=2,
     )
     extra = {"qwen3": {"head_dim": 64}, "mistral": {"head_dim": 64, "sliding_window": 128}}
-    extra.update({name: {"rope_parameters": rope} for name, rope in ROPES.items()})
-    cfg = tiny_config("llama" if family in ROPES else family, **shape, **extra.get(family, {}))
+    extra.update({name: {"rope_parameters": rope} for name, rope in SCALED_ROPES.items()})
+    base = "llama" if family in SCALED_ROPES else family
+    cfg = tiny_config(base, **shape, **extra.get(family, {}))
     torch.manual_seed(seed)
     ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
     return cfg, copy.deepcopy(ref).double(), ref, ct.apply_coda(copy.deepcopy(ref))
@@ -86,7 +80,7 @@ def protocol_run(family: str, device: str, seed: int = 0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", *ROPES])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", *SCALED_ROPES])
 def test_gpu_patched_model_protocol(family):
     """H200: a patched bf16 Llama / Qwen3 / Mistral, and Llama with Llama 3's and linear RoPE
     scaling (coda's kernels, HF's sdpa) against the unpatched

@@ -17,6 +17,7 @@ from torch import nn
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
 from conftest import assert_compiled_graphs_train_as_eager  # noqa: E402
 from test_transformers import (  # noqa: E402
+    SCALED_ROPES,
     _step,
     assert_same_step,
     model_class,
@@ -203,7 +204,7 @@ def test_capture_keeps_a_sliding_window_mask(monkeypatch):
     assert calls == [(False, False)] * 2 and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "llama3-rope", "linear-rope"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", *SCALED_ROPES])
 def test_a_model_patched_on_meta_and_loaded_matches(family):
     """A model made on the meta device (sharded before it is loaded, as FSDP2 recipes do) is
     patched there, given storage (``to_empty``) and loaded from an unpatched model's state
@@ -211,18 +212,7 @@ def test_a_model_patched_on_meta_and_loaded_matches(family):
     config as the model's rotary module computes them, and its step equals the unpatched
     model's (float64). The rotary module's own non-persistent buffer is transformers' to
     restore after ``to_empty``, as for an unpatched model."""
-    ropes = {
-        "llama3-rope": dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=32,
-            rope_theta=500000.0,
-        ),
-        "linear-rope": dict(rope_type="linear", factor=4.0, rope_theta=10000.0),
-    }
-    extra = {"rope_parameters": ropes[family]} if family in ropes else {}
+    extra = {"rope_parameters": SCALED_ROPES[family]} if family in SCALED_ROPES else {}
     cfg = tiny_config("qwen3" if family == "qwen3" else "llama", **extra)
     ref, patched = pair(cfg)
     with torch.device("meta"):
