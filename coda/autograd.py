@@ -1,8 +1,8 @@
 """autograd.Functions for the kernel path: a Llama decoder layer and the LM head + loss.
 
-Forward and backward are the kernel sequence of the design notes (KERNELS.md section 6), whose
-step labels the code below cites: every op outside attention is a GEMM epilogue or a small
-AUX reduction. Per layer (x0 in, x2 out; "epi" = in the GEMM's epilogue):
+Forward and backward are the kernel sequence of docs/KERNELS.md (section 6), whose step
+labels the code below cites: every op outside attention is a GEMM epilogue or a small AUX
+reduction. Per layer (x0 in, x2 out; "epi" = in the GEMM's epilogue):
 
     F0   a0 = x0 * gamma1, r0                    row kernel (``norm_rows.norm_rows``)
     F1   q, k, v = RoPE(r0 * (a0 @ W_qkv))        epi: row scale, RoPE [, Qwen3's QK-norm]
@@ -18,7 +18,7 @@ AUX reduction. Per layer (x0 in, x2 out; "epi" = in the GEMM's epilogue):
     B7   dW_il = gamma2 (rows) * (x1^T dz1)       epi: row scale
     B8   do = dx1 @ W_o^T;  B9  dW_o = o^T dx1    cuBLAS
     B10  dq, dk, dv                               attention's own backward
-    B11  dz0, corr0 from dq, dk, dv               row kernel: dRoPE [, QK-norm's backward]
+    B11  dz0 from dq, dk, dv; A8: corr0           row kernel: dRoPE [, QK-norm's backward]
     B12  dx0 = norm backward of dz0 @ W_qkv^T     epi: + dx1 (residual); A9: dgamma1
     B13  dW_qkv = gamma1 (rows) * (x0^T dz0)      epi: row scale
 

@@ -1,5 +1,5 @@
 """RMSNorm's row kernels (``coda.kernels.norm_rows``: the entry norm F0, the final norm, the
-AUX statistics A1 / A6 / A9, dgamma's column sums A7 / A10) against their torch forms: in
+AUX statistics A1 / A6 / A8, dgamma's column sums A7 / A9) against their torch forms: in
 Triton's interpreter on the CPU (switched on before triton is imported, so in a child
 process), compiled for sm_90 without a GPU, and on the H200. Also the host-side memo that
 lets a stack of layers share its RoPE tables (``env.TensorMemo``).

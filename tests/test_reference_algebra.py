@@ -2,7 +2,7 @@
 
 Random small shapes, several random instantiations of every dimension per identity (odd
 sizes; M and N not multiples of any tile size), every backward formula against autograd.
-Tags [Ix.y] are KERNELS.md's. Tolerance: 1e-12 relative (float64 rounding is ~1e-16; a wrong
+Tags [Ix.y] are docs/KERNELS.md's. Tolerance: 1e-12 relative (float64 rounding is ~1e-16; a wrong
 formula is off by O(1))."""
 
 import pytest

@@ -1,13 +1,13 @@
 """RMSNorm's row work outside the GEMMs, as hand-written Triton kernels on the GPU: the entry
 norm (F0), the final norm before the LM head, and the AUX statistics that finish an
-epilogue's per-tile partials (A1's rstd, A6/A9's correction).
+epilogue's per-tile partials (A1's rstd, A6/A8's correction, A7/A9's dgamma sums).
 
     F0:          a = x * gamma (x's dtype),          r = (mean_n x^2 + eps)^-1/2 (fp32)
     final norm:  y = x * r * gamma, rounded once,    r as above
     A1:          r[m]    = (sum_t P[m, t] / d + eps)^-1/2          (P: RED_m partials of h^2)
     A6:          corr[m] = -(r^3 / d) * sum_t P[m, t]              (P: partials of S)
-    A9:          corr[m] = -(r^3 / d) * (sum_t P[m, t] / r)        (P: partials of S * r)
-    A7 / A10:    dgamma[n] = sum_i Q[i, n], rounded once to gamma's dtype  (Q: RED_n partials)
+    A8:          corr[m] = -(r^3 / d) * (sum_t P[m, t] / r)        (P: partials of S * r)
+    A7 / A9:     dgamma[n] = sum_i Q[i, n], rounded once to gamma's dtype  (Q: RED_n partials)
 
 Their torch forms (``entry_norm_torch``, ``final_norm_torch`` here, ``primitives.aux`` for
 the AUX) are the CPU path and the oracle. Why kernels of our own: through ``fused``
@@ -17,7 +17,7 @@ launch each; here each is one launch (measured in benchmarks/NOTES.md, session 1
 program per block of rows reads the row (or its partials) once; sums are in a fixed order
 (no atomics). Under torch.compile the norms stay these kernels (``library.norm_rows``, a
 custom op: the compiled step runs the eager step's norm kernels), and so do the AUX
-statistics a GEMM op computes (A1, A7, A9, A10: inside the op); A6's, which the MLP's
+statistics a GEMM op computes (A1, A7, A8, A9: inside the op); A6's, which the MLP's
 backward calls between ops, is traced as its torch form for Inductor. Rows the kernel does not
 take (wider than ``MAX_ROW``, strided columns) take the torch forms through
 ``fused``. Float64 inputs accumulate in float64 (the interpreter proofs on the CPU).
@@ -161,7 +161,7 @@ def row_stat_triton(partials, rstd, d: int, eps: float, mode: int):
 
 
 def col_sums_triton(partials, dtype):
-    """A7 / A10: the column sums of (T, N) per-tile partials with unit column stride, summed
+    """A7 / A9: the column sums of (T, N) per-tile partials with unit column stride, summed
     in the partials' dtype and rounded once to ``dtype``, in one launch."""
     T, N = partials.shape
     assert partials.stride(1) == 1 or N == 1
