@@ -538,6 +538,14 @@ def without_direct_triton(fn):
     return _switched_off(fn, (_triton, "FAST_LAUNCH"))
 
 
+def without_target_kernel(fn):
+    """``fn`` with the loss's target range rule as its torch form and ``torch._assert_async``
+    (``target_check.TRITON`` off: eight launches), as before session 46."""
+    from coda.kernels import target_check
+
+    return _switched_off(fn, (target_check, "TRITON"))
+
+
 def without_plan_tapes(fn):
     """``fn`` with the public ops' plan tapes (``coda.ops.PLAN_TAPES``) switched off: every
     launch looks its plan up by key, as before session 15."""

@@ -43,6 +43,7 @@ from benchmarks._common import (
     where_time_goes,
     without_direct_triton,
     without_plan_tapes,
+    without_target_kernel,
 )
 from coda import _quack
 from coda.kernels.config import DEFAULT
@@ -201,6 +202,12 @@ def host_rows() -> list[dict]:
     ):
         for name in names:
             group[name + ", Triton's own launches"] = without_direct_triton(group[name])
+    # the LM head's target rule as its torch form (eight launches), same run
+    for group, name in (
+        (calls, "coda.linear_cross_entropy"),
+        (steps, "LMHeadLoss forward+backward"),
+    ):
+        group[name + ", torch-form target check"] = without_target_kernel(group[name])
     # and the public ops without their plan tapes (every launch keyed), same run
     for name in [n for n in calls if n.startswith("coda.") and "," not in n]:
         calls[name + ", without plan tapes"] = without_plan_tapes(calls[name])

@@ -4,8 +4,8 @@ anything reaches the DSL (where it would be a crash or, worse, a wrong result).
 One module, used by every public entry point (``coda.ops``, ``coda.nn`` at construction and at
 forward, ``coda.layouts``, HF state-dict loading), with the same rules on the kernel path and
 the reference path. The only rule that depends on tensor *values*, a target's range, is checked
-without a host sync on a GPU: ``torch._assert_async`` (a device-side assertion, the way
-PyTorch's own cross-entropy reports an out-of-range target); on the CPU it is a plain check.
+without a host sync on a GPU, by a device-side assertion (the way PyTorch's own cross-entropy
+reports an out-of-range target: ``coda.kernels.target_check``); on the CPU it is a plain check.
 NaN and Inf in inputs are not errors: they propagate as they do in PyTorch.
 """
 
@@ -239,28 +239,16 @@ def check_attention_output(o, q) -> None:
 
 
 def check_targets(target, shape, vocab: int, ignore_index: int) -> torch.Tensor:
-    """``target`` of ``shape``, int32/int64, each in [0, vocab) or == ignore_index. Returns it
-    flattened. The range is checked on the host for CPU tensors, and by a device-side assertion
-    (no host sync) for GPU tensors and under ``torch.compile``: a bad value then fails the next
-    synchronizing call with 'coda: target out of range'."""
+    """``target`` of ``shape``, int32/int64. Returns it flattened. Its values' rule (each in
+    [0, vocab) or == ignore_index) is ``coda.kernels.target_check.check_target_range``'s,
+    which the callers run next: on the host for CPU tensors, by a device-side assertion (no
+    host sync) on a GPU."""
     check_tensor("target", target)
     if target.dtype not in TARGET_DTYPES:
         raise CodaInputError(f"target: dtype must be int32 or int64, got {target.dtype}")
     if tuple(target.shape) != tuple(shape):
         raise CodaInputError(f"target: expected shape {tuple(shape)}, got {tuple(target.shape)}")
-    t = target.reshape(-1)
-    bad = ((t < 0) | (t >= vocab)) & (t != ignore_index)
-    if t.device.type == "cpu" and not torch.compiler.is_compiling():
-        if bool(bad.any()):
-            v = int(t[bad][0])
-            raise CodaInputError(
-                f"target: values must be in [0, {vocab}) or ignore_index ({ignore_index}); got {v}"
-            )
-    else:
-        torch._assert_async(
-            ~bad.any(), f"coda: target out of range [0, {vocab}) and not ignore_index"
-        )
-    return t
+    return target.reshape(-1)
 
 
 def check_state_dict(sd: dict, expected: dict) -> None:

@@ -122,6 +122,8 @@ def _with_targets(G, coef, t, w):
         (2, 300, 16, 256, 128, 0.1, 0.0),  # three chunks, the last one padded
         (3, 130, 40, 128, 256, 0.0, 1e-3),
         (4, 257, 8, 384, 128, 0.05, 1e-2),
+        (5, 256, 16, 256, 256, 0.1, 1e-3),  # one whole chunk: its rows are the call's
+        (6, 128, 24, 384, 128, 0.0, 0.0),
     ],
 )
 def test_three_gemm_method_equals_autograd(seed, M, d, V, rows, smoothing, z_loss):

@@ -85,8 +85,9 @@ class Kernel:
     **constexprs_and_options)``, as with ``triton.jit``. Arguments are positional, then the
     remaining parameters by name (the constexprs) and ``num_warps``."""
 
-    def __init__(self, fn):
-        self.jit = triton.jit(fn)
+    def __init__(self, fn, debug: bool = False):
+        # ``debug``: the kernel's ``tl.device_assert`` compiled in (else Triton drops it)
+        self.jit = triton.jit(fn, debug=True) if debug else triton.jit(fn)
         self.params = tuple(inspect.signature(fn).parameters)
         self.compiled: dict = {}
 
@@ -135,10 +136,11 @@ class Kernel:
 
 
 @functools.cache
-def kernel(fn) -> Kernel:
+def kernel(fn, debug: bool = False) -> Kernel:
     """``fn`` (a plain function written in ``triton.language``) as a Triton kernel: compiled
-    for the GPU, or interpreted, by the mode triton was imported in."""
-    return Kernel(fn)
+    for the GPU, or interpreted, by the mode triton was imported in; ``debug``: with its
+    device-side assertions."""
+    return Kernel(fn, debug)
 
 
 def acc_type(t: torch.Tensor):
@@ -148,14 +150,22 @@ def acc_type(t: torch.Tensor):
 
 
 def cubin_sm90(
-    fn, pointers: dict, consts: dict, num_warps: int = 4, arch: int = 90, divisible=(), **options
+    fn,
+    pointers: dict,
+    consts: dict,
+    num_warps: int = 4,
+    arch: int = 90,
+    divisible=(),
+    part: str = "cubin",
+    **options,
 ) -> bytes:
     """``fn`` compiled for ``sm_{arch}`` without a GPU (Triton ships ptxas): its cubin.
     ``pointers``: each pointer argument's Triton type ("*bf16", ...); ``consts``: the
     constexpr arguments; every other argument is an i32. ``divisible``: the arguments to
     compile as divisible by 16, as Triton's JIT specializes a call whose pointers and integers
     are (``benchmarks/sass_row_passes.py`` reads the code a launch runs); ``options``: further
-    compile options the launch passes (``enable_fp_fusion``)."""
+    compile options the launch passes (``enable_fp_fusion``); ``part``: "ptx" for the PTX
+    instead."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -165,7 +175,7 @@ def cubin_sm90(
     src = ASTSource(fn=triton.jit(fn), signature=sig, constexprs=consts, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
     options = {"num_warps": num_warps, **options}
-    return triton.compile(src, target=target, options=options).asm["cubin"]
+    return triton.compile(src, target=target, options=options).asm[part]
 
 
 def compile_sm90(

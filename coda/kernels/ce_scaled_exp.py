@@ -254,8 +254,11 @@ def linear_cross_entropy_scaled(
     cfg = scaled_exp_config(V, config or GemmConfig())
     acc = acc_dtype(a)
     rows = max(128, rows // 128 * 128)
-    lse = a.new_empty(M, dtype=acc)
-    y_logit, coefs, dot = torch.empty_like(lse), torch.empty_like(lse), torch.empty_like(lse)
+    # one unpadded chunk: its per-row results are the call's (no copies into whole-call rows)
+    whole = M <= rows and M % 128 == 0
+    if not whole:
+        lse = a.new_empty(M, dtype=acc)
+        y_logit, coefs, dot = torch.empty_like(lse), torch.empty_like(lse), torch.empty_like(lse)
     G = a.new_empty(M, d, dtype=acc)
     # dW^T, summed over chunks in fp32
     dw_t = a.new_empty(V if want_dw else 0, d, dtype=acc)
@@ -290,7 +293,10 @@ def linear_cross_entropy_scaled(
         if want_dw:  # then the target entries' share, exact in fp32 (G's: in the backward)
             scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
             add_target_terms(dw_t, a_c, t_c, coef)
-        lse[R], y_logit[R], coefs[R], dot[R] = lse_c[:n], tl_c[:n], coef[:n], dot_c[:n]
+        if whole:
+            lse, y_logit, coefs, dot = lse_c, tl_c, coef, dot_c
+        else:
+            lse[R], y_logit[R], coefs[R], dot[R] = lse_c[:n], tl_c[:n], coef[:n], dot_c[:n]
         if C != n:
             G[R] = G_c[:n]
         if label_smoothing:
