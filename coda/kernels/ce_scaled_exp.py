@@ -255,7 +255,7 @@ def linear_cross_entropy_scaled(
     acc = acc_dtype(a)
     rows = max(128, rows // 128 * 128)
     # one unpadded chunk: its per-row results are the call's (no copies into whole-call rows)
-    whole = M <= rows and M % 128 == 0
+    whole = 0 < M <= rows and M % 128 == 0
     if not whole:
         lse = a.new_empty(M, dtype=acc)
         y_logit, coefs, dot = torch.empty_like(lse), torch.empty_like(lse), torch.empty_like(lse)

@@ -30,21 +30,25 @@ def _target_rule_kernel(t_ptr, n, vocab, ignore_index, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     t = tl.load(t_ptr + offs, mask=offs < n, other=0)
     ok = ((t >= 0) & (t < vocab)) | (t == ignore_index)
-    tl.device_assert(ok, "coda: target out of range [0, vocab) and not ignore_index")
+    tl.device_assert(ok, "coda: target out of range [0, vocab) and not ignore_index")  # MESSAGE
+
+
+def _breaking(t: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """Which targets break the rule (the torch form)."""
+    return ((t < 0) | (t >= vocab)) & (t != ignore_index)
 
 
 def target_rule_torch(t: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """The rule as torch ops and an asynchronous assertion (the trace's form)."""
-    bad = ((t < 0) | (t >= vocab)) & (t != ignore_index)
-    torch._assert_async(~bad.any(), f"{MESSAGE} (vocab {vocab})")
+    torch._assert_async(~_breaking(t, vocab, ignore_index).any(), f"{MESSAGE} (vocab {vocab})")
 
 
 def check_target_range(t: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """``t``: the flattened targets (int32 or int64, shape already checked)."""
     if torch.compiler.is_compiling():
         target_rule_torch(t, vocab, ignore_index)
-    elif t.device.type == "cpu":  # on the host (also under Triton's interpreter: its
-        bad = ((t < 0) | (t >= vocab)) & (t != ignore_index)  # assertions are no-ops)
+    elif t.device.type == "cpu":  # on the host (also under Triton's interpreter, whose
+        bad = _breaking(t, vocab, ignore_index)  # assertions are no-ops)
         if bool(bad.any()):
             raise CodaInputError(
                 f"target: values must be in [0, {vocab}) or ignore_index ({ignore_index}); "
