@@ -238,11 +238,9 @@ def check_attention_output(o, q) -> None:
         )
 
 
-def check_targets(target, shape, vocab: int, ignore_index: int) -> torch.Tensor:
-    """``target`` of ``shape``, int32/int64. Returns it flattened. Its values' rule (each in
-    [0, vocab) or == ignore_index) is ``coda.kernels.target_check.check_target_range``'s,
-    which the callers run next: on the host for CPU tensors, by a device-side assertion (no
-    host sync) on a GPU."""
+def check_target_tensor(target, shape) -> torch.Tensor:
+    """``target`` of ``shape``, int32/int64. Returns it flattened. (Its values' rule is
+    ``coda.kernels.target_check.checked_targets``', which calls this first.)"""
     check_tensor("target", target)
     if target.dtype not in TARGET_DTYPES:
         raise CodaInputError(f"target: dtype must be int32 or int64, got {target.dtype}")

@@ -43,7 +43,7 @@ from coda.kernels.gemm_rope import LOADED_POSITIONS, cached_freq_table, position
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
 from coda.kernels.norm_rows import row_stat
 from coda.kernels.qk_norm import column_rows, qk_norm_config
-from coda.kernels.target_check import check_target_range
+from coda.kernels.target_check import checked_targets
 from coda.kernels.tuned import config_for
 from coda.reference.cross_entropy import linear_cross_entropy_ref
 from coda.reference.rmsnorm import gemm_residual_rms_ref, gemm_rmsnorm_gemm_ref
@@ -459,8 +459,7 @@ def linear_cross_entropy(
     v.check_matrix("x", x)
     v.check_matrix("w_lm", w_lm, rows=("x.shape[1]", x.shape[1]))
     # every call: the range of the values (a device-side assertion on a GPU, no sync)
-    target = v.check_targets(target, (x.shape[0],), w_lm.shape[1], ignore_index)
-    check_target_range(target, w_lm.shape[1], ignore_index)
+    target = checked_targets(target, (x.shape[0],), w_lm.shape[1], ignore_index)
     named = {"x": x, "w_lm": w_lm, "rstd": rstd, "target": target}
 
     def check():

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from coda._validate import CodaInputError
+from coda._validate import CodaInputError, check_target_tensor
 from coda.kernels._triton import cdiv, cubin_sm90, kernel
 
 BLOCK = 4096  # targets a program checks
@@ -43,8 +43,17 @@ def target_rule_torch(t: torch.Tensor, vocab: int, ignore_index: int) -> None:
     torch._assert_async(~_breaking(t, vocab, ignore_index).any(), f"{MESSAGE} (vocab {vocab})")
 
 
+def checked_targets(target, shape, vocab: int, ignore_index: int) -> torch.Tensor:
+    """A loss's targets by every rule: a tensor of ``shape``, int32 or int64
+    (``_validate.check_target_tensor``), each in [0, vocab) or == ignore_index. Returns them
+    flattened."""
+    t = check_target_tensor(target, shape)
+    check_target_range(t, vocab, ignore_index)
+    return t
+
+
 def check_target_range(t: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """``t``: the flattened targets (int32 or int64, shape already checked)."""
+    """The values' rule on flattened targets (CPU: named on the host; GPU: one launch)."""
     if torch.compiler.is_compiling():
         target_rule_torch(t, vocab, ignore_index)
     elif t.device.type == "cpu":  # on the host (also under Triton's interpreter, whose

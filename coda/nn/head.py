@@ -20,7 +20,7 @@ from coda.env import (
     compute_dtype,
     resolve_backend,
 )
-from coda.kernels.target_check import check_target_range
+from coda.kernels.target_check import checked_targets
 from coda.nn._common import FormerNames, in_dtype, tma_rule
 from coda.reference.cross_entropy import cross_entropy_ref
 from coda.reference.rmsnorm import rmsnorm_ref
@@ -197,8 +197,7 @@ def lm_head_loss(
     v.check_choice("method", method, LM_HEAD_METHODS)
     v.check_eps(eps)
     label_smoothing, z_loss = v.check_ce_options(label_smoothing, z_loss)
-    t = v.check_targets(target, x.shape[:-1], vocab, ignore_index)
-    check_target_range(t, vocab, ignore_index)
+    t = checked_targets(target, x.shape[:-1], vocab, ignore_index)
     xf = x.reshape(-1, d)
     path = resolve_backend("LMHeadLoss", backend, x.device, compute_dtype(x), empty=x.numel() == 0)
     if path == "kernel":
