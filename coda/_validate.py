@@ -139,6 +139,13 @@ def check_ce_options(label_smoothing, z_loss) -> tuple[float, float]:
     return float(label_smoothing), float(z_loss)
 
 
+def check_ignore_index(ignore_index) -> int:
+    """Cross-entropy's ``ignore_index``: an integer (any, as ``F.cross_entropy``'s)."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise CodaInputError(f"ignore_index: must be an int, got {ignore_index!r}")
+    return int(ignore_index)
+
+
 def check_choice(name: str, value, allowed) -> str:
     if value not in allowed:
         raise CodaInputError(f"{name}: must be one of {tuple(allowed)}, got {value!r}")

@@ -456,6 +456,7 @@ def linear_cross_entropy(
     on a GPU it fails a device-side assertion (no host sync), as PyTorch's cross-entropy does."""
     v.check_choice("reduction", reduction, v.REDUCTIONS)
     label_smoothing, z_loss = v.check_ce_options(label_smoothing, z_loss)
+    ignore_index = v.check_ignore_index(ignore_index)
     v.check_matrix("x", x)
     v.check_matrix("w_lm", w_lm, rows=("x.shape[1]", x.shape[1]))
     # every call: the range of the values (a device-side assertion on a GPU, no sync)

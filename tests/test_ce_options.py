@@ -115,6 +115,16 @@ def test_bad_options_are_named():
         )
     from coda.nn.head import lm_head_loss  # the functional form (``coda.transformers``'s)
 
+    # ignore_index an int at every entry point (a float reached torch's loss as a TypeError)
+    x, w, t = torch.randn(2, 8), torch.randn(8, 16), torch.zeros(2, dtype=torch.long)
+    for bad in (1.5, True, "-100"):
+        with pytest.raises(coda.CodaInputError, match="ignore_index: must be an int"):
+            coda.linear_cross_entropy(x, w, t, ignore_index=bad)
+        with pytest.raises(coda.CodaInputError, match="ignore_index: must be an int"):
+            lm_head_loss(x, torch.ones(8), w, t, ignore_index=bad)
+        with pytest.raises(coda.CodaInputError, match="ignore_index: must be an int"):
+            cnn.LMHeadLoss(8, 16, ignore_index=bad)
+
     with pytest.raises(coda.CodaInputError, match="eps: must be a finite positive number"):
         lm_head_loss(
             torch.randn(2, 8), torch.ones(8), torch.randn(8, 16), torch.zeros(2).long(), eps=0

@@ -74,8 +74,7 @@ class LMHeadLoss(FormerNames, nn.Module):
         v.check_param_dtype(dtype)
         v.check_choice("method", method, LM_HEAD_METHODS)
         v.check_choice("backend", backend, BACKENDS)
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-            raise v.CodaInputError(f"ignore_index: must be an int, got {ignore_index!r}")
+        ignore_index = v.check_ignore_index(ignore_index)
         self.d, self.vocab = d, vocab
         self.eps, self.ignore_index, self.chunk, self.backend = eps, ignore_index, chunk, backend
         self.method = method
@@ -197,6 +196,7 @@ def lm_head_loss(
     v.check_choice("method", method, LM_HEAD_METHODS)
     v.check_eps(eps)
     label_smoothing, z_loss = v.check_ce_options(label_smoothing, z_loss)
+    ignore_index = v.check_ignore_index(ignore_index)
     t = checked_targets(target, x.shape[:-1], vocab, ignore_index)
     xf = x.reshape(-1, d)
     path = resolve_backend("LMHeadLoss", backend, x.device, compute_dtype(x), empty=x.numel() == 0)
