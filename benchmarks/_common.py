@@ -546,6 +546,14 @@ def without_target_kernel(fn):
     return _switched_off(fn, (target_check, "TRITON"))
 
 
+def without_loss_rows_kernels(fn):
+    """``fn`` with the LM head's row weights and loss reduction as their torch forms
+    (``loss_rows.TRITON`` off: twelve launches for two), as before session 47."""
+    from coda.kernels import loss_rows
+
+    return _switched_off(fn, (loss_rows, "TRITON"))
+
+
 def without_plan_tapes(fn):
     """``fn`` with the public ops' plan tapes (``coda.ops.PLAN_TAPES``) switched off: every
     launch looks its plan up by key, as before session 15."""

@@ -42,6 +42,7 @@ from benchmarks._common import (
     selected,
     where_time_goes,
     without_direct_triton,
+    without_loss_rows_kernels,
     without_plan_tapes,
     without_target_kernel,
 )
@@ -208,6 +209,8 @@ def host_rows() -> list[dict]:
         (steps, "LMHeadLoss forward+backward"),
     ):
         group[name + ", torch-form target check"] = without_target_kernel(group[name])
+        # and its loss weights and reduction as their torch forms (twelve launches), same run
+        group[name + ", torch-form loss rows"] = without_loss_rows_kernels(group[name])
     # and the public ops without their plan tapes (every launch keyed), same run
     for name in [n for n in calls if n.startswith("coda.") and "," not in n]:
         calls[name + ", without plan tapes"] = without_plan_tapes(calls[name])

@@ -56,6 +56,7 @@ from coda.kernels.linear_cross_entropy_bwd import (
     weight_grad_from_acc,
 )
 from coda.kernels.linear_cross_entropy_chunked import chunk_rows
+from coda.kernels.loss_rows import ce_loss_from_stats, ce_row_weights
 from coda.kernels.qk_norm import (
     column_rows,
     qk_norm_config,
@@ -64,7 +65,7 @@ from coda.kernels.qk_norm import (
 from coda.kernels.rmsnorm_bwd import norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad
-from coda.primitives.aux import ce_loss_from_stats, ce_row_weights, combine_lse
+from coda.primitives.aux import combine_lse
 
 
 def root_float_use(value: float) -> None:

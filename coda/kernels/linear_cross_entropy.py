@@ -18,8 +18,9 @@ import torch
 
 from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.loss_rows import ce_loss_from_stats
 from coda.primitives import ColLoad, ColSelect, OnlineLSE, epilogue_program
-from coda.primitives.aux import ce_loss_from_stats, combine_lse
+from coda.primitives.aux import combine_lse
 from coda.reference.cross_entropy import linear_cross_entropy_ref  # noqa: F401  (the reference)
 
 

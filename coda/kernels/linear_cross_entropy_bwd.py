@@ -26,9 +26,10 @@ import triton.language as tl
 from coda.kernels._launch import acc_dtype, example_operands, fused, interpret_gemm, launch
 from coda.kernels._triton import cdiv, compile_sm90, contiguous_pass, kernel
 from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.loss_rows import ce_row_weights
 from coda.kernels.tuned import config_for
 from coda.primitives import ColLoad, RowPartials, epilogue_program, exp
-from coda.primitives.aux import ce_row_weights, combine_row_partials, norm_correction
+from coda.primitives.aux import combine_row_partials, norm_correction
 
 
 @epilogue_program(

@@ -1,0 +1,142 @@
+"""The LM head's two passes over a call's whole rows, one Triton launch each:
+
+    weights  w[m] = [t_m != ignore] / max(1, M_valid)   ("mean"), or [t_m != ignore] (else)
+    loss     l[m] = [t_m != ignore] (lse - (1 - eps) l_y - (eps / V) sum_n l_n + z lse^2),
+             then "none" (the rows), "sum", or "mean" (/ M_valid: NaN when every row is ignored)
+
+(A3 and the gradient's row weights, docs/KERNELS.md; the torch forms, the CPU path and the
+oracle, are ``primitives.aux.ce_row_weights`` and ``ce_loss_from_stats``.) Those forms cost
+five and seven small launches a call (comparisons, casts, two reductions, a division, a
+select), ~12 of an LM-head forward's ~30 launches and ~2 us of GPU time each
+(benchmarks/NOTES.md, session 46's "noticed and left"). Both passes need a reduction over
+the whole call (M_valid, the loss's sum) before or after their rows, so each is one program
+walking the rows in blocks: one launch, a fixed summation order (deterministic), at ~16
+bytes a row read once or twice by one SM, where the LM head's GEMMs read and write M x V.
+Under a torch.compile trace, on rows that are not contiguous, on an empty call and where
+``TRITON`` is off, the torch form runs (Inductor fuses it under a trace).
+Tests: tests/test_loss_rows.py (Triton's interpreter in float64 against the torch forms,
+every reduction and option; the sm_90 compile; on the H200 the kernel against the torch form).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from coda.kernels._triton import compile_sm90, contiguous_pass, kernel
+from coda.primitives import aux
+
+BLOCK = 2048  # rows a program step reads
+TRITON = True  # False: the torch forms on the GPU too (the benchmarks' same-run comparison)
+_REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+
+
+@triton.jit
+def _div(a, b):
+    """a / b correctly rounded (Triton's fp32 ``/`` is the approximate division)."""
+    if a.dtype == tl.float64:
+        return a / b
+    else:
+        return tl.div_rn(a, b)
+
+
+def _row_weights_kernel(t_ptr, w_ptr, n, ignore_index, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    ACC: tl.constexpr = w_ptr.dtype.element_ty
+    count = tl.zeros((BLOCK,), tl.int32)
+    if MEAN:  # M_valid first: every row's weight needs it
+        for s in range(0, n, BLOCK):
+            offs = s + tl.arange(0, BLOCK)
+            t = tl.load(t_ptr + offs, mask=offs < n, other=ignore_index)
+            count += (t != ignore_index).to(tl.int32)
+    denom = tl.maximum(tl.sum(count), 1).to(ACC)
+    for s in range(0, n, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        t = tl.load(t_ptr + offs, mask=offs < n, other=ignore_index)
+        valid = (t != ignore_index).to(ACC)
+        w = _div(valid, denom) if MEAN else valid
+        tl.store(w_ptr + offs, w, mask=offs < n)
+
+
+def _loss_kernel(
+    lse_ptr, y_ptr, t_ptr, sum_ptr, out_ptr, n, ignore_index, vocab, smoothing, z_loss,
+    REDUCTION: tl.constexpr, SMOOTH: tl.constexpr, Z: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    ACC: tl.constexpr = out_ptr.dtype.element_ty
+    total = tl.zeros((BLOCK,), ACC)
+    count = tl.zeros((BLOCK,), tl.int32)
+    for s in range(0, n, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        m = offs < n
+        t = tl.load(t_ptr + offs, mask=m, other=ignore_index)
+        lse = tl.load(lse_ptr + offs, mask=m, other=0.0)
+        y = tl.load(y_ptr + offs, mask=m, other=0.0)
+        per = lse - y
+        if SMOOTH:  # as the torch form: eps (l_y - sum_n l_n / V)
+            per = per + smoothing * (y - _div(tl.load(sum_ptr + offs, mask=m, other=0.0), vocab))
+        if Z:
+            per = per + z_loss * lse * lse
+        valid = t != ignore_index
+        per = tl.where(valid, per, 0.0)  # (a select: an ignored row's NaN or inf stays out)
+        if REDUCTION == 0:
+            tl.store(out_ptr + offs, per, mask=m)
+        else:
+            total += per
+            count += valid.to(tl.int32)
+    if REDUCTION != 0:
+        loss = tl.sum(total)
+        if REDUCTION == 2:  # 0 / 0 = NaN when every row is ignored, as PyTorch's mean
+            loss = _div(loss, tl.sum(count).to(ACC))
+        tl.store(out_ptr, loss)
+
+
+def _triton_pass(*tensors) -> bool:
+    return TRITON and tensors[0].numel() > 0 and contiguous_pass(*tensors)
+
+
+def ce_row_weights(target, ignore_index: int, reduction: str, dtype=torch.float32):
+    """``aux.ce_row_weights`` (the per-row weight of the loss gradient), one launch on a GPU."""
+    if not _triton_pass(target):
+        return aux.ce_row_weights(target, ignore_index, reduction, dtype)
+    w = torch.empty(target.shape, dtype=dtype, device=target.device)
+    mean = reduction == "mean"
+    kernel(_row_weights_kernel)[(1,)](
+        target, w, target.numel(), ignore_index, MEAN=mean, BLOCK=BLOCK, num_warps=8
+    )
+    return w
+
+
+def ce_loss_from_stats(
+    lse, target_logit, target, ignore_index: int, reduction: str, *, logit_sum=None,
+    vocab: int = 0, label_smoothing: float = 0.0, z_loss: float = 0.0,
+):  # fmt: skip
+    """``aux.ce_loss_from_stats`` (A3: the per-row loss and its reduction), one launch on a
+    GPU."""
+    rows = (lse, target_logit, target) + (() if logit_sum is None else (logit_sum,))
+    if not _triton_pass(*rows):
+        return aux.ce_loss_from_stats(
+            lse, target_logit, target, ignore_index, reduction, logit_sum=logit_sum,
+            vocab=vocab, label_smoothing=label_smoothing, z_loss=z_loss,
+        )  # fmt: skip
+    smooth = bool(label_smoothing)
+    out = torch.empty(lse.shape if reduction == "none" else (), dtype=lse.dtype, device=lse.device)
+    kernel(_loss_kernel)[(1,)](
+        lse, target_logit, target, logit_sum if smooth else lse, out, lse.numel(), ignore_index,
+        float(vocab or 1), float(label_smoothing), float(z_loss),
+        REDUCTION=_REDUCTIONS[reduction], SMOOTH=smooth, Z=bool(z_loss), BLOCK=BLOCK,
+        num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+# -- sm_90 compiles without a GPU (tests/test_loss_rows.py) ---------------------------------------
+def compile_row_weights(mean: bool, target: str = "*i64") -> int:
+    consts = {"MEAN": mean, "BLOCK": BLOCK}
+    return compile_sm90(_row_weights_kernel, {"t_ptr": target, "w_ptr": "*fp32"}, consts, 8)
+
+
+def compile_loss(reduction: str, smooth: bool, z: bool, target: str = "*i64") -> int:
+    pointers = {"t_ptr": target, **{p: "*fp32" for p in ("lse_ptr", "y_ptr", "sum_ptr", "out_ptr")}}
+    pointers.update({"vocab": "fp32", "smoothing": "fp32", "z_loss": "fp32"})
+    consts = {"REDUCTION": _REDUCTIONS[reduction], "SMOOTH": smooth, "Z": z, "BLOCK": BLOCK}
+    return compile_sm90(_loss_kernel, pointers, consts, 8)
