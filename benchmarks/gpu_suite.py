@@ -183,6 +183,7 @@ def suite_list(args) -> list:
         probe_graph_gaps,
         probe_head_norm,
         probe_kernel_origin,
+        probe_loss_rows,
         probe_ncu,
         probe_row_passes,
         probe_triton_launch,
@@ -236,6 +237,7 @@ def suite_list(args) -> list:
         *[(name, probe_ncu.Suite(name)) for name in probe_ncu.SUITES],
         (probe_kernel_origin.SUITE, probe_kernel_origin.Suite()),
         (probe_head_norm.SUITE, probe_head_norm.Suite()),
+        (probe_loss_rows.SUITE, probe_loss_rows.Suite()),
         (probe_graph_gaps.SUITE, probe_graph_gaps.Suite()),
         (probe_compile_graphs.SUITE, probe_compile_graphs.Suite()),
     ]

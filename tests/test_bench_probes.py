@@ -142,6 +142,7 @@ def test_a_run_of_every_suite_leaves_the_diagnostics_out():
         "ncu_traffic",
         "kernel_origin",
         "head_norm_pass",
+        "loss_rows",
         "graph_gaps",
         "compile_graphs",
         "triton_launch",

@@ -17,7 +17,7 @@ import triton_child
 
 from coda.primitives import aux
 
-SIZES = (1, 7, 2048, 2049, 5000)
+SIZES = (1, 7, 2049, 5000, 16385, 40000)  # one step (up to MAX_BLOCK rows) and several
 OPTIONS = ((0.0, 0.0), (0.1, 0.0), (0.0, 1e-4), (0.2, 1e-3))  # (label_smoothing, z_loss)
 
 

@@ -24,10 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from coda.kernels._triton import compile_sm90, contiguous_pass, kernel
+from coda.kernels._triton import compile_sm90, contiguous_pass, kernel, next_power_of_2
 from coda.primitives import aux
 
-BLOCK = 2048  # rows a program step reads
+MAX_BLOCK = 16384  # rows a program step reads, at most
+ROWS_PER_THREAD = 16
 TRITON = True  # False: the torch forms on the GPU too (the benchmarks' same-run comparison)
 _REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 
@@ -90,6 +91,14 @@ def _loss_kernel(
         tl.store(out_ptr, loss)
 
 
+def launch_shape(n: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for n rows: every row in one step up to ``MAX_BLOCK`` (one program,
+    so latency bounds it: as many loads in flight as it can hold), ``ROWS_PER_THREAD`` a
+    thread. Chosen by ``benchmarks/probe_loss_rows.py`` (benchmarks/NOTES.md, session 47)."""
+    block = min(MAX_BLOCK, max(1024, next_power_of_2(n)))
+    return block, max(4, min(32, block // (32 * ROWS_PER_THREAD)))
+
+
 def _triton_pass(*tensors) -> bool:
     return TRITON and tensors[0].numel() > 0 and contiguous_pass(*tensors)
 
@@ -99,9 +108,10 @@ def ce_row_weights(target, ignore_index: int, reduction: str, dtype=torch.float3
     if not _triton_pass(target):
         return aux.ce_row_weights(target, ignore_index, reduction, dtype)
     w = torch.empty(target.shape, dtype=dtype, device=target.device)
-    mean = reduction == "mean"
+    n = target.numel()
+    block, warps = launch_shape(n)
     kernel(_row_weights_kernel)[(1,)](
-        target, w, target.numel(), ignore_index, MEAN=mean, BLOCK=BLOCK, num_warps=8
+        target, w, n, ignore_index, MEAN=reduction == "mean", BLOCK=block, num_warps=warps
     )
     return w
 
@@ -120,23 +130,29 @@ def ce_loss_from_stats(
         )  # fmt: skip
     smooth = bool(label_smoothing)
     out = torch.empty(lse.shape if reduction == "none" else (), dtype=lse.dtype, device=lse.device)
+    n = lse.numel()
+    block, warps = launch_shape(n)
     kernel(_loss_kernel)[(1,)](
-        lse, target_logit, target, logit_sum if smooth else lse, out, lse.numel(), ignore_index,
+        lse, target_logit, target, logit_sum if smooth else lse, out, n, ignore_index,
         float(vocab or 1), float(label_smoothing), float(z_loss),
-        REDUCTION=_REDUCTIONS[reduction], SMOOTH=smooth, Z=bool(z_loss), BLOCK=BLOCK,
-        num_warps=8,
+        REDUCTION=_REDUCTIONS[reduction], SMOOTH=smooth, Z=bool(z_loss), BLOCK=block,
+        num_warps=warps,
     )  # fmt: skip
     return out
 
 
 # -- sm_90 compiles without a GPU (tests/test_loss_rows.py) ---------------------------------------
-def compile_row_weights(mean: bool, target: str = "*i64") -> int:
-    consts = {"MEAN": mean, "BLOCK": BLOCK}
-    return compile_sm90(_row_weights_kernel, {"t_ptr": target, "w_ptr": "*fp32"}, consts, 8)
+def compile_row_weights(mean: bool, target: str = "*i64", n: int = MAX_BLOCK) -> int:
+    """The weights' kernel for sm_90 as a call of ``n`` rows launches it: its cubin's size."""
+    block, warps = launch_shape(n)
+    consts = {"MEAN": mean, "BLOCK": block}
+    return compile_sm90(_row_weights_kernel, {"t_ptr": target, "w_ptr": "*fp32"}, consts, warps)
 
 
-def compile_loss(reduction: str, smooth: bool, z: bool, target: str = "*i64") -> int:
+def compile_loss(reduction: str, smooth: bool, z: bool, target="*i64", n=MAX_BLOCK) -> int:
+    """The loss's kernel for sm_90 as a call of ``n`` rows launches it: its cubin's size."""
+    block, warps = launch_shape(n)
     pointers = {"t_ptr": target, **{p: "*fp32" for p in ("lse_ptr", "y_ptr", "sum_ptr", "out_ptr")}}
     pointers.update({"vocab": "fp32", "smoothing": "fp32", "z_loss": "fp32"})
-    consts = {"REDUCTION": _REDUCTIONS[reduction], "SMOOTH": smooth, "Z": z, "BLOCK": BLOCK}
-    return compile_sm90(_loss_kernel, pointers, consts, 8)
+    consts = {"REDUCTION": _REDUCTIONS[reduction], "SMOOTH": smooth, "Z": z, "BLOCK": block}
+    return compile_sm90(_loss_kernel, pointers, consts, warps)
