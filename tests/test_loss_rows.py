@@ -83,13 +83,18 @@ n = len(launches)
 t = torch.zeros(8, 2, dtype=torch.int64)[:, 0]  # strided targets: the torch form, no launch
 loss_rows.ce_row_weights(t, -100, "mean")
 loss_rows.ce_loss_from_stats(torch.ones(8), torch.zeros(8), t, -100, "sum")
-print(json.dumps([out, n, len(launches)]))
+strided = len(launches)
+big = torch.zeros(40000, dtype=torch.int64)  # past the weights' MAX_ROWS, inside the loss's
+loss_rows.ce_row_weights(big, -100, "mean")
+loss_rows.ce_loss_from_stats(torch.ones(40000), torch.zeros(40000), big, -100, "sum")
+print(json.dumps([out, n, strided, launches[strided:]]))
 """
 
 
 def test_loss_rows_in_triton_interpreter_equal_torch_forms():
-    out, launched, after_strided = triton_child.results(_CHILD)
+    out, launched, after_strided, past_max = triton_child.results(_CHILD)
     assert launched > 0 and after_strided == launched  # the kernels ran; strided rows did not
+    assert past_max == ["_loss_kernel"]  # rows past the weights' MAX_ROWS: their torch form
     for M, dtype, errs in out:
         bound = _BOUND[getattr(torch, dtype.split(".")[1])]
         assert set(errs) == {"mean", "sum", "none"}, (M, dtype, errs)

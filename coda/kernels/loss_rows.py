@@ -12,8 +12,9 @@ select), ~12 of an LM-head forward's ~30 launches and ~2 us of GPU time each
 the whole call (M_valid, the loss's sum) before or after their rows, so each is one program
 walking the rows in blocks: one launch, a fixed summation order (deterministic), at ~16
 bytes a row read once or twice by one SM, where the LM head's GEMMs read and write M x V.
-Under a torch.compile trace, on rows that are not contiguous, on an empty call and where
-``TRITON`` is off, the torch form runs (Inductor fuses it under a trace).
+Under a torch.compile trace, on rows that are not contiguous, on an empty call, past
+``MAX_ROWS`` (where one program reading every row is slower than torch's kernels: measured)
+and where ``TRITON`` is off, the torch form runs (Inductor fuses it under a trace).
 Tests: tests/test_loss_rows.py (Triton's interpreter in float64 against the torch forms,
 every reduction and option; the sm_90 compile; on the H200 the kernel against the torch form).
 """
@@ -29,6 +30,11 @@ from coda.primitives import aux
 
 MAX_BLOCK = 16384  # rows a program step reads, at most
 ROWS_PER_THREAD = 16
+# Rows up to which each one-program kernel beats its torch form in GPU time (run 203,
+# ``benchmarks/probe_loss_rows.py``, graphed: the weights' 12.3 against 16.1 us at 16384 rows,
+# 32.7 against 21.5 at 65536; the loss's 15.2 against 32.7 at 65536, 41.3 against 33.6 at
+# 262144). Past them a call's GEMMs take tens of ms and the host is far ahead: the torch form.
+MAX_ROWS = {"weights": 32768, "loss": 131072}
 TRITON = True  # False: the torch forms on the GPU too (the benchmarks' same-run comparison)
 _REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 
@@ -99,13 +105,14 @@ def launch_shape(n: int) -> tuple[int, int]:
     return block, max(4, min(32, block // (32 * ROWS_PER_THREAD)))
 
 
-def _triton_pass(*tensors) -> bool:
-    return TRITON and tensors[0].numel() > 0 and contiguous_pass(*tensors)
+def _triton_pass(which: str, *tensors) -> bool:
+    n = tensors[0].numel()
+    return TRITON and 0 < n <= MAX_ROWS[which] and contiguous_pass(*tensors)
 
 
 def ce_row_weights(target, ignore_index: int, reduction: str, dtype=torch.float32):
     """``aux.ce_row_weights`` (the per-row weight of the loss gradient), one launch on a GPU."""
-    if not _triton_pass(target):
+    if not _triton_pass("weights", target):
         return aux.ce_row_weights(target, ignore_index, reduction, dtype)
     w = torch.empty(target.shape, dtype=dtype, device=target.device)
     n = target.numel()
@@ -123,7 +130,7 @@ def ce_loss_from_stats(
     """``aux.ce_loss_from_stats`` (A3: the per-row loss and its reduction), one launch on a
     GPU."""
     rows = (lse, target_logit, target) + (() if logit_sum is None else (logit_sum,))
-    if not _triton_pass(*rows):
+    if not _triton_pass("loss", *rows):
         return aux.ce_loss_from_stats(
             lse, target_logit, target, ignore_index, reduction, logit_sum=logit_sum,
             vocab=vocab, label_smoothing=label_smoothing, z_loss=z_loss,
