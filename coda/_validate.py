@@ -245,14 +245,15 @@ def check_attention_output(o, q) -> None:
         )
 
 
-def check_target_tensor(target, shape) -> torch.Tensor:
+def check_target_tensor(target, shape, name: str = "target") -> torch.Tensor:
     """``target`` of ``shape``, int32/int64. Returns it flattened. (Its values' rule is
-    ``coda.kernels.target_check.checked_targets``', which calls this first.)"""
-    check_tensor("target", target)
+    ``coda.kernels.target_check.checked_targets``', which calls this first.) ``name``: the
+    argument's name where the caller's differs (HF's ``labels``)."""
+    check_tensor(name, target)
     if target.dtype not in TARGET_DTYPES:
-        raise CodaInputError(f"target: dtype must be int32 or int64, got {target.dtype}")
+        raise CodaInputError(f"{name}: dtype must be int32 or int64, got {target.dtype}")
     if tuple(target.shape) != tuple(shape):
-        raise CodaInputError(f"target: expected shape {tuple(shape)}, got {tuple(target.shape)}")
+        raise CodaInputError(f"{name}: expected shape {tuple(shape)}, got {tuple(target.shape)}")
     return target.reshape(-1)
 
 

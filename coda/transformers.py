@@ -435,6 +435,14 @@ def _causal_lm_forward(original):
         n_items = kwargs.pop("num_items_in_batch", None)
         ignore_index = kwargs.pop("ignore_index", -100)
         shift = kwargs.pop("shift_labels", None)
+        tokens = args[0] if args else kwargs.get("input_ids")
+        if tokens is None and kwargs.get("inputs_embeds") is not None:
+            tokens = kwargs["inputs_embeds"][..., 0]
+        if tokens is not None:  # named as the caller passed them (else the loss names target)
+            rows = tuple(tokens.shape)
+            v.check_target_tensor(labels, rows, "labels")
+            if shift is not None:
+                v.check_target_tensor(shift, rows, "shift_labels")
         if shift is None:  # as HF's ForCausalLMLoss: tokens < n predict n
             shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         kwargs.pop("logits_to_keep", None)  # no logits are formed

@@ -502,6 +502,23 @@ def test_patched_model_under_autocast_trains_like_unpatched(family):
         assert rel_err(grads_p[name], g.grad, floor=float(g.grad.abs().max())) < 0.05, name
 
 
+def test_bad_labels_are_named_as_the_caller_passed_them():
+    """A patched model's training call checks ``labels`` (and ``shift_labels``) by HF's names,
+    against the tokens' (batch, seq), before any layer runs."""
+    patched = ct.apply_coda(LlamaForCausalLM(tiny_config()).double())
+    ids = torch.randint(0, 97, (2, 8))
+    with pytest.raises(coda.CodaInputError, match=r"labels: expected shape \(2, 8\), got \(2, 7\)"):
+        patched(input_ids=ids, labels=ids[:, :7])
+    with pytest.raises(coda.CodaInputError, match="labels: dtype must be int32 or int64"):
+        patched(ids, labels=ids.double())
+    with pytest.raises(coda.CodaInputError, match="shift_labels: expected shape"):
+        patched(input_ids=ids, labels=ids, shift_labels=ids[:1])
+    embeds = patched.model.embed_tokens(ids)
+    with pytest.raises(coda.CodaInputError, match=r"labels: expected shape \(2, 8\)"):
+        patched(inputs_embeds=embeds, labels=ids[:, :5])
+    assert torch.isfinite(patched(input_ids=ids, labels=ids).loss)
+
+
 def test_unsupported_models_and_configs_are_named():
     with pytest.raises(coda.CodaInputError, match="mlp_bias=True is not supported"):
         ct.apply_coda(LlamaForCausalLM(tiny_config(mlp_bias=True)))
