@@ -435,11 +435,9 @@ def _causal_lm_forward(original):
         n_items = kwargs.pop("num_items_in_batch", None)
         ignore_index = kwargs.pop("ignore_index", -100)
         shift = kwargs.pop("shift_labels", None)
-        tokens = args[0] if args else kwargs.get("input_ids")
-        if tokens is None and kwargs.get("inputs_embeds") is not None:
-            tokens = kwargs["inputs_embeds"][..., 0]
-        if tokens is not None:  # named as the caller passed them (else the loss names target)
-            rows = tuple(tokens.shape)
+        ids, embeds = args[0] if args else kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        rows = ids.shape if ids is not None else None if embeds is None else embeds.shape[:-1]
+        if rows is not None:  # named as the caller passed them (else the loss names target)
             v.check_target_tensor(labels, rows, "labels")
             if shift is not None:
                 v.check_target_tensor(shift, rows, "shift_labels")

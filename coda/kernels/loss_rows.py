@@ -159,7 +159,7 @@ def compile_row_weights(mean: bool, target: str = "*i64", n: int = MAX_BLOCK) ->
 def compile_loss(reduction: str, smooth: bool, z: bool, target="*i64", n=MAX_BLOCK) -> int:
     """The loss's kernel for sm_90 as a call of ``n`` rows launches it: its cubin's size."""
     block, warps = launch_shape(n)
-    pointers = {"t_ptr": target, **{p: "*fp32" for p in ("lse_ptr", "y_ptr", "sum_ptr", "out_ptr")}}
-    pointers.update({"vocab": "fp32", "smoothing": "fp32", "z_loss": "fp32"})
+    fp32 = ("lse_ptr", "y_ptr", "sum_ptr", "out_ptr", "vocab", "smoothing", "z_loss")
+    types = {"t_ptr": target, **{p: "*fp32" if p.endswith("_ptr") else "fp32" for p in fp32}}
     consts = {"REDUCTION": _REDUCTIONS[reduction], "SMOOTH": smooth, "Z": z, "BLOCK": block}
-    return compile_sm90(_loss_kernel, pointers, consts, warps)
+    return compile_sm90(_loss_kernel, types, consts, warps)  # (the rest are i32: n, ignore)
