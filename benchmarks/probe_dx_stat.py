@@ -10,7 +10,8 @@ process, interleaved, at each head's chunk shape (d=2048, V=32768, 16384 rows; d
 V=128256, 4096 rows):
 
     before  the dX program without the sink (defined here, as it was), then ``fused(norm_stat)``
-    after   ``scaled_grad_dx_kernel`` (the sink), then ``norm_stat_from_dot``
+    after   ``scaled_grad_dx_kernel`` (the sink), then ``norm_stat_rows`` (session 48: one
+            launch from the sink's partials; ``norm_stat_from_dot`` of their sum until then)
 
 and reports each one's median over interleaved rounds (``_common.interleaved``), its kernels'
 GPU time (profiled), and that both give the same G (bitwise) and S (fp32 summation order:
@@ -30,7 +31,8 @@ import torch
 from benchmarks._common import interleaved, probe_rows
 from coda.kernels._launch import fused, launch
 from coda.kernels.ce_scaled_exp import STRIP, dx_config, scaled_grad_dx_kernel
-from coda.kernels.linear_cross_entropy_chunked import norm_stat, norm_stat_from_dot
+from coda.kernels.ce_scaled_rows import norm_stat_rows
+from coda.kernels.linear_cross_entropy_chunked import norm_stat
 from coda.primitives import ColLoad, ScaleA, epilogue_program
 
 SHAPES = ((2048, 32768, 16384), (4096, 128256, 4096))  # (d, V, rows of one token chunk)
@@ -73,8 +75,8 @@ def before(o, G):
 
 
 def after(o, G):
-    dot = scaled_grad_dx_kernel(o["e"], o["w"], o["u"], o["c"], o["a"], G)
-    return norm_stat_from_dot(dot, o["rstd"], o["coef"], o["y_logit"])
+    part = scaled_grad_dx_kernel(o["e"], o["w"], o["u"], o["c"], o["a"], G)
+    return norm_stat_rows(part, o["rstd"], o["coef"], o["y_logit"])
 
 
 def main(rounds: int = 5) -> None:

@@ -527,3 +527,88 @@ def test_gpu_glue_kernel_equals_torch_form(C, t_n):
     for z_loss, smoothing in ((0.0, 0.0), (1e-4, 0.1)):
         K_err, lse_err, c_err, coef_err = glue_case(C, t_n, z_loss, smoothing, device="cuda")
         assert K_err == 0.0 and lse_err < 1e-6 and c_err < 1e-5 and coef_err < 1e-5
+
+
+# -- the final norm's statistic from dX's row-dot partials (``norm_stat_rows_triton``) -------------
+# (rows, partials): one row, rows off the block (128) and partials off its step (16), d = 2048's
+# 8 partials at 16384 rows, d = 4096's 16, an empty call
+NORM_STAT_CASES = [(1, 1), (37, 8), (130, 17), (300, 40), (16384, 8), (256, 16), (0, 8)]
+
+
+def norm_stat_inputs(C, T, seed=0, device="cpu", dtype=torch.float32):
+    """Partials of both signs, so that some rows' S cancels near 0; ignored rows (coef 0)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    part = torch.randn(C, T, generator=g, device=device, dtype=dtype)
+    rstd = 0.2 + torch.rand(C, generator=g, device=device, dtype=dtype)
+    coef = torch.randn(C, generator=g, device=device, dtype=dtype)
+    coef[::4] = 0.0
+    y = 5.0 * torch.randn(C, generator=g, device=device, dtype=dtype)
+    return part, rstd, coef, y
+
+
+def norm_stat_case(C, T, seed=0, device="cpu", dtype=torch.float32) -> float:
+    """The kernel's S against the torch form, normwise relative to the torch form's largest
+    |S| (rows whose S cancels to ~0 differ relatively by the partials' summation order alone)."""
+    args = norm_stat_inputs(C, T, seed, device, dtype)
+    got, ref = rows.norm_stat_rows_triton(*args), rows.norm_stat_rows_torch(*args)
+    assert got.shape == ref.shape == (C,) and got.dtype == ref.dtype
+    if not C:
+        return 0.0
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+_NORM_STAT_CHILD = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from test_ce_scaled_exp import NORM_STAT_CASES, norm_stat_case, norm_stat_inputs
+from coda.kernels import ce_scaled_rows as rows
+out = [norm_stat_case(*c, seed=i) for i, c in enumerate(NORM_STAT_CASES)]
+out += [norm_stat_case(*c, seed=i, dtype=torch.float64) for i, c in enumerate(NORM_STAT_CASES)]
+launched = []
+triton_form = rows.norm_stat_rows_triton
+rows.norm_stat_rows_triton = lambda *a: launched.append(1) or triton_form(*a)
+part, rstd, coef, y = norm_stat_inputs(9, 5)
+rows.norm_stat_rows(part, rstd, coef, y)  # contiguous tables: the kernel
+strided = torch.stack([rstd, rstd], 1)[:, 0]
+same = torch.equal(rows.norm_stat_rows(part, strided, coef, y),
+                   rows.norm_stat_rows_torch(part, strided, coef, y))  # the torch form
+print(json.dumps(out + [len(launched), same]))
+"""
+
+
+def test_norm_stat_kernel_in_triton_interpreter_equals_torch_form():
+    """S's Triton kernel in Triton's interpreter against the torch form (the partials' sum, then
+    ``norm_stat_from_dot``): to fp32 and float64 round-off of the largest |S| at every case
+    (its divisions correctly rounded, as torch's; only the partials' summation order differs);
+    ``norm_stat_rows`` launches it for contiguous tables and only then."""
+    import triton_child
+
+    *errs, launched, strided_same = triton_child.results(_NORM_STAT_CHILD)
+    n = len(NORM_STAT_CASES)
+    assert all(e < 1e-6 for e in errs[:n]), errs[:n]
+    assert all(e < 1e-14 for e in errs[n:]), errs[n:]
+    assert launched == 1 and strided_same
+
+
+def test_norm_stat_comparison_can_fail():
+    """A statistic missing its target term (coef l_y / r), or divided by r once, is caught."""
+    part, rstd, coef, y = norm_stat_inputs(64, 8)
+    ref = rows.norm_stat_rows_torch(part, rstd, coef, y)
+    no_target = rows.norm_stat_rows_torch(part, rstd, torch.zeros_like(coef), y)
+    once = rows.norm_stat_rows_torch(part, rstd, coef, y) * rstd
+    assert float((no_target - ref).abs().max() / ref.abs().max()) > 1e-3
+    assert float((once - ref).abs().max() / ref.abs().max()) > 1e-3
+
+
+@pytest.mark.compile
+def test_norm_stat_kernel_compiles_for_sm90():
+    assert rows.compile_norm_stat_rows() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("C, T", [(16384, 8), (4096, 16), (333, 7)])
+def test_gpu_norm_stat_kernel_equals_torch_form(C, T):
+    """At the LM heads' shapes (d = 2048's 8 partials at 16384 tokens, d = 4096's 16 at a
+    4096-token chunk) and an odd one: as in the interpreter."""
+    assert norm_stat_case(C, T, device="cuda") < 1e-6

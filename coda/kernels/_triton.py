@@ -60,6 +60,16 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+@triton.jit
+def div_rn(a, b):
+    """a / b correctly rounded, as torch divides (Triton's fp32 ``/`` is the approximate
+    division; float64's is exact already). For kernels whose values must equal a torch form's."""
+    if a.dtype == tl.float64:
+        return a / b
+    else:
+        return tl.div_rn(a, b)
+
+
 FAST_LAUNCH = True  # False: every launch through Triton's own call (the same-run A/B)
 MAX_COMPILED = 1024  # keys kept per kernel; emptied when full (many distinct shapes)
 

@@ -45,13 +45,15 @@ from coda.kernels._launch import acc_dtype, example_operands, launch
 from coda.kernels.ce_scaled_rows import (
     STRIP,
     glue_pass,
+    norm_stat_rows,
+    norm_stat_rows_torch,
     row_scaled,
     row_scaled_torch,
     scaled_glue,
     strip_u,
 )
 from coda.kernels.config import GemmConfig
-from coda.kernels.linear_cross_entropy_chunked import add_target_terms, norm_stat_from_dot
+from coda.kernels.linear_cross_entropy_chunked import add_target_terms
 from coda.primitives import (
     ColLoad,
     ColSelect,
@@ -62,7 +64,6 @@ from coda.primitives import (
     epilogue_program,
     exp2,
 )
-from coda.primitives.aux import combine_row_partials
 from coda.primitives.vocabulary import LOG2E
 
 
@@ -175,13 +176,20 @@ def dw_config(d: int) -> GemmConfig:
     return GemmConfig(128, _grad_tile_n(d), 2, 1, False)
 
 
-def scaled_grad_dx_kernel(e, w_lm, u, c, a, out, dry=False, config=None):
+def dx_partials(d: int) -> int:
+    """Row-dot partials per row of the dX GEMM at its config: one per N-tile of d."""
+    return dx_config(d).grid(0, d)[1]
+
+
+def scaled_grad_dx_kernel(e, w_lm, u, c, a, out, stat=None, dry=False, config=None):
     """out (rows, d) fp32 = c (.) ((u (.) e) @ w_lm^T); e (rows, V) bf16, u (V / 64, rows), a
-    (rows, d) the normed operand. Returns the per-row sum_j out[m, j] a[m, j] (fp32), the final
-    norm's statistic's softmax share, from the epilogue's partials (the compile count when
-    ``dry``). ``config``: instead of ``dx_config``'s (the sweep)."""
+    (rows, d) the normed operand. Returns the epilogue's (rows, T) partials of sum_j out[m, j]
+    a[m, j] (fp32, one per N-tile of d; ``stat`` to write them into), the final norm's
+    statistic's softmax share (the compile count when ``dry``). ``config``: instead of
+    ``dx_config``'s (the sweep)."""
     config = config or dx_config(w_lm.shape[0])
-    stat = out.new_empty(out.shape[0], config.grid(*out.shape)[1])
+    if stat is None:
+        stat = out.new_empty(out.shape[0], config.grid(*out.shape)[1])
     compiled = launch(
         scaled_grad_dx,
         e,
@@ -192,7 +200,7 @@ def scaled_grad_dx_kernel(e, w_lm, u, c, a, out, dry=False, config=None):
         outputs={"stat": stat},
         dry=dry,
     )
-    return compiled if dry else combine_row_partials(stat)
+    return compiled if dry else stat
 
 
 def scaled_grad_dw_kernel(e, xs, u, out, accumulate: bool, dry=False, config=None):
@@ -258,8 +266,10 @@ def linear_cross_entropy_scaled(
     whole = 0 < M <= rows and M % 128 == 0
     if not whole:
         lse = a.new_empty(M, dtype=acc)
-        y_logit, coefs, dot = torch.empty_like(lse), torch.empty_like(lse), torch.empty_like(lse)
+        y_logit, coefs = torch.empty_like(lse), torch.empty_like(lse)
     G = a.new_empty(M, d, dtype=acc)
+    # the row dot sum_j G a's partials, per N-tile of d, as dX's epilogue writes them
+    dot = a.new_empty(M, dx_partials(d), dtype=acc)
     # dW^T, summed over chunks in fp32
     dw_t = a.new_empty(V if want_dw else 0, d, dtype=acc)
     if label_smoothing:  # the uniform -eps/V of every dl: rank-1 in both gradients and S
@@ -287,28 +297,29 @@ def linear_cross_entropy_scaled(
         # (the zero is a device scalar: a Python 0 is a host-to-device copy, which a CUDA graph
         # capture refuses)
         e.index_put_((row_index[:C], t_c.clamp(0, V - 1).long()), e.new_zeros(()))
-        # dX straight into G's rows, except for a padded last chunk
+        # dX (and its row dot's partials) straight into the call's rows, but a padded last chunk
         G_c = G[R] if C == n else a.new_empty(C, d, dtype=acc)
-        dot_c = scaled_grad_dx_kernel(e, w_lm, u, c, a_c, G_c)
+        dot_c = dot[R] if C == n else dot.new_empty(C, dot.shape[1])
+        scaled_grad_dx_kernel(e, w_lm, u, c, a_c, G_c, dot_c)
         if want_dw:  # then the target entries' share, exact in fp32 (G's: in the backward)
             scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
             add_target_terms(dw_t, a_c, t_c, coef)
         if whole:
-            lse, y_logit, coefs, dot = lse_c, tl_c, coef, dot_c
+            lse, y_logit, coefs = lse_c, tl_c, coef
         else:
-            lse[R], y_logit[R], coefs[R], dot[R] = lse_c[:n], tl_c[:n], coef[:n], dot_c[:n]
+            lse[R], y_logit[R], coefs[R] = lse_c[:n], tl_c[:n], coef[:n]
         if C != n:
-            G[R] = G_c[:n]
-        if label_smoothing:
+            G[R], dot[R] = G_c[:n], dot_c[:n]
+        if label_smoothing:  # (the row dot's share: into its first partial)
             a_f = a_c.to(acc)
             smooth_sum += (r_c * w_c) @ a_f
-            dot[R] -= shift * (r_c * w_c * (a_f @ w_sum))[:n]
+            dot[R, 0] -= shift * (r_c * w_c * (a_f @ w_sum))[:n]
     if label_smoothing:
         G -= shift * (rstd * weight.to(acc))[:, None] * w_sum[None, :]
         if want_dw:
             dw_t -= shift * smooth_sum[None, :]
     # the norm's statistic from dX's epilogue partials: no pass over G
-    S = norm_stat_from_dot(dot, rstd, coefs, y_logit)
+    S = (norm_stat_rows_torch if interpreted else norm_stat_rows)(dot, rstd, coefs, y_logit)
     return lse, y_logit, G, coefs, S, dw_t.t()
 
 

@@ -5,6 +5,10 @@ driver: ``ce_scaled_exp``), each from GEMM1's per-(row, N-tile) statistics or th
     xs     c (.) a, the dW GEMM's B operand (``row_scaled``)
     u      the strip 2^(k[m, t(b)] - K[m]) per 64 vocabulary columns (``strip_u``)
 
+and the one after the dX GEMM, from its epilogue's row-dot partials (per N-tile of d):
+
+    S      (sum_t dot[m, t] + coef l_y / r) / r, the final norm's statistic (``norm_stat_rows``)
+
 Each has a torch form (the CPU path and the oracle; the glue's and xs's also run through
 Inductor, ``fused``, for rows that are not contiguous) and a Triton pass with its tile fixed
 here (the GPU path, one launch each: Inductor's forms of the same passes ran 1.4-5x slower in
@@ -23,9 +27,18 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from coda.kernels._launch import fused
-from coda.kernels._triton import acc_type, cdiv, compile_sm90, contiguous_pass, kernel, on_triton
+from coda.kernels._triton import (
+    acc_type,
+    cdiv,
+    compile_sm90,
+    contiguous_pass,
+    div_rn,
+    kernel,
+    on_triton,
+)
 from coda.kernels._triton import interpreted as in_triton_interpreter
-from coda.kernels.linear_cross_entropy_chunked import target_coef
+from coda.kernels.linear_cross_entropy_chunked import norm_stat_from_dot, target_coef
+from coda.primitives.aux import combine_row_partials
 
 STRIP = 64  # vocabulary columns per strip value: the transform's k-tile in dx, 64 rows in dW
 U_FLOOR = 100  # strips hold 2^(k - K) >= 2^-100: normal in bf16, whose floor is 2^-126
@@ -264,3 +277,61 @@ def compile_strip_u(tile_n: int = 192, arch: int = 90) -> int:
     pointers = {"k": "*fp32", "K": "*fp32", "u": "*bf16"}
     consts = {"R": tile_n // STRIP, "BB": bb, "BM": bm, "FLOOR": float(U_FLOOR)}
     return compile_sm90(_strip_kernel, pointers, consts, num_warps=4, arch=arch)
+
+
+# -- the final norm's statistic S from the dX epilogue's row-dot partials ------------------------
+def norm_stat_rows_torch(part, rstd, coef, target_logit):
+    """S[m] = (sum_t part[m, t] + coef_m l_y / r_m) / r_m (``norm_stat_from_dot`` of the
+    partials' row sums): the CPU path and the oracle; five small launches on the GPU."""
+    return norm_stat_from_dot(combine_row_partials(part), rstd, coef, target_logit)
+
+
+def _norm_stat_kernel(part, rstd, coef, y, S, C, T, BM: tl.constexpr, BT: tl.constexpr):
+    ACC: tl.constexpr = S.dtype.element_ty
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    live = m < C
+    dot = tl.zeros([BM], dtype=ACC)
+    for t0 in range(0, T, BT):
+        t = t0 + tl.arange(0, BT)
+        at = part + m.to(tl.int64)[:, None] * T + t[None, :]
+        dot += tl.sum(tl.load(at, mask=live[:, None] & (t < T)[None, :], other=0.0).to(ACC), 1)
+    r = tl.load(rstd + m, mask=live, other=1.0).to(ACC)
+    c = tl.load(coef + m, mask=live, other=0.0).to(ACC)
+    hot = div_rn(c * tl.load(y + m, mask=live, other=0.0).to(ACC), r)  # coef l_y / r
+    tl.store(S + m, div_rn(dot + hot, r), mask=live)
+
+
+NORM_STAT_BLOCK = (128, 16)  # a program's (token rows, partials a step), 4 warps
+
+
+def norm_stat_rows_triton(part, rstd, coef, target_logit):
+    """``norm_stat_rows_torch`` as one Triton launch (the torch form's sum, multiply, add and
+    two divisions are five), each value rounded as the torch form rounds it but the sum over
+    the row's partials (another order: fp32 round-off)."""
+    C, T = part.shape
+    S = torch.empty_like(rstd, dtype=part.dtype)
+    if C:
+        bm, bt = NORM_STAT_BLOCK
+        kernel(_norm_stat_kernel)[(cdiv(C, bm),)](
+            part, rstd, coef, target_logit, S, C, T, BM=bm, BT=bt, num_warps=4,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+    return S
+
+
+def norm_stat_rows(part, rstd, coef, target_logit):
+    """S from the dX epilogue's (rows, T) row-dot partials: the Triton pass on its device for
+    contiguous tables (CE-S runs in a custom op: never inside a torch.compile trace), else the
+    torch form."""
+    if contiguous_pass(part, rstd, coef, target_logit):
+        return norm_stat_rows_triton(part, rstd, coef, target_logit)
+    return norm_stat_rows_torch(part, rstd, coef, target_logit)
+
+
+def compile_norm_stat_rows(arch: int = 90) -> int:
+    """The statistic's kernel (fp32 partials and rows) compiled for ``sm_{arch}`` on the CPU:
+    the cubin's size."""
+    bm, bt = NORM_STAT_BLOCK
+    pointers = {n: "*fp32" for n in ("part", "rstd", "coef", "y", "S")}
+    consts = {"BM": bm, "BT": bt}
+    return compile_sm90(_norm_stat_kernel, pointers, consts, 4, arch, enable_fp_fusion=False)

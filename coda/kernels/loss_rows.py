@@ -22,10 +22,9 @@ every reduction and option; the sm_90 compile; on the H200 the kernel against th
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from coda.kernels._triton import compile_sm90, contiguous_pass, kernel, next_power_of_2
+from coda.kernels._triton import compile_sm90, contiguous_pass, div_rn, kernel, next_power_of_2
 from coda.primitives import aux
 
 MAX_BLOCK = 16384  # rows a program step reads, at most
@@ -37,15 +36,6 @@ ROWS_PER_THREAD = 16
 MAX_ROWS = {"weights": 32768, "loss": 131072}
 TRITON = True  # False: the torch forms on the GPU too (the benchmarks' same-run comparison)
 _REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
-
-
-@triton.jit
-def _div(a, b):
-    """a / b correctly rounded (Triton's fp32 ``/`` is the approximate division)."""
-    if a.dtype == tl.float64:
-        return a / b
-    else:
-        return tl.div_rn(a, b)
 
 
 def _row_weights_kernel(t_ptr, w_ptr, n, ignore_index, MEAN: tl.constexpr, BLOCK: tl.constexpr):
@@ -61,7 +51,7 @@ def _row_weights_kernel(t_ptr, w_ptr, n, ignore_index, MEAN: tl.constexpr, BLOCK
         offs = s + tl.arange(0, BLOCK)
         t = tl.load(t_ptr + offs, mask=offs < n, other=ignore_index)
         valid = (t != ignore_index).to(ACC)
-        w = _div(valid, denom) if MEAN else valid
+        w = div_rn(valid, denom) if MEAN else valid
         tl.store(w_ptr + offs, w, mask=offs < n)
 
 
@@ -80,7 +70,7 @@ def _loss_kernel(
         y = tl.load(y_ptr + offs, mask=m, other=0.0)
         per = lse - y
         if SMOOTH:  # as the torch form: eps (l_y - sum_n l_n / V)
-            per = per + smoothing * (y - _div(tl.load(sum_ptr + offs, mask=m, other=0.0), vocab))
+            per = per + smoothing * (y - div_rn(tl.load(sum_ptr + offs, mask=m, other=0.0), vocab))
         if Z:
             per = per + z_loss * lse * lse
         valid = t != ignore_index
@@ -93,7 +83,7 @@ def _loss_kernel(
     if REDUCTION != 0:
         loss = tl.sum(total)
         if REDUCTION == 2:  # 0 / 0 = NaN when every row is ignored, as PyTorch's mean
-            loss = _div(loss, tl.sum(count).to(ACC))
+            loss = div_rn(loss, tl.sum(count).to(ACC))
         tl.store(out_ptr, loss)
 
 
