@@ -304,3 +304,63 @@ def test_the_sass_reader_counts_a_compiled_pass():
 
     c = sass.counts(sass.compiled("drope", 16, 2))
     assert c["registers"] > 0 and c["instructions"] > c["LDG"] > 0 and c["STG"] > 0, c
+
+
+# -- the scatter's sort keys as one launch (``target_terms.sort_keys``) ---------------------------
+KEY_CASES = [(1, 7), (100, 50), (4097, 1000), (20000, 128256)]  # (rows, V): off and on the block
+
+
+def sort_keys_case(M, V, seed=0, device="cpu", dtype=torch.int64) -> bool:
+    """The kernel's keys against the torch form, bitwise: indices in range, ignored (-100),
+    padding at V and past it, the edges 0 and V - 1."""
+    from coda.kernels.target_terms import sort_keys, sort_keys_torch
+
+    g = torch.Generator().manual_seed(seed)
+    index = torch.randint(-3, V + 3, (M,), generator=g)
+    index[::7] = -100
+    index[:2] = torch.tensor([0, V - 1])[: min(M, 2)]
+    index = index.to(device=device, dtype=dtype)
+    got, ref = sort_keys(index, V), sort_keys_torch(index, V)
+    return got.dtype == ref.dtype == torch.int32 and torch.equal(got, ref)
+
+
+_KEYS_CHILD = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from test_row_passes import KEY_CASES, sort_keys_case
+from coda.kernels import target_terms
+out = [sort_keys_case(*c, seed=i) for i, c in enumerate(KEY_CASES)]
+out += [sort_keys_case(*c, seed=i, dtype=torch.int32) for i, c in enumerate(KEY_CASES)]
+launched = []
+kernel = target_terms.kernel
+target_terms.kernel = lambda fn: launched.append(fn.__name__) or kernel(fn)
+index = torch.tensor([[3, -1], [9, 4]])
+strided = target_terms.sort_keys(index[:, 0], 5)  # a strided index: the torch form
+target_terms.sort_keys(index[:, 0].contiguous(), 5)  # contiguous: the kernel
+print(json.dumps(out + [strided.tolist(), launched]))
+"""
+
+
+def test_sort_keys_kernel_in_triton_interpreter_equals_torch_form():
+    """The keys' Triton kernel in Triton's interpreter equals the torch form bitwise (int64 and
+    int32 indices); ``sort_keys`` launches it for a contiguous index and only then."""
+    *same, strided, launched = triton_child.results(_KEYS_CHILD)
+    assert same == [True] * (2 * len(KEY_CASES))
+    assert strided == [3, 5] and launched == ["_sort_keys_kernel"]
+
+
+def test_sort_keys_comparison_can_fail():
+    """A key that does not send an out-of-range index to V is caught by ``torch.equal``."""
+    from coda.kernels.target_terms import sort_keys_torch
+
+    index = torch.tensor([2, -100, 9])
+    assert sort_keys_torch(index, 5).tolist() == [2, 5, 5]
+    assert not torch.equal(sort_keys_torch(index, 5), index.clamp(0, 4).to(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M, V", [(16384, 128256), (4096, 32768), (333, 7)])
+def test_gpu_sort_keys_kernel_equals_torch_form(M, V):
+    assert sort_keys_case(M, V, device="cuda")
+    assert sort_keys_case(M, V, device="cuda", dtype=torch.int32)

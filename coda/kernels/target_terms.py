@@ -9,8 +9,9 @@ CPU path and the oracle); dW's share here,
 (dL/da's share, h_m W[:, y_m], the final norm's backward adds: ``final_norm_rows``). In
 torch the scatter-add is ``index_put_(accumulate=True)``, which sorts and then reduces each
 index's rows in a kernel that took 1.8 ms of the 12.9 ms LM-head step at d=2048, V=32768 on
-the H200 (run 19). Here the rows are sorted by target once (a stable sort: ties keep token
-order) and two kernels add them, with no atomics, so deterministically:
+the H200 (run 19). Here each row's int32 sort key (its target, or V out of range:
+``sort_keys``, one launch) is sorted once (a stable sort: ties keep token order) and two
+kernels add the rows, with no atomics, so deterministically:
 
 - ``_chunk_sums_kernel``: each program takes CH consecutive sorted rows and sums each run of
   equal targets inside them in fp32, in token order. A run that starts and ends inside the
@@ -105,6 +106,35 @@ def _run_sums_kernel(
         tl.store(at, total.to(dw.dtype.element_ty, fp_downcast_rounding="rtne"), mask=cm)
 
 
+def sort_keys_torch(index, V: int):
+    """Each row's sort key: its index where it lies in [0, V), else V (sorted last, skipped);
+    int32, whose radix sort makes half the passes an int64 sort makes (V < 2^31). The torch
+    form: the oracle, and the path for a strided ``index`` (five launches on the GPU)."""
+    return torch.where((index >= 0) & (index < V), index, V).to(torch.int32)
+
+
+def _sort_keys_kernel(index, keys, M, V, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < M
+    i = tl.load(index + offs, mask=live, other=0)
+    tl.store(keys + offs, tl.where((i >= 0) & (i < V), i, V).to(tl.int32), mask=live)
+
+
+KEYS_BLOCK = 4096  # rows a program: 32 a thread at 4 warps
+
+
+def sort_keys(index, V: int):
+    """``sort_keys_torch`` as one Triton launch where ``index`` is contiguous."""
+    if not index.is_contiguous():
+        return sort_keys_torch(index, V)
+    M = index.numel()
+    keys = torch.empty(M, dtype=torch.int32, device=index.device)
+    if M:
+        grid = (cdiv(M, KEYS_BLOCK),)
+        kernel(_sort_keys_kernel)[grid](index, keys, M, V, BLOCK=KEYS_BLOCK, num_warps=4)
+    return keys
+
+
 def scatter_rows_triton(dst, src, index, coef=None):
     """dst[index_m] += coef_m src_m for every row m whose index lies in [0, V) (``coef``
     None: 1), summed in fp32 (float64 in proofs) per destination row, in token order within
@@ -116,9 +146,7 @@ def scatter_rows_triton(dst, src, index, coef=None):
     assert src.stride(1) == 1 and dst.stride(1) == 1, (src.stride(), dst.stride())
     if M == 0:
         return
-    # int32 keys: the radix sort makes half the passes it makes over int64 (V < 2^31)
-    keys = torch.where((index >= 0) & (index < V), index, V).to(torch.int32)
-    keys, order = torch.sort(keys, stable=True)
+    keys, order = torch.sort(sort_keys(index, V), stable=True)
     grid = (cdiv(M, CH), cdiv(d, BD))
     # the pieces' scratch, read only where written
     part = dst.new_empty(grid[0], 2, d, dtype=acc_dtype(dst))
@@ -134,15 +162,18 @@ def scatter_rows_triton(dst, src, index, coef=None):
 
 
 def compile_scatter(arch: int = 90, scaled: bool = True) -> list[int]:
-    """Both kernels compiled for ``sm_{arch}`` on the CPU, as the LM head runs them (``scaled``:
-    fp32 dW, a factor per row) or as the embedding's backward does (bf16 dE, no factor), from
-    bf16 rows and int32 sorted keys: their cubins' sizes."""
+    """The three kernels compiled for ``sm_{arch}`` on the CPU, as the LM head runs them
+    (``scaled``: fp32 dW, a factor per row) or as the embedding's backward does (bf16 dE, no
+    factor), from bf16 rows, int64 indices and int32 sorted keys: their cubins' sizes."""
     pointers = {"coef": "*fp32", "dw": "*fp32", "a": "*bf16", "keys": "*i32", "order": "*i64"}
     pointers["part"] = "*fp32"
     if not scaled:
         pointers.update(dw="*bf16", coef="*i32")
     consts = {"CH": CH, "BD": BD, "ACC": tl.float32}
     return [
+        compile_sm90(
+            _sort_keys_kernel, {"index": "*i64", "keys": "*i32"}, {"BLOCK": KEYS_BLOCK}, arch=arch
+        ),
         compile_sm90(_chunk_sums_kernel, pointers, {**consts, "SCALED": scaled}, arch=arch),
         compile_sm90(_run_sums_kernel, pointers, {**consts, "QB": QB}, arch=arch),
     ]
