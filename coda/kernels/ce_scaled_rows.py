@@ -14,7 +14,7 @@ Inductor, ``fused``, for rows that are not contiguous) and a Triton pass with it
 here (the GPU path, one launch each: Inductor's forms of the same passes ran 1.4-5x slower in
 the LM head's kernel tables, with launch configs Inductor picked once, at a first call:
 benchmarks/NOTES.md, sessions 39-40), with an sm_90 compile of each for CI.
-Tests: tests/test_ce_scaled_exp.py (the Triton interpreter against the torch forms; GPU).
+Tests: tests/test_ce_scaled_rows.py (the Triton interpreter against the torch forms; GPU).
 """
 
 from __future__ import annotations
