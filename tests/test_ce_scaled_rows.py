@@ -88,13 +88,12 @@ def row_scale_case(C, D, seed=0, device="cpu", dtype=torch.bfloat16) -> float:
 _ROW_SCALE_CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
+from triton_child import counted
 from test_ce_scaled_rows import ROW_SCALE_CASES, row_scale_case
 from coda.kernels import ce_scaled_rows as rows
 out = [row_scale_case(*c, seed=i) for i, c in enumerate(ROW_SCALE_CASES)]
 out += [row_scale_case(*c, seed=i, dtype=torch.float32) for i, c in enumerate(ROW_SCALE_CASES)]
-launched = []
-triton_form = rows.row_scaled_triton
-rows.row_scaled_triton = lambda *a: launched.append(1) or triton_form(*a)
+launched = counted(rows, "row_scaled_triton")
 a, c = torch.randn(9, 40).bfloat16(), torch.randn(9)
 got, ref = rows.row_scaled(a, c).double(), rows.row_scaled_torch(a, c).double()  # the kernel
 close = bool(((got - ref).abs() <= ref.abs() * 2.0**-7).all())  # within one bf16 step
@@ -193,12 +192,11 @@ def glue_case(C, t_n, z_loss, smoothing, seed=0, device="cpu") -> list[float]:
 _GLUE_CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
+from triton_child import counted
 from test_ce_scaled_rows import GLUE_CASES, glue_case, glue_inputs
 from coda.kernels import ce_scaled_rows as rows
 out = [glue_case(*c, seed=i) for i, c in enumerate(GLUE_CASES)]
-launched = []
-triton_form = rows.scaled_glue_triton
-rows.scaled_glue_triton = lambda *a: launched.append(1) or triton_form(*a)
+launched = counted(rows, "scaled_glue_triton")
 s, k, y, rstd, w = glue_inputs(9, 5)
 rows.glue_pass(s, k, y, rstd, w, 0.0, 0.0)  # contiguous rows: the kernel
 strided = torch.stack([rstd, rstd], 1)[:, 0]
@@ -280,13 +278,12 @@ def norm_stat_case(C, T, seed=0, device="cpu", dtype=torch.float32) -> float:
 _NORM_STAT_CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
+from triton_child import counted
 from test_ce_scaled_rows import NORM_STAT_CASES, norm_stat_case, norm_stat_inputs
 from coda.kernels import ce_scaled_rows as rows
 out = [norm_stat_case(*c, seed=i) for i, c in enumerate(NORM_STAT_CASES)]
 out += [norm_stat_case(*c, seed=i, dtype=torch.float64) for i, c in enumerate(NORM_STAT_CASES)]
-launched = []
-triton_form = rows.norm_stat_rows_triton
-rows.norm_stat_rows_triton = lambda *a: launched.append(1) or triton_form(*a)
+launched = counted(rows, "norm_stat_rows_triton")
 part, rstd, coef, y = norm_stat_inputs(9, 5)
 rows.norm_stat_rows(part, rstd, coef, y)  # contiguous tables: the kernel
 strided = torch.stack([rstd, rstd], 1)[:, 0]

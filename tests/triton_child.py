@@ -25,3 +25,12 @@ def results(code: str):
     proc = run(["-c", code])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def counted(module, name: str) -> list:
+    """For a child script: replace ``module.name`` with a wrapper that appends 1 to the returned
+    list on each call, then calls it (how a test sees which path a dispatcher took)."""
+    calls: list = []
+    original = getattr(module, name)
+    setattr(module, name, lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls

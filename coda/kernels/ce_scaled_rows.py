@@ -309,6 +309,7 @@ def norm_stat_rows_triton(part, rstd, coef, target_logit):
     two divisions are five), each value rounded as the torch form rounds it but the sum over
     the row's partials (another order: fp32 round-off)."""
     C, T = part.shape
+    assert part.is_contiguous(), "the dX epilogue's partials, as it writes them (row stride T)"
     S = torch.empty_like(rstd, dtype=part.dtype)
     if C:
         bm, bt = NORM_STAT_BLOCK
