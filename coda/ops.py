@@ -21,7 +21,7 @@ once per such signature (``_checked``, matching a call with torch's C++ tensor g
 base-address alignment; the signature's tile configs are kept with that verdict, and its
 launch plans replayed from a tape kept there too (``coda._quack.PlanTape``), with no
 per-launch lookup. A call then costs little more than its kernel launches (a single-GEMM op
-1.34x quack's own raw call on the H200's host, run 161).
+1.3-1.5x quack's own raw call on the H200's hosts, runs 161-212: benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
