@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import re
@@ -35,6 +34,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.provenance import source_digest  # noqa: E402 (a record's ``source_sha256``)
 
 # a finished test in pytest's -v stream; under xdist: "[gw0] [ 50%] PASSED tests/...::name"
 RESULT_LINE = re.compile(
@@ -298,7 +298,7 @@ def main():
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": args.commit,
-        "source_sha256": source_digest(),  # the tree that ran (``source_digest``)
+        "source_sha256": source_digest(),  # the tree that ran (``benchmarks/provenance.py``)
         "command": " ".join(  # the CODA_* selections (shapes, peers) are part of the command
             [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k in SELECTIONS]
             + ["python", shlex.join(a.replace(args.out, "$OUT") for a in sys.argv)]
@@ -381,28 +381,6 @@ class Demo:
                 "stderr_tail": proc.stderr.splitlines()[-5:],
             }
         ]
-
-
-SOURCE_DIRS = ("coda", "benchmarks", "tests", "demos")  # what a record's digest covers
-
-
-def source_digest(root: str = ROOT) -> str:
-    """sha256 (16 hex digits) over every ``.py`` file under ``SOURCE_DIRS``, by relative path
-    and bytes, in sorted order: the tree that ran, named by its content. A record's
-    ``commit`` is what the call was told (``--commit``); the GPU machine's own git checkout
-    can be stale (run 151's was), its files are not. Anyone can check a commit: check it out
-    clean and ``python -c "from benchmarks.gpu_suite import source_digest as s; print(s())"``."""
-    h = hashlib.sha256()
-    for top in SOURCE_DIRS:
-        for dirpath, dirs, files in os.walk(os.path.join(root, top)):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-            for f in sorted(files):
-                if f.endswith(".py"):
-                    path = os.path.join(dirpath, f)
-                    h.update(os.path.relpath(path, root).replace(os.sep, "/").encode() + b"\0")
-                    with open(path, "rb") as fh:
-                        h.update(fh.read() + b"\0")
-    return h.hexdigest()[:16]
 
 
 def no_machine_paths(text: str, out_dir: str | None = None) -> str:
