@@ -1,0 +1,126 @@
+"""The README's measured table says what its records say: each row below is read from the
+README, each of its figures from the record the README names for it, and they must agree to
+the digits printed. A session that re-times a row updates the record it names here with it;
+a figure typed by hand that no record holds fails."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+COLUMNS = ("coda", "torch.compile", "Liger", "quack", "eager")
+
+
+def _entry(record: str, suite: str, name: str, d: int | None = None) -> dict:
+    rows = json.loads((RESULTS / record).read_text())["benchmarks"][suite]
+    hits = [r for r in rows if r["name"] == name and (d is None or r.get("d") == d)]
+    assert len(hits) == 1, (record, name, d, len(hits))
+    return hits[0]
+
+
+def _ratio(v):
+    return f"{v:.3f}"
+
+
+def _k(v):
+    return f"{v / 1000:.1f}k"
+
+
+def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
+    """{column: printed figure} of one suite's rows at one d."""
+    return {col: fmt(_entry(record, suite, n, d)[key]) for col, n in names.items()}
+
+
+R212, R213, R208 = (f"2026-12-03_h200_run{n}.json" for n in (212, 213, 208))
+R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
+LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
+FWD = {**LAYER, "coda": "coda_decoder_layer"}
+HEAD = {
+    "coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "quack": "quack_chunked_lce"
+}  # fmt: skip
+B1 = "model/llama-1B/{}/step+adamw"
+
+
+def _named(prefix, names):
+    return {c: f"{prefix}/{n}" for c, n in names.items()}
+
+
+def expected() -> dict:
+    """README row (its first cell's start) -> {column: figure as printed, first number}."""
+    model = {c: B1.format(n) for c, n in HEAD.items() if c != "quack"}
+
+    def layer(suite, prefix, names, d):
+        return _suite_row(R213, suite, d, _named(prefix, names))
+
+    def head(d, key="ratio_vs_floor", fmt=_ratio):
+        return _suite_row(R212, "lm_head_train", d, _named("lm_head_train", HEAD), key, fmt)
+
+    def step(key, fmt):
+        return _suite_row(R212, "model", None, model, key, fmt)
+
+    def hf(shape):
+        names = {"coda": f"hf/{shape}/hf_coda", "Liger": f"hf/{shape}/hf_liger_no_cache"}
+        return _suite_row(R208, "hf", None, names, "tokens_per_s", _k)
+
+    graphed = _entry(R212, "model", B1.format("coda_graphed"))["tokens_per_s"]
+    fsdp = json.loads((RESULTS / R29).read_text())["result"]
+    fsdp_cols = {"coda": "coda", "torch.compile": "torch_compile", "eager": "torch_eager"}
+    return {
+        "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048),
+        "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096),
+        "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048),
+        "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096),
+        "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048),
+        "LM head + CE fwd+bwd, d=4096": head(4096),
+        "... LM head extra peak GiB at d=4096": head(4096, "extra_peak_gib", lambda v: f"{v:.2f}"),
+        "1B-shaped model step + AdamW": step("tokens_per_s", _k),
+        "... joules per step": step("joules_per_step", lambda v: f"{v:.1f}"),
+        "... as one CUDA graph": {"coda": _k(graphed)},
+        "... peak GiB, each alone": step("peak_gib", lambda v: f"{v:.1f}"),
+        "HF Llama-3.2-1B": hf("llama-3.2-1B"),
+        "HF Qwen3-0.6B": hf("qwen3-0.6B"),
+        "FSDP2, 2 H200s": {c: _k(fsdp[n]["tokens_per_s_per_rank"]) for c, n in fsdp_cols.items()},
+    }
+
+
+def _readme_rows() -> dict:
+    """Each table row of README's "Measured" section: first cell -> {column: first number}."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Measured") :]
+    end = section.find("\n## ", 3)  # the next section, if one follows
+    section = section if end < 0 else section[:end]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 1 + len(COLUMNS) and not set(cells[1]) <= set("-"):
+            numbers = [re.search(r"-?[\d,]+(?:\.\d+)?k?", c) for c in cells[1:]]
+            rows[cells[0]] = {
+                col: m.group().replace(",", "") for col, m in zip(COLUMNS, numbers) if m
+            }
+    return rows
+
+
+@pytest.mark.parametrize("row", list(expected()))
+def test_readme_figure_is_its_records(row):
+    readme = _readme_rows()
+    match = [cells for first, cells in readme.items() if first.startswith(row)]
+    assert len(match) == 1, f"README has {len(match)} rows starting {row!r}"
+    want = expected()[row]
+    got = {col: match[0].get(col) for col in want}
+    assert got == want
+
+
+def test_the_reader_sees_the_table():
+    """The parser finds the table's rows and puts each figure in its column (a reader that
+    found nothing, or shifted a column, would let rows pass or fail for nothing)."""
+    rows = _readme_rows()
+    assert len(rows) >= 15
+    layer = next(c for first, c in rows.items() if first.startswith("layer fwd+bwd, d=2048"))
+    assert sorted(layer) == sorted(["coda", "torch.compile", "Liger", "eager"])
+    head = next(c for first, c in rows.items() if first.startswith("LM head + CE fwd+bwd, d=4096"))
+    assert sorted(head) == sorted(["coda", "torch.compile", "Liger", "quack"])
