@@ -8,8 +8,9 @@ coda kernel's time. Run by ``gpu_suite.py --tune``; ``CODA_TUNE_ONLY=name,name``
 the GEMM names below, e.g. ``dswiglu,wgrad``) restricts the sweep, and
 ``CODA_TUNE_SHAPES=tag,tag`` (``d2048``, ``1b``, ``qwen3``, ...) its shapes;
 ``CODA_TUNE_WIDE=1`` widens the candidates (``WIDE``). The sweep also
-times B11's Triton row passes at each launch shape (``row_pass_*``, for ``row_passes.TUNED``)
-and CE-S's two gradient GEMMs at each of their candidate configs (``ce_grad_*``).
+times B11's Triton row passes at each launch shape (``row_pass_*``, for ``row_passes.TUNED``),
+CE-S's two gradient GEMMs at each of their candidate configs (``ce_grad_*``) and its logits
+GEMM at each of its own (``ce_logits``).
 
 Shapes: the layer benchmark's (head_dim 128, ffn = 8d/3 rounded to 256) at d = 2048, 4096,
 8192, the 1B-shaped model's layer (d = 2048, 32/8 heads of 64, ffn 8192) as ``..._1b``, and
@@ -35,6 +36,7 @@ from coda.kernels import linear_cross_entropy as lce
 from coda.kernels import rmsnorm_bwd as nb
 from coda.kernels import wgrad as wg
 from coda.kernels.config import GemmConfig
+from coda.kernels.tuned import config_for
 
 M = 16384
 # (128 x 256 ping-pong is not among them: quack 0.6.5 rejects a ping-pong tile over 208 wide)
@@ -371,6 +373,48 @@ def ce_grad_rows(only) -> list[dict]:
     return rows
 
 
+def ce_logits_lse(cse, a, w, r, t, cfg):
+    """CE-S's GEMM1 at ``cfg`` and the lse its partials give (``lse_from_scaled``): what the
+    program computes, whatever the tile (the sweep compares each tile's to the default's)."""
+    from coda.kernels.ce_scaled_rows import lse_from_scaled
+
+    _, sum_exp, k, _ = cse.scaled_exp_logits_kernel(a, w, r, t, cfg)
+    return lse_from_scaled(sum_exp, k)
+
+
+def ce_logits_rows(only) -> list[dict]:
+    """CE-S's GEMM1 (``scaled_exp_logits``: E, its sums, the tile maxima, the target logit) at
+    each config of ``LOGITS_CANDIDATES`` whose tile_n divides V, at the token chunk the
+    driver runs, beside cuBLAS's plain GEMM and the default tile's (``scaled_exp_config`` of
+    the tuned "lm_head" tile), with each lse's largest difference from the default's."""
+    from coda.kernels import ce_scaled_exp as cse
+
+    rows = []
+    for d, V, C in CE_GRAD_SHAPES:
+        a = torch.randn(C, d, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(d, V, device="cuda", dtype=torch.bfloat16) * d**-0.5
+        r = torch.rand(C, device="cuda") + 0.5
+        t = torch.randint(0, V, (C,), device="cuda")
+        default = cse.scaled_exp_config(V, config_for("lm_head", C, d, V))
+        ref = ce_logits_lse(cse, a, w, r, t, default)
+        t_mm = bench(lambda: a @ w)["ms"]
+        for cfg in [c for c in cse.LOGITS_CANDIDATES if V % c.tile_n == 0]:
+            if out_of_time():
+                rows.append({"name": "ce_logits", **SKIPPED})
+                break
+            try:
+                err = float((ce_logits_lse(cse, a, w, r, t, cfg) - ref).abs().max())
+                ms = bench(lambda cfg=cfg: cse.scaled_exp_logits_kernel(a, w, r, t, cfg))["ms"]
+            except Exception as ex:  # a config quack rejects is recorded and skipped
+                rows.append({"name": "ce_logits", "config": cfg.__dict__, "error": repr(ex)[:200]})
+                continue
+            shape = {"d": d, "V": V, "rows": C, "config": cfg.__dict__}
+            row = {"name": "ce_logits", **shape, "kernel_ms": ms, "cublas_ms": t_mm}
+            rows.append(progress({**row, "default": cfg == default, "lse_diff": err}))
+        a = w = None
+    return rows
+
+
 # the sweep's GEMM names (by prefix) -> the kernel their ``tuned.TUNED`` entries are keyed by
 KERNEL_OF = {
     "qkv_rope": "rope",
@@ -394,6 +438,8 @@ def run() -> list[dict]:
     rows = row_pass_rows(only) if not only or any(p.startswith("row_pass") for p in only) else []
     if not only or any(p.startswith("ce_grad") for p in only):
         rows += ce_grad_rows(only)
+    if not only or any(p.startswith("ce_logits") for p in only):
+        rows += ce_logits_rows(only)
     raw = _quack.identity_mod()
     for name, K, N, kernel, m in layer_gemms():
         if only and not any(name.startswith(p) for p in only):

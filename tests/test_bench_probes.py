@@ -36,6 +36,27 @@ def test_the_deferred_dw_probe_computes_what_the_reduce_add_and_cast_compute():
     assert torch.allclose(current, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_the_logits_sweep_compares_one_lse_across_tiles():
+    """``tune_configs.ce_logits_lse``: CE-S's GEMM1 through the tile interpreter (float64)
+    gives the same lse at 128-, 192- and 256-wide tiles, torch's logsumexp of the scaled
+    logits: the sweep's tiles compute one thing, and its ``lse_diff`` column measures only
+    rounding on the GPU."""
+    from benchmarks import tune_configs as tc
+    from coda.kernels import ce_scaled_exp as cse
+    from coda.kernels.config import GemmConfig
+
+    g = torch.Generator().manual_seed(1)
+    rows, d, V = 256, 40, 768
+    a = torch.randn(rows, d, dtype=torch.float64, generator=g)
+    w = torch.randn(d, V, dtype=torch.float64, generator=g)
+    r = torch.rand(rows, dtype=torch.float64, generator=g) + 0.5
+    t = torch.randint(0, V, (rows,), generator=g)
+    expected = torch.logsumexp((a @ w) * r[:, None], dim=1)
+    for tile_n, pingpong in ((128, True), (192, True), (256, False)):
+        lse = tc.ce_logits_lse(cse, a, w, r, t, GemmConfig(128, tile_n, 2, 1, pingpong))
+        assert torch.allclose(lse, expected, rtol=1e-12, atol=1e-12), tile_n
+
+
 def test_the_dx_stat_probe_times_two_forms_of_one_thing():
     """``probe_dx_stat``'s two forms (dX without the epilogue's statistic then a pass over G,
     and dX with it) give the same G and S (float64, the tile interpreter), and S is the

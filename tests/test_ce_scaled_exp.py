@@ -186,6 +186,14 @@ def test_gradient_gemms_compile_at_every_swept_config(config):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("config", cse.LOGITS_CANDIDATES)
+def test_logits_gemm_compiles_at_every_swept_config(config):
+    """Each config ``benchmarks/tune_configs.py`` sweeps for GEMM1 (``ce_logits``) compiles
+    (V = 768: every candidate's tile_n divides it)."""
+    assert cse.compile_scaled_exp_logits(512, 768, config=config) in (0, 1)
+
+
+@pytest.mark.compile
 def test_the_deferred_dw_probe_compiles():
     """``tune_configs``' probe for the LM head's last dW chunk (fp32 C in, bf16 D out,
     cooperative with the A-operand transform) compiles for sm_90a on its default config: the

@@ -93,6 +93,22 @@ def scaled_exp_config(v: int, config: GemmConfig) -> GemmConfig:
     raise ValueError(f"V = {v}: the scaled-exp LM head needs V divisible by 64")
 
 
+# what ``benchmarks/tune_configs.py`` sweeps for GEMM1 (``ce_logits``): the layouts' default
+# comes from the CE-C statistics GEMM's tuned tile through ``scaled_exp_config``, which at
+# V = 32768 (192 does not divide it) falls to 128 x 128 ping-pong, a tile never timed for
+# this program; the sweep times the tiles whose tile_n divides V beside it
+LOGITS_CANDIDATES = (
+    GemmConfig(128, 128, 2, 1, True),
+    GemmConfig(128, 128, 1, 2, True),
+    GemmConfig(128, 192, 2, 1, True),
+    GemmConfig(128, 192, 1, 2, True),
+    GemmConfig(128, 256, 2, 1, False),
+    GemmConfig(128, 256, 1, 2, False),
+    GemmConfig(256, 128, 2, 1, False),
+    GemmConfig(256, 192, 2, 1, False),
+)
+
+
 def scaled_exp_logits_kernel(a, w_lm, rstd, target, config: GemmConfig, dry=False):
     """Returns (E bf16 (M, V), sum_exp fp32 (M, T_N), k fp32 (M, T_N), target logit fp32 (M,),
     0 where not selected). ``config.tile_n`` must divide V (``scaled_exp_config``)."""
