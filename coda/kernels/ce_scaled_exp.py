@@ -97,15 +97,11 @@ def scaled_exp_config(v: int, config: GemmConfig) -> GemmConfig:
 # comes from the CE-C statistics GEMM's tuned tile through ``scaled_exp_config``, which at
 # V = 32768 (192 does not divide it) falls to 128 x 128 ping-pong, a tile never timed for
 # this program; the sweep times the tiles whose tile_n divides V beside it
-LOGITS_CANDIDATES = (
-    GemmConfig(128, 128, 2, 1, True),
-    GemmConfig(128, 128, 1, 2, True),
-    GemmConfig(128, 192, 2, 1, True),
-    GemmConfig(128, 192, 1, 2, True),
-    GemmConfig(128, 256, 2, 1, False),
-    GemmConfig(128, 256, 1, 2, False),
-    GemmConfig(256, 128, 2, 1, False),
-    GemmConfig(256, 192, 2, 1, False),
+LOGITS_CANDIDATES = tuple(
+    GemmConfig(128, tn, cm, cn, True) for tn in (128, 192) for cm, cn in ((2, 1), (1, 2))
+) + tuple(
+    GemmConfig(tm, tn, cm, cn, False)  # (ping-pong tiles stop at 208 wide in quack 0.6.5)
+    for tm, tn, cm, cn in ((128, 256, 2, 1), (128, 256, 1, 2), (256, 128, 2, 1), (256, 192, 2, 1))
 )
 
 
