@@ -69,8 +69,8 @@ def commit_digest(commit: str, repo: str = ROOT) -> str:
     blobs = []
     for line in filter(None, listing):
         meta, path = line.decode().split("\t", 1)
-        mode, kind, blob = meta.split()
-        if kind == "blob" and path.endswith(".py") and mode != "120000":
+        _, kind, blob = meta.split()
+        if kind == "blob" and path.endswith(".py"):
             blobs.append((path, blob))
     blobs.sort(key=lambda b: _walk_order(b[0]))
     batch = _git(repo, "cat-file", "--batch", data="".join(b + "\n" for _, b in blobs).encode())

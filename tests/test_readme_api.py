@@ -37,17 +37,13 @@ def _resolve(chain: list[str]):
     return obj
 
 
-def _callable_signature(obj, method: str | None = None):
-    """The signature a call binds to: a class's constructor, an instance's call (``forward``
-    for a module), a method (without self), or a function's own."""
-    if method is not None:
-        return inspect.signature(getattr(obj, method)).replace(parameters=_unbound(obj, method))
-    return inspect.signature(obj)
-
-
-def _unbound(cls, method: str):
-    params = list(inspect.signature(getattr(cls, method)).parameters.values())
-    return params[1:] if params and params[0].name == "self" else params
+def _method_signature(cls, method: str):
+    """The signature a call of an instance's ``method`` binds to (``self`` dropped)."""
+    signature = inspect.signature(getattr(cls, method))
+    params = list(signature.parameters.values())
+    if params and params[0].name == "self":
+        params = params[1:]
+    return signature.replace(parameters=params)
 
 
 def check_calls(source: str) -> list[str]:
@@ -70,7 +66,7 @@ def check_calls(source: str) -> list[str]:
             continue
         if chain[0] == "coda":
             try:
-                signature = _callable_signature(_resolve(chain))
+                signature = inspect.signature(_resolve(chain))
             except (AttributeError, ImportError) as e:
                 failures.append(f"{'.'.join(chain)}: {e}")
                 continue
@@ -81,7 +77,7 @@ def check_calls(source: str) -> list[str]:
             if not hasattr(cls, method):
                 failures.append(f"{'.'.join(chain)}: {cls.__name__} has no {method}")
                 continue
-            signature = _callable_signature(cls, method)
+            signature = _method_signature(cls, method)
         else:
             continue
         args = [object()] * len(node.args)
