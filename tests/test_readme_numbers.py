@@ -36,7 +36,7 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
     return {col: fmt(_entry(record, suite, n, d)[key]) for col, n in names.items()}
 
 
-R212, R213, R208 = (f"2026-12-03_h200_run{n}.json" for n in (212, 213, 208))
+R212, R213, R208, R207 = (f"2026-12-03_h200_run{n}.json" for n in (212, 213, 208, 207))
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
 FWD = {**LAYER, "coda": "coda_decoder_layer"}
@@ -68,6 +68,12 @@ def expected() -> dict:
         return _suite_row(R208, "hf", None, names, "tokens_per_s", _k)
 
     graphed = _entry(R212, "model", B1.format("coda_graphed"))["tokens_per_s"]
+
+    def demo(record, names, kind="step+adamw", key="tokens_per_s", fmt=lambda v: f"{v / 1e3:.0f}k"):
+        names = {c: f"model/demo-d1024/{n}/{kind}" for c, n in names.items()}
+        return _suite_row(record, "model", None, names, key, fmt)
+
+    tc = {"torch.compile": "torch_compile"}
     fsdp = json.loads((RESULTS / R29).read_text())["result"]
     fsdp_cols = {"coda": "coda", "torch.compile": "torch_compile", "eager": "torch_eager"}
     return {
@@ -82,6 +88,14 @@ def expected() -> dict:
         "... joules per step": step("joules_per_step", lambda v: f"{v:.1f}"),
         "... as one CUDA graph": {"coda": _k(graphed)},
         "... peak GiB, each alone": step("peak_gib", lambda v: f"{v:.1f}"),
+        "d=1024 model step + AdamW": demo(
+            R212, {"coda": "coda", **tc, "Liger": "liger"}, "kernels", "kernel_ms", "{:.2f}".format
+        ),
+        "... tokens/s, coda through `GraphedStep`": demo(R208, {"coda": "coda_graphed", **tc}),
+        "... tokens/s as CUDA graphs": demo(
+            R207, {"coda": "coda_graphed", "torch.compile": "torch_compile_graphed"}
+        ),
+        "... eager steps": demo(R208, {"coda": "coda", **tc, "Liger": "liger"}),
         "HF Llama-3.2-1B": hf("llama-3.2-1B"),
         "HF Qwen3-0.6B": hf("qwen3-0.6B"),
         "FSDP2, 2 H200s": {c: _k(fsdp[n]["tokens_per_s_per_rank"]) for c, n in fsdp_cols.items()},
