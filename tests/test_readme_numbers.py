@@ -60,14 +60,12 @@ def expected() -> dict:
     def head(d, key="ratio_vs_floor", fmt=_ratio):
         return _suite_row(R212, "lm_head_train", d, _named("lm_head_train", HEAD), key, fmt)
 
-    def step(key, fmt):
-        return _suite_row(R212, "model", None, model, key, fmt)
+    def step(key, fmt, names=model):
+        return _suite_row(R212, "model", None, names, key, fmt)
 
     def hf(shape):
         names = {"coda": f"hf/{shape}/hf_coda", "Liger": f"hf/{shape}/hf_liger_no_cache"}
         return _suite_row(R208, "hf", None, names, "tokens_per_s", _k)
-
-    graphed = _entry(R212, "model", B1.format("coda_graphed"))["tokens_per_s"]
 
     def demo(record, names, kind="step+adamw", key="tokens_per_s", fmt=lambda v: f"{v / 1e3:.0f}k"):
         names = {c: f"model/demo-d1024/{n}/{kind}" for c, n in names.items()}
@@ -86,7 +84,7 @@ def expected() -> dict:
         "... LM head extra peak GiB at d=4096": head(4096, "extra_peak_gib", lambda v: f"{v:.2f}"),
         "1B-shaped model step + AdamW": step("tokens_per_s", _k),
         "... joules per step": step("joules_per_step", lambda v: f"{v:.1f}"),
-        "... as one CUDA graph": {"coda": _k(graphed)},
+        "... as one CUDA graph": step("tokens_per_s", _k, {"coda": B1.format("coda_graphed")}),
         "... peak GiB, each alone": step("peak_gib", lambda v: f"{v:.1f}"),
         "d=1024 model step + AdamW": demo(
             R212, {"coda": "coda", **tc, "Liger": "liger"}, "kernels", "kernel_ms", "{:.2f}".format
