@@ -41,7 +41,7 @@ KEYS = {
     "dswiglu": ("dswiglu", 2048, 8192),  # down dgrad + dSwiGLU (B4)
     "down": ("residual", 8192, 2048),  # down projection + residual
     "wgrad": ("wgrad", 16384, 16384),  # gate/up weight gradient (B7)
-    "lm_head": ("lm_head_scaled", 2048, 128256),  # CE-S's logits GEMM (tile_n divides V)
+    "lm_head": ("lm_head", 2048, 128256),  # CE-S's logits GEMM (its tile_n must divide V)
 }
 SWIZZLES = (1, 2, 4, 8)
 # cooperative tiles cuBLAS runs in the same step (Liger's rows, run 109's ncu table), each

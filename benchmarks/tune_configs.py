@@ -386,8 +386,7 @@ def ce_logits_rows(only) -> list[dict]:
     """CE-S's GEMM1 (``scaled_exp_logits``: E, its sums, the tile maxima, the target logit) at
     each config of ``LOGITS_CANDIDATES`` whose tile_n divides V, at the token chunk the
     driver runs, beside cuBLAS's plain GEMM and the default tile's (``scaled_exp_config`` of
-    the tuned "lm_head_scaled" tile, else "lm_head"'s), with each lse's largest difference
-    from the default's."""
+    the tuned "lm_head" tile), with each lse's largest difference from the default's."""
     from coda.kernels import ce_scaled_exp as cse
 
     rows = []
@@ -396,7 +395,7 @@ def ce_logits_rows(only) -> list[dict]:
         w = torch.randn(d, V, device="cuda", dtype=torch.bfloat16) * d**-0.5
         r = torch.rand(C, device="cuda") + 0.5
         t = torch.randint(0, V, (C,), device="cuda")
-        default = cse.scaled_exp_config(V, config_for("lm_head_scaled", C, d, V))
+        default = cse.scaled_exp_config(V, config_for("lm_head", C, d, V))
         ref = ce_logits_lse(cse, a, w, r, t, default)
         t_mm = bench(lambda: a @ w)["ms"]
         for cfg in [c for c in cse.LOGITS_CANDIDATES if V % c.tile_n == 0]:

@@ -395,11 +395,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         w = w_lm if w_lm.dtype == x2.dtype else w_lm.to(x2.dtype)
         y, r = lib.norm_rows(x2, gf, eps, True)
         ones = unit_rows(M, r.dtype, r.device)  # the row scale is already in y
+        cfg = config_for("lm_head", M, d, V)
         if method in ("chunked", "scaled_exp") and reduction == "none":
             # per-token losses need per-token weights in dW and dgamma, which the chunked
             # program (gradients formed at weight 1 in the forward) cannot apply
             method = "recompute"
-        cfg = config_for("lm_head_scaled" if method == "scaled_exp" else "lm_head", M, d, V)
         ctx.method = method
         logit_sum = logits_row_sum(y, w) if smooth else None
         stats = dict(logit_sum=logit_sum, vocab=V, label_smoothing=smooth, z_loss=z_loss)

@@ -189,7 +189,7 @@ def test_the_gemm_probe_varies_one_thing_of_a_key_the_step_looks_up():
         "dswiglu": (d, f),  # the down projection's dgrad
         "norm_bwd": (2 * f, d),  # the gate/up dgrad
         "wgrad": (tokens, 2 * f),  # the gate/up weight gradient
-        "lm_head_scaled": (d, shape["vocab_size"]),  # the LM head's logits (CE-S)
+        "lm_head": (d, shape["vocab_size"]),  # the LM head's logits
     }
     for kernel, k, n in probe.KEYS.values():
         assert kernel in tuned.KERNELS and layer_gemms[kernel] == (k, n), (kernel, k, n)

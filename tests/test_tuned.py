@@ -39,9 +39,6 @@ COMPILE = {
         cse.compile_scaled_exp_logits(512, 768, config=cse.scaled_exp_config(768, c))
         + ce.compile_lm_head_stats(256, 1000, config=c)
     ),
-    "lm_head_scaled": lambda c: cse.compile_scaled_exp_logits(
-        512, 768, config=cse.scaled_exp_config(768, c)
-    ),
     "passthrough": lambda c: cec.compile_logits_chunk(256, 1000, config=c),
 }
 
@@ -74,21 +71,6 @@ def test_lookups_are_keyed_by_kernel():
     assert tuned.config_for("swiglu", 16384, 24, 40) == DEFAULT
     with pytest.raises(ValueError, match="kernel: must be one of"):
         tuned.config_for("gemm", 16384, 2048, 2048)
-
-
-def test_a_fallback_kernel_takes_its_own_entry_else_the_other_kernels():
-    """CE-S's logits GEMM ("lm_head_scaled") runs its own tile where swept (d = 4096, V =
-    128256, run 214), else the "lm_head" statistics GEMM's tuned tile, else that kernel's
-    default: never quack's default in place of a tuned "lm_head" entry."""
-    assert tuned.FALLBACK["lm_head_scaled"] == "lm_head"
-    own = tuned.config_for("lm_head_scaled", 16384, 4096, 128256)
-    assert own == tuned.TUNED["lm_head_scaled", 4096, 128256]
-    assert own != tuned.config_for("lm_head", 16384, 4096, 128256)
-    for key in [(k, n) for kernel, k, n in tuned.TUNED if kernel == "lm_head"]:
-        if ("lm_head_scaled", *key) not in tuned.TUNED:
-            assert tuned.config_for("lm_head_scaled", 16384, *key) == tuned.TUNED[("lm_head", *key)]
-    assert tuned.config_for("lm_head_scaled", 16384, 24, 640) == DEFAULT
-    assert set(tuned.FALLBACK) | set(tuned.FALLBACK.values()) <= set(tuned.KERNELS)
 
 
 @pytest.mark.compile

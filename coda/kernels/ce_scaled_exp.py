@@ -93,11 +93,12 @@ def scaled_exp_config(v: int, config: GemmConfig) -> GemmConfig:
     raise ValueError(f"V = {v}: the scaled-exp LM head needs V divisible by 64")
 
 
-# what ``benchmarks/tune_configs.py`` sweeps for GEMM1 (``ce_logits``): GEMM1 runs its own
-# tuned tile ("lm_head_scaled", ``coda.kernels.tuned``) where it has one, else the CE-C
-# statistics GEMM's through ``scaled_exp_config`` (at V = 32768, where 192 does not divide V,
-# 128 x 128 ping-pong: the fastest of these in run 214); the sweep times the tiles whose tile_n
-# divides V
+# what ``benchmarks/tune_configs.py`` sweeps for GEMM1 (``ce_logits``): GEMM1's tile is the
+# CE-C statistics GEMM's tuned one through ``scaled_exp_config`` (at V = 32768, where 192 does
+# not divide V, 128 x 128 ping-pong). Swept twice on the H200 (runs 214, 215): at d = 2048 that
+# tile was the fastest both times; at d = 4096, V = 128256 the winner swapped between 128 x 256
+# cooperative and 128 x 192 ping-pong (2-4 % either way), and the LM head timed with the former
+# ran 1 ms slower: the tuned tile stays
 LOGITS_CANDIDATES = tuple(
     GemmConfig(128, tn, cm, cn, True) for tn in (128, 192) for cm, cn in ((2, 1), (1, 2))
 ) + tuple(

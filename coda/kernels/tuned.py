@@ -21,8 +21,7 @@ SOURCE = (
     "2026-11-30_h200_run20.json (commit 48a17cc: the 1B-shaped layer); "
     "2026-12-01_h200_run32.json (commit 1c0a545: Qwen3-0.6B's layer, the d=1024 demo model's); "
     "2026-12-01_h200_run37.json (commit 94c79f8: the d=4096 layer's backward); "
-    "2026-12-01_h200_run38.json (commit b2587ea: the d=2048 layer's backward); "
-    "2026-12-04_h200_run214.json (commit cd26b22: CE-S's logits GEMM)"
+    "2026-12-01_h200_run38.json (commit b2587ea: the d=2048 layer's backward)"
 )
 
 # The epilogue kernels a GEMM runs, by the name a lookup gives (``config_for``'s ``kernel``).
@@ -35,7 +34,6 @@ KERNELS = (
     "norm_bwd",  # B6 / B12: the norm-backward dgrad (+ residual gradient)
     "wgrad",  # B7 / B13: the gamma-row weight gradient (K = tokens)
     "lm_head",  # the LM head's logits GEMM with the CE statistics
-    "lm_head_scaled",  # CE-S's logits GEMM storing the softmax numerators E (and its stats)
     "passthrough",  # a plain GEMM (CE-C's per-chunk gradient GEMMs)
 )
 
@@ -46,10 +44,6 @@ _PP, _COOP = True, False
 # d = 2048 and the 1B shape too (run 11)
 DSWIGLU = GemmConfig(128, 128, 2, 1, _PP)
 DEFAULTS: dict[str, GemmConfig] = {"dswiglu": DSWIGLU}
-# a kernel whose untuned shapes take another kernel's tuned tile: CE-S's logits GEMM is the
-# "lm_head" statistics GEMM plus a bf16 store of E, and runs that GEMM's tile (through
-# ``scaled_exp_config``) wherever it has no entry of its own
-FALLBACK: dict[str, str] = {"lm_head_scaled": "lm_head"}
 
 TUNED: dict[tuple[str, int, int], GemmConfig] = {
     # d = 2048 (16/8 heads of 128, f = 5632; forward swept 2026-11-29, backward in run 38)
@@ -98,9 +92,6 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
     ("wgrad", 16384, 22016): GemmConfig(256, 192, 2, 1, _COOP),  # gate/up
     ("lm_head", 4096, 32768): GemmConfig(128, 192, 2, 1, _PP),
     ("lm_head", 4096, 128256): GemmConfig(128, 192, 2, 1, _PP),
-    # CE-S's GEMM1 at its 4096-token chunk (run 214: 6.395 ms against the "lm_head" tile's
-    # 6.539 and cuBLAS's 6.193; at d = 2048 the "lm_head" tiles stayed the fastest)
-    ("lm_head_scaled", 4096, 128256): GemmConfig(128, 256, 2, 1, _COOP),
     # d = 8192 (64/8 heads of 128, f = 22016)
     ("rope", 8192, 10240): GemmConfig(128, 192, 1, 2, _PP),
     ("residual", 8192, 8192): GemmConfig(128, 192, 2, 1, _PP),
@@ -112,12 +103,8 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
 
 
 def config_for(kernel: str, m: int, k: int, n: int) -> GemmConfig:
-    """The tuned config of ``kernel`` for an (M, K, N) GEMM, else its ``FALLBACK`` kernel's,
-    else the kernel's default. M does not change the choice: every tuned shape has M >= 4096."""
+    """The tuned config of ``kernel`` for an (M, K, N) GEMM, else the kernel's default. M does
+    not change the choice: every tuned shape has M >= 8192."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel: must be one of {KERNELS}, got {kernel!r}")
-    if (kernel, k, n) in TUNED:
-        return TUNED[kernel, k, n]
-    if kernel in FALLBACK:
-        return config_for(FALLBACK[kernel], m, k, n)
-    return DEFAULTS.get(kernel, DEFAULT)
+    return TUNED.get((kernel, k, n)) or DEFAULTS.get(kernel, DEFAULT)
