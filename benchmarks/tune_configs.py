@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from benchmarks._common import SKIPPED, bench, out_of_time, progress, selected
+from benchmarks._common import SKIPPED, bench, interleaved, out_of_time, progress, selected
 from benchmarks.bench_forward import HIDDEN, VOCABS, ffn, heads
 from coda import _quack
 from coda.kernels import dswiglu as dsw
@@ -386,30 +386,38 @@ def ce_logits_rows(only) -> list[dict]:
     """CE-S's GEMM1 (``scaled_exp_logits``: E, its sums, the tile maxima, the target logit) at
     each config of ``LOGITS_CANDIDATES`` whose tile_n divides V, at the token chunk the
     driver runs, beside cuBLAS's plain GEMM and the default tile's (``scaled_exp_config`` of
-    the tuned "lm_head" tile), with each lse's largest difference from the default's."""
+    the tuned "lm_head" tile), with each lse's largest difference from the default's. The
+    tiles are timed round-robin (``interleaved``: the median of its rounds, their spread and
+    the clock): timed one after the other, the d = 4096 winner swapped between two runs
+    (runs 214-215, 2-4 % either way), more than a tile's own spread."""
     from coda.kernels import ce_scaled_exp as cse
 
     rows = []
     for d, V, C in CE_GRAD_SHAPES:
+        if out_of_time():
+            rows.append({"name": "ce_logits", **SKIPPED})
+            break
         a = torch.randn(C, d, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(d, V, device="cuda", dtype=torch.bfloat16) * d**-0.5
         r = torch.rand(C, device="cuda") + 0.5
         t = torch.randint(0, V, (C,), device="cuda")
         default = cse.scaled_exp_config(V, config_for("lm_head", C, d, V))
         ref = ce_logits_lse(cse, a, w, r, t, default)
-        t_mm = bench(lambda: a @ w)["ms"]
+        shape = {"d": d, "V": V, "rows": C}
+        fns, errs = {"cublas": lambda: a @ w}, {}
         for cfg in [c for c in cse.LOGITS_CANDIDATES if V % c.tile_n == 0]:
-            if out_of_time():
-                rows.append({"name": "ce_logits", **SKIPPED})
-                break
             try:
-                err = float((ce_logits_lse(cse, a, w, r, t, cfg) - ref).abs().max())
-                ms = bench(lambda cfg=cfg: cse.scaled_exp_logits_kernel(a, w, r, t, cfg))["ms"]
+                errs[cfg] = float((ce_logits_lse(cse, a, w, r, t, cfg) - ref).abs().max())
             except Exception as ex:  # a config quack rejects is recorded and skipped
                 rows.append({"name": "ce_logits", "config": cfg.__dict__, "error": repr(ex)[:200]})
                 continue
-            shape = {"d": d, "V": V, "rows": C, "config": cfg.__dict__}
-            row = {"name": "ce_logits", **shape, "kernel_ms": ms, "cublas_ms": t_mm}
+            fns[cfg] = lambda cfg=cfg: cse.scaled_exp_logits_kernel(a, w, r, t, cfg)
+        timed = interleaved(fns)
+        for cfg, err in errs.items():
+            tm = timed[cfg]
+            row = {"name": "ce_logits", **shape, "config": cfg.__dict__, "kernel_ms": tm["ms"]}
+            row |= {"cublas_ms": timed["cublas"]["ms"], "rounds_ms": tm["rounds_ms"]}
+            row |= {"spread": tm["spread"], "sm_mhz": tm.get("sm_mhz")}
             rows.append(progress({**row, "default": cfg == default, "lse_diff": err}))
         a = w = None
     return rows
