@@ -7,7 +7,13 @@ epilogue kernel that runs at that shape in the layer, next to cuBLAS. The winner
 coda kernel's time. Run by ``gpu_suite.py --tune``; ``CODA_TUNE_ONLY=name,name`` (prefixes of
 the GEMM names below, e.g. ``dswiglu,wgrad``) restricts the sweep, and
 ``CODA_TUNE_SHAPES=tag,tag`` (``d2048``, ``1b``, ``qwen3``, ...) its shapes;
-``CODA_TUNE_WIDE=1`` widens the candidates (``WIDE``). The sweep also
+``CODA_TUNE_WIDE=1`` widens the candidates (``WIDE``). The layer's GEMMs and CE-S's
+time their candidates round-robin beside cuBLAS (``interleaved``: the median of three rounds,
+with their spread and the clock), not one after the other: in sequence each tile meets the
+clock the one before it left at the power cap, and a 2-4 % winner swapped between two runs
+(NOTES, session 50; the row passes and the closed ``ce_grad_dw_final`` probe still time in
+sequence).
+The sweep also
 times B11's Triton row passes at each launch shape (``row_pass_*``, for ``row_passes.TUNED``),
 CE-S's two gradient GEMMs at each of their candidate configs (``ce_grad_*``) and its logits
 GEMM at each of its own (``ce_logits``).
@@ -344,29 +350,29 @@ def ce_grad_rows(only) -> list[dict]:
         for name, (kernel, cublas) in gemms.items():
             if only and not any(name.startswith(p) for p in only):
                 continue
-            t_mm = bench(cublas)["ms"]
+            if out_of_time():
+                rows.append({"name": name, **SKIPPED})
+                continue
+            fns = {"cublas": cublas}
             for cfg in cse.GRAD_CANDIDATES:
-                if out_of_time():
-                    rows.append({"name": name, **SKIPPED})
-                    break
-                try:
-                    t = bench(lambda cfg=cfg: kernel(cfg))
+                try:  # (compiled here, outside the timing)
+                    kernel(cfg)
                 except Exception as ex:  # a config quack rejects is recorded and skipped
                     rows.append({"name": name, "config": cfg.__dict__, "error": repr(ex)[:200]})
                     continue
-                default = cse.dx_config(d) if name == "ce_grad_dx" else cse.dw_config(d)
-                rows.append(
-                    {
-                        "name": name,
-                        "d": d,
-                        "V": V,
-                        "rows": C,
-                        "config": cfg.__dict__,
-                        "kernel_ms": t["ms"],
-                        "cublas_ms": t_mm,
-                        "default": cfg == default,
-                    }
-                )
+                fns[cfg] = lambda cfg=cfg: kernel(cfg)
+            timed = interleaved(fns)  # round-robin, as ``ce_logits_rows``
+            default = cse.dx_config(d) if name == "ce_grad_dx" else cse.dw_config(d)
+            for cfg in list(fns)[1:]:
+                t = timed[cfg]
+                row = {"name": name, "d": d, "V": V, "rows": C, "config": cfg.__dict__}
+                row |= {"kernel_ms": t["ms"], "cublas_ms": timed["cublas"]["ms"]}
+                row |= {
+                    "rounds_ms": t["rounds_ms"],
+                    "spread": t["spread"],
+                    "sm_mhz": t.get("sm_mhz"),
+                }
+                rows.append({**row, "default": cfg == default})
         if not only or any("ce_grad_dw_final".startswith(p) for p in only):
             rows += dw_final_rows(cse, e, xs, u, dw_t, {"d": d, "V": V, "rows": C})
         e = w = u = xs = g = dw_t = None
@@ -458,30 +464,35 @@ def run() -> list[dict]:
         a = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) * K**-0.5
         out = torch.empty(m, N, device="cuda", dtype=torch.bfloat16)
-        t_mm = bench(lambda: a @ w)["ms"]
-        best = None
         wide = WIDE if os.environ.get("CODA_TUNE_WIDE") == "1" else []
+        fns = {"cublas": lambda: a @ w}
         for cfg in CANDIDATES + wide + (SPLIT_K if name.startswith("wgrad") else []):
-            try:
-                t_raw = bench(lambda: _quack.run_epi_gemm(raw, a, w, out, None, {}, cfg))["ms"]
-                t_k = bench(lambda: kernel(a, w, cfg))["ms"]
+            pair = {
+                (cfg, "raw"): lambda cfg=cfg: _quack.run_epi_gemm(raw, a, w, out, None, {}, cfg),
+                (cfg, "kernel"): lambda cfg=cfg: kernel(a, w, cfg),
+            }
+            try:  # (compiled here, outside the timing)
+                for fn in pair.values():
+                    fn()
             except Exception as e:  # a config quack rejects for this epilogue is skipped
                 rows.append({"name": name, "config": cfg.__dict__, "error": repr(e)[:200]})
                 continue
-            rows.append(
-                progress(
-                    {
-                        "name": name,
-                        "M": m,
-                        "K": K,
-                        "N": N,
-                        "config": cfg.__dict__,
-                        "raw_ms": t_raw,
-                        "kernel_ms": t_k,
-                        "cublas_ms": t_mm,
-                    }
-                )
-            )
+            fns |= pair
+        # round-robin (``interleaved``): timed in sequence, a tile meets the clock the one
+        # before it left, and 2-4 % winners swapped between runs (runs 214-216, ``ce_logits``)
+        timed = interleaved(fns)
+        t_mm, best = timed["cublas"]["ms"], None
+        for cfg in dict.fromkeys(c for c, _ in list(fns)[1:]):
+            t_raw, tk = timed[cfg, "raw"]["ms"], timed[cfg, "kernel"]
+            t_k = tk["ms"]
+            shape = {"name": name, "M": m, "K": K, "N": N, "config": cfg.__dict__}
+            timing = {"raw_ms": t_raw, "kernel_ms": t_k, "cublas_ms": t_mm}
+            spread = {
+                "rounds_ms": tk["rounds_ms"],
+                "spread": tk["spread"],
+                "sm_mhz": tk.get("sm_mhz"),
+            }
+            rows.append(progress({**shape, **timing, **spread}))
             if best is None or t_k < best[1]:
                 best = (cfg, t_k, t_raw)
         if best:
