@@ -12,11 +12,9 @@ time their candidates round-robin beside cuBLAS (``interleaved``: the median of 
 with their spread and the clock), not one after the other: in sequence each tile meets the
 clock the one before it left at the power cap, and a 2-4 % winner swapped between two runs
 (NOTES, session 50; the row passes and the closed ``ce_grad_dw_final`` probe still time in
-sequence).
-The sweep also
-times B11's Triton row passes at each launch shape (``row_pass_*``, for ``row_passes.TUNED``),
-CE-S's two gradient GEMMs at each of their candidate configs (``ce_grad_*``) and its logits
-GEMM at each of its own (``ce_logits``).
+sequence). The sweep also times B11's Triton row passes at each launch shape (``row_pass_*``,
+for ``row_passes.TUNED``), CE-S's two gradient GEMMs at each of their candidate configs
+(``ce_grad_*``) and its logits GEMM at each of its own (``ce_logits``).
 
 Shapes: the layer benchmark's (head_dim 128, ffn = 8d/3 rounded to 256) at d = 2048, 4096,
 8192, the 1B-shaped model's layer (d = 2048, 32/8 heads of 64, ffn 8192) as ``..._1b``, and
@@ -465,7 +463,7 @@ def run() -> list[dict]:
         w = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) * K**-0.5
         out = torch.empty(m, N, device="cuda", dtype=torch.bfloat16)
         wide = WIDE if os.environ.get("CODA_TUNE_WIDE") == "1" else []
-        fns = {"cublas": lambda: a @ w}
+        fns, swept = {"cublas": lambda: a @ w}, []
         for cfg in CANDIDATES + wide + (SPLIT_K if name.startswith("wgrad") else []):
             pair = {
                 (cfg, "raw"): lambda cfg=cfg: _quack.run_epi_gemm(raw, a, w, out, None, {}, cfg),
@@ -478,11 +476,12 @@ def run() -> list[dict]:
                 rows.append({"name": name, "config": cfg.__dict__, "error": repr(e)[:200]})
                 continue
             fns |= pair
+            swept.append(cfg)
         # round-robin (``interleaved``): timed in sequence, a tile meets the clock the one
         # before it left, and 2-4 % winners swapped between runs (runs 214-216, ``ce_logits``)
         timed = interleaved(fns)
         t_mm, best = timed["cublas"]["ms"], None
-        for cfg in dict.fromkeys(c for c, _ in list(fns)[1:]):
+        for cfg in swept:
             t_raw, tk = timed[cfg, "raw"]["ms"], timed[cfg, "kernel"]
             t_k = tk["ms"]
             shape = {"name": name, "M": m, "K": K, "N": N, "config": cfg.__dict__}

@@ -154,7 +154,7 @@ def test_three_gemm_method_is_the_same_at_every_logits_tile(config):
     """The strips u follow GEMM1's tile (one tile maximum per tile_n columns, read by the
     gradient GEMMs per 64-column strip): CE-S at each tile ``tune_configs.py`` sweeps for GEMM1
     (V = 768: every tile_n divides it; two chunks) equals autograd in float64, so a tuned
-    entry ("lm_head_scaled") changes the speed only."""
+    GEMM1 tile would change the speed only."""
     from coda.primitives.aux import ce_row_weights
 
     a, w, rstd, t = _case(7, 200, 24, 768, scale=3.0)
