@@ -320,6 +320,13 @@ def dw_final_rows(cse, e, xs, u, acc, shape) -> list[dict]:
 CE_GRAD_SHAPES = ((2048, 32768, 16384), (2048, 128256, 4096), (4096, 128256, 4096))
 
 
+def kernel_timing(t: dict) -> dict:
+    """A swept kernel's row fields from its ``interleaved`` timing: the median of the rounds,
+    the rounds, their spread and the clock of the median round."""
+    keep = {"kernel_ms": "ms", "rounds_ms": "rounds_ms", "spread": "spread", "sm_mhz": "sm_mhz"}
+    return {field: t.get(key) for field, key in keep.items()}
+
+
 def ce_grad_rows(only) -> list[dict]:
     """CE-S's dX and dW GEMMs (``ce_scaled_exp``: E through the A-operand transform) at each
     config of ``GRAD_CANDIDATES``, beside cuBLAS's plain GEMM of the same shape."""
@@ -364,12 +371,7 @@ def ce_grad_rows(only) -> list[dict]:
             for cfg in list(fns)[1:]:
                 t = timed[cfg]
                 row = {"name": name, "d": d, "V": V, "rows": C, "config": cfg.__dict__}
-                row |= {"kernel_ms": t["ms"], "cublas_ms": timed["cublas"]["ms"]}
-                row |= {
-                    "rounds_ms": t["rounds_ms"],
-                    "spread": t["spread"],
-                    "sm_mhz": t.get("sm_mhz"),
-                }
+                row |= {**kernel_timing(t), "cublas_ms": timed["cublas"]["ms"]}
                 rows.append({**row, "default": cfg == default})
         if not only or any("ce_grad_dw_final".startswith(p) for p in only):
             rows += dw_final_rows(cse, e, xs, u, dw_t, {"d": d, "V": V, "rows": C})
@@ -418,10 +420,8 @@ def ce_logits_rows(only) -> list[dict]:
             fns[cfg] = lambda cfg=cfg: cse.scaled_exp_logits_kernel(a, w, r, t, cfg)
         timed = interleaved(fns)
         for cfg, err in errs.items():
-            tm = timed[cfg]
-            row = {"name": "ce_logits", **shape, "config": cfg.__dict__, "kernel_ms": tm["ms"]}
-            row |= {"cublas_ms": timed["cublas"]["ms"], "rounds_ms": tm["rounds_ms"]}
-            row |= {"spread": tm["spread"], "sm_mhz": tm.get("sm_mhz")}
+            row = {"name": "ce_logits", **shape, "config": cfg.__dict__}
+            row |= {**kernel_timing(timed[cfg]), "cublas_ms": timed["cublas"]["ms"]}
             rows.append(progress({**row, "default": cfg == default, "lse_diff": err}))
         a = w = None
     return rows
@@ -482,16 +482,10 @@ def run() -> list[dict]:
         timed = interleaved(fns)
         t_mm, best = timed["cublas"]["ms"], None
         for cfg in swept:
-            t_raw, tk = timed[cfg, "raw"]["ms"], timed[cfg, "kernel"]
-            t_k = tk["ms"]
+            t_raw, t_k = timed[cfg, "raw"]["ms"], timed[cfg, "kernel"]["ms"]
             shape = {"name": name, "M": m, "K": K, "N": N, "config": cfg.__dict__}
-            timing = {"raw_ms": t_raw, "kernel_ms": t_k, "cublas_ms": t_mm}
-            spread = {
-                "rounds_ms": tk["rounds_ms"],
-                "spread": tk["spread"],
-                "sm_mhz": tk.get("sm_mhz"),
-            }
-            rows.append(progress({**shape, **timing, **spread}))
+            timing = {"raw_ms": t_raw, **kernel_timing(timed[cfg, "kernel"]), "cublas_ms": t_mm}
+            rows.append(progress({**shape, **timing}))
             if best is None or t_k < best[1]:
                 best = (cfg, t_k, t_raw)
         if best:

@@ -308,3 +308,23 @@ def test_the_cpu_host_probe_times_the_kernel_branch_and_puts_everything_back():
         warnings.simplefilter("ignore", coda.CodaReferencePathWarning)
         coda.gemm_swiglu(x, torch.randn(8, 16, dtype=torch.bfloat16))
     assert coda.last_path("gemm_swiglu")[0] == "reference"
+
+
+def test_a_swept_kernels_row_keeps_its_rounds_spread_and_clock():
+    """``tune_configs.kernel_timing``: a tile's row carries the median of its round-robin
+    rounds, the rounds, their spread and the clock (None where nvidia-smi gave none)."""
+    from benchmarks import _common
+    from benchmarks import tune_configs as tc
+
+    clock = iter([3.0, 1.0, 2.0, 4.0, 5.0, 1.5])
+
+    def timer(fn):
+        return {"ms": next(clock), "sm_mhz": 1500.0 if fn == "a" else None}
+
+    timed = _common.interleaved({"a": "a", "b": "b"}, rounds=3, timer=timer)
+    # rounds: a b | b a | a b
+    assert tc.kernel_timing(timed["a"]) == {
+        "kernel_ms": 4.0, "rounds_ms": [3.0, 4.0, 5.0], "spread": 0.5, "sm_mhz": 1500.0
+    }  # fmt: skip
+    assert tc.kernel_timing(timed["b"])["rounds_ms"] == [1.0, 2.0, 1.5]
+    assert tc.kernel_timing(timed["b"])["sm_mhz"] is None
