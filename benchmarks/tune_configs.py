@@ -121,11 +121,12 @@ def layer_gemms():
                 2 * f,
                 lambda a, w, c, r=r: sw.gemm_swiglu_kernel(a, w, r, True, c),
             ),
-            (
+            (  # the layer's down projection: the residual add alone (its norm is the next
+                # layer's entry norm, which computes its own statistic: ``residual_add``)
                 f"down_proj{tag}",
                 f,
                 d,
-                lambda a, w, c, res=res, g=gamma: grr.epilogue_gemm(a, w, res, g, c),
+                lambda a, w, c, res=res: grr.epilogue_gemm(a, w, res, None, c, stats=False),
             ),
         ]
         out += [(*g, M) for g in fwd]
