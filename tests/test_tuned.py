@@ -67,7 +67,7 @@ def test_lookups_are_keyed_by_kernel():
     assert tuned.config_for("residual", 16384, 8192, 2048) == GemmConfig(128, 256, 1, 2, False)
     assert tuned.config_for("norm_bwd", 16384, 8192, 2048) == DEFAULT
     # a kernel with its own default takes it where no entry exists, others quack's
-    assert tuned.config_for("dswiglu", 16384, 2048, 5632) == tuned.DSWIGLU != DEFAULT
+    assert tuned.config_for("dswiglu", 16384, 4096, 11008) == tuned.DSWIGLU != DEFAULT
     assert tuned.config_for("swiglu", 16384, 24, 40) == DEFAULT
     with pytest.raises(ValueError, match="kernel: must be one of"):
         tuned.config_for("gemm", 16384, 2048, 2048)
@@ -90,13 +90,13 @@ def test_a_raster_swizzle_other_than_quacks_default_compiles():
     assert COMPILE["dswiglu"](config) in (0, 1)
 
 
-# -- level 3: each tuned tile of the residual and gamma-row wgrad kernels at its own (K, N) -------
-ON_GPU = sorted(k for k in tuned.TUNED if k[0] in ("residual", "wgrad"))
+# -- level 3: each tuned tile of the residual, wgrad, dSwiGLU and norm-backward kernels -----
+ON_GPU = sorted(k for k in tuned.TUNED if k[0] in ("residual", "wgrad", "dswiglu", "norm_bwd"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("key", ON_GPU, ids=[f"{k}-{K}x{N}" for k, K, N in ON_GPU])
-def test_gpu_each_tuned_residual_and_wgrad_tile(key):
+def test_gpu_each_tuned_residual_wgrad_dswiglu_and_norm_bwd_tile(key):
     """H200: the tile ``TUNED`` holds at ``key`` is right at that key's N (and K, but a
     wgrad's K, the token count, is cut to 2048, so its tile is handed over explicitly: a
     lookup at 2048 tokens would give the default): each output's error vs fp32 no worse than
@@ -106,12 +106,16 @@ def test_gpu_each_tuned_residual_and_wgrad_tile(key):
 
     import coda
     from coda.reference import rmsnorm as rn_ref
+    from coda.reference import swiglu as sw_ref
 
     kernel, K, N = key
     g = torch.Generator(device="cuda").manual_seed(K + N)
 
     def rand(*shape, scale=1.0):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * scale
+
+    def rstd(rows):  # a row scale around 1 (fp32, as the kernels take it)
+        return torch.rand(rows, device="cuda", generator=g) + 0.5
 
     if kernel == "residual":
         x, w, res, gamma = rand(640, K), rand(K, N, scale=K**-0.5), rand(640, N), rand(N)
@@ -122,6 +126,28 @@ def test_gpu_each_tuned_residual_and_wgrad_tile(key):
         no_worse(f"{key} h", out.h, h, h_t)
         no_worse(f"{key} normed", out.normed, a, a_t)
         no_worse(f"{key} rstd", out.rstd, r, r_t)
+    elif kernel == "dswiglu":  # K = d, N = f: dx (M, d) @ w_d^T, w_d (f, d)
+        dx, w_d, u, r = rand(640, K), rand(N, K, scale=K**-0.5), rand(640, 2 * N), rstd(640)
+        assert tuned.config_for(kernel, 640, K, N) == tuned.TUNED[key]
+        dz, s, stat = dswiglu.dswiglu_kernel(dx, w_d, u, r, tuned.TUNED[key])
+        dx64, w64, u64 = dx.double(), w_d.double(), u.double()
+        s_ref, dz_ref, S_ref = sw_ref.dswiglu_ref(dx64 @ w64.t(), u64, r.double())
+        s_t, dz_t, S_t = sw_ref.dswiglu_ref(dx @ w_d.t(), u, r.to(u.dtype))  # all bf16
+        no_worse(f"{key} dz", dz, dz_ref, dz_t)
+        no_worse(f"{key} s", s, s_ref, s_t)
+        no_worse(f"{key} stat", stat.sum(1), S_ref, S_t)
+    elif kernel == "norm_bwd":  # K = N2, N = d: dz (M, N2) @ w2^T, w2 (d, N2)
+        dz, w2, h, gamma = rand(640, K), rand(N, K, scale=K**-0.5), rand(640, N), rand(N)
+        corr, dres = rstd(640) - 1.0, rand(640, N)
+        assert tuned.config_for(kernel, 640, K, N) == tuned.TUNED[key]
+        dh, dgamma = rmsnorm_bwd.norm_bwd_kernel(dz, w2, h, gamma, corr, dres, tuned.TUNED[key])
+        dz64, w64, h64, g64 = (t.double() for t in (dz, w2, h, gamma))
+        dh_ref, dg_ref = rn_ref.norm_bwd_apply_ref(
+            dz64 @ w64.t(), h64, g64, corr.double(), dres.double()
+        )
+        dh_t, dg_t = rn_ref.norm_bwd_apply_ref(dz @ w2.t(), h, gamma, corr.to(h.dtype), dres)
+        no_worse(f"{key} dh", dh, dh_ref, dh_t)
+        no_worse(f"{key} dgamma", dgamma, dg_ref, dg_t)
     else:
         tokens, d = min(K, 2048), 384
         h, dz, gamma = rand(tokens, d), rand(tokens, N, scale=tokens**-0.5), rand(d)

@@ -22,7 +22,8 @@ SOURCE = (
     "2026-12-01_h200_run32.json (commit 1c0a545: Qwen3-0.6B's layer, the d=1024 demo model's); "
     "2026-12-01_h200_run37.json (commit 94c79f8: the d=4096 layer's backward); "
     "2026-12-01_h200_run38.json (commit b2587ea: the d=2048 layer's backward); "
-    "2026-12-04_h200_run219.json (commit 79aa222: the down projections, round-robin)"
+    "2026-12-04_h200_run219.json (commit 79aa222: the down projections, round-robin); "
+    "2026-12-04_h200_run221.json and run222 (commit 94a4bdb: the 1B-shaped and d=2048 layers)"
 )
 
 # The epilogue kernels a GEMM runs, by the name a lookup gives (``config_for``'s ``kernel``).
@@ -50,7 +51,8 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
     # d = 2048 (16/8 heads of 128, f = 5632; forward swept 2026-11-29, backward in run 38)
     ("rope", 2048, 4096): GemmConfig(128, 192, 1, 2, _PP),
     ("residual", 2048, 2048): GemmConfig(128, 192, 2, 1, _PP),  # O proj (the 1B's too)
-    ("swiglu", 2048, 11264): GemmConfig(128, 192, 1, 2, _PP),  # run 38: 1.168 -> 1.120 ms
+    # (gate/up + SwiGLU at 2048 x 11264: quack's default, 1.128 vs 1.145 ms on run 38's 1 x 2
+    # cluster, round-robin in run 222; run 38 had read 1.120 against 1.168 in sequence)
     # down proj, the residual add alone (run 219, round-robin: 0.565 vs 0.587 ms, every round
     # under the old tile's; runs 38-218 swept it with the O projection's heavier epilogue)
     ("residual", 5632, 2048): GemmConfig(128, 256, 2, 1, _COOP),
@@ -58,6 +60,9 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
     ("lm_head", 2048, 128256): GemmConfig(128, 192, 2, 1, _PP),
     ("wgrad", 16384, 4096): GemmConfig(256, 128, 2, 1, _COOP),  # QKV (Qwen3's too: 1.28x)
     ("wgrad", 16384, 11264): GemmConfig(256, 192, 2, 1, _COOP),  # gate/up (run 38: -6 %)
+    # round-robin in run 222, each beyond the three rounds' spread of the tile it replaced
+    ("dswiglu", 2048, 5632): GemmConfig(128, 128, 1, 2, _PP),  # 0.709 vs 0.723 ms
+    ("norm_bwd", 4096, 2048): GemmConfig(128, 128, 1, 2, _PP),  # QKV (B12): 0.443 vs 0.451
     # the Llama-3.2-1B-shaped layer (d = 2048, 32/8 heads of 64, f = 8192; run 20: each winner
     # 1-3 % under the default config; the gate/up norm-backward keeps the default). Two tiles
     # chosen inside the patched HF step at the power cap (run 111, benchmarks/
@@ -67,7 +72,7 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
     ("wgrad", 16384, 16384): GemmConfig(128, 256, 2, 1, _COOP),  # gate/up: 1561 vs 1613 us
     ("rope", 2048, 3072): GemmConfig(128, 192, 1, 2, _PP),
     ("swiglu", 2048, 16384): GemmConfig(128, 192, 1, 2, _PP),
-    ("norm_bwd", 3072, 2048): GemmConfig(128, 128, 2, 1, _PP),  # QKV (B12)
+    ("norm_bwd", 3072, 2048): GemmConfig(128, 128, 1, 2, _PP),  # QKV (B12; run 221: -2.9 %)
     ("wgrad", 16384, 3072): GemmConfig(256, 192, 2, 1, _COOP),  # QKV
     # Qwen3-0.6B's layer (d = 1024, 16/8 heads of 128, f = 3072; run 32: N = d = 1024 outputs
     # leave the 192-wide default a ragged sixth column tile, 128 divides them)
