@@ -33,14 +33,14 @@ from coda.kernels.config import GemmConfig
 
 SUITE = "gemm_in_step"
 SHAPE = "llama-3.2-1B"
-# name -> the (kernel, K, N) key of ``tuned.TUNED`` at the Llama-1B step (M = 16384 tokens):
+# name -> the key of ``tuned.TUNED`` (``tuned.key``) at the Llama-1B step (16384 tokens):
 # its epilogue GEMMs by time in run 100's profile
 KEYS = {
     "norm_bwd": ("norm_bwd", 16384, 2048),  # gate/up dgrad + norm backward (B6)
     "swiglu": ("swiglu", 2048, 16384),  # gate/up + SwiGLU (F4)
     "dswiglu": ("dswiglu", 2048, 8192),  # down dgrad + dSwiGLU (B4)
     "down": ("residual", 8192, 2048),  # down projection + residual
-    "wgrad": ("wgrad", 16384, 16384),  # gate/up weight gradient (B7)
+    "wgrad": ("wgrad", 2048, 16384),  # gate/up weight gradient (B7): (kernel, d, N)
     "lm_head": ("lm_head", 2048, 128256),  # CE-S's logits GEMM (its tile_n must divide V)
 }
 SWIZZLES = (1, 2, 4, 8)

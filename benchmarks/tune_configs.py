@@ -38,6 +38,7 @@ from coda.kernels import gemm_rope as rp
 from coda.kernels import gemm_swiglu as sw
 from coda.kernels import linear_cross_entropy as lce
 from coda.kernels import rmsnorm_bwd as nb
+from coda.kernels import tuned
 from coda.kernels import wgrad as wg
 from coda.kernels.config import GemmConfig
 from coda.kernels.tuned import config_for
@@ -493,7 +494,7 @@ def run() -> list[dict]:
             cfg, t_k, t_raw = best
             split = f", split_k={cfg.split_k}" if cfg.split_k > 1 else ""
             print(
-                f'    ("{tuned_kernel(name)}", {K}, {N}): '
+                f"    {tuned.key(tuned_kernel(name), m, K, N)}: "
                 f"GemmConfig({cfg.tile_m}, {cfg.tile_n}, {cfg.cluster_m}, "
                 f"{cfg.cluster_n}, {cfg.pingpong}{split}),  # {name}: kernel {t_k:.4f} ms, raw "
                 f"{t_raw:.4f}, cuBLAS {t_mm:.4f}",

@@ -172,7 +172,7 @@ def test_a_run_of_every_suite_leaves_the_diagnostics_out():
 
 def test_the_gemm_probe_varies_one_thing_of_a_key_the_step_looks_up():
     """Each key of ``probe_gemm_in_step.KEYS`` is a GEMM the Llama-1B layer runs (a
-    ``config_for`` kernel at the 1B shape's K and N), and its candidates start with its
+    ``config_for`` kernel at its ``tuned.key`` of the 1B shape), and its candidates start with its
     current config: then that config at each other swizzle (the probe's rows differ from
     today's step in that one field), or each other tile of ``TILES``."""
     import dataclasses
@@ -183,16 +183,17 @@ def test_the_gemm_probe_varies_one_thing_of_a_key_the_step_looks_up():
 
     shape = SHAPES[probe.SHAPE][1]
     d, f, tokens = shape["hidden_size"], shape["intermediate_size"], probe.BATCH * probe.SEQ
-    layer_gemms = {  # (K, N) of each GEMM in the layer's kernel sequence with an epilogue
-        "swiglu": (d, 2 * f),  # gate/up
-        "residual": (f, d),  # down projection
-        "dswiglu": (d, f),  # the down projection's dgrad
-        "norm_bwd": (2 * f, d),  # the gate/up dgrad
-        "wgrad": (tokens, 2 * f),  # the gate/up weight gradient
-        "lm_head": (d, shape["vocab_size"]),  # the LM head's logits
+    layer_gemms = {  # (M, K, N) of each GEMM in the layer's kernel sequence with an epilogue
+        "swiglu": (tokens, d, 2 * f),  # gate/up
+        "residual": (tokens, f, d),  # down projection
+        "dswiglu": (tokens, d, f),  # the down projection's dgrad
+        "norm_bwd": (tokens, 2 * f, d),  # the gate/up dgrad
+        "wgrad": (d, tokens, 2 * f),  # the gate/up weight gradient
+        "lm_head": (tokens, d, shape["vocab_size"]),  # the LM head's logits
     }
     for kernel, k, n in probe.KEYS.values():
-        assert kernel in tuned.KERNELS and layer_gemms[kernel] == (k, n), (kernel, k, n)
+        assert kernel in tuned.KERNELS, kernel
+        assert tuned.key(kernel, *layer_gemms[kernel]) == (kernel, k, n), (kernel, k, n)
         now = probe.current((kernel, k, n))
         got = probe.candidates((kernel, k, n), "swizzle")
         assert got[0] == now and len(set(got)) == len(probe.SWIZZLES)

@@ -60,12 +60,18 @@ def test_every_kernel_has_a_compile_and_every_key_names_one():
     assert set(tuned.DEFAULTS) <= set(tuned.KERNELS)
 
 
-def test_lookups_are_keyed_by_kernel():
-    # K = 8192, N = 2048: the d = 1024 demo's QKV wgrad and the 1B layer's down projection
-    # (run 111) meet at one (K, N), each with its own tile
-    assert tuned.config_for("wgrad", 8192, 8192, 2048) == GemmConfig(128, 128, 2, 1, True)
-    assert tuned.config_for("residual", 16384, 8192, 2048) == GemmConfig(128, 256, 1, 2, False)
+def test_lookups_are_keyed_by_kernel_and_not_by_the_token_count():
+    # the d = 1024 demo's QKV wgrad (d x 2048, K = its 8192 tokens) and the 1B layer's down
+    # projection (K = 8192, N = 2048) each keep their own tile, at any token count
+    demo_qkv, down_1b = GemmConfig(128, 128, 2, 1, True), GemmConfig(128, 256, 1, 2, False)
+    for tokens in (8192, 16384, 3000):
+        assert tuned.config_for("wgrad", 1024, tokens, 2048) == demo_qkv
+        assert tuned.config_for("residual", tokens, 8192, 2048) == down_1b
+    assert tuned.config_for("wgrad", 8192, 8192, 2048) == DEFAULT  # d = 8192: no entry
     assert tuned.config_for("norm_bwd", 16384, 8192, 2048) == DEFAULT
+    # two weight gradients of one width N and K, different d: one entry each
+    assert tuned.key("wgrad", 1024, 16384, 4096) != tuned.key("wgrad", 2048, 16384, 4096)
+    assert {("wgrad", 1024, 4096), ("wgrad", 2048, 4096)} <= set(tuned.TUNED)
     # a kernel with its own default takes it where no entry exists, others quack's
     assert tuned.config_for("dswiglu", 16384, 4096, 11008) == tuned.DSWIGLU != DEFAULT
     assert tuned.config_for("swiglu", 16384, 24, 40) == DEFAULT
@@ -97,10 +103,9 @@ ON_GPU = sorted(k for k in tuned.TUNED if k[0] in ("residual", "wgrad", "dswiglu
 @pytest.mark.gpu
 @pytest.mark.parametrize("key", ON_GPU, ids=[f"{k}-{K}x{N}" for k, K, N in ON_GPU])
 def test_gpu_each_tuned_residual_wgrad_dswiglu_and_norm_bwd_tile(key):
-    """H200: the tile ``TUNED`` holds at ``key`` is right at that key's N (and K, but a
-    wgrad's K, the token count, is cut to 2048, so its tile is handed over explicitly: a
-    lookup at 2048 tokens would give the default): each output's error vs fp32 no worse than
-    the PyTorch bf16 path's (CODA's protocol)."""
+    """H200: the tile ``TUNED`` holds at ``key`` is right at that key's shape (640 tokens; a
+    weight gradient's key is (d, N), here at 2048 tokens), and the lookup serves it: each
+    output's error vs fp32 no worse than the PyTorch bf16 path's (CODA's protocol)."""
     import torch
     from conftest import assert_no_worse as no_worse
 
@@ -149,7 +154,8 @@ def test_gpu_each_tuned_residual_wgrad_dswiglu_and_norm_bwd_tile(key):
         no_worse(f"{key} dh", dh, dh_ref, dh_t)
         no_worse(f"{key} dgamma", dgamma, dg_ref, dg_t)
     else:
-        tokens, d = min(K, 2048), 384
+        tokens, d = 2048, K  # the key's (d, N)
+        assert tuned.config_for(kernel, d, tokens, N) == tuned.TUNED[key]
         h, dz, gamma = rand(tokens, d), rand(tokens, N, scale=tokens**-0.5), rand(d)
         got = wgrad.wgrad_gamma_rows(h, dz, gamma, tuned.TUNED[key])
         ref = rn_ref.wgrad_gamma_rows_ref(h.double(), dz.double(), gamma.double())

@@ -1,13 +1,17 @@
 """Tile configurations chosen per kernel and GEMM shape, measured once on an H200 and recorded.
 
 The mainloop is quack's; which tile shape, cluster and schedule it runs is ours to pick. Each
-entry maps (kernel, K, N) to the config whose coda epilogue kernel ran fastest at that GEMM
-shape in ``benchmarks/tune_configs.py`` (M = 16384 tokens; the d = 1024 demo model's at its own
-8192). The kernel is part of the key because the best tile belongs to the epilogue as much as
-to the shape: dSwiGLU's "widen" epilogue runs 2x slower on the tile a plain GEMM of its shape
-prefers, and two kernels can meet at one (K, N) (the d = 1024 demo's QKV gamma-row wgrad and
-the 1B layer's down projection are both K = 8192, N = 2048). A (kernel, K, N) without an entry
-runs the kernel's own default (``DEFAULTS``), else quack's SM90 default.
+entry maps a kernel and the two GEMM dimensions that do not grow with the token count to the
+config whose coda epilogue kernel ran fastest at that shape in ``benchmarks/tune_configs.py``
+(at 16384 tokens; the d = 1024 demo model's at its own 8192): (kernel, K, N) where the tokens
+are M, (kernel, M, N) = (kernel, d, N) for the weight gradient, whose K they are (``key``). So
+one entry serves every token count, and two layers whose GEMMs differ only in d keep their
+own tiles (Qwen3-0.6B's and the d = 2048 layer's QKV weight gradients are both 4096 wide). The
+kernel is part of the key because the best tile belongs to the epilogue as much as to the
+shape: dSwiGLU's "widen" epilogue runs 2x slower on the tile a plain GEMM of its shape
+prefers, and two kernels can meet at one pair (keyed by tokens, the d = 1024 demo's QKV weight
+gradient met the 1B layer's down projection at (8192, 2048)). A key without an entry runs the
+kernel's own default (``DEFAULTS``), else quack's SM90 default.
 Record: benchmarks/results/ (the "tuning" section of the records named in ``SOURCE``).
 """
 
@@ -58,8 +62,8 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
     ("residual", 5632, 2048): GemmConfig(128, 256, 2, 1, _COOP),
     ("lm_head", 2048, 32768): GemmConfig(128, 192, 2, 1, _PP),
     ("lm_head", 2048, 128256): GemmConfig(128, 192, 2, 1, _PP),
-    ("wgrad", 16384, 4096): GemmConfig(256, 128, 2, 1, _COOP),  # QKV (Qwen3's too: 1.28x)
-    ("wgrad", 16384, 11264): GemmConfig(256, 192, 2, 1, _COOP),  # gate/up (run 38: -6 %)
+    ("wgrad", 2048, 4096): GemmConfig(256, 128, 2, 1, _COOP),  # QKV
+    ("wgrad", 2048, 11264): GemmConfig(256, 192, 2, 1, _COOP),  # gate/up (run 38: -6 %)
     # round-robin in run 222, each beyond the three rounds' spread of the tile it replaced
     ("dswiglu", 2048, 5632): GemmConfig(128, 128, 1, 2, _PP),  # 0.709 vs 0.723 ms
     ("norm_bwd", 4096, 2048): GemmConfig(128, 128, 1, 2, _PP),  # QKV (B12): 0.443 vs 0.451
@@ -69,11 +73,11 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
     # probe_gemm_in_step.py): 3 % faster per call than the alone sweep's pick in that run, at
     # the edge of run-to-run spread (the old tiles read 786 and 1600 us in run 110)
     ("residual", 8192, 2048): GemmConfig(128, 256, 1, 2, _COOP),  # down proj: 785 vs 809 us
-    ("wgrad", 16384, 16384): GemmConfig(128, 256, 2, 1, _COOP),  # gate/up: 1561 vs 1613 us
+    ("wgrad", 2048, 16384): GemmConfig(128, 256, 2, 1, _COOP),  # gate/up: 1561 vs 1613 us
     ("rope", 2048, 3072): GemmConfig(128, 192, 1, 2, _PP),
     ("swiglu", 2048, 16384): GemmConfig(128, 192, 1, 2, _PP),
     ("norm_bwd", 3072, 2048): GemmConfig(128, 128, 1, 2, _PP),  # QKV (B12; run 221: -2.9 %)
-    ("wgrad", 16384, 3072): GemmConfig(256, 192, 2, 1, _COOP),  # QKV
+    ("wgrad", 2048, 3072): GemmConfig(256, 192, 2, 1, _COOP),  # QKV
     # Qwen3-0.6B's layer (d = 1024, 16/8 heads of 128, f = 3072; run 32: N = d = 1024 outputs
     # leave the 192-wide default a ragged sixth column tile, 128 divides them)
     ("residual", 2048, 1024): GemmConfig(128, 128, 2, 1, _PP),  # O proj
@@ -81,7 +85,8 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
     ("swiglu", 1024, 6144): GemmConfig(128, 192, 1, 2, _PP),
     ("norm_bwd", 6144, 1024): GemmConfig(128, 128, 2, 1, _PP),  # gate/up (B6)
     ("norm_bwd", 4096, 1024): GemmConfig(128, 128, 2, 1, _PP),  # QKV (B12)
-    ("wgrad", 16384, 6144): GemmConfig(256, 192, 2, 1, _COOP),  # gate/up (d = 4096's QKV too)
+    ("wgrad", 1024, 6144): GemmConfig(256, 192, 2, 1, _COOP),  # gate/up
+    ("wgrad", 1024, 4096): GemmConfig(256, 128, 2, 1, _COOP),  # QKV (1.28x)
     # the d = 1024 demo model's (8/4 heads of 128, f = 2816, M = 8192 tokens; run 32)
     ("rope", 1024, 2048): GemmConfig(128, 128, 2, 1, _PP),
     ("residual", 1024, 1024): GemmConfig(128, 128, 2, 1, _PP),  # O proj
@@ -89,8 +94,8 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
     ("residual", 2816, 1024): GemmConfig(128, 128, 2, 1, _PP),  # down proj
     ("norm_bwd", 5632, 1024): GemmConfig(128, 128, 2, 1, _PP),  # gate/up (B6)
     ("norm_bwd", 2048, 1024): GemmConfig(128, 128, 2, 1, _PP),  # QKV (B12)
-    ("wgrad", 8192, 5632): GemmConfig(256, 192, 2, 1, _COOP),  # gate/up
-    ("wgrad", 8192, 2048): GemmConfig(128, 128, 2, 1, _PP),  # QKV (1.30x)
+    ("wgrad", 1024, 5632): GemmConfig(256, 192, 2, 1, _COOP),  # gate/up
+    ("wgrad", 1024, 2048): GemmConfig(128, 128, 2, 1, _PP),  # QKV (1.30x)
     # d = 4096 (32/8 heads of 128, f = 11008; the backward swept in run 37: the gate/up wgrad
     # 4.19 -> 3.97 ms, under cuBLAS's 4.15; every other backward GEMM within 1.5 % of default)
     ("rope", 4096, 6144): GemmConfig(128, 192, 2, 1, _PP),
@@ -98,7 +103,9 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
     ("swiglu", 4096, 22016): GemmConfig(128, 192, 2, 1, _PP),
     # down proj, the residual add alone (run 219: 2.193 vs 2.226 ms, every round under)
     ("residual", 11008, 4096): GemmConfig(128, 256, 2, 1, _COOP),
-    ("wgrad", 16384, 22016): GemmConfig(256, 192, 2, 1, _COOP),  # gate/up
+    ("wgrad", 4096, 22016): GemmConfig(256, 192, 2, 1, _COOP),  # gate/up
+    # QKV: the tile it ran on while the key held tokens, not d (Qwen3's gate/up entry)
+    ("wgrad", 4096, 6144): GemmConfig(256, 192, 2, 1, _COOP),
     ("lm_head", 4096, 32768): GemmConfig(128, 192, 2, 1, _PP),
     ("lm_head", 4096, 128256): GemmConfig(128, 192, 2, 1, _PP),
     # d = 8192 (64/8 heads of 128, f = 22016)
@@ -111,9 +118,19 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
 }
 
 
+# kernels whose K is the token count (the weight gradients): keyed by (M, N) instead of (K, N)
+TOKENS_IN_K = frozenset({"wgrad"})
+
+
+def key(kernel: str, m: int, k: int, n: int) -> tuple[str, int, int]:
+    """``TUNED``'s key for ``kernel``'s (M, K, N) GEMM: the kernel and the two dimensions that
+    do not grow with the token count."""
+    return (kernel, m if kernel in TOKENS_IN_K else k, n)
+
+
 def config_for(kernel: str, m: int, k: int, n: int) -> GemmConfig:
-    """The tuned config of ``kernel`` for an (M, K, N) GEMM, else the kernel's default. M does
-    not change the choice: every tuned shape has M >= 8192."""
+    """The tuned config of ``kernel`` for an (M, K, N) GEMM, else the kernel's default; the
+    token count (M, or K for a weight gradient) does not change the choice."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel: must be one of {KERNELS}, got {kernel!r}")
-    return TUNED.get((kernel, k, n)) or DEFAULTS.get(kernel, DEFAULT)
+    return TUNED.get(key(kernel, m, k, n)) or DEFAULTS.get(kernel, DEFAULT)
