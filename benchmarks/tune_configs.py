@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 
 import torch
 
@@ -322,6 +323,21 @@ def dw_final_rows(cse, e, xs, u, acc, shape) -> list[dict]:
 CE_GRAD_SHAPES = ((2048, 32768, 16384), (2048, 128256, 4096), (4096, 128256, 4096))
 
 
+def verdict(rounds: dict, entry) -> dict:
+    """Whether a sweep's fastest tile should replace the table's entry: ``rounds`` maps each
+    swept config to its kernel's round times (``interleaved``), ``entry`` is the config the
+    table serves today. "enter" only where every round of the best beat every round of the
+    entry (session 51's rule: a 1-3 % winner inside the rounds' spread swapped between runs);
+    "keep" otherwise, and where the entry is the best; "unswept" where the entry was not
+    among the candidates (no same-run comparison)."""
+    best = min(rounds, key=lambda c: statistics.median(rounds[c]))
+    out = {"best": best, "entry": entry}
+    if entry not in rounds:
+        return {**out, "advice": "unswept"}
+    beyond = best != entry and max(rounds[best]) < min(rounds[entry])
+    return {**out, "advice": "enter" if beyond else "keep"}
+
+
 def kernel_timing(t: dict) -> dict:
     """A swept kernel's row fields from its ``interleaved`` timing: the median of the rounds,
     the rounds, their spread and the clock of the median round."""
@@ -482,22 +498,23 @@ def run() -> list[dict]:
         # round-robin (``interleaved``): timed in sequence, a tile meets the clock the one
         # before it left, and 2-4 % winners swapped between runs (runs 214-216, ``ce_logits``)
         timed = interleaved(fns)
-        t_mm, best = timed["cublas"]["ms"], None
+        t_mm = timed["cublas"]["ms"]
         for cfg in swept:
-            t_raw, t_k = timed[cfg, "raw"]["ms"], timed[cfg, "kernel"]["ms"]
             shape = {"name": name, "M": m, "K": K, "N": N, "config": cfg.__dict__}
-            timing = {"raw_ms": t_raw, **kernel_timing(timed[cfg, "kernel"]), "cublas_ms": t_mm}
-            rows.append(progress({**shape, **timing}))
-            if best is None or t_k < best[1]:
-                best = (cfg, t_k, t_raw)
-        if best:
-            cfg, t_k, t_raw = best
+            timing = {"raw_ms": timed[cfg, "raw"]["ms"], **kernel_timing(timed[cfg, "kernel"])}
+            rows.append(progress({**shape, **timing, "cublas_ms": t_mm}))
+        if swept:
+            entry = config_for(tuned_kernel(name), m, K, N)
+            v = verdict({c: timed[c, "kernel"]["rounds_ms"] for c in swept}, entry)
+            rows.append({"name": f"{name}/verdict", "advice": v["advice"],
+                         "best": v["best"].__dict__, "entry": entry.__dict__})  # fmt: skip
+            cfg, t_k = v["best"], timed[v["best"], "kernel"]["ms"]
             split = f", split_k={cfg.split_k}" if cfg.split_k > 1 else ""
             print(
                 f"    {tuned.key(tuned_kernel(name), m, K, N)}: "
                 f"GemmConfig({cfg.tile_m}, {cfg.tile_n}, {cfg.cluster_m}, "
-                f"{cfg.cluster_n}, {cfg.pingpong}{split}),  # {name}: kernel {t_k:.4f} ms, raw "
-                f"{t_raw:.4f}, cuBLAS {t_mm:.4f}",
+                f"{cfg.cluster_n}, {cfg.pingpong}{split}),  # {name}: {v['advice']}; kernel "
+                f"{t_k:.4f} ms, raw {timed[cfg, 'raw']['ms']:.4f}, cuBLAS {t_mm:.4f}",
                 flush=True,
             )
     return rows

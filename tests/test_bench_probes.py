@@ -311,6 +311,23 @@ def test_the_cpu_host_probe_times_the_kernel_branch_and_puts_everything_back():
     assert coda.last_path("gemm_swiglu")[0] == "reference"
 
 
+def test_a_sweep_enters_a_winner_only_beyond_the_rounds_spread():
+    """``tune_configs.verdict``: the fastest tile replaces the entry only where each of its
+    rounds beat each of the entry's (run 221's 1B gate/up: 0.0002 ms of overlap, kept; run
+    222's d=2048 dSwiGLU, entered); the entry's own win, or an entry not swept, keeps it."""
+    from benchmarks import tune_configs as tc
+    from coda.kernels.config import GemmConfig
+
+    a, b, c = (GemmConfig(128, 192, 2, 1, True), GemmConfig(128, 192, 1, 2, True),
+               GemmConfig(128, 128, 1, 2, True))  # fmt: skip
+    overlapping = {a: [1.6282, 1.6207, 1.6214], b: [1.638, 1.6448, 1.628]}
+    assert tc.verdict(overlapping, b) == {"best": a, "entry": b, "advice": "keep"}
+    beyond = {a: [0.7235, 0.7228, 0.7186], c: [0.7094, 0.7078, 0.7136]}
+    assert tc.verdict(beyond, a)["advice"] == "enter" and tc.verdict(beyond, a)["best"] == c
+    assert tc.verdict(beyond, c) == {"best": c, "entry": c, "advice": "keep"}
+    assert tc.verdict(beyond, b)["advice"] == "unswept"
+
+
 def test_a_swept_kernels_row_keeps_its_rounds_spread_and_clock():
     """``tune_configs.kernel_timing``: a tile's row carries the median of its round-robin
     rounds, the rounds, their spread and the clock (None where nvidia-smi gave none)."""
