@@ -42,7 +42,6 @@ from coda.kernels import rmsnorm_bwd as nb
 from coda.kernels import tuned
 from coda.kernels import wgrad as wg
 from coda.kernels.config import GemmConfig
-from coda.kernels.tuned import config_for
 
 M = 16384
 # (128 x 256 ping-pong is not among them: quack 0.6.5 rejects a ping-pong tile over 208 wide)
@@ -425,7 +424,7 @@ def ce_logits_rows(only) -> list[dict]:
         w = torch.randn(d, V, device="cuda", dtype=torch.bfloat16) * d**-0.5
         r = torch.rand(C, device="cuda") + 0.5
         t = torch.randint(0, V, (C,), device="cuda")
-        default = cse.scaled_exp_config(V, config_for("lm_head", C, d, V))
+        default = cse.scaled_exp_config(V, tuned.config_for("lm_head", C, d, V))
         ref = ce_logits_lse(cse, a, w, r, t, default)
         shape = {"d": d, "V": V, "rows": C}
         fns, errs = {"cublas": lambda: a @ w}, {}
@@ -504,14 +503,15 @@ def run() -> list[dict]:
             timing = {"raw_ms": timed[cfg, "raw"]["ms"], **kernel_timing(timed[cfg, "kernel"])}
             rows.append(progress({**shape, **timing, "cublas_ms": t_mm}))
         if swept:
-            entry = config_for(tuned_kernel(name), m, K, N)
+            kernel_name = tuned_kernel(name)
+            entry = tuned.config_for(kernel_name, m, K, N)
             v = verdict({c: timed[c, "kernel"]["rounds_ms"] for c in swept}, entry)
             rows.append({"name": f"{name}/verdict", "advice": v["advice"],
                          "best": v["best"].__dict__, "entry": entry.__dict__})  # fmt: skip
             cfg, t_k = v["best"], timed[v["best"], "kernel"]["ms"]
             split = f", split_k={cfg.split_k}" if cfg.split_k > 1 else ""
             print(
-                f"    {tuned.key(tuned_kernel(name), m, K, N)}: "
+                f"    {tuned.key(kernel_name, m, K, N)}: "
                 f"GemmConfig({cfg.tile_m}, {cfg.tile_n}, {cfg.cluster_m}, "
                 f"{cfg.cluster_n}, {cfg.pingpong}{split}),  # {name}: {v['advice']}; kernel "
                 f"{t_k:.4f} ms, raw {timed[cfg, 'raw']['ms']:.4f}, cuBLAS {t_mm:.4f}",
