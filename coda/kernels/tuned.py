@@ -62,7 +62,7 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
     ("residual", 5632, 2048): GemmConfig(128, 256, 2, 1, _COOP),
     ("lm_head", 2048, 32768): GemmConfig(128, 192, 2, 1, _PP),
     ("lm_head", 2048, 128256): GemmConfig(128, 192, 2, 1, _PP),
-    ("wgrad", 2048, 4096): GemmConfig(256, 128, 2, 1, _COOP),  # QKV
+    ("wgrad", 2048, 4096): GemmConfig(128, 256, 2, 1, _COOP),  # QKV: 0.384 vs 0.398 (run 222)
     ("wgrad", 2048, 11264): GemmConfig(256, 192, 2, 1, _COOP),  # gate/up (run 38: -6 %)
     # round-robin in run 222, each beyond the three rounds' spread of the tile it replaced
     ("dswiglu", 2048, 5632): GemmConfig(128, 128, 1, 2, _PP),  # 0.709 vs 0.723 ms
