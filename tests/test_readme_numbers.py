@@ -37,7 +37,7 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
 
 
 R212, R213, R208, R207 = (f"2026-12-03_h200_run{n}.json" for n in (212, 213, 208, 207))
-R214, R220, R223 = (f"2026-12-04_h200_run{n}.json" for n in (214, 220, 223))
+R214, R220, R224 = (f"2026-12-04_h200_run{n}.json" for n in (214, 220, 224))
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
 FWD = {**LAYER, "coda": "coda_decoder_layer"}
@@ -76,9 +76,9 @@ def expected() -> dict:
     fsdp = json.loads((RESULTS / R29).read_text())["result"]
     fsdp_cols = {"coda": "coda", "torch.compile": "torch_compile", "eager": "torch_eager"}
     return {
-        "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R223),
+        "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R224),
         "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096, R220),
-        "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R223),
+        "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R224),
         "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R220),
         "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048),
         "LM head + CE fwd+bwd, d=4096": head(4096),
