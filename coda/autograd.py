@@ -129,7 +129,7 @@ def _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres, want_dw: bool = True):
     dx0, dg1 = lib.norm_bwd(
         dz0, w_qkv, x0, g1, corr0, dres, config_for("norm_bwd", M, w_qkv.shape[1], d)
     )
-    # B13 (its tile keyed by M: chosen inside)
+    # B13 (its tile, keyed by d and N, chosen inside ``wgrad``)
     dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1) if want_dw else None
     return dx0, dg1, dw_qkv
 
