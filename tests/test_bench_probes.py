@@ -328,6 +328,22 @@ def test_a_sweep_enters_a_winner_only_beyond_the_rounds_spread():
     assert tc.verdict(beyond, b)["advice"] == "unswept"
 
 
+def test_a_wide_sweep_times_every_tile_the_table_serves():
+    """Every tile ``tuned`` serves a layer GEMM (its entries, the kernels' defaults, quack's
+    default) is among the candidates a wide sweep times, so the sweep's verdict compares the
+    entry in the same run and never reads "unswept" for a tile in use."""
+    from benchmarks import tune_configs as tc
+    from coda.kernels import tuned
+    from coda.kernels.config import DEFAULT
+
+    swept = set(tc.CANDIDATES + tc.WIDE)
+    served = {(k, c) for k, c in tuned.TUNED.items() if k[0] in tc.KERNEL_OF.values()}
+    served |= {((k,), c) for k, c in tuned.DEFAULTS.items()} | {(("quack",), DEFAULT)}
+    assert {(k, c) for k, c in served if c not in swept} == set()
+    kernels = {"rope", "residual", "swiglu", "dswiglu", "norm_bwd", "wgrad"}
+    assert {k[0] for k, _ in served} >= kernels  # the table was read
+
+
 def test_a_swept_kernels_row_keeps_its_rounds_spread_and_clock():
     """``tune_configs.kernel_timing``: a tile's row carries the median of its round-robin
     rounds, the rounds, their spread and the clock (None where nvidia-smi gave none)."""
