@@ -35,6 +35,7 @@ from benchmarks.bench_forward import HIDDEN, VOCABS, ffn, heads
 from coda import _quack
 from coda.kernels import dswiglu as dsw
 from coda.kernels import gemm_residual_rms as grr
+from coda.kernels import gemm_rmsnorm_gemm as rg
 from coda.kernels import gemm_rope as rp
 from coda.kernels import gemm_swiglu as sw
 from coda.kernels import linear_cross_entropy as lce
@@ -86,6 +87,10 @@ SHAPES = [(f"_d{d}", d, ffn(d), *heads(d), 128, VOCABS, M) for d in HIDDEN] + [
 ]
 
 
+# the shapes whose layer norms q and k per head (Qwen3's QK-norm)
+QK_NORM_TAGS = frozenset({"_qwen3"})
+
+
 def _tags() -> list[str]:
     """The shape tags named in ``CODA_TUNE_SHAPES`` (none: every shape)."""
     return selected("CODA_TUNE_SHAPES", [s[0].lstrip("_") for s in SHAPES])
@@ -103,13 +108,18 @@ def layer_gemms():
         freq = rp.rope_freq_table(hd, H + Hkv, Hkv, device="cuda")
         res = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
         gamma = torch.ones(d, device="cuda", dtype=torch.bfloat16)
-        fwd = [
-            (
+        # the QKV GEMM as the layer runs it: with QK-norm (Qwen3) the row scale alone, RoPE
+        # after the head norms (``qk_norm``); without it, the deferred scale and RoPE in one
+        qkv = (
+            (f"qkv_scale_rows{tag}", lambda a, w, c, r=r: rg.gemm_scale_rows_kernel(a, w, r, c))
+            if tag in QK_NORM_TAGS
+            else (
                 f"qkv_rope{tag}",
-                d,
-                (H + 2 * Hkv) * hd,
                 lambda a, w, c, r=r, pos=pos, freq=freq: rp.gemm_rope_kernel(a, w, r, pos, freq, c),
-            ),
+            )
+        )
+        fwd = [
+            (qkv[0], d, (H + 2 * Hkv) * hd, qkv[1]),
             (
                 f"o_proj{tag}",
                 H * hd,
@@ -447,6 +457,7 @@ def ce_logits_rows(only) -> list[dict]:
 # the sweep's GEMM names (by prefix) -> the kernel their ``tuned.TUNED`` entries are keyed by
 KERNEL_OF = {
     "qkv_rope": "rope",
+    "qkv_scale_rows": "scale_rows",
     "o_proj": "residual",
     "gate_up_swiglu": "swiglu",
     "down_proj": "residual",
