@@ -96,13 +96,15 @@ def test_a_raster_swizzle_other_than_quacks_default_compiles():
     assert COMPILE["dswiglu"](config) in (0, 1)
 
 
-# -- level 3: each tuned tile of the residual, wgrad, dSwiGLU and norm-backward kernels -----
-ON_GPU = sorted(k for k in tuned.TUNED if k[0] in ("residual", "wgrad", "dswiglu", "norm_bwd"))
+# -- level 3: each tuned tile of the residual, wgrad, dSwiGLU, norm-backward, row-scale kernels
+ON_GPU = sorted(
+    k for k in tuned.TUNED if k[0] in ("residual", "wgrad", "dswiglu", "norm_bwd", "scale_rows")
+)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("key", ON_GPU, ids=[f"{k}-{K}x{N}" for k, K, N in ON_GPU])
-def test_gpu_each_tuned_residual_wgrad_dswiglu_and_norm_bwd_tile(key):
+def test_gpu_each_tuned_epilogue_tile(key):
     """H200: the tile ``TUNED`` holds at ``key`` is right at that key's shape (640 tokens; a
     weight gradient's key is (d, N), here at 2048 tokens), and the lookup serves it: each
     output's error vs fp32 no worse than the PyTorch bf16 path's (CODA's protocol)."""
@@ -153,6 +155,12 @@ def test_gpu_each_tuned_residual_wgrad_dswiglu_and_norm_bwd_tile(key):
         dh_t, dg_t = rn_ref.norm_bwd_apply_ref(dz @ w2.t(), h, gamma, corr.to(h.dtype), dres)
         no_worse(f"{key} dh", dh, dh_ref, dh_t)
         no_worse(f"{key} dgamma", dgamma, dg_ref, dg_t)
+    elif kernel == "scale_rows":  # z = r * (a @ w): the gamma-row product of (a^T, w) and r
+        a, w, r = rand(640, K), rand(K, N, scale=K**-0.5), rstd(640)
+        assert tuned.config_for(kernel, 640, K, N) == tuned.TUNED[key]
+        z = rg.gemm_scale_rows_kernel(a, w, r, tuned.TUNED[key])
+        z_ref = rn_ref.wgrad_gamma_rows_ref(a.double().t(), w.double(), r.double())
+        no_worse(f"{key} z", z, z_ref, rn_ref.wgrad_gamma_rows_ref(a.t(), w, r.to(a.dtype)))
     else:
         tokens, d = 2048, K  # the key's (d, N)
         assert tuned.config_for(kernel, d, tokens, N) == tuned.TUNED[key]

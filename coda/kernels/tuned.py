@@ -28,7 +28,8 @@ SOURCE = (
     "2026-12-01_h200_run38.json (commit b2587ea: the d=2048 layer's backward); "
     "2026-12-04_h200_run219.json (commit 79aa222: the down projections, round-robin); "
     "2026-12-04_h200_run221.json and run222 (commit 94a4bdb: the 1B-shaped and d=2048 layers); "
-    "2026-12-04_h200_run228.json and run229 (commit 9299c03: Qwen3-0.6B's and the demo's layers)"
+    "2026-12-04_h200_run228.json and run229 (commit 9299c03: Qwen3-0.6B's and the demo's layers); "
+    "2026-12-04_h200_run230.json (commit e6711ff: Qwen3-0.6B's QKV row-scale GEMM)"
 )
 
 # The epilogue kernels a GEMM runs, by the name a lookup gives (``config_for``'s ``kernel``).
@@ -83,6 +84,9 @@ TUNED: dict[tuple[str, int, int], GemmConfig] = {
     # leave the 192-wide default a ragged sixth column tile, 128 divides them)
     ("residual", 2048, 1024): GemmConfig(128, 128, 1, 2, _PP),  # O proj (run 228: -2 %)
     ("residual", 3072, 1024): GemmConfig(128, 128, 2, 1, _PP),  # down proj
+    # QKV with QK-norm: the row scale alone (run 230, round-robin: 0.203 vs 0.209 ms, every
+    # round under quack's default 2 x 1 cluster)
+    ("scale_rows", 1024, 4096): GemmConfig(128, 192, 1, 2, _PP),
     ("swiglu", 1024, 6144): GemmConfig(128, 192, 1, 2, _PP),
     ("norm_bwd", 6144, 1024): GemmConfig(128, 128, 2, 1, _PP),  # gate/up (B6)
     ("norm_bwd", 4096, 1024): GemmConfig(128, 128, 1, 2, _PP),  # QKV (B12; run 228: -2.7 %)
