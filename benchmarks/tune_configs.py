@@ -110,16 +110,20 @@ def layer_gemms():
         gamma = torch.ones(d, device="cuda", dtype=torch.bfloat16)
         # the QKV GEMM as the layer runs it: with QK-norm (Qwen3) the row scale alone, RoPE
         # after the head norms (``qk_norm``); without it, the deferred scale and RoPE in one
-        qkv = (
-            (f"qkv_scale_rows{tag}", lambda a, w, c, r=r: rg.gemm_scale_rows_kernel(a, w, r, c))
-            if tag in QK_NORM_TAGS
-            else (
-                f"qkv_rope{tag}",
-                lambda a, w, c, r=r, pos=pos, freq=freq: rp.gemm_rope_kernel(a, w, r, pos, freq, c),
-            )
-        )
+        # (operands bound as defaults: the sweep calls each kernel after the loop moved on)
+        if tag in QK_NORM_TAGS:
+            qkv_name = f"qkv_scale_rows{tag}"
+
+            def qkv(a, w, c, r=r):
+                return rg.gemm_scale_rows_kernel(a, w, r, c)
+        else:
+            qkv_name = f"qkv_rope{tag}"
+
+            def qkv(a, w, c, r=r, pos=pos, freq=freq):
+                return rp.gemm_rope_kernel(a, w, r, pos, freq, c)
+
         fwd = [
-            (qkv[0], d, (H + 2 * Hkv) * hd, qkv[1]),
+            (qkv_name, d, (H + 2 * Hkv) * hd, qkv),
             (
                 f"o_proj{tag}",
                 H * hd,
