@@ -3,7 +3,7 @@
 Times, round-robin, the down projection's dgrad three ways at a layer's shape: cuBLAS's plain
 GEMM, coda's dSwiGLU kernel as the layer runs it (dz~, s and the statistic stored), and the
 same program without the ``s`` store (what it would run if the forward kept s for backward).
-Writes one JSON object to stdout."""
+Writes one JSON object to stdout. Run from the repository root with it on ``PYTHONPATH``."""
 
 from __future__ import annotations
 
@@ -12,32 +12,19 @@ import sys
 
 import torch
 
-sys.path.insert(0, "benchmarks")
-from _common import interleaved  # noqa: E402
-
-from coda.kernels import dswiglu as dsw  # noqa: E402
-from coda.kernels._launch import acc_dtype, launch  # noqa: E402
-from coda.kernels.tuned import config_for  # noqa: E402
-from coda.primitives import (  # noqa: E402
-    ColLoad,
-    RowPartials,
-    TileC,
-    epilogue_program,
-    pack,
-    sigmoid,
-    unpack,
-)
+from benchmarks._common import interleaved
+from coda.kernels import dswiglu as dsw
+from coda.kernels._launch import acc_dtype, launch
+from coda.kernels.tuned import config_for
+from coda.primitives import ColLoad, RowPartials, TileC, epilogue_program
 
 
 @epilogue_program(inputs=[TileC(), ColLoad("rstd")], sinks=[RowPartials("stat")], mode="widen")
 def dswiglu_no_s(acc, c, rstd):
-    ug, uu = unpack(c)
-    zg, zu = ug * rstd, uu * rstd
-    sig = sigmoid(zg)
-    silu_g = zg * sig
-    dzg = acc * zu * sig * (1.0 + zg * (1.0 - sig))
-    dzu = acc * silu_g
-    return {"D": pack(dzg * rstd, dzu * rstd), "stat": dzg * ug + dzu * uu}
+    """The kernel's own program with its ``s`` store left out (its product is then dead)."""
+    out = dsw.dswiglu_rescaled.fn(acc, c, rstd)
+    del out["s"]
+    return out
 
 
 def main():
@@ -53,25 +40,41 @@ def main():
         stat = dx.new_empty(M, cfg.grid(M, f)[1], dtype=acc_dtype(dx))
 
         def no_s():
-            launch(dswiglu_no_s, dx, w_d.t(), config=cfg, d=dz, c=u,
-                   operands={"rstd": rstd}, outputs={"stat": stat})
+            launch(
+                dswiglu_no_s,
+                dx,
+                w_d.t(),
+                config=cfg,
+                d=dz,
+                c=u,
+                operands={"rstd": rstd},
+                outputs={"stat": stat},
+            )
 
         # the two programs agree on what both store
         dz0, _, st0 = dsw.dswiglu_kernel(dx, w_d, u, rstd, cfg)
         no_s()
         torch.cuda.synchronize()
         same = bool(torch.equal(dz0, dz)) and bool(torch.equal(st0, stat))
-        t = interleaved({
-            "cublas": lambda: dx @ w_d.t(),
-            "dswiglu": lambda: dsw.dswiglu_kernel(dx, w_d, u, rstd, cfg),
-            "dswiglu_no_s": no_s,
-        })
+        t = interleaved(
+            {
+                "cublas": lambda: dx @ w_d.t(),
+                "dswiglu": lambda: dsw.dswiglu_kernel(dx, w_d, u, rstd, cfg),
+                "dswiglu_no_s": no_s,
+            }
+        )
         out[f"M{M}_d{d}_f{f}"] = {
-            "config": str(cfg), "same_dz_and_stat": same,
+            "config": str(cfg),
+            "same_dz_and_stat": same,
             **{k: {"ms": v["ms"], "rounds_ms": v["rounds_ms"]} for k, v in t.items()},
         }
-        print(f"M{M} d{d} f{f}", {k: round(v["ms"], 4) for k, v in t.items()}, same,
-              file=sys.stderr, flush=True)
+        print(
+            f"M{M} d{d} f{f}",
+            {k: round(v["ms"], 4) for k, v in t.items()},
+            same,
+            file=sys.stderr,
+            flush=True,
+        )
     print(json.dumps(out))
 
 
