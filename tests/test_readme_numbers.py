@@ -37,7 +37,7 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
 
 
 R212, R213, R208, R207 = (f"2026-12-03_h200_run{n}.json" for n in (212, 213, 208, 207))
-R220, R224, R227 = (f"2026-12-04_h200_run{n}.json" for n in (220, 224, 227))
+R220, R224, R227, R233 = (f"2026-12-04_h200_run{n}.json" for n in (220, 224, 227, 233))
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
 FWD = {**LAYER, "coda": "coda_decoder_layer"}
@@ -64,13 +64,13 @@ def expected() -> dict:
     def step(key, fmt, names=model):
         return _suite_row(R212, "model", None, names, key, fmt)
 
-    def hf(shape):  # Liger's faster row: with or without the KV cache object (run to run)
-        rows = [_entry(R227, "hf", f"hf/{shape}/{n}") for n in ("hf_liger", "hf_liger_no_cache")]
-        liger = max(r["tokens_per_s"] for r in rows)
-        return {
-            "coda": _k(_entry(R227, "hf", f"hf/{shape}/hf_coda")["tokens_per_s"]),
-            "Liger": _k(liger),
-        }
+    def hf(shape, record):  # Liger's faster row: with or without the KV cache (run to run)
+        def tps(n):
+            return _entry(record, "hf", f"hf/{shape}/{n}")["tokens_per_s"]
+
+        liger = max(tps("hf_liger"), tps("hf_liger_no_cache"))
+        cols = {"coda": "hf_coda", "torch.compile": "hf_torch_compile", "eager": "hf"}
+        return {**{c: _k(tps(n)) for c, n in cols.items()}, "Liger": _k(liger)}
 
     def demo(record, names, kind="step+adamw", key="tokens_per_s", fmt=lambda v: f"{v / 1e3:.0f}k"):
         names = {c: f"model/demo-d1024/{n}/{kind}" for c, n in names.items()}
@@ -99,8 +99,8 @@ def expected() -> dict:
             R207, {"coda": "coda_graphed", "torch.compile": "torch_compile_graphed"}
         ),
         "... eager steps": demo(R208, {"coda": "coda", **tc, "Liger": "liger"}),
-        "HF Llama-3.2-1B": hf("llama-3.2-1B"),
-        "HF Qwen3-0.6B": hf("qwen3-0.6B"),
+        "HF Llama-3.2-1B": hf("llama-3.2-1B", R227),
+        "HF Qwen3-0.6B": hf("qwen3-0.6B", R233),
         "FSDP2, 2 H200s": {c: _k(fsdp[n]["tokens_per_s_per_rank"]) for c, n in fsdp_cols.items()},
     }
 
