@@ -7,7 +7,8 @@ first layer's call, recorded as the backward makes it) and what attention is han
 the pass alone on those arguments at every launch shape of ``LAUNCH_SHAPES``, and times the
 whole step with each shape installed: the kernel's microseconds per call from the step's
 profile, and the step's milliseconds. Suites of ``gpu_suite.py`` run only when named:
-``qk_norm_pass`` (Qwen3-0.6B's QK-norm pass) and ``drope_pass`` (Llama-3.2-1B's dRoPE pass);
+``qk_norm_pass`` (Qwen3-0.6B's QK-norm pass), ``drope_pass`` (Llama-3.2-1B's dRoPE pass, head_dim
+64) and ``drope_pass_layer`` (the d=2048 layer benchmark's, head_dim 128);
 ``CODA_ROW_PASS_SHAPES`` ("8x1,16x2") times only those launch shapes.
 """
 
@@ -29,12 +30,38 @@ from benchmarks._common import (
 )
 from benchmarks.bench_hf import training_step
 
-# suite -> (HF shape, the pass's function in row_passes, its TUNED name, its kernel's name
-# in a profile)
+# suite -> (the step: an HF shape of ``bench_hf.SHAPES`` patched by ``apply_coda``, or
+# "layer-d<d>", the layer benchmark's ``DecoderLayer`` fwd+bwd at width d; the pass's function
+# in row_passes, its TUNED name, its kernel's name in a profile)
 PASSES = {
     "qk_norm_pass": ("qwen3-0.6B", "dqk_norm_rope_heads_triton", "dqk_norm", "_dqk_norm_kernel"),
     "drope_pass": ("llama-3.2-1B", "drope_heads_triton", "drope", "_drope_kernel"),
+    "drope_pass_layer": ("layer-d2048", "drope_heads_triton", "drope", "_drope_kernel"),
 }
+LAYER = "layer-d"
+
+
+def layer_step(d: int):
+    """The layer benchmark's step at width d (``bench_train.layer_rows``' "coda" variant):
+    ``DecoderLayer(x).backward(dy)`` at head_dim 128, 4 x 4096 tokens, grads set to None."""
+    import coda.nn as cnn
+    from benchmarks.bench_forward import ffn, heads
+    from benchmarks.bench_layer import S
+    from benchmarks.bench_train import B, _step
+
+    H, Hkv = heads(d)
+    layer = cnn.DecoderLayer(d, H, Hkv, ffn(d), device="cuda", backend="kernel")
+    x = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return _step(lambda: layer(x), list(layer.parameters()), x, torch.randn_like(x))
+
+
+def probe_step(shape_name: str):
+    """The step a pass of ``PASSES`` is probed in."""
+    if shape_name.startswith(LAYER):
+        return layer_step(int(shape_name[len(LAYER) :]))
+    import coda.transformers as ct
+
+    return training_step(shape_name, ct.apply_coda)
 
 
 class _Recorded:
@@ -71,11 +98,10 @@ class _Recorded:
 def run_pass(suite: str) -> list[dict]:
     """One row per launch shape: the pass alone on the step's arguments, its kernel inside the
     step, and the step, with that shape installed in ``TUNED`` (restored after)."""
-    import coda.transformers as ct
     from coda.kernels import row_passes as rpk
 
     shape_name, fn_name, tuned_name, kernel_name = PASSES[suite]
-    step = training_step(shape_name, ct.apply_coda)
+    step = probe_step(shape_name)
     with _Recorded(rpk, fn_name) as rec:
         step()
     args, kw = rec.args

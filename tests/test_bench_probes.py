@@ -131,16 +131,19 @@ def test_the_row_pass_probe_records_the_first_call_and_puts_everything_back():
 
 def test_the_row_pass_probe_names_real_passes():
     """Each probed pass names a function of ``row_passes`` taking ``head_dim`` (how the probe
-    finds its ``TUNED`` key), a tuned kernel name and an HF shape the benchmark builds."""
+    finds its ``TUNED`` key), a tuned kernel name and a step the benchmarks build: an HF shape,
+    or a layer width the layer benchmark runs."""
     import inspect
 
-    from benchmarks import bench_hf, probe_row_passes
+    from benchmarks import bench_hf, bench_layer, probe_row_passes
     from coda.kernels import row_passes
 
+    widths = {f"{probe_row_passes.LAYER}{d}" for d in bench_layer.LAYER_WIDTHS}
     for shape, fn, tuned, kernel in probe_row_passes.PASSES.values():
         assert "head_dim" in inspect.signature(getattr(row_passes, fn)).parameters
         assert any(name == tuned for name, _ in row_passes.TUNED)
-        assert shape in bench_hf.SHAPES and callable(getattr(row_passes, kernel))
+        assert shape in bench_hf.SHAPES or shape in widths
+        assert callable(getattr(row_passes, kernel))
 
 
 def test_a_run_of_every_suite_leaves_the_diagnostics_out():
@@ -157,6 +160,7 @@ def test_a_run_of_every_suite_leaves_the_diagnostics_out():
     assert diagnostics == {
         "qk_norm_pass",
         "drope_pass",
+        "drope_pass_layer",
         "attention_in_step",
         "gemm_in_step",
         "ncu_qk_norm",
