@@ -59,6 +59,7 @@ SWEPT = (
 )
 # the candidates (every one tested in the interpreter, tests/test_row_passes.py)
 LAUNCH_SHAPES = (
+    (2, 1),
     (4, 1),
     (8, 1),
     (8, 2),
