@@ -45,17 +45,21 @@ BLOCK_ROWS = 64  # token rows per program by default: a 64 x hd tile
 # -> 0.195; at one warp its layout conversions need no barriers: 2 in its SASS against 23-45
 # at 2-16 warps). Run 23's synthetic sweep had picked (32, 2): 0.282 ms in the step. A
 # program walking several row blocks (its dW partials written once, the next block's loads in
-# flight) ran slower in both steps (runs 103-104: 271-336 us per QK-norm call, 87 per drope)
+# flight) ran slower in both steps (runs 103-104: 271-336 us per QK-norm call, 87 per drope).
+# drope at hd 128 inside the d=2048 layer benchmark's step (runs 234-235): 102.0 us per call at
+# (4, 1) in both runs against 120.7-123.1 at the alone pick (16, 2): as at hd 64, a one-warp
+# program of 512 elements
 TUNED: dict[tuple[str, int], tuple[int, int]] = {
     ("dqk_norm", 128): (8, 1),
     ("drope", 64): (8, 1),
-    ("drope", 128): (16, 2),
+    ("drope", 128): (4, 1),
 }
 SWEPT = (
     "benchmarks/results/2026-11-30_h200_run23.json (commit bdba4f2), tuning row_pass_*; "
     "benchmarks/results/2026-12-02_h200_run97.json (commit f7aaa9b), _run98.json (6dd2e47) "
     "and _run100.json (21870b5), qk_norm_pass; _run103.json and _run104.json (fd258f5), "
-    "qk_norm_pass and drope_pass"
+    "qk_norm_pass and drope_pass; 2026-12-04_h200_run234.json (232439a) and _run235.json "
+    "(875e8b6), drope_pass_layer"
 )
 # the candidates (every one tested in the interpreter, tests/test_row_passes.py)
 LAUNCH_SHAPES = (
