@@ -37,7 +37,7 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
 
 
 R212, R213, R208, R207 = (f"2026-12-03_h200_run{n}.json" for n in (212, 213, 208, 207))
-R220, R224, R227, R233 = (f"2026-12-04_h200_run{n}.json" for n in (220, 224, 227, 233))
+R220, R224, R227, R233, R236 = (f"2026-12-04_h200_run{n}.json" for n in (220, 224, 227, 233, 236))
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
 FWD = {**LAYER, "coda": "coda_decoder_layer"}
@@ -80,7 +80,7 @@ def expected() -> dict:
     fsdp = json.loads((RESULTS / R29).read_text())["result"]
     fsdp_cols = {"coda": "coda", "torch.compile": "torch_compile", "eager": "torch_eager"}
     return {
-        "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R224),
+        "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R236),
         "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096, R220),
         "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R224),
         "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R220),
