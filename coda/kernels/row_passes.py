@@ -38,9 +38,10 @@ BLOCK_ROWS = 64  # token rows per program by default: a 64 x hd tile
 # (kernel, head_dim) -> (token rows per program, warps), where an H200 measurement found better
 # than the default (``benchmarks/tune_configs.py``, CODA_TUNE_ONLY=row_pass, alone; each pass
 # inside its HF model's step, ``benchmarks/probe_row_passes.py``; the records in ``SWEPT``).
-# Medians at M = 16384, default -> tuned: drope at hd 128 0.156 -> 0.143 ms (alone); drope at
-# the 1B layer (hd 64) 82.8 us per call inside Llama-1B's step, against 90.3 at run 23's
-# alone pick (16, 2) (alone 0.107 ms, the default 0.118); the QK-norm pass at Qwen3-0.6B's
+# Medians at M = 16384, default -> tuned: drope at hd 128 0.156 -> 0.143 ms alone at (16, 2)
+# (run 23; replaced below by the step's pick); drope at the 1B layer (hd 64) 82.8 us per call
+# inside Llama-1B's step, against 90.3 at run 23's alone pick (16, 2) (alone 0.107 ms, the
+# default 0.118); the QK-norm pass at Qwen3-0.6B's
 # layer 0.337 -> 0.181 ms per call inside the step (alone on the step's own arguments 0.327
 # -> 0.195; at one warp its layout conversions need no barriers: 2 in its SASS against 23-45
 # at 2-16 warps). Run 23's synthetic sweep had picked (32, 2): 0.282 ms in the step. A
