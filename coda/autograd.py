@@ -268,16 +268,19 @@ class MLP(torch.autograd.Function):
     """F4 + F5 / B4..B7: gate/up GEMM with the deferred row scale and SwiGLU in its epilogue
     (the unscaled pre-activation kept for backward), down projection + residual; backward:
     dSwiGLU and the norm statistic in the down projection's dgrad epilogue, the norm-backward
-    dgrad GEMM with the residual gradient in its epilogue, and the two weight gradients."""
+    dgrad GEMM with the residual gradient in its epilogue, and the two weight gradients.
+    ``rows``: the output's leading dimensions, (batch, seq): the layer's output is a tensor of
+    its own, not a view (FSDP2 warns of a module output that is a view: an in-place op on it
+    would skip the pre-backward hook)."""
 
     @staticmethod
-    def forward(ctx, x1, a1, r1, g2, w_il, w_d):
+    def forward(ctx, x1, a1, r1, g2, w_il, w_d, rows: tuple):
         M, d = x1.shape
         f = w_d.shape[0]
         s, u = lib.gemm_swiglu(a1, w_il, r1, config_for("swiglu", M, d, 2 * f))  # F4
         # F5: the residual add alone (no statistic): this boundary's norm is the next
         # layer's F0, which computes its own
-        x2 = lib.gemm_residual_add(s, w_d, x1, config_for("residual", M, f, d))
+        x2 = lib.gemm_residual_add(s, w_d, x1, config_for("residual", M, f, d), rows)
         ctx.save_for_backward(x1, r1, u, g2, w_il, w_d)
         return x2
 
@@ -287,7 +290,7 @@ class MLP(torch.autograd.Function):
         x1, r1, u, g2, w_il, w_d = ctx.saved_tensors
         M, d = x1.shape
         f = w_d.shape[0]
-        dx2 = dx2.contiguous()
+        dx2 = dx2.reshape(M, d).contiguous()
         dz1, s, stat1 = lib.dswiglu(dx2, w_d, u, r1, config_for("dswiglu", M, d, f))  # B4
         dw_d = wgrad(s, dx2) if ctx.needs_input_grad[5] else None  # B5 (frozen: none)
         corr1 = norm_corr(r1, stat1, d)  # A6
@@ -295,7 +298,7 @@ class MLP(torch.autograd.Function):
             dz1, w_il, x1, g2, corr1, dx2, config_for("norm_bwd", M, 2 * f, d)
         )  # B6 + A7
         dw_il = lib.wgrad_gamma_rows(x1, dz1, g2) if ctx.needs_input_grad[4] else None  # B7
-        return dx1, None, None, dg2, dw_il, dw_d
+        return dx1, None, None, dg2, dw_il, dw_d, None
 
 
 def decoder_layer(
@@ -316,7 +319,7 @@ def decoder_layer(
     Functions, with ``attention`` (default ``sdpa_causal``) between them, differentiated by
     its own autograd. ``freq``: the RoPE epilogue's per-column frequency table (default: from
     ``dims.rope_base``); ``qk_norm``: Qwen3's (q_norm, k_norm) head-norm weights, or None.
-    Returns x2 (M, d)."""
+    Returns x2 (batch, seq, d), a tensor of its own (not a view of an (M, d) one)."""
     H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
     root_float_use(dims.eps)
     if freq is None:
@@ -332,7 +335,7 @@ def decoder_layer(
         check_attention_output(o4, q)
     o = o4.transpose(1, 2).reshape(x0.shape[0], H * hd)
     x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps)
-    return MLP.apply(x1, a1, r1, g2, w_il, w_d)
+    return MLP.apply(x1, a1, r1, g2, w_il, w_d, (dims.batch, dims.seq))
 
 
 class Embedding(torch.autograd.Function):

@@ -44,7 +44,7 @@ def op_samples():
         ),
         "gemm_residual_rms": (_r(M, K), _r(K, N), _r(M, N), _r(N), 1e-5, CFG),
         "gemm_residual": (_r(M, K), _r(K, N), _r(M, N), CFG),
-        "gemm_residual_add": (_r(M, K), _r(K, N), _r(M, N), CFG),
+        "gemm_residual_add": (_r(M, K), _r(K, N), _r(M, N), CFG, [2, M // 2]),
         "gemm_swiglu": (_r(M, K), _r(K, 2 * f), rstd, CFG),
         "gemm_swiglu_only": (_r(M, K), _r(K, 2 * f), rstd, CFG),
         "gemm_scale_rows": (_r(M, K), _r(K, N), rstd, CFG),

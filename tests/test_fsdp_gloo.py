@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(tmp_path, *flags, script=("benchmarks/fsdp_step.py", "--check"), nproc=2) -> tuple:
     """``script`` (``fsdp_step.py --check``) on ``nproc`` ranks (gloo on CPUs, NCCL on GPUs)
-    with ``flags``: (its result, its stdout)."""
+    with ``flags``: (its result, its stdout and stderr)."""
     out = tmp_path / "fsdp.json"
     cmd = [
         sys.executable,
@@ -34,16 +34,39 @@ def _run(tmp_path, *flags, script=("benchmarks/fsdp_step.py", "--check"), nproc=
         str(out),
     ]
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    # faulthandler: a rank that dies on a signal prints every thread's Python stack
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stdout
+    return json.loads(out.read_text()), proc.stdout + proc.stderr
+
+
+# FSDP2's warning for a sharded module whose output is a view (coda's layers return their own)
+VIEW_WARNING = "returned a view tensor"
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_a_layer_returns_a_tensor_of_its_own(path, qk_norm):
+    """A decoder layer's output on either path is a (batch, seq, d) tensor of its own, not a
+    view of its (tokens, d) rows: an in-place op on a sharded module's output that is a view
+    would skip FSDP2's pre-backward hook (its all-gather), and FSDP2 warns of every such
+    output."""
+    from coda.nn import DecoderLayer
+
+    layer = DecoderLayer(24, 4, 2, 20, head_dim=6, dtype=torch.float64, qk_norm=qk_norm)
+    x = torch.randn(2, 5, 24, dtype=torch.float64, requires_grad=True)
+    out = layer._kernel_forward(x) if path == "kernel" else layer(x)
+    assert out.shape == (2, 5, 24) and out._base is None and not out._is_view()
+    out.sum().backward()  # the (batch, seq, d) gradient reaches the layer's backward
+    assert x.grad.shape == x.shape
 
 
 def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path):
     if not torch.distributed.is_available():
         raise AssertionError("torch.distributed is not available in this build")
     result, stdout = _run(tmp_path, "--steps", "1", "--peers")
+    assert VIEW_WARNING not in stdout
     assert result["world"] == 2
     assert result["loss_rel_diff"] < 1e-5 and result["worst_grad_rel_diff"] < 1e-5, result
     assert "FSDP check: PASS" in stdout
@@ -81,7 +104,8 @@ def test_fsdp2_shards_a_patched_hf_model(tmp_path):
     ``state_dict()`` is the unpatched model's in HF keys and layouts, gathered exactly; a
     sharded ``torch.distributed.checkpoint`` round trip (``coda_keys``) keeps the weights."""
     pytest.importorskip("transformers")
-    result, _ = _run(tmp_path, script=("tests/fsdp_hf_worker.py",))
+    result, output = _run(tmp_path, script=("tests/fsdp_hf_worker.py",))
+    assert VIEW_WARNING not in output
     assert result["world"] == 2 and result["layer_class"] == "FSDPLlamaDecoderLayer"
     assert result["device"] == "cpu" and result["path"] == "reference"
     assert result["loss_rel_diff"] < 1e-5 and result["worst_grad_rel_diff"] < 1e-5, result

@@ -63,13 +63,21 @@ def program_for(gamma, stats: bool = True) -> object:
 
 
 def epilogue_gemm(
-    x, w, residual, gamma=None, config: GemmConfig = DEFAULT, dry=False, stats: bool = True
+    x,
+    w,
+    residual,
+    gamma=None,
+    config: GemmConfig = DEFAULT,
+    dry=False,
+    stats: bool = True,
+    rows: tuple = (),
 ):
     """The SM90 epilogue GEMM alone: returns (h, a or None, sum-of-squares partials M x T_N,
     or None without ``stats``), or with ``dry`` only compiles it and returns the number of
-    compiles."""
+    compiles. ``rows``: h's leading dimensions (product M), e.g. (batch, seq), so that a
+    layer returns h as a tensor of its own rather than a view of an (M, N) one; default (M,)."""
     M, N = x.shape[0], w.shape[1]
-    h = x.new_empty(M, N)
+    h = x.new_empty(*(rows or (M,)), N)
     outputs = {}
     if stats:
         outputs["sumsq"] = x.new_empty(M, config.grid(M, N)[1], dtype=acc_dtype(x))
@@ -81,7 +89,7 @@ def epilogue_gemm(
         x,
         w,
         config=config,
-        d=h,
+        d=h.view(M, N),
         c=residual,
         operands=operands,
         outputs=outputs,

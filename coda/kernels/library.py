@@ -212,14 +212,14 @@ def _(x, w, res, cfg):
 
 @torch.library.custom_op("coda::gemm_residual_add", mutates_args=())
 def _gemm_residual_add(
-    x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, cfg: list[int]
+    x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, cfg: list[int], rows: list[int]
 ) -> torch.Tensor:
-    return _grr.epilogue_gemm(x, w, res, None, _gc(cfg), stats=False)[0]
+    return _grr.epilogue_gemm(x, w, res, None, _gc(cfg), stats=False, rows=tuple(rows))[0]
 
 
 @_fake(_gemm_residual_add)
-def _(x, w, res, cfg):
-    return _empty(x.shape[0], w.shape[1], like=x)
+def _(x, w, res, cfg, rows):
+    return _empty(*(rows or [x.shape[0]]), w.shape[1], like=x)
 
 
 @torch.library.custom_op("coda::gemm_swiglu", mutates_args=())
@@ -494,9 +494,9 @@ gemm_residual = _either(  # (h, sum-of-squares partials)
     lambda x, w, res, c: _gemm_residual(x, w, res, _cfg(c)),
     lambda x, w, res, c: _grr.epilogue_gemm(x, w, res, None, c)[::2],
 )
-gemm_residual_add = _either(  # h alone (no statistic)
-    lambda x, w, res, c: _gemm_residual_add(x, w, res, _cfg(c)),
-    lambda x, w, res, c: _grr.epilogue_gemm(x, w, res, None, c, stats=False)[0],
+gemm_residual_add = _either(  # h alone (no statistic), its leading dimensions ``rows``
+    lambda x, w, res, c, rows=(): _gemm_residual_add(x, w, res, _cfg(c), list(rows)),
+    lambda x, w, res, c, rows=(): _grr.epilogue_gemm(x, w, res, None, c, False, False, rows)[0],
 )
 gemm_swiglu = _either(
     lambda a, w, r, c: _gemm_swiglu(a, w, r, _cfg(c)),

@@ -212,8 +212,9 @@ class DecoderLayer(FormerNames, nn.Module):
             inv = self._on_device("inv_freq", pos.device, lambda d: self._inv_freq.to(d))
             ang = pos.to(torch.float64)[:, None] * inv[None, :]
             cs = torch.stack([ang.cos(), ang.sin()], dim=-1).flatten(1)
-        out = decoder_layer_ref(x.reshape(B * S, d), w, self._shape(B, S), None, attention, cs)
-        return out.view(B, S, d)
+        return decoder_layer_ref(
+            x.reshape(B * S, d), w, self._shape(B, S), None, attention, cs, rows=(B, S)
+        )
 
     def _positions(self, positions, B, S, device):
         if positions is None:
@@ -275,7 +276,7 @@ class DecoderLayer(FormerNames, nn.Module):
                 self._freq_table(x.device),
                 qk,
             )
-        return out.view(B, S, d)
+        return out
 
     # -- Hugging Face weights ------------------------------------------------------------------
     def _hf_weights(self) -> list[str]:

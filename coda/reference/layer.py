@@ -114,12 +114,15 @@ def attention_ref(q, k, v, s: LayerShape, attention=None):
     return o.transpose(1, 2).reshape(B * S, s.heads * hd)
 
 
-def decoder_layer_ref(x0, w: dict, s: LayerShape, positions=None, attention=None, cs=None):
+def decoder_layer_ref(
+    x0, w: dict, s: LayerShape, positions=None, attention=None, cs=None, rows: tuple = ()
+):
     """The layer in coda's weight layout (w: g1, wqkv, wo, g2, w_il, wd; with Qwen3's QK-norm
     also q_norm, k_norm (hd,) in adjacent order), differentiable by autograd: the reference
     path of ``coda.nn.DecoderLayer``. Same math as
     ``llama_layer_ref`` on the converted weights ([I3.4-I3.7]); ``attention`` as in
-    ``attention_ref``; ``cs`` (M, hd), the RoPE table of every row (default from positions)."""
+    ``attention_ref``; ``cs`` (M, hd), the RoPE table of every row (default from positions).
+    Returns x2 (M, d), or (*rows, d) with ``rows`` (a tensor of its own, not a view)."""
     M, hd = x0.shape[0], s.head_dim
     nq, nkv = s.heads * hd, s.kv_heads * hd
     if cs is None:
@@ -133,7 +136,10 @@ def decoder_layer_ref(x0, w: dict, s: LayerShape, positions=None, attention=None
     q, k = rope_adjacent_ref(q, cs).flatten(1), rope_adjacent_ref(k, cs).flatten(1)
     x1 = x0 + attention_ref(q, k, z[:, nq + nkv :], s, attention) @ w["wo"]
     gu = rmsnorm_ref(x1, w["g2"], s.eps) @ w["w_il"]
-    return x1 + (torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]) @ w["wd"]
+    y = (torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]) @ w["wd"]
+    if rows:
+        x1, y = x1.view(*rows, -1), y.view(*rows, -1)
+    return x1 + y
 
 
 def llama_layer_ref(x0, w: dict, s: LayerShape):
