@@ -138,7 +138,7 @@ def decoder_layer_ref(
     gu = rmsnorm_ref(x1, w["g2"], s.eps) @ w["w_il"]
     y = (torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]) @ w["wd"]
     if rows:
-        x1, y = x1.view(*rows, -1), y.view(*rows, -1)
+        x1, y = x1.view(*rows, x1.shape[1]), y.view(*rows, y.shape[1])
     return x1 + y
 
 
