@@ -124,7 +124,8 @@ def test_gpu_fsdp2_shards_a_patched_hf_model(tmp_path):
     trip keeps the weights (its loss, HF's bf16 head under no_grad, within the same bound)."""
     pytest.importorskip("transformers")
     n = torch.cuda.device_count()
-    result, _ = _run(tmp_path, script=("tests/fsdp_hf_worker.py",), nproc=n)
+    result, output = _run(tmp_path, script=("tests/fsdp_hf_worker.py",), nproc=n)
+    assert VIEW_WARNING not in output
     assert result["world"] == n and result["device"] == "cuda" and result["path"] == "kernel"
     assert result["loss_rel_diff"] < 2e-2 and result["worst_grad_rel_diff"] < 2e-2, result
     assert result["worst_state_rel_diff"] == 0.0, result
