@@ -496,7 +496,7 @@ gemm_residual = _either(  # (h, sum-of-squares partials)
 )
 gemm_residual_add = _either(  # h alone (no statistic), its leading dimensions ``rows``
     lambda x, w, res, c, rows=(): _gemm_residual_add(x, w, res, _cfg(c), list(rows)),
-    lambda x, w, res, c, rows=(): _grr.epilogue_gemm(x, w, res, None, c, False, False, rows)[0],
+    lambda x, w, res, c, rows=(): _grr.epilogue_gemm(x, w, res, None, c, stats=False, rows=rows)[0],
 )
 gemm_swiglu = _either(
     lambda a, w, r, c: _gemm_swiglu(a, w, r, _cfg(c)),
