@@ -37,7 +37,8 @@ def _run(tmp_path, *flags, script=("benchmarks/fsdp_step.py", "--check"), nproc=
     # faulthandler: a rank that dies on a signal prints every thread's Python stack
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    written = f"(rank 0's result {'was' if out.exists() else 'was not'} written)\n"
+    assert proc.returncode == 0, written + proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout + proc.stderr
 
 
