@@ -37,7 +37,8 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
 
 
 R212, R213, R208, R207 = (f"2026-12-03_h200_run{n}.json" for n in (212, 213, 208, 207))
-R220, R224, R227, R233, R236 = (f"2026-12-04_h200_run{n}.json" for n in (220, 224, 227, 233, 236))
+R220, R224, R227, R233 = (f"2026-12-04_h200_run{n}.json" for n in (220, 224, 227, 233))
+R238, R239 = (f"2026-12-04_h200_run{n}.json" for n in (238, 239))
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
 FWD = {**LAYER, "coda": "coda_decoder_layer"}
@@ -58,8 +59,8 @@ def expected() -> dict:
     def layer(suite, prefix, names, d, record):
         return _suite_row(record, suite, d, _named(prefix, names))
 
-    def head(d, key="ratio_vs_floor", fmt=_ratio):
-        return _suite_row(R212, "lm_head_train", d, _named("lm_head_train", HEAD), key, fmt)
+    def head(d, key="ratio_vs_floor", fmt=_ratio, record=R212):
+        return _suite_row(record, "lm_head_train", d, _named("lm_head_train", HEAD), key, fmt)
 
     def step(key, fmt, names=model):
         return _suite_row(R212, "model", None, names, key, fmt)
@@ -80,11 +81,11 @@ def expected() -> dict:
     fsdp = json.loads((RESULTS / R29).read_text())["result"]
     fsdp_cols = {"coda": "coda", "torch.compile": "torch_compile", "eager": "torch_eager"}
     return {
-        "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R236),
-        "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096, R220),
+        "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R238),
+        "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096, R238),
         "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R224),
         "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R220),
-        "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048),
+        "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048, record=R239),
         "LM head + CE fwd+bwd, d=4096": head(4096),
         "... LM head extra peak GiB at d=4096": head(4096, "extra_peak_gib", lambda v: f"{v:.2f}"),
         "1B-shaped model step + AdamW": step("tokens_per_s", _k),
