@@ -36,9 +36,8 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
     return {col: fmt(_entry(record, suite, n, d)[key]) for col, n in names.items()}
 
 
-R212, R213, R208, R207 = (f"2026-12-03_h200_run{n}.json" for n in (212, 213, 208, 207))
-R220, R224, R227, R233 = (f"2026-12-04_h200_run{n}.json" for n in (220, 224, 227, 233))
-R238, R239 = (f"2026-12-04_h200_run{n}.json" for n in (238, 239))
+R212, R208, R207 = (f"2026-12-03_h200_run{n}.json" for n in (212, 208, 207))
+R233, R238, R239, R240 = (f"2026-12-04_h200_run{n}.json" for n in (233, 238, 239, 240))
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
 FWD = {**LAYER, "coda": "coda_decoder_layer"}
@@ -83,8 +82,8 @@ def expected() -> dict:
     return {
         "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R238),
         "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096, R238),
-        "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R224),
-        "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R220),
+        "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R240),
+        "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R240),
         "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048, record=R239),
         "LM head + CE fwd+bwd, d=4096": head(4096),
         "... LM head extra peak GiB at d=4096": head(4096, "extra_peak_gib", lambda v: f"{v:.2f}"),
@@ -100,7 +99,7 @@ def expected() -> dict:
             R207, {"coda": "coda_graphed", "torch.compile": "torch_compile_graphed"}
         ),
         "... eager steps": demo(R208, {"coda": "coda", **tc, "Liger": "liger"}),
-        "HF Llama-3.2-1B": hf("llama-3.2-1B", R227),
+        "HF Llama-3.2-1B": hf("llama-3.2-1B", R240),
         "HF Qwen3-0.6B": hf("qwen3-0.6B", R233),
         "FSDP2, 2 H200s": {c: _k(fsdp[n]["tokens_per_s_per_rank"]) for c, n in fsdp_cols.items()},
     }
