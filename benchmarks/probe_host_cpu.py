@@ -130,9 +130,10 @@ def pieces(calls: int = 20000) -> dict:
             "entering and leaving the plan tape": taped(lambda: None),
             "the output's allocation (new_empty)": lambda: x.new_empty(M, F),
         }
-        # a second op beside it: ``gemm_rope`` (one kernel a call), whose extra host work is
-        # its remembered frequency table; its int64 positions are loaded as they are (since
-        # session 39), the positions' rows lookup timed alone for a dtype that is cast once
+        # a second op beside it: ``gemm_rope`` (one kernel a call), whose frequency table is
+        # kept with its verdict (since session 57; the lookup it saves timed alone below);
+        # its int64 positions are loaded as they are (since session 39), the positions' rows
+        # lookup timed alone for a dtype that is cast once
         H, Hkv, hd = 4, 2, 64  # the host benchmark's heads (``bench_step.host_rows``)
         w_qkv = torch.randn(D, (H + 2 * Hkv) * hd, generator=g).to(BF)
         pos = torch.arange(M)
@@ -147,7 +148,7 @@ def pieces(calls: int = 20000) -> dict:
         out["(int16 positions: their rows, gemm_rope.position_rows, a hit)"] = lambda: (
             rp.position_rows(pos16, 1, x.device)
         )
-        out["its frequency table (gemm_rope.cached_freq_table, a hit)"] = lambda: (
+        out["(its frequency table, gemm_rope.cached_freq_table, a hit)"] = lambda: (
             rp.cached_freq_table(hd, H + Hkv, Hkv, 10000.0, x.device)
         )
         timed = {name: _us(fn, calls) for name, fn in out.items()}

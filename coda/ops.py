@@ -34,7 +34,7 @@ import torch
 from coda import _validate as v
 from coda._metadata import matcher
 from coda._quack import PlanTape
-from coda.env import last_path, note, resolve_backend
+from coda.env import capturing, last_path, note, resolve_backend
 from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype, unit_rows
 from coda.kernels.config import GemmConfig
@@ -136,8 +136,9 @@ def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = (), confi
     ``tma``. ``tape`` (``coda._quack.PlanTape``, entered around the kernel path) holds the
     signature's launch plans, so that its later calls look no plan up per launch.
     ``configs()`` (the tile configs of the op's kernels, a function of its plain arguments and
-    shapes) runs on the kernel path once per signature too; its value is kept with the
-    verdict (None on the reference path). Inside a torch.compile trace ``check()`` and
+    shapes, with any device table they read) runs on the kernel path once per signature too;
+    its value is kept with the verdict (None on the reference path; no verdict is kept for a
+    call made while a CUDA graph is captured). Inside a torch.compile trace ``check()`` and
     ``configs()`` always run (traced once), untaped.
 
     The signature: the op, its plain arguments (typed: True is not 1), the grad mode and
@@ -160,7 +161,9 @@ def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = (), confi
     if hit is None:
         path = check()
         verdict = last_path(op)  # (path, reason) as ``check`` recorded it
-        if verdict is None or verdict[0] != path:
+        if verdict is None or verdict[0] != path or capturing():
+            # kept only outside a CUDA graph capture: ``configs()`` may return device tables,
+            # and one built while capturing holds nothing outside the graph
             return path, UNTAPED, _resolved(configs, path)
         if len(_CHECKED) >= MAX_CHECKED:
             _CHECKED.clear()
@@ -402,17 +405,19 @@ def gemm_rope(
                 )
         return path
 
-    args = (backend, head_dim, n_heads, n_kv_heads, rope_base, eps, config)
-    path, tape, cfg = _checked(
-        "gemm_rope", check, args, named, ("x", "w_qkv"),
-        configs=lambda: config or (
+    def configs():  # the tile config and the frequency table, kept with the verdict
+        cfg = config or (
             config_for("rope", *x.shape, w_qkv.shape[1]) if q_norm is None
             else qk_norm_config(head_dim)
-        ),
-    )  # fmt: skip
+        )  # fmt: skip
+        heads = (n_heads + n_kv_heads, n_kv_heads)
+        return cfg, cached_freq_table(head_dim, *heads, rope_base, x.device)
+
+    args = (backend, head_dim, n_heads, n_kv_heads, rope_base, eps, config)
+    path, tape, kept = _checked("gemm_rope", check, args, named, ("x", "w_qkv"), configs)
     r = _rstd(rstd, x)
     if path == "kernel":
-        freq = cached_freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads, rope_base, x.device)
+        cfg, freq = kept
         # int64 / int32 / float32 positions are loaded as they are; another dtype's float32
         # rows are remembered per positions tensor (unchanged, same object): cast once
         pos = positions

@@ -195,3 +195,30 @@ def test_verdicts_per_key_are_bounded_newest_first(kernel_path, matcher, monkeyp
         assert len(verdicts) == 2 and verdicts[0].matches(x, signatures[2], None)
         coda.gemm_swiglu(x, signatures[0])  # dropped: checked again
     assert kernel_path.count("gemm_swiglu") == 4
+
+
+def test_rope_keeps_its_frequency_table_with_the_verdict_but_not_from_a_capture(
+    kernel_path, matcher, monkeypatch
+):
+    """``gemm_rope`` looks its frequency table up with its tile config, once per signature;
+    a call made while a CUDA graph is captured (stood in for) keeps no verdict, as a device
+    table built then holds nothing outside the graph: each such call looks it up again."""
+    looked_up = []
+    lookup = ops.cached_freq_table
+    monkeypatch.setattr(ops, "cached_freq_table", lambda *a: looked_up.append(a) or lookup(*a))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 16, generator=g).to(BF)
+    w_qkv = (torch.randn(16, (2 + 2 * 1) * 8, generator=g) / 4).to(BF)
+    pos = torch.arange(8)
+
+    def rope():
+        return coda.gemm_rope(x, w_qkv, pos, head_dim=8, n_heads=2, n_kv_heads=1)
+
+    with torch.no_grad():
+        first = [rope() for _ in range(3)]
+        assert len(looked_up) == 1 and len(ops._CHECKED) == 1
+        ops._CHECKED.clear()
+        monkeypatch.setattr(ops, "capturing", lambda: True)
+        captured = [rope() for _ in range(2)]
+    assert len(looked_up) == 3 and not ops._CHECKED
+    assert all(torch.equal(first[0], z) for z in first[1:] + captured)
