@@ -37,7 +37,9 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
 
 
 R212, R208, R207 = (f"2026-12-03_h200_run{n}.json" for n in (212, 208, 207))
-R233, R238, R239, R240 = (f"2026-12-04_h200_run{n}.json" for n in (233, 238, 239, 240))
+R238, R239, R240, R242, R243 = (
+    f"2026-12-04_h200_run{n}.json" for n in (238, 239, 240, 242, 243)
+)
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
 FWD = {**LAYER, "coda": "coda_decoder_layer"}
@@ -85,8 +87,10 @@ def expected() -> dict:
         "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R240),
         "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R240),
         "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048, record=R239),
-        "LM head + CE fwd+bwd, d=4096": head(4096),
-        "... LM head extra peak GiB at d=4096": head(4096, "extra_peak_gib", lambda v: f"{v:.2f}"),
+        "LM head + CE fwd+bwd, d=4096": head(4096, record=R242),
+        "... LM head extra peak GiB at d=4096": head(
+            4096, "extra_peak_gib", lambda v: f"{v:.2f}", R242
+        ),
         "1B-shaped model step + AdamW": step("tokens_per_s", _k),
         "... joules per step": step("joules_per_step", lambda v: f"{v:.1f}"),
         "... as one CUDA graph": step("tokens_per_s", _k, {"coda": B1.format("coda_graphed")}),
@@ -100,7 +104,7 @@ def expected() -> dict:
         ),
         "... eager steps": demo(R208, {"coda": "coda", **tc, "Liger": "liger"}),
         "HF Llama-3.2-1B": hf("llama-3.2-1B", R240),
-        "HF Qwen3-0.6B": hf("qwen3-0.6B", R233),
+        "HF Qwen3-0.6B": hf("qwen3-0.6B", R243),
         "FSDP2, 2 H200s": {c: _k(fsdp[n]["tokens_per_s_per_rank"]) for c, n in fsdp_cols.items()},
     }
 
