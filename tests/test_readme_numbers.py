@@ -36,9 +36,9 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
     return {col: fmt(_entry(record, suite, n, d)[key]) for col, n in names.items()}
 
 
-R212, R208, R207 = (f"2026-12-03_h200_run{n}.json" for n in (212, 208, 207))
-R238, R239, R240, R242, R243 = (
-    f"2026-12-04_h200_run{n}.json" for n in (238, 239, 240, 242, 243)
+R208, R207 = (f"2026-12-03_h200_run{n}.json" for n in (208, 207))
+R238, R239, R240, R242, R243, R245 = (
+    f"2026-12-04_h200_run{n}.json" for n in (238, 239, 240, 242, 243, 245)
 )
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
@@ -60,11 +60,11 @@ def expected() -> dict:
     def layer(suite, prefix, names, d, record):
         return _suite_row(record, suite, d, _named(prefix, names))
 
-    def head(d, key="ratio_vs_floor", fmt=_ratio, record=R212):
+    def head(d, record, key="ratio_vs_floor", fmt=_ratio):
         return _suite_row(record, "lm_head_train", d, _named("lm_head_train", HEAD), key, fmt)
 
     def step(key, fmt, names=model):
-        return _suite_row(R212, "model", None, names, key, fmt)
+        return _suite_row(R245, "model", None, names, key, fmt)
 
     def hf(shape, record):  # Liger's faster row: with or without the KV cache (run to run)
         def tps(n):
@@ -86,17 +86,17 @@ def expected() -> dict:
         "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096, R238),
         "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R240),
         "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R240),
-        "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048, record=R239),
-        "LM head + CE fwd+bwd, d=4096": head(4096, record=R242),
+        "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048, R239),
+        "LM head + CE fwd+bwd, d=4096": head(4096, R242),
         "... LM head extra peak GiB at d=4096": head(
-            4096, "extra_peak_gib", lambda v: f"{v:.2f}", R242
+            4096, R242, "extra_peak_gib", lambda v: f"{v:.2f}"
         ),
         "1B-shaped model step + AdamW": step("tokens_per_s", _k),
         "... joules per step": step("joules_per_step", lambda v: f"{v:.1f}"),
         "... as one CUDA graph": step("tokens_per_s", _k, {"coda": B1.format("coda_graphed")}),
         "... peak GiB, each alone": step("peak_gib", lambda v: f"{v:.1f}"),
         "d=1024 model step + AdamW": demo(
-            R212, {"coda": "coda", **tc, "Liger": "liger"}, "kernels", "kernel_ms", "{:.2f}".format
+            R245, {"coda": "coda", **tc, "Liger": "liger"}, "kernels", "kernel_ms", "{:.2f}".format
         ),
         "... tokens/s, coda through `GraphedStep`": demo(R208, {"coda": "coda_graphed", **tc}),
         "... tokens/s as CUDA graphs": demo(
