@@ -218,6 +218,8 @@ def host_rows() -> list[dict]:
     rows.append(host_profile("DecoderLayer forward+backward", layer_step))
     rows.append(host_profile("LMHeadLoss forward+backward", head_step))
     rows.append(host_profile("coda.gemm_swiglu", calls["coda.gemm_swiglu"], grad=False))
+    for name in ("coda.gemm_residual_rms", "coda.gemm_rmsnorm_gemm"):  # 2 and 3 kernels a call
+        rows.append(host_profile(name, calls[name], grad=False))
     with torch.no_grad():
         us.update(_host_us(calls, n=200))
     us.update(_host_us(steps, n=20))
