@@ -96,7 +96,20 @@ def test_true_is_not_one(launcher):
     x, y = torch.zeros(64), torch.zeros(64)
     _call(k, x, y, BM=1)
     _call(k, x, y, BM=True)
-    assert [e[0] for e in log] == ["jit", "jit"]
+    _call(k, x, y, n=1)  # positional: keyed by type first, then value
+    _call(k, x, y, n=True)
+    _call(k, x, y, n=1.0)
+    assert [e[0] for e in log] == ["jit"] * 5
+
+
+def test_a_tensor_subclass_is_keyed_as_a_tensor(launcher):
+    """A ``Parameter`` (any tensor subclass) keys by dtype, device and alignment, as a tensor:
+    a second parameter with those launches the kept kernel."""
+    k, log = launcher
+    y = torch.zeros(64)
+    _call(k, torch.nn.Parameter(torch.zeros(64)), y)
+    _call(k, torch.nn.Parameter(torch.ones(64)), y)
+    assert [e[0] for e in log] == ["jit", "direct"]
 
 
 def test_switched_off_and_unhashable_arguments_go_through_triton(launcher, monkeypatch):

@@ -89,7 +89,7 @@ def epilogue_gemm(
         x,
         w,
         config=config,
-        d=h.view(M, N),
+        d=h.view(M, N) if rows else h,
         c=residual,
         operands=operands,
         outputs=outputs,
