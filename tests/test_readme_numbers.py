@@ -37,8 +37,8 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
 
 
 R208, R207 = (f"2026-12-03_h200_run{n}.json" for n in (208, 207))
-R238, R240, R242, R243, R245, R249, R250 = (
-    f"2026-12-04_h200_run{n}.json" for n in (238, 240, 242, 243, 245, 249, 250)
+R240, R242, R243, R245, R249, R250, R251, R252 = (
+    f"2026-12-04_h200_run{n}.json" for n in (240, 242, 243, 245, 249, 250, 251, 252)
 )
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
@@ -64,7 +64,7 @@ def expected() -> dict:
         return _suite_row(record, "lm_head_train", d, _named("lm_head_train", HEAD), key, fmt)
 
     def step(key, fmt, names=model):
-        return _suite_row(R245, "model", None, names, key, fmt)
+        return _suite_row(R252, "model", None, names, key, fmt)
 
     def hf(shape, record):  # Liger's faster row: with or without the KV cache (run to run)
         def tps(n):
@@ -82,8 +82,8 @@ def expected() -> dict:
     fsdp = json.loads((RESULTS / R29).read_text())["result"]
     fsdp_cols = {"coda": "coda", "torch.compile": "torch_compile", "eager": "torch_eager"}
     return {
-        "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R250),
-        "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096, R238),
+        "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R251),
+        "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096, R251),
         "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R249),
         "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R240),
         "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048, R250),
