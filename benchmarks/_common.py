@@ -362,28 +362,40 @@ def kernel_table(fn, steps: int = 3, top: int = 40) -> list[dict]:
 
 
 def beside_floor(parts: dict, fn, steps: int = 3) -> dict:
-    """``fn``'s kernel table and each floor part's kernel time, profiled in one short pass
-    (floor parts, ``fn``, the parts again; each part's microseconds the mean of its two
-    readings, whose spread says how far the clock moved between them). Not like-for-like
-    clocks (run 48, d=4096): a part profiled for a few milliseconds runs nearer boost than a
-    30 ms step does, so its kernels read up to 13 % under their sustained time; read the
-    table for where a step's kernel time goes, the timed ratios for how it compares."""
+    """``fn``'s kernel table beside the floor's kernel time, profiled in one short pass: each
+    floor part alone, the parts run back to back as one step (``in_order``), ``fn``, then the
+    one step and the parts again (each figure the mean of its two readings, whose spread says
+    how far the clock moved between them).
+
+    Two floors, because a part profiled alone for a few milliseconds runs nearer boost than
+    a step at the power cap does (run 48: up to 13 % under its sustained time; runs 238 and
+    251 at d=4096: the parts alone 26.3-26.9 ms against a 31 ms step). ``floor_parts_us``
+    says where the floor's time goes; ``floor_step_us``, the same kernels run as one step
+    for as long as ``fn`` runs, is the like-for-like total, and ``kernel_ratio_vs_floor_step``
+    the ratio to read for how ``fn``'s kernel time compares."""
 
     def part_us():
         return {n: sum(k["us"] for k in kernel_table(p, steps, 100_000)) for n, p in parts.items()}
 
-    before = part_us()
+    def step_us():
+        return sum(k["us"] for k in kernel_table(in_order(parts), steps, 100_000))
+
+    before, step_before = part_us(), step_us()
     kernels = kernel_table(fn, steps, 100_000)
-    after = part_us()
+    step_after, after = step_us(), part_us()
     parts_us = {n: (before[n] + after[n]) / 2 for n in parts}
     floor_us = sum(parts_us.values())
+    floor_step_us = (step_before + step_after) / 2
     kernel_us = sum(k["us"] for k in kernels)
     return {
         "floor_parts_us": parts_us,
         "floor_us": floor_us,
         "floor_us_before_after": [sum(before.values()), sum(after.values())],
+        "floor_step_us": floor_step_us,
+        "floor_step_us_before_after": [step_before, step_after],
         "kernel_us": kernel_us,
         "kernel_ratio_vs_floor": kernel_us / floor_us,
+        "kernel_ratio_vs_floor_step": kernel_us / floor_step_us,
         "kernels": kernels[:40],
     }
 

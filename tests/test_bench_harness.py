@@ -280,28 +280,35 @@ def test_against_floor_sums_the_parts_and_reports_a_failing_variant():
     assert rows[-1]["ratio_vs_floor"] == pytest.approx(1.1)
 
 
-def test_beside_floor_profiles_the_parts_around_the_step(monkeypatch):
-    # each part reads 10 us before the step and 14 after (a clock that moved); the step's
-    # kernels sum to 30 us: the parts' mean is taken, both readings are kept
-    order, readings = [], {"gemm": iter([6.0, 8.0]), "attn": iter([4.0, 6.0])}
+def test_beside_floor_profiles_the_parts_and_their_one_step_around_the_step(monkeypatch):
+    # each part alone reads 10 us before the step and 14 after (a clock that moved), the parts
+    # as one step 20 and 16 (a step's own, lower clock); the step's kernels sum to 30 us:
+    # each floor is the mean of its two readings, and both readings are kept
+    ran, current = [], []
+    readings = {"gemm": iter([6.0, 8.0]), "attn": iter([4.0, 6.0]), "one": iter([20, 16])}
 
     def table(fn, steps, top):
-        name = fn()
-        order.append(name)
+        current.clear()
+        fn()
+        ran.append(list(current))
+        name = current[0] if len(current) == 1 else "one"
         if name == "step":
             return [
                 {"kernel": "k1", "calls": 1, "us": 20.0},
                 {"kernel": "k2", "calls": 2, "us": 10.0},
             ]
-        return [{"kernel": name, "calls": 1, "us": next(readings[name])}]
+        return [{"kernel": name, "calls": 1, "us": float(next(readings[name]))}]
 
     monkeypatch.setattr(_common, "kernel_table", table)
-    parts = {"gemm": lambda: "gemm", "attn": lambda: "attn"}
-    out = _common.beside_floor(parts, lambda: "step")
-    assert order == ["gemm", "attn", "step", "gemm", "attn"]
+    parts = {"gemm": lambda: current.append("gemm"), "attn": lambda: current.append("attn")}
+    out = _common.beside_floor(parts, lambda: current.append("step"))
+    one_step = ["gemm", "attn"]
+    assert ran == [["gemm"], ["attn"], one_step, ["step"], one_step, ["gemm"], ["attn"]]
     assert out["floor_parts_us"] == {"gemm": 7.0, "attn": 5.0}
     assert out["floor_us_before_after"] == [10.0, 14.0]
+    assert out["floor_step_us"] == 18.0 and out["floor_step_us_before_after"] == [20.0, 16.0]
     assert out["kernel_us"] == 30.0 and out["kernel_ratio_vs_floor"] == pytest.approx(2.5)
+    assert out["kernel_ratio_vs_floor_step"] == pytest.approx(30 / 18)
     assert [k["kernel"] for k in out["kernels"]] == ["k1", "k2"]
 
 
