@@ -37,8 +37,8 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
 
 
 R208, R207 = (f"2026-12-03_h200_run{n}.json" for n in (208, 207))
-R240, R242, R243, R245, R250, R251, R252, R253 = (
-    f"2026-12-04_h200_run{n}.json" for n in (240, 242, 243, 245, 250, 251, 252, 253)
+R242, R243, R245, R250, R251, R252, R253, R254 = (
+    f"2026-12-04_h200_run{n}.json" for n in (242, 243, 245, 250, 251, 252, 253, 254)
 )
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
@@ -103,7 +103,7 @@ def expected() -> dict:
             R207, {"coda": "coda_graphed", "torch.compile": "torch_compile_graphed"}
         ),
         "... eager steps": demo(R208, {"coda": "coda", **tc, "Liger": "liger"}),
-        "HF Llama-3.2-1B": hf("llama-3.2-1B", R240),
+        "HF Llama-3.2-1B": hf("llama-3.2-1B", R254),
         "HF Qwen3-0.6B": hf("qwen3-0.6B", R243),
         "FSDP2, 2 H200s": {c: _k(fsdp[n]["tokens_per_s_per_rank"]) for c, n in fsdp_cols.items()},
     }
