@@ -371,8 +371,8 @@ def beside_floor(parts: dict, fn, steps: int = 3) -> dict:
     a step at the power cap does (run 48: up to 13 % under its sustained time; runs 238 and
     251 at d=4096: the parts alone 26.3-26.9 ms against a 31 ms step). ``floor_parts_us``
     says where the floor's time goes; ``floor_step_us``, the same kernels run back to back
-    at a step's duty cycle, as ``fn``'s are, is the like-for-like total, and ``kernel_ratio_vs_floor_step``
-    the ratio to read for how ``fn``'s kernel time compares."""
+    at a step's duty cycle, as ``fn``'s are, is the like-for-like total, and
+    ``kernel_ratio_vs_floor_step`` the ratio to read for how ``fn``'s kernel time compares."""
 
     def part_us():
         return {n: sum(k["us"] for k in kernel_table(p, steps, 100_000)) for n, p in parts.items()}
