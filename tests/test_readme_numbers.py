@@ -36,9 +36,9 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
     return {col: fmt(_entry(record, suite, n, d)[key]) for col, n in names.items()}
 
 
-R208, R207 = (f"2026-12-03_h200_run{n}.json" for n in (208, 207))
-R242, R243, R245, R250, R251, R252, R253, R254 = (
-    f"2026-12-04_h200_run{n}.json" for n in (242, 243, 245, 250, 251, 252, 253, 254)
+R242, R243, R250, R251, R252, R253, R254, R255, R256, R257, R258, R259 = (
+    f"2026-12-04_h200_run{n}.json"
+    for n in (242, 243, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259)
 )
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
@@ -63,8 +63,8 @@ def expected() -> dict:
     def head(d, record, key="ratio_vs_floor", fmt=_ratio):
         return _suite_row(record, "lm_head_train", d, _named("lm_head_train", HEAD), key, fmt)
 
-    def step(key, fmt, names=model):
-        return _suite_row(R252, "model", None, names, key, fmt)
+    def step(key, fmt, names=model, record=R252):
+        return _suite_row(record, "model", None, names, key, fmt)
 
     def hf(shape, record):  # Liger's faster row: with or without the KV cache (run to run)
         def tps(n):
@@ -79,6 +79,7 @@ def expected() -> dict:
         return _suite_row(record, "model", None, names, key, fmt)
 
     tc = {"torch.compile": "torch_compile"}
+    tcb = {"torch.compile": B1.format("torch_compile")}
     fsdp = json.loads((RESULTS / R29).read_text())["result"]
     fsdp_cols = {"coda": "coda", "torch.compile": "torch_compile", "eager": "torch_eager"}
     return {
@@ -87,7 +88,9 @@ def expected() -> dict:
         "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R253),
         "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R253),
         "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048, R250),
+        "... the same with Zipf-distributed targets": head(2048, R257),
         "LM head + CE fwd+bwd, d=4096": head(4096, R242),
+        "LM head + CE fwd+bwd, d=8192": head(8192, R256),
         "... LM head extra peak GiB at d=4096": head(
             4096, R242, "extra_peak_gib", lambda v: f"{v:.2f}"
         ),
@@ -95,14 +98,22 @@ def expected() -> dict:
         "... joules per step": step("joules_per_step", lambda v: f"{v:.1f}"),
         "... as one CUDA graph": step("tokens_per_s", _k, {"coda": B1.format("coda_graphed")}),
         "... peak GiB, each alone": step("peak_gib", lambda v: f"{v:.1f}"),
+        "... coda under `torch.compile`": step(
+            "tokens_per_s", _k, {"coda": B1.format("coda_compile"), **tcb}, R258
+        ),
+        "... coda with per-layer checkpointing": step(
+            "tokens_per_s", _k, {"coda": B1.format("coda_checkpointed"), **tcb}, R259
+        ),
         "d=1024 model step + AdamW": demo(
-            R245, {"coda": "coda", **tc, "Liger": "liger"}, "kernels", "kernel_ms", "{:.2f}".format
+            R255, {"coda": "coda", **tc, "Liger": "liger"}, "kernels", "kernel_ms", "{:.2f}".format
         ),
-        "... tokens/s, coda through `GraphedStep`": demo(R208, {"coda": "coda_graphed", **tc}),
+        "... tokens/s, coda through `GraphedStep`": demo(R255, {"coda": "coda_graphed", **tc}),
         "... tokens/s as CUDA graphs": demo(
-            R207, {"coda": "coda_graphed", "torch.compile": "torch_compile_graphed"}
+            R255, {"coda": "coda_graphed", "torch.compile": "torch_compile_graphed"}
         ),
-        "... eager steps": demo(R208, {"coda": "coda", **tc, "Liger": "liger"}),
+        "... eager steps": demo(
+            R255, {"coda": "coda", **tc, "Liger": "liger", "eager": "torch_eager"}
+        ),
         "HF Llama-3.2-1B": hf("llama-3.2-1B", R254),
         "HF Qwen3-0.6B": hf("qwen3-0.6B", R243),
         "FSDP2, 2 H200s": {c: _k(fsdp[n]["tokens_per_s_per_rank"]) for c, n in fsdp_cols.items()},
