@@ -36,9 +36,9 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
     return {col: fmt(_entry(record, suite, n, d)[key]) for col, n in names.items()}
 
 
-R242, R243, R250, R251, R252, R253, R254, R255, R256, R257, R258, R259 = (
+R242, R243, R250, R251, R252, R253, R254, R255, R256, R257, R258, R259, R260 = (
     f"2026-12-04_h200_run{n}.json"
-    for n in (242, 243, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259)
+    for n in (242, 243, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260)
 )
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
@@ -110,6 +110,9 @@ def expected() -> dict:
         "... tokens/s, coda through `GraphedStep`": demo(R255, {"coda": "coda_graphed", **tc}),
         "... tokens/s as CUDA graphs": demo(
             R255, {"coda": "coda_graphed", "torch.compile": "torch_compile_graphed"}
+        ),
+        "... coda and the plain model both under": demo(
+            R260, {"coda": "coda_compile_graphed", "torch.compile": "torch_compile_graphed"}
         ),
         "... eager steps": demo(
             R255, {"coda": "coda", **tc, "Liger": "liger", "eager": "torch_eager"}
