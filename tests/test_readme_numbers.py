@@ -36,9 +36,9 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
     return {col: fmt(_entry(record, suite, n, d)[key]) for col, n in names.items()}
 
 
-R242, R243, R250, R251, R252, R253, R254, R255, R256, R257, R258, R259, R260 = (
+R242, R250, R251, R252, R253, R254, R255, R256, R257, R258, R259, R260, R261 = (
     f"2026-12-04_h200_run{n}.json"
-    for n in (242, 243, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260)
+    for n in (242, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261)
 )
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
@@ -118,7 +118,7 @@ def expected() -> dict:
             R255, {"coda": "coda", **tc, "Liger": "liger", "eager": "torch_eager"}
         ),
         "HF Llama-3.2-1B": hf("llama-3.2-1B", R254),
-        "HF Qwen3-0.6B": hf("qwen3-0.6B", R243),
+        "HF Qwen3-0.6B": hf("qwen3-0.6B", R261),
         "FSDP2, 2 H200s": {c: _k(fsdp[n]["tokens_per_s_per_rank"]) for c, n in fsdp_cols.items()},
     }
 
