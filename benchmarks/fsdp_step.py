@@ -44,6 +44,9 @@ import coda.nn as cnn
 from coda.env import describe
 from coda.reference.model import TorchLlama
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.provenance import source_digest  # noqa: E402 (a record's ``source_sha256``)
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="FSDP2 over coda's modules, checked or timed.")
@@ -199,6 +202,7 @@ def main(argv=None):
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": args.commit,
+        "source_sha256": source_digest(),  # the tree that ran (``benchmarks/provenance.py``)
         "command": command(world, args.out),
         "env": {**describe(), "gpus": world},
         "world": world,

@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 
+from benchmarks.provenance import source_digest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -69,6 +71,7 @@ def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path):
     result, stdout = _run(tmp_path, "--steps", "1", "--peers")
     assert VIEW_WARNING not in stdout
     assert result["world"] == 2
+    assert result["source_sha256"] == source_digest()  # the record names the tree that ran
     assert result["loss_rel_diff"] < 1e-5 and result["worst_grad_rel_diff"] < 1e-5, result
     assert "FSDP check: PASS" in stdout
     # the benchmark's peers (the same model in PyTorch, eager and compiled) shard the same way
