@@ -12,7 +12,9 @@
   against the same model in plain PyTorch (``coda.reference.model.TorchLlama``) eager, under
   ``torch.compile``, and with Liger's ops, all in one run. Shapes: Llama-3.2-1B (16 layers,
   d=2048, 32/8 heads of 64, ffn 8192, V=128256, untied) at 4 x 4096 tokens, and the training
-  demo's d=1024 model.
+  demo's d=1024 model. With ``CODA_MODEL_AMP=1`` every peer instead holds fp32 parameters and
+  runs its forward under bf16 autocast (``Autocast``), as a mixed-precision trainer does (HF's
+  Trainer with ``bf16=True``): rows ``model/<shape>+amp/...``.
 """
 
 from __future__ import annotations
@@ -328,14 +330,36 @@ MODEL_SHAPES = {
 }
 
 
-def build_model(cfg: dict):
-    """coda's ``CausalLM`` of a ``MODEL_SHAPES`` entry on the GPU, seeded (every peer starts
-    from its weights)."""
+def build_model(cfg: dict, dtype=BF, device="cuda"):
+    """coda's ``CausalLM`` of a ``MODEL_SHAPES`` entry, seeded (every peer starts from its
+    weights)."""
     torch.manual_seed(0)
     return cnn.CausalLM(
         cfg["vocab"], cfg["d"], cfg["layers"], cfg["heads"], cfg["kv_heads"], cfg["ffn"],
-        head_dim=cfg["hd"], device="cuda",
+        head_dim=cfg["hd"], device=device, dtype=dtype,
     )  # fmt: skip
+
+
+def amp_steps() -> bool:
+    """``CODA_MODEL_AMP=1``: the model suite's peers hold fp32 parameters under bf16 autocast."""
+    return os.environ.get("CODA_MODEL_AMP", "0") == "1"
+
+
+class Autocast(torch.nn.Module):
+    """``model`` called under bf16 autocast on its parameters' device: fp32 master weights,
+    bf16 compute, the optimizer on the fp32 parameters, the backward outside the region (as
+    ``torch.autocast``'s recipe has it). The weight-cast cache is off, as PyTorch advises
+    for CUDA graph capture (``GraphedStep`` captures this module): each weight is read once
+    a step, so the cache would save nothing."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        device = next(self.model.parameters()).device.type
+        with torch.autocast(device, dtype=BF, cache_enabled=False):
+            return self.model(*args, **kwargs)
 
 
 def _torch_embedding(model) -> None:
@@ -349,12 +373,14 @@ def model_rows(liger) -> list[dict]:
     configs = MODEL_SHAPES
     chosen = selected("CODA_MODEL_SHAPES", configs)
     only_peers = model_peers()
+    amp = amp_steps()
     rows = []
-    for name, cfg in configs.items():
-        if chosen and name not in chosen:
+    for shape_name, cfg in configs.items():
+        if chosen and shape_name not in chosen:
             continue
+        name = shape_name + ("+amp" if amp else "")
         tokens_n = cfg["batch"] * cfg["seq"]
-        coda_model = build_model(cfg)
+        coda_model = build_model(cfg, torch.float32 if amp else BF)
 
         def coda_copy(edit):
             model = copy.deepcopy(coda_model)
@@ -390,7 +416,7 @@ def model_rows(liger) -> list[dict]:
             "coda_torch_embedding": lambda: coda_copy(_torch_embedding),
         }
         peers = {
-            k: make()
+            k: Autocast(make()) if amp else make()
             for k, make in makers.items()
             if k in only_peers and (k != "liger" or liger is not None)
         }

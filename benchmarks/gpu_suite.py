@@ -151,6 +151,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_LM_HEAD_TARGETS",
     "CODA_MODEL_SHAPES",
     "CODA_MODEL_PEERS",
+    "CODA_MODEL_AMP",
     "CODA_TUNE_SHAPES",
     "CODA_TUNE_ONLY",
     "CODA_TUNE_WIDE",

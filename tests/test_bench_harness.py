@@ -451,6 +451,52 @@ def test_the_torch_embedding_variant_keeps_the_model_and_its_weight(tied):
     assert len(list(other.parameters())) == len(list(model.parameters()))
 
 
+def test_amp_variant_runs_fp32_parameters_under_bf16_autocast(monkeypatch):
+    """The model suite's ``CODA_MODEL_AMP=1`` variant: ``Autocast`` calls its model inside a
+    bf16 autocast region on the parameters' device, weight-cast cache off, and nothing
+    outside it; a coda model's fp32 parameters and their gradients stay fp32 (the
+    optimizer's master weights) while its loss comes from bf16 compute (its bf16 copy's
+    within bf16's rounding, not the fp32 model's own)."""
+    import copy
+    import warnings
+
+    from benchmarks import bench_step
+
+    monkeypatch.delenv("CODA_MODEL_AMP", raising=False)
+    assert not bench_step.amp_steps()
+    monkeypatch.setenv("CODA_MODEL_AMP", "1")
+    assert bench_step.amp_steps()
+
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def forward(self, x, scale=1.0):
+            region = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+            seen.append((*region, torch.is_autocast_cache_enabled()))
+            return (self.w * x).sum() * scale
+
+    assert bench_step.Autocast(Probe())(torch.ones(2), scale=2.0).item() == 4.0
+    assert seen == [(True, torch.bfloat16, False)] and not torch.is_autocast_enabled("cpu")
+
+    cfg = dict(vocab=64, d=16, layers=2, heads=2, kv_heads=1, hd=8, ffn=24, batch=2, seq=5)
+    fp32 = bench_step.build_model(cfg, torch.float32, device="cpu")
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    amp = bench_step.Autocast(fp32)
+    t = torch.randint(0, 64, (2, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reference path's one-time notice on the CPU
+        loss, copy_loss, own_loss = amp(t, t), bf16(t, t), fp32(t, t)
+    assert abs(loss.item() - copy_loss.item()) <= 1e-3 * abs(copy_loss.item())
+    assert not torch.equal(loss, own_loss)
+    loss.backward()
+    assert list(amp.parameters()) == list(fp32.parameters())
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in amp.parameters())
+
+
 def test_lm_head_targets_selection(monkeypatch):
     """``CODA_LM_HEAD_TARGETS``: uniform unless one known distribution is named."""
     from benchmarks import bench_train
