@@ -71,6 +71,23 @@ def selected(var: str, known) -> list[str]:
     return chosen
 
 
+def mixed_precision(var: str) -> bool:
+    """``var`` set to 1: a model suite's peers hold fp32 parameters and run their forward
+    under bf16 autocast (``bf16_autocast``), as a mixed-precision trainer (HF's Trainer with
+    ``bf16=True``) runs a model; 0 or unset: bf16 parameters. Anything else raises."""
+    value = os.environ.get(var, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{var}: must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def bf16_autocast(device_type: str):
+    """The forward's autocast region of a mixed-precision step: bf16 on ``device_type``, the
+    weight-cast cache off, as PyTorch advises for CUDA graph capture (each weight is read
+    once a forward, so the cache would save nothing); the backward runs outside it."""
+    return torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=False)
+
+
 TOKEN_DISTRIBUTIONS = ("uniform", "zipf")
 
 

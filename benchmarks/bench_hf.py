@@ -8,6 +8,8 @@ eager, as users compile it), with Liger's instance patch (called as the others, 
 saves in memory and costs in time), and patched with the embedding's backward left as
 torch's (``apply_coda(embedding=False)``). Every variant starts from the same weights. coda's and
 Liger's rows also carry one step's per-kernel table and GPU idle time (after the timing).
+With ``CODA_HF_AMP=1`` every variant is the fp32 model with its forward under bf16 autocast
+(HF's Trainer with ``bf16=True``): rows ``hf/<shape>+amp/...``.
 
 Each variant's peak memory is measured as if it were alone (``_common.PeakAlone``), then
 every variant is timed in interleaved rounds (``_common.interleaved``), with the GPU's clock
@@ -27,8 +29,10 @@ from benchmarks._common import (
     SKIPPED,
     PeakAlone,
     bench_long,
+    bf16_autocast,
     clocked,
     interleaved,
+    mixed_precision,
     out_of_time,
     progress,
     selected,
@@ -164,10 +168,18 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
     return [(name, make) for name, make in out if not chosen or name in chosen]
 
 
-def _step(model, ids, **call):
+def _step(model, ids, amp=False, **call):
+    """One training step's call; with ``amp`` its forward under bf16 autocast, the backward
+    outside it, as HF's Trainer runs a mixed-precision step."""
+
     def step():
         model.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids, **call).loss.backward()
+        if amp:
+            with bf16_autocast(ids.device.type):
+                loss = model(input_ids=ids, labels=ids, **call).loss
+        else:
+            loss = model(input_ids=ids, labels=ids, **call).loss
+        loss.backward()
 
     return step
 
@@ -200,11 +212,13 @@ def step_peak(step, model, steps: int = 4) -> float:
 def run() -> list[dict]:
     """Every shape, or those named in ``CODA_HF_SHAPES`` (comma-separated keys of SHAPES)."""
     chosen = selected("CODA_HF_SHAPES", SHAPES)
+    amp = mixed_precision("CODA_HF_AMP")
     rows = []
-    for name, (family, shape) in SHAPES.items():
-        if chosen and name not in chosen:
+    for shape_name, (family, shape) in SHAPES.items():
+        if chosen and shape_name not in chosen:
             continue
-        base = build(family, shape, "cuda", torch.bfloat16)
+        name = shape_name + ("+amp" if amp else "")
+        base = build(family, shape, "cuda", torch.float32 if amp else torch.bfloat16)
         ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
         # pass 1, one variant at a time: its peak memory as if alone (``PeakAlone``) and its
         # kernel table; pass 2 times every variant in
@@ -221,7 +235,7 @@ def run() -> list[dict]:
             try:
                 model = make()
                 call = {"use_cache": False} if label.endswith("_no_cache") else {}
-                step = _step(model, ids, **call)
+                step = _step(model, ids, amp, **call)
                 step = liger.wrap(step) if label.startswith("hf_liger") else step
                 peaks[label] = step_peak(step, model)
                 if label in PROFILED:

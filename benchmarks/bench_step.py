@@ -33,11 +33,13 @@ from benchmarks._common import (
     PeakAlone,
     bench,
     bench_long,
+    bf16_autocast,
     clocked,
     graphed,
     interleaved,
     kernel_table,
     liger_functional,
+    mixed_precision,
     out_of_time,
     progress,
     row,
@@ -342,23 +344,21 @@ def build_model(cfg: dict, dtype=BF, device="cuda"):
 
 def amp_steps() -> bool:
     """``CODA_MODEL_AMP=1``: the model suite's peers hold fp32 parameters under bf16 autocast."""
-    return os.environ.get("CODA_MODEL_AMP", "0") == "1"
+    return mixed_precision("CODA_MODEL_AMP")
 
 
 class Autocast(torch.nn.Module):
-    """``model`` called under bf16 autocast on its parameters' device: fp32 master weights,
-    bf16 compute, the optimizer on the fp32 parameters, the backward outside the region (as
-    ``torch.autocast``'s recipe has it). The weight-cast cache is off, as PyTorch advises
-    for CUDA graph capture (``GraphedStep`` captures this module): each weight is read once
-    a step, so the cache would save nothing."""
+    """``model`` called under bf16 autocast on its parameters' device (``bf16_autocast``):
+    fp32 master weights, bf16 compute, the optimizer on the fp32 parameters, the backward
+    outside the region. A module, so that ``GraphedStep`` and the optimizer take it as the
+    model."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
     def forward(self, *args, **kwargs):
-        device = next(self.model.parameters()).device.type
-        with torch.autocast(device, dtype=BF, cache_enabled=False):
+        with bf16_autocast(next(self.model.parameters()).device.type):
             return self.model(*args, **kwargs)
 
 

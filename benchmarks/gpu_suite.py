@@ -145,6 +145,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_BENCH_ROUNDS",
     "CODA_HF_SHAPES",
     "CODA_HF_PEERS",
+    "CODA_HF_AMP",
     "CODA_LAYER_SHAPES",
     "CODA_LM_HEAD_SHAPES",
     "CODA_LM_HEAD_PEERS",

@@ -414,8 +414,9 @@ def test_every_selection_variable_is_named_in_the_recorded_command():
     read = set()
     for path in pathlib.Path(gpu_suite.__file__).parent.glob("*.py"):
         text = path.read_text()
-        read |= set(re.findall(r'(?:selected|environ\.get)\(\s*"(CODA_[A-Z_]+)"', text))
-    assert "CODA_LM_HEAD_PEERS" in read  # the scan finds what it looks for
+        pattern = r'(?:selected|environ\.get|mixed_precision)\(\s*"(CODA_[A-Z_]+)"'
+        read |= set(re.findall(pattern, text))
+    assert {"CODA_LM_HEAD_PEERS", "CODA_HF_AMP"} <= read  # the scan finds what it looks for
     assert read - {"CODA_SUITE_DEADLINE"} <= set(gpu_suite.SELECTIONS), sorted(
         read - set(gpu_suite.SELECTIONS)
     )
@@ -495,6 +496,51 @@ def test_amp_variant_runs_fp32_parameters_under_bf16_autocast(monkeypatch):
     loss.backward()
     assert list(amp.parameters()) == list(fp32.parameters())
     assert all(p.dtype == p.grad.dtype == torch.float32 for p in amp.parameters())
+
+
+def test_hf_amp_step_runs_its_forward_under_bf16_autocast_and_its_backward_outside(monkeypatch):
+    """``CODA_HF_AMP``: 0 / 1 / unset read as off / on / off, anything else raises; the HF
+    suite's step with ``amp`` calls the model inside ``bf16_autocast`` and runs the loss's
+    backward outside it, as HF's Trainer with ``bf16=True`` does."""
+    import types
+
+    from benchmarks import _common, bench_hf
+
+    monkeypatch.delenv("CODA_HF_AMP", raising=False)
+    assert not _common.mixed_precision("CODA_HF_AMP")
+    monkeypatch.setenv("CODA_HF_AMP", "1")
+    assert _common.mixed_precision("CODA_HF_AMP")
+    monkeypatch.setenv("CODA_HF_AMP", "yes")
+    with pytest.raises(ValueError, match="CODA_HF_AMP: must be 0 or 1"):
+        _common.mixed_precision("CODA_HF_AMP")
+
+    seen = []
+
+    class Backward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(("backward", torch.is_autocast_enabled("cpu")))
+            return g
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, input_ids, labels):
+            seen.append(("forward", torch.is_autocast_enabled("cpu"), labels is input_ids))
+            return types.SimpleNamespace(loss=Backward.apply(self.w * input_ids).sum())
+
+    model, ids = Model(), torch.arange(3.0)
+    for amp in (True, False):
+        seen.clear()
+        bench_hf._step(model, ids, amp)()
+        assert seen == [("forward", amp, True), ("backward", False)]
+        assert torch.equal(model.w.grad, ids)
 
 
 def test_lm_head_targets_selection(monkeypatch):

@@ -40,6 +40,7 @@ R242, R250, R251, R252, R253, R254, R255, R256, R257, R258, R259, R260, R261 = (
     f"2026-12-04_h200_run{n}.json"
     for n in (242, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261)
 )
+R266, R267 = (f"2026-12-04_h200_run{n}.json" for n in (266, 267))  # mixed precision
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
 FWD = {**LAYER, "coda": "coda_decoder_layer"}
@@ -104,6 +105,12 @@ def expected() -> dict:
         "... coda with per-layer checkpointing": step(
             "tokens_per_s", _k, {"coda": B1.format("coda_checkpointed"), **tcb}, R259
         ),
+        "... mixed precision: every peer": step(
+            "tokens_per_s",
+            _k,
+            {c: n.replace("llama-1B", "llama-1B+amp") for c, n in model.items()},
+            R266,
+        ),
         "d=1024 model step + AdamW": demo(
             R255, {"coda": "coda", **tc, "Liger": "liger"}, "kernels", "kernel_ms", "{:.2f}".format
         ),
@@ -114,6 +121,17 @@ def expected() -> dict:
         "... coda and the plain model both under": demo(
             R260, {"coda": "coda_compile_graphed", "torch.compile": "torch_compile_graphed"}
         ),
+        "... mixed precision (fp32 parameters": _suite_row(
+            R267,
+            "model",
+            None,
+            {
+                "coda": "model/demo-d1024+amp/coda_graphed/step+adamw",
+                "torch.compile": "model/demo-d1024+amp/torch_compile/step+adamw",
+            },
+            "tokens_per_s",
+            lambda v: f"{v / 1e3:.0f}k",
+        ),  # fmt: skip
         "... eager steps": demo(
             R255, {"coda": "coda", **tc, "Liger": "liger", "eager": "torch_eager"}
         ),
