@@ -184,6 +184,7 @@ def suite_list(args) -> list:
         probe_gemm_in_step,
         probe_graph_gaps,
         probe_head_norm,
+        probe_hf_peak,
         probe_kernel_origin,
         probe_loss_rows,
         probe_ncu,
@@ -232,7 +233,8 @@ def suite_list(args) -> list:
         # diagnostics, run only when named: the row-pass probes, attention and GEMM configs
         # inside the step, hardware counters (ncu) on the step's kernels, who launches a kernel,
         # the LM head's final-norm pass at each launch shape, a graphed step's kernels and gaps,
-        # which shapes torch.compile's own CUDA graphs capture over coda
+        # which shapes torch.compile's own CUDA graphs capture over coda, an HF model's peak
+        # memory step by step
         *[(name, probe_row_passes.Suite(name)) for name in probe_row_passes.PASSES],
         (bench_attention_layout.IN_STEP, bench_attention_layout.InStep()),
         (probe_gemm_in_step.SUITE, probe_gemm_in_step.Suite()),
@@ -242,6 +244,7 @@ def suite_list(args) -> list:
         (probe_loss_rows.SUITE, probe_loss_rows.Suite()),
         (probe_graph_gaps.SUITE, probe_graph_gaps.Suite()),
         (probe_compile_graphs.SUITE, probe_compile_graphs.Suite()),
+        (probe_hf_peak.SUITE, probe_hf_peak.Suite()),
     ]
 
 

@@ -171,6 +171,7 @@ def test_a_run_of_every_suite_leaves_the_diagnostics_out():
         "graph_gaps",
         "compile_graphs",
         "triton_launch",
+        "hf_peak",
     }
 
 
