@@ -8,6 +8,7 @@ process right next to the others. Rows are plain dicts; ``gpu_suite.py`` writes 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import statistics
@@ -115,21 +116,37 @@ class PeakAlone:
     """A step's peak memory as if its model were the only one on the GPU: the peak allocated
     inside the block, less what was resident on entry and is not the model's own weights
     (other peers' models, kept for interleaved timing). Its gradients, optimizer state and
-    activations count; ``gib`` holds the figure after the block."""
+    activations count; ``gib`` holds the figure after the block.
+
+    The figure holds only if what was resident on entry stays resident: unreachable tensors
+    of an earlier model, freed by a garbage collection inside the block, would lower the
+    peak below entry + step and read as the step's saving (run 268: torch.compile's Qwen3
+    step at 20.67 GiB after the Llama shape's variants, 54.22 alone in run 269). So entry
+    collects first, and a block that ends with more than ``SLACK`` less allocated than it
+    began raises (a bounded cache turning over a small table stays under it)."""
+
+    SLACK = 16 * 2**20
 
     def __init__(self, module):
         self.own = own_bytes(module)
 
     def __enter__(self):
+        gc.collect()
         torch.cuda.synchronize()
         self.before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         self.gib = (peak - self.before + self.own) / 2**30
+        freed = self.before - torch.cuda.memory_allocated()
+        if exc_type is None and freed > self.SLACK:
+            raise RuntimeError(
+                f"PeakAlone: {freed / 2**30:.2f} GiB resident on entry was freed inside the "
+                "block, so its peak understates the step's"
+            )
 
 
 def bench(fn, warmup_ms: int = 50, rep_ms: int = 300, min_reps: int = 15) -> dict:

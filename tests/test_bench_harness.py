@@ -366,6 +366,41 @@ def test_peak_alone_counts_the_model_and_its_step_not_other_residents():
     assert mem.gib == pytest.approx(3 + own_bytes(model) / gib)
 
 
+def test_peak_alone_collects_first_and_refuses_a_block_that_freed_what_was_resident():
+    """Garbage of an earlier model is collected before the entry's reading; a block that
+    ends with less allocated than it began (something resident freed inside it, so its peak
+    would understate the step's) raises instead of giving a figure, beyond a slack a small
+    cache's turnover stays under; one that raised keeps its own error."""
+    import gc
+    from unittest import mock
+
+    from benchmarks._common import PeakAlone
+
+    gib = 2**30
+    calls, allocated = [], iter([10 * gib, 8 * gib])
+    with (
+        mock.patch.multiple(
+            torch.cuda,
+            synchronize=lambda: None,
+            reset_peak_memory_stats=lambda: None,
+            memory_allocated=lambda: next(allocated),
+            max_memory_allocated=lambda: 12 * gib,
+        ),
+        mock.patch.object(gc, "collect", lambda: calls.append("collect")),
+    ):
+        with pytest.raises(RuntimeError, match="2.00 GiB resident on entry was freed"):
+            with PeakAlone(torch.nn.Linear(2, 2)):
+                assert calls == ["collect"]
+        allocated = iter([10 * gib, 10 * gib - PeakAlone.SLACK])
+        with PeakAlone(torch.nn.Linear(2, 2)) as mem:
+            pass
+        assert mem.gib == pytest.approx(2, abs=1e-6)
+        allocated = iter([10 * gib, 8 * gib])
+        with pytest.raises(ValueError, match="the step's own"):
+            with PeakAlone(torch.nn.Linear(2, 2)):
+                raise ValueError("the step's own")
+
+
 def test_gpu_clock_medians_skip_unreadable_samples():
     clock = _common.GpuClock()
     clock.lines = ["1980, 650.5", "[N/A], [N/A]", "1830, 700.0", "1755, 699.0", "17"]
