@@ -112,6 +112,15 @@ def own_bytes(module) -> int:
     return sum(seen.values())
 
 
+def settled_allocated() -> int:
+    """Bytes allocated on the GPU once unreachable tensors are collected and queued work is
+    done: the reading a memory figure subtracts, so that garbage of an earlier model freed
+    inside the measured block cannot lower its figure (run 268, ``PeakAlone``)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
 class PeakAlone:
     """A step's peak memory as if its model were the only one on the GPU: the peak allocated
     inside the block, less what was resident on entry and is not the model's own weights
@@ -131,9 +140,7 @@ class PeakAlone:
         self.own = own_bytes(module)
 
     def __enter__(self):
-        gc.collect()
-        torch.cuda.synchronize()
-        self.before = torch.cuda.memory_allocated()
+        self.before = settled_allocated()
         torch.cuda.reset_peak_memory_stats()
         return self
 

@@ -35,6 +35,7 @@ from benchmarks._common import (
     progress,
     row,
     selected,
+    settled_allocated,
     steady_idle,
     token_ids,
     without_row_kernels,
@@ -81,8 +82,7 @@ def _step(fn, params, x, dy):
 
 def _mem_kept_by_forward(fn) -> float:
     """GiB allocated by a forward and still held (saved for backward) when it returns."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    before = settled_allocated()
     out = fn()
     torch.cuda.synchronize()
     kept = torch.cuda.memory_allocated() - before
@@ -347,9 +347,8 @@ def lm_head_rows(liger) -> list[dict]:
             step = steps[name]
             try:
                 step()
-                torch.cuda.synchronize()
+                base = settled_allocated()
                 torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
                 step()
                 torch.cuda.synchronize()
                 grads = sum(p.numel() * p.element_size() for p in (*params, x))
