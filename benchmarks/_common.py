@@ -82,11 +82,12 @@ def mixed_precision(var: str) -> bool:
     return value == "1"
 
 
-def bf16_autocast(device_type: str):
+def bf16_autocast(device_type: str, enabled: bool = True):
     """The forward's autocast region of a mixed-precision step: bf16 on ``device_type``, the
     weight-cast cache off, as PyTorch advises for CUDA graph capture (each weight is read
-    once a forward, so the cache would save nothing); the backward runs outside it."""
-    return torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=False)
+    once a forward, so the cache would save nothing); the backward runs outside it. With
+    ``enabled`` False, a region without autocast (a bf16 model's step)."""
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=enabled, cache_enabled=False)
 
 
 TOKEN_DISTRIBUTIONS = ("uniform", "zipf")

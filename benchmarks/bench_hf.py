@@ -174,10 +174,7 @@ def _step(model, ids, amp=False, **call):
 
     def step():
         model.zero_grad(set_to_none=True)
-        if amp:
-            with bf16_autocast(ids.device.type):
-                loss = model(input_ids=ids, labels=ids, **call).loss
-        else:
+        with bf16_autocast(ids.device.type, enabled=amp):
             loss = model(input_ids=ids, labels=ids, **call).loss
         loss.backward()
 

@@ -342,11 +342,6 @@ def build_model(cfg: dict, dtype=BF, device="cuda"):
     )  # fmt: skip
 
 
-def amp_steps() -> bool:
-    """``CODA_MODEL_AMP=1``: the model suite's peers hold fp32 parameters under bf16 autocast."""
-    return mixed_precision("CODA_MODEL_AMP")
-
-
 class Autocast(torch.nn.Module):
     """``model`` called under bf16 autocast on its parameters' device (``bf16_autocast``):
     fp32 master weights, bf16 compute, the optimizer on the fp32 parameters, the backward
@@ -373,7 +368,7 @@ def model_rows(liger) -> list[dict]:
     configs = MODEL_SHAPES
     chosen = selected("CODA_MODEL_SHAPES", configs)
     only_peers = model_peers()
-    amp = amp_steps()
+    amp = mixed_precision("CODA_MODEL_AMP")
     rows = []
     for shape_name, cfg in configs.items():
         if chosen and shape_name not in chosen:

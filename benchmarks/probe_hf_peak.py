@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks._common import Diagnostic, own_bytes, progress, selected
+from benchmarks._common import Diagnostic, bf16_autocast, own_bytes, progress, selected
 from benchmarks.bench_hf import BATCH, SEQ, SHAPES, _step, build
 
 SUITE = "hf_peak"
@@ -23,18 +23,12 @@ STEPS = 4
 GIB = 2**30
 
 
-def _variant(base, compiled: bool):
-    if compiled:
-        base.model = torch.compile(base.model)
-    return base
-
-
 def peaks(shape_name: str, compiled: bool, amp: bool) -> dict:
     """One variant's per-step peaks (GiB, from the step's own start) and what stays after."""
     family, shape = SHAPES[shape_name]
-    model = _variant(
-        build(family, shape, "cuda", torch.float32 if amp else torch.bfloat16), compiled
-    )
+    model = build(family, shape, "cuda", torch.float32 if amp else torch.bfloat16)
+    if compiled:  # ``bench_hf.variants``' recipe: the base model compiled, the head eager
+        model.model = torch.compile(model.model)
     ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
     step = _step(model, ids, amp)
     resident, per_step, after = [], [], []
@@ -46,7 +40,7 @@ def peaks(shape_name: str, compiled: bool, amp: bool) -> dict:
         torch.cuda.synchronize()
         per_step.append(torch.cuda.max_memory_allocated() / GIB)
         after.append(torch.cuda.memory_allocated() / GIB)
-    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=amp):
+    with torch.no_grad(), bf16_autocast("cuda", enabled=amp):
         loss = model(input_ids=ids, labels=ids).loss.item()
     row = {
         "name": f"{SUITE}/{shape_name}{'+amp' if amp else ''}/"

@@ -497,11 +497,12 @@ def test_amp_variant_runs_fp32_parameters_under_bf16_autocast(monkeypatch):
     import warnings
 
     from benchmarks import bench_step
+    from benchmarks._common import mixed_precision
 
     monkeypatch.delenv("CODA_MODEL_AMP", raising=False)
-    assert not bench_step.amp_steps()
+    assert not mixed_precision("CODA_MODEL_AMP")
     monkeypatch.setenv("CODA_MODEL_AMP", "1")
-    assert bench_step.amp_steps()
+    assert mixed_precision("CODA_MODEL_AMP")
 
     seen = []
 
