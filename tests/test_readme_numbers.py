@@ -42,13 +42,14 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
     return {col: fmt(_entry(record, suite, n, d)[key]) for col, n in names.items()}
 
 
-R242, R250, R251, R252, R253, R254, R255, R256, R257, R258, R259, R260, R261 = (
+R242, R251, R252, R253, R254, R255, R256, R257, R258, R259, R260, R261 = (
     f"2026-12-04_h200_run{n}.json"
-    for n in (242, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261)
+    for n in (242, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261)
 )
-R266, R267, R268, R270 = (
-    f"2026-12-04_h200_run{n}.json" for n in (266, 267, 268, 270)
+R266, R267, R270, R271 = (
+    f"2026-12-04_h200_run{n}.json" for n in (266, 267, 270, 271)
 )  # mixed precision
+R272 = "2026-12-04_h200_run272.json"
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
 FWD = {**LAYER, "coda": "coda_decoder_layer"}
@@ -97,7 +98,7 @@ def expected() -> dict:
         "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096, R251),
         "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R253),
         "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R253),
-        "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048, R250),
+        "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048, R272),
         "... the same with Zipf-distributed targets": head(2048, R257),
         "LM head + CE fwd+bwd, d=4096": head(4096, R242),
         "LM head + CE fwd+bwd, d=8192": head(8192, R256),
@@ -146,7 +147,7 @@ def expected() -> dict:
         ),
         "HF Llama-3.2-1B": hf("llama-3.2-1B", R254),
         "HF Qwen3-0.6B": hf("qwen3-0.6B", R261),
-        "... HF Llama-3.2-1B, fp32 weights": hf("llama-3.2-1B+amp", R268, unpatched=False),
+        "... HF Llama-3.2-1B, fp32 weights": hf("llama-3.2-1B+amp", R271),
         "... HF Qwen3-0.6B, fp32 weights": hf("qwen3-0.6B+amp", R270, unpatched=False),
         "FSDP2, 2 H200s": {c: _k(fsdp[n]["tokens_per_s_per_rank"]) for c, n in fsdp_cols.items()},
     }
