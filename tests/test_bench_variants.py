@@ -1,0 +1,248 @@
+"""How the benchmarks build and measure their peers and variants, on the CPU: Liger's patch
+bound around its own steps only, peak memory taken with one model resident (``PeakAlone``),
+the switched-off variants restoring their switches, the torch-embedding variant, and the
+mixed-precision variants of the model and HF suites (fp32 parameters under bf16 autocast).
+The figures need the GPU; these rules do not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def test_liger_switch_binds_the_patch_around_its_own_steps_only():
+    import types
+
+    from benchmarks.bench_hf import LigerSwitch
+
+    module = types.ModuleType("fake_modeling")
+
+    class CausalLM:
+        def forward(self):
+            return "hf"
+
+    CausalLM.__module__ = module.__name__
+    module.CausalLM, module.rope = CausalLM, "hf rope"
+
+    def apply(model):  # rebinds a class method and a module name, adds a name
+        module.CausalLM.forward = lambda self: "liger"
+        module.rope, module.extra = "liger rope", 1
+
+    seen = []
+    liger = LigerSwitch(module, apply)
+    liger.patch(model=None)
+    assert CausalLM().forward() == "hf" and module.rope == "hf rope"
+    assert not hasattr(module, "extra")
+    theirs = liger.wrap(lambda: seen.append((CausalLM().forward(), module.rope, module.extra)))
+    theirs()
+    assert seen == [("liger", "liger rope", 1)]
+    assert CausalLM().forward() == "hf" and module.rope == "hf rope"
+    assert not hasattr(module, "extra")
+
+
+def test_peak_alone_counts_the_model_and_its_step_not_other_residents():
+    from unittest import mock
+
+    from benchmarks._common import PeakAlone, own_bytes
+
+    model = torch.nn.Linear(64, 32)  # 64*32 + 32 fp32 values
+    tied = torch.nn.Module()
+    tied.a, tied.b = model, model  # a storage counted once
+    assert own_bytes(model) == own_bytes(tied) == (64 * 32 + 32) * 4
+    gib = 2**30
+    fake = {"memory_allocated": 10 * gib, "max_memory_allocated": 13 * gib}
+    with mock.patch.multiple(
+        torch.cuda,
+        synchronize=lambda: None,
+        reset_peak_memory_stats=lambda: None,
+        memory_allocated=lambda: fake["memory_allocated"],
+        max_memory_allocated=lambda: fake["max_memory_allocated"],
+    ):
+        with PeakAlone(model) as mem:
+            pass
+    # 3 GiB above everything resident on entry, plus the model's own weights
+    assert mem.gib == pytest.approx(3 + own_bytes(model) / gib)
+
+
+def test_peak_alone_collects_first_and_refuses_a_block_that_freed_what_was_resident():
+    """Garbage of an earlier model is collected before the entry's reading; a block that
+    ends with less allocated than it began (something resident freed inside it, so its peak
+    would understate the step's) raises instead of giving a figure, beyond a slack a small
+    cache's turnover stays under; one that raised keeps its own error."""
+    import gc
+    from unittest import mock
+
+    from benchmarks._common import PeakAlone
+
+    gib = 2**30
+    calls, allocated = [], iter([10 * gib, 8 * gib])
+    with (
+        mock.patch.multiple(
+            torch.cuda,
+            synchronize=lambda: None,
+            reset_peak_memory_stats=lambda: None,
+            memory_allocated=lambda: next(allocated),
+            max_memory_allocated=lambda: 12 * gib,
+        ),
+        mock.patch.object(gc, "collect", lambda: calls.append("collect")),
+    ):
+        with pytest.raises(RuntimeError, match="2.00 GiB resident on entry was freed"):
+            with PeakAlone(torch.nn.Linear(2, 2)):
+                assert calls == ["collect"]
+        allocated = iter([10 * gib, 10 * gib - PeakAlone.SLACK])
+        with PeakAlone(torch.nn.Linear(2, 2)) as mem:
+            pass
+        assert mem.gib == pytest.approx(2, abs=1e-6)
+        allocated = iter([10 * gib, 8 * gib])
+        with pytest.raises(ValueError, match="the step's own"):
+            with PeakAlone(torch.nn.Linear(2, 2)):
+                raise ValueError("the step's own")
+
+
+def test_a_switched_off_variant_sees_its_switches_off_and_restores_them():
+    """``without_plan_tapes`` / ``without_direct_triton`` / ``without_row_kernels`` run their
+    call with the switches off and put back what was there, also when the call raises."""
+    from benchmarks._common import without_direct_triton, without_plan_tapes, without_row_kernels
+    from coda import ops
+    from coda.kernels import _triton, drope, norm_rows
+
+    switches = [
+        (ops, "PLAN_TAPES"),
+        (_triton, "FAST_LAUNCH"),
+        (norm_rows, "TRITON"),
+        (drope.cached_head_rotation, "enabled"),
+    ]
+    seen = []
+
+    def call():
+        seen.append([getattr(o, n) for o, n in switches])
+        raise KeyError
+
+    for variant in (without_plan_tapes, without_direct_triton, without_row_kernels):
+        with pytest.raises(KeyError):
+            variant(call)()
+    off = [[False, True, True, True], [True, False, True, True], [True, True, False, False]]
+    assert seen == off
+    assert all(getattr(o, n) is True for o, n in switches)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_torch_embedding_variant_keeps_the_model_and_its_weight(tied):
+    """The model suite's ``coda_torch_embedding`` variant: the same model, its embedding
+    torch's ``nn.Embedding`` holding the same parameter (so its step differs only in the
+    embedding's backward on the GPU, and a tied LM head stays tied)."""
+    import copy
+    import warnings
+
+    import coda.nn as cnn
+    from benchmarks import bench_step
+
+    torch.manual_seed(0)
+    model = cnn.CausalLM(64, 16, 1, 2, 1, 24, head_dim=8, dtype=torch.float64, tie_embeddings=tied)
+    other = copy.deepcopy(model)
+    bench_step._torch_embedding(other)
+    assert type(model.embed) is cnn.Embedding and type(other.embed) is torch.nn.Embedding
+    assert (other.head.weight is other.embed.weight) == tied
+    assert torch.equal(other.embed.weight, model.embed.weight)
+    t = torch.randint(0, 64, (2, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reference path's one-time notice on the CPU
+        losses = [m(t, t) for m in (model, other)]
+    assert torch.equal(*losses)
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(other.embed.weight.grad, model.embed.weight.grad)
+    # one parameter table, not the swapped-out one beside it
+    assert len(list(other.parameters())) == len(list(model.parameters()))
+
+
+def test_amp_variant_runs_fp32_parameters_under_bf16_autocast(monkeypatch):
+    """The model suite's ``CODA_MODEL_AMP=1`` variant: ``Autocast`` calls its model inside a
+    bf16 autocast region on the parameters' device, weight-cast cache off, and nothing
+    outside it; a coda model's fp32 parameters and their gradients stay fp32 (the
+    optimizer's master weights) while its loss comes from bf16 compute (its bf16 copy's
+    within bf16's rounding, not the fp32 model's own)."""
+    import copy
+    import warnings
+
+    from benchmarks import bench_step
+    from benchmarks._common import mixed_precision
+
+    monkeypatch.delenv("CODA_MODEL_AMP", raising=False)
+    assert not mixed_precision("CODA_MODEL_AMP")
+    monkeypatch.setenv("CODA_MODEL_AMP", "1")
+    assert mixed_precision("CODA_MODEL_AMP")
+
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def forward(self, x, scale=1.0):
+            region = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+            seen.append((*region, torch.is_autocast_cache_enabled()))
+            return (self.w * x).sum() * scale
+
+    assert bench_step.Autocast(Probe())(torch.ones(2), scale=2.0).item() == 4.0
+    assert seen == [(True, torch.bfloat16, False)] and not torch.is_autocast_enabled("cpu")
+
+    cfg = dict(vocab=64, d=16, layers=2, heads=2, kv_heads=1, hd=8, ffn=24, batch=2, seq=5)
+    fp32 = bench_step.build_model(cfg, torch.float32, device="cpu")
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    amp = bench_step.Autocast(fp32)
+    t = torch.randint(0, 64, (2, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reference path's one-time notice on the CPU
+        loss, copy_loss, own_loss = amp(t, t), bf16(t, t), fp32(t, t)
+    assert abs(loss.item() - copy_loss.item()) <= 1e-3 * abs(copy_loss.item())
+    assert not torch.equal(loss, own_loss)
+    loss.backward()
+    assert list(amp.parameters()) == list(fp32.parameters())
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in amp.parameters())
+
+
+def test_hf_amp_step_runs_its_forward_under_bf16_autocast_and_its_backward_outside(monkeypatch):
+    """``CODA_HF_AMP``: 0 / 1 / unset read as off / on / off, anything else raises; the HF
+    suite's step with ``amp`` calls the model inside ``bf16_autocast`` and runs the loss's
+    backward outside it, as HF's Trainer with ``bf16=True`` does."""
+    import types
+
+    from benchmarks import _common, bench_hf
+
+    monkeypatch.delenv("CODA_HF_AMP", raising=False)
+    assert not _common.mixed_precision("CODA_HF_AMP")
+    monkeypatch.setenv("CODA_HF_AMP", "1")
+    assert _common.mixed_precision("CODA_HF_AMP")
+    monkeypatch.setenv("CODA_HF_AMP", "yes")
+    with pytest.raises(ValueError, match="CODA_HF_AMP: must be 0 or 1"):
+        _common.mixed_precision("CODA_HF_AMP")
+
+    seen = []
+
+    class Backward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(("backward", torch.is_autocast_enabled("cpu")))
+            return g
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, input_ids, labels):
+            seen.append(("forward", torch.is_autocast_enabled("cpu"), labels is input_ids))
+            return types.SimpleNamespace(loss=Backward.apply(self.w * input_ids).sum())
+
+    model, ids = Model(), torch.arange(3.0)
+    for amp in (True, False):
+        seen.clear()
+        bench_hf._step(model, ids, amp)()
+        assert seen == [("forward", amp, True), ("backward", False)]
+        assert torch.equal(model.w.grad, ids)
