@@ -23,12 +23,6 @@ def _entry(record: str, suite: str, name: str, d: int | None = None) -> dict:
     return hits[0]
 
 
-def _has(record: str, shape: str, variant: str) -> bool:
-    """Whether ``record``'s HF suite ran ``variant`` at ``shape`` (runs may leave one out)."""
-    rows = json.loads((RESULTS / record).read_text())["benchmarks"]["hf"]
-    return any(r["name"] == f"hf/{shape}/{variant}" for r in rows)
-
-
 def _ratio(v):
     return f"{v:.3f}"
 
@@ -46,8 +40,8 @@ R242, R251, R252, R253, R254, R255, R256, R257, R258, R259, R260, R261 = (
     f"2026-12-04_h200_run{n}.json"
     for n in (242, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261)
 )
-R266, R267, R270, R271 = (
-    f"2026-12-04_h200_run{n}.json" for n in (266, 267, 270, 271)
+R266, R267, R271, R273 = (
+    f"2026-12-04_h200_run{n}.json" for n in (266, 267, 271, 273)
 )  # mixed precision
 R272 = "2026-12-04_h200_run272.json"
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
@@ -76,13 +70,12 @@ def expected() -> dict:
     def step(key, fmt, names=model, record=R252):
         return _suite_row(record, "model", None, names, key, fmt)
 
-    def hf(shape, record, unpatched=True):  # Liger's faster row: with or without the cache
+    def hf(shape, record):  # Liger's faster row: with or without the cache
         def tps(n):
             return _entry(record, "hf", f"hf/{shape}/{n}")["tokens_per_s"]
 
-        liger = max(tps(n) for n in ("hf_liger", "hf_liger_no_cache") if _has(record, shape, n))
-        cols = {"coda": "hf_coda", "torch.compile": "hf_torch_compile"}
-        cols.update({"eager": "hf"} if unpatched else {})
+        liger = max(tps(n) for n in ("hf_liger", "hf_liger_no_cache"))
+        cols = {"coda": "hf_coda", "torch.compile": "hf_torch_compile", "eager": "hf"}
         return {**{c: _k(tps(n)) for c, n in cols.items()}, "Liger": _k(liger)}
 
     def demo(record, names, kind="step+adamw", key="tokens_per_s", fmt=lambda v: f"{v / 1e3:.0f}k"):
@@ -148,7 +141,7 @@ def expected() -> dict:
         "HF Llama-3.2-1B": hf("llama-3.2-1B", R254),
         "HF Qwen3-0.6B": hf("qwen3-0.6B", R261),
         "... HF Llama-3.2-1B, fp32 weights": hf("llama-3.2-1B+amp", R271),
-        "... HF Qwen3-0.6B, fp32 weights": hf("qwen3-0.6B+amp", R270, unpatched=False),
+        "... HF Qwen3-0.6B, fp32 weights": hf("qwen3-0.6B+amp", R273),
         "FSDP2, 2 H200s": {c: _k(fsdp[n]["tokens_per_s_per_rank"]) for c, n in fsdp_cols.items()},
     }
 
