@@ -175,19 +175,25 @@ class AttentionInputQKNorm(torch.autograd.Function):
 
     Forward: F1 with the head norms and RoPE in its epilogue (the head statistic in a
     prepass), also storing z = rstd0 * acc on the q and k columns (as its even and odd
-    columns; on v columns z is v) and the statistic s for the backward; when head_dim
+    columns; on v columns z is v) and the statistic s for the backward when ``train`` (a
+    backward can run); when head_dim
     divides no tile width (``qk_norm_config``), F1 without rotation and one row pass
     instead. Backward: the head norms' backward and dRoPE in one row pass (with the entry
     norm's statistic), then B12 and B13 as in ``AttentionInput``."""
 
     @staticmethod
-    def forward(ctx, x0, g1, w_qkv, q_norm, k_norm, positions, freq, dims: LayerDims):
+    def forward(ctx, x0, g1, w_qkv, q_norm, k_norm, positions, freq, dims: LayerDims, train: bool):
         M, d = x0.shape
         hd, n_q, n_k = dims.head_dim, dims.heads, dims.kv_heads
         pos = positions.float()
         a0, r0 = lib.norm_rows(x0, g1, dims.eps, False)  # F0
         cfg = qk_norm_config(hd)
         n_rot = (n_q + n_k) * hd
+        if cfg is not None and not train:  # F1 alone: z and s are the backward's
+            head_w, plain = column_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype)
+            qkv = lib.gemm_qk_norm_rope(a0, w_qkv, r0, pos, freq, head_w, plain, hd, dims.eps, cfg)
+            ctx.dims = dims
+            return (*split_heads(qkv, dims), x0.view_as(x0))
         if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue, z kept
             head_w, plain = column_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype)
             # z on the q and k columns only (on v columns it is the stored v, which attention
@@ -231,6 +237,7 @@ class AttentionInputQKNorm(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -266,18 +273,23 @@ class AttentionOutput(torch.autograd.Function):
 
 class MLP(torch.autograd.Function):
     """F4 + F5 / B4..B7: gate/up GEMM with the deferred row scale and SwiGLU in its epilogue
-    (the unscaled pre-activation kept for backward), down projection + residual; backward:
-    dSwiGLU and the norm statistic in the down projection's dgrad epilogue, the norm-backward
-    dgrad GEMM with the residual gradient in its epilogue, and the two weight gradients.
+    (the unscaled pre-activation kept for backward when ``train``: a backward can run), down
+    projection + residual; backward: dSwiGLU and the norm statistic in the down projection's
+    dgrad epilogue, the norm-backward dgrad GEMM with the residual gradient in its epilogue,
+    and the two weight gradients.
     ``rows``: the output's leading dimensions, (batch, seq): the layer's output is a tensor of
     its own, not a view (FSDP2 warns of a module output that is a view: an in-place op on it
     would skip the pre-backward hook)."""
 
     @staticmethod
-    def forward(ctx, x1, a1, r1, g2, w_il, w_d, rows: tuple):
+    def forward(ctx, x1, a1, r1, g2, w_il, w_d, rows: tuple, train: bool):
         M, d = x1.shape
         f = w_d.shape[0]
-        s, u = lib.gemm_swiglu(a1, w_il, r1, config_for("swiglu", M, d, 2 * f))  # F4
+        cfg = config_for("swiglu", M, d, 2 * f)
+        if train:  # F4, keeping the unscaled pre-activation u for dSwiGLU (B4)
+            s, u = lib.gemm_swiglu(a1, w_il, r1, cfg)
+        else:  # F4 alone: no backward can run, so no 2f-wide store
+            s, u = lib.gemm_swiglu_only(a1, w_il, r1, cfg), None
         # F5: the residual add alone (no statistic): this boundary's norm is the next
         # layer's F0, which computes its own
         x2 = lib.gemm_residual_add(s, w_d, x1, config_for("residual", M, f, d), rows)
@@ -298,7 +310,7 @@ class MLP(torch.autograd.Function):
             dz1, w_il, x1, g2, corr1, dx2, config_for("norm_bwd", M, 2 * f, d)
         )  # B6 + A7
         dw_il = lib.wgrad_gamma_rows(x1, dz1, g2) if ctx.needs_input_grad[4] else None  # B7
-        return dx1, None, None, dg2, dw_il, dw_d, None
+        return dx1, None, None, dg2, dw_il, dw_d, None, None
 
 
 def decoder_layer(
@@ -319,23 +331,28 @@ def decoder_layer(
     Functions, with ``attention`` (default ``sdpa_causal``) between them, differentiated by
     its own autograd. ``freq``: the RoPE epilogue's per-column frequency table (default: from
     ``dims.rope_base``); ``qk_norm``: Qwen3's (q_norm, k_norm) head-norm weights, or None.
-    Returns x2 (batch, seq, d), a tensor of its own (not a view of an (M, d) one)."""
+    Returns x2 (batch, seq, d), a tensor of its own (not a view of an (M, d) one). Where no
+    backward can run (``torch.no_grad``, inference mode, nothing requiring a gradient, a
+    reentrant checkpoint's first pass), the GEMMs store nothing only a backward reads
+    (SwiGLU's pre-activation, QK-norm's z and statistic)."""
     H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
     root_float_use(dims.eps)
     if freq is None:
         freq = cached_freq_table(hd, H + Hkv, Hkv, dims.rope_base, x0.device)
+    weights = (g1, w_qkv, w_o, g2, w_il, w_d, *(qk_norm or ()))
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in (x0, *weights))
     if qk_norm is None:
         q, k, v, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, freq, dims)
     else:
         q, k, v, x0_residual = AttentionInputQKNorm.apply(
-            x0, g1, w_qkv, *qk_norm, positions, freq, dims
+            x0, g1, w_qkv, *qk_norm, positions, freq, dims, train
         )
     o4 = (attention or sdpa_causal)(q, k, v)
     if attention is not None:
         check_attention_output(o4, q)
     o = o4.transpose(1, 2).reshape(x0.shape[0], H * hd)
     x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps)
-    return MLP.apply(x1, a1, r1, g2, w_il, w_d, (dims.batch, dims.seq))
+    return MLP.apply(x1, a1, r1, g2, w_il, w_d, (dims.batch, dims.seq), train)
 
 
 class Embedding(torch.autograd.Function):

@@ -97,6 +97,44 @@ def test_kernel_path_runs_under_inference_mode(kernel_forced):
     assert coda.last_path("DecoderLayer")[0] == "kernel"
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_a_forward_no_backward_can_follow_keeps_nothing_for_one(
+    kernel_forced, monkeypatch, qk_norm
+):
+    """Where no backward can run (``torch.no_grad``, inference mode, nothing requiring a
+    gradient) the layer's F4 stores no SwiGLU pre-activation and, with QK-norm, its F1 no z
+    or head statistic: the output is a training forward's, bitwise; a training forward, and
+    a forward on frozen weights whose input still wants its gradient, keep them."""
+    from coda.kernels import library as lib
+
+    kept = {"gemm_swiglu": True, "gemm_swiglu_only": False}
+    kept |= {"gemm_qk_norm_rope_keep_z": True, "gemm_qk_norm_rope": False}
+    calls = []
+    for name, keeps in kept.items():
+        real = getattr(lib, name)
+        monkeypatch.setattr(
+            lib, name, lambda *a, _f=real, _k=keeps, **k: calls.append(_k) or _f(*a, **k)
+        )
+    torch.manual_seed(0)
+    # head_dim 64: QK-norm's F1 takes the epilogue path (a tile holds whole heads)
+    layer = cnn.DecoderLayer(128, 2, 1, 96, dtype=F64, qk_norm=qk_norm)
+    x = torch.randn(2, 5, 128, dtype=F64)
+    want = layer(x.requires_grad_(True))
+    runs = 2 if qk_norm else 1  # the GEMMs that choose per call
+    assert calls == [True] * runs
+    for mode in (torch.no_grad, torch.inference_mode):
+        calls.clear()
+        with mode():
+            assert torch.equal(layer(x.detach()), want)
+        assert calls == [False] * runs
+    layer.requires_grad_(False)
+    calls.clear()
+    assert torch.equal(layer(x.detach()), want) and calls == [False] * runs
+    calls.clear()
+    layer(x).sum().backward()  # frozen weights, an input that wants its gradient
+    assert calls == [True] * runs and x.grad is not None
+
+
 def _grads_after(module, inputs, backward) -> list:
     for p in (*module.parameters(), *inputs):
         p.grad = None
@@ -182,3 +220,36 @@ def test_gpu_edges_of_the_kernel_path():
     xg = x.clone().requires_grad_(True)
     with pytest.raises(CodaInputError, match="create_graph=True"):
         torch.autograd.grad(layer(xg).float().square().sum(), xg, create_graph=True)
+
+
+def _math_attention(q, k, v):
+    """Causal GQA SDPA on its math backend: the same kernels whether autograd records or not
+    (cuDNN's may differ between a training and an inference forward)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(d=2048, n_heads=16, n_kv_heads=8, ffn=5632),
+        dict(d=1024, n_heads=16, n_kv_heads=8, ffn=3072, head_dim=128, qk_norm=True),
+    ],
+    ids=["llama-d2048", "qwen3-d1024"],
+)
+def test_gpu_a_forward_without_backward_is_the_training_forward(shape):
+    """H200, bf16: the layer's forward under ``torch.no_grad`` (F4 without SwiGLU's
+    pre-activation store; with QK-norm, F1 without z and its statistic) gives the training
+    forward's output bitwise, at the tuned tiles of the d=2048 and Qwen3-0.6B layers."""
+    torch.manual_seed(0)
+    layer = cnn.DecoderLayer(**shape, device="cuda", attention=_math_attention)
+    x = torch.randn(2, 256, shape["d"], device="cuda", dtype=torch.bfloat16)
+    want = layer(x.clone().requires_grad_(True))
+    with torch.no_grad():
+        got = layer(x)
+    assert coda.last_path("DecoderLayer")[0] == "kernel" and torch.equal(got, want)
