@@ -584,6 +584,14 @@ def without_row_kernels(fn):
     return _switched_off(fn, (norm_rows, "TRITON"), (drope.cached_head_rotation, "enabled"))
 
 
+def storing_for_backward(fn):
+    """``fn`` with every layer forward storing what a backward would read, also where none can
+    follow (``coda.autograd.LEAN_FORWARD`` off), as before session 61."""
+    from coda import autograd
+
+    return _switched_off(fn, (autograd, "LEAN_FORWARD"))
+
+
 def without_direct_triton(fn):
     """``fn`` with every coda Triton kernel launched through Triton's own call
     (``coda.kernels._triton.FAST_LAUNCH`` off), as before session 16."""

@@ -6,9 +6,11 @@ coda's layer is the steady state of a stack: it takes x0 with a0 = x0 * gamma1 a
 previous layer's last epilogue, and hands the next layer x2, a2, r2 (KERNELS.md F1..F5); the
 saved pre-activation u is written (training forward). ``coda_decoder_layer`` is what a user
 calls, ``coda.nn.DecoderLayer`` under ``torch.no_grad()``: its entry norm is a row kernel of its
-own (no previous layer hands it a0, r0) and it keeps nothing for backward;
-``coda_decoder_layer_before_row_kernels`` is the same call with this entry norm through
-Inductor as before ``coda.kernels.norm_rows`` (``without_row_kernels``). The floor's parts and
+own (no previous layer hands it a0, r0) and it keeps nothing for backward (since session 61:
+``coda_decoder_layer_storing_for_backward`` is the same call storing SwiGLU's pre-activation
+as before, ``storing_for_backward``); ``coda_decoder_layer_before_row_kernels`` is the same
+call with this entry norm through Inductor as before ``coda.kernels.norm_rows``
+(``without_row_kernels``). The floor's parts and
 every variant are timed round-robin (``interleaved``).
 """
 
@@ -17,7 +19,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import against_floor, beside_floor, row, selected, without_row_kernels
+from benchmarks._common import (
+    against_floor,
+    beside_floor,
+    row,
+    selected,
+    storing_for_backward,
+    without_row_kernels,
+)
 from benchmarks.bench_forward import ffn, heads
 from coda import nn as cnn
 from coda.kernels import gemm_residual_rms as grr
@@ -128,6 +137,7 @@ def run() -> list[dict]:
             "coda": lambda: coda_layer(x0, a0, r0, w, pos, freq, H, Hkv, d, f),
             # what a user calls: the module, its entry norm included (its own random weights)
             "coda_decoder_layer": lambda: layer(x),
+            "coda_decoder_layer_storing_for_backward": storing_for_backward(lambda: layer(x)),
             "coda_decoder_layer_before_row_kernels": without_row_kernels(lambda: layer(x)),
             "torch_eager": lambda: torch_layer(x0, w, cos, sin, H, Hkv),
             "torch_compile": lambda: compiled(x0, w, cos, sin, H, Hkv),

@@ -93,6 +93,11 @@ def differentiable_once(name: str) -> None:
         )
 
 
+# False: every layer forward stores what a backward would read, as before session 61 (the
+# layer benchmark's same-run comparison, ``benchmarks._common.storing_for_backward``)
+LEAN_FORWARD = True
+
+
 @dataclass(frozen=True)
 class LayerDims:
     batch: int
@@ -340,7 +345,9 @@ def decoder_layer(
     if freq is None:
         freq = cached_freq_table(hd, H + Hkv, Hkv, dims.rope_base, x0.device)
     weights = (g1, w_qkv, w_o, g2, w_il, w_d, *(qk_norm or ()))
-    train = torch.is_grad_enabled() and any(t.requires_grad for t in (x0, *weights))
+    train = not LEAN_FORWARD or (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (x0, *weights))
+    )
     if qk_norm is None:
         q, k, v, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, freq, dims)
     else:

@@ -100,10 +100,16 @@ def test_peak_alone_collects_first_and_refuses_a_block_that_freed_what_was_resid
 
 
 def test_a_switched_off_variant_sees_its_switches_off_and_restores_them():
-    """``without_plan_tapes`` / ``without_direct_triton`` / ``without_row_kernels`` run their
-    call with the switches off and put back what was there, also when the call raises."""
-    from benchmarks._common import without_direct_triton, without_plan_tapes, without_row_kernels
-    from coda import ops
+    """``without_plan_tapes`` / ``without_direct_triton`` / ``without_row_kernels`` /
+    ``storing_for_backward`` run their call with the switches off and put back what was
+    there, also when the call raises."""
+    from benchmarks._common import (
+        storing_for_backward,
+        without_direct_triton,
+        without_plan_tapes,
+        without_row_kernels,
+    )
+    from coda import autograd, ops
     from coda.kernels import _triton, drope, norm_rows
 
     switches = [
@@ -111,6 +117,7 @@ def test_a_switched_off_variant_sees_its_switches_off_and_restores_them():
         (_triton, "FAST_LAUNCH"),
         (norm_rows, "TRITON"),
         (drope.cached_head_rotation, "enabled"),
+        (autograd, "LEAN_FORWARD"),
     ]
     seen = []
 
@@ -118,10 +125,21 @@ def test_a_switched_off_variant_sees_its_switches_off_and_restores_them():
         seen.append([getattr(o, n) for o, n in switches])
         raise KeyError
 
-    for variant in (without_plan_tapes, without_direct_triton, without_row_kernels):
+    variants = (
+        without_plan_tapes,
+        without_direct_triton,
+        without_row_kernels,
+        storing_for_backward,
+    )
+    for variant in variants:
         with pytest.raises(KeyError):
             variant(call)()
-    off = [[False, True, True, True], [True, False, True, True], [True, True, False, False]]
+    off = [
+        [False, True, True, True, True],
+        [True, False, True, True, True],
+        [True, True, False, False, True],
+        [True, True, True, True, False],
+    ]
     assert seen == off
     assert all(getattr(o, n) is True for o, n in switches)
 

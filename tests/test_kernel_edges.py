@@ -133,6 +133,11 @@ def test_a_forward_no_backward_can_follow_keeps_nothing_for_one(
     calls.clear()
     layer(x).sum().backward()  # frozen weights, an input that wants its gradient
     assert calls == [True] * runs and x.grad is not None
+    calls.clear()
+    monkeypatch.setattr(coda.autograd, "LEAN_FORWARD", False)  # the benchmarks' "before"
+    with torch.no_grad():
+        assert torch.equal(layer(x.detach()), want)
+    assert calls == [True] * runs
 
 
 def _grads_after(module, inputs, backward) -> list:
