@@ -19,14 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import (
-    against_floor,
-    beside_floor,
-    row,
-    selected,
-    storing_for_backward,
-    without_row_kernels,
-)
+from benchmarks._common import against_floor, beside_floor, row, selected
+from benchmarks._switches import storing_for_backward, without_row_kernels
 from benchmarks.bench_forward import ffn, heads
 from coda import nn as cnn
 from coda.kernels import gemm_residual_rms as grr

@@ -45,6 +45,8 @@ from benchmarks._common import (
     row,
     selected,
     where_time_goes,
+)
+from benchmarks._switches import (
     without_direct_triton,
     without_loss_rows_kernels,
     without_plan_tapes,

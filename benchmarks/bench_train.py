@@ -38,8 +38,8 @@ from benchmarks._common import (
     settled_allocated,
     steady_idle,
     token_ids,
-    without_row_kernels,
 )
+from benchmarks._switches import without_row_kernels
 from benchmarks.bench_forward import ffn, heads
 from benchmarks.bench_layer import HD, S, attention, layer_widths, split_heads
 from coda import _quack

@@ -94,7 +94,7 @@ def differentiable_once(name: str) -> None:
 
 
 # False: every layer forward stores what a backward would read, as before session 61 (the
-# layer benchmark's same-run comparison, ``benchmarks._common.storing_for_backward``)
+# layer benchmark's same-run comparison, ``benchmarks._switches.storing_for_backward``)
 LEAN_FORWARD = True
 
 

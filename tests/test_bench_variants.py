@@ -103,7 +103,7 @@ def test_a_switched_off_variant_sees_its_switches_off_and_restores_them():
     """``without_plan_tapes`` / ``without_direct_triton`` / ``without_row_kernels`` /
     ``storing_for_backward`` run their call with the switches off and put back what was
     there, also when the call raises."""
-    from benchmarks._common import (
+    from benchmarks._switches import (
         storing_for_backward,
         without_direct_triton,
         without_plan_tapes,
