@@ -181,10 +181,9 @@ class AttentionInputQKNorm(torch.autograd.Function):
     Forward: F1 with the head norms and RoPE in its epilogue (the head statistic in a
     prepass), also storing z = rstd0 * acc on the q and k columns (as its even and odd
     columns; on v columns z is v) and the statistic s for the backward when ``train`` (a
-    backward can run); when head_dim
-    divides no tile width (``qk_norm_config``), F1 without rotation and one row pass
-    instead. Backward: the head norms' backward and dRoPE in one row pass (with the entry
-    norm's statistic), then B12 and B13 as in ``AttentionInput``."""
+    backward can run); when head_dim divides no tile width (``qk_norm_config``), F1 without
+    rotation and one row pass instead. Backward: the head norms' backward and dRoPE in one
+    row pass (with the entry norm's statistic), then B12 and B13 as in ``AttentionInput``."""
 
     @staticmethod
     def forward(ctx, x0, g1, w_qkv, q_norm, k_norm, positions, freq, dims: LayerDims, train: bool):
@@ -194,15 +193,15 @@ class AttentionInputQKNorm(torch.autograd.Function):
         a0, r0 = lib.norm_rows(x0, g1, dims.eps, False)  # F0
         cfg = qk_norm_config(hd)
         n_rot = (n_q + n_k) * hd
-        if cfg is not None and not train:  # F1 alone: z and s are the backward's
+        if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue
             head_w, plain = column_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype)
-            qkv = lib.gemm_qk_norm_rope(a0, w_qkv, r0, pos, freq, head_w, plain, hd, dims.eps, cfg)
-            ctx.dims = dims
-            return (*split_heads(qkv, dims), x0.view_as(x0))
-        if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue, z kept
-            head_w, plain = column_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype)
-            # z on the q and k columns only (on v columns it is the stored v, which attention
-            # keeps anyway), unless that width breaks the TMA store's 16-byte rows
+            if not train:  # no backward can run: z and s are not stored
+                qkv = lib.gemm_qk_norm_rope(
+                    a0, w_qkv, r0, pos, freq, head_w, plain, hd, dims.eps, cfg
+                )
+                return (*split_heads(qkv, dims), x0.view_as(x0))
+            # z kept on the q and k columns only (on v columns it is the stored v, which
+            # attention keeps anyway), unless that width breaks the TMA store's 16-byte rows
             z_cols = n_rot if n_rot % 16 == 0 else w_qkv.shape[1]
             qkv, z_even, z_odd, s = lib.gemm_qk_norm_rope_keep_z(
                 a0, w_qkv, r0, pos, freq, head_w, plain, hd, dims.eps, cfg, z_cols=z_cols
