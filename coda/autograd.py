@@ -98,6 +98,15 @@ def differentiable_once(name: str) -> None:
 LEAN_FORWARD = True
 
 
+def backward_can_follow(*inputs) -> bool:
+    """Whether a Function applied to ``inputs`` now records a backward (grad mode on and an
+    input requiring a gradient): where it does not, its forward stores nothing only that
+    backward would read (always stored with ``LEAN_FORWARD`` off)."""
+    if not LEAN_FORWARD:
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+
+
 @dataclass(frozen=True)
 class LayerDims:
     batch: int
@@ -343,13 +352,10 @@ def decoder_layer(
     root_float_use(dims.eps)
     if freq is None:
         freq = cached_freq_table(hd, H + Hkv, Hkv, dims.rope_base, x0.device)
-    weights = (g1, w_qkv, w_o, g2, w_il, w_d, *(qk_norm or ()))
-    train = not LEAN_FORWARD or (
-        torch.is_grad_enabled() and any(t.requires_grad for t in (x0, *weights))
-    )
     if qk_norm is None:
         q, k, v, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, freq, dims)
     else:
+        train = backward_can_follow(x0, g1, w_qkv, *qk_norm)
         q, k, v, x0_residual = AttentionInputQKNorm.apply(
             x0, g1, w_qkv, *qk_norm, positions, freq, dims, train
         )
@@ -358,6 +364,7 @@ def decoder_layer(
         check_attention_output(o4, q)
     o = o4.transpose(1, 2).reshape(x0.shape[0], H * hd)
     x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps)
+    train = backward_can_follow(x1, a1, r1, g2, w_il, w_d)  # (attention may own weights)
     return MLP.apply(x1, a1, r1, g2, w_il, w_d, (dims.batch, dims.seq), train)
 
 

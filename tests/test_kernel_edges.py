@@ -140,6 +140,40 @@ def test_a_forward_no_backward_can_follow_keeps_nothing_for_one(
     assert calls == [True] * runs
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_an_attention_with_weights_of_its_own_keeps_what_its_backward_reaches(
+    kernel_forced, monkeypatch, qk_norm
+):
+    """Each Function decides on its own inputs: with the layer frozen and its input needing
+    no gradient, an attention callable with a trainable weight still sends a gradient through
+    the MLP's backward, so F4 keeps the pre-activation there (while QK-norm's F1, which no
+    gradient reaches, stores nothing); the weight's gradient is the one a forward storing
+    everything gives, bitwise."""
+    from coda.autograd import sdpa_causal
+    from coda.kernels import library as lib
+
+    calls = []
+    for name, keeps in {"gemm_swiglu": True, "gemm_swiglu_only": False}.items():
+        real = getattr(lib, name)
+        monkeypatch.setattr(
+            lib, name, lambda *a, _f=real, _k=keeps, **k: calls.append(_k) or _f(*a, **k)
+        )
+    torch.manual_seed(0)
+    temperature = torch.nn.Parameter(torch.tensor(1.5, dtype=F64))
+    layer = cnn.DecoderLayer(
+        128, 2, 1, 96, dtype=F64, qk_norm=qk_norm,
+        attention=lambda q, k, v: sdpa_causal(q * temperature, k, v),
+    ).requires_grad_(False)  # fmt: skip
+    x = torch.randn(2, 5, 128, dtype=F64)
+    grads = []
+    for lean in (True, False):
+        monkeypatch.setattr(coda.autograd, "LEAN_FORWARD", lean)
+        temperature.grad = None
+        layer(x).square().sum().backward()
+        grads.append(temperature.grad)
+    assert calls == [True, True] and torch.equal(*grads)
+
+
 def _grads_after(module, inputs, backward) -> list:
     for p in (*module.parameters(), *inputs):
         p.grad = None
