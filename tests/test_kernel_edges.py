@@ -97,14 +97,9 @@ def test_kernel_path_runs_under_inference_mode(kernel_forced):
     assert coda.last_path("DecoderLayer")[0] == "kernel"
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_a_forward_no_backward_can_follow_keeps_nothing_for_one(
-    kernel_forced, monkeypatch, qk_norm
-):
-    """Where no backward can run (``torch.no_grad``, inference mode, nothing requiring a
-    gradient) the layer's F4 stores no SwiGLU pre-activation and, with QK-norm, its F1 no z
-    or head statistic: the output is a training forward's, bitwise; a training forward, and
-    a forward on frozen weights whose input still wants its gradient, keep them."""
+def _programs_chosen(monkeypatch) -> list:
+    """The list each F4 / QK-norm F1 launch appends to from now on: True where it stores what
+    its backward reads (``gemm_swiglu``, ``gemm_qk_norm_rope_keep_z``), False where not."""
     from coda.kernels import library as lib
 
     kept = {"gemm_swiglu": True, "gemm_swiglu_only": False}
@@ -115,6 +110,18 @@ def test_a_forward_no_backward_can_follow_keeps_nothing_for_one(
         monkeypatch.setattr(
             lib, name, lambda *a, _f=real, _k=keeps, **k: calls.append(_k) or _f(*a, **k)
         )
+    return calls
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_a_forward_no_backward_can_follow_keeps_nothing_for_one(
+    kernel_forced, monkeypatch, qk_norm
+):
+    """Where no backward can run (``torch.no_grad``, inference mode, nothing requiring a
+    gradient) the layer's F4 stores no SwiGLU pre-activation and, with QK-norm, its F1 no z
+    or head statistic: the output is a training forward's, bitwise; a training forward, and
+    a forward on frozen weights whose input still wants its gradient, keep them."""
+    calls = _programs_chosen(monkeypatch)
     torch.manual_seed(0)
     # head_dim 64: QK-norm's F1 takes the epilogue path (a tile holds whole heads)
     layer = cnn.DecoderLayer(128, 2, 1, 96, dtype=F64, qk_norm=qk_norm)
@@ -150,14 +157,8 @@ def test_an_attention_with_weights_of_its_own_keeps_what_its_backward_reaches(
     gradient reaches, stores nothing); the weight's gradient is the one a forward storing
     everything gives, bitwise."""
     from coda.autograd import sdpa_causal
-    from coda.kernels import library as lib
 
-    calls = []
-    for name, keeps in {"gemm_swiglu": True, "gemm_swiglu_only": False}.items():
-        real = getattr(lib, name)
-        monkeypatch.setattr(
-            lib, name, lambda *a, _f=real, _k=keeps, **k: calls.append(_k) or _f(*a, **k)
-        )
+    calls = _programs_chosen(monkeypatch)
     torch.manual_seed(0)
     temperature = torch.nn.Parameter(torch.tensor(1.5, dtype=F64))
     layer = cnn.DecoderLayer(
@@ -171,7 +172,9 @@ def test_an_attention_with_weights_of_its_own_keeps_what_its_backward_reaches(
         temperature.grad = None
         layer(x).square().sum().backward()
         grads.append(temperature.grad)
-    assert calls == [True, True] and torch.equal(*grads)
+    # (F1, then F4) in each forward: lean, then storing everything
+    assert calls == ([False, True, True, True] if qk_norm else [True, True])
+    assert torch.equal(*grads)
 
 
 def _grads_after(module, inputs, backward) -> list:
