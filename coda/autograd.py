@@ -5,7 +5,8 @@ labels the code below cites: every op outside attention is a GEMM epilogue or a 
 reduction. Per layer (x0 in, x2 out; "epi" = in the GEMM's epilogue):
 
     F0   a0 = x0 * gamma1, r0                    row kernel (``norm_rows.norm_rows``)
-    F1   q, k, v = RoPE(r0 * (a0 @ W_qkv))        epi: row scale, RoPE [, Qwen3's QK-norm]
+    F1   q, k, v = RoPE(r0 * (a0 @ W_qkv))        epi: row scale, RoPE [, Qwen3's QK-norm
+                                                  or Qwen2's bias]
     F2   o = attention(q, k, v)                   pluggable (SDPA by default)
     F3   x1 = x0 + o @ W_o; a1 = x1 * gamma2      epi: residual, norm input, sum of squares
     A1   r1 from F3's partials                    row kernel
@@ -18,7 +19,8 @@ reduction. Per layer (x0 in, x2 out; "epi" = in the GEMM's epilogue):
     B7   dW_il = gamma2 (rows) * (x1^T dz1)       epi: row scale
     B8   do = dx1 @ W_o^T;  B9  dW_o = o^T dx1    cuBLAS
     B10  dq, dk, dv                               attention's own backward
-    B11  dz0 from dq, dk, dv; A8: corr0           row kernel: dRoPE [, QK-norm's backward]
+    B11  dz0 from dq, dk, dv; A8: corr0           row kernel: dRoPE [, QK-norm's backward
+                                                  or the bias's gradient]
     B12  dx0 = norm backward of dz0 @ W_qkv^T     epi: + dx1 (residual); A9: dgamma1
     B13  dW_qkv = gamma1 (rows) * (x0^T dz0)      epi: row scale
 
@@ -184,6 +186,38 @@ class AttentionInput(torch.autograd.Function):
         return dx0, dg1, dw_qkv, None, None, None
 
 
+class AttentionInputBias(torch.autograd.Function):
+    """``AttentionInput`` for a QKV projection with a bias (Qwen2's q, k and v): F1 adds the
+    bias before RoPE and, when ``train`` (a backward can run), also stores z = rstd0 * acc
+    (no bias, as its even and odd columns) for B11, whose statistic reads it in place of the
+    rotated output (which a large bias would leave with few bits of z); B11 also returns the
+    bias's gradient, the column sums of the gradient before the rotation."""
+
+    @staticmethod
+    def forward(ctx, x0, g1, w_qkv, b_qkv, positions, freq, dims: LayerDims, train: bool):
+        M, d = x0.shape
+        pos = positions.float()
+        a0, r0 = lib.norm_rows(x0, g1, dims.eps, False)  # F0
+        cfg = config_for("rope", M, d, w_qkv.shape[1])
+        qkv, *z = lib.gemm_rope_bias(a0, w_qkv, r0, pos, freq, b_qkv, cfg, train)  # F1
+        if train:
+            ctx.save_for_backward(x0, r0, *z, g1, w_qkv, pos, freq)
+            ctx.dims, ctx.b_dtype = dims, b_qkv.dtype
+        return (*split_heads(qkv, dims), x0.view_as(x0))
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv, dres):
+        differentiable_once("AttentionInputBias")
+        x0, r0, z_even, z_odd, g1, w_qkv, pos, freq = ctx.saved_tensors
+        cos, sin = cached_head_rotation(pos, freq, ctx.dims.head_dim, r0.dtype)
+        d = x0.shape[1]
+        dz0, corr0, db = lib.drope_bias_rows(dq, dk, dv, z_even, z_odd, r0, cos, sin, d)  # B11
+        want_dw = ctx.needs_input_grad[2]
+        dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres, want_dw)
+        db = db.to(ctx.b_dtype) if ctx.needs_input_grad[3] else None
+        return dx0, dg1, dw_qkv, db, None, None, None, None
+
+
 class AttentionInputQKNorm(torch.autograd.Function):
     """``AttentionInput`` for Qwen3's per-head QK-norm (``coda.kernels.qk_norm``).
 
@@ -339,11 +373,13 @@ def decoder_layer(
     attention=None,
     freq=None,
     qk_norm=None,
+    qkv_bias=None,
 ):
     """One decoder layer on token rows x0 (M, d) as the composition of the kernel-path
     Functions, with ``attention`` (default ``sdpa_causal``) between them, differentiated by
     its own autograd. ``freq``: the RoPE epilogue's per-column frequency table (default: from
-    ``dims.rope_base``); ``qk_norm``: Qwen3's (q_norm, k_norm) head-norm weights, or None.
+    ``dims.rope_base``); ``qk_norm``: Qwen3's (q_norm, k_norm) head-norm weights, or None;
+    ``qkv_bias``: Qwen2's QKV bias (Nqkv,) in W_qkv's column order, or None (not both).
     Returns x2 (batch, seq, d), a tensor of its own (not a view of an (M, d) one). Where no
     backward can run (``torch.no_grad``, inference mode, nothing requiring a gradient, a
     reentrant checkpoint's first pass), the GEMMs store nothing only a backward reads
@@ -352,13 +388,18 @@ def decoder_layer(
     root_float_use(dims.eps)
     if freq is None:
         freq = cached_freq_table(hd, H + Hkv, Hkv, dims.rope_base, x0.device)
-    if qk_norm is None:
-        q, k, v, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, freq, dims)
-    else:
+    if qk_norm is not None:
         train = backward_can_follow(x0, g1, w_qkv, *qk_norm)
         q, k, v, x0_residual = AttentionInputQKNorm.apply(
             x0, g1, w_qkv, *qk_norm, positions, freq, dims, train
         )
+    elif qkv_bias is not None:
+        train = backward_can_follow(x0, g1, w_qkv, qkv_bias)
+        q, k, v, x0_residual = AttentionInputBias.apply(
+            x0, g1, w_qkv, qkv_bias, positions, freq, dims, train
+        )
+    else:
+        q, k, v, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, freq, dims)
     o4 = (attention or sdpa_causal)(q, k, v)
     if attention is not None:
         check_attention_output(o4, q)

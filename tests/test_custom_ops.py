@@ -98,6 +98,8 @@ def op_samples():
     theta = torch.randn(rows, hd // 2)
     rot = (torch.rand(rows) + 0.5, theta.cos(), theta.sin())
     samples["drope_rows"] = (dq, dk, dv, _r(rows, n_qkv), *rot, d)
+    z_half = (_r(rows, n_qkv // 2), _r(rows, n_qkv // 2))  # F1's z with a QKV bias, kept whole
+    samples["drope_bias_rows"] = (dq, dk, dv, *z_half, *rot, d)
     samples["dqk_norm_rows"] = (
         dq,
         dk,
@@ -119,6 +121,8 @@ def op_samples():
     # the training variant of the QK-norm epilogue: the same inputs, and z kept on the first
     # 32 of N = 64 columns (the tiles past them clipped)
     samples["gemm_qk_norm_rope_keep_z"] = (*samples["gemm_qk_norm_rope"], 32)
+    # F1 with Qwen2's QKV bias, z kept for the backward (without it: the test below)
+    samples["gemm_rope_bias"] = (*samples["gemm_rope"][:5], _r(N), CFG, True)
     return samples
 
 
@@ -126,6 +130,14 @@ def op_samples():
 def test_opcheck(name):
     args = op_samples()[name]
     torch.library.opcheck(library.OPS[name], args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_opcheck_gemm_rope_bias_without_z():
+    """The bias op's other output list (no backward can follow: the rotated output alone)."""
+    args = (*op_samples()["gemm_rope_bias"][:-1], False)
+    torch.library.opcheck(
+        library.OPS["gemm_rope_bias"], args, test_utils=("test_schema", "test_faketensor")
+    )
 
 
 def test_every_op_is_sampled():

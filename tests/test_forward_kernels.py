@@ -324,6 +324,8 @@ COMPILES = {
     "swiglu_keep_preact": lambda m: sw.compile_gemm_swiglu(256, 512, save_preact=True, w_major=m),
     "swiglu_only": lambda m: sw.compile_gemm_swiglu(256, 512, save_preact=False, w_major=m),
     "rope": lambda m: rp.compile_gemm_rope(256, 640, w_major=m),
+    "rope_bias": lambda m: rp.compile_gemm_rope_bias(256, 640, w_major=m),
+    "rope_bias_keep_z": lambda m: rp.compile_gemm_rope_bias(256, 640, keep_z=True, w_major=m),
     "lm_head_stats": lambda m: ce.compile_lm_head_stats(256, 1000, w_major=m),
     "scale_rows": lambda m: rg.compile_gemm_scale_rows(256, 520, w_major=m),
 }

@@ -26,7 +26,7 @@ def _grads(module, x, run, dy=None):
     return out.detach(), [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(9))
 def test_layer_kernel_sequence_equals_reference_float64(seed):
     rng = random.Random(seed)
     Hkv = rng.choice([1, 2])
@@ -34,12 +34,17 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
     d, f = rng.randrange(3, 70), rng.randrange(1, 60)
     B, S = rng.choice([1, 2, 3]), rng.choice([1, 2, 5, 13])
     torch.manual_seed(seed)
-    eps, qk_norm = rng.choice([1e-5, 1e-2]), seed % 2 == 1  # odd seeds: Qwen3's QK-norm
-    layer = cnn.DecoderLayer(d, H, Hkv, f, head_dim=hd, eps=eps, dtype=F64, qk_norm=qk_norm)
+    # seeds 1, 4, 7: Qwen3's QK-norm; 2, 5, 8: Qwen2's QKV biases (large: Qwen2's k bias is)
+    eps, qk_norm, qkv_bias = rng.choice([1e-5, 1e-2]), seed % 3 == 1, seed % 3 == 2
+    layer = cnn.DecoderLayer(
+        d, H, Hkv, f, head_dim=hd, eps=eps, dtype=F64, qk_norm=qk_norm, qkv_bias=qkv_bias
+    )
     with torch.no_grad():
         for gam in (layer.attention_norm, layer.ffn_norm, layer.q_norm, layer.k_norm):
             if gam is not None:
                 gam.add_(0.1 * torch.randn_like(gam))
+        if qkv_bias:
+            layer.b_qkv.copy_(10 * torch.randn_like(layer.b_qkv))
     x = torch.randn(B, S, d, dtype=F64, requires_grad=True)
     dy = torch.randn(B, S, d, dtype=F64)
     out_k, g_k = _grads(layer, x, lambda: layer._kernel_forward(x), dy)

@@ -1,5 +1,6 @@
 """The hand-written Triton kernels against their torch oracles: B11's row passes
-(``coda.kernels.row_passes`` vs ``drope.drope_heads``, ``qk_norm.dqk_norm_rope_heads``), the
+(``coda.kernels.row_passes`` vs ``drope.drope_heads``, ``drope.drope_bias_heads``,
+``qk_norm.dqk_norm_rope_heads``), the
 LM head's exact target entries (``coda.kernels.target_terms`` vs the torch form of
 ``add_target_terms``) and its final-norm backward with those entries folded in
 (``coda.kernels.final_norm_rows`` vs ``head_norm_bwd_torch``): on the CPU through Triton's
@@ -32,9 +33,13 @@ def row_pass_case(B, S, H, Hkv, hd, dtype, device="cpu", contiguous_q=False, see
     """Inputs of both passes, and the largest error of each output against its oracle, in
     units of the output's largest magnitude. ``shape``: the kernels' (rows per program,
     warps), else their default."""
-    from coda.kernels.drope import drope_heads
+    from coda.kernels.drope import drope_bias_heads, drope_heads
     from coda.kernels.qk_norm import dqk_norm_rope_heads
-    from coda.kernels.row_passes import dqk_norm_rope_heads_triton, drope_heads_triton
+    from coda.kernels.row_passes import (
+        dqk_norm_rope_heads_triton,
+        drope_bias_heads_triton,
+        drope_heads_triton,
+    )
 
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -76,6 +81,10 @@ def row_pass_case(B, S, H, Hkv, hd, dtype, device="cpu", contiguous_q=False, see
         z_even, z_odd = z[:, 0:cols:2].contiguous(), z[:, 1:cols:2].contiguous()
         split = dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, z_v, s_q, *rest, shape=shape)
         out[name] = errs(split, ref)
+    # with a QKV bias (Qwen2): the statistic on F1's stored z, the bias's gradient
+    z_even, z_odd = z[:, 0::2].contiguous(), z[:, 1::2].contiguous()
+    args = (dq, dk, dv, z_even, z_odd, rstd, cos, sin, d)
+    out["bias"] = errs(drope_bias_heads_triton(*args, shape=shape), drope_bias_heads(*args))
     return out
 
 
@@ -213,7 +222,7 @@ def test_kernel_path_runs_the_triton_kernels_in_the_interpreter():
     cmd += ["layer_kernel_sequence or lm_head_kernel_sequence", "tests/test_kernel_path_cpu.py"]
     proc = triton_child.run(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "22 passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]
+    assert "25 passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]
 
 
 def test_row_passes_detect_a_wrong_rotation():

@@ -20,7 +20,11 @@ from coda.kernels.config import DEFAULT, GemmConfig
 # kernel -> compile every program the kernel's lookups serve, at small shapes, on ``config``
 # (sum of compiles done: 0 when quack's jit cache already held them)
 COMPILE = {
-    "rope": lambda c: rp.compile_gemm_rope(256, 640, config=c),
+    "rope": lambda c: (  # with Qwen2's QKV bias too, the training form keeping z
+        rp.compile_gemm_rope(256, 640, config=c)
+        + rp.compile_gemm_rope_bias(256, 640, config=c)
+        + rp.compile_gemm_rope_bias(256, 640, keep_z=True, config=c)
+    ),
     "scale_rows": lambda c: rg.compile_gemm_scale_rows(256, 520, config=c),
     "residual": lambda c: (
         grr.compile_gemm_residual_rms(256, 520, gamma=True, config=c)

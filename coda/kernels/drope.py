@@ -5,6 +5,8 @@
     S0   = (1 / rstd0) * sum_n (dqkv * qkv_rot)              rotation invariance [I5.3]
     corr0 = -(rstd0^3 / d) * S0
 
+With a QKV bias (F1 rotates z + bias) the statistic reads F1's stored z = rstd0 * acc instead
+of the rotated output (``drope_bias_rows``), which also returns the bias's gradient.
 It reads the attention backward's dq, dk, dv and the saved rotated q, k, v. These torch
 functions are the CPU path and the oracle; on the GPU the same pass runs as one Triton kernel
 (``row_passes.drope_heads_triton``). KERNELS.md's v2 plan folds it into the attention backward.
@@ -75,3 +77,28 @@ def pack_heads(dq, dk, dv):
 def drope_heads(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads: int, head_dim: int, d: int):
     """``drope_rows`` on the head gradients as attention returns them."""
     return drope_rows(pack_heads(dq, dk, dv), qkv, rstd, cos, sin, n_rot_heads, head_dim, d)
+
+
+def drope_bias_rows(dqkv, z, rstd, cos, sin, n_rot_heads: int, head_dim: int, d: int):
+    """B11 for a QKV projection with a bias (z + bias rotated in F1): the head gradients rotated
+    back, d_pre; dz~0 = rstd0 * d_pre; S0 = sum_n d_pre * z / rstd0 on F1's stored z (rstd0 acc,
+    no bias: the statistic is the norm's, whose output the bias does not see); dbias = the
+    column sums of d_pre. Returns (dz~0 in dqkv's dtype, corr0, dbias (Nqkv,) fp32)."""
+    M = dqkv.shape[0]
+    n_rot = n_rot_heads * head_dim
+    pre = dqkv.to(acc_dtype(dqkv))  # a copy: bf16 in, fp32 out (float64 stays float64)
+    pre = pre.clone() if pre is dqkv else pre
+    rot = pre[:, :n_rot].view(M, n_rot_heads, head_dim // 2, 2)
+    p1, p2 = rotate_pairs(rot[..., 0], rot[..., 1], cos[:, None, :], sin[:, None, :], True)
+    pre[:, :n_rot] = torch.stack([p1, p2], -1).view(M, -1)
+    S0 = (pre * z.to(pre.dtype)).sum(-1) / rstd
+    dz0 = (pre * rstd[:, None]).to(dqkv.dtype)
+    return dz0, norm_correction(rstd, S0, d), pre.sum(0)
+
+
+def drope_bias_heads(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d: int):
+    """``drope_bias_rows`` on the head gradients as attention returns them and F1's z as its
+    even and odd columns (``gemm_rope.rope_scaled_bias_keep_z``'s stores)."""
+    z = torch.stack([z_even, z_odd], dim=-1).flatten(1)
+    n_rot, hd = dq.shape[1] + dk.shape[1], dq.shape[-1]
+    return drope_bias_rows(pack_heads(dq, dk, dv), z, rstd, cos, sin, n_rot, hd, d)

@@ -11,6 +11,9 @@ The angle is computed in the epilogue from pos and a per-column float-float freq
 (inv_freq / 2pi in turns, exact range reduction; quack's angle math), so no (S x hd) table is
 read, and V columns carry frequency 0: an exact identity. Supported: bf16, K and Nqkv multiples
 of 8, even head_dim; any M. Tests: tests/test_forward_kernels.py.
+
+With a QKV bias (Qwen2's q, k, v projections): z = rstd * acc + bias (VEC-LD ROW bias) before
+the rotation; the training form also stores rstd * acc (``rope_scaled_bias_keep_z``).
 """
 
 from __future__ import annotations
@@ -23,16 +26,38 @@ import torch
 from coda.env import TensorMemo, host_cache
 from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
-from coda.primitives import ColLoad, RowLoad, epilogue_program, pack, unpack
+from coda.primitives import ColLoad, RowLoad, TileStore, epilogue_program, pack, unpack
 from coda.primitives.math import rotation
 from coda.reference.rope import gemm_rope_ref  # noqa: F401  (the op's reference)
 
 
+def _rotated(z, pos, freq):
+    x1, x2 = unpack(z)
+    s, c = rotation(pos, freq)
+    return pack(x1 * c - x2 * s, x1 * s + x2 * c)
+
+
 @epilogue_program(inputs=[ColLoad("rstd"), ColLoad("pos"), RowLoad("freq")], mode="pair")
 def rope_scaled(acc, rstd, pos, freq):
-    x1, x2 = unpack(acc * rstd)
-    s, c = rotation(pos, freq)
-    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+    return {"D": _rotated(acc * rstd, pos, freq)}
+
+
+# a QKV projection with a bias (Qwen2): z = rstd * acc + bias, rotated. Training also stores
+# z without the bias, as its even and odd columns (the backward's norm statistic reads it:
+# the stored output, rounded at the bias's magnitude, would lose what a large bias dwarfs)
+_BIASED = [ColLoad("rstd"), ColLoad("pos"), RowLoad("freq"), RowLoad("bias")]
+
+
+@epilogue_program(inputs=_BIASED, mode="pair")
+def rope_scaled_bias(acc, rstd, pos, freq, bias):
+    return {"D": _rotated(acc * rstd + bias, pos, freq)}
+
+
+@epilogue_program(inputs=_BIASED, stores=[TileStore("z_even"), TileStore("z_odd")], mode="pair")
+def rope_scaled_bias_keep_z(acc, rstd, pos, freq, bias):
+    z = acc * rstd
+    z_even, z_odd = unpack(z)
+    return {"D": _rotated(z + bias, pos, freq), "z_even": z_even, "z_odd": z_odd}
 
 
 def rope_freq_table(
@@ -114,6 +139,23 @@ def gemm_rope_kernel(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT, dr
     return compiled if dry else qkv
 
 
+def gemm_rope_bias_kernel(a, w_qkv, rstd, pos, freq, bias, config=DEFAULT, keep_z=False, dry=False):
+    """``gemm_rope_kernel`` with a per-column ``bias`` (Nqkv,) added before the rotation.
+    ``keep_z`` (training): returns (qkv, z_even, z_odd), z = rstd * acc without the bias as its
+    even and odd columns (M x Nqkv / 2 each, a.dtype), what ``drope_bias_heads`` reads."""
+    M, N = a.shape[0], w_qkv.shape[1]
+    qkv = a.new_empty(M, N)
+    operands = {"rstd": rstd, "pos": pos, "freq": freq, "bias": bias}
+    outputs = {"z_even": a.new_empty(M, N // 2), "z_odd": a.new_empty(M, N // 2)} if keep_z else {}
+    program = rope_scaled_bias_keep_z if keep_z else rope_scaled_bias
+    compiled = launch(
+        program, a, w_qkv, config=config, d=qkv, operands=operands, outputs=outputs, dry=dry
+    )
+    if dry:
+        return compiled
+    return (qkv, outputs["z_even"], outputs["z_odd"]) if keep_z else qkv
+
+
 def gemm_rope_interpreted(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT):
     operands = {"rstd": rstd, "pos": pos, "freq": freq}
     return interpret_gemm(rope_scaled, a, w_qkv, config=config, operands=operands)["D"]
@@ -123,3 +165,9 @@ def compile_gemm_rope(k, n, *, w_major="n", config=DEFAULT, m=256, pos_dtype=tor
     a, w = example_operands(m, k, n, w_major)
     pos = torch.zeros(m, dtype=pos_dtype)
     return gemm_rope_kernel(a, w, torch.empty(m), pos, torch.empty(n), config, dry=True)
+
+
+def compile_gemm_rope_bias(k, n, *, keep_z=False, w_major="n", config=DEFAULT, m=256) -> int:
+    a, w = example_operands(m, k, n, w_major)
+    pos, r, f, b = torch.zeros(m), torch.empty(m), torch.empty(n), torch.empty(n, dtype=a.dtype)
+    return gemm_rope_bias_kernel(a, w, r, pos, f, b, config, keep_z=keep_z, dry=True)

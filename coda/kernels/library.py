@@ -19,6 +19,7 @@ its backward compile was formatting IR when cut (run 136).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 
@@ -45,15 +46,8 @@ from coda.kernels.config import GemmConfig
 
 
 def _cfg(c: GemmConfig) -> list[int]:
-    return [
-        c.tile_m,
-        c.tile_n,
-        c.cluster_m,
-        c.cluster_n,
-        int(c.pingpong),
-        c.max_swizzle_size,
-        c.split_k,
-    ]
+    """A config as the op's seven ints (its fields in order; pingpong as 0 / 1)."""
+    return [int(v) for v in dataclasses.astuple(c)]
 
 
 def _gc(c: list[int]) -> GemmConfig:
@@ -122,6 +116,27 @@ def _gemm_rope(
 @_fake(_gemm_rope)
 def _(a, w, rstd, pos, freq, cfg):
     return _empty(a.shape[0], w.shape[1], like=a)
+
+
+@torch.library.custom_op("coda::gemm_rope_bias", mutates_args=())
+def _gemm_rope_bias(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    rstd: torch.Tensor,
+    pos: torch.Tensor,
+    freq: torch.Tensor,
+    bias: torch.Tensor,
+    cfg: list[int],
+    keep_z: bool,
+) -> list[torch.Tensor]:
+    out = _rope.gemm_rope_bias_kernel(a, w, rstd, pos, freq, bias, _gc(cfg), keep_z)
+    return list(out) if keep_z else [out]
+
+
+@_fake(_gemm_rope_bias)
+def _(a, w, rstd, pos, freq, bias, cfg, keep_z):
+    M, N = a.shape[0], w.shape[1]
+    return [_empty(M, N, like=a)] + [_empty(M, N // 2, like=a) for _ in range(2 * keep_z)]
 
 
 @torch.library.custom_op("coda::gemm_qk_norm_rope", mutates_args=())
@@ -418,6 +433,28 @@ def _(dq, dk, dv, qkv, rstd, cos, sin, d):
     return _empty(*qkv.shape, like=qkv), _empty(qkv.shape[0], like=rstd)
 
 
+@torch.library.custom_op("coda::drope_bias_rows", mutates_args=())
+def _drope_bias_rows(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    z_even: torch.Tensor,
+    z_odd: torch.Tensor,
+    rstd: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    d: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _rp.drope_bias_pass(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d)
+
+
+@_fake(_drope_bias_rows)
+def _(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d):
+    M, N = z_even.shape[0], 2 * z_even.shape[1]
+    acc = acc_dtype(z_even)
+    return _empty(M, N, like=z_even), _empty(M, like=rstd), _empty(N, like=z_even, dtype=acc)
+
+
 @torch.library.custom_op("coda::dqk_norm_rows", mutates_args=())
 def _dqk_norm_rows(
     dq: torch.Tensor,
@@ -474,6 +511,13 @@ def _either(op, direct):
 gemm_rope = _either(
     lambda a, w, r, p, f, c: _gemm_rope(a, w, r, p, f, _cfg(c)), _rope.gemm_rope_kernel
 )
+gemm_rope_bias = _either(  # [qkv] or, with keep_z, [qkv, z_even, z_odd]
+    lambda a, w, r, p, f, b, c, keep_z: _gemm_rope_bias(a, w, r, p, f, b, _cfg(c), keep_z),
+    lambda a, w, r, p, f, b, c, keep_z: (
+        _rope.gemm_rope_bias_kernel(a, w, r, p, f, b, c, keep_z) if keep_z
+        else [_rope.gemm_rope_bias_kernel(a, w, r, p, f, b, c)]
+    ),
+)  # fmt: skip
 gemm_qk_norm_rope = _either(
     lambda a, w, r, p, f, hw, pl, hd, eps, c: _gemm_qk_norm_rope(
         a, w, r, p, f, hw, pl, hd, eps, _cfg(c)
@@ -534,6 +578,7 @@ lm_head_bwd = _either(
 # (its input comes from an op's GEMM, the embedding's gather, or the step's input)
 norm_rows = _either(_norm_rows, _nr.norm_rows)
 drope_rows = _either(_drope_rows, _rp.drope_pass)
+drope_bias_rows = _either(_drope_bias_rows, _rp.drope_bias_pass)
 embedding_backward = _either(_embedding_backward, _emb.embedding_backward)
 dqk_norm_rows = _either(_dqk_norm_rows, _rp.dqk_norm_pass)
 
@@ -553,6 +598,7 @@ lm_head_scaled = _lm_head_gradients(_lm_head_scaled, _cse.linear_cross_entropy_s
 # every op, for tests (opcheck) and reports
 OPS = {
     "gemm_rope": _gemm_rope,
+    "gemm_rope_bias": _gemm_rope_bias,
     "gemm_qk_norm_rope": _gemm_qk_norm_rope,
     "gemm_qk_norm_rope_keep_z": _gemm_qk_norm_rope_keep_z,
     "gemm_residual_rms": _gemm_residual_rms,
@@ -570,6 +616,7 @@ OPS = {
     "lm_head_scaled": _lm_head_scaled,
     "norm_rows": _norm_rows,
     "drope_rows": _drope_rows,
+    "drope_bias_rows": _drope_bias_rows,
     "dqk_norm_rows": _dqk_norm_rows,
     "embedding_backward": _embedding_backward,
 }

@@ -14,7 +14,9 @@ pair views: 1.5 ms per Llama-1B layer and 3.2 ms per Qwen3-0.6B layer for ~0.1 m
   and writes one tile of dz~0 = rstd0 * [RoPE^T(...) | dv] (the B12/B13 operand);
 - the row statistic S0 = sum_n [...] * z / rstd0 leaves as per-head partials (M x heads,
   fp32), summed by one small torch reduction: no atomics, so the pass is deterministic;
-- the QK-norm weights' gradients leave as per-(row block, head) partials, summed likewise.
+- the QK-norm weights' gradients leave as per-(row block, head) partials, summed likewise;
+  so does a QKV bias's gradient (``drope.drope_bias_rows``: Qwen2), whose pass reads F1's
+  stored z for the statistic instead of the rotated output.
 
 The pair rotation is ``tl.split`` / ``tl.join`` of a tile's adjacent columns: loads and
 stores stay whole contiguous head rows. Statistics in fp32 (float64 for float64 inputs: the
@@ -30,7 +32,7 @@ import triton.language as tl
 
 from coda.kernels._launch import acc_dtype
 from coda.kernels._triton import acc_type, cdiv, compile_sm90, kernel, next_power_of_2, on_triton
-from coda.kernels.drope import drope_heads
+from coda.kernels.drope import drope_bias_heads, drope_heads
 from coda.kernels.norm_rows import CORR_SCALED, row_stat
 from coda.kernels.qk_norm import dqk_norm_rope_heads_split_z
 
@@ -130,6 +132,47 @@ def _drope_kernel(
     x1, x2 = tl.split(tl.reshape(x, (BM, HP // 2, 2)))
     y = tl.reshape(tl.join((x1 * c + x2 * sn) * r, (x2 * c - x1 * sn) * r), (BM, HP))
     tl.store(out + at, y.to(out.dtype.element_ty), mask=mask)
+
+
+def _drope_bias_kernel(
+    dq, dk, dv, z_even, z_odd, rstd, cos, sin, out, s_part, db_part,
+    M, S, n_q, n_k, z_row,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+    HD: tl.constexpr, HP: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """``drope.drope_bias_rows``: as ``_drope_kernel``, with the statistic on F1's stored z
+    (its even and odd columns) and the bias's gradient as per-(row block, head) partials."""
+    h = tl.program_id(0)
+    blk = tl.program_id(1)
+    rows = blk * BM + tl.arange(0, BM)
+    live = rows < M
+    x = _head_gradient_tile(
+        dq, dk, dv, h, rows, M, S, n_q, n_k,
+        sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, HD, HP, ACC,
+    )  # fmt: skip
+    d1, d2 = tl.split(tl.reshape(x, (BM, HP // 2, 2)))
+    j = tl.arange(0, HP)
+    i = tl.arange(0, HP // 2)
+    mask = live[:, None] & (j < HD)[None, :]
+    half_mask = live[:, None] & (i < HD // 2)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    rot = h < n_q + n_k  # v heads: no rotation (cos 1, sin 0)
+    half = r64 * (HD // 2) + i[None, :]
+    c = tl.where(rot, tl.load(cos + half, mask=half_mask, other=1.0).to(ACC), 1.0)
+    sn = tl.where(rot, tl.load(sin + half, mask=half_mask, other=0.0).to(ACC), 0.0)
+    p1, p2 = d1 * c + d2 * sn, d2 * c - d1 * sn  # the gradient before the rotation
+    zc = r64 * z_row + h * (HD // 2) + i[None, :]  # z's pair (2i, 2i + 1) of head h
+    z1 = tl.load(z_even + zc, mask=half_mask, other=0.0).to(ACC)
+    z2 = tl.load(z_odd + zc, mask=half_mask, other=0.0).to(ACC)
+    n_heads = n_q + 2 * n_k
+    tl.store(s_part + rows.to(tl.int64) * n_heads + h, tl.sum(p1 * z1 + p2 * z2, 1), mask=live)
+    db = tl.join(tl.sum(p1, 0), tl.sum(p2, 0))  # (hd/2, 2): this block's bias gradient
+    tl.store(db_part + (blk * n_heads + h) * HD + j, tl.reshape(db, (HP,)), mask=j < HD)
+    r = tl.load(rstd + rows, mask=live, other=1.0).to(ACC)[:, None]
+    y = tl.reshape(tl.join(p1 * r, p2 * r), (BM, HP))
+    tl.store(
+        out + r64 * (n_heads * HD) + h * HD + j[None, :], y.to(out.dtype.element_ty), mask=mask
+    )
 
 
 def _dqk_norm_kernel(
@@ -237,6 +280,30 @@ def drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot_heads, head_dim, d
     return out, _row_statistic(s_part, rstd, d)
 
 
+def drope_bias_heads_triton(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d, shape=None):
+    """``drope.drope_bias_heads`` in one pass. Returns (dz~0 (M, Nqkv) in z's dtype, corr0
+    (M,), dbias (Nqkv,) fp32). ``shape``: as ``drope_heads_triton``'s."""
+    B, n_q, S, hd = dq.shape
+    n_k = dk.shape[1]
+    n_heads = n_q + 2 * n_k
+    M = z_even.shape[0]
+    assert z_even.stride() == z_odd.stride() and z_even.stride(1) == 1
+    assert z_even.shape[1] == n_heads * hd // 2
+    _rows_contiguous(rstd, cos, sin)
+    (dq, dk, dv), strides = _head_strides(dq, dk, dv)
+    out = z_even.new_empty(M, n_heads * hd)
+    s_part = out.new_empty(M, n_heads, dtype=acc_dtype(z_even))
+    bm, warps = launch_shape("drope", hd, shape)
+    blocks = cdiv(M, bm)
+    db_part = out.new_empty(blocks, n_heads * hd, dtype=s_part.dtype)
+    kernel(_drope_bias_kernel)[(n_heads, blocks)](
+        dq, dk, dv, z_even, z_odd, rstd, cos, sin, out, s_part, db_part,
+        M, S, n_q, n_k, z_even.stride(0), *strides,
+        HD=hd, HP=next_power_of_2(hd), BM=bm, ACC=acc_type(z_even), num_warps=warps,
+    )  # fmt: skip
+    return out, _row_statistic(s_part, rstd, d), db_part.sum(0)
+
+
 def dqk_norm_rope_heads_triton(
     dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, head_dim, d,
     shape=None,
@@ -285,6 +352,15 @@ def drope_pass(dq, dk, dv, qkv, rstd, cos, sin, d: int):
     return drope_heads(dq, dk, dv, qkv, rstd, cos, sin, n_rot, hd, d)
 
 
+def drope_bias_pass(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d: int):
+    """B11 with a QKV bias: (dz~0, corr0, dbias) from attention's dq, dk, dv and F1's z
+    (``gemm_rope.rope_scaled_bias_keep_z``'s even and odd columns): the Triton kernel on the
+    GPU, the torch oracle on the CPU."""
+    if on_triton(z_even):
+        return drope_bias_heads_triton(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d)
+    return drope_bias_heads(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d)
+
+
 def dqk_norm_pass(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d: int):
     """B11 with Qwen3's head norms: (dz~0, corr0, dq_norm, dk_norm) from attention's dq, dk,
     dv, the forward's z on the q and k columns (as its even and odd columns, or whole:
@@ -300,13 +376,15 @@ def dqk_norm_pass(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_n
 POINTERS = {n: "*bf16" for n in ("dq", "dk", "dv", "qkv", "out", "z_even", "z_odd", "z_v")}
 POINTERS.update({n: "*bf16" for n in ("q_norm", "k_norm")})
 POINTERS.update({n: "*fp32" for n in ("rstd", "cos", "sin", "s_part", "dw_part", "s_head")})
+POINTERS["db_part"] = "*fp32"
 
 
 def compile_row_passes(head_dim: int, arch: int = 90, shape=None) -> list[int]:
-    """Both kernels (bf16 tensors) at their launch shapes (``launch_shape``) compiled for
+    """The three kernels (bf16 tensors) at their launch shapes (``launch_shape``) compiled for
     ``sm_{arch}`` on the CPU: cubin sizes."""
     sizes = []
-    for name, fn in (("drope", _drope_kernel), ("dqk_norm", _dqk_norm_kernel)):
+    kernels = (("drope", _drope_kernel), ("dqk_norm", _dqk_norm_kernel))
+    for name, fn in (*kernels, ("drope", _drope_bias_kernel)):
         bm, warps = launch_shape(name, head_dim, shape)
         hp = next_power_of_2(head_dim)
         consts = {"HD": head_dim, "HP": hp, "BM": bm, "ACC": tl.float32}

@@ -1,5 +1,6 @@
-"""``DecoderLayer``: a Llama (or Qwen3, with QK-norm) decoder layer whose kernel path is
-``coda.autograd.decoder_layer``'s fused sequence: pre-norm RMSNorm, GQA causal attention
+"""``DecoderLayer``: a Llama decoder layer (or Qwen3's, with QK-norm; or Qwen2's, with QKV
+biases) whose kernel path is ``coda.autograd.decoder_layer``'s fused sequence: pre-norm
+RMSNorm, GQA causal attention
 (SDPA by default, any attention callable) with RoPE, SwiGLU MLP, residuals. Weights in coda's
 paired layouts (``coda.nn``'s docstring); HF state dicts convert exactly."""
 
@@ -34,6 +35,7 @@ HF_KEYS = {  # each weight of a layer: the HF ``LlamaDecoderLayer`` weights it i
     "w_d": ("mlp.down_proj.weight",),
     "q_norm": ("self_attn.q_norm.weight",),
     "k_norm": ("self_attn.k_norm.weight",),
+    "b_qkv": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
 }
 
 
@@ -43,6 +45,8 @@ class DecoderLayer(FormerNames, nn.Module):
     paths in place of the default causal GQA SDPA (e.g. a flash-attention or HF attention
     function); it is differentiated by autograd. ``qk_norm``: Qwen3's per-head RMSNorm of q
     and k before RoPE (weights ``q_norm``, ``k_norm`` of head_dim, eps = ``eps``).
+    ``qkv_bias``: Qwen2's biases of the q, k and v projections (``b_qkv``, (Nqkv,) in
+    ``w_qkv``'s column order, added before RoPE; not with ``qk_norm``).
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -67,8 +71,11 @@ class DecoderLayer(FormerNames, nn.Module):
         attention=None,
         inv_freq=None,
         qk_norm: bool = False,
+        qkv_bias: bool = False,
     ):
         super().__init__()
+        if qk_norm and qkv_bias:
+            raise v.CodaInputError("DecoderLayer: qk_norm and qkv_bias together are not supported")
         hd = v.check_heads(d, n_heads, n_kv_heads, head_dim)
         v.check_positive_number("rope_base", rope_base)
         v.check_param_dtype(dtype)
@@ -120,6 +127,8 @@ class DecoderLayer(FormerNames, nn.Module):
         # Qwen3's per-head QK-norm weights (hd,), in the adjacent-pair order of w_qkv's heads
         self.q_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
+        # Qwen2's q, k, v biases (Nqkv,), in w_qkv's column order
+        self.b_qkv = nn.Parameter(torch.zeros(nqkv, **kw)) if qkv_bias else None
         self.reset_parameters()
         self._build_rope_tables()
 
@@ -139,7 +148,7 @@ class DecoderLayer(FormerNames, nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        qk = ", qk_norm=True" if self.qk_norm else ""
+        qk = ", qk_norm=True" if self.qk_norm else ", qkv_bias=True" if self.qkv_bias else ""
         return (
             f"d={self.d}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, ffn={self.ffn}{qk}"
@@ -150,12 +159,19 @@ class DecoderLayer(FormerNames, nn.Module):
         """Whether the layer has Qwen3's QK-norm (its q_norm / k_norm weights)."""
         return self.q_norm is not None
 
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the q, k and v projections have biases (Qwen2's ``b_qkv``)."""
+        return self.b_qkv is not None
+
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w_qkv, self.w_o, self.w_il, self.w_d):
             nn.init.normal_(w, std=std)
         for g in (self.attention_norm, self.ffn_norm, self.q_norm, self.k_norm):
             if g is not None:
                 nn.init.ones_(g)
+        if self.b_qkv is not None:
+            nn.init.zeros_(self.b_qkv)
 
     def _shape(self, batch, seq) -> LayerShape:
         return LayerShape(
@@ -203,6 +219,8 @@ class DecoderLayer(FormerNames, nn.Module):
         }
         if self.qk_norm:
             w["q_norm"], w["k_norm"] = self.q_norm, self.k_norm
+        if self.qkv_bias:
+            w["bqkv"] = self.b_qkv
         if rope_cos_sin is not None:  # HF's halves -> coda's adjacent (cos, sin) pairs
             v.check_rope_cos_sin(rope_cos_sin, B, S, self.head_dim)
             half = self.head_dim // 2
@@ -261,6 +279,7 @@ class DecoderLayer(FormerNames, nn.Module):
             dtype, x, self.attention_norm, self.w_qkv, self.w_o, self.ffn_norm, self.w_il, self.w_d
         )
         qk = in_dtype(dtype, self.q_norm, self.k_norm) if self.qk_norm else None
+        bias = in_dtype(dtype, self.b_qkv)[0] if self.qkv_bias else None
         with autocast_off(x.device):
             out = decoder_layer(
                 x.reshape(B * S, d).contiguous(),
@@ -275,12 +294,14 @@ class DecoderLayer(FormerNames, nn.Module):
                 attention or self.attention,
                 self._freq_table(x.device),
                 qk,
+                bias,
             )
         return out
 
     # -- Hugging Face weights ------------------------------------------------------------------
     def _hf_weights(self) -> list[str]:
-        """This layer's weights that HF has (``HF_KEYS``; q_norm / k_norm with QK-norm only)."""
+        """This layer's weights that HF has (``HF_KEYS``; q_norm / k_norm with QK-norm only,
+        b_qkv with QKV biases only)."""
         return [name for name in HF_KEYS if getattr(self, name) is not None]
 
     def hf_state_dict(self, prefix: str = "", grad: bool = False) -> dict:
@@ -295,6 +316,7 @@ class DecoderLayer(FormerNames, nn.Module):
             "w_d": lambda x: (x.t().contiguous(),),
             "q_norm": lambda x: (layouts.head_weight_to_hf(x),),
             "k_norm": lambda x: (layouts.head_weight_to_hf(x),),
+            "b_qkv": lambda x: layouts.qkv_bias_to_hf(x, **heads, head_dim=self.head_dim),
         }
         out = {}
         for name in self._hf_weights():
@@ -319,6 +341,7 @@ class DecoderLayer(FormerNames, nn.Module):
             "w_d": [(d, f)],
             "q_norm": [(hd,)],
             "k_norm": [(hd,)],
+            "b_qkv": [(nq,), (nkv,), (nkv,)],
         }
         return {
             prefix + key: shape
@@ -345,6 +368,7 @@ class DecoderLayer(FormerNames, nn.Module):
             "w_d": lambda w: w.t(),
             "q_norm": layouts.head_weight_from_hf,
             "k_norm": layouts.head_weight_from_hf,
+            "b_qkv": lambda q, k, v_: layouts.qkv_bias_from_hf(q, k, v_, **heads),
         }
         return {
             name: from_hf.get(name, lambda x: x)(*(sd[prefix + k] for k in HF_KEYS[name]))

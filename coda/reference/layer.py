@@ -118,7 +118,8 @@ def decoder_layer_ref(
     x0, w: dict, s: LayerShape, positions=None, attention=None, cs=None, rows: tuple = ()
 ):
     """The layer in coda's weight layout (w: g1, wqkv, wo, g2, w_il, wd; with Qwen3's QK-norm
-    also q_norm, k_norm (hd,) in adjacent order), differentiable by autograd: the reference
+    also q_norm, k_norm (hd,) in adjacent order; with Qwen2's QKV bias bqkv (Nqkv,) in wqkv's
+    column order), differentiable by autograd: the reference
     path of ``coda.nn.DecoderLayer``. Same math as
     ``llama_layer_ref`` on the converted weights ([I3.4-I3.7]); ``attention`` as in
     ``attention_ref``; ``cs`` (M, hd), the RoPE table of every row (default from positions).
@@ -130,6 +131,8 @@ def decoder_layer_ref(
         cs = rope_table(pos, hd, s.rope_base)
     cs = cs.to(device=x0.device, dtype=x0.dtype)
     z = rmsnorm_ref(x0, w["g1"], s.eps) @ w["wqkv"]
+    if "bqkv" in w:  # Qwen2's q, k, v biases (W_qkv's column order), added before RoPE
+        z = z + w["bqkv"]
     q, k = z[:, :nq].reshape(M, s.heads, hd), z[:, nq : nq + nkv].reshape(M, s.kv_heads, hd)
     if "q_norm" in w:  # Qwen3's per-head QK-norm, before RoPE (weights in adjacent order)
         q, k = head_rmsnorm_ref(q, w["q_norm"], s.eps), head_rmsnorm_ref(k, w["k_norm"], s.eps)
