@@ -1,6 +1,7 @@
 """Hugging Face models as users train them: one step ``model(input_ids, labels=input_ids)
 .loss.backward()`` at 4 x 4096 tokens, tokens/s and peak memory, for a Llama-3.2-1B-shaped
-``LlamaForCausalLM`` and a Qwen3-0.6B-shaped ``Qwen3ForCausalLM`` (random init, bf16, sdpa),
+``LlamaForCausalLM``, a Qwen3-0.6B-shaped ``Qwen3ForCausalLM`` and a Qwen2.5-0.5B-shaped
+``Qwen2ForCausalLM`` (random init, bf16, sdpa),
 in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and loss stay
 eager, as users compile it), with Liger's instance patch (called as the others, and with
 ``use_cache=False``, which a patched model's training call implies), and patched by
@@ -66,17 +67,29 @@ SHAPES = {
             tie_word_embeddings=True,
         ),
     ),
+    "qwen2.5-0.5B": (  # Qwen2: biases on q, k and v
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 BATCH, SEQ = 4, 4096
 PROFILED = ("hf_coda", "hf_liger", "hf_liger_no_cache")  # per-kernel tables (pass 1)
 
 
 def build(family: str, shape: dict, device, dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
-    cfg_cls, model_cls = (
-        (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen3Config, Qwen3ForCausalLM)
-    )
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    cfg_cls = getattr(transformers, f"{name}Config")
+    model_cls = getattr(transformers, f"{name}ForCausalLM")
     config = cfg_cls(**shape, max_position_embeddings=SEQ, attn_implementation="sdpa")
     torch.manual_seed(0)
     return model_cls(config).to(device, dtype)

@@ -1,5 +1,5 @@
-"""Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama, Mistral
-or Qwen3 model in place so its decoder layers run coda's kernel sequence and, in a training
+"""Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama, Mistral,
+Qwen2 or Qwen3 model in place so its decoder layers run coda's kernel sequence and, in a training
 step (labels given, autograd recording), ``model(input_ids, labels=...)`` returns the loss
 through coda's LM-head loss, logits never stored (honoring the loss arguments HF's own loss
 reads from the call: ``num_items_in_batch``, ``shift_labels``, ``ignore_index``); under
@@ -33,11 +33,12 @@ layer has no sliding window), the patched model's sdpa layers pass no mask, as t
 does.
 
 Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel``, ``MistralForCausalLM`` /
-``MistralModel`` and ``Qwen3ForCausalLM`` / ``Qwen3Model`` (silu MLP, no biases, RoPE
-"default", "linear" or "llama3": a fixed set of inverse frequencies, taken from the model;
-Qwen3's per-head QK-norm runs in the QKV GEMM's epilogue,
-``coda.kernels.qk_norm``; Mistral's and Qwen3's sliding windows, when configured, keep the
-model's own masks and window).
+``MistralModel``, ``Qwen2ForCausalLM`` / ``Qwen2Model`` and ``Qwen3ForCausalLM`` /
+``Qwen3Model`` (silu MLP, no biases but Qwen2's on q, k and v, RoPE "default", "linear" or
+"llama3": a fixed set of inverse frequencies, taken from the model; Qwen3's per-head QK-norm
+and Qwen2's q, k, v biases run in the QKV GEMM's epilogue, ``coda.kernels.qk_norm`` and
+``coda.kernels.gemm_rope``; Mistral's, Qwen2's and Qwen3's sliding windows, when configured,
+keep the model's own masks and window).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ SUPPORTED = (
     "LlamaModel",
     "MistralForCausalLM",
     "MistralModel",
+    "Qwen2ForCausalLM",
+    "Qwen2Model",
     "Qwen3ForCausalLM",
     "Qwen3Model",
 )
@@ -85,7 +88,7 @@ def _check_config(config, rotary) -> None:
 
 
 class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
-    """A ``LlamaDecoderLayer`` (or ``Qwen3DecoderLayer``) replaced by coda's layer: same call
+    """A ``LlamaDecoderLayer`` (or Mistral's, Qwen2's, Qwen3's) replaced by coda's layer: same call
     signature and result, the weights in coda's layouts, HF's attention module kept (without
     its projections and norms) for the attention function's parameters (scaling, GQA groups,
     layer index, dropout, sliding window). A ``GradientCheckpointingLayer`` as HF's layers are,
@@ -97,6 +100,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     def __init__(self, hf_layer, config, inv_freq, mask_hint):
         attn = hf_layer.self_attn
         qk_norm = hasattr(attn, "q_norm")
+        qkv_bias = _qkv_bias(attn, f"layers.{attn.layer_idx}")
         p = next(hf_layer.parameters())
         super().__init__(
             config.hidden_size,
@@ -109,6 +113,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             dtype=p.dtype,
             inv_freq=inv_freq,
             qk_norm=qk_norm,
+            qkv_bias=qkv_bias,
         )
         if qk_norm and attn.q_norm.variance_epsilon != config.rms_norm_eps:
             raise v.CodaInputError("apply_coda: a QK-norm eps other than rms_norm_eps")
@@ -216,9 +221,21 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         return super().forward(hidden_states, position_ids, position_embeddings, attention)
 
 
+def _qkv_bias(attention, where: str) -> bool:
+    """Whether the q, k and v projections have biases (Qwen2's): all three or none, and none
+    on the output projection (Llama's ``attention_bias=True`` puts one there too)."""
+    has = [getattr(attention, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")]
+    if attention.o_proj.bias is not None or len(set(has)) > 1:
+        raise v.CodaInputError(
+            f"apply_coda: {where}: biases are supported on all of q_proj, k_proj and v_proj "
+            "(Qwen2's) and nowhere else"
+        )
+    return has[0]
+
+
 def _sliding_window(attention) -> dict:
     """The ``sliding_window`` argument an HF attention module passes its attention function:
-    its own (Qwen3: per layer, None on full-attention layers), the model's (Mistral), or none
+    its own (Qwen2, Qwen3: per layer, None on full-attention layers), the model's (Mistral), or none
     (Llama)."""
     if hasattr(attention, "sliding_window"):
         return {"sliding_window": attention.sliding_window}
@@ -485,7 +502,8 @@ def _causal_lm_forward(original):
 
 
 def apply_coda(model, *, method: str = "auto", embedding: bool = True):
-    """Patch a transformers Llama, Mistral or Qwen3 model (``SUPPORTED``) in place; returns it.
+    """Patch a transformers Llama, Mistral, Qwen2 or Qwen3 model (``SUPPORTED``) in place;
+    returns it.
 
     ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "auto" (the default: CE-S,
     "scaled_exp", the fastest on the H200, where the vocabulary is a multiple of 128, else

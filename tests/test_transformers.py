@@ -43,8 +43,8 @@ SCALED_ROPES = {
 
 
 def tiny_config(family: str = "llama", **kw):
-    """A tiny random config: ``family`` "llama" (LlamaConfig) or "qwen3" (Qwen3Config, with
-    its per-head QK-norm)."""
+    """A tiny random config: ``family`` "llama" (LlamaConfig), "qwen3" (Qwen3Config, with
+    its per-head QK-norm), "qwen2" (Qwen2Config: q, k, v biases) or "mistral"."""
     from transformers import Qwen3Config
 
     base = dict(
@@ -59,6 +59,10 @@ def tiny_config(family: str = "llama", **kw):
     )
     if family == "qwen3":
         return Qwen3Config(**{**base, "head_dim": 16, **kw})
+    if family == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**{**base, **kw})
     if family == "mistral":  # (its default window is 4096: no window unless one is given)
         from transformers import MistralConfig
 
@@ -67,10 +71,19 @@ def tiny_config(family: str = "llama", **kw):
 
 
 def model_class(config):
-    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     if isinstance(config, MistralConfig):
         return MistralForCausalLM
+    if isinstance(config, Qwen2Config):
+        return Qwen2ForCausalLM
     return Qwen3ForCausalLM if isinstance(config, Qwen3Config) else LlamaForCausalLM
 
 
@@ -81,6 +94,8 @@ def pair(config, seed=0):
         for n, p in ref.named_parameters():
             if n.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
+            if n.endswith("_proj.bias"):  # Qwen2's (HF makes them 0): a lost bias would show
+                p.copy_(torch.randn_like(p))
     patched = ct.apply_coda(copy.deepcopy(ref))
     return ref, patched
 
@@ -186,7 +201,7 @@ def test_hf_loss_arguments_are_honored(argument, coda_path):
         assert rel_err(loss, _step(patched, input_ids=ids, labels=batch["labels"])) > 10 * TOL
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
 def test_hidden_states_and_tuples_as_unpatched(family, coda_path):
     """``output_hidden_states`` (transformers records them with hooks on its layer class; with
     labels the last one is after the final norm, which runs inside coda's loss) and
@@ -445,7 +460,7 @@ def test_qwen3_kernel_sequence_equals_reference_float64(head_dim):
 
 @pytest.mark.parametrize("method", ["scaled_exp", "chunked", "recompute"])
 @pytest.mark.parametrize("mode", ["float64", "bfloat16", "autocast"])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
 def test_patched_model_kernel_path_on_cpu(family, mode, method, monkeypatch):
     """The patched model with its kernel path forced on the CPU (``kernel_support`` answers
     yes, so every layer and the loss run the kernel sequence, GEMMs through the interpreter,
@@ -482,13 +497,16 @@ def test_patched_model_kernel_path_on_cpu(family, mode, method, monkeypatch):
         assert rel_err(grads_p[name], p.grad, floor=floor) < tol, name
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
 def test_patched_model_under_autocast_trains_like_unpatched(family):
     """fp32 weights under torch.autocast (bf16), as HF's Trainer runs bf16=True: the patched
     model's loss and gradients (fp32, HF layout) stay within bf16 distance of the unpatched
     model's under the same autocast (on the GPU its layers then run the bf16 kernels)."""
     ref, patched = pair(tiny_config(family))
     ref, patched = ref.float(), patched.float()
+    with torch.no_grad():  # Qwen2's biases at 0.1 (``pair``'s, at 1, swamp q and k in bf16:
+        for p in (*_biases(ref), *_biases(patched)):  # HF's own q grads err by 35 % there)
+            p.mul_(0.1)
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(5))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss_r, loss_p = (
@@ -500,6 +518,10 @@ def test_patched_model_under_autocast_trains_like_unpatched(family):
     for name, g in ref.named_parameters():
         assert grads_p[name].dtype == torch.float32, name
         assert rel_err(grads_p[name], g.grad, floor=float(g.grad.abs().max())) < 0.05, name
+
+
+def _biases(model):
+    return [p for n, p in model.named_parameters() if n.endswith(("_proj.bias", "b_qkv"))]
 
 
 def test_bad_labels_are_named_as_the_caller_passed_them():

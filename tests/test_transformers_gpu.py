@@ -1,5 +1,5 @@
 """``coda.transformers.apply_coda`` on the H200, and the helpers its CPU stand-ins share:
-CODA's error protocol for a patched tiny Llama, Qwen3 and Mistral in bf16 (loss and every
+CODA's error protocol for a patched tiny Llama, Qwen3, Mistral and Qwen2 in bf16 (loss and every
 gradient no further from the float64 model than the unpatched bf16 model's), and HF's call
 surface (evaluation, hidden states, tuple outputs, loss arguments) on the kernel path.
 ``protocol_run`` also serves ``benchmarks/cpu_numerics.py``'s CPU reading of the protocol."""
@@ -40,6 +40,10 @@ def _protocol_models(family: str, device: str, seed: int = 0):
     cfg = tiny_config(base, **shape, **extra.get(family, {}))
     torch.manual_seed(seed)
     ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
+    with torch.no_grad():  # Qwen2's biases (HF makes them 0), k's as large as trained ones run:
+        for n, p in ref.named_parameters():  # the statistic must not read it off the output
+            if n.endswith("_proj.bias"):
+                p.normal_(0.0, 4.0 if "k_proj" in n else 1.0)
     return cfg, copy.deepcopy(ref).double(), ref, ct.apply_coda(copy.deepcopy(ref))
 
 
@@ -80,10 +84,10 @@ def protocol_run(family: str, device: str, seed: int = 0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", *SCALED_ROPES])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2", *SCALED_ROPES])
 def test_gpu_patched_model_protocol(family):
-    """H200: a patched bf16 Llama / Qwen3 / Mistral, and Llama with Llama 3's and linear RoPE
-    scaling (coda's kernels, HF's sdpa) against the unpatched
+    """H200: a patched bf16 Llama / Qwen3 / Mistral / Qwen2 (large q, k, v biases), and Llama
+    with Llama 3's and linear RoPE scaling (coda's kernels, HF's sdpa) against the unpatched
     bf16 model, both against a float64 copy: loss and every gradient no worse than the
     unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask.
     The scalar loss is compared as an RMS over 64 batches (``loss_error_rms``), with the same

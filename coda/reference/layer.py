@@ -131,8 +131,8 @@ def decoder_layer_ref(
         cs = rope_table(pos, hd, s.rope_base)
     cs = cs.to(device=x0.device, dtype=x0.dtype)
     z = rmsnorm_ref(x0, w["g1"], s.eps) @ w["wqkv"]
-    if "bqkv" in w:  # Qwen2's q, k, v biases (W_qkv's column order), added before RoPE
-        z = z + w["bqkv"]
+    if "bqkv" in w:  # Qwen2's q, k, v biases (W_qkv's column order), added before RoPE in
+        z = z + w["bqkv"].to(z.dtype)  # the product's dtype (a Linear's under autocast)
     q, k = z[:, :nq].reshape(M, s.heads, hd), z[:, nq : nq + nkv].reshape(M, s.kv_heads, hd)
     if "q_norm" in w:  # Qwen3's per-head QK-norm, before RoPE (weights in adjacent order)
         q, k = head_rmsnorm_ref(q, w["q_norm"], s.eps), head_rmsnorm_ref(k, w["k_norm"], s.eps)

@@ -1,0 +1,98 @@
+"""``apply_coda`` on tiny random Hugging Face Qwen2 models (Llama's layer with biases on the
+q, k and v projections), on the CPU in float64 (coda's reference path, and with
+``coda_path`` the kernel path through the tile interpreter): logits, loss, every gradient
+(the biases' included, in HF's layout), padding and packed sequences, a sliding window,
+generation, the state dict and ``save_pretrained``; and what is refused (a bias on the
+output projection, biases on some of q, k, v only). The biases are drawn at unit scale (HF
+makes them 0); the layer tests draw them larger (``test_kernel_path_cpu.py``; on the GPU
+``test_transformers_gpu.py``), as trained Qwen2 checkpoints' k biases run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
+from conftest import rel_err  # noqa: E402
+from test_transformers import TOL, assert_same_step, model_class, pair, tiny_config  # noqa: E402
+
+import coda  # noqa: E402
+import coda.transformers as ct  # noqa: E402
+
+
+def test_patched_qwen2_matches_unpatched_float64(coda_path):
+    cfg = tiny_config("qwen2", tie_word_embeddings=True, **coda_path)  # as Qwen2.5-0.5B
+    ref, patched = pair(cfg)
+    assert all(layer.qkv_bias and not layer.qk_norm for layer in patched.model.layers)
+    bias = ref.model.layers[0].self_attn.k_proj.bias.detach()
+    assert float(bias.abs().max()) > 1  # (as ``pair`` draws them)
+    ids = torch.randint(0, cfg.vocab_size, (2, 13))
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, ref(ids).logits) < TOL
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
+    grads = ct.hf_gradients(patched)
+    assert all(f"model.layers.1.self_attn.{p}_proj.bias" in grads for p in "qkv")
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, :4] = 0
+    assert_same_step(
+        ref, patched, input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)
+    )
+    packed = torch.cat([torch.arange(6), torch.arange(7)])[None]
+    assert_same_step(ref, patched, input_ids=ids[:1], position_ids=packed, labels=ids[:1])
+    with torch.no_grad():
+        out_r = ref.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+        out_p = patched.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+    assert torch.equal(out_r, out_p)
+    sd_r, sd_p = ref.state_dict(), patched.state_dict()
+    assert sd_p.keys() == sd_r.keys() and all(torch.equal(sd_p[k], sd_r[k]) for k in sd_r)
+
+
+def test_patched_qwen2_sliding_window_as_unpatched():
+    cfg = tiny_config("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    ref, patched = pair(cfg, seed=4)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11))
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, ref(ids).logits) < TOL
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
+
+
+def test_qwen2_save_pretrained_loads_unpatched(tmp_path):
+    cfg = tiny_config("qwen2")
+    ref, patched = pair(cfg, seed=6)
+    patched.save_pretrained(tmp_path)
+    loaded = model_class(cfg).from_pretrained(tmp_path, torch_dtype=torch.float64)
+    sd_r = ref.state_dict()
+    assert all(torch.equal(loaded.state_dict()[k], sd_r[k]) for k in sd_r)  # bit for bit
+    other = ct.apply_coda(model_class(cfg)(cfg).double())  # and an HF state dict loads back
+    other.load_state_dict(sd_r)
+    assert all(torch.equal(other.state_dict()[k], sd_r[k]) for k in sd_r)
+
+
+def test_a_frozen_bias_stays_frozen_and_a_partly_frozen_one_is_named():
+    cfg = tiny_config("qwen2")
+    ref, patched = pair(cfg, seed=2)
+    for layer in ref.model.layers:
+        for p in ("q", "k", "v"):
+            getattr(layer.self_attn, f"{p}_proj").bias.requires_grad_(False)
+    for layer in patched.model.layers:  # (patched after the fact: its one fused weight)
+        layer.b_qkv.requires_grad_(False)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)  # (the same weights get none)
+    fresh = model_class(cfg)(cfg)
+    fresh.model.layers[1].self_attn.k_proj.bias.requires_grad_(False)
+    with pytest.raises(coda.CodaInputError, match=r"layers.1: .*k_proj.bias.* cannot be partly"):
+        ct.apply_coda(fresh)
+
+
+def test_biases_other_than_qwen2s_are_named():
+    cfg = tiny_config("qwen2")
+    model = model_class(cfg)(cfg)
+    model.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(48))
+    with pytest.raises(coda.CodaInputError, match="layers.0: biases are supported on all of"):
+        ct.apply_coda(model)
+    model = model_class(cfg)(cfg)
+    model.model.layers[1].self_attn.v_proj.bias = None
+    with pytest.raises(coda.CodaInputError, match="layers.1: biases are supported on all of"):
+        ct.apply_coda(model)
+    with pytest.raises(coda.CodaInputError, match="qk_norm and qkv_bias together"):
+        coda.nn.DecoderLayer(48, 4, 2, 80, qk_norm=True, qkv_bias=True)
