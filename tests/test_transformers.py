@@ -367,7 +367,13 @@ def test_patched_qwen3_matches_unpatched_float64(coda_path):
     ref, patched = pair(cfg)
     assert all(layer.qk_norm for layer in patched.model.layers)
     assert patched.lm_head.weight is patched.model.embed_tokens.weight
-    ids = torch.randint(0, cfg.vocab_size, (2, 13))
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+
+
+def assert_behaves_as_unpatched(ref, patched, ids):
+    """Logits, a training step (loss and every gradient), with a padding mask and with packed
+    positions (two documents), greedy generation and the state dict as the unpatched model's;
+    ``ids`` (2, 13)."""
     with torch.no_grad():
         assert rel_err(patched(ids).logits, ref(ids).logits) < TOL
     assert_same_step(ref, patched, input_ids=ids, labels=ids)

@@ -14,7 +14,14 @@ import torch
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
 from conftest import rel_err  # noqa: E402
-from test_transformers import TOL, assert_same_step, model_class, pair, tiny_config  # noqa: E402
+from test_transformers import (  # noqa: E402
+    TOL,
+    assert_behaves_as_unpatched,
+    assert_same_step,
+    model_class,
+    pair,
+    tiny_config,
+)
 
 import coda  # noqa: E402
 import coda.transformers as ct  # noqa: E402
@@ -26,25 +33,9 @@ def test_patched_qwen2_matches_unpatched_float64(coda_path):
     assert all(layer.qkv_bias and not layer.qk_norm for layer in patched.model.layers)
     bias = ref.model.layers[0].self_attn.k_proj.bias.detach()
     assert float(bias.abs().max()) > 1  # (as ``pair`` draws them)
-    ids = torch.randint(0, cfg.vocab_size, (2, 13))
-    with torch.no_grad():
-        assert rel_err(patched(ids).logits, ref(ids).logits) < TOL
-    assert_same_step(ref, patched, input_ids=ids, labels=ids)
-    grads = ct.hf_gradients(patched)
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+    grads = ct.hf_gradients(patched)  # (the last step's: the biases' in HF's keys)
     assert all(f"model.layers.1.self_attn.{p}_proj.bias" in grads for p in "qkv")
-    mask = torch.ones(2, 13, dtype=torch.long)
-    mask[1, :4] = 0
-    assert_same_step(
-        ref, patched, input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)
-    )
-    packed = torch.cat([torch.arange(6), torch.arange(7)])[None]
-    assert_same_step(ref, patched, input_ids=ids[:1], position_ids=packed, labels=ids[:1])
-    with torch.no_grad():
-        out_r = ref.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
-        out_p = patched.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
-    assert torch.equal(out_r, out_p)
-    sd_r, sd_p = ref.state_dict(), patched.state_dict()
-    assert sd_p.keys() == sd_r.keys() and all(torch.equal(sd_p[k], sd_r[k]) for k in sd_r)
 
 
 def test_patched_qwen2_sliding_window_as_unpatched():
