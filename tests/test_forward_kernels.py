@@ -17,6 +17,7 @@ from coda.kernels import gemm_swiglu as sw
 from coda.kernels import linear_cross_entropy as ce
 from coda.kernels import qk_norm as qkn
 from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.tuned import config_for
 from coda.primitives.interpreter import interpret
 from coda.reference import cross_entropy as ce_ref
 from coda.reference import rmsnorm as rn_ref
@@ -463,6 +464,59 @@ def test_gpu_rope(M, K, H, Hkv):
         torch.equal(got[:, -nv:], (r[:, None] * (x.float() @ w.float()))[:, -nv:].bfloat16())
         or fro_err(got[:, -nv:], want[:, -nv:]) < 4e-3
     )  # V passes unrotated
+
+
+def rope_bias_errors(M, K, H, Hkv, hd, device, dtype=torch.bfloat16, config=DEFAULT):
+    """F1 with Qwen2's bias (``gemm_rope_bias_kernel``, both forms) against its float64
+    definition RoPE(r acc + b), with biases of 4 (trained k biases' size): (output's error,
+    the PyTorch bf16 form's error (a Linear with its bias, then RoPE), z's error, whether
+    both forms' outputs are equal)."""
+    g = torch.Generator().manual_seed(M + K)
+    n = (H + 2 * Hkv) * hd
+    x = torch.randn(M, K, generator=g).to(device, dtype)
+    w = (torch.randn(K, n, generator=g) / K**0.5).to(device, dtype)
+    r = (0.5 + torch.rand(M, generator=g)).to(device)
+    b = (4 * torch.randn(n, generator=g)).to(device, dtype)
+    pos = torch.arange(M) % 1024
+    freq = rp.rope_freq_table(hd, H + Hkv, Hkv, device=device)
+    pos_rows = pos.to(device, torch.float32)
+    out = rp.gemm_rope_bias_kernel(x, w, r, pos_rows, freq, b, config)
+    kept, z_even, z_odd = rp.gemm_rope_bias_kernel(x, w, r, pos_rows, freq, b, config, True)
+    cs = rope_ref.rope_table(pos, hd).to(device)
+    z64 = r.double()[:, None] * (x.double() @ w.double())
+
+    def rotated(z):
+        qk = z[:, : (H + Hkv) * hd].reshape(M, H + Hkv, hd)
+        return torch.cat([rope_ref.rope_adjacent_ref(qk, cs).flatten(1), z[:, (H + Hkv) * hd :]], 1)
+
+    want = rotated(z64 + b.double())
+    lin = (r[:, None].to(dtype) * (x @ w)) + b  # PyTorch's form, in the inputs' dtype
+    z = torch.stack([z_even, z_odd], -1).flatten(1)
+    return (
+        fro_err(out, want),
+        fro_err(rotated(lin.double()).to(dtype), want),
+        fro_err(z, z64),
+        (torch.equal(kept, out)),
+    )
+
+
+def test_rope_bias_through_the_interpreter_float64():
+    """``rope_bias_errors``'s own check on the CPU (the tile interpreter, float64): the
+    program equals its definition to round-off (the angle's float-float turns: ~1e-14)."""
+    out, _, z, same = rope_bias_errors(70, 24, 3, 1, 8, "cpu", torch.float64)
+    assert out < 1e-12 and z < 1e-12 and same
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,H,Hkv,hd", [(4096, 896, 14, 2, 64), (1000, 512, 4, 2, 128)])
+def test_gpu_rope_bias(M, K, H, Hkv, hd):
+    """H200: F1 with a bias (Qwen2.5-0.5B's shape first) within one bf16 rounding of its
+    float64 definition and no worse than PyTorch's bf16 form; z (kept for B11) within one
+    rounding of r acc; both forms write the same output."""
+    cfg = config_for("rope", M, K, (H + 2 * Hkv) * hd)
+    out, torch_err, z, same = rope_bias_errors(M, K, H, Hkv, hd, "cuda", config=cfg)
+    assert same and z < 2**-8, (z, same)
+    assert out < 2**-8 and out <= torch_err, (out, torch_err)
 
 
 @pytest.mark.gpu
