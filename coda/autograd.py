@@ -49,7 +49,7 @@ from coda.kernels._launch import fused, unit_rows
 from coda.kernels.ce_scaled_exp import chunk_rows_scaled
 from coda.kernels.drope import cached_head_rotation
 from coda.kernels.final_norm_rows import head_norm_backward
-from coda.kernels.gemm_rope import cached_freq_table
+from coda.kernels.gemm_rope import cached_freq_table, lean_z_cols
 from coda.kernels.linear_cross_entropy import logits_row_sum
 from coda.kernels.linear_cross_entropy_bwd import (
     ce_grad_weights,
@@ -188,8 +188,9 @@ class AttentionInput(torch.autograd.Function):
 
 class AttentionInputBias(torch.autograd.Function):
     """``AttentionInput`` for a QKV projection with a bias (Qwen2's q, k and v): F1 adds the
-    bias before RoPE and, when ``train`` (a backward can run), also stores z = rstd0 * acc
-    (no bias, as its even and odd columns) for B11, whose statistic reads it in place of the
+    bias before RoPE and also stores z = rstd0 * acc (no bias, as its even and odd columns;
+    only its first row of 16 bytes where no backward can run, ``train`` False) for B11,
+    whose statistic reads it in place of the
     rotated output (which a large bias would leave with few bits of z); B11 also returns the
     bias's gradient, the column sums of the gradient before the rotation."""
 
@@ -198,8 +199,11 @@ class AttentionInputBias(torch.autograd.Function):
         M, d = x0.shape
         pos = positions.float()
         a0, r0 = lib.norm_rows(x0, g1, dims.eps, False)  # F0
-        cfg = config_for("rope", M, d, w_qkv.shape[1])
-        qkv, *z = lib.gemm_rope_bias(a0, w_qkv, r0, pos, freq, b_qkv, cfg, train)  # F1
+        N = w_qkv.shape[1]
+        z_cols = N if train else lean_z_cols(N)  # (no backward: z's store clipped to one row)
+        qkv, *z = lib.gemm_rope_bias(
+            a0, w_qkv, r0, pos, freq, b_qkv, config_for("rope", M, d, N), z_cols
+        )  # F1
         if train:
             ctx.save_for_backward(x0, r0, *z, g1, w_qkv, pos, freq)
             ctx.dims, ctx.b_dtype = dims, b_qkv.dtype

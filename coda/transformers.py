@@ -99,8 +99,10 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
 
     def __init__(self, hf_layer, config, inv_freq, mask_hint):
         attn = hf_layer.self_attn
+        where = f"layers.{attn.layer_idx}"
+        _check_linears(hf_layer, where)
         qk_norm = hasattr(attn, "q_norm")
-        qkv_bias = _qkv_bias(attn, f"layers.{attn.layer_idx}")
+        qkv_bias = _qkv_bias(attn, where)
         p = next(hf_layer.parameters())
         super().__init__(
             config.hidden_size,
@@ -117,15 +119,6 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         )
         if qk_norm and attn.q_norm.variance_epsilon != config.rms_norm_eps:
             raise v.CodaInputError("apply_coda: a QK-norm eps other than rms_norm_eps")
-        where = f"layers.{attn.layer_idx}"
-        for key in self.hf_shapes():
-            module = hf_layer.get_submodule(key.rsplit(".", 1)[0])
-            if key.endswith("_proj.weight") and type(module) is not torch.nn.Linear:
-                raise v.CodaInputError(
-                    f"apply_coda: {where}.{key[: -len('.weight')]} is a "
-                    f"{type(module).__name__}, not a plain torch.nn.Linear (adapters such as "
-                    "LoRA and quantized or fp8 linears are not supported)"
-                )
         self.load_hf_state_dict(hf_layer.state_dict())
         self._keep_frozen(hf_layer, where)
         names = ("q_proj", "k_proj", "v_proj", "o_proj") + (("q_norm", "k_norm") if qk_norm else ())
@@ -219,6 +212,19 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         cache = past_key_values if past_key_values is not None else kwargs.pop("cache", None)
         attention = self._hf_attention(attention_mask, cache, kwargs)
         return super().forward(hidden_states, position_ids, position_embeddings, attention)
+
+
+def _check_linears(hf_layer, where: str) -> None:
+    """Every projection of an HF layer is a plain ``nn.Linear`` (what coda fuses)."""
+    modules = dict.fromkeys(k.rsplit(".", 1)[0] for keys in HF_KEYS.values() for k in keys)
+    for name in (m for m in modules if m.endswith("_proj")):
+        module = hf_layer.get_submodule(name)
+        if type(module) is not torch.nn.Linear:
+            raise v.CodaInputError(
+                f"apply_coda: {where}.{name} is a {type(module).__name__}, not a plain "
+                "torch.nn.Linear (adapters such as LoRA and quantized or fp8 linears are not "
+                "supported)"
+            )
 
 
 def _qkv_bias(attention, where: str) -> bool:

@@ -98,36 +98,41 @@ def test_kernel_path_runs_under_inference_mode(kernel_forced):
 
 
 def _programs_chosen(monkeypatch) -> list:
-    """The list each F4 / QK-norm F1 launch appends to from now on: True where it stores what
-    its backward reads (``gemm_swiglu``, ``gemm_qk_norm_rope_keep_z``), False where not."""
+    """The list each F4 / QK-norm or bias F1 launch appends to from now on: True where it
+    stores what its backward reads (``gemm_swiglu``, ``gemm_qk_norm_rope_keep_z``,
+    ``gemm_rope_bias`` with z whole), False where not (with the bias: z clipped)."""
     from coda.kernels import library as lib
 
-    kept = {"gemm_swiglu": True, "gemm_swiglu_only": False}
-    kept |= {"gemm_qk_norm_rope_keep_z": True, "gemm_qk_norm_rope": False}
+    kept = {"gemm_swiglu": lambda a: True, "gemm_swiglu_only": lambda a: False}
+    kept |= {"gemm_qk_norm_rope_keep_z": lambda a: True, "gemm_qk_norm_rope": lambda a: False}
+    kept["gemm_rope_bias"] = lambda a: a[-1] == a[1].shape[1]  # z_cols == Nqkv
     calls = []
     for name, keeps in kept.items():
         real = getattr(lib, name)
         monkeypatch.setattr(
-            lib, name, lambda *a, _f=real, _k=keeps, **k: calls.append(_k) or _f(*a, **k)
+            lib, name, lambda *a, _f=real, _k=keeps, **k: calls.append(_k(a)) or _f(*a, **k)
         )
     return calls
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_a_forward_no_backward_can_follow_keeps_nothing_for_one(
-    kernel_forced, monkeypatch, qk_norm
-):
+@pytest.mark.parametrize("kind", ["llama", "qk_norm", "qkv_bias"])
+def test_a_forward_no_backward_can_follow_keeps_nothing_for_one(kernel_forced, monkeypatch, kind):
     """Where no backward can run (``torch.no_grad``, inference mode, nothing requiring a
     gradient) the layer's F4 stores no SwiGLU pre-activation and, with QK-norm, its F1 no z
-    or head statistic: the output is a training forward's, bitwise; a training forward, and
-    a forward on frozen weights whose input still wants its gradient, keep them."""
+    or head statistic (with Qwen2's bias, z's store clipped to one row): the output is a
+    training forward's, bitwise; a training forward, and a forward on frozen weights whose
+    input still wants its gradient, keep them."""
     calls = _programs_chosen(monkeypatch)
     torch.manual_seed(0)
     # head_dim 64: QK-norm's F1 takes the epilogue path (a tile holds whole heads)
-    layer = cnn.DecoderLayer(128, 2, 1, 96, dtype=F64, qk_norm=qk_norm)
+    flags = {"qk_norm": kind == "qk_norm", "qkv_bias": kind == "qkv_bias"}
+    layer = cnn.DecoderLayer(128, 2, 1, 96, dtype=F64, **flags)
+    if kind == "qkv_bias":
+        with torch.no_grad():
+            layer.b_qkv.normal_()
     x = torch.randn(2, 5, 128, dtype=F64)
     want = layer(x.requires_grad_(True))
-    runs = 2 if qk_norm else 1  # the GEMMs that choose per call
+    runs = 1 if kind == "llama" else 2  # the GEMMs that choose per call
     assert calls == [True] * runs
     for mode in (torch.no_grad, torch.inference_mode):
         calls.clear()

@@ -79,18 +79,16 @@ def test_rope_rotates_each_pair_by_position_times_frequency():
 
 def test_rope_with_a_bias_rotates_the_biased_pair_and_keeps_z_without_it():
     """F1 with Qwen2's QKV bias: the pair r acc + b rotates as ``rope_scaled``'s r acc does
-    (the same rotation of another pair), and the training form also stores z = r acc, the
-    bias left out, for B11's statistic."""
+    (the same rotation of another pair), and z = r acc, the bias left out, is stored for
+    B11's statistic."""
     a1, a2, r, pos, hi, lo, b1, b2 = sp.symbols("a1 a2 r pos hi lo b1 b2", real=True)
     ops = dict(rstd=r, pos=pos, freq=(hi, lo), bias=(b1, b2))
-    out = evaluate(rope.rope_scaled_bias, acc=(a1, a2), **ops)["D"]
+    out = evaluate(rope.rope_scaled_bias, acc=(a1, a2), **ops)
     plain = evaluate(
         rope.rope_scaled, acc=(r * a1 + b1, r * a2 + b2), rstd=1, pos=pos, freq=(hi, lo)
     )
-    assert same(out[0], plain["D"][0]) and same(out[1], plain["D"][1])
-    kept = evaluate(rope.rope_scaled_bias_keep_z, acc=(a1, a2), **ops)
-    assert same(kept["D"][0], out[0]) and same(kept["D"][1], out[1])
-    assert same(kept["z_even"], r * a1) and same(kept["z_odd"], r * a2)
+    assert same(out["D"][0], plain["D"][0]) and same(out["D"][1], plain["D"][1])
+    assert same(out["z_even"], r * a1) and same(out["z_odd"], r * a2)
 
 
 def test_residual_norm_epilogue_defers_rmsnorm_to_a_row_scale():
@@ -221,7 +219,7 @@ PROVEN = {
     "residual_add", "residual_norm_sumsq", "norm_bwd", "norm_bwd_residual", "softmax_grad_logits",
     "softmax_grad_logits_shifted", "scaled_exp_logits", "_qk_norm_rope", "_qk_norm_rope_keep_z",
     "logits_lse_target", "logits_with_stats", "scale_rows", "scaled_grad_dx", "passthrough",
-    "scaled_grad_dw", "rope_scaled_bias", "rope_scaled_bias_keep_z",
+    "scaled_grad_dw", "rope_scaled_bias",
 }  # fmt: skip
 
 

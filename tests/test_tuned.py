@@ -20,10 +20,10 @@ from coda.kernels.config import DEFAULT, GemmConfig
 # kernel -> compile every program the kernel's lookups serve, at small shapes, on ``config``
 # (sum of compiles done: 0 when quack's jit cache already held them)
 COMPILE = {
-    "rope": lambda c: (  # with Qwen2's QKV bias too, the training form keeping z
+    "rope": lambda c: (  # with Qwen2's QKV bias too, z kept whole and clipped to a row
         rp.compile_gemm_rope(256, 640, config=c)
         + rp.compile_gemm_rope_bias(256, 640, config=c)
-        + rp.compile_gemm_rope_bias(256, 640, keep_z=True, config=c)
+        + rp.compile_gemm_rope_bias(256, 640, z_cols=16, config=c)
     ),
     "scale_rows": lambda c: rg.compile_gemm_scale_rows(256, 520, config=c),
     "residual": lambda c: (

@@ -13,7 +13,7 @@ read, and V columns carry frequency 0: an exact identity. Supported: bf16, K and
 of 8, even head_dim; any M. Tests: tests/test_forward_kernels.py.
 
 With a QKV bias (Qwen2's q, k, v projections): z = rstd * acc + bias (VEC-LD ROW bias) before
-the rotation; the training form also stores rstd * acc (``rope_scaled_bias_keep_z``).
+the rotation, and rstd * acc stored for the backward (``rope_scaled_bias``).
 """
 
 from __future__ import annotations
@@ -42,19 +42,18 @@ def rope_scaled(acc, rstd, pos, freq):
     return {"D": _rotated(acc * rstd, pos, freq)}
 
 
-# a QKV projection with a bias (Qwen2): z = rstd * acc + bias, rotated. Training also stores
-# z without the bias, as its even and odd columns (the backward's norm statistic reads it:
-# the stored output, rounded at the bias's magnitude, would lose what a large bias dwarfs)
-_BIASED = [ColLoad("rstd"), ColLoad("pos"), RowLoad("freq"), RowLoad("bias")]
-
-
-@epilogue_program(inputs=_BIASED, mode="pair")
+# a QKV projection with a bias (Qwen2): z = rstd * acc + bias, rotated; z without the bias is
+# also stored, as its even and odd columns (the backward's norm statistic reads it: the output,
+# rounded at the bias's magnitude, would lose what a large bias dwarfs). One program for
+# training and for a forward no backward follows, whose z store is clipped to one 16-byte row
+# (``gemm_rope_bias_kernel``): the output is then bitwise the training forward's, where two
+# programs would let the compiler contract r acc + b into one FMA in one and not the other
+@epilogue_program(
+    inputs=[ColLoad("rstd"), ColLoad("pos"), RowLoad("freq"), RowLoad("bias")],
+    stores=[TileStore("z_even"), TileStore("z_odd")],
+    mode="pair",
+)
 def rope_scaled_bias(acc, rstd, pos, freq, bias):
-    return {"D": _rotated(acc * rstd + bias, pos, freq)}
-
-
-@epilogue_program(inputs=_BIASED, stores=[TileStore("z_even"), TileStore("z_odd")], mode="pair")
-def rope_scaled_bias_keep_z(acc, rstd, pos, freq, bias):
     z = acc * rstd
     z_even, z_odd = unpack(z)
     return {"D": _rotated(z + bias, pos, freq), "z_even": z_even, "z_odd": z_odd}
@@ -139,21 +138,37 @@ def gemm_rope_kernel(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT, dr
     return compiled if dry else qkv
 
 
-def gemm_rope_bias_kernel(a, w_qkv, rstd, pos, freq, bias, config=DEFAULT, keep_z=False, dry=False):
+# z's columns a forward without backward keeps (its z store clipped to one 16-byte row)
+LEAN_Z_COLS = 16
+
+
+def gemm_rope_bias_kernel(a, w_qkv, rstd, pos, freq, bias, config=DEFAULT, z_cols=None, dry=False):
     """``gemm_rope_kernel`` with a per-column ``bias`` (Nqkv,) added before the rotation.
-    ``keep_z`` (training): returns (qkv, z_even, z_odd), z = rstd * acc without the bias as its
-    even and odd columns (M x Nqkv / 2 each, a.dtype), what ``drope_bias_heads`` reads."""
+    Returns (qkv, z_even, z_odd): z = rstd * acc without the bias, the even and odd columns of
+    its first ``z_cols`` columns (default all Nqkv, what ``drope_bias_heads`` reads; on the GPU
+    a multiple of 16, for the TMA's 16-byte rows: the store clips the tiles past it)."""
     M, N = a.shape[0], w_qkv.shape[1]
+    z_cols = N if z_cols is None else z_cols
+    assert 0 < z_cols <= N and z_cols % 2 == 0, z_cols
     qkv = a.new_empty(M, N)
     operands = {"rstd": rstd, "pos": pos, "freq": freq, "bias": bias}
-    outputs = {"z_even": a.new_empty(M, N // 2), "z_odd": a.new_empty(M, N // 2)} if keep_z else {}
-    program = rope_scaled_bias_keep_z if keep_z else rope_scaled_bias
+    outputs = {"z_even": a.new_empty(M, z_cols // 2), "z_odd": a.new_empty(M, z_cols // 2)}
     compiled = launch(
-        program, a, w_qkv, config=config, d=qkv, operands=operands, outputs=outputs, dry=dry
+        rope_scaled_bias,
+        a,
+        w_qkv,
+        config=config,
+        d=qkv,
+        operands=operands,
+        outputs=outputs,
+        dry=dry,
     )
-    if dry:
-        return compiled
-    return (qkv, outputs["z_even"], outputs["z_odd"]) if keep_z else qkv
+    return compiled if dry else (qkv, outputs["z_even"], outputs["z_odd"])
+
+
+def lean_z_cols(n_cols: int) -> int:
+    """The z columns F1 with a bias keeps where no backward follows: one 16-byte row."""
+    return min(LEAN_Z_COLS, n_cols)
 
 
 def gemm_rope_interpreted(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT):
@@ -167,7 +182,7 @@ def compile_gemm_rope(k, n, *, w_major="n", config=DEFAULT, m=256, pos_dtype=tor
     return gemm_rope_kernel(a, w, torch.empty(m), pos, torch.empty(n), config, dry=True)
 
 
-def compile_gemm_rope_bias(k, n, *, keep_z=False, w_major="n", config=DEFAULT, m=256) -> int:
+def compile_gemm_rope_bias(k, n, *, z_cols=None, w_major="n", config=DEFAULT, m=256) -> int:
     a, w = example_operands(m, k, n, w_major)
     pos, r, f, b = torch.zeros(m), torch.empty(m), torch.empty(n), torch.empty(n, dtype=a.dtype)
-    return gemm_rope_bias_kernel(a, w, r, pos, f, b, config, keep_z=keep_z, dry=True)
+    return gemm_rope_bias_kernel(a, w, r, pos, f, b, config, z_cols=z_cols, dry=True)

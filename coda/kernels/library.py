@@ -127,16 +127,15 @@ def _gemm_rope_bias(
     freq: torch.Tensor,
     bias: torch.Tensor,
     cfg: list[int],
-    keep_z: bool,
-) -> list[torch.Tensor]:
-    out = _rope.gemm_rope_bias_kernel(a, w, rstd, pos, freq, bias, _gc(cfg), keep_z)
-    return list(out) if keep_z else [out]
+    z_cols: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _rope.gemm_rope_bias_kernel(a, w, rstd, pos, freq, bias, _gc(cfg), z_cols)
 
 
 @_fake(_gemm_rope_bias)
-def _(a, w, rstd, pos, freq, bias, cfg, keep_z):
+def _(a, w, rstd, pos, freq, bias, cfg, z_cols):
     M, N = a.shape[0], w.shape[1]
-    return [_empty(M, N, like=a)] + [_empty(M, N // 2, like=a) for _ in range(2 * keep_z)]
+    return _empty(M, N, like=a), _empty(M, z_cols // 2, like=a), _empty(M, z_cols // 2, like=a)
 
 
 @torch.library.custom_op("coda::gemm_qk_norm_rope", mutates_args=())
@@ -511,13 +510,10 @@ def _either(op, direct):
 gemm_rope = _either(
     lambda a, w, r, p, f, c: _gemm_rope(a, w, r, p, f, _cfg(c)), _rope.gemm_rope_kernel
 )
-gemm_rope_bias = _either(  # [qkv] or, with keep_z, [qkv, z_even, z_odd]
-    lambda a, w, r, p, f, b, c, keep_z: _gemm_rope_bias(a, w, r, p, f, b, _cfg(c), keep_z),
-    lambda a, w, r, p, f, b, c, keep_z: (
-        _rope.gemm_rope_bias_kernel(a, w, r, p, f, b, c, keep_z) if keep_z
-        else [_rope.gemm_rope_bias_kernel(a, w, r, p, f, b, c)]
-    ),
-)  # fmt: skip
+gemm_rope_bias = _either(  # (qkv, z_even, z_odd)
+    lambda a, w, r, p, f, b, c, z_cols: _gemm_rope_bias(a, w, r, p, f, b, _cfg(c), z_cols),
+    _rope.gemm_rope_bias_kernel,
+)
 gemm_qk_norm_rope = _either(
     lambda a, w, r, p, f, hw, pl, hd, eps, c: _gemm_qk_norm_rope(
         a, w, r, p, f, hw, pl, hd, eps, _cfg(c)
