@@ -7,7 +7,10 @@ through attention's score gradient), and each weight gradient's tie band from it
 the k biases' standard deviation (the q and v biases' is 1; trained Qwen2 checkpoints carry k
 biases of several units).
 
-    python benchmarks/probe_qwen2_bias.py --k-bias 1 4 --seeds 6 --out probe.json
+    python benchmarks/probe_qwen2_bias.py --k-bias 1 4 --seeds 16 --null --out probe.json
+
+``--null`` also pools the same ratio for the unpatched model with its q, k, v projections in
+fp32 (``null_errors``): how far a path no less accurate than PyTorch's reads from 1.
 """
 
 from __future__ import annotations
@@ -46,12 +49,58 @@ def ratios(seed: int, k_bias: float, device: str = "cuda") -> tuple[dict, dict, 
     return r, bands, errs
 
 
+def null_errors(seed: int, k_bias: float, device: str = "cuda") -> dict:
+    """{gradient: (error of the unpatched bf16 model with its q, k, v projections computed in
+    fp32 and rounded once, error of the unpatched bf16 model)}, both against float64, on the
+    protocol's model and batch: a path no less accurate than PyTorch's by construction, whose
+    ratio to it shows how far such ratios spread by chance on these gradients (the null)."""
+    import copy
+
+    import test_transformers_gpu as t
+    from conftest import fro_err
+
+    t.K_BIAS_STD = k_bias
+    cfg, ref64, ref, _ = t._protocol_models("qwen2", device, seed)
+    alt = copy.deepcopy(ref)
+
+    def fp32_projection(module, args, out):
+        x = args[0]
+        return torch.nn.functional.linear(x.float(), module.weight.float(), module.bias.float())
+
+    for layer in alt.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj"):  # (rounded by the next op's bf16 input)
+            proj = getattr(layer.self_attn, name)
+            proj.register_forward_hook(lambda m, a, o: fp32_projection(m, a, o).to(o.dtype))
+    ids = torch.randint(0, cfg.vocab_size, (4, 256), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    for m in (ref64, ref, alt):
+        t._step(m, **batch)
+    g = {n: p.grad for n, p in ref64.named_parameters()}
+    g16, ga = dict(ref.named_parameters()), dict(alt.named_parameters())
+    return {n: (fro_err(ga[n].grad, x), fro_err(g16[n].grad, x)) for n, x in g.items()}
+
+
+def pooled_ratios(sq: dict, k_bias: float, seeds: int, label: str) -> dict:
+    ratio = {n: (c / t) ** 0.5 for n, (c, t) in sq.items()}
+    qk = {n: v for n, v in ratio.items() if "q_proj" in n or "k_proj" in n}
+    return dict(
+        path=label,
+        k_bias=k_bias,
+        seeds=seeds,
+        qk=dict(sorted((n, round(v, 4)) for n, v in qk.items())),
+        rest_max=max(v for n, v in ratio.items() if n not in qk),
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--k-bias", type=float, nargs="+", default=[1.0, 4.0])
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda")  # (cpu: the reference path, a smoke run)
+    ap.add_argument("--null", action="store_true", help="also the null path, pooled")
     args = ap.parse_args()
     rows, pooled = [], []
     for k_bias in args.k_bias:
@@ -83,17 +132,17 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         # each gradient's error pooled over the seeds (an RMS, as the loss's protocol pools
         # batches): the ratio of two RMS errors, whose spread shrinks with the seeds
-        ratio = {n: (c / t) ** 0.5 for n, (c, t) in sq.items()}
-        qk = {n: v for n, v in ratio.items() if "q_proj" in n or "k_proj" in n}
-        pooled.append(
-            dict(
-                k_bias=k_bias,
-                seeds=args.seeds,
-                qk=dict(sorted((n, round(v, 4)) for n, v in qk.items())),
-                rest_max=max(v for n, v in ratio.items() if n not in qk),
-            )
-        )
+        pooled.append(pooled_ratios(sq, k_bias, args.seeds, "coda"))
         print(json.dumps(pooled[-1]), flush=True)
+        if args.null:
+            sq = {}
+            for seed in range(args.seeds):
+                for n, (c, t) in null_errors(seed, k_bias, args.device).items():
+                    acc = sq.setdefault(n, [0.0, 0.0])
+                    acc[0] += c * c
+                    acc[1] += t * t
+            pooled.append(pooled_ratios(sq, k_bias, args.seeds, "null: fp32 projections"))
+            print(json.dumps(pooled[-1]), flush=True)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     Path(args.out).write_text(
         json.dumps({"gpu": gpu, "command": sys.argv, "rows": rows, "pooled": pooled}, indent=1)

@@ -286,15 +286,20 @@ def _math_attention(q, k, v):
     [
         dict(d=2048, n_heads=16, n_kv_heads=8, ffn=5632),
         dict(d=1024, n_heads=16, n_kv_heads=8, ffn=3072, head_dim=128, qk_norm=True),
+        dict(d=896, n_heads=14, n_kv_heads=2, ffn=4864, qkv_bias=True),
     ],
-    ids=["llama-d2048", "qwen3-d1024"],
+    ids=["llama-d2048", "qwen3-d1024", "qwen2-d896"],
 )
 def test_gpu_a_forward_without_backward_is_the_training_forward(shape):
     """H200, bf16: the layer's forward under ``torch.no_grad`` (F4 without SwiGLU's
-    pre-activation store; with QK-norm, F1 without z and its statistic) gives the training
-    forward's output bitwise, at the tuned tiles of the d=2048 and Qwen3-0.6B layers."""
+    pre-activation store; with QK-norm, F1 without z and its statistic; with Qwen2's bias,
+    F1's z store clipped to one row) gives the training forward's output bitwise, at the
+    tuned tiles of the d=2048, Qwen3-0.6B and Qwen2.5-0.5B layers."""
     torch.manual_seed(0)
     layer = cnn.DecoderLayer(**shape, device="cuda", attention=_math_attention)
+    if layer.qkv_bias:
+        with torch.no_grad():
+            layer.b_qkv.normal_(0.0, 4.0)
     x = torch.randn(2, 256, shape["d"], device="cuda", dtype=torch.bfloat16)
     want = layer(x.clone().requires_grad_(True))
     with torch.no_grad():
