@@ -11,6 +11,8 @@ biases of several units).
 
 ``--null`` also pools the same ratio for the unpatched model with its q, k, v projections in
 fp32 (``null_errors``): how far a path no less accurate than PyTorch's reads from 1.
+``--family llama`` reads the same for Llama (no biases); ``--method`` picks the patched
+model's LM-head program (its upstream gradient reaches every q and k gradient).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
-def ratios(seed: int, k_bias: float, device: str = "cuda") -> tuple[dict, dict, dict]:
+def ratios(
+    seed: int, k_bias: float, device: str = "cuda", family: str = "qwen2"
+) -> tuple[dict, dict, dict]:
     """({gradient: coda's error / PyTorch bf16's}, {gradient: the weight gradient's tie band
     from its operands, ``conftest.weight_grad_samples`` as the layer fuzz uses it, recorded on
     the float64 model}, {gradient: (coda's error, PyTorch's)}) of one protocol run."""
@@ -36,7 +40,7 @@ def ratios(seed: int, k_bias: float, device: str = "cuda") -> tuple[dict, dict, 
     operands = LinearOperands()
     t.OPERANDS = operands  # (``protocol_run`` records the float64 model's steps in it)
     try:
-        _, (g64, g16, gc), _ = t.protocol_run("qwen2", device, seed)
+        _, (g64, g16, gc), _ = t.protocol_run(family, device, seed)
     finally:
         t.OPERANDS = None
     errs = {n: (fro_err(gc[n], g), fro_err(g16[n], g)) for n, g in g64.items()}
@@ -101,12 +105,19 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda")  # (cpu: the reference path, a smoke run)
     ap.add_argument("--null", action="store_true", help="also the null path, pooled")
+    ap.add_argument("--family", default="qwen2")  # (llama: the same reading without biases)
+    ap.add_argument("--method", default="auto")  # the patched model's LM-head method
     args = ap.parse_args()
+    import functools
+
+    import coda.transformers as ct
+
+    ct.apply_coda = functools.partial(ct.apply_coda, method=args.method)
     rows, pooled = [], []
     for k_bias in args.k_bias:
         sq: dict = {}  # gradient -> [sum of coda's squared errors, of PyTorch's]
         for seed in range(args.seeds):
-            r, bands, errs = ratios(seed, k_bias, args.device)
+            r, bands, errs = ratios(seed, k_bias, args.device, args.family)
             for n, (c, t) in errs.items():
                 acc = sq.setdefault(n, [0.0, 0.0])
                 acc[0] += c * c
@@ -132,7 +143,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         # each gradient's error pooled over the seeds (an RMS, as the loss's protocol pools
         # batches): the ratio of two RMS errors, whose spread shrinks with the seeds
-        pooled.append(pooled_ratios(sq, k_bias, args.seeds, "coda"))
+        pooled.append(pooled_ratios(sq, k_bias, args.seeds, f"coda {args.family} {args.method}"))
         print(json.dumps(pooled[-1]), flush=True)
         if args.null:
             sq = {}
