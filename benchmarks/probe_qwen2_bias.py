@@ -12,7 +12,8 @@ biases of several units).
 ``--null`` also pools the same ratio for the unpatched model with its q, k, v projections in
 fp32 (``null_errors``): how far a path no less accurate than PyTorch's reads from 1.
 ``--family llama`` reads the same for Llama (no biases); ``--method`` picks the patched
-model's LM-head program (its upstream gradient reaches every q and k gradient).
+model's LM-head program (its upstream gradient reaches every q and k gradient); ``--sdpa``
+runs every path's attention on PyTorch's math backend, or with contiguous q, k, v.
 """
 
 from __future__ import annotations
@@ -107,12 +108,26 @@ def main() -> None:
     ap.add_argument("--null", action="store_true", help="also the null path, pooled")
     ap.add_argument("--family", default="qwen2")  # (llama: the same reading without biases)
     ap.add_argument("--method", default="auto")  # the patched model's LM-head method
+    ap.add_argument("--sdpa", default="auto", choices=["auto", "math", "contiguous"])
     args = ap.parse_args()
     import functools
 
     import coda.transformers as ct
 
     ct.apply_coda = functools.partial(ct.apply_coda, method=args.method)
+    # every path's attention (coda's layers call the model's own SDPA function): on PyTorch's
+    # math backend, or with q, k, v made contiguous first (the layouts differ by path)
+    if args.sdpa == "math":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sdpa_kernel(SDPBackend.MATH).__enter__()
+    elif args.sdpa == "contiguous":
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def contiguous_sdpa(q, k, v, *a, **kw):
+            return sdpa(q.contiguous(), k.contiguous(), v.contiguous(), *a, **kw)
+
+        torch.nn.functional.scaled_dot_product_attention = contiguous_sdpa
     rows, pooled = [], []
     for k_bias in args.k_bias:
         sq: dict = {}  # gradient -> [sum of coda's squared errors, of PyTorch's]
@@ -143,7 +158,11 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         # each gradient's error pooled over the seeds (an RMS, as the loss's protocol pools
         # batches): the ratio of two RMS errors, whose spread shrinks with the seeds
-        pooled.append(pooled_ratios(sq, k_bias, args.seeds, f"coda {args.family} {args.method}"))
+        pooled.append(
+            pooled_ratios(
+                sq, k_bias, args.seeds, f"coda {args.family} {args.method} sdpa {args.sdpa}"
+            )
+        )
         print(json.dumps(pooled[-1]), flush=True)
         if args.null:
             sq = {}
