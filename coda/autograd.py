@@ -188,11 +188,11 @@ class AttentionInput(torch.autograd.Function):
 
 class AttentionInputBias(torch.autograd.Function):
     """``AttentionInput`` for a QKV projection with a bias (Qwen2's q, k and v): F1 adds the
-    bias before RoPE and also stores z = rstd0 * acc (no bias, as its even and odd columns;
-    only its first row of 16 bytes where no backward can run, ``train`` False) for B11,
-    whose statistic reads it in place of the
-    rotated output (which a large bias would leave with few bits of z); B11 also returns the
-    bias's gradient, the column sums of the gradient before the rotation."""
+    bias before RoPE and also stores z = rstd0 * acc without it (as its even and odd columns;
+    only its first 16 bytes a row where no backward can run, ``train`` False) for B11, whose
+    statistic reads z in place of the rotated output (which a large bias would leave with few
+    bits of z); B11 also returns the bias's gradient, the column sums of the gradient before
+    the rotation."""
 
     @staticmethod
     def forward(ctx, x0, g1, w_qkv, b_qkv, positions, freq, dims: LayerDims, train: bool):

@@ -98,7 +98,7 @@ def drope_bias_rows(dqkv, z, rstd, cos, sin, n_rot_heads: int, head_dim: int, d:
 
 def drope_bias_heads(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d: int):
     """``drope_bias_rows`` on the head gradients as attention returns them and F1's z as its
-    even and odd columns (``gemm_rope.rope_scaled_bias_keep_z``'s stores)."""
+    even and odd columns (``gemm_rope.rope_scaled_bias``'s stores)."""
     z = torch.stack([z_even, z_odd], dim=-1).flatten(1)
     n_rot, hd = dq.shape[1] + dk.shape[1], dq.shape[-1]
     return drope_bias_rows(pack_heads(dq, dk, dv), z, rstd, cos, sin, n_rot, hd, d)

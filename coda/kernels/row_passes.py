@@ -354,7 +354,7 @@ def drope_pass(dq, dk, dv, qkv, rstd, cos, sin, d: int):
 
 def drope_bias_pass(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d: int):
     """B11 with a QKV bias: (dz~0, corr0, dbias) from attention's dq, dk, dv and F1's z
-    (``gemm_rope.rope_scaled_bias_keep_z``'s even and odd columns): the Triton kernel on the
+    (``gemm_rope.rope_scaled_bias``'s even and odd columns): the Triton kernel on the
     GPU, the torch oracle on the CPU."""
     if on_triton(z_even):
         return drope_bias_heads_triton(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d)
