@@ -13,7 +13,8 @@ biases of several units).
 fp32 (``null_errors``): how far a path no less accurate than PyTorch's reads from 1.
 ``--family llama`` reads the same for Llama (no biases); ``--method`` picks the patched
 model's LM-head program (its upstream gradient reaches every q and k gradient); ``--sdpa``
-runs every path's attention on PyTorch's math backend, or with contiguous q, k, v.
+runs every path's attention on PyTorch's math backend, or with contiguous q, k, v;
+``--device cpu --kernel-path-on-cpu`` reads the same on the CPU model of the kernel path.
 """
 
 from __future__ import annotations
@@ -105,6 +106,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda")  # (cpu: the reference path, a smoke run)
+    ap.add_argument(
+        "--kernel-path-on-cpu",
+        action="store_true",
+        help="with --device cpu: the patched model on its kernel path (GEMMs through the "
+        "tile interpreter, bf16 roundings as the GPU's; attention on PyTorch's math backend)",
+    )
     ap.add_argument("--null", action="store_true", help="also the null path, pooled")
     ap.add_argument("--family", default="qwen2")  # (llama: the same reading without biases)
     ap.add_argument("--method", default="auto")  # the patched model's LM-head method
@@ -115,6 +122,10 @@ def main() -> None:
     import coda.transformers as ct
 
     ct.apply_coda = functools.partial(ct.apply_coda, method=args.method)
+    if args.kernel_path_on_cpu:
+        import coda.env
+
+        coda.env.kernel_support = lambda device, dtype=None: (True, "")
     # every path's attention (coda's layers call the model's own SDPA function): on PyTorch's
     # math backend, or with q, k, v made contiguous first (the layouts differ by path)
     if args.sdpa == "math":
