@@ -347,8 +347,9 @@ def test_coda_keys_are_the_parameters_own():
         assert torch.equal(other.state_dict()[k], t), k
 
 
-def test_qwen3_save_pretrained_loads_unpatched(tmp_path):
-    cfg = tiny_config("qwen3", tie_word_embeddings=True)
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # (Qwen3 tied; Qwen2 with its biases)
+def test_save_pretrained_loads_unpatched(tmp_path, family):
+    cfg = tiny_config(family, tie_word_embeddings=family == "qwen3")
     ref, patched = pair(cfg, seed=6)
     patched.save_pretrained(tmp_path)
     loaded = model_class(cfg).from_pretrained(tmp_path, torch_dtype=torch.float64)

@@ -2,10 +2,11 @@
 q, k and v projections), on the CPU in float64 (coda's reference path, and with
 ``coda_path`` the kernel path through the tile interpreter): logits, loss, every gradient
 (the biases' included, in HF's layout), padding and packed sequences, a sliding window,
-generation, the state dict and ``save_pretrained``; and what is refused (a bias on the
-output projection, biases on some of q, k, v only). The biases are drawn at unit scale (HF
-makes them 0); the layer tests draw them larger (``test_kernel_path_cpu.py``; on the GPU
-``test_transformers_gpu.py``), as trained Qwen2 checkpoints' k biases run."""
+generation, the state dict (``save_pretrained``: in ``test_transformers.py``); and what is
+refused (a bias on the output projection, biases on some of q, k, v only). The biases are
+drawn at unit scale (HF makes them 0); the layer tests draw them larger
+(``test_kernel_path_cpu.py``; on the GPU ``test_transformers_gpu.py``), as trained Qwen2
+checkpoints' k biases run."""
 
 from __future__ import annotations
 
@@ -45,18 +46,6 @@ def test_patched_qwen2_sliding_window_as_unpatched():
     with torch.no_grad():
         assert rel_err(patched(ids).logits, ref(ids).logits) < TOL
     assert_same_step(ref, patched, input_ids=ids, labels=ids)
-
-
-def test_qwen2_save_pretrained_loads_unpatched(tmp_path):
-    cfg = tiny_config("qwen2")
-    ref, patched = pair(cfg, seed=6)
-    patched.save_pretrained(tmp_path)
-    loaded = model_class(cfg).from_pretrained(tmp_path, torch_dtype=torch.float64)
-    sd_r = ref.state_dict()
-    assert all(torch.equal(loaded.state_dict()[k], sd_r[k]) for k in sd_r)  # bit for bit
-    other = ct.apply_coda(model_class(cfg)(cfg).double())  # and an HF state dict loads back
-    other.load_state_dict(sd_r)
-    assert all(torch.equal(other.state_dict()[k], sd_r[k]) for k in sd_r)
 
 
 def test_a_frozen_bias_stays_frozen_and_a_partly_frozen_one_is_named():
