@@ -38,13 +38,8 @@ def ratios(
     import test_transformers_gpu as t
     from conftest import LinearOperands, band_of, fro_err
 
-    t.K_BIAS_STD = k_bias
     operands = LinearOperands()
-    t.OPERANDS = operands  # (``protocol_run`` records the float64 model's steps in it)
-    try:
-        _, (g64, g16, gc), _ = t.protocol_run(family, device, seed)
-    finally:
-        t.OPERANDS = None
+    _, (g64, g16, gc), _ = t.protocol_run(family, device, seed, k_bias, operands)
     errs = {n: (fro_err(gc[n], g), fro_err(g16[n], g)) for n, g in g64.items()}
     r = {n: c / t for n, (c, t) in errs.items()}
     bands = {}
@@ -65,8 +60,7 @@ def null_errors(seed: int, k_bias: float, device: str = "cuda") -> dict:
     import test_transformers_gpu as t
     from conftest import fro_err
 
-    t.K_BIAS_STD = k_bias
-    cfg, ref64, ref, _ = t._protocol_models("qwen2", device, seed)
+    cfg, ref64, ref, _ = t._protocol_models("qwen2", device, seed, k_bias)
     alt = copy.deepcopy(ref)
 
     def fp32_projection(module, args, out):
@@ -77,10 +71,7 @@ def null_errors(seed: int, k_bias: float, device: str = "cuda") -> dict:
         for name in ("q_proj", "k_proj", "v_proj"):  # (rounded by the next op's bf16 input)
             proj = getattr(layer.self_attn, name)
             proj.register_forward_hook(lambda m, a, o: fp32_projection(m, a, o).to(o.dtype))
-    ids = torch.randint(0, cfg.vocab_size, (4, 256), device=device)
-    mask = torch.ones_like(ids)
-    mask[1, :37] = 0
-    batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    batch = t.protocol_batch(cfg, device)
     for m in (ref64, ref, alt):
         t._step(m, **batch)
     g = {n: p.grad for n, p in ref64.named_parameters()}

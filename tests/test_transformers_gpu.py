@@ -25,13 +25,12 @@ from test_transformers import (  # noqa: E402
 import coda  # noqa: E402
 import coda.transformers as ct  # noqa: E402
 
-# the k biases' standard deviation in the Qwen2 protocol models (``probe_qwen2_bias.py`` reads
-# the protocol at other sizes; trained checkpoints' k biases run to several units)
-K_BIAS_STD = 1.0
-OPERANDS = None  # a ``conftest.LinearOperands`` that records the float64 model's step, or None
 
-
-def _protocol_models(family: str, device: str, seed: int = 0):
+def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.0):
+    """(config, float64 copy, bf16 model, patched bf16 copy) of the protocol's 2-layer model.
+    Qwen2's q and v biases are drawn with standard deviation 1, its k biases with ``k_bias``
+    (``probe_qwen2_bias.py`` reads other sizes; trained checkpoints' k biases run to several
+    units)."""
     shape = dict(
         hidden_size=256,
         intermediate_size=512,
@@ -49,7 +48,7 @@ def _protocol_models(family: str, device: str, seed: int = 0):
     with torch.no_grad():  # Qwen2's biases (HF makes them 0)
         for n, p in ref.named_parameters():
             if n.endswith("_proj.bias"):
-                p.normal_(0.0, K_BIAS_STD if "k_proj" in n else 1.0)
+                p.normal_(0.0, k_bias if "k_proj" in n else 1.0)
     return cfg, copy.deepcopy(ref).double(), ref, ct.apply_coda(copy.deepcopy(ref))
 
 
@@ -72,17 +71,23 @@ def loss_error_rms(family: str, device: str, batches: int = 64):
     return rms["coda"], rms["torch"], 2.0**-9 / (4 * 256) ** 0.5
 
 
-def protocol_run(family: str, device: str, seed: int = 0):
-    """One training step of a 2-layer bf16 ``family`` model, unpatched, patched by coda and as a
-    float64 copy, with a padding mask: ((loss64, loss16, loss_coda), (g64, g16, g_coda), the
-    scalar loss's error floor 2^-9 / sqrt(rows)). The GPU protocol test and
-    ``benchmarks/cpu_numerics.py hf`` (the CPU bf16 model of the same run) share it."""
-    cfg, ref64, ref, patched = _protocol_models(family, device, seed)
+def protocol_batch(cfg, device: str) -> dict:
+    """The protocol's batch: 4 x 256 random tokens, the second sequence left-padded by 37."""
     ids = torch.randint(0, cfg.vocab_size, (4, 256), device=device)
     mask = torch.ones_like(ids)
     mask[1, :37] = 0
-    batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-    with OPERANDS or contextlib.nullcontext():  # the float64 model's Linear operands
+    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+
+def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, operands=None):
+    """One training step of a 2-layer bf16 ``family`` model, unpatched, patched by coda and as a
+    float64 copy, with a padding mask: ((loss64, loss16, loss_coda), (g64, g16, g_coda), the
+    scalar loss's error floor 2^-9 / sqrt(rows)). The GPU protocol test and
+    ``benchmarks/cpu_numerics.py hf`` (the CPU bf16 model of the same run) share it.
+    ``operands``: a ``conftest.LinearOperands`` that records the float64 model's step."""
+    cfg, ref64, ref, patched = _protocol_models(family, device, seed, k_bias)
+    batch = protocol_batch(cfg, device)
+    with operands or contextlib.nullcontext():
         loss64 = _step(ref64, **batch)
     losses = (loss64, _step(ref, **batch), _step(patched, **batch))
     g64 = {n: p.grad for n, p in ref64.named_parameters()}

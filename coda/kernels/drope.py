@@ -86,8 +86,7 @@ def drope_bias_rows(dqkv, z, rstd, cos, sin, n_rot_heads: int, head_dim: int, d:
     column sums of d_pre. Returns (dz~0 in dqkv's dtype, corr0, dbias (Nqkv,) fp32)."""
     M = dqkv.shape[0]
     n_rot = n_rot_heads * head_dim
-    pre = dqkv.to(acc_dtype(dqkv))  # a copy: bf16 in, fp32 out (float64 stays float64)
-    pre = pre.clone() if pre is dqkv else pre
+    pre = dqkv.to(acc_dtype(dqkv), copy=True)  # (written below: never dqkv itself)
     rot = pre[:, :n_rot].view(M, n_rot_heads, head_dim // 2, 2)
     p1, p2 = rotate_pairs(rot[..., 0], rot[..., 1], cos[:, None, :], sin[:, None, :], True)
     pre[:, :n_rot] = torch.stack([p1, p2], -1).view(M, -1)
