@@ -79,15 +79,23 @@ def null_errors(seed: int, k_bias: float, device: str = "cuda") -> dict:
     return {n: (fro_err(ga[n].grad, x), fro_err(g16[n].grad, x)) for n, x in g.items()}
 
 
-def pooled_ratios(sq: dict, k_bias: float, seeds: int, label: str) -> dict:
-    ratio = {n: (c / t) ** 0.5 for n, (c, t) in sq.items()}
-    qk = {n: v for n, v in ratio.items() if "q_proj" in n or "k_proj" in n}
+def pooled_ratios(errors: dict, k_bias: float, seeds: int, label: str) -> dict:
+    """Each gradient's error pooled over the seeds (``conftest.pooled_ratio``: the ratio of
+    the two RMS errors and its 2-sigma band from the seeds' own spread), the q and k
+    projections' by name, the others' worst excess over its band."""
+    from conftest import pooled_ratio
+
+    pooled = {n: pooled_ratio(e) for n, e in errors.items()}
+    qk = {n: v for n, v in pooled.items() if "q_proj" in n or "k_proj" in n}
+    rest = {n: r - b for n, (r, b) in pooled.items() if n not in qk}
     return dict(
         path=label,
         k_bias=k_bias,
         seeds=seeds,
-        qk=dict(sorted((n, round(v, 4)) for n, v in qk.items())),
-        rest_max=max(v for n, v in ratio.items() if n not in qk),
+        qk=dict(sorted((n, round(r, 4)) for n, (r, _) in qk.items())),
+        qk_band=dict(sorted((n, round(1 + b, 4)) for n, (_, b) in qk.items())),
+        rest_max=max(pooled[n][0] for n in rest),
+        rest_max_over_band=max(rest.values()) - 1.0,
     )
 
 
@@ -132,13 +140,11 @@ def main() -> None:
         torch.nn.functional.scaled_dot_product_attention = contiguous_sdpa
     rows, pooled = [], []
     for k_bias in args.k_bias:
-        sq: dict = {}  # gradient -> [sum of coda's squared errors, of PyTorch's]
+        errors: dict = {}  # gradient -> [(coda's error, PyTorch's) of each seed]
         for seed in range(args.seeds):
             r, bands, errs = ratios(seed, k_bias, args.device, args.family)
-            for n, (c, t) in errs.items():
-                acc = sq.setdefault(n, [0.0, 0.0])
-                acc[0] += c * c
-                acc[1] += t * t
+            for n, e in errs.items():
+                errors.setdefault(n, []).append(e)
             qk = {n: v for n, v in r.items() if "q_proj" in n or "k_proj" in n}
             rest = {n: v for n, v in r.items() if n not in qk}
             over = {n: (round(v, 3), round(1 + bands[n], 3)) for n, v in r.items()
@@ -162,18 +168,16 @@ def main() -> None:
         # batches): the ratio of two RMS errors, whose spread shrinks with the seeds
         pooled.append(
             pooled_ratios(
-                sq, k_bias, args.seeds, f"coda {args.family} {args.method} sdpa {args.sdpa}"
+                errors, k_bias, args.seeds, f"coda {args.family} {args.method} sdpa {args.sdpa}"
             )
         )
         print(json.dumps(pooled[-1]), flush=True)
         if args.null:
-            sq = {}
+            errors = {}
             for seed in range(args.seeds):
-                for n, (c, t) in null_errors(seed, k_bias, args.device).items():
-                    acc = sq.setdefault(n, [0.0, 0.0])
-                    acc[0] += c * c
-                    acc[1] += t * t
-            pooled.append(pooled_ratios(sq, k_bias, args.seeds, "null: fp32 projections"))
+                for n, e in null_errors(seed, k_bias, args.device).items():
+                    errors.setdefault(n, []).append(e)
+            pooled.append(pooled_ratios(errors, k_bias, args.seeds, "null: fp32 projections"))
             print(json.dumps(pooled[-1]), flush=True)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     Path(args.out).write_text(

@@ -40,7 +40,12 @@ from coda.kernels import library as lib
 from coda.kernels._launch import acc_dtype, unit_rows
 from coda.kernels.config import GemmConfig
 from coda.kernels.gemm_rmsnorm_gemm import gemm_rmsnorm_gemm_kernel
-from coda.kernels.gemm_rope import LOADED_POSITIONS, cached_freq_table, position_rows
+from coda.kernels.gemm_rope import (
+    LOADED_POSITIONS,
+    cached_freq_table,
+    lean_z_cols,
+    position_rows,
+)
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
 from coda.kernels.norm_rows import row_stat
 from coda.kernels.qk_norm import column_rows, qk_norm_config
@@ -351,6 +356,7 @@ def gemm_rope(
     q_norm=None,
     k_norm=None,
     eps: float = 1e-6,
+    bias=None,
     backend: str = "auto",
     config: Optional[GemmConfig] = None,
 ) -> torch.Tensor:
@@ -366,10 +372,16 @@ def gemm_rope(
     ``q_norm``, ``k_norm`` (head_dim,) (both or neither; ``coda.layouts.head_weight_from_hf``
     converts Qwen3's): each q and k head is RMS-normalized over its head_dim values (eps) and
     scaled by them before RoPE, Qwen3's QK-norm, inside the GEMM's epilogue on the kernel
-    path (the default tile config then holds whole heads: ``qk_norm.qk_norm_config``)."""
+    path (the default tile config then holds whole heads: ``qk_norm.qk_norm_config``).
+
+    ``bias`` (Nqkv,) in x's dtype, w_qkv's column order (``coda.layouts.qkv_bias_from_hf``
+    converts Qwen2's q, k, v biases): RoPE(rstd * (x @ w_qkv) + bias), added in the epilogue
+    before the rotation (not with QK-norm: no model has both)."""
     named = {"x": x, "w_qkv": w_qkv, "rstd": rstd, "positions": positions}
     if q_norm is not None or k_norm is not None:
         named.update(q_norm=q_norm, k_norm=k_norm)
+    if bias is not None:
+        named["bias"] = bias
 
     def check():
         v.check_matrix("x", x)
@@ -394,9 +406,14 @@ def gemm_rope(
             v.check_vector("q_norm", q_norm, ("head_dim", head_dim))
             v.check_vector("k_norm", k_norm, ("head_dim", head_dim))
             v.check_eps(eps)
+        if bias is not None:
+            v.check_vector("bias", bias, cols)
+            if q_norm is not None:
+                raise v.CodaInputError("bias: not with q_norm / k_norm (no model has both)")
         path = _start("gemm_rope", backend, named)
         if path == "kernel":
-            _kernel_layout({"x": x}, {"w_qkv": w_qkv}, {"rstd": rstd, "positions": positions})
+            vectors = {"rstd": rstd, "positions": positions, "bias": bias}
+            _kernel_layout({"x": x}, {"w_qkv": w_qkv}, vectors)
             cfg = config or qk_norm_config(head_dim)
             if q_norm is not None and (cfg is None or cfg.tile_n % head_dim):
                 raise v.CodaInputError(  # the QK-norm epilogue normalizes heads within a tile
@@ -414,7 +431,8 @@ def gemm_rope(
         heads = (n_heads + n_kv_heads, n_kv_heads)
         return cfg, cached_freq_table(head_dim, *heads, rope_base, x.device)
 
-    args = (backend, head_dim, n_heads, n_kv_heads, rope_base, eps, config)
+    # (which optional tensors are given is part of the signature: the memo matches as many)
+    args = (backend, head_dim, n_heads, n_kv_heads, rope_base, eps, config, tuple(named))
     path, tape, kept = _checked("gemm_rope", check, args, named, ("x", "w_qkv"), configs)
     r = _rstd(rstd, x)
     if path == "kernel":
@@ -424,6 +442,10 @@ def gemm_rope(
         pos = positions
         if positions.dtype not in LOADED_POSITIONS:
             pos = position_rows(positions, 1, x.device)
+        if bias is not None:  # (z, kept for a backward, clipped to one 16-byte row)
+            z_cols = lean_z_cols(w_qkv.shape[1])
+            with tape:
+                return lib.gemm_rope_bias(x, w_qkv, r, pos, freq, bias, cfg, z_cols)[0]
         if q_norm is None:
             with tape:
                 return lib.gemm_rope(x, w_qkv, r, pos, freq, cfg)
@@ -432,7 +454,7 @@ def gemm_rope(
             return lib.gemm_qk_norm_rope(x, w_qkv, r, pos, freq, head_w, plain, head_dim, eps, cfg)
     cs = rope_table(positions, head_dim, rope_base)
     if q_norm is None:
-        z = gemm_rope_ref(x, w_qkv, r, cs, n_heads, n_kv_heads, head_dim)
+        z = gemm_rope_ref(x, w_qkv, r, cs, n_heads, n_kv_heads, head_dim, bias)
     else:
         args = (n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps)
         z = gemm_qk_norm_rope_ref(x, w_qkv, r, cs, *args)

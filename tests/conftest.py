@@ -197,6 +197,23 @@ def band_of(n_eff: float, z: float = 2.0) -> float:
     return 0.0 if n_eff <= 1 else math.expm1(z / n_eff**0.5)
 
 
+def pooled_ratio(errors: list[tuple[float, float]], z: float = 2.0) -> tuple[float, float]:
+    """(ratio, band) of one gradient's error pooled over independent runs (seeds): ``errors``
+    holds each run's (coda's error, PyTorch's), the ratio is that of their RMS, sqrt(sum c^2 /
+    sum t^2), and the band z standard errors of it estimated from the runs themselves (the
+    delta method on log(mean c^2) - log(mean t^2), which counts the two paths' correlation
+    within a run). Where one run's ratio is chance (the q and k gradients of a model whose
+    softmax the biases saturate: 0.6-2.1 from seed to seed), the pooled one shrinks toward
+    the paths' true ratio as 1/sqrt(runs), and a ratio above 1 + band is a measurable excess."""
+    n = len(errors)
+    a = [c * c for c, _ in errors]
+    b = [t * t for _, t in errors]
+    ma, mb = sum(a) / n, sum(b) / n
+    u = [x / ma - y / mb for x, y in zip(a, b)]
+    var_log = sum(v * v for v in u) / (n - 1) / n if n > 1 else math.inf
+    return (ma / mb) ** 0.5, math.expm1(z * 0.5 * var_log**0.5)
+
+
 def family_z(checks: int, alpha: float = 0.05) -> float:
     """The band's z for a family of ``checks`` comparisons (a fuzz test's cases x outputs):
     one-sided, Bonferroni, so that a path that merely ties fails the whole family with

@@ -177,6 +177,62 @@ def test_gemm_rope_with_qk_norm_is_qwen3_attention_input(seed):
         coda.gemm_rope(x, w_qkv, pos, head_dim=hd, n_heads=H, n_kv_heads=Hkv, q_norm=qn_hf)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_gemm_rope_with_bias_is_qwen2_attention_input(seed):
+    """``coda.gemm_rope(..., bias=)`` on HF weights and biases converted with coda.layouts
+    equals Qwen2's q/k/v in HF's own conventions (each projection with its bias, then
+    rotate_half RoPE), float64, biases of 4 (trained k biases' size): the op's reference
+    path and the layouts agree (its kernel path: the next test, and ``test_gpu_rope``)."""
+    d = random_dims(seed, M=(1, 40), K=(1, 15), H=(1, 3), Hkv=(1, 2), half=(1, 6))
+    g, hd = gen(seed), 2 * d["half"]
+    M, K, Hkv = d["M"], 2 * d["K"], d["Hkv"]  # (K even: 16-byte rows on the kernel path)
+    H = d["H"] * Hkv
+    x, r = randn(g, M, K), 0.5 + torch.rand(M, dtype=F64, generator=g)
+    wq, wk, wv = randn(g, H * hd, K), randn(g, Hkv * hd, K), randn(g, Hkv * hd, K)
+    bq, bk, bv = randn(g, H * hd, scale=4), randn(g, Hkv * hd, scale=4), randn(g, Hkv * hd)
+    pos = torch.randint(0, 500, (M,), generator=g)
+    w_qkv = layouts.qkv_weight_from_hf(wq, wk, wv, n_heads=H, n_kv_heads=Hkv)
+    b_qkv = layouts.qkv_bias_from_hf(bq, bk, bv, n_heads=H, n_kv_heads=Hkv)
+    kw = dict(head_dim=hd, n_heads=H, n_kv_heads=Hkv, rstd=r)
+    qkv = coda.gemm_rope(x, w_qkv, pos, bias=b_qkv, **kw)
+    y = r[:, None] * x
+    theta = rope_ref.rope_angles(pos, hd)
+    cos, sin = torch.cat([theta.cos()] * 2, -1)[:, None], torch.cat([theta.sin()] * 2, -1)[:, None]
+
+    def head(w, b, n):
+        return rope_ref.apply_rope_hf((y @ w.T + b).view(M, n, hd), cos, sin).flatten(1)
+
+    nq, nk = H * hd, Hkv * hd
+    assert rel_err(rope_ref.adjacent_to_hf_columns(qkv[:, :nq], H, hd), head(wq, bq, H)) < 1e-12
+    got_k = rope_ref.adjacent_to_hf_columns(qkv[:, nq : nq + nk], Hkv, hd)
+    assert rel_err(got_k, head(wk, bk, Hkv)) < 1e-12
+    assert rel_err(qkv[:, nq + nk :], y @ wv.T + bv) < 1e-12
+    plain = coda.gemm_rope(x, w_qkv, pos, **kw)  # the same signature without a bias: its own
+    assert rel_err(plain[:, nq + nk :], y @ wv.T) < 1e-12
+
+
+def test_gemm_rope_bias_kernel_path_runs_the_clipped_training_program(monkeypatch):
+    """On the kernel path (forced on the CPU: the tile interpreter) ``bias=`` runs F1 with a
+    bias, z's store clipped to one 16-byte row (``lean_z_cols``: no backward follows a
+    public op), and returns its output: the reference's to bf16 round-off."""
+    import coda.env
+    from coda import ops
+
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    seen = []
+    real = ops.lib.gemm_rope_bias
+    monkeypatch.setattr(ops.lib, "gemm_rope_bias", lambda *a: seen.append(a[-1]) or real(*a))
+    g, M, K, H, Hkv, hd = gen(5), 70, 32, 4, 2, 16
+    bf = torch.bfloat16
+    x, w = randn(g, M, K, dtype=bf), randn(g, K, (H + 2 * Hkv) * hd, dtype=bf, scale=K**-0.5)
+    b, pos = randn(g, (H + 2 * Hkv) * hd, dtype=bf, scale=4), torch.arange(M) % 9
+    got = coda.gemm_rope(x, w, pos, head_dim=hd, n_heads=H, n_kv_heads=Hkv, bias=b)
+    assert coda.last_path("gemm_rope")[0] == "kernel" and seen == [16]
+    cs = rope_ref.rope_table(pos, hd)
+    want = rope_ref.gemm_rope_ref(x.double(), w.double(), torch.ones(M), cs, H, Hkv, hd, b)
+    assert got.dtype == bf and rel_err(got, want) < 2**-7
+
+
 def test_public_ops_reference_path_on_cpu():
     g = gen(0)
     M, K, H, Hkv, hd, f, V = 19, 16, 4, 2, 8, 24, 40
@@ -313,6 +369,19 @@ def test_forward_ops_bad_input():
         coda.linear_cross_entropy(x, w, torch.zeros(8, dtype=torch.long), reduction="avg")
     with pytest.raises(coda.CodaInputError, match=r"w2: dim 0 must equal w1.shape\[1\]"):
         coda.gemm_rmsnorm_gemm(x, w, torch.randn(8, 10), torch.ones(10), torch.randn(9, 4))
+    with pytest.raises(coda.CodaInputError, match=r"bias: expected shape \(\(n_heads"):
+        coda.gemm_rope(
+            x, w, torch.arange(8), head_dim=2, n_heads=3, n_kv_heads=1, bias=torch.ones(9)
+        )
+    with pytest.raises(coda.CodaInputError, match="bias: not with q_norm"):
+        coda.gemm_rope(
+            x, w, torch.arange(8), head_dim=2, n_heads=3, n_kv_heads=1, bias=torch.ones(10),
+            q_norm=torch.ones(2), k_norm=torch.ones(2),
+        )  # fmt: skip
+    with pytest.raises(coda.CodaInputError, match="all tensors must share one dtype"):
+        coda.gemm_rope(
+            x, w, torch.arange(8), head_dim=2, n_heads=3, n_kv_heads=1, bias=torch.ones(10).double()
+        )
     with pytest.raises(NotImplementedError, match="forward-only"):
         coda.gemm_swiglu(x, w.requires_grad_(True))
     for convert in (layouts.head_weight_from_hf, layouts.head_weight_to_hf):  # one rule both ways
@@ -354,8 +423,11 @@ def test_compiles_for_sm90(kernel, w_major):
 def test_rope_loads_integer_positions_for_sm90():
     """The RoPE epilogues load a caller's integer positions as they are (``coda.gemm_rope``
     passes int64 / int32 positions uncast; one vector load serves every program): F1 compiles
-    with int64 positions, its QK-norm form with int32."""
+    with int64 positions, its QK-norm form with int32, its bias form (``bias=``, z's store
+    clipped) with both."""
     assert rp.compile_gemm_rope(256, 640, pos_dtype=torch.int64) in (0, 1)
+    for dt in (torch.int64, torch.int32):
+        assert rp.compile_gemm_rope_bias(256, 640, z_cols=16, pos_dtype=dt) in (0, 1)
     assert qkn.compile_gemm_qk_norm_rope(256, 512, 64, pos_dtype=torch.int32) in (0, 1)
 
 
@@ -513,12 +585,22 @@ def test_rope_bias_through_the_interpreter_float64():
 def test_gpu_rope_bias(M, K, H, Hkv, hd):
     """H200: F1 with a bias (Qwen2.5-0.5B's shape first) within one bf16 rounding of its
     float64 definition and no worse than PyTorch's bf16 form; z (kept for B11) within one
-    rounding of r acc; the forward no backward follows (z's store clipped) writes the same
-    output bitwise."""
+    rounding of r acc; the forward no backward follows (z's store clipped) and the public op
+    write the same output bitwise."""
     cfg = config_for("rope", M, K, (H + 2 * Hkv) * hd)
     out, torch_err, z, same = rope_bias_errors(M, K, H, Hkv, hd, "cuda", config=cfg)
     assert same and z < 2**-8, (z, same)
     assert out < 2**-8 and out <= torch_err, (out, torch_err)
+    # the public op (``coda.gemm_rope(bias=)``, int64 positions loaded as they are) writes
+    # the training forward's output bitwise
+    g, x, w, r = _gpu_inputs(M, K, (H + 2 * Hkv) * hd, 11)
+    b = 4 * torch.randn((H + 2 * Hkv) * hd, device="cuda", generator=g).bfloat16()
+    pos = torch.arange(M, device="cuda") % 1024
+    kw = dict(head_dim=hd, n_heads=H, n_kv_heads=Hkv, rstd=r, bias=b, backend="kernel")
+    got = coda.gemm_rope(x, w, pos, **kw)
+    freq = rp.rope_freq_table(hd, H + Hkv, Hkv, device="cuda")
+    train = rp.gemm_rope_bias_kernel(x, w, r, pos.float(), freq, b, cfg)[0]
+    assert coda.last_path("gemm_rope")[0] == "kernel" and torch.equal(got, train)
 
 
 @pytest.mark.gpu

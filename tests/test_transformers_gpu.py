@@ -96,23 +96,14 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
     return losses, (g64, g16, ct.hf_gradients(patched)), floor
 
 
-QWEN2_OPEN = pytest.mark.xfail(
-    strict=False,
-    reason="Qwen2's q and k projection gradients: one seed's reading is chance under the "
-    "biases' saturated softmax (0.83-1.68x; 16 seeds pooled up to 1.06x on the H200, 128 on "
-    "the CPU model 0.78-1.013x); 128 seeds on the H200 not yet run (benchmarks/NOTES.md, "
-    "session 62)",
-)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen3", "mistral", pytest.param("qwen2", marks=QWEN2_OPEN), *SCALED_ROPES],
+    ["llama", "qwen3", "mistral", *SCALED_ROPES],
 )
 def test_gpu_patched_model_protocol(family):
-    """H200: a patched bf16 Llama / Qwen3 / Mistral / Qwen2 (q, k, v biases of unit size), and Llama
-    with Llama 3's and linear RoPE scaling (coda's kernels, HF's sdpa) against the unpatched
+    """H200: a patched bf16 Llama / Qwen3 / Mistral, and Llama with Llama 3's and linear RoPE
+    scaling (coda's kernels, HF's sdpa) against the unpatched
     bf16 model, both against a float64 copy: loss and every gradient no worse than the
     unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask.
     The scalar loss is compared as an RMS over 64 batches (``loss_error_rms``), with the same
@@ -125,6 +116,34 @@ def test_gpu_patched_model_protocol(family):
     _, (g64, g16, gc), _ = protocol_run(family, "cuda")
     ratios = {n: fro_err(gc[n], g) / fro_err(g16[n], g) for n, g in g64.items()}
     worse = {n: r for n, r in ratios.items() if r > 1.0 + tie_band(g64[n])}
+    assert not worse, worse
+
+
+QWEN2_SEEDS = 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k_bias", [1.0, 4.0])
+def test_gpu_patched_qwen2_protocol_pooled(k_bias):
+    """H200: CODA's protocol for a patched bf16 Qwen2 (q and v biases of standard deviation 1,
+    k biases of ``k_bias``), each gradient's error pooled over ``QWEN2_SEEDS`` seeds
+    (``conftest.pooled_ratio``): no gradient's pooled error measurably above the unpatched
+    bf16 model's (above 1 + its band, Bonferroni over the gradients). One seed cannot decide
+    it: under the biases' saturated softmax the q and k projections' gradients (through
+    attention's score gradient) read 0.55-2.1x from seed to seed on either path's roundings
+    (runs 280-284, benchmarks/NOTES.md sessions 62-63). The loss as the other families'."""
+    from conftest import family_z, fro_err, pooled_ratio
+
+    e_c, e_t, floor = loss_error_rms("qwen2", "cuda", 64)
+    assert max(e_c, floor) <= max(e_t, floor), (e_c, e_t, floor)
+    errors: dict = {}
+    for seed in range(QWEN2_SEEDS):
+        _, (g64, g16, gc), _ = protocol_run("qwen2", "cuda", seed, k_bias)
+        for n, g in g64.items():
+            errors.setdefault(n, []).append((fro_err(gc[n], g), fro_err(g16[n], g)))
+    z = family_z(len(errors))
+    pooled = {n: pooled_ratio(e, z) for n, e in errors.items()}
+    worse = {n: (round(r, 4), round(1 + b, 4)) for n, (r, b) in pooled.items() if r > 1 + b}
     assert not worse, worse
 
 

@@ -182,7 +182,10 @@ def compile_gemm_rope(k, n, *, w_major="n", config=DEFAULT, m=256, pos_dtype=tor
     return gemm_rope_kernel(a, w, torch.empty(m), pos, torch.empty(n), config, dry=True)
 
 
-def compile_gemm_rope_bias(k, n, *, z_cols=None, w_major="n", config=DEFAULT, m=256) -> int:
+def compile_gemm_rope_bias(
+    k, n, *, z_cols=None, w_major="n", config=DEFAULT, m=256, pos_dtype=torch.float32
+) -> int:
     a, w = example_operands(m, k, n, w_major)
-    pos, r, f, b = torch.zeros(m), torch.empty(m), torch.empty(n), torch.empty(n, dtype=a.dtype)
+    pos, r, f = torch.zeros(m, dtype=pos_dtype), torch.empty(m), torch.empty(n)
+    b = torch.empty(n, dtype=a.dtype)
     return gemm_rope_bias_kernel(a, w, r, pos, f, b, config, z_cols=z_cols, dry=True)

@@ -99,11 +99,14 @@ def adjacent_to_hf_linear(w_lin: torch.Tensor, n_heads: int, hd: int) -> torch.T
     return w_lin.view(n_heads, hd // 2, 2, -1).transpose(1, 2).reshape(n_heads * hd, -1)
 
 
-def gemm_rope_ref(a, w_qkv, r, cs, n_q: int, n_kv: int, hd: int):
-    """F1: z = r * (a @ w_qkv); adjacent RoPE on the q and k columns with table rows cs
-    (M x hd, one row per token's position); v unchanged. Returns z (M x (n_q+2 n_kv) hd)."""
+def gemm_rope_ref(a, w_qkv, r, cs, n_q: int, n_kv: int, hd: int, bias=None):
+    """F1: z = r * (a @ w_qkv) (+ bias, Qwen2's q, k, v biases in w_qkv's column order);
+    adjacent RoPE on the q and k columns with table rows cs (M x hd, one row per token's
+    position); v unchanged. Returns z (M x (n_q+2 n_kv) hd)."""
     dt = ref_dtype(a, w_qkv)
     z = r.to(dt)[:, None] * (a.to(dt) @ w_qkv.to(dt))
+    if bias is not None:
+        z = z + bias.to(dt)
     M = z.shape[0]
     qk = z[:, : (n_q + n_kv) * hd].view(M, n_q + n_kv, hd)
     return torch.cat([rope_adjacent_ref(qk, cs.to(dt)).flatten(1), z[:, (n_q + n_kv) * hd :]], 1)
