@@ -9,6 +9,7 @@ reduction. Per layer (x0 in, x2 out; "epi" = in the GEMM's epilogue):
                                                   or Qwen2's bias]
     F2   o = attention(q, k, v)                   pluggable (SDPA by default)
     F3   x1 = x0 + o @ W_o; a1 = x1 * gamma2      epi: residual, norm input, sum of squares
+                                                  [, Llama's O-projection bias]
     A1   r1 from F3's partials                    row kernel
     F4   s = SwiGLU(r1 * (a1 @ W_il)), u kept     epi: row scale, SwiGLU, pre-activation
     F5   x2 = x1 + s @ W_d                        epi: residual (the next layer's F0 is its norm)
@@ -17,7 +18,8 @@ reduction. Per layer (x0 in, x2 out; "epi" = in the GEMM's epilogue):
     A6   corr1 from B4's partials                 row kernel
     B6   dx1 = norm backward of dz1 @ W_il^T      epi: + dx2 (residual); A7: dgamma2
     B7   dW_il = gamma2 (rows) * (x1^T dz1)       epi: row scale
-    B8   do = dx1 @ W_o^T;  B9  dW_o = o^T dx1    cuBLAS
+    B8   do = dx1 @ W_o^T;  B9  dW_o = o^T dx1    cuBLAS [; the bias's gradient: dx1's
+                                                  column sums]
     B10  dq, dk, dv                               attention's own backward
     B11  dz0 from dq, dk, dv; A8: corr0           row kernel: dRoPE [, QK-norm's backward
                                                   or the bias's gradient]
@@ -295,13 +297,14 @@ class AttentionInputQKNorm(torch.autograd.Function):
 class AttentionOutput(torch.autograd.Function):
     """F3 + A1 / B8 + B9: O projection + residual, with the next norm's statistics and
     x1 * gamma2 in its epilogue. Returns (x1, a1, r1); a1 and r1 feed the MLP's GEMM and carry
-    no gradient of their own (the MLP's backward takes the norm's backward whole, B6)."""
+    no gradient of their own (the MLP's backward takes the norm's backward whole, B6).
+    ``b_o``: the O projection's bias (d,) (Llama's ``attention_bias=True``), or None."""
 
     @staticmethod
-    def forward(ctx, o, w_o, x0, g2, eps: float):
+    def forward(ctx, o, w_o, x0, g2, eps: float, b_o=None):
         M, K = o.shape
         x1, a1, r1 = lib.gemm_residual_rms(
-            o, w_o, x0, g2, eps, config_for("residual", M, K, w_o.shape[1])
+            o, w_o, x0, g2, eps, config_for("residual", M, K, w_o.shape[1]), b_o
         )
         ctx.mark_non_differentiable(a1, r1)
         # no zero gradients for a1 and r1: autograd would otherwise fill an (M, d) and an (M,)
@@ -314,12 +317,13 @@ class AttentionOutput(torch.autograd.Function):
     def backward(ctx, dx1, _da1, _dr1):
         differentiable_once("AttentionOutput")
         if dx1 is None:  # x1 did not reach the loss
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         o, w_o = ctx.saved_tensors
         dx1 = dx1.contiguous()
         do = dx1 @ w_o.t()  # B8
         dw_o = wgrad(o, dx1) if ctx.needs_input_grad[1] else None  # B9 (W_o frozen: none)
-        return do, dw_o, dx1, None, None  # dx1 is also the residual's gradient (to x0)
+        db_o = dx1.sum(0) if ctx.needs_input_grad[5] else None  # (fp32 accumulation)
+        return do, dw_o, dx1, None, None, db_o  # dx1 is also the residual's gradient (to x0)
 
 
 class MLP(torch.autograd.Function):
@@ -378,12 +382,14 @@ def decoder_layer(
     freq=None,
     qk_norm=None,
     qkv_bias=None,
+    o_bias=None,
 ):
     """One decoder layer on token rows x0 (M, d) as the composition of the kernel-path
     Functions, with ``attention`` (default ``sdpa_causal``) between them, differentiated by
     its own autograd. ``freq``: the RoPE epilogue's per-column frequency table (default: from
     ``dims.rope_base``); ``qk_norm``: Qwen3's (q_norm, k_norm) head-norm weights, or None;
-    ``qkv_bias``: Qwen2's QKV bias (Nqkv,) in W_qkv's column order, or None (not both).
+    ``qkv_bias``: Qwen2's QKV bias (Nqkv,) in W_qkv's column order, or None (not both);
+    ``o_bias``: the O projection's bias (d,) (Llama's ``attention_bias=True``), or None.
     Returns x2 (batch, seq, d), a tensor of its own (not a view of an (M, d) one). Where no
     backward can run (``torch.no_grad``, inference mode, nothing requiring a gradient, a
     reentrant checkpoint's first pass), the GEMMs store nothing only a backward reads
@@ -408,7 +414,7 @@ def decoder_layer(
     if attention is not None:
         check_attention_output(o4, q)
     o = o4.transpose(1, 2).reshape(x0.shape[0], H * hd)
-    x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps)
+    x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps, o_bias)
     train = backward_can_follow(x1, a1, r1, g2, w_il, w_d)  # (attention may own weights)
     return MLP.apply(x1, a1, r1, g2, w_il, w_d, (dims.batch, dims.seq), train)
 

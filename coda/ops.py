@@ -207,22 +207,28 @@ def gemm_residual_rms(
     gamma=None,
     *,
     eps: float = 1e-5,
+    bias=None,
     backend: str = "auto",
     config: Optional[GemmConfig] = None,
 ) -> ResidualRMS:
-    """h = residual + x @ w; normed = h * gamma; rstd = RMSNorm's row scale of h.
+    """h = residual + x @ w (+ bias); normed = h * gamma; rstd = RMSNorm's row scale of h.
 
-    x (M, K), w (K, N), residual (M, N), gamma (N,). RMSNorm(h) * gamma == rstd[:, None] *
-    normed, and (RMSNorm(h) * gamma) @ w2 == rstd[:, None] * (normed @ w2): the row scale is
-    deferred to the next GEMM's epilogue (KERNELS.md [I2.3])."""
-    named = {"x": x, "w": w, "residual": residual, "gamma": gamma}
+    x (M, K), w (K, N), residual (M, N), gamma (N,), bias (N,) (the projection's: Llama's
+    ``attention_bias=True`` O projection), added to the fp32 product before the residual.
+    RMSNorm(h) * gamma == rstd[:, None] * normed, and (RMSNorm(h) * gamma) @ w2 ==
+    rstd[:, None] * (normed @ w2): the row scale is deferred to the next GEMM's epilogue
+    (KERNELS.md [I2.3])."""
+    named = {"x": x, "w": w, "residual": residual, "gamma": gamma, "bias": bias}
 
     def check():
         _check_residual_gemm(x, w, residual, gamma)
+        if bias is not None:
+            v.check_vector("bias", bias, ("w.shape[1]", w.shape[1]))
         v.check_eps(eps)
         path = _start("gemm_residual_rms", backend, named)
         if path == "kernel":
-            _kernel_layout({"x": x, "residual": residual}, {"w": w}, {"gamma": gamma})
+            vectors = {"gamma": gamma, "bias": bias}
+            _kernel_layout({"x": x, "residual": residual}, {"w": w}, vectors)
         return path
 
     tma = ("x", "residual", "w")
@@ -234,10 +240,10 @@ def gemm_residual_rms(
     if path == "kernel":
         with tape:
             if gamma is None:
-                h, sumsq = lib.gemm_residual(x, w, residual, config)
+                h, sumsq = lib.gemm_residual(x, w, residual, config, bias)
                 return ResidualRMS(h, None, row_stat(sumsq, None, w.shape[1], eps))
-            return ResidualRMS(*lib.gemm_residual_rms(x, w, residual, gamma, eps, config))
-    h, a, r = gemm_residual_rms_ref(x, w, residual, gamma, eps)
+            return ResidualRMS(*lib.gemm_residual_rms(x, w, residual, gamma, eps, config, bias))
+    h, a, r = gemm_residual_rms_ref(x, w, residual, gamma, eps, bias)
     return ResidualRMS(h.to(x.dtype), None if a is None else a.to(x.dtype), r.to(acc_dtype(x)))
 
 

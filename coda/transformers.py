@@ -34,7 +34,8 @@ does.
 
 Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel``, ``MistralForCausalLM`` /
 ``MistralModel``, ``Qwen2ForCausalLM`` / ``Qwen2Model`` and ``Qwen3ForCausalLM`` /
-``Qwen3Model`` (silu MLP, no biases but Qwen2's on q, k and v, RoPE "default", "linear" or
+``Qwen3Model`` (silu MLP, no biases but Qwen2's on q, k and v and Llama's
+``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
 "llama3": a fixed set of inverse frequencies, taken from the model; Qwen3's per-head QK-norm
 and Qwen2's q, k, v biases run in the QKV GEMM's epilogue, ``coda.kernels.qk_norm`` and
 ``coda.kernels.gemm_rope``; Mistral's, Qwen2's and Qwen3's sliding windows, when configured,
@@ -76,7 +77,6 @@ ROPE_TYPES = ("default", "linear", "llama3")
 def _check_config(config, rotary) -> None:
     rules = [
         (getattr(config, "hidden_act", "silu") == "silu", f"hidden_act={config.hidden_act!r}"),
-        (not getattr(config, "attention_bias", False), "attention_bias=True"),
         (not getattr(config, "mlp_bias", False), "mlp_bias=True"),
         (getattr(config, "pretraining_tp", 1) == 1, "pretraining_tp != 1"),
         (rotary.rope_type in ROPE_TYPES, f"rope_type={rotary.rope_type!r}"),
@@ -102,7 +102,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         where = f"layers.{attn.layer_idx}"
         _check_linears(hf_layer, where)
         qk_norm = hasattr(attn, "q_norm")
-        qkv_bias = _qkv_bias(attn, where)
+        qkv_bias, o_bias = _attention_biases(attn, where)
         p = next(hf_layer.parameters())
         super().__init__(
             config.hidden_size,
@@ -116,6 +116,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             inv_freq=inv_freq,
             qk_norm=qk_norm,
             qkv_bias=qkv_bias,
+            o_bias=o_bias,
         )
         if qk_norm and attn.q_norm.variance_epsilon != config.rms_norm_eps:
             raise v.CodaInputError("apply_coda: a QK-norm eps other than rms_norm_eps")
@@ -227,16 +228,17 @@ def _check_linears(hf_layer, where: str) -> None:
             )
 
 
-def _qkv_bias(attention, where: str) -> bool:
-    """Whether the q, k and v projections have biases (Qwen2's): all three or none, and none
-    on the output projection (Llama's ``attention_bias=True`` puts one there too)."""
+def _attention_biases(attention, where: str) -> tuple[bool, bool]:
+    """(whether the q, k and v projections have biases, whether o_proj has one): Qwen2's are
+    on q, k and v, Llama's ``attention_bias=True`` puts them on all four; q, k and v have
+    them all or none."""
     has = [getattr(attention, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")]
-    if attention.o_proj.bias is not None or len(set(has)) > 1:
+    if len(set(has)) > 1:
         raise v.CodaInputError(
-            f"apply_coda: {where}: biases are supported on all of q_proj, k_proj and v_proj "
-            "(Qwen2's) and nowhere else"
+            f"apply_coda: {where}: biases on some of q_proj, k_proj and v_proj; supported on "
+            "all three (Qwen2's; with o_proj's too, Llama's attention_bias=True) or none"
         )
-    return has[0]
+    return has[0], attention.o_proj.bias is not None
 
 
 def _sliding_window(attention) -> dict:

@@ -32,13 +32,17 @@ def inputs(M, K, N, dtype=torch.float64, device="cpu", seed=0):
 # -- level 1: the program equals the reference -------------------------------------------------
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("with_gamma", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("config", [SMALL, DEFAULT], ids=["64x32", "default"])
-def test_interpreted_program_equals_reference(seed, with_gamma, config):
+def test_interpreted_program_equals_reference(seed, with_gamma, with_bias, config):
     d = random_dims(seed, M=(1, 300), K=(1, 40), N=(1, 420))
     x, w, res, gamma = inputs(d["M"], d["K"], d["N"], seed=seed)
     gamma = gamma if with_gamma else None
-    h, a, r, parts = kern.gemm_residual_rms_interpreted(x, w, res, gamma, 1e-5, config)
-    h_ref, a_ref, r_ref = gemm_residual_rms_ref(x, w, res, gamma, 1e-5)
+    bias = 3 * torch.randn(d["N"], dtype=x.dtype) if with_bias else None
+    h, a, r, parts = kern.gemm_residual_rms_interpreted(x, w, res, gamma, 1e-5, config, bias)
+    h_ref, a_ref, r_ref = gemm_residual_rms_ref(x, w, res, gamma, 1e-5, bias)
+    if with_bias:  # the bias is in h, not a no-op
+        assert rel_err(h, gemm_residual_rms_ref(x, w, res, gamma, 1e-5)[0]) > 0.1
     assert rel_err(h, h_ref) < 1e-14 and rel_err(r, r_ref) < 1e-13
     assert parts.shape == (d["M"], config.grid(d["M"], d["N"])[1])
     assert rel_err(parts, sumsq_partials_ref(h_ref, config.tile_n)) < 1e-13
@@ -74,6 +78,19 @@ def test_public_op_reference_path_on_cpu():
     assert rel_err(y, canon) < 2e-2  # the bf16 roundings of h and h*gamma differ; bound 2^-6
 
 
+def test_public_op_with_a_bias_is_the_biased_projection():
+    """``bias=``: h = residual + (x @ w + bias), the reference path; a wrong length is named."""
+    x, w, res, gamma = inputs(37, 24, 56)
+    b = torch.randn(56, dtype=torch.float64)
+    out = coda.gemm_residual_rms(x, w, res, gamma, eps=1e-6, bias=b)
+    lin = torch.nn.functional.linear(x, w.t(), b)
+    assert rel_err(out.h, res + lin) < 1e-14 and rel_err(out.normed, (res + lin) * gamma) < 1e-14
+    want = torch.nn.functional.rms_norm(res + lin, (56,), None, 1e-6) / (res + lin)
+    assert rel_err(out.rstd[:, None].expand(-1, 56), want) < 1e-12
+    with pytest.raises(coda.CodaInputError, match=r"bias: expected shape \(w.shape\[1\],\)"):
+        coda.gemm_residual_rms(x, w, res, gamma, bias=b[:-1])
+
+
 def test_reference_path_is_reported_once():
     import warnings
 
@@ -91,11 +108,12 @@ def test_reference_path_is_reported_once():
 @pytest.mark.compile
 @pytest.mark.parametrize("with_gamma", [False, True])
 @pytest.mark.parametrize("w_major", ["n", "k"])
-def test_compiles_for_sm90(with_gamma, w_major):
-    done = kern.compile_gemm_residual_rms(256, 520, gamma=with_gamma, w_major=w_major)
-    assert done in (0, 1)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_compiles_for_sm90(with_gamma, w_major, with_bias):
+    kw = dict(gamma=with_gamma, w_major=w_major, bias=with_bias)
+    assert kern.compile_gemm_residual_rms(256, 520, **kw) in (0, 1)
     # M, N and K are dynamic: another problem size reuses the same compiled kernel
-    assert kern.compile_gemm_residual_rms(512, 1032, gamma=with_gamma, w_major=w_major, m=1000) == 0
+    assert kern.compile_gemm_residual_rms(512, 1032, m=1000, **kw) == 0
 
 
 @pytest.mark.compile
@@ -191,15 +209,18 @@ def test_kernel_path_rejects_dtype_and_tma_alignment(pretend_sm90):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,K,N", [(4096, 2048, 2048), (1000, 512, 1032), (333, 256, 520)])
 @pytest.mark.parametrize("with_gamma", [False, True])
-def test_kernel_error_protocol(M, K, N, with_gamma):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_error_protocol(M, K, N, with_gamma, with_bias):
     """CODA's protocol: each output's error vs the fp32 reference is no worse than the plain
-    PyTorch bf16 path's. M and N include sizes that are not tile multiples."""
+    PyTorch bf16 path's (with a bias: a ``Linear``'s, then the residual add). M and N include
+    sizes that are not tile multiples."""
     x, w, res, gamma = inputs(M, K, N, dtype=torch.bfloat16, device="cuda", seed=M + N)
     gamma = gamma if with_gamma else None
-    out = coda.gemm_residual_rms(x, w, res, gamma, backend="kernel")
+    bias = res[0] if with_bias else None  # (a residual-sized bias)
+    out = coda.gemm_residual_rms(x, w, res, gamma, bias=bias, backend="kernel")
     torch.cuda.synchronize()
-    ref = gemm_residual_rms_ref(x, w, res, gamma)
-    peer = gemm_residual_rms_torch(x, w, res, gamma)
+    ref = gemm_residual_rms_ref(x, w, res, gamma, bias=bias)
+    peer = gemm_residual_rms_torch(x, w, res, gamma, bias=bias)
     for name, got, r, p in zip(("h", "normed", "rstd"), out, ref, peer):
         if r is None:
             continue

@@ -34,17 +34,22 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
     d, f = rng.randrange(3, 70), rng.randrange(1, 60)
     B, S = rng.choice([1, 2, 3]), rng.choice([1, 2, 5, 13])
     torch.manual_seed(seed)
-    # seeds 1, 4, 7: Qwen3's QK-norm; 2, 5, 8: Qwen2's QKV biases (large: Qwen2's k bias is)
+    # seeds 1, 4, 7: Qwen3's QK-norm; 2, 5, 8: Qwen2's QKV biases (large: Qwen2's k bias is);
+    # 0, 5, 8: an O-projection bias (5, 8: Llama's attention_bias=True, biases on all four)
     eps, qk_norm, qkv_bias = rng.choice([1e-5, 1e-2]), seed % 3 == 1, seed % 3 == 2
+    o_bias = seed in (0, 5, 8)
     layer = cnn.DecoderLayer(
-        d, H, Hkv, f, head_dim=hd, eps=eps, dtype=F64, qk_norm=qk_norm, qkv_bias=qkv_bias
-    )
+        d, H, Hkv, f, head_dim=hd, eps=eps, dtype=F64, qk_norm=qk_norm, qkv_bias=qkv_bias,
+        o_bias=o_bias,
+    )  # fmt: skip
     with torch.no_grad():
         for gam in (layer.attention_norm, layer.ffn_norm, layer.q_norm, layer.k_norm):
             if gam is not None:
                 gam.add_(0.1 * torch.randn_like(gam))
         if qkv_bias:
             layer.b_qkv.copy_(10 * torch.randn_like(layer.b_qkv))
+        if o_bias:
+            layer.b_o.copy_(torch.randn_like(layer.b_o))
     x = torch.randn(B, S, d, dtype=F64, requires_grad=True)
     dy = torch.randn(B, S, d, dtype=F64)
     out_k, g_k = _grads(layer, x, lambda: layer._kernel_forward(x), dy)

@@ -106,6 +106,19 @@ def test_residual_norm_epilogue_defers_rmsnorm_to_a_row_scale():
     plain = evaluate(grr.residual_sumsq, acc=acc[0], c=c[0])
     assert same(plain["sumsq"], h[0] ** 2) and same(plain["D"], h[0])
     assert evaluate(grr.residual_add, acc=acc[0], c=c[0]) == {"D": h[0]}
+    # with the projection's bias b (Llama's O projection): h = acc + b + c, the same norm
+    b = sp.symbols("b0:3", real=True)
+    hb = [h[j] + b[j] for j in range(3)]
+    cols = [
+        evaluate(grr.residual_bias_norm_sumsq, acc=acc[j], c=c[j], gamma=gamma[j], bias=b[j])
+        for j in range(3)
+    ]
+    rstd = (sum(col["sumsq"] for col in cols) / 3 + eps) ** sp.Rational(-1, 2)
+    rms = sp.sqrt(sum(x**2 for x in hb) / 3 + eps)
+    for j, col in enumerate(cols):
+        assert same(col["D"], hb[j]) and same(rstd * col["normed"], hb[j] / rms * gamma[j])
+    plain = evaluate(grr.residual_bias_sumsq, acc=acc[0], c=c[0], bias=b[0])
+    assert same(plain["sumsq"], hb[0] ** 2) and same(plain["D"], hb[0])
 
 
 def test_norm_backward_epilogue_is_rmsnorm_backward_with_its_residual():
@@ -219,7 +232,7 @@ PROVEN = {
     "residual_add", "residual_norm_sumsq", "norm_bwd", "norm_bwd_residual", "softmax_grad_logits",
     "softmax_grad_logits_shifted", "scaled_exp_logits", "_qk_norm_rope", "_qk_norm_rope_keep_z",
     "logits_lse_target", "logits_with_stats", "scale_rows", "scaled_grad_dx", "passthrough",
-    "scaled_grad_dw", "rope_scaled_bias",
+    "scaled_grad_dw", "rope_scaled_bias", "residual_bias_sumsq", "residual_bias_norm_sumsq",
 }  # fmt: skip
 
 

@@ -553,6 +553,3 @@ def test_unsupported_models_and_configs_are_named():
         ct.apply_coda(LlamaForCausalLM(tiny_config(mlp_bias=True)))
     with pytest.raises(coda.CodaInputError, match="torch.nn.Linear is not supported|Linear is not"):
         ct.apply_coda(torch.nn.Linear(2, 2))
-    qwen = tiny_config("qwen3", attention_bias=True)
-    with pytest.raises(coda.CodaInputError, match="attention_bias=True is not supported"):
-        ct.apply_coda(model_class(qwen)(qwen))

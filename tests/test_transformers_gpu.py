@@ -28,7 +28,8 @@ import coda.transformers as ct  # noqa: E402
 
 def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.0):
     """(config, float64 copy, bf16 model, patched bf16 copy) of the protocol's 2-layer model.
-    Qwen2's q and v biases are drawn with standard deviation 1, its k biases with ``k_bias``
+    Qwen2's (and "llama-bias"'s: Llama's ``attention_bias=True``) q, v and o biases are
+    drawn with standard deviation 1, the k biases with ``k_bias``
     (``probe_qwen2_bias.py`` reads other sizes; trained checkpoints' k biases run to several
     units)."""
     shape = dict(
@@ -41,7 +42,8 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     )
     extra = {"qwen3": {"head_dim": 64}, "mistral": {"head_dim": 64, "sliding_window": 128}}
     extra.update({name: {"rope_parameters": rope} for name, rope in SCALED_ROPES.items()})
-    base = "llama" if family in SCALED_ROPES else family
+    extra["llama-bias"] = {"attention_bias": True}  # biases on q, k, v and o
+    base = "llama" if family in SCALED_ROPES or family == "llama-bias" else family
     cfg = tiny_config(base, **shape, **extra.get(family, {}))
     torch.manual_seed(seed)
     ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
@@ -123,10 +125,11 @@ QWEN2_SEEDS = 128
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k_bias", [1.0, 4.0])
-def test_gpu_patched_qwen2_protocol_pooled(k_bias):
+@pytest.mark.parametrize("family,k_bias", [("qwen2", 1.0), ("qwen2", 4.0), ("llama-bias", 1.0)])
+def test_gpu_patched_biased_protocol_pooled(family, k_bias):
     """H200: CODA's protocol for a patched bf16 Qwen2 (q and v biases of standard deviation 1,
-    k biases of ``k_bias``), each gradient's error pooled over ``QWEN2_SEEDS`` seeds
+    k biases of ``k_bias``) and a Llama with ``attention_bias=True`` (o biases too), each
+    gradient's error pooled over ``QWEN2_SEEDS`` seeds
     (``conftest.pooled_ratio``): no gradient's pooled error measurably above the unpatched
     bf16 model's (above 1 + its band, Bonferroni over the gradients). One seed cannot decide
     it: under the biases' saturated softmax the q and k projections' gradients (through
@@ -134,11 +137,11 @@ def test_gpu_patched_qwen2_protocol_pooled(k_bias):
     (runs 280-284, benchmarks/NOTES.md sessions 62-63). The loss as the other families'."""
     from conftest import family_z, fro_err, pooled_ratio
 
-    e_c, e_t, floor = loss_error_rms("qwen2", "cuda", 64)
+    e_c, e_t, floor = loss_error_rms(family, "cuda", 64)
     assert max(e_c, floor) <= max(e_t, floor), (e_c, e_t, floor)
     errors: dict = {}
     for seed in range(QWEN2_SEEDS):
-        _, (g64, g16, gc), _ = protocol_run("qwen2", "cuda", seed, k_bias)
+        _, (g64, g16, gc), _ = protocol_run(family, "cuda", seed, k_bias)
         for n, g in g64.items():
             errors.setdefault(n, []).append((fro_err(gc[n], g), fro_err(g16[n], g)))
     z = family_z(len(errors))

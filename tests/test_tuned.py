@@ -26,8 +26,9 @@ COMPILE = {
         + rp.compile_gemm_rope_bias(256, 640, z_cols=16, config=c)
     ),
     "scale_rows": lambda c: rg.compile_gemm_scale_rows(256, 520, config=c),
-    "residual": lambda c: (
+    "residual": lambda c: (  # with the O projection's bias too (Llama's attention_bias)
         grr.compile_gemm_residual_rms(256, 520, gamma=True, config=c)
+        + grr.compile_gemm_residual_rms(256, 520, gamma=True, bias=True, config=c)
         + grr.compile_gemm_residual_rms(256, 520, gamma=False, config=c)
         + grr.compile_gemm_residual_rms(256, 520, gamma=False, stats=False, config=c)
     ),
@@ -87,7 +88,9 @@ def test_lookups_are_keyed_by_kernel_and_not_by_the_token_count():
 @pytest.mark.parametrize("pair", PAIRS, ids=[_id(p) for p in PAIRS])
 def test_every_tuned_tile_compiles_for_sm90(pair):
     kernel, config = pair
-    assert COMPILE[kernel](config) in (0, 1, 2, 3)  # a compile error raises
+    # compiles done: none when the cache held them, at most one per program the kernel's
+    # lookups serve (four for the residual GEMM); a compile error raises
+    assert 0 <= COMPILE[kernel](config) <= 4
 
 
 @pytest.mark.compile

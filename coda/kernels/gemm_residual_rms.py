@@ -2,7 +2,8 @@
 residual GEMM a layer's last projection is.
 
     acc = x @ w                                   quack SM90 mainloop, fp32 accumulator
-    h   = residual + acc                          TileC (residual as the GEMM's C); EW
+    h   = residual + acc [+ bias]                 TileC (residual as the GEMM's C); EW
+                                                  [VEC-LD ROW bias: a projection's bias]
     D   = h                      (bf16)           TILE-ST: the new residual stream
     a   = h * gamma              (bf16, optional) VEC-LD ROW gamma; EW; TILE-ST
     P[m, t] = sum_{n in t} h^2   (fp32)           RED_m from the fp32 h, before rounding
@@ -12,7 +13,9 @@ residual GEMM a layer's last projection is.
 epilogue); without gamma the kernel is the plain "D = residual + A B plus sum-of-squares
 partials", and without the statistic (``stats=False``, ``residual_add``) D alone: a decoder
 layer's down projection, whose norm is the next layer's entry norm, which computes its own
-(the partials would be dropped). Saved for backward: h and r.
+(the partials would be dropped). Saved for backward: h and r. With ``bias`` (N,) (Llama's
+``attention_bias=True`` puts one on the O projection) the bias is added to the fp32
+accumulator before the residual, h rounded once.
 
 Supported: bf16 x (M, K) row-major, w (K, N) either major, residual (M, N) row-major,
 gamma (N,); K and N multiples of 8 (16-byte TMA rows); any M and any N-tile raggedness.
@@ -50,16 +53,39 @@ def residual_norm_sumsq(acc, c, gamma):
     return {"D": h, "normed": h * gamma, "sumsq": (h, h)}
 
 
+@epilogue_program(inputs=[TileC(), RowLoad("bias")], sinks=[RowPartials("sumsq", scaled=True)])
+def residual_bias_sumsq(acc, c, bias):
+    h = acc + bias + c
+    return {"D": h, "sumsq": (h, h)}
+
+
+@epilogue_program(
+    inputs=[TileC(), RowLoad("gamma"), RowLoad("bias")],
+    stores=[TileStore("normed")],
+    sinks=[RowPartials("sumsq", scaled=True)],
+)
+def residual_bias_norm_sumsq(acc, c, gamma, bias):
+    h = acc + bias + c
+    return {"D": h, "normed": h * gamma, "sumsq": (h, h)}
+
+
 @epilogue_program(inputs=[TileC()])
 def residual_add(acc, c):
     return {"D": acc + c}
 
 
-def program_for(gamma, stats: bool = True) -> object:
+def program_for(gamma, stats: bool = True, bias: bool = False) -> object:
     if not stats:
-        assert gamma is None, "the normed output needs the statistic"
+        assert gamma is None and not bias, "the normed output and the bias need the statistic"
         return residual_add
+    if bias:
+        return residual_bias_sumsq if gamma is None else residual_bias_norm_sumsq
     return residual_sumsq if gamma is None else residual_norm_sumsq
+
+
+def _operands(gamma, bias) -> dict:
+    named = {"gamma": gamma, "bias": bias}
+    return {k: t for k, t in named.items() if t is not None}
 
 
 def epilogue_gemm(
@@ -71,11 +97,13 @@ def epilogue_gemm(
     dry=False,
     stats: bool = True,
     rows: tuple = (),
+    bias=None,
 ):
     """The SM90 epilogue GEMM alone: returns (h, a or None, sum-of-squares partials M x T_N,
     or None without ``stats``), or with ``dry`` only compiles it and returns the number of
     compiles. ``rows``: h's leading dimensions (product M), e.g. (batch, seq), so that a
-    layer returns h as a tensor of its own rather than a view of an (M, N) one; default (M,)."""
+    layer returns h as a tensor of its own rather than a view of an (M, N) one; default (M,).
+    ``bias`` (N,) in x's dtype, or None."""
     M, N = x.shape[0], w.shape[1]
     h = x.new_empty(*(rows or (M,)), N)
     outputs = {}
@@ -83,33 +111,35 @@ def epilogue_gemm(
         outputs["sumsq"] = x.new_empty(M, config.grid(M, N)[1], dtype=acc_dtype(x))
     if gamma is not None:
         outputs["normed"] = torch.empty_like(h)
-    operands = {} if gamma is None else {"gamma": gamma}
     compiled = launch(
-        program_for(gamma, stats),
+        program_for(gamma, stats, bias is not None),
         x,
         w,
         config=config,
         d=h.view(M, N) if rows else h,
         c=residual,
-        operands=operands,
+        operands=_operands(gamma, bias),
         outputs=outputs,
         dry=dry,
     )
     return compiled if dry else (h, outputs.get("normed"), outputs.get("sumsq"))
 
 
-def gemm_residual_rms_kernel(x, w, residual, gamma=None, eps=1e-5, config: GemmConfig = DEFAULT):
+def gemm_residual_rms_kernel(
+    x, w, residual, gamma=None, eps=1e-5, config: GemmConfig = DEFAULT, bias=None
+):
     """The SM90 kernel + AUX. Inputs must already be validated (``coda.ops``).
     Returns (h, a or None, r)."""
-    h, a, sumsq = epilogue_gemm(x, w, residual, gamma, config)
+    h, a, sumsq = epilogue_gemm(x, w, residual, gamma, config, bias=bias)
     return h, a, row_stat(sumsq, None, w.shape[1], eps)  # A1
 
 
-def gemm_residual_rms_interpreted(x, w, residual, gamma=None, eps=1e-5, config=DEFAULT):
+def gemm_residual_rms_interpreted(x, w, residual, gamma=None, eps=1e-5, config=DEFAULT, bias=None):
     """The same program through the tile interpreter (CPU): GEMM in ``x``'s precision
     (fp32 for half inputs), epilogue tile by tile, the same AUX. Returns (h, a, r, partials)."""
-    operands = {"c": residual} if gamma is None else {"c": residual, "gamma": gamma}
-    out = interpret_gemm(program_for(gamma), x, w, config=config, operands=operands)
+    operands = {"c": residual, **_operands(gamma, bias)}
+    program = program_for(gamma, bias=bias is not None)
+    out = interpret_gemm(program, x, w, config=config, operands=operands)
     return out["D"], out.get("normed"), rstd_from_sumsq(out["sumsq"], w.shape[1], eps), out["sumsq"]
 
 
@@ -122,9 +152,11 @@ def compile_gemm_residual_rms(
     w_major: str = "n",
     config: GemmConfig = DEFAULT,
     m: int = 256,
+    bias: bool = False,
 ) -> int:
     """Compile for sm_90a without a GPU; returns compiles done (M, N, K are dynamic)."""
     x, w = example_operands(m, k, n, w_major)
     residual = torch.empty(m, n, dtype=torch.bfloat16)
     g = torch.empty(n, dtype=torch.bfloat16) if gamma else None
-    return epilogue_gemm(x, w, residual, g, config, dry=True, stats=stats)
+    b = torch.empty(n, dtype=torch.bfloat16) if bias else None
+    return epilogue_gemm(x, w, residual, g, config, dry=True, stats=stats, bias=b)

@@ -200,26 +200,27 @@ def _gemm_residual_rms(
     gamma: torch.Tensor,
     eps: float,
     cfg: list[int],
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _grr.gemm_residual_rms_kernel(x, w, res, gamma, eps, _gc(cfg))
+    return _grr.gemm_residual_rms_kernel(x, w, res, gamma, eps, _gc(cfg), bias)
 
 
 @_fake(_gemm_residual_rms)
-def _(x, w, res, gamma, eps, cfg):
+def _(x, w, res, gamma, eps, cfg, bias=None):
     M, N = x.shape[0], w.shape[1]
     return _empty(M, N, like=x), _empty(M, N, like=x), _empty(M, like=x, dtype=acc_dtype(x))
 
 
 @torch.library.custom_op("coda::gemm_residual", mutates_args=())
 def _gemm_residual(
-    x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, cfg: list[int]
+    x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, cfg: list[int], bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    h, _, sumsq = _grr.epilogue_gemm(x, w, res, None, _gc(cfg))
+    h, _, sumsq = _grr.epilogue_gemm(x, w, res, None, _gc(cfg), bias=bias)
     return h, sumsq
 
 
 @_fake(_gemm_residual)
-def _(x, w, res, cfg):
+def _(x, w, res, cfg, bias):
     M, N = x.shape[0], w.shape[1]
     return _empty(M, N, like=x), _empty(M, cdiv(N, cfg[1]), like=x, dtype=acc_dtype(x))
 
@@ -526,13 +527,13 @@ gemm_qk_norm_rope_keep_z = _either(
     ),
     lambda *args, z_cols: _qkn.gemm_qk_norm_rope_kernel(*args, keep_z=True, z_cols=z_cols),
 )
-gemm_residual_rms = _either(
-    lambda x, w, res, g, eps, c: _gemm_residual_rms(x, w, res, g, eps, _cfg(c)),
+gemm_residual_rms = _either(  # bias: the projection's (N,), or None
+    lambda x, w, res, g, eps, c, bias=None: _gemm_residual_rms(x, w, res, g, eps, _cfg(c), bias),
     _grr.gemm_residual_rms_kernel,
 )
 gemm_residual = _either(  # (h, sum-of-squares partials)
-    lambda x, w, res, c: _gemm_residual(x, w, res, _cfg(c)),
-    lambda x, w, res, c: _grr.epilogue_gemm(x, w, res, None, c)[::2],
+    lambda x, w, res, c, bias=None: _gemm_residual(x, w, res, _cfg(c), bias),
+    lambda x, w, res, c, bias=None: _grr.epilogue_gemm(x, w, res, None, c, bias=bias)[::2],
 )
 gemm_residual_add = _either(  # h alone (no statistic), its leading dimensions ``rows``
     lambda x, w, res, c, rows=(): _gemm_residual_add(x, w, res, _cfg(c), list(rows)),

@@ -36,6 +36,7 @@ HF_KEYS = {  # each weight of a layer: the HF ``LlamaDecoderLayer`` weights it i
     "q_norm": ("self_attn.q_norm.weight",),
     "k_norm": ("self_attn.k_norm.weight",),
     "b_qkv": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "b_o": ("self_attn.o_proj.bias",),
 }
 
 
@@ -46,7 +47,9 @@ class DecoderLayer(FormerNames, nn.Module):
     function); it is differentiated by autograd. ``qk_norm``: Qwen3's per-head RMSNorm of q
     and k before RoPE (weights ``q_norm``, ``k_norm`` of head_dim, eps = ``eps``).
     ``qkv_bias``: Qwen2's biases of the q, k and v projections (``b_qkv``, (Nqkv,) in
-    ``w_qkv``'s column order, added before RoPE; not with ``qk_norm``).
+    ``w_qkv``'s column order, added before RoPE; not with ``qk_norm``). ``o_bias``: the O
+    projection's bias (``b_o``, (d,), added in F3's epilogue); with ``qkv_bias``, Llama's
+    ``attention_bias=True``.
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -72,6 +75,7 @@ class DecoderLayer(FormerNames, nn.Module):
         inv_freq=None,
         qk_norm: bool = False,
         qkv_bias: bool = False,
+        o_bias: bool = False,
     ):
         super().__init__()
         if qk_norm and qkv_bias:
@@ -129,6 +133,8 @@ class DecoderLayer(FormerNames, nn.Module):
         self.k_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
         # Qwen2's q, k, v biases (Nqkv,), in w_qkv's column order
         self.b_qkv = nn.Parameter(torch.zeros(nqkv, **kw)) if qkv_bias else None
+        # the O projection's bias (d,) (Llama's attention_bias=True)
+        self.b_o = nn.Parameter(torch.zeros(d, **kw)) if o_bias else None
         self.reset_parameters()
         self._build_rope_tables()
 
@@ -149,6 +155,7 @@ class DecoderLayer(FormerNames, nn.Module):
 
     def extra_repr(self) -> str:
         qk = ", qk_norm=True" if self.qk_norm else ", qkv_bias=True" if self.qkv_bias else ""
+        qk += ", o_bias=True" if self.b_o is not None else ""
         return (
             f"d={self.d}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, ffn={self.ffn}{qk}"
@@ -170,8 +177,9 @@ class DecoderLayer(FormerNames, nn.Module):
         for g in (self.attention_norm, self.ffn_norm, self.q_norm, self.k_norm):
             if g is not None:
                 nn.init.ones_(g)
-        if self.b_qkv is not None:
-            nn.init.zeros_(self.b_qkv)
+        for b in (self.b_qkv, self.b_o):
+            if b is not None:
+                nn.init.zeros_(b)
 
     def _shape(self, batch, seq) -> LayerShape:
         return LayerShape(
@@ -221,6 +229,8 @@ class DecoderLayer(FormerNames, nn.Module):
             w["q_norm"], w["k_norm"] = self.q_norm, self.k_norm
         if self.qkv_bias:
             w["bqkv"] = self.b_qkv
+        if self.b_o is not None:
+            w["bo"] = self.b_o
         if rope_cos_sin is not None:  # HF's halves -> coda's adjacent (cos, sin) pairs
             v.check_rope_cos_sin(rope_cos_sin, B, S, self.head_dim)
             half = self.head_dim // 2
@@ -280,6 +290,7 @@ class DecoderLayer(FormerNames, nn.Module):
         )
         qk = in_dtype(dtype, self.q_norm, self.k_norm) if self.qk_norm else None
         bias = in_dtype(dtype, self.b_qkv)[0] if self.qkv_bias else None
+        o_bias = in_dtype(dtype, self.b_o)[0] if self.b_o is not None else None
         with autocast_off(x.device):
             out = decoder_layer(
                 x.reshape(B * S, d).contiguous(),
@@ -295,13 +306,14 @@ class DecoderLayer(FormerNames, nn.Module):
                 self._freq_table(x.device),
                 qk,
                 bias,
+                o_bias,
             )
         return out
 
     # -- Hugging Face weights ------------------------------------------------------------------
     def _hf_weights(self) -> list[str]:
         """This layer's weights that HF has (``HF_KEYS``; q_norm / k_norm with QK-norm only,
-        b_qkv with QKV biases only)."""
+        b_qkv and b_o with those biases only)."""
         return [name for name in HF_KEYS if getattr(self, name) is not None]
 
     def hf_state_dict(self, prefix: str = "", grad: bool = False) -> dict:
@@ -342,6 +354,7 @@ class DecoderLayer(FormerNames, nn.Module):
             "q_norm": [(hd,)],
             "k_norm": [(hd,)],
             "b_qkv": [(nq,), (nkv,), (nkv,)],
+            "b_o": [(d,)],
         }
         return {
             prefix + key: shape

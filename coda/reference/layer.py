@@ -119,7 +119,8 @@ def decoder_layer_ref(
 ):
     """The layer in coda's weight layout (w: g1, wqkv, wo, g2, w_il, wd; with Qwen3's QK-norm
     also q_norm, k_norm (hd,) in adjacent order; with Qwen2's QKV bias bqkv (Nqkv,) in wqkv's
-    column order), differentiable by autograd: the reference
+    column order; with Llama's O-projection bias bo (d,)), differentiable by autograd: the
+    reference
     path of ``coda.nn.DecoderLayer``. Same math as
     ``llama_layer_ref`` on the converted weights ([I3.4-I3.7]); ``attention`` as in
     ``attention_ref``; ``cs`` (M, hd), the RoPE table of every row (default from positions).
@@ -137,7 +138,10 @@ def decoder_layer_ref(
     if "q_norm" in w:  # Qwen3's per-head QK-norm, before RoPE (weights in adjacent order)
         q, k = head_rmsnorm_ref(q, w["q_norm"], s.eps), head_rmsnorm_ref(k, w["k_norm"], s.eps)
     q, k = rope_adjacent_ref(q, cs).flatten(1), rope_adjacent_ref(k, cs).flatten(1)
-    x1 = x0 + attention_ref(q, k, z[:, nq + nkv :], s, attention) @ w["wo"]
+    o = attention_ref(q, k, z[:, nq + nkv :], s, attention) @ w["wo"]
+    if "bo" in w:  # the O projection's bias (Llama's attention_bias=True), a Linear's
+        o = o + w["bo"].to(o.dtype)
+    x1 = x0 + o
     gu = rmsnorm_ref(x1, w["g2"], s.eps) @ w["w_il"]
     y = (torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]) @ w["wd"]
     if rows:

@@ -54,19 +54,22 @@ def rstd_from_partials_ref(partials: torch.Tensor, d: int, eps: float) -> torch.
     return torch.rsqrt(partials.sum(dim=-1) / d + eps)
 
 
-def gemm_residual_rms_ref(x, w, residual, gamma=None, eps: float = 1e-5):
-    """Reference of ``coda.gemm_residual_rms``: h = residual + x @ w, a = h * gamma (or None),
-    r = rstd(h). Computed in ``ref_dtype`` (fp32 for bf16 inputs); returns (h, a, r)."""
+def gemm_residual_rms_ref(x, w, residual, gamma=None, eps: float = 1e-5, bias=None):
+    """Reference of ``coda.gemm_residual_rms``: h = residual + (x @ w + bias), a = h * gamma
+    (or None), r = rstd(h). Computed in ``ref_dtype`` (fp32 for bf16 inputs); returns
+    (h, a, r)."""
     dt = ref_dtype(x, w, residual)
-    h = residual.to(dt) + x.to(dt) @ w.to(dt)
+    y = x.to(dt) @ w.to(dt)
+    h = residual.to(dt) + (y if bias is None else y + bias.to(dt))
     a = h * gamma.to(dt) if gamma is not None else None
     return h, a, rstd_ref(h, eps)
 
 
-def gemm_residual_rms_torch(x, w, residual, gamma=None, eps: float = 1e-5):
+def gemm_residual_rms_torch(x, w, residual, gamma=None, eps: float = 1e-5, bias=None):
     """The plain PyTorch path in the inputs' own dtype (bf16 peer of the error protocol):
-    ``mm`` + add + RMS statistic, each rounded as eager PyTorch rounds it."""
-    h = residual + x @ w
+    ``mm`` (a ``Linear`` with its bias) + add + RMS statistic, each rounded as eager PyTorch
+    rounds it."""
+    h = residual + (x @ w if bias is None else torch.addmm(bias, x, w))
     a = h * gamma if gamma is not None else None
     return h, a, rstd_ref(h.float(), eps)
 
