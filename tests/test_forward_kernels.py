@@ -277,7 +277,7 @@ def test_public_ops_take_the_tuned_tile_unless_given_one(monkeypatch):
     monkeypatch.setattr(ops, "_start", lambda *a: "kernel")
     monkeypatch.setattr(ops, "_kernel_layout", lambda *a: None)
     monkeypatch.setattr(ops.lib, "gemm_swiglu_only", lambda *a: seen.append(a[-1]))
-    monkeypatch.setattr(ops.lib, "gemm_residual_rms", lambda *a: seen.append(a[-1]) or (1, 2, 3))
+    monkeypatch.setattr(ops.lib, "gemm_residual_rms", lambda *a: seen.append(a[5]) or (1, 2, 3))
     monkeypatch.setattr(ops.lib, "gemm_rope", lambda *a: seen.append(a[-1]))
     monkeypatch.setattr(
         ops, "gemm_rmsnorm_gemm_kernel", lambda *a: seen.append(a[-2:]) or (1, 2, 3)
