@@ -40,20 +40,18 @@ from benchmarks._common import (
     where_time_goes,
 )
 
+LLAMA_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    tie_word_embeddings=False,
+)
 SHAPES = {
-    "llama-3.2-1B": (
-        "llama",
-        dict(
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=64,
-            tie_word_embeddings=False,
-        ),
-    ),
+    "llama-3.2-1B": ("llama", LLAMA_1B),
     "qwen3-0.6B": (
         "qwen3",
         dict(
@@ -67,6 +65,9 @@ SHAPES = {
             tie_word_embeddings=True,
         ),
     ),
+    # Llama-3.2-1B's shape with attention_bias=True (biases on q, k, v and o: F1's and F3's
+    # bias epilogues), beside the plain one: what the biases cost coda's step
+    "llama-3.2-1B-bias": ("llama", {**LLAMA_1B, "attention_bias": True}),
     "qwen2.5-0.5B": (  # Qwen2: biases on q, k and v
         "qwen2",
         dict(
@@ -80,6 +81,7 @@ SHAPES = {
         ),
     ),
 }
+ON_REQUEST = ("llama-3.2-1B-bias",)  # (not in a default run: named in CODA_HF_SHAPES)
 BATCH, SEQ = 4, 4096
 PROFILED = ("hf_coda", "hf_liger", "hf_liger_no_cache")  # per-kernel tables (pass 1)
 
@@ -220,12 +222,13 @@ def step_peak(step, model, steps: int = 4) -> float:
 
 
 def run() -> list[dict]:
-    """Every shape, or those named in ``CODA_HF_SHAPES`` (comma-separated keys of SHAPES)."""
+    """Every shape but those run only on request (``ON_REQUEST``), or those named in
+    ``CODA_HF_SHAPES`` (comma-separated keys of SHAPES)."""
     chosen = selected("CODA_HF_SHAPES", SHAPES)
     amp = mixed_precision("CODA_HF_AMP")
     rows = []
     for shape_name, (family, shape) in SHAPES.items():
-        if chosen and shape_name not in chosen:
+        if shape_name not in (chosen or set(SHAPES) - set(ON_REQUEST)):
             continue
         name = shape_name + ("+amp" if amp else "")
         base = build(family, shape, "cuda", torch.float32 if amp else torch.bfloat16)
