@@ -47,7 +47,7 @@ def test_patched_llama_with_attention_bias_matches_unpatched_float64(coda_path, 
     (its gradient dx1's column sums); a saved patched model loads into an unpatched one."""
     cfg = tiny_config(attention_bias=True, **coda_path)
     ref, patched = pair(cfg, seed=3)
-    assert all(layer.qkv_bias and layer.b_o is not None for layer in patched.model.layers)
+    assert all(layer.qkv_bias and layer.o_bias for layer in patched.model.layers)
     assert float(ref.model.layers[0].self_attn.o_proj.bias.detach().abs().max()) > 1
     assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
     grads = ct.hf_gradients(patched)
@@ -105,6 +105,6 @@ def test_an_o_proj_bias_alone_is_patched():
             setattr(layer.self_attn, f"{p}_proj", torch.nn.Linear(48, 48 if p == "q" else 24,
                     bias=False, dtype=torch.float64))  # fmt: skip
     patched = ct.apply_coda(copy.deepcopy(ref))
-    assert all(not ly.qkv_bias and ly.b_o is not None for ly in patched.model.layers)
+    assert all(not ly.qkv_bias and ly.o_bias for ly in patched.model.layers)
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     assert_same_step(ref, patched, input_ids=ids, labels=ids)

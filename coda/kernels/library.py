@@ -213,14 +213,18 @@ def _(x, w, res, gamma, eps, cfg, bias=None):
 
 @torch.library.custom_op("coda::gemm_residual", mutates_args=())
 def _gemm_residual(
-    x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, cfg: list[int], bias: torch.Tensor | None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    res: torch.Tensor,
+    cfg: list[int],
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h, _, sumsq = _grr.epilogue_gemm(x, w, res, None, _gc(cfg), bias=bias)
     return h, sumsq
 
 
 @_fake(_gemm_residual)
-def _(x, w, res, cfg, bias):
+def _(x, w, res, cfg, bias=None):
     M, N = x.shape[0], w.shape[1]
     return _empty(M, N, like=x), _empty(M, cdiv(N, cfg[1]), like=x, dtype=acc_dtype(x))
 

@@ -155,7 +155,7 @@ class DecoderLayer(FormerNames, nn.Module):
 
     def extra_repr(self) -> str:
         qk = ", qk_norm=True" if self.qk_norm else ", qkv_bias=True" if self.qkv_bias else ""
-        qk += ", o_bias=True" if self.b_o is not None else ""
+        qk += ", o_bias=True" if self.o_bias else ""
         return (
             f"d={self.d}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, ffn={self.ffn}{qk}"
@@ -170,6 +170,11 @@ class DecoderLayer(FormerNames, nn.Module):
     def qkv_bias(self) -> bool:
         """Whether the q, k and v projections have biases (Qwen2's ``b_qkv``)."""
         return self.b_qkv is not None
+
+    @property
+    def o_bias(self) -> bool:
+        """Whether the O projection has a bias (``b_o``: Llama's ``attention_bias=True``)."""
+        return self.b_o is not None
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w_qkv, self.w_o, self.w_il, self.w_d):
@@ -229,7 +234,7 @@ class DecoderLayer(FormerNames, nn.Module):
             w["q_norm"], w["k_norm"] = self.q_norm, self.k_norm
         if self.qkv_bias:
             w["bqkv"] = self.b_qkv
-        if self.b_o is not None:
+        if self.o_bias:
             w["bo"] = self.b_o
         if rope_cos_sin is not None:  # HF's halves -> coda's adjacent (cos, sin) pairs
             v.check_rope_cos_sin(rope_cos_sin, B, S, self.head_dim)
@@ -290,7 +295,7 @@ class DecoderLayer(FormerNames, nn.Module):
         )
         qk = in_dtype(dtype, self.q_norm, self.k_norm) if self.qk_norm else None
         bias = in_dtype(dtype, self.b_qkv)[0] if self.qkv_bias else None
-        o_bias = in_dtype(dtype, self.b_o)[0] if self.b_o is not None else None
+        o_bias = in_dtype(dtype, self.b_o)[0] if self.o_bias else None
         with autocast_off(x.device):
             out = decoder_layer(
                 x.reshape(B * S, d).contiguous(),
