@@ -187,6 +187,27 @@ def pretend_sm90(monkeypatch):
     return reached
 
 
+@pytest.mark.parametrize("with_gamma", [False, True])
+def test_kernel_path_with_a_bias_runs_the_bias_program(with_gamma, monkeypatch):
+    """``bias=`` on the kernel path (forced on the CPU: the tile interpreter, bf16) runs the
+    bias program (with or without the norm gain) and returns the reference's h to one bf16
+    rounding; a non-contiguous bias is named."""
+    monkeypatch.setattr(env, "kernel_support", lambda device, dtype=None: (True, ""))
+    x, w, res, gamma = inputs(40, 24, 32, dtype=torch.bfloat16)
+    gamma = gamma if with_gamma else None
+    bias = (4 * torch.randn(64)).bfloat16()[::2]  # (strided: refused below)
+    with pytest.raises(coda.CodaInputError, match="bias: must be contiguous"):
+        coda.gemm_residual_rms(x, w, res, gamma, bias=bias)
+    bias = bias.contiguous()
+    out = coda.gemm_residual_rms(x, w, res, gamma, bias=bias)
+    assert coda.last_path("gemm_residual_rms")[0] == "kernel"
+    h, a, r = gemm_residual_rms_ref(x, w, res, gamma, bias=bias)
+    assert rel_err(out.h, h) < 2**-8 and rel_err(out.rstd, r) < 1e-3
+    assert (out.normed is None) == (gamma is None)
+    plain = coda.gemm_residual_rms(x, w, res, gamma)  # the same signature without: its own
+    assert rel_err(plain.h, gemm_residual_rms_ref(x, w, res, gamma)[0]) < 2**-8
+
+
 def test_kernel_path_rejects_dtype_and_tma_alignment(pretend_sm90):
     x, w, res, gamma = inputs(16, 24, 32, dtype=torch.bfloat16)
     with pytest.raises(coda.CodaInputError, match=r"x: dtype must be one of \[torch.bfloat16\]"):

@@ -43,8 +43,9 @@ SCALED_ROPES = {
 
 
 def tiny_config(family: str = "llama", **kw):
-    """A tiny random config: ``family`` "llama" (LlamaConfig), "qwen3" (Qwen3Config, with
-    its per-head QK-norm), "qwen2" (Qwen2Config: q, k, v biases) or "mistral"."""
+    """A tiny random config: ``family`` "llama" (LlamaConfig), "llama-bias" (Llama with
+    ``attention_bias=True``: q, k, v and o biases), "qwen3" (Qwen3Config, with its per-head
+    QK-norm), "qwen2" (Qwen2Config: q, k, v biases) or "mistral"."""
     from transformers import Qwen3Config
 
     base = dict(
@@ -67,6 +68,8 @@ def tiny_config(family: str = "llama", **kw):
         from transformers import MistralConfig
 
         return MistralConfig(**{**base, "head_dim": 12, "sliding_window": None, **kw})
+    if family == "llama-bias":
+        kw = {"attention_bias": True, **kw}
     return LlamaConfig(**{**base, **kw})
 
 
@@ -467,7 +470,7 @@ def test_qwen3_kernel_sequence_equals_reference_float64(head_dim):
 
 @pytest.mark.parametrize("method", ["scaled_exp", "chunked", "recompute"])
 @pytest.mark.parametrize("mode", ["float64", "bfloat16", "autocast"])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "llama-bias"])
 def test_patched_model_kernel_path_on_cpu(family, mode, method, monkeypatch):
     """The patched model with its kernel path forced on the CPU (``kernel_support`` answers
     yes, so every layer and the loss run the kernel sequence, GEMMs through the interpreter,
