@@ -103,6 +103,11 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         _check_linears(hf_layer, where)
         qk_norm = hasattr(attn, "q_norm")
         qkv_bias, o_bias = _attention_biases(attn, where)
+        if qk_norm and qkv_bias:
+            raise v.CodaInputError(
+                f"apply_coda: {where}: q, k, v biases with Qwen3's QK-norm (attention_bias=True)"
+                " are not supported (qk_norm and qkv_bias together)"
+            )
         p = next(hf_layer.parameters())
         super().__init__(
             config.hidden_size,

@@ -92,7 +92,7 @@ def test_biases_on_some_of_q_k_v_and_with_qk_norm_are_named():
     with pytest.raises(coda.CodaInputError, match="qk_norm and qkv_bias together"):
         coda.nn.DecoderLayer(48, 4, 2, 80, qk_norm=True, qkv_bias=True)
     qwen3 = tiny_config("qwen3", attention_bias=True)  # (biases with Qwen3's QK-norm)
-    with pytest.raises(coda.CodaInputError, match="qk_norm and qkv_bias together"):
+    with pytest.raises(coda.CodaInputError, match="layers.0: q, k, v biases with Qwen3's QK"):
         ct.apply_coda(model_class(qwen3)(qwen3))
 
 
