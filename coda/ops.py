@@ -21,8 +21,8 @@ once per such signature (``_checked``, matching a call with torch's C++ tensor g
 base-address alignment; the signature's tile configs are kept with that verdict, and its
 launch plans replayed from a tape kept there too (``coda._quack.PlanTape``), with no
 per-launch lookup. A call then costs little more than its kernel launches (a single-GEMM op
-1.31-1.40x quack's own raw call on the H200's host in runs 247 and 249; benchmarks/NOTES.md
-has every run's figures).
+1.31-1.41x quack's own raw call on the H200's host in runs 247, 249 and 287;
+benchmarks/NOTES.md has every run's figures).
 """
 
 from __future__ import annotations
