@@ -145,14 +145,25 @@ def test_every_op_is_sampled():
 
 
 @pytest.mark.parametrize(
-    "method,qk_norm",
-    [("recompute", False), ("chunked", False), ("scaled_exp", False), ("recompute", True)],
+    "method,kind",
+    [
+        ("recompute", "llama"),
+        ("chunked", "llama"),
+        ("scaled_exp", "llama"),
+        ("recompute", "qk_norm"),
+        ("scaled_exp", "biases"),  # q, k, v and o biases (Llama's attention_bias=True)
+    ],
 )
-def test_compiled_kernel_path_equals_eager_float64(method, qk_norm):
+def test_compiled_kernel_path_equals_eager_float64(method, kind):
     torch.manual_seed(0)
     F64 = torch.float64
     V = 128  # a multiple of 128 for scaled_exp's strips
-    layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64, qk_norm=qk_norm)
+    flags = dict(qk_norm=kind == "qk_norm", qkv_bias=kind == "biases", o_bias=kind == "biases")
+    layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64, **flags)
+    if kind == "biases":
+        with torch.no_grad():
+            layer.b_qkv.normal_(0.0, 2.0)
+            layer.b_o.normal_()
     head = cnn.LMHeadLoss(40, V, method=method, chunk=50, dtype=F64, label_smoothing=0.1)
     params = [*layer.parameters(), *head.parameters()]
     x = torch.randn(2, 9, 40, dtype=F64, requires_grad=True)
