@@ -197,18 +197,18 @@ class AttentionInputBias(torch.autograd.Function):
     the rotation."""
 
     @staticmethod
-    def forward(ctx, x0, g1, w_qkv, b_qkv, positions, freq, dims: LayerDims, train: bool):
+    def forward(ctx, x0, g1, w_qkv, bias_qkv, positions, freq, dims: LayerDims, train: bool):
         M, d = x0.shape
         pos = positions.float()
         a0, r0 = lib.norm_rows(x0, g1, dims.eps, False)  # F0
         N = w_qkv.shape[1]
         z_cols = N if train else lean_z_cols(N)  # (no backward: z's store clipped to one row)
         qkv, *z = lib.gemm_rope_bias(
-            a0, w_qkv, r0, pos, freq, b_qkv, config_for("rope", M, d, N), z_cols
+            a0, w_qkv, r0, pos, freq, bias_qkv, config_for("rope", M, d, N), z_cols
         )  # F1
         if train:
             ctx.save_for_backward(x0, r0, *z, g1, w_qkv, pos, freq)
-            ctx.dims, ctx.b_dtype = dims, b_qkv.dtype
+            ctx.dims, ctx.b_dtype = dims, bias_qkv.dtype
         return (*split_heads(qkv, dims), x0.view_as(x0))
 
     @staticmethod
@@ -298,13 +298,13 @@ class AttentionOutput(torch.autograd.Function):
     """F3 + A1 / B8 + B9: O projection + residual, with the next norm's statistics and
     x1 * gamma2 in its epilogue. Returns (x1, a1, r1); a1 and r1 feed the MLP's GEMM and carry
     no gradient of their own (the MLP's backward takes the norm's backward whole, B6).
-    ``b_o``: the O projection's bias (d,) (Llama's ``attention_bias=True``), or None."""
+    ``bias_o``: the O projection's bias (d,) (Llama's ``attention_bias=True``), or None."""
 
     @staticmethod
-    def forward(ctx, o, w_o, x0, g2, eps: float, b_o=None):
+    def forward(ctx, o, w_o, x0, g2, eps: float, bias_o=None):
         M, K = o.shape
         x1, a1, r1 = lib.gemm_residual_rms(
-            o, w_o, x0, g2, eps, config_for("residual", M, K, w_o.shape[1]), b_o
+            o, w_o, x0, g2, eps, config_for("residual", M, K, w_o.shape[1]), bias_o
         )
         ctx.mark_non_differentiable(a1, r1)
         # no zero gradients for a1 and r1: autograd would otherwise fill an (M, d) and an (M,)

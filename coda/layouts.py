@@ -58,7 +58,7 @@ def qkv_weight_to_hf(w_qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head
 
 
 def qkv_bias_from_hf(q_bias, k_bias, v_bias, *, n_heads: int, n_kv_heads: int) -> torch.Tensor:
-    """HF q_proj.bias (H hd,), k_proj.bias and v_proj.bias (Hkv hd,) -> coda's b_qkv (Nqkv,),
+    """HF q_proj.bias (H hd,), k_proj.bias and v_proj.bias (Hkv hd,) -> coda's bias_qkv (Nqkv,),
     in the column order of ``qkv_weight_from_hf``'s W_qkv (Qwen2's projections)."""
     for name, t in (("q_proj.bias", q_bias), ("k_proj.bias", k_bias), ("v_proj.bias", v_bias)):
         v.check_tensor(name, t)
@@ -68,9 +68,11 @@ def qkv_bias_from_hf(q_bias, k_bias, v_bias, *, n_heads: int, n_kv_heads: int) -
     return qkv_weight_from_hf(*cols, n_heads=n_heads, n_kv_heads=n_kv_heads)[0]
 
 
-def qkv_bias_to_hf(b_qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim: int):
+def qkv_bias_to_hf(bias_qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim: int):
     """Inverse of ``qkv_bias_from_hf``: returns (q_proj.bias, k_proj.bias, v_proj.bias)."""
-    hf = qkv_weight_to_hf(b_qkv[None, :], n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
+    hf = qkv_weight_to_hf(
+        bias_qkv[None, :], n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim
+    )
     return tuple(t[:, 0].contiguous() for t in hf)
 
 

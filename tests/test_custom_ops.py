@@ -162,8 +162,8 @@ def test_compiled_kernel_path_equals_eager_float64(method, kind):
     layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64, **flags)
     if kind == "biases":
         with torch.no_grad():
-            layer.b_qkv.normal_(0.0, 2.0)
-            layer.b_o.normal_()
+            layer.bias_qkv.normal_(0.0, 2.0)
+            layer.bias_o.normal_()
     head = cnn.LMHeadLoss(40, V, method=method, chunk=50, dtype=F64, label_smoothing=0.1)
     params = [*layer.parameters(), *head.parameters()]
     x = torch.randn(2, 9, 40, dtype=F64, requires_grad=True)

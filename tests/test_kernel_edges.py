@@ -129,7 +129,7 @@ def test_a_forward_no_backward_can_follow_keeps_nothing_for_one(kernel_forced, m
     layer = cnn.DecoderLayer(128, 2, 1, 96, dtype=F64, **flags)
     if kind == "qkv_bias":
         with torch.no_grad():
-            layer.b_qkv.normal_()
+            layer.bias_qkv.normal_()
     x = torch.randn(2, 5, 128, dtype=F64)
     want = layer(x.requires_grad_(True))
     runs = 1 if kind == "llama" else 2  # the GEMMs that choose per call
@@ -299,7 +299,7 @@ def test_gpu_a_forward_without_backward_is_the_training_forward(shape):
     layer = cnn.DecoderLayer(**shape, device="cuda", attention=_math_attention)
     if layer.qkv_bias:
         with torch.no_grad():
-            layer.b_qkv.normal_(0.0, 4.0)
+            layer.bias_qkv.normal_(0.0, 4.0)
     x = torch.randn(2, 256, shape["d"], device="cuda", dtype=torch.bfloat16)
     want = layer(x.clone().requires_grad_(True))
     with torch.no_grad():

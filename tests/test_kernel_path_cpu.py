@@ -47,9 +47,9 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
             if gam is not None:
                 gam.add_(0.1 * torch.randn_like(gam))
         if qkv_bias:
-            layer.b_qkv.copy_(10 * torch.randn_like(layer.b_qkv))
+            layer.bias_qkv.copy_(10 * torch.randn_like(layer.bias_qkv))
         if o_bias:
-            layer.b_o.copy_(torch.randn_like(layer.b_o))
+            layer.bias_o.copy_(torch.randn_like(layer.bias_o))
     x = torch.randn(B, S, d, dtype=F64, requires_grad=True)
     dy = torch.randn(B, S, d, dtype=F64)
     out_k, g_k = _grads(layer, x, lambda: layer._kernel_forward(x), dy)

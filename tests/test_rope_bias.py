@@ -35,9 +35,9 @@ def test_gemm_rope_with_bias_is_qwen2_attention_input(seed):
     bq, bk, bv = randn(g, H * hd, scale=4), randn(g, Hkv * hd, scale=4), randn(g, Hkv * hd)
     pos = torch.randint(0, 500, (M,), generator=g)
     w_qkv = layouts.qkv_weight_from_hf(wq, wk, wv, n_heads=H, n_kv_heads=Hkv)
-    b_qkv = layouts.qkv_bias_from_hf(bq, bk, bv, n_heads=H, n_kv_heads=Hkv)
+    bias_qkv = layouts.qkv_bias_from_hf(bq, bk, bv, n_heads=H, n_kv_heads=Hkv)
     kw = dict(head_dim=hd, n_heads=H, n_kv_heads=Hkv, rstd=r)
-    qkv = coda.gemm_rope(x, w_qkv, pos, bias=b_qkv, **kw)
+    qkv = coda.gemm_rope(x, w_qkv, pos, bias=bias_qkv, **kw)
     y = r[:, None] * x
     theta = rope_ref.rope_angles(pos, hd)
     cos, sin = torch.cat([theta.cos()] * 2, -1)[:, None], torch.cat([theta.sin()] * 2, -1)[:, None]

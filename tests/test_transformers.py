@@ -531,7 +531,7 @@ def test_patched_model_under_autocast_trains_like_unpatched(family):
 
 
 def _biases(model):
-    return [p for n, p in model.named_parameters() if n.endswith(("_proj.bias", "b_qkv"))]
+    return [p for n, p in model.named_parameters() if n.endswith(("_proj.bias", "bias_qkv"))]
 
 
 def test_bad_labels_are_named_as_the_caller_passed_them():

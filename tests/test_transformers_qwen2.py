@@ -74,7 +74,7 @@ def test_a_frozen_bias_stays_frozen_and_a_partly_frozen_one_is_named():
         for p in ("q", "k", "v"):
             getattr(layer.self_attn, f"{p}_proj").bias.requires_grad_(False)
     for layer in patched.model.layers:  # (patched after the fact: its one fused weight)
-        layer.b_qkv.requires_grad_(False)
+        layer.bias_qkv.requires_grad_(False)
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     assert_same_step(ref, patched, input_ids=ids, labels=ids)  # (the same weights get none)
     fresh = model_class(cfg)(cfg)

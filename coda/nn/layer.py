@@ -36,8 +36,8 @@ HF_KEYS = {  # each weight of a layer: the HF ``LlamaDecoderLayer`` weights it i
     "w_d": ("mlp.down_proj.weight",),
     "q_norm": ("self_attn.q_norm.weight",),
     "k_norm": ("self_attn.k_norm.weight",),
-    "b_qkv": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "b_o": ("self_attn.o_proj.bias",),
+    "bias_qkv": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "bias_o": ("self_attn.o_proj.bias",),
 }
 
 
@@ -47,18 +47,19 @@ class DecoderLayer(FormerNames, nn.Module):
     paths in place of the default causal GQA SDPA (e.g. a flash-attention or HF attention
     function); it is differentiated by autograd. ``qk_norm``: Qwen3's per-head RMSNorm of q
     and k before RoPE (weights ``q_norm``, ``k_norm`` of head_dim, eps = ``eps``).
-    ``qkv_bias``: Qwen2's biases of the q, k and v projections (``b_qkv``, (Nqkv,) in
+    ``qkv_bias``: Qwen2's biases of the q, k and v projections (``bias_qkv``, (Nqkv,) in
     ``w_qkv``'s column order, added before RoPE; not with ``qk_norm``). ``o_bias``: the O
-    projection's bias (``b_o``, (d,), added in F3's epilogue); with ``qkv_bias``, Llama's
+    projection's bias (``bias_o``, (d,), added in F3's epilogue); with ``qkv_bias``, Llama's
     ``attention_bias=True``.
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
-    norm gains' names end in ``_norm`` so that name-based rules (the HF Trainer's: no weight
-    decay on norms) treat them as a model's norms; before session 21 they were ``g1`` and
-    ``g2``, and state dicts saved under those names still load."""
+    norm gains' names end in ``_norm`` and the biases' begin with ``bias`` so that name-based
+    rules (the HF Trainer's: no weight decay on norms and biases) treat them as a model's
+    norms and biases; before session 21 the gains were ``g1`` and ``g2``, before session 63
+    the biases ``b_qkv`` and ``b_o``, and state dicts saved under those names still load."""
 
-    RENAMED = {"g1": "attention_norm", "g2": "ffn_norm"}
+    RENAMED = {"g1": "attention_norm", "g2": "ffn_norm", "b_qkv": "bias_qkv", "b_o": "bias_o"}
 
     def __init__(
         self,
@@ -133,9 +134,9 @@ class DecoderLayer(FormerNames, nn.Module):
         self.q_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
         # Qwen2's q, k, v biases (Nqkv,), in w_qkv's column order
-        self.b_qkv = nn.Parameter(torch.zeros(nqkv, **kw)) if qkv_bias else None
+        self.bias_qkv = nn.Parameter(torch.zeros(nqkv, **kw)) if qkv_bias else None
         # the O projection's bias (d,) (Llama's attention_bias=True)
-        self.b_o = nn.Parameter(torch.zeros(d, **kw)) if o_bias else None
+        self.bias_o = nn.Parameter(torch.zeros(d, **kw)) if o_bias else None
         self.reset_parameters()
         self._build_rope_tables()
 
@@ -169,13 +170,13 @@ class DecoderLayer(FormerNames, nn.Module):
 
     @property
     def qkv_bias(self) -> bool:
-        """Whether the q, k and v projections have biases (Qwen2's ``b_qkv``)."""
-        return self.b_qkv is not None
+        """Whether the q, k and v projections have biases (Qwen2's ``bias_qkv``)."""
+        return self.bias_qkv is not None
 
     @property
     def o_bias(self) -> bool:
-        """Whether the O projection has a bias (``b_o``: Llama's ``attention_bias=True``)."""
-        return self.b_o is not None
+        """Whether the O projection has a bias (``bias_o``: Llama's ``attention_bias=True``)."""
+        return self.bias_o is not None
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w_qkv, self.w_o, self.w_il, self.w_d):
@@ -183,7 +184,7 @@ class DecoderLayer(FormerNames, nn.Module):
         for g in (self.attention_norm, self.ffn_norm, self.q_norm, self.k_norm):
             if g is not None:
                 nn.init.ones_(g)
-        for b in (self.b_qkv, self.b_o):
+        for b in (self.bias_qkv, self.bias_o):
             if b is not None:
                 nn.init.zeros_(b)
 
@@ -234,9 +235,9 @@ class DecoderLayer(FormerNames, nn.Module):
         if self.qk_norm:
             w["q_norm"], w["k_norm"] = self.q_norm, self.k_norm
         if self.qkv_bias:
-            w["bqkv"] = self.b_qkv
+            w["bqkv"] = self.bias_qkv
         if self.o_bias:
-            w["bo"] = self.b_o
+            w["bo"] = self.bias_o
         if rope_cos_sin is not None:  # HF's halves -> coda's adjacent (cos, sin) pairs
             v.check_rope_cos_sin(rope_cos_sin, B, S, self.head_dim)
             half = self.head_dim // 2
@@ -295,8 +296,8 @@ class DecoderLayer(FormerNames, nn.Module):
             dtype, x, self.attention_norm, self.w_qkv, self.w_o, self.ffn_norm, self.w_il, self.w_d
         )
         qk = in_dtype(dtype, self.q_norm, self.k_norm) if self.qk_norm else None
-        bias = in_dtype(dtype, self.b_qkv)[0] if self.qkv_bias else None
-        o_bias = in_dtype(dtype, self.b_o)[0] if self.o_bias else None
+        bias = in_dtype(dtype, self.bias_qkv)[0] if self.qkv_bias else None
+        o_bias = in_dtype(dtype, self.bias_o)[0] if self.o_bias else None
         with autocast_off(x.device):
             out = decoder_layer(
                 x.reshape(B * S, d).contiguous(),
@@ -319,7 +320,7 @@ class DecoderLayer(FormerNames, nn.Module):
     # -- Hugging Face weights ------------------------------------------------------------------
     def _hf_weights(self) -> list[str]:
         """This layer's weights that HF has (``HF_KEYS``; q_norm / k_norm with QK-norm only,
-        b_qkv and b_o with those biases only)."""
+        bias_qkv and bias_o with those biases only)."""
         return [name for name in HF_KEYS if getattr(self, name) is not None]
 
     def hf_state_dict(self, prefix: str = "", grad: bool = False) -> dict:
@@ -334,7 +335,7 @@ class DecoderLayer(FormerNames, nn.Module):
             "w_d": lambda x: (x.t().contiguous(),),
             "q_norm": lambda x: (layouts.head_weight_to_hf(x),),
             "k_norm": lambda x: (layouts.head_weight_to_hf(x),),
-            "b_qkv": lambda x: layouts.qkv_bias_to_hf(x, **heads, head_dim=self.head_dim),
+            "bias_qkv": lambda x: layouts.qkv_bias_to_hf(x, **heads, head_dim=self.head_dim),
         }
         out = {}
         for name in self._hf_weights():
@@ -359,8 +360,8 @@ class DecoderLayer(FormerNames, nn.Module):
             "w_d": [(d, f)],
             "q_norm": [(hd,)],
             "k_norm": [(hd,)],
-            "b_qkv": [(nq,), (nkv,), (nkv,)],
-            "b_o": [(d,)],
+            "bias_qkv": [(nq,), (nkv,), (nkv,)],
+            "bias_o": [(d,)],
         }
         return {
             prefix + key: shape
@@ -387,7 +388,7 @@ class DecoderLayer(FormerNames, nn.Module):
             "w_d": lambda w: w.t(),
             "q_norm": layouts.head_weight_from_hf,
             "k_norm": layouts.head_weight_from_hf,
-            "b_qkv": lambda q, k, v_: layouts.qkv_bias_from_hf(q, k, v_, **heads),
+            "bias_qkv": lambda q, k, v_: layouts.qkv_bias_from_hf(q, k, v_, **heads),
         }
         return {
             name: from_hf.get(name, lambda x: x)(*(sd[prefix + k] for k in HF_KEYS[name]))
