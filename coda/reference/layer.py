@@ -120,9 +120,8 @@ def decoder_layer_ref(
     """The layer in coda's weight layout (w: g1, wqkv, wo, g2, w_il, wd; with Qwen3's QK-norm
     also q_norm, k_norm (hd,) in adjacent order; with Qwen2's QKV bias bqkv (Nqkv,) in wqkv's
     column order; with Llama's O-projection bias bo (d,)), differentiable by autograd: the
-    reference
-    path of ``coda.nn.DecoderLayer``. Same math as
-    ``llama_layer_ref`` on the converted weights ([I3.4-I3.7]); ``attention`` as in
+    reference path of ``coda.nn.DecoderLayer``. Same math as ``llama_layer_ref`` on the
+    converted weights ([I3.4-I3.7]); ``attention`` as in
     ``attention_ref``; ``cs`` (M, hd), the RoPE table of every row (default from positions).
     Returns x2 (M, d), or (*rows, d) with ``rows`` (a tensor of its own, not a view)."""
     M, hd = x0.shape[0], s.head_dim
