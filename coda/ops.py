@@ -384,10 +384,7 @@ def gemm_rope(
     converts Qwen2's q, k, v biases): RoPE(rstd * (x @ w_qkv) + bias), added in the epilogue
     before the rotation (not with QK-norm: no model has both)."""
     named = {"x": x, "w_qkv": w_qkv, "rstd": rstd, "positions": positions}
-    if q_norm is not None or k_norm is not None:
-        named.update(q_norm=q_norm, k_norm=k_norm)
-    if bias is not None:
-        named["bias"] = bias
+    named.update(q_norm=q_norm, k_norm=k_norm, bias=bias)  # (None where not given)
 
     def check():
         v.check_matrix("x", x)
@@ -437,8 +434,7 @@ def gemm_rope(
         heads = (n_heads + n_kv_heads, n_kv_heads)
         return cfg, cached_freq_table(head_dim, *heads, rope_base, x.device)
 
-    # (which optional tensors are given is part of the signature: the memo matches as many)
-    args = (backend, head_dim, n_heads, n_kv_heads, rope_base, eps, config, tuple(named))
+    args = (backend, head_dim, n_heads, n_kv_heads, rope_base, eps, config)
     path, tape, kept = _checked("gemm_rope", check, args, named, ("x", "w_qkv"), configs)
     r = _rstd(rstd, x)
     if path == "kernel":

@@ -76,6 +76,20 @@ def test_gemm_rope_bias_kernel_path_runs_the_clipped_training_program(monkeypatc
     assert got.dtype == bf and rel_err(got, want) < 2**-7
 
 
+def test_a_bias_after_a_call_without_runs_its_own_checks():
+    """The op's memo files a call by its every tensor argument, given or not: a call with a
+    bias (or QK-norm weights) after one without, same shapes otherwise, is checked as new (a
+    wrong-length bias named), not matched to the earlier call's verdict."""
+    x, w, pos = torch.randn(8, 16), torch.randn(16, 48), torch.arange(8)
+    kw = dict(head_dim=8, n_heads=2, n_kv_heads=2)
+    plain = coda.gemm_rope(x, w, pos, **kw)
+    with pytest.raises(coda.CodaInputError, match="bias: expected shape"):
+        coda.gemm_rope(x, w, pos, bias=torch.ones(40), **kw)
+    with pytest.raises(coda.CodaInputError, match="q_norm: expected shape"):
+        coda.gemm_rope(x, w, pos, q_norm=torch.ones(6), k_norm=torch.ones(8), **kw)
+    assert torch.equal(coda.gemm_rope(x, w, pos, **kw), plain)
+
+
 def rope_bias_errors(M, K, H, Hkv, hd, device, dtype=torch.bfloat16, config=DEFAULT):
     """F1 with Qwen2's bias (``gemm_rope_bias_kernel``) against its float64 definition
     RoPE(r acc + b), with biases of 4 (trained k biases' size): (output's error, the PyTorch

@@ -121,7 +121,7 @@ def test_gpu_patched_model_protocol(family):
     assert not worse, worse
 
 
-QWEN2_SEEDS = 128
+POOLED_SEEDS = 128
 
 
 @pytest.mark.gpu
@@ -129,7 +129,7 @@ QWEN2_SEEDS = 128
 def test_gpu_patched_biased_protocol_pooled(family, k_bias):
     """H200: CODA's protocol for a patched bf16 Qwen2 (q and v biases of standard deviation 1,
     k biases of ``k_bias``) and a Llama with ``attention_bias=True`` (o biases too), each
-    gradient's error pooled over ``QWEN2_SEEDS`` seeds
+    gradient's error pooled over ``POOLED_SEEDS`` seeds
     (``conftest.pooled_ratio``): no gradient's pooled error measurably above the unpatched
     bf16 model's (above 1 + its band, Bonferroni over the gradients). One seed cannot decide
     it: under the biases' saturated softmax the q and k projections' gradients (through
@@ -140,7 +140,7 @@ def test_gpu_patched_biased_protocol_pooled(family, k_bias):
     e_c, e_t, floor = loss_error_rms(family, "cuda", 64)
     assert max(e_c, floor) <= max(e_t, floor), (e_c, e_t, floor)
     errors: dict = {}
-    for seed in range(QWEN2_SEEDS):
+    for seed in range(POOLED_SEEDS):
         _, (g64, g16, gc), _ = protocol_run(family, "cuda", seed, k_bias)
         for n, g in g64.items():
             errors.setdefault(n, []).append((fro_err(gc[n], g), fro_err(g16[n], g)))
