@@ -150,7 +150,8 @@ def _checked(op: str, check, plain: tuple, tensors: dict, tma: tuple = (), confi
     The signature: the op, its plain arguments (typed: True is not 1), the grad mode and
     every tensor's metadata (``coda._metadata``); verdicts are filed by the first three and
     the first tensor's shape (the token count), and a call's tensors are matched against
-    each."""
+    each. ``tensors`` must hold the same names on every call of an op (an optional one as
+    None where not given): the match compares them by position."""
     if torch.compiler.is_compiling():
         return _uncached(check, configs)
     values = tuple(tensors.values())
