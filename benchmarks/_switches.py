@@ -33,7 +33,8 @@ def without_row_kernels(fn):
 
 def storing_for_backward(fn):
     """``fn`` with every layer forward storing what a backward would read, also where none can
-    follow (``coda.autograd.LEAN_FORWARD`` off), as before session 61."""
+    follow (``coda.autograd.LEAN_FORWARD`` off), as before session 61 (and in a non-reentrant
+    checkpoint's first forward, as before session 64)."""
     from coda import autograd
 
     return _switched_off(fn, (autograd, "LEAN_FORWARD"))

@@ -6,7 +6,8 @@ in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and 
 eager, as users compile it), with Liger's instance patch (called as the others, and with
 ``use_cache=False``, which a patched model's training call implies), and patched by
 ``coda.transformers.apply_coda``, and patched with HF's activation checkpointing on (what it
-saves in memory and costs in time), and patched with the embedding's backward left as
+saves in memory and costs in time; ``_storing``: its first forward storing what only the
+backward's rerun reads, as before session 64), and patched with the embedding's backward left as
 torch's (``apply_coda(embedding=False)``). Every variant starts from the same weights. coda's and
 Liger's rows also carry one step's per-kernel table and GPU idle time (after the timing).
 With ``CODA_HF_AMP=1`` every variant is the fp32 model with its forward under bf16 autocast
@@ -39,6 +40,7 @@ from benchmarks._common import (
     selected,
     where_time_goes,
 )
+from benchmarks._switches import storing_for_backward
 
 LLAMA_1B = dict(
     vocab_size=128256,
@@ -171,6 +173,9 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
         ("hf_torch_compile", compiled),
         ("hf_coda", lambda: ct.apply_coda(copy.deepcopy(base))),
         ("hf_coda_checkpointed", checkpointed),
+        # the same, its checkpoint's first forward storing what only the backward's rerun
+        # reads (``storing_for_backward``), as before session 64
+        ("hf_coda_checkpointed_storing", checkpointed),
         # the embedding's backward left as torch's (before session 29)
         ("hf_coda_torch_embedding", lambda: ct.apply_coda(copy.deepcopy(base), embedding=False)),
     ]
@@ -250,6 +255,7 @@ def run() -> list[dict]:
                 call = {"use_cache": False} if label.endswith("_no_cache") else {}
                 step = _step(model, ids, amp, **call)
                 step = liger.wrap(step) if label.startswith("hf_liger") else step
+                step = storing_for_backward(step) if label.endswith("_storing") else step
                 peaks[label] = step_peak(step, model)
                 if label in PROFILED:
                     try:  # a failed profile must not cost the timing

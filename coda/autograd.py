@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from coda._validate import CodaInputError, check_attention_output
 from coda.kernels import library as lib
@@ -103,12 +104,49 @@ LEAN_FORWARD = True
 
 
 def backward_can_follow(*inputs) -> bool:
-    """Whether a Function applied to ``inputs`` now records a backward (grad mode on and an
-    input requiring a gradient): where it does not, its forward stores nothing only that
-    backward would read (always stored with ``LEAN_FORWARD`` off)."""
+    """Whether a backward will read what a Function applied to ``inputs`` now saves (grad mode
+    on, an input requiring a gradient, and not the first forward of torch's non-reentrant
+    activation checkpointing, whose backward reruns the forward and reads the rerun's
+    tensors): where none will, its forward stores nothing only that backward would read
+    (``stand_in`` takes its place among the saved tensors; always stored with
+    ``LEAN_FORWARD`` off)."""
     if not LEAN_FORWARD:
         return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    return recorded and not checkpoint_first_pass()
+
+
+def checkpoint_first_pass() -> bool:
+    """Whether this forward runs inside ``torch.utils.checkpoint.checkpoint(...,
+    use_reentrant=False)``'s first pass (HF's activation checkpointing by default since
+    transformers 5, and ``coda.nn.CausalLM(checkpoint=True)``): the innermost saved-tensor
+    hooks are that checkpoint's, which keep no tensor but its metadata. Told by the pack
+    hook's code object (torch defines it inside ``_checkpoint_hook.__init__``); a torch
+    without one reads False, storing as before. False inside a torch.compile trace (which
+    decides what a checkpointed region saves itself)."""
+    if torch.compiler.is_compiling() or _CHECKPOINT_PACK is None:
+        return False
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[0], "__code__", None) is _CHECKPOINT_PACK
+
+
+def _checkpoint_pack_code():
+    hook = getattr(torch.utils.checkpoint, "_checkpoint_hook", None)
+    found = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks") and hook is not None
+    consts = hook.__init__.__code__.co_consts if found else ()
+    return next((c for c in consts if getattr(c, "co_name", None) == "pack_hook"), None)
+
+
+_CHECKPOINT_PACK = _checkpoint_pack_code()
+
+
+def stand_in(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """Saved in place of a tensor that only a Function's backward reads, where no backward
+    will read this run's (``backward_can_follow`` False): one element expanded to the
+    tensor's shape, in its dtype and on its device. Non-reentrant checkpointing checks that
+    its rerun saves tensors of the first pass's number, shapes, dtypes and devices; the
+    rerun saves the real ones."""
+    return like.new_empty((), dtype=dtype or like.dtype).expand(shape)
 
 
 @dataclass(frozen=True)
@@ -191,7 +229,7 @@ class AttentionInput(torch.autograd.Function):
 class AttentionInputBias(torch.autograd.Function):
     """``AttentionInput`` for a QKV projection with a bias (Qwen2's q, k and v): F1 adds the
     bias before RoPE and also stores z = rstd0 * acc without it (as its even and odd columns;
-    only its first 16 bytes a row where no backward can run, ``train`` False) for B11, whose
+    only its first 16 bytes a row where no backward reads it, ``train`` False) for B11, whose
     statistic reads z in place of the rotated output (which a large bias would leave with few
     bits of z); B11 also returns the bias's gradient, the column sums of the gradient before
     the rotation."""
@@ -206,9 +244,10 @@ class AttentionInputBias(torch.autograd.Function):
         qkv, *z = lib.gemm_rope_bias(
             a0, w_qkv, r0, pos, freq, bias_qkv, config_for("rope", M, d, N), z_cols
         )  # F1
-        if train:
-            ctx.save_for_backward(x0, r0, *z, g1, w_qkv, pos, freq)
-            ctx.dims, ctx.b_dtype = dims, bias_qkv.dtype
+        if not train:  # (no backward reads this run's z)
+            z = [stand_in((M, N // 2), qkv) for _ in range(2)]
+        ctx.save_for_backward(x0, r0, *z, g1, w_qkv, pos, freq)
+        ctx.dims, ctx.b_dtype = dims, bias_qkv.dtype
         return (*split_heads(qkv, dims), x0.view_as(x0))
 
     @staticmethod
@@ -244,18 +283,20 @@ class AttentionInputQKNorm(torch.autograd.Function):
         n_rot = (n_q + n_k) * hd
         if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue
             head_w, plain = column_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype)
-            if not train:  # no backward can run: z and s are not stored
-                qkv = lib.gemm_qk_norm_rope(
-                    a0, w_qkv, r0, pos, freq, head_w, plain, hd, dims.eps, cfg
-                )
-                return (*split_heads(qkv, dims), x0.view_as(x0))
             # z kept on the q and k columns only (on v columns it is the stored v, which
             # attention keeps anyway), unless that width breaks the TMA store's 16-byte rows
             z_cols = n_rot if n_rot % 16 == 0 else w_qkv.shape[1]
-            qkv, z_even, z_odd, s = lib.gemm_qk_norm_rope_keep_z(
-                a0, w_qkv, r0, pos, freq, head_w, plain, hd, dims.eps, cfg, z_cols=z_cols
-            )
-            s = s[:, : n_q + n_k]  # the v heads' statistic is computed and unused
+            if train:
+                qkv, z_even, z_odd, s = lib.gemm_qk_norm_rope_keep_z(
+                    a0, w_qkv, r0, pos, freq, head_w, plain, hd, dims.eps, cfg, z_cols=z_cols
+                )
+                s = s[:, : n_q + n_k]  # the v heads' statistic is computed and unused
+            else:  # no backward reads this run's z and s: not stored
+                qkv = lib.gemm_qk_norm_rope(
+                    a0, w_qkv, r0, pos, freq, head_w, plain, hd, dims.eps, cfg
+                )
+                z_even, z_odd = (stand_in((M, z_cols // 2), qkv) for _ in range(2))
+                s = stand_in((M, n_q + n_k), r0)
         else:  # F1 without rotation, then the head norms and RoPE as a row pass
             z = lib.gemm_scale_rows(a0, w_qkv, r0, config_for("scale_rows", M, d, w_qkv.shape[1]))
             cos, sin = cached_head_rotation(pos, freq, hd, r0.dtype)
@@ -343,8 +384,8 @@ class MLP(torch.autograd.Function):
         cfg = config_for("swiglu", M, d, 2 * f)
         if train:  # F4, keeping the unscaled pre-activation u for dSwiGLU (B4)
             s, u = lib.gemm_swiglu(a1, w_il, r1, cfg)
-        else:  # F4 alone: no backward can run, so no 2f-wide store
-            s, u = lib.gemm_swiglu_only(a1, w_il, r1, cfg), None
+        else:  # F4 alone: no backward reads this run's u, so no 2f-wide store
+            s, u = lib.gemm_swiglu_only(a1, w_il, r1, cfg), stand_in((M, 2 * f), a1)
         # F5: the residual add alone (no statistic): this boundary's norm is the next
         # layer's F0, which computes its own
         x2 = lib.gemm_residual_add(s, w_d, x1, config_for("residual", M, f, d), rows)
@@ -391,9 +432,10 @@ def decoder_layer(
     ``qkv_bias``: Qwen2's QKV bias (Nqkv,) in W_qkv's column order, or None (not both);
     ``o_bias``: the O projection's bias (d,) (Llama's ``attention_bias=True``), or None.
     Returns x2 (batch, seq, d), a tensor of its own (not a view of an (M, d) one). Where no
-    backward can run (``torch.no_grad``, inference mode, nothing requiring a gradient, a
-    reentrant checkpoint's first pass), the GEMMs store nothing only a backward reads
-    (SwiGLU's pre-activation, QK-norm's z and statistic)."""
+    backward reads this run's tensors (``torch.no_grad``, inference mode, nothing requiring a
+    gradient, either kind of activation checkpointing's first pass: ``backward_can_follow``),
+    the GEMMs store nothing only a backward reads (SwiGLU's pre-activation, the bias form's
+    and QK-norm's z, QK-norm's statistic)."""
     H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
     root_float_use(dims.eps)
     if freq is None:

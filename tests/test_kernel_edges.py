@@ -152,6 +152,46 @@ def test_a_forward_no_backward_can_follow_keeps_nothing_for_one(kernel_forced, m
     assert calls == [True] * runs
 
 
+@pytest.mark.parametrize("kind", ["llama", "qk_norm", "qkv_bias"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpoints_first_forward_keeps_nothing_its_rerun_makes(
+    kernel_forced, monkeypatch, kind, reentrant
+):
+    """Under activation checkpointing the backward reruns the layer's forward and reads the
+    rerun's tensors, so the first forward stores nothing only the backward reads (F4 no
+    pre-activation; with QK-norm, F1 no z or head statistic; with Qwen2's bias, z clipped),
+    with either kind of checkpoint (non-reentrant: HF's default since transformers 5 and
+    ``CausalLM(checkpoint=True)``; its first pass saves stand-ins of the same shapes, which
+    torch checks), and the rerun stores them; output and every gradient equal the
+    uncheckpointed step's, bitwise. Outside a checkpoint the pass is not told as one."""
+    from torch.utils.checkpoint import checkpoint
+
+    calls = _programs_chosen(monkeypatch)
+    torch.manual_seed(1)
+    flags = {"qk_norm": kind == "qk_norm", "qkv_bias": kind == "qkv_bias"}
+    layer = cnn.DecoderLayer(128, 2, 1, 96, dtype=F64, **flags)
+    if kind == "qkv_bias":
+        with torch.no_grad():
+            layer.bias_qkv.normal_()
+    x = torch.randn(2, 5, 128, dtype=F64, requires_grad=True)
+    dy = torch.randn(2, 5, 128, dtype=F64)
+    runs = 1 if kind == "llama" else 2  # the GEMMs that choose per call
+    steps = []
+    for ckpt in (False, True):
+        for p in (x, *layer.parameters()):
+            p.grad = None
+        calls.clear()
+        out = checkpoint(layer, x, use_reentrant=reentrant) if ckpt else layer(x)
+        first = list(calls)
+        out.backward(dy)
+        steps.append([out.detach(), x.grad] + [p.grad for p in layer.parameters()])
+        assert first == [not ckpt] * runs
+        assert calls == [not ckpt] * runs + [True] * runs * ckpt  # (the rerun keeps them)
+    for a, b in zip(*steps):
+        assert torch.equal(a, b)
+    assert not coda.autograd.checkpoint_first_pass()
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_an_attention_with_weights_of_its_own_keeps_what_its_backward_reaches(
     kernel_forced, monkeypatch, qk_norm

@@ -293,6 +293,25 @@ def test_embedding_becomes_codas_in_place(tied):
     assert type(ct.apply_coda(sparse).model.embed_tokens) is torch.nn.Embedding
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_resize_token_embeddings_after_the_patch(tied):
+    """``resize_token_embeddings`` on a patched model (the way to pad a vocabulary to the
+    kernels' multiple of 128, as coda's error says) keeps coda's embedding class and the tie,
+    and the resized model trains as the unpatched one resized alike."""
+    import coda.nn as cnn
+
+    cfg = tiny_config("llama", tie_word_embeddings=tied)
+    ref, patched = pair(cfg)
+    for model in (ref, patched):
+        model.resize_token_embeddings(cfg.vocab_size, pad_to_multiple_of=128, mean_resizing=False)
+    assert type(patched.model.embed_tokens) is cnn.Embedding
+    assert patched.lm_head.weight.shape == (128, cfg.hidden_size)
+    assert (patched.lm_head.weight is patched.model.embed_tokens.weight) == tied
+    patched.load_state_dict(ref.state_dict())  # (the new rows' random init, made alike)
+    ids = torch.randint(0, 128, (2, 11))
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
+
+
 def test_output_attentions_is_refused():
     cfg = tiny_config(attn_implementation="eager")
     _, patched = pair(cfg)
