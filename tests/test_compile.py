@@ -174,7 +174,7 @@ print("compiled")
 def test_inductor_never_takes_its_implicit_fallback_for_a_coda_op():
     """Inductor lowers coda's ops through the fallbacks coda registers when they are first
     traced, never through its implicit path, whose eager formatting of the arguments' IR did
-    not end in 400 s at the Llama-1B shape on torch 2.11 (``coda.kernels.library``). With
+    not end in 400 s at the Llama-1B shape on torch 2.11 (``coda.kernels.op_support``). With
     Inductor's implicit fallbacks switched off, a kernel-path step (embedding, layer, LM head:
     forward and backward ops) compiles with the default backend and runs."""
     proc = subprocess.run(

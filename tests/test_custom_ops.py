@@ -11,7 +11,7 @@ import torch
 from conftest import no_cache_warnings_from_dynamo, rel_err
 
 import coda.nn as cnn
-from coda.kernels import library
+from coda.kernels import library, op_support
 from coda.kernels.config import GemmConfig
 
 CFG = [64, 32, 1, 1, 1, 8, 1]  # a small tile config (GemmConfig fields)
@@ -215,4 +215,4 @@ def test_compiled_step_runs_the_norms_as_coda_ops():
 
 def test_config_round_trip():
     for c in (GemmConfig(128, 192, 2, 1, True, 8), GemmConfig(128, 192, 2, 1, False, 8, 2)):
-        assert library._gc(library._cfg(c)) == c
+        assert op_support.config_of(op_support.config_ints(c)) == c

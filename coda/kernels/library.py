@@ -8,20 +8,12 @@ function here calls its kernel directly unless ``torch.compile`` is tracing. Til
 cross the op boundary as seven ints (``GemmConfig`` fields).
 
 Inductor lowers every op to a call of it (a fallback kernel), registered by coda the first
-time an op is traced with Inductor loaded (``_inductor_fallbacks``), not left to Inductor's
-implicit path: that path first formats each argument's IR for an info log (built even when
-the log is off in torch releases before the lazy message of 2.13, the version CI runs), and
-an argument deep in a model's backward graph (the embedding's gradient under 16 layers)
-formats as a string that grows exponentially with the depth (pytorch#139501). On the H200
-image's torch 2.11 the Llama-1B-shaped model's compile did not end in ~450 s (run 134), and
-its backward compile was formatting IR when cut (run 136).
+time an op is traced (``op_support.inductor_fallbacks``: why, there).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import sys
 
 import torch
 
@@ -42,62 +34,26 @@ from coda.kernels import row_passes as _rp
 from coda.kernels import wgrad as _wg
 from coda.kernels._launch import acc_dtype
 from coda.kernels._triton import cdiv
-from coda.kernels.config import GemmConfig
-
-
-def _cfg(c: GemmConfig) -> list[int]:
-    """A config as the op's seven ints (its fields in order; pingpong as 0 / 1)."""
-    return [int(v) for v in dataclasses.astuple(c)]
-
-
-def _gc(c: list[int]) -> GemmConfig:
-    return GemmConfig(c[0], c[1], c[2], c[3], bool(c[4]), c[5], c[6])
-
-
-def _empty(*shape, like, dtype=None):
-    return like.new_empty(*shape, dtype=dtype or like.dtype)
+from coda.kernels.op_support import config_ints as _cfg
+from coda.kernels.op_support import config_of as _gc
+from coda.kernels.op_support import inductor_fallbacks
+from coda.kernels.op_support import new_empty as _empty
 
 
 def _fake(op):
-    """``op``'s fake implementation, registered behind ``_inductor_fallbacks`` (a fake
+    """``op``'s fake implementation, registered behind ``inductor_fallbacks`` (a fake
     implementation runs exactly when an op is traced)."""
 
     def register(fn):
         @functools.wraps(fn)
         def fake(*args, **kwargs):
-            _inductor_fallbacks()
+            inductor_fallbacks(OPS)
             return fn(*args, **kwargs)
 
         op.register_fake(fake)
         return fn
 
     return register
-
-
-_FALLBACKS = {"made": False}
-
-
-def _inductor_fallbacks() -> None:
-    """Every coda op lowered by Inductor as a fallback kernel with the layout constraint of
-    its tag, which is what Inductor's implicit path makes, without that path's IR formatting
-    (module docstring). Once, and only once Inductor is loaded (``torch.compile``'s default
-    backend has imported it by the time it traces the joint graph); where a torch lacks these
-    internals, Inductor's own path stays."""
-    if _FALLBACKS["made"] or "torch._inductor.lowering" not in sys.modules:
-        return
-    _FALLBACKS["made"] = True
-    try:
-        from torch._inductor import lowering
-        from torch._library.utils import get_layout_constraint_tag
-
-        for name in OPS:
-            target = getattr(torch.ops.coda, name).default
-            if target not in lowering.lowerings:
-                tag = get_layout_constraint_tag(target, with_default=True)
-                constraint = lowering.tag_to_layout_constraint(tag)
-                lowering.make_fallback(target, layout_constraint=constraint)
-    except (ImportError, AttributeError, TypeError):  # another torch's internals
-        pass
 
 
 # -- forward ------------------------------------------------------------------------------------
