@@ -1,7 +1,8 @@
 """Hugging Face models as users train them: one step ``model(input_ids, labels=input_ids)
 .loss.backward()`` at 4 x 4096 tokens, tokens/s and peak memory, for a Llama-3.2-1B-shaped
 ``LlamaForCausalLM``, a Qwen3-0.6B-shaped ``Qwen3ForCausalLM`` and a Qwen2.5-0.5B-shaped
-``Qwen2ForCausalLM`` (random init, bf16, sdpa),
+``Qwen2ForCausalLM`` (random init, bf16, sdpa; on request, ``ON_REQUEST``, Llama-1B with
+attention biases and a Phi-3-mini-shaped ``Phi3ForCausalLM``),
 in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and loss stay
 eager, as users compile it), with Liger's instance patch (called as the others, and with
 ``use_cache=False``, which a patched model's training call implies), and patched by
@@ -82,8 +83,24 @@ SHAPES = {
             tie_word_embeddings=True,
         ),
     ),
+    # Phi-3-mini-4k's shape (fused qkv_proj and gate_up_proj; its 2047-token sliding window;
+    # V = 32064 is no multiple of 128, so coda's LM head runs "recompute" under "auto")
+    "phi-3-mini": (
+        "phi3",
+        dict(
+            vocab_size=32064,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            sliding_window=2047,
+            pad_token_id=32000,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
-ON_REQUEST = ("llama-3.2-1B-bias",)  # (not in a default run: named in CODA_HF_SHAPES)
+ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini")  # (not in a default run: named in CODA_HF_SHAPES)
 BATCH, SEQ = 4, 4096
 PROFILED = ("hf_coda", "hf_liger", "hf_liger_no_cache")  # per-kernel tables (pass 1)
 
@@ -91,7 +108,7 @@ PROFILED = ("hf_coda", "hf_liger", "hf_liger_no_cache")  # per-kernel tables (pa
 def build(family: str, shape: dict, device, dtype):
     import transformers
 
-    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[family]
     cfg_cls = getattr(transformers, f"{name}Config")
     model_cls = getattr(transformers, f"{name}ForCausalLM")
     config = cfg_cls(**shape, max_position_embeddings=SEQ, attn_implementation="sdpa")

@@ -1,10 +1,10 @@
-"""Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama, Mistral,
-Qwen2 or Qwen3 model in place so its decoder layers run coda's kernel sequence and, in a training
-step (labels given, autograd recording), ``model(input_ids, labels=...)`` returns the loss
-through coda's LM-head loss, logits never stored (honoring the loss arguments HF's own loss
-reads from the call: ``num_items_in_batch``, ``shift_labels``, ``ignore_index``); under
-``torch.no_grad`` (an evaluation loop reading logits for its metrics) it returns HF's logits
-and loss, and ``skip_logits=`` picks either for a call.
+"""Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama,
+Mistral, Qwen2, Qwen3 or Phi-3 model in place so its decoder layers run coda's kernel sequence
+and, in a training step (labels given, autograd recording), ``model(input_ids, labels=...)``
+returns the loss through coda's LM-head loss, logits never stored (honoring the loss
+arguments HF's own loss reads from the call: ``num_items_in_batch``, ``shift_labels``,
+``ignore_index``); under ``torch.no_grad`` (an evaluation loop reading logits for its
+metrics) it returns HF's logits and loss, and ``skip_logits=`` picks either for a call.
 
 The token embedding stays the model's module and parameter (tied to the LM head where the
 model ties them); only its backward becomes coda's deterministic sorted scatter
@@ -33,29 +33,31 @@ layer has no sliding window), the patched model's sdpa layers pass no mask, as t
 does.
 
 Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel``, ``MistralForCausalLM`` /
-``MistralModel``, ``Qwen2ForCausalLM`` / ``Qwen2Model`` and ``Qwen3ForCausalLM`` /
-``Qwen3Model`` (silu MLP, no biases but Qwen2's on q, k and v and Llama's
-``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
-"llama3": a fixed set of inverse frequencies, taken from the model; Qwen3's per-head QK-norm
-and Qwen2's q, k, v biases run in the QKV GEMM's epilogue, ``coda.kernels.qk_norm`` and
-``coda.kernels.gemm_rope``; Mistral's, Qwen2's and Qwen3's sliding windows, when configured,
-keep the model's own masks and window).
+``MistralModel``, ``Qwen2ForCausalLM`` / ``Qwen2Model``, ``Qwen3ForCausalLM`` /
+``Qwen3Model`` and ``Phi3ForCausalLM`` / ``Phi3Model`` (silu MLP, no biases but Qwen2's on
+q, k and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default",
+"linear" or "llama3" on whole heads: a fixed set of inverse frequencies, taken from the
+model; Qwen3's per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's epilogue,
+``coda.kernels.qk_norm`` and ``coda.kernels.gemm_rope``; Phi-3's fused ``qkv_proj`` and
+``gate_up_proj`` are Llama's projections concatenated by rows, converted exactly
+(``coda._hf_fused``), its residual dropout 0 as in its released configs; Mistral's, Qwen2's,
+Qwen3's and Phi-3's sliding windows, when configured, keep the model's own masks and window).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 
 import torch
-import torch.nn.functional as F
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from coda import _hf_fused
 from coda import _validate as v
+from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_forward
 from coda.autograd import LM_HEAD_METHODS
 from coda.env import host_cache
-from coda.nn import DecoderLayer, Embedding, lm_head_loss
+from coda.nn import DecoderLayer, Embedding
 from coda.nn.layer import HF_KEYS
 
 SUPPORTED = (
@@ -67,6 +69,8 @@ SUPPORTED = (
     "Qwen2Model",
     "Qwen3ForCausalLM",
     "Qwen3Model",
+    "Phi3ForCausalLM",
+    "Phi3Model",
 )
 # RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
 # ``inv_freq``), unscaled: "dynamic" changes them with the sequence length, "yarn" and
@@ -81,6 +85,11 @@ def _check_config(config, rotary) -> None:
         (getattr(config, "pretraining_tp", 1) == 1, "pretraining_tp != 1"),
         (rotary.rope_type in ROPE_TYPES, f"rope_type={rotary.rope_type!r}"),
         (float(rotary.attention_scaling) == 1.0, "RoPE attention_scaling != 1"),
+        # Phi-3's dropout on each residual branch (0 in its released configs)
+        (
+            not getattr(config, "resid_pdrop", 0.0),
+            f"resid_pdrop={getattr(config, 'resid_pdrop', 0)}",
+        ),
     ]
     for ok, what in rules:
         if not ok:
@@ -102,6 +111,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         where = f"layers.{attn.layer_idx}"
         _check_linears(hf_layer, where)
         qk_norm = hasattr(attn, "q_norm")
+        fused = _fused_projections(hf_layer, where)
         qkv_bias, o_bias = _attention_biases(attn, where)
         if qk_norm and qkv_bias:
             raise v.CodaInputError(
@@ -125,13 +135,14 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         )
         if qk_norm and attn.q_norm.variance_epsilon != config.rms_norm_eps:
             raise v.CodaInputError("apply_coda: a QK-norm eps other than rms_norm_eps")
+        self.fused = fused  # Phi-3's qkv_proj and gate_up_proj (``coda._hf_fused``)
         self.load_hf_state_dict(hf_layer.state_dict())
         self._keep_frozen(hf_layer, where)
-        names = ("q_proj", "k_proj", "v_proj", "o_proj") + (("q_norm", "k_norm") if qk_norm else ())
-        for name in names:
+        names = (("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj")) + ("o_proj",)
+        for name in names + (("q_norm", "k_norm") if qk_norm else ()):
             delattr(attn, name)  # the weights live in w_qkv / w_o / q_norm / k_norm now
         self.self_attn = attn
-        self.mask_hint = mask_hint  # the model's one ``_MaskHint``, shared by its layers
+        self.mask_hint = mask_hint  # the model's one ``MaskHint``, shared by its layers
         if getattr(hf_layer, "gradient_checkpointing", False):  # enabled before the patch
             self.gradient_checkpointing = True
             self._gradient_checkpointing_func = hf_layer._gradient_checkpointing_func
@@ -141,13 +152,28 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     def extra_repr(self) -> str:  # (printed under HF's class name: say whose layer it is)
         return f"coda, {super().extra_repr()}"
 
+    # HF's keys are Llama's but for fused projections (Phi-3's), converted by rows
+    def hf_state_dict(self, prefix: str = "", grad: bool = False) -> dict:
+        out = super().hf_state_dict(prefix, grad)
+        return _hf_fused.fuse(out, prefix) if self.fused else out
+
+    def hf_shapes(self, prefix: str = "") -> dict:
+        shapes = self._llama_shapes(prefix)
+        return _hf_fused.fuse_shapes(shapes, prefix) if self.fused else shapes
+
+    def params_from_hf(self, sd: dict, prefix: str = "") -> dict:
+        if self.fused:  # (checked in HF's keys first: an error names the key given)
+            v.check_state_dict(sd, self.hf_shapes(prefix))
+            sd = _hf_fused.split(sd, self._llama_shapes(prefix), prefix)
+        return super().params_from_hf(sd, prefix)
+
     def _keep_frozen(self, hf_layer, where: str) -> None:
         """A frozen HF weight (``requires_grad=False``: partial fine-tuning) stays frozen in
         the coda weight it becomes; a coda weight fused from several HF ones (q, k, v into
         ``w_qkv``; gate and up into ``w_il``) cannot be partly frozen, and says so."""
         hf = dict(hf_layer.named_parameters())
         for name in self._hf_weights():
-            keys = HF_KEYS[name]
+            keys = _hf_fused.fused_keys(HF_KEYS[name]) if self.fused else HF_KEYS[name]
             flags = {hf[k].requires_grad for k in keys}
             if len(flags) > 1:
                 raise v.CodaInputError(
@@ -221,11 +247,10 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
 
 
 def _check_linears(hf_layer, where: str) -> None:
-    """Every projection of an HF layer is a plain ``nn.Linear`` (what coda fuses)."""
-    modules = dict.fromkeys(k.rsplit(".", 1)[0] for keys in HF_KEYS.values() for k in keys)
-    for name in (m for m in modules if m.endswith("_proj")):
-        module = hf_layer.get_submodule(name)
-        if type(module) is not torch.nn.Linear:
+    """Every projection (``*_proj``) of an HF layer is a plain ``nn.Linear`` (what coda
+    fuses)."""
+    for name, module in hf_layer.named_modules():
+        if name.endswith("_proj") and type(module) is not torch.nn.Linear:
             raise v.CodaInputError(
                 f"apply_coda: {where}.{name} is a {type(module).__name__}, not a plain "
                 "torch.nn.Linear (adapters such as LoRA and quantized or fp8 linears are not "
@@ -233,11 +258,28 @@ def _check_linears(hf_layer, where: str) -> None:
             )
 
 
+def _fused_projections(hf_layer, where: str) -> bool:
+    """Whether the layer's projections are Phi-3's fused ``qkv_proj`` and ``gate_up_proj``
+    (both, or neither: Llama's separate ones), without biases."""
+    fused = [hasattr(hf_layer.self_attn, "qkv_proj"), hasattr(hf_layer.mlp, "gate_up_proj")]
+    if len(set(fused)) > 1:
+        raise v.CodaInputError(
+            f"apply_coda: {where}: one of qkv_proj and gate_up_proj fused, not both"
+        )
+    biased = fused[0] and any(
+        m.bias is not None for m in (hf_layer.self_attn.qkv_proj, hf_layer.mlp.gate_up_proj)
+    )
+    if biased:
+        raise v.CodaInputError(f"apply_coda: {where}: biases on fused projections")
+    return fused[0]
+
+
 def _attention_biases(attention, where: str) -> tuple[bool, bool]:
     """(whether the q, k and v projections have biases, whether o_proj has one): Qwen2's are
     on q, k and v, Llama's ``attention_bias=True`` puts them on all four; q, k and v have
-    them all or none."""
-    has = [getattr(attention, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")]
+    them all or none (Phi-3's fused qkv_proj: none, ``_fused_projections``)."""
+    names = ("qkv_proj",) if hasattr(attention, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
+    has = [getattr(attention, n).bias is not None for n in names]
     if len(set(has)) > 1:
         raise v.CodaInputError(
             f"apply_coda: {where}: biases on some of q_proj, k_proj and v_proj; supported on "
@@ -342,181 +384,9 @@ def _from_hf_keys(module, state_dict, prefix, local_metadata, strict, missing, u
     state_dict.update({prefix + n: t for n, t in module.params_from_hf(hf, prefix).items()})
 
 
-class _MaskHint:
-    """Shared by a patched model's layers: ``causal`` is True while a call whose attention
-    mask is the plain causal one runs under a CUDA-graph capture (``_plain_causal``)."""
-
-    __slots__ = ("causal",)
-
-    def __init__(self):
-        self.causal = False
-
-
-MASK_ARGUMENTS = ("attention_mask", "position_ids", "past_key_values", "cache", "cache_position")
-
-
-def _plain_causal(args: tuple, kwargs: dict) -> bool:
-    """Whether the mask transformers builds for this call under a capture is the plain causal
-    one: a capture, and nothing given that shapes the mask (``input_ids`` or ``inputs_embeds``
-    and ``labels`` only, among the mask's inputs)."""
-    return (
-        len(args) <= 1  # (input_ids, attention_mask, position_ids, ...) by position
-        and all(kwargs.get(k) is None for k in MASK_ARGUMENTS)
-        and _capturing()
-    )
-
-
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (never inside a torch.compile
-    trace, whose graphs are captured later, from the traced code)."""
-    return (
-        not torch.compiler.is_compiling()
-        and torch.cuda.is_initialized()  # (no CUDA call made yet: nothing is capturing)
-        and torch.cuda.is_current_stream_capturing()
-    )
-
-
-class _PatchedForward:
-    """``module.forward`` as ``apply_coda`` wraps it: ``make(original)`` called with
-    ``module``, where ``original(self, *args, **kwargs)`` runs the forward the module had:
-    its class's, taken unbound (so a deep copy of the patched model runs its own weights), or
-    an instance-level forward someone else set before (kept as it is, bound to its module).
-    An object rather than a bound closure so that the model pickles (``torch.save(model)``)
-    as (module, make, former forward) and comes back patched; it shows the class forward's
-    signature, name and docs, as tools read them (the Trainer keeps the dataset columns the
-    forward's signature names: it would drop ``input_ids`` for ``(*args, **kwargs)``)."""
-
-    def __init__(self, module, make, former=None):
-        self.module, self.make, self.former = module, make, former
-        if former is None:
-            original = type(module).forward
-        else:
-
-            def original(self, *args, **kwargs):
-                return former(*args, **kwargs)
-
-        self._forward = make(original)
-        functools.update_wrapper(self, type(module).forward)
-        self.__signature__ = inspect.signature(type(module).forward.__get__(module))
-
-    def __call__(self, *args, **kwargs):
-        return self._forward(self.module, *args, **kwargs)
-
-    def __reduce__(self):
-        return _PatchedForward, (self.module, self.make, self.former)
-
-
-def _wrap_forward(module, make) -> None:
-    module.forward = _PatchedForward(module, make, module.__dict__.get("forward"))
-
-
-def _base_forward(original):
-    """The decoder stack's (``LlamaModel``'s) ``forward``, with its layers' ``_MaskHint`` set
-    for the call."""
-
-    def forward(self, *args, **kwargs):
-        if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
-            raise v.CodaInputError(
-                "apply_coda: output_attentions is not supported (patched layers call the "
-                "attention function directly and keep no attention weights)"
-            )
-        hint = self.coda_mask_hint
-        hint.causal = _plain_causal(args, kwargs)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            hint.causal = False
-
-    return forward
-
-
-def _cache_is_only_a_cost(args: tuple, kwargs: dict) -> bool:
-    """Whether a training call can run without the KV cache transformers' default config
-    fills in every forward (two copies of each layer's keys and values, never read in a
-    training step: 2.1 ms of a 1B step, 6.4 ms of Qwen3-0.6B's, benchmarks/NOTES.md session
-    22) and give exactly the unpatched model's result: the call names no cache setting and
-    gives no position ids. With position ids and no attention mask, transformers looks for
-    packed documents (positions restarting) only when there is no cache, and then masks
-    attention at their boundaries: the cache decides the result there, so it stays."""
-    if len(args) > 2:  # (input_ids, attention_mask, position_ids, ... by position)
-        return False
-    asked = ("use_cache", "past_key_values", "cache", "position_ids")
-    return all(kwargs.get(k) is None for k in asked)
-
-
-def _causal_lm_forward(original):
-    """The causal LM's ``forward``: with labels, while autograd records (a training step), the
-    loss through coda's LM-head loss (the final norm inside it), no logits and, where that
-    changes nothing else (``_cache_is_only_a_cost``), no KV cache, in HF's output type;
-    otherwise the model's own forward (logits, and with labels its loss: generation, and
-    evaluation loops that compute metrics from the logits under ``torch.no_grad``).
-    ``skip_logits`` (True or False) overrides that choice for a call."""
-
-    def forward(self, *args, labels=None, skip_logits=None, **kwargs):
-        if labels is None:
-            return original(self, *args, **kwargs)
-        if not (torch.is_grad_enabled() if skip_logits is None else skip_logits):
-            return original(self, *args, labels=labels, **kwargs)
-        if len(args) > 5:  # (the model's own leading positional parameters)
-            raise v.CodaInputError("apply_coda: pass the arguments after inputs_embeds by name")
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        # the loss arguments HF's ForCausalLMLoss reads from the call's keywords
-        n_items = kwargs.pop("num_items_in_batch", None)
-        ignore_index = kwargs.pop("ignore_index", -100)
-        shift = kwargs.pop("shift_labels", None)
-        ids, embeds = args[0] if args else kwargs.get("input_ids"), kwargs.get("inputs_embeds")
-        rows = ids.shape if ids is not None else None if embeds is None else embeds.shape[:-1]
-        if rows is not None:  # named as the caller passed them (else the loss names target)
-            v.check_target_tensor(labels, rows, "labels")
-            if shift is not None:
-                v.check_target_tensor(shift, rows, "shift_labels")
-        if shift is None:  # as HF's ForCausalLMLoss: tokens < n predict n
-            shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        kwargs.pop("logits_to_keep", None)  # no logits are formed
-        if _cache_is_only_a_cost(args, kwargs):
-            kwargs["use_cache"] = False
-        return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
-        norm = self.model.norm
-        self.model.norm = torch.nn.Identity()  # the final norm runs inside coda's loss
-        try:
-            out = self.model(*args, return_dict=True, **kwargs)
-        finally:
-            self.model.norm = norm
-        hidden = out.hidden_states
-        if hidden and hidden[-1] is out.last_hidden_state:  # HF's last one is after the norm
-            hidden = (*hidden[:-1], norm(out.last_hidden_state))
-        loss = lm_head_loss(
-            out.last_hidden_state,
-            norm.weight,
-            self.lm_head.weight.t(),
-            shift.to(out.last_hidden_state.device),
-            eps=norm.variance_epsilon,
-            ignore_index=ignore_index,
-            reduction="mean" if n_items is None else "sum",
-            method=self.coda_method,
-        )
-        if n_items is not None:
-            loss = loss / n_items
-        # the KV cache field is ``past_key_values`` up to transformers 5.2x and ``cache`` after
-        # (reading or passing the old name there logs a deprecation on every first call)
-        fields = CausalLMOutputWithPast.__dataclass_fields__
-        cache_field = "cache" if "cache" in fields else "past_key_values"
-        result = CausalLMOutputWithPast(
-            loss=loss,
-            logits=None,
-            hidden_states=hidden,
-            attentions=out.attentions,
-            **{cache_field: getattr(out, cache_field, None)},
-        )
-        return result if return_dict else result.to_tuple()
-
-    return forward
-
-
 def apply_coda(model, *, method: str = "auto", embedding: bool = True):
-    """Patch a transformers Llama, Mistral, Qwen2 or Qwen3 model (``SUPPORTED``) in place;
-    returns it.
+    """Patch a transformers Llama, Mistral, Qwen2, Qwen3 or Phi-3 model (``SUPPORTED``) in
+    place; returns it.
 
     ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "auto" (the default: CE-S,
     "scaled_exp", the fastest on the H200, where the vocabulary is a multiple of 128, else
@@ -532,9 +402,15 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True):
     config = model.config
     _check_config(config, base.rotary_emb)
     inv_freq = _inverse_frequencies(base.rotary_emb, config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if 2 * inv_freq.numel() != head_dim:  # (coda's RoPE epilogue rotates whole heads)
+        raise v.CodaInputError(
+            f"apply_coda: a partial rotary embedding ({2 * inv_freq.numel()} of head_dim "
+            f"{head_dim}: partial_rotary_factor < 1) is not supported"
+        )
     if getattr(base, "coda_mask_hint", None) is None:  # (not patched before)
-        base.coda_mask_hint = _MaskHint()
-        _wrap_forward(base, _base_forward)
+        base.coda_mask_hint = MaskHint()
+        wrap_forward(base, base_forward)
     replaced = False
     for i, layer in enumerate(base.layers):
         if not isinstance(layer, CodaLlamaDecoderLayer):
@@ -548,7 +424,7 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True):
     if embedding:  # left as it is where coda's backward does not cover it
         Embedding.adopt(base.embed_tokens)
     if name.endswith("ForCausalLM") and not getattr(model, "coda_method", None):
-        _wrap_forward(model, _causal_lm_forward)
+        wrap_forward(model, causal_lm_forward)
     model.coda_method = method
     return model
 

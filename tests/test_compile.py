@@ -56,7 +56,7 @@ def test_compiled_step_equals_eager_and_does_not_recompile():
     assert frames[0] >= 1 and frames == [frames[0]] * 3  # no recompile for new token counts
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "llama-bias"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "llama-bias", "phi3"])
 def test_patched_hf_model_traces_without_graph_breaks(family):
     pytest.importorskip("transformers")
     from test_transformers import model_class, tiny_config

@@ -2,6 +2,7 @@
 memos (``functools.cache`` / ``lru_cache``) are the listed host-only ones.
 
     reference, primitives  ->  kernels  ->  ops, layouts, autograd  ->  nn  ->  transformers
+                                                                          (_hf_forward, _hf_fused)
 (``env``, ``_validate`` and ``_metadata`` are leaves any layer may use; ``_quack`` is the only
 module that imports quack.)"""
 
@@ -18,6 +19,8 @@ RANK = {
     "autograd": 2,
     "nn": 3,
     "transformers": 4,
+    "_hf_forward": 4,  # (the HF layer's parts: its wrapped forwards, Phi-3's fused keys)
+    "_hf_fused": 4,
 }
 LEAVES = {"env", "_validate", "_quack", "_metadata", "__init__"}
 # What each leaf may import from coda (``__init__`` is the package face: it re-exports).

@@ -22,7 +22,7 @@ def _decayed(model) -> set:
     return set(Trainer.get_decay_parameter_names(None, model))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "llama-bias"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "llama-bias", "phi3"])
 def test_the_trainer_decays_the_same_tensors_patched_or_not(family):
     pytest.importorskip("transformers")
     from test_transformers import pair, tiny_config

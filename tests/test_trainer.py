@@ -72,7 +72,7 @@ def _train(model, out_dir, vocab: int):
     return losses, trainer.evaluate()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2", "llama-bias"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2", "llama-bias", "phi3"])
 def test_the_trainer_trains_a_patched_model_as_the_unpatched_one(family, coda_path, tmp_path):
     cfg = tiny_config(family, **coda_path)
     ref, patched = pair(cfg, seed=5)

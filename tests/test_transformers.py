@@ -45,7 +45,8 @@ SCALED_ROPES = {
 def tiny_config(family: str = "llama", **kw):
     """A tiny random config: ``family`` "llama" (LlamaConfig), "llama-bias" (Llama with
     ``attention_bias=True``: q, k, v and o biases), "qwen3" (Qwen3Config, with its per-head
-    QK-norm), "qwen2" (Qwen2Config: q, k, v biases) or "mistral"."""
+    QK-norm), "qwen2" (Qwen2Config: q, k, v biases), "mistral" or "phi3" (Phi3Config: fused
+    qkv_proj and gate_up_proj)."""
     from transformers import Qwen3Config
 
     base = dict(
@@ -68,6 +69,11 @@ def tiny_config(family: str = "llama", **kw):
         from transformers import MistralConfig
 
         return MistralConfig(**{**base, "head_dim": 12, "sliding_window": None, **kw})
+    if family == "phi3":  # (its default token ids lie outside the tiny vocabulary)
+        from transformers import Phi3Config
+
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        return Phi3Config(**{**base, **ids, **kw})
     if family == "llama-bias":
         kw = {"attention_bias": True, **kw}
     return LlamaConfig(**{**base, **kw})
@@ -77,6 +83,8 @@ def model_class(config):
     from transformers import (
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -85,6 +93,8 @@ def model_class(config):
 
     if isinstance(config, MistralConfig):
         return MistralForCausalLM
+    if isinstance(config, Phi3Config):
+        return Phi3ForCausalLM
     if isinstance(config, Qwen2Config):
         return Qwen2ForCausalLM
     return Qwen3ForCausalLM if isinstance(config, Qwen3Config) else LlamaForCausalLM
@@ -204,7 +214,7 @@ def test_hf_loss_arguments_are_honored(argument, coda_path):
         assert rel_err(loss, _step(patched, input_ids=ids, labels=batch["labels"])) > 10 * TOL
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "phi3"])
 def test_hidden_states_and_tuples_as_unpatched(family, coda_path):
     """``output_hidden_states`` (transformers records them with hooks on its layer class; with
     labels the last one is after the final norm, which runs inside coda's loss) and
@@ -369,7 +379,8 @@ def test_coda_keys_are_the_parameters_own():
         assert torch.equal(other.state_dict()[k], t), k
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # (Qwen3 tied; Qwen2 with its biases)
+# (Qwen3 tied; Qwen2 with its biases; Phi-3 with its fused projections)
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "phi3"])
 def test_save_pretrained_loads_unpatched(tmp_path, family):
     cfg = tiny_config(family, tie_word_embeddings=family == "qwen3")
     ref, patched = pair(cfg, seed=6)
@@ -489,7 +500,7 @@ def test_qwen3_kernel_sequence_equals_reference_float64(head_dim):
 
 @pytest.mark.parametrize("method", ["scaled_exp", "chunked", "recompute"])
 @pytest.mark.parametrize("mode", ["float64", "bfloat16", "autocast"])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "llama-bias"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "llama-bias", "phi3"])
 def test_patched_model_kernel_path_on_cpu(family, mode, method, monkeypatch):
     """The patched model with its kernel path forced on the CPU (``kernel_support`` answers
     yes, so every layer and the loss run the kernel sequence, GEMMs through the interpreter,
@@ -526,7 +537,7 @@ def test_patched_model_kernel_path_on_cpu(family, mode, method, monkeypatch):
         assert rel_err(grads_p[name], p.grad, floor=floor) < tol, name
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "phi3"])
 def test_patched_model_under_autocast_trains_like_unpatched(family):
     """fp32 weights under torch.autocast (bf16), as HF's Trainer runs bf16=True: the patched
     model's loss and gradients (fp32, HF layout) stay within bf16 distance of the unpatched

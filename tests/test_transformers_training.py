@@ -26,6 +26,7 @@ from test_transformers import (  # noqa: E402
 )
 from transformers import LlamaForCausalLM  # noqa: E402
 
+import coda._hf_forward as hf_forward  # noqa: E402
 import coda.autograd  # noqa: E402
 import coda.transformers as ct  # noqa: E402
 from coda import _validate as v  # noqa: E402
@@ -161,7 +162,7 @@ def _emulate_a_5_17_capture(monkeypatch) -> list:
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
-    monkeypatch.setattr(ct, "_capturing", lambda: True)
+    monkeypatch.setattr(hf_forward, "_capturing", lambda: True)
     return calls
 
 
@@ -188,7 +189,7 @@ def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
         calls.clear()
         model(input_ids=ids, labels=ids, **given)
         assert calls == [(False, False)] * 2, given  # the caller's mask inputs: kept
-    monkeypatch.setattr(ct, "_capturing", lambda: False)
+    monkeypatch.setattr(hf_forward, "_capturing", lambda: False)
     calls.clear()
     model(input_ids=ids, labels=ids)
     assert calls == [(False, False)] * 2  # no capture: transformers' mask, as it made it
@@ -306,7 +307,7 @@ def _count_attention_calls(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
 @pytest.mark.parametrize("enabled", ["before", "after", "after, reentrant"])
 def test_hf_activation_checkpointing_recomputes_the_patched_layers(family, enabled, monkeypatch):
     """``model.gradient_checkpointing_enable()`` (the Trainer's ``gradient_checkpointing``)

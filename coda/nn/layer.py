@@ -349,6 +349,9 @@ class DecoderLayer(FormerNames, nn.Module):
 
     def hf_shapes(self, prefix: str = "") -> dict:
         """{HF key: shape} of this layer's weights in a ``LlamaDecoderLayer`` state dict."""
+        return self._llama_shapes(prefix)
+
+    def _llama_shapes(self, prefix: str = "") -> dict:
         d, f, hd = self.d, self.ffn, self.head_dim
         nq, nkv = self.n_heads * hd, self.n_kv_heads * hd
         shapes = {
@@ -379,7 +382,7 @@ class DecoderLayer(FormerNames, nn.Module):
     def params_from_hf(self, sd: dict, prefix: str = "") -> dict:
         """{parameter name: tensor in coda's layout} from HF ``LlamaDecoderLayer`` (or
         ``Qwen3DecoderLayer``) weights under ``prefix``, validated (exact permutations)."""
-        v.check_state_dict(sd, self.hf_shapes(prefix))
+        v.check_state_dict(sd, self._llama_shapes(prefix))
         heads = {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
         from_hf = {
             "w_qkv": lambda q, k, v_: layouts.qkv_weight_from_hf(q, k, v_, **heads),

@@ -1,0 +1,188 @@
+"""The forwards ``coda.transformers.apply_coda`` wraps: the causal LM's (a training call's
+loss through coda's LM-head loss, logits never formed; HF's own forward otherwise) and the
+decoder stack's (its layers' causal-mask hint under a CUDA-graph capture), installed per
+instance as picklable ``_PatchedForward`` objects. What each does and why: the docstrings
+below and ``coda.transformers``'s."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from coda import _validate as v
+from coda.nn import lm_head_loss
+
+
+class MaskHint:
+    """Shared by a patched model's layers: ``causal`` is True while a call whose attention
+    mask is the plain causal one runs under a CUDA-graph capture (``_plain_causal``)."""
+
+    __slots__ = ("causal",)
+
+    def __init__(self):
+        self.causal = False
+
+
+MASK_ARGUMENTS = ("attention_mask", "position_ids", "past_key_values", "cache", "cache_position")
+
+
+def _plain_causal(args: tuple, kwargs: dict) -> bool:
+    """Whether the mask transformers builds for this call under a capture is the plain causal
+    one: a capture, and nothing given that shapes the mask (``input_ids`` or ``inputs_embeds``
+    and ``labels`` only, among the mask's inputs)."""
+    return (
+        len(args) <= 1  # (input_ids, attention_mask, position_ids, ...) by position
+        and all(kwargs.get(k) is None for k in MASK_ARGUMENTS)
+        and _capturing()
+    )
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never inside a torch.compile
+    trace, whose graphs are captured later, from the traced code)."""
+    return (
+        not torch.compiler.is_compiling()
+        and torch.cuda.is_initialized()  # (no CUDA call made yet: nothing is capturing)
+        and torch.cuda.is_current_stream_capturing()
+    )
+
+
+class _PatchedForward:
+    """``module.forward`` as ``apply_coda`` wraps it: ``make(original)`` called with
+    ``module``, where ``original(self, *args, **kwargs)`` runs the forward the module had:
+    its class's, taken unbound (so a deep copy of the patched model runs its own weights), or
+    an instance-level forward someone else set before (kept as it is, bound to its module).
+    An object rather than a bound closure so that the model pickles (``torch.save(model)``)
+    as (module, make, former forward) and comes back patched; it shows the class forward's
+    signature, name and docs, as tools read them (the Trainer keeps the dataset columns the
+    forward's signature names: it would drop ``input_ids`` for ``(*args, **kwargs)``)."""
+
+    def __init__(self, module, make, former=None):
+        self.module, self.make, self.former = module, make, former
+        if former is None:
+            original = type(module).forward
+        else:
+
+            def original(self, *args, **kwargs):
+                return former(*args, **kwargs)
+
+        self._forward = make(original)
+        functools.update_wrapper(self, type(module).forward)
+        self.__signature__ = inspect.signature(type(module).forward.__get__(module))
+
+    def __call__(self, *args, **kwargs):
+        return self._forward(self.module, *args, **kwargs)
+
+    def __reduce__(self):
+        return _PatchedForward, (self.module, self.make, self.former)
+
+
+def wrap_forward(module, make) -> None:
+    module.forward = _PatchedForward(module, make, module.__dict__.get("forward"))
+
+
+def base_forward(original):
+    """The decoder stack's (``LlamaModel``'s) ``forward``, with its layers' ``MaskHint`` set
+    for the call."""
+
+    def forward(self, *args, **kwargs):
+        if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
+            raise v.CodaInputError(
+                "apply_coda: output_attentions is not supported (patched layers call the "
+                "attention function directly and keep no attention weights)"
+            )
+        hint = self.coda_mask_hint
+        hint.causal = _plain_causal(args, kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            hint.causal = False
+
+    return forward
+
+
+def _cache_is_only_a_cost(args: tuple, kwargs: dict) -> bool:
+    """Whether a training call can run without the KV cache transformers' default config
+    fills in every forward (two copies of each layer's keys and values, never read in a
+    training step: 2.1 ms of a 1B step, 6.4 ms of Qwen3-0.6B's, benchmarks/NOTES.md session
+    22) and give exactly the unpatched model's result: the call names no cache setting and
+    gives no position ids. With position ids and no attention mask, transformers looks for
+    packed documents (positions restarting) only when there is no cache, and then masks
+    attention at their boundaries: the cache decides the result there, so it stays."""
+    if len(args) > 2:  # (input_ids, attention_mask, position_ids, ... by position)
+        return False
+    asked = ("use_cache", "past_key_values", "cache", "position_ids")
+    return all(kwargs.get(k) is None for k in asked)
+
+
+def causal_lm_forward(original):
+    """The causal LM's ``forward``: with labels, while autograd records (a training step), the
+    loss through coda's LM-head loss (the final norm inside it), no logits and, where that
+    changes nothing else (``_cache_is_only_a_cost``), no KV cache, in HF's output type;
+    otherwise the model's own forward (logits, and with labels its loss: generation, and
+    evaluation loops that compute metrics from the logits under ``torch.no_grad``).
+    ``skip_logits`` (True or False) overrides that choice for a call."""
+
+    def forward(self, *args, labels=None, skip_logits=None, **kwargs):
+        if labels is None:
+            return original(self, *args, **kwargs)
+        if not (torch.is_grad_enabled() if skip_logits is None else skip_logits):
+            return original(self, *args, labels=labels, **kwargs)
+        if len(args) > 5:  # (the model's own leading positional parameters)
+            raise v.CodaInputError("apply_coda: pass the arguments after inputs_embeds by name")
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        # the loss arguments HF's ForCausalLMLoss reads from the call's keywords
+        n_items = kwargs.pop("num_items_in_batch", None)
+        ignore_index = kwargs.pop("ignore_index", -100)
+        shift = kwargs.pop("shift_labels", None)
+        ids, embeds = args[0] if args else kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        rows = ids.shape if ids is not None else None if embeds is None else embeds.shape[:-1]
+        if rows is not None:  # named as the caller passed them (else the loss names target)
+            v.check_target_tensor(labels, rows, "labels")
+            if shift is not None:
+                v.check_target_tensor(shift, rows, "shift_labels")
+        if shift is None:  # as HF's ForCausalLMLoss: tokens < n predict n
+            shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        kwargs.pop("logits_to_keep", None)  # no logits are formed
+        if _cache_is_only_a_cost(args, kwargs):
+            kwargs["use_cache"] = False
+        return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
+        norm = self.model.norm
+        self.model.norm = torch.nn.Identity()  # the final norm runs inside coda's loss
+        try:
+            out = self.model(*args, return_dict=True, **kwargs)
+        finally:
+            self.model.norm = norm
+        hidden = out.hidden_states
+        if hidden and hidden[-1] is out.last_hidden_state:  # HF's last one is after the norm
+            hidden = (*hidden[:-1], norm(out.last_hidden_state))
+        loss = lm_head_loss(
+            out.last_hidden_state,
+            norm.weight,
+            self.lm_head.weight.t(),
+            shift.to(out.last_hidden_state.device),
+            eps=norm.variance_epsilon,
+            ignore_index=ignore_index,
+            reduction="mean" if n_items is None else "sum",
+            method=self.coda_method,
+        )
+        if n_items is not None:
+            loss = loss / n_items
+        # the KV cache field is ``past_key_values`` up to transformers 5.2x and ``cache`` after
+        # (reading or passing the old name there logs a deprecation on every first call)
+        fields = CausalLMOutputWithPast.__dataclass_fields__
+        cache_field = "cache" if "cache" in fields else "past_key_values"
+        result = CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            hidden_states=hidden,
+            attentions=out.attentions,
+            **{cache_field: getattr(out, cache_field, None)},
+        )
+        return result if return_dict else result.to_tuple()
+
+    return forward
