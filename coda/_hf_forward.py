@@ -151,6 +151,7 @@ def causal_lm_forward(original):
         if _cache_is_only_a_cost(args, kwargs):
             kwargs["use_cache"] = False
         return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
+        _check_head(self.lm_head)
         norm = self.model.norm
         self.model.norm = torch.nn.Identity()  # the final norm runs inside coda's loss
         try:
@@ -186,3 +187,15 @@ def causal_lm_forward(original):
         return result if return_dict else result.to_tuple()
 
     return forward
+
+
+def _check_head(head) -> None:
+    """coda's loss reads the LM head's weight alone: a head that adds anything to it (a LoRA
+    adapter wrapped around it, say for new tokens; a bias) would be silently left out, so it
+    is refused, named, at the call."""
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        what = type(head).__name__ if type(head) is not torch.nn.Linear else "Linear with a bias"
+        raise v.CodaInputError(
+            f"apply_coda: lm_head is a {what}, not a plain torch.nn.Linear without bias "
+            "(coda's loss reads its weight alone; an adapter on it would be left out)"
+        )

@@ -384,7 +384,7 @@ def _from_hf_keys(module, state_dict, prefix, local_metadata, strict, missing, u
     state_dict.update({prefix + n: t for n, t in module.params_from_hf(hf, prefix).items()})
 
 
-def apply_coda(model, *, method: str = "auto", embedding: bool = True):
+def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: bool = True):
     """Patch a transformers Llama, Mistral, Qwen2, Qwen3 or Phi-3 model (``SUPPORTED``) in
     place; returns it.
 
@@ -393,13 +393,28 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True):
     "recompute"), "scaled_exp", "recompute" (least memory) or "chunked". Each decoder layer
     becomes a ``CodaLlamaDecoderLayer``. ``embedding``: the token embedding (a plain
     ``nn.Embedding``) becomes a ``coda.nn.Embedding`` in place, the same module and parameter
-    (``coda.nn.Embedding.adopt``)."""
+    (``coda.nn.Embedding.adopt``). ``layers=False``: the decoder layers stay the model's own
+    modules, unchecked and unpatched (adapters such as PEFT's LoRA in them, applied before or
+    after, train as they would), and only the training call's loss (final norm, LM head,
+    cross-entropy: no logits) and the embedding's backward are coda's."""
     name = type(model).__name__
     if name not in SUPPORTED:
         raise v.CodaInputError(f"apply_coda: {name} is not supported ({', '.join(SUPPORTED)})")
     v.check_choice("method", method, LM_HEAD_METHODS)
     base = model.model if name.endswith("ForCausalLM") else model
-    config = model.config
+    if layers:
+        _patch_layers(base, model.config)
+    if embedding:  # left as it is where coda's backward does not cover it
+        Embedding.adopt(base.embed_tokens)
+    if name.endswith("ForCausalLM") and not getattr(model, "coda_method", None):
+        wrap_forward(model, causal_lm_forward)
+    model.coda_method = method
+    return model
+
+
+def _patch_layers(base, config) -> None:
+    """``apply_coda``'s layers: every decoder layer of ``base`` (an HF decoder stack) that is
+    not one yet becomes a ``CodaLlamaDecoderLayer``, after the config's checks."""
     _check_config(config, base.rotary_emb)
     inv_freq = _inverse_frequencies(base.rotary_emb, config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -421,12 +436,6 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True):
     if replaced:  # transformers hooks the layers for ``output_hidden_states`` once, at the
         # first call asking for them: the patched layers are new modules, to be hooked anew
         base.__dict__.pop("_output_capturing_hooks_installed", None)
-    if embedding:  # left as it is where coda's backward does not cover it
-        Embedding.adopt(base.embed_tokens)
-    if name.endswith("ForCausalLM") and not getattr(model, "coda_method", None):
-        wrap_forward(model, causal_lm_forward)
-    model.coda_method = method
-    return model
 
 
 def hf_gradients(model) -> dict:
