@@ -254,7 +254,8 @@ def _check_linears(hf_layer, where: str) -> None:
             raise v.CodaInputError(
                 f"apply_coda: {where}.{name} is a {type(module).__name__}, not a plain "
                 "torch.nn.Linear (adapters such as LoRA and quantized or fp8 linears are not "
-                "supported)"
+                "supported in patched layers; apply_coda(model, layers=False) keeps the "
+                "layers as they are and makes only the loss coda's)"
             )
 
 
@@ -396,8 +397,13 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     (``coda.nn.Embedding.adopt``). ``layers=False``: the decoder layers stay the model's own
     modules, unchecked and unpatched (adapters such as PEFT's LoRA in them, applied before or
     after, train as they would), and only the training call's loss (final norm, LM head,
-    cross-entropy: no logits) and the embedding's backward are coda's."""
+    cross-entropy: no logits) and the embedding's backward are coda's. A PEFT model (one with
+    ``get_base_model()``) has the transformers model it wraps patched, and is returned."""
     name = type(model).__name__
+    if name not in SUPPORTED and callable(getattr(model, "get_base_model", None)):
+        # a PEFT model: the transformers model it wraps is patched, the wrapper returned
+        apply_coda(model.get_base_model(), method=method, embedding=embedding, layers=layers)
+        return model
     if name not in SUPPORTED:
         raise v.CodaInputError(f"apply_coda: {name} is not supported ({', '.join(SUPPORTED)})")
     v.check_choice("method", method, LM_HEAD_METHODS)

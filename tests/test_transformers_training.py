@@ -338,6 +338,35 @@ def test_the_loss_alone_leaves_the_layers_and_their_adapters(family, kernel, mon
         ct.apply_coda(copy.deepcopy(ref))  # (the layers patched: refused, as above)
 
 
+def test_a_peft_wrapper_has_its_model_patched():
+    """A PEFT model (its wrapper class has ``get_base_model()``, emulated here: no download,
+    no PEFT install) has the transformers model it wraps patched and is returned itself;
+    with adapters in the layers the whole patch names them and says what works."""
+
+    class PeftLike(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.base_model = model
+
+        def get_base_model(self):
+            return self.base_model
+
+        def forward(self, *args, **kwargs):
+            return self.base_model(*args, **kwargs)
+
+    cfg = tiny_config()
+    ref, _ = pair(cfg, seed=8)
+    ref.model.layers[0].mlp.down_proj = _LowRank(ref.model.layers[0].mlp.down_proj)
+    wrapped = PeftLike(copy.deepcopy(ref))
+    with pytest.raises(v.CodaInputError, match=r"down_proj is a _LowRank.*layers=False"):
+        ct.apply_coda(wrapped)
+    assert ct.apply_coda(wrapped, layers=False) is wrapped
+    assert wrapped.base_model.coda_method == "auto"
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    assert_same_step(ref, wrapped.base_model, input_ids=ids, labels=ids)
+    assert wrapped(input_ids=ids, labels=ids).logits is None  # (coda's loss, through it)
+
+
 def test_an_adapter_on_the_lm_head_is_refused_at_the_call():
     """coda's loss reads the LM head's weight alone: an adapter wrapped around lm_head after
     the patch (PEFT's way to train new tokens) is named at the training call, not left out."""
