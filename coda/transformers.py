@@ -251,8 +251,10 @@ def _check_linears(hf_layer, where: str) -> None:
     fuses)."""
     for name, module in hf_layer.named_modules():
         if name.endswith("_proj") and type(module) is not torch.nn.Linear:
+            cls = type(module)  # (PEFT's LoRA linear is also called Linear: say whose)
+            what = cls.__name__ if cls.__name__ != "Linear" else f"{cls.__module__}.Linear"
             raise v.CodaInputError(
-                f"apply_coda: {where}.{name} is a {type(module).__name__}, not a plain "
+                f"apply_coda: {where}.{name} is a {what}, not a plain "
                 "torch.nn.Linear (adapters such as LoRA and quantized or fp8 linears are not "
                 "supported in patched layers; apply_coda(model, layers=False) keeps the "
                 "layers as they are and makes only the loss coda's)"
