@@ -1,5 +1,5 @@
 """Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama,
-Mistral, Qwen2, Qwen3 or Phi-3 model in place so its decoder layers run coda's kernel sequence
+Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 model in place so its decoder layers run coda's kernels
 and, in a training step (labels given, autograd recording), ``model(input_ids, labels=...)``
 returns the loss through coda's LM-head loss, logits never stored (honoring the loss
 arguments HF's own loss reads from the call: ``num_items_in_batch``, ``shift_labels``,
@@ -33,15 +33,17 @@ layer has no sliding window), the patched model's sdpa layers pass no mask, as t
 does.
 
 Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel``, ``MistralForCausalLM`` /
-``MistralModel``, ``Qwen2ForCausalLM`` / ``Qwen2Model``, ``Qwen3ForCausalLM`` /
-``Qwen3Model`` and ``Phi3ForCausalLM`` / ``Phi3Model`` (silu MLP, no biases but Qwen2's on
-q, k and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default",
-"linear" or "llama3" on whole heads: a fixed set of inverse frequencies, taken from the
-model; Qwen3's per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's epilogue,
+``MistralModel``, ``Qwen2ForCausalLM`` / ``Qwen2Model``, ``Qwen3ForCausalLM`` / ``Qwen3Model``,
+``Phi3ForCausalLM`` / ``Phi3Model`` and ``SmolLM3ForCausalLM`` / ``SmolLM3Model`` (SmolLM3's
+NoPE layers rotate by zero frequencies, the identity; silu MLP, no biases but Qwen2's on q, k
+and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
+"llama3" on whole heads: a fixed set of inverse frequencies, taken from the model; Qwen3's
+per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's epilogue,
 ``coda.kernels.qk_norm`` and ``coda.kernels.gemm_rope``; Phi-3's fused ``qkv_proj`` and
 ``gate_up_proj`` are Llama's projections concatenated by rows, converted exactly
 (``coda._hf_fused``), its residual dropout 0 as in its released configs; Mistral's, Qwen2's,
-Qwen3's and Phi-3's sliding windows, when configured, keep the model's own masks and window).
+Qwen3's, Phi-3's and SmolLM3's sliding windows, when configured, keep the model's own masks and
+window).
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ SUPPORTED = (
     "Qwen3Model",
     "Phi3ForCausalLM",
     "Phi3Model",
+    "SmolLM3ForCausalLM",
+    "SmolLM3Model",
 )
 # RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
 # ``inv_freq``), unscaled: "dynamic" changes them with the sequence length, "yarn" and
@@ -119,6 +123,9 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
                 " are not supported (qk_norm and qkv_bias together)"
             )
         p = next(hf_layer.parameters())
+        # SmolLM3's NoPE layers (``use_rope`` 0): RoPE at angle 0, the identity, exactly
+        use_rope = bool(getattr(attn, "use_rope", True))
+        inv_freq = inv_freq if use_rope else torch.zeros_like(inv_freq)
         super().__init__(
             config.hidden_size,
             config.num_attention_heads,
@@ -136,6 +143,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         if qk_norm and attn.q_norm.variance_epsilon != config.rms_norm_eps:
             raise v.CodaInputError("apply_coda: a QK-norm eps other than rms_norm_eps")
         self.fused = fused  # Phi-3's qkv_proj and gate_up_proj (``coda._hf_fused``)
+        self.use_rope = use_rope
         self.load_hf_state_dict(hf_layer.state_dict())
         self._keep_frozen(hf_layer, where)
         names = (("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj")) + ("o_proj",)
@@ -243,6 +251,8 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         # the KV cache is ``past_key_values`` up to transformers 5.2x, ``cache`` after
         cache = past_key_values if past_key_values is not None else kwargs.pop("cache", None)
         attention = self._hf_attention(attention_mask, cache, kwargs)
+        if not self.use_rope:  # (both paths then rotate by the layer's zero frequencies)
+            position_embeddings = None
         return super().forward(hidden_states, position_ids, position_embeddings, attention)
 
 
@@ -388,8 +398,8 @@ def _from_hf_keys(module, state_dict, prefix, local_metadata, strict, missing, u
 
 
 def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: bool = True):
-    """Patch a transformers Llama, Mistral, Qwen2, Qwen3 or Phi-3 model (``SUPPORTED``) in
-    place; returns it.
+    """Patch a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 model
+    (``SUPPORTED``) in place; returns it.
 
     ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "auto" (the default: CE-S,
     "scaled_exp", the fastest on the H200, where the vocabulary is a multiple of 128, else

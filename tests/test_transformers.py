@@ -45,8 +45,9 @@ SCALED_ROPES = {
 def tiny_config(family: str = "llama", **kw):
     """A tiny random config: ``family`` "llama" (LlamaConfig), "llama-bias" (Llama with
     ``attention_bias=True``: q, k, v and o biases), "qwen3" (Qwen3Config, with its per-head
-    QK-norm), "qwen2" (Qwen2Config: q, k, v biases), "mistral" or "phi3" (Phi3Config: fused
-    qkv_proj and gate_up_proj)."""
+    QK-norm), "qwen2" (Qwen2Config: q, k, v biases), "mistral", "phi3" (Phi3Config: fused
+    qkv_proj and gate_up_proj) or "smollm3" (SmolLM3Config: every second layer without RoPE
+    here)."""
     from transformers import Qwen3Config
 
     base = dict(
@@ -74,6 +75,11 @@ def tiny_config(family: str = "llama", **kw):
 
         ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         return Phi3Config(**{**base, **ids, **kw})
+    if family == "smollm3":
+        from transformers import SmolLM3Config
+
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, no_rope_layer_interval=2)
+        return SmolLM3Config(**{**base, **ids, **kw})
     if family == "llama-bias":
         kw = {"attention_bias": True, **kw}
     return LlamaConfig(**{**base, **kw})
@@ -89,12 +95,16 @@ def model_class(config):
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
     )
 
     if isinstance(config, MistralConfig):
         return MistralForCausalLM
     if isinstance(config, Phi3Config):
         return Phi3ForCausalLM
+    if isinstance(config, SmolLM3Config):
+        return SmolLM3ForCausalLM
     if isinstance(config, Qwen2Config):
         return Qwen2ForCausalLM
     return Qwen3ForCausalLM if isinstance(config, Qwen3Config) else LlamaForCausalLM
@@ -500,7 +510,7 @@ def test_qwen3_kernel_sequence_equals_reference_float64(head_dim):
 
 @pytest.mark.parametrize("method", ["scaled_exp", "chunked", "recompute"])
 @pytest.mark.parametrize("mode", ["float64", "bfloat16", "autocast"])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "llama-bias", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "llama-bias", "phi3", "smollm3"])
 def test_patched_model_kernel_path_on_cpu(family, mode, method, monkeypatch):
     """The patched model with its kernel path forced on the CPU (``kernel_support`` answers
     yes, so every layer and the loss run the kernel sequence, GEMMs through the interpreter,

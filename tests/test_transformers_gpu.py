@@ -101,13 +101,14 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen3", "mistral", "phi3", *SCALED_ROPES],
+    ["llama", "qwen3", "mistral", "phi3", "smollm3", *SCALED_ROPES],
 )
 def test_gpu_patched_model_protocol(family):
-    """H200: a patched bf16 Llama / Qwen3 / Mistral / Phi-3, and Llama with Llama 3's and
-    linear RoPE scaling (coda's kernels, HF's sdpa) against the unpatched
-    bf16 model, both against a float64 copy: loss and every gradient no worse than the
-    unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask.
+    """H200: a patched bf16 Llama / Qwen3 / Mistral / Phi-3 / SmolLM3 (its NoPE layers: RoPE
+    at angle 0 in the epilogue), and Llama with Llama 3's and linear RoPE scaling (coda's
+    kernels, HF's sdpa) against the unpatched bf16 model, both against a float64 copy: loss
+    and every gradient no worse than the unpatched bf16 model's (CODA's protocol, ties within
+    ``tie_band``), with a padding mask.
     The scalar loss is compared as an RMS over 64 batches (``loss_error_rms``), with the same
     bound as before (no worse than PyTorch's, above the scalar floor), instead of on the one
     step's single sample of each error."""
