@@ -132,8 +132,11 @@ def checkpoint_first_pass() -> bool:
 
 def _checkpoint_pack_code():
     hook = getattr(torch.utils.checkpoint, "_checkpoint_hook", None)
-    found = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks") and hook is not None
-    consts = hook.__init__.__code__.co_consts if found else ()
+    try:  # (the query as ``checkpoint_first_pass`` makes it)
+        torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, TypeError):  # another torch's internals
+        return None
+    consts = hook.__init__.__code__.co_consts if hook is not None else ()
     return next((c for c in consts if getattr(c, "co_name", None) == "pack_hook"), None)
 
 
