@@ -47,6 +47,7 @@ from benchmarks._common import (
     where_time_goes,
 )
 from benchmarks._switches import (
+    storing_for_backward,
     without_direct_triton,
     without_loss_rows_kernels,
     without_plan_tapes,
@@ -71,6 +72,7 @@ MODEL_PEERS = (
     "coda_compile_graphed",
     "coda_recompute",
     "coda_checkpointed",
+    "coda_checkpointed_storing",
     "coda_torch_embedding",
 )
 # run when ``CODA_MODEL_PEERS`` names none: the others (torch eager, torch.compile's CUDA
@@ -359,6 +361,19 @@ class Autocast(torch.nn.Module):
             return self.model(*args, **kwargs)
 
 
+class Storing(torch.nn.Module):
+    """``model`` whose forward stores what a backward would read also in a non-reentrant
+    checkpoint's first pass (``_switches.storing_for_backward``): the checkpointed step as
+    before session 64. A module, as ``Autocast``, for the optimizer and the peak."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return storing_for_backward(lambda: self.model(*args, **kwargs))()
+
+
 def _torch_embedding(model) -> None:
     """``model``'s ``coda.nn.Embedding`` made torch's ``nn.Embedding`` in place (the inverse of
     ``coda.nn.Embedding.adopt``: the same module and weight, tied where the model ties them):
@@ -408,6 +423,10 @@ def model_rows(liger) -> list[dict]:
             "coda_recompute": lambda: coda_copy(lambda m: setattr(m.head, "method", "recompute")),
             # activation checkpointing per layer (issue 11)
             "coda_checkpointed": lambda: coda_copy(lambda m: setattr(m, "checkpoint", True)),
+            # the same as it ran before session 64 (its first forward storing u)
+            "coda_checkpointed_storing": lambda: Storing(
+                coda_copy(lambda m: setattr(m, "checkpoint", True))
+            ),
             # the embedding's backward as torch's (``nn.Embedding``, the same weight) in place
             # of coda's sorted scatter: the step before session 29
             "coda_torch_embedding": lambda: coda_copy(_torch_embedding),

@@ -264,3 +264,34 @@ def test_hf_amp_step_runs_its_forward_under_bf16_autocast_and_its_backward_outsi
         bench_hf._step(model, ids, amp)()
         assert seen == [("forward", amp, True), ("backward", False)]
         assert torch.equal(model.w.grad, ids)
+
+
+def test_the_storing_checkpointed_variant_stores_in_the_first_forward(monkeypatch):
+    """``bench_step``'s ``coda_checkpointed_storing`` (``Storing``): the checkpointed model's
+    first forward runs F4 storing u, as before session 64, where the plain checkpointed model
+    runs the lean F4; both reruns store it, and the two steps' gradients are the same (the
+    kernel path forced on the CPU)."""
+    import coda.env
+    import coda.nn as cnn
+    from benchmarks.bench_step import Storing
+    from coda.kernels import library as lib
+
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    calls = []
+    for name, keeps in (("gemm_swiglu", True), ("gemm_swiglu_only", False)):
+        real = getattr(lib, name)
+        monkeypatch.setattr(
+            lib, name, lambda *a, _f=real, _k=keeps, **k: calls.append(_k) or _f(*a, **k)
+        )
+    torch.manual_seed(0)
+    kw = dict(vocab=128, d=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn=40, dtype=torch.float64)
+    model = cnn.CausalLM(**kw, checkpoint=True)
+    tokens, targets = torch.randint(0, 128, (2, 5)), torch.randint(0, 128, (2, 5))
+    grads = []
+    for variant in (model, Storing(model)):
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        variant(tokens, targets).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        assert calls == [variant is not model, True]  # (the first forward, then the rerun)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
