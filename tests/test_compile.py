@@ -56,16 +56,19 @@ def test_compiled_step_equals_eager_and_does_not_recompile():
     assert frames[0] >= 1 and frames == [frames[0]] * 3  # no recompile for new token counts
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "llama-bias", "phi3"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "qwen2", "llama-bias", "phi3", "smollm3", "llama-loss-alone"]
+)
 def test_patched_hf_model_traces_without_graph_breaks(family):
+    """``llama-loss-alone``: ``apply_coda(layers=False)``, HF's layers around coda's loss."""
     pytest.importorskip("transformers")
     from test_transformers import model_class, tiny_config
 
     import coda.transformers as ct
 
-    cfg = tiny_config(family)
+    cfg = tiny_config(family.removesuffix("-loss-alone"))
     torch.manual_seed(0)
-    model = ct.apply_coda(model_class(cfg)(cfg))
+    model = ct.apply_coda(model_class(cfg)(cfg), layers=not family.endswith("-loss-alone"))
     ids = torch.randint(0, 97, (2, 9))
     with no_cache_warnings_from_dynamo():
         explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
