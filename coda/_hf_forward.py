@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +125,9 @@ def causal_lm_forward(original):
     changes nothing else (``_cache_is_only_a_cost``), no KV cache, in HF's output type;
     otherwise the model's own forward (logits, and with labels its loss: generation, and
     evaluation loops that compute metrics from the logits under ``torch.no_grad``).
-    ``skip_logits`` (True or False) overrides that choice for a call."""
+    ``skip_logits`` (True or False) overrides that choice for a call. A mixture-of-experts
+    model (``router_aux_loss_coef``: Mixtral, Qwen2-MoE, Qwen3-MoE) adds its router's
+    load-balancing loss to coda's as its own forward adds it (``_router_loss``)."""
 
     def forward(self, *args, labels=None, skip_logits=None, **kwargs):
         if labels is None:
@@ -133,7 +136,7 @@ def causal_lm_forward(original):
             return original(self, *args, labels=labels, **kwargs)
         if len(args) > 5:  # (the model's own leading positional parameters)
             raise v.CodaInputError("apply_coda: pass the arguments after inputs_embeds by name")
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
         # the loss arguments HF's ForCausalLMLoss reads from the call's keywords
         n_items = kwargs.pop("num_items_in_batch", None)
@@ -151,6 +154,12 @@ def causal_lm_forward(original):
         if _cache_is_only_a_cost(args, kwargs):
             kwargs["use_cache"] = False
         return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
+        moe = hasattr(self, "router_aux_loss_coef")
+        if moe:  # (as HF's MoE forward: the call's choice, else the config's)
+            router = kwargs.get("output_router_logits")
+            kwargs["output_router_logits"] = (
+                self.config.output_router_logits if router is None else router
+            )
         _check_head(self.lm_head)
         norm = self.model.norm
         self.model.norm = torch.nn.Identity()  # the final norm runs inside coda's loss
@@ -173,20 +182,41 @@ def causal_lm_forward(original):
         )
         if n_items is not None:
             loss = loss / n_items
+        extra = {}
+        if moe:
+            mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+            aux = _router_loss(self, out, mask) if kwargs["output_router_logits"] else None
+            if aux is not None:
+                loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+            extra = {"aux_loss": aux, "router_logits": out.router_logits}
+        output = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
         # the KV cache field is ``past_key_values`` up to transformers 5.2x and ``cache`` after
         # (reading or passing the old name there logs a deprecation on every first call)
-        fields = CausalLMOutputWithPast.__dataclass_fields__
+        fields = output.__dataclass_fields__
         cache_field = "cache" if "cache" in fields else "past_key_values"
-        result = CausalLMOutputWithPast(
+        result = output(
             loss=loss,
             logits=None,
             hidden_states=hidden,
             attentions=out.attentions,
             **{cache_field: getattr(out, cache_field, None)},
+            **extra,
         )
         return result if return_dict else result.to_tuple()
 
     return forward
+
+
+def _router_loss(model, out, attention_mask):
+    """A mixture-of-experts model's load-balancing loss over the call's router logits: its
+    modeling module's ``load_balancing_loss_func`` (the first along its class's bases that
+    has one), with the arguments its forward passes."""
+    for cls in type(model).__mro__:
+        fn = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+        if fn is not None:
+            experts = (model.num_experts, model.num_experts_per_tok)
+            return fn(out.router_logits, *experts, attention_mask)
+    raise v.CodaInputError(f"apply_coda: {type(model).__name__} has no load_balancing_loss_func")
 
 
 def _check_head(head) -> None:

@@ -76,6 +76,10 @@ SUPPORTED = (
     "SmolLM3ForCausalLM",
     "SmolLM3Model",
 )
+# models whose training loss alone coda takes (``apply_coda(model, layers=False)``): their
+# decoder layers are a mixture of experts, not coda's; their loss is Llama's cross-entropy
+# plus the router's load-balancing term, which coda's call adds as their forward does
+LOSS_ONLY = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
 # ``inv_freq``), unscaled: "dynamic" changes them with the sequence length, "yarn" and
 # "longrope" scale cos and sin too
@@ -409,14 +413,21 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     (``coda.nn.Embedding.adopt``). ``layers=False``: the decoder layers stay the model's own
     modules, unchecked and unpatched (adapters such as PEFT's LoRA in them, applied before or
     after, train as they would), and only the training call's loss (final norm, LM head,
-    cross-entropy: no logits) and the embedding's backward are coda's. A PEFT model (one with
+    cross-entropy: no logits) and the embedding's backward are coda's; so it is for the
+    mixture-of-experts models of ``LOSS_ONLY`` (their router's load-balancing loss added as
+    their forward adds it), which take only ``layers=False``. A PEFT model (one with
     ``get_base_model()``) has the transformers model it wraps patched, and is returned."""
     name = type(model).__name__
-    if name not in SUPPORTED and callable(getattr(model, "get_base_model", None)):
+    if name not in SUPPORTED + LOSS_ONLY and callable(getattr(model, "get_base_model", None)):
         # a PEFT model: the transformers model it wraps is patched, the wrapper returned
         apply_coda(model.get_base_model(), method=method, embedding=embedding, layers=layers)
         return model
-    if name not in SUPPORTED:
+    if name in LOSS_ONLY and layers:
+        raise v.CodaInputError(
+            f"apply_coda: {name}'s decoder layers (a mixture of experts) are not coda's: "
+            "apply_coda(model, layers=False) makes its training loss coda's"
+        )
+    if name not in SUPPORTED + LOSS_ONLY:
         raise v.CodaInputError(f"apply_coda: {name} is not supported ({', '.join(SUPPORTED)})")
     v.check_choice("method", method, LM_HEAD_METHODS)
     base = model.model if name.endswith("ForCausalLM") else model

@@ -1,0 +1,91 @@
+"""``apply_coda(model, layers=False)`` on tiny random Hugging Face mixture-of-experts models
+(Mixtral, Qwen2-MoE, Qwen3-MoE): their decoder layers stay HF's, and the training call's loss
+is coda's LM-head loss plus the router's load-balancing term, added as HF's forward adds it
+(``coda._hf_forward._router_loss``). CPU, float64, coda's loss on its reference path and on
+its kernel path through the tile interpreter: the loss, ``aux_loss`` and every gradient (the
+routers' included) equal the unpatched model's, with the router term on or off, a padding
+mask (the term's own mask) and ``num_items_in_batch``. The whole patch names what it lacks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
+from conftest import rel_err  # noqa: E402
+from test_transformers import TOL, assert_same_step  # noqa: E402
+
+import coda  # noqa: E402
+import coda.env  # noqa: E402
+import coda.transformers as ct  # noqa: E402
+
+BASE = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    attn_implementation="sdpa",
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.5,  # (HF's 0.001 would hide a lost term under round-off)
+    output_router_logits=True,
+    experts_implementation="eager",  # (torch's grouped GEMM takes no float64)
+)
+
+
+def moe_model(family: str, **kw):
+    """A tiny float64 MoE causal LM, seeded: "mixtral", "qwen2_moe" or "qwen3_moe"."""
+    import transformers as tf
+
+    experts = {
+        "mixtral": dict(num_local_experts=4),
+        "qwen2_moe": dict(
+            num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=40
+        ),
+        "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, head_dim=12),
+    }[family]
+    name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}[family]
+    cfg = getattr(tf, f"{name}Config")(**{**BASE, **experts, **kw})
+    torch.manual_seed(0)
+    return getattr(tf, f"{name}ForCausalLM")(cfg).double()
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_the_loss_alone_with_the_router_term_equals_unpatched(family, kernel, monkeypatch):
+    if kernel:  # (coda's loss on its kernel path; the layers are HF's either way)
+        monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    coda.env._LAST.clear()
+    ref = moe_model(family, **({"vocab_size": 128} if kernel else {}))
+    patched = ct.apply_coda(copy.deepcopy(ref), layers=False)
+    V = ref.config.vocab_size
+    ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    assert_same_step(ref, patched, input_ids=ids, attention_mask=mask, labels=labels)
+    assert coda.last_path("LMHeadLoss")[0] == ("kernel" if kernel else "reference")
+    out_r = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    out_p = patched(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out_p.logits is None and rel_err(out_p.aux_loss, out_r.aux_loss) < TOL
+    assert len(out_p.router_logits) == len(out_r.router_logits)
+    # the term off by the call, and the token count HF's Trainer passes
+    assert_same_step(ref, patched, input_ids=ids, labels=ids, output_router_logits=False)
+    assert patched(input_ids=ids, labels=ids, output_router_logits=False).aux_loss is None
+    n = torch.tensor(17.0, dtype=torch.float64)
+    assert_same_step(ref, patched, input_ids=ids, labels=ids, num_items_in_batch=n)
+
+
+def test_the_whole_patch_of_a_moe_model_says_what_works():
+    model = moe_model("mixtral")
+    with pytest.raises(coda.CodaInputError, match=r"mixture of experts.*layers=False"):
+        ct.apply_coda(model)
+    ct.apply_coda(model, layers=False)  # (and then the loss alone is patched)
+    assert model.coda_method == "auto"
