@@ -43,7 +43,9 @@ per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's epilogue,
 ``gate_up_proj`` are Llama's projections concatenated by rows, converted exactly
 (``coda._hf_fused``), its residual dropout 0 as in its released configs; Mistral's, Qwen2's,
 Qwen3's, Phi-3's and SmolLM3's sliding windows, when configured, keep the model's own masks and
-window).
+window). ``apply_coda(model, layers=False)`` makes only the training call's loss coda's (for
+layers with adapters, and for the mixture-of-experts models of ``LOSS_ONLY``, whose router
+term it adds as their forward does).
 """
 
 from __future__ import annotations
