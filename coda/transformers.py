@@ -56,6 +56,7 @@ import functools
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from coda import _hf_forward as hf_forward
 from coda import _hf_fused
 from coda import _validate as v
 from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_forward
@@ -115,6 +116,8 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     checkpoints it as it would the layer it replaced, before or after the patch."""
 
     hf_keys = True  # ``state_dict()`` in HF's keys and layouts (``coda_keys`` turns it off)
+    # set per layer when made; these defaults serve layers pickled before session 64
+    fused, use_rope = False, True
 
     def __init__(self, hf_layer, config, inv_freq, mask_hint):
         attn = hf_layer.self_attn
@@ -401,6 +404,12 @@ def _from_hf_keys(module, state_dict, prefix, local_metadata, strict, missing, u
         return  # already coda keys, or missing ones: load_state_dict reports them
     hf = {k: state_dict.pop(k) for k in keys}
     state_dict.update({prefix + n: t for n, t in module.params_from_hf(hf, prefix).items()})
+
+
+# the names a patched model pickled before session 64 (``torch.save(model)``) refers to, from
+# when the wrapped forwards lived here
+_PatchedForward, _MaskHint = hf_forward._PatchedForward, MaskHint
+_base_forward, _causal_lm_forward = base_forward, causal_lm_forward
 
 
 def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: bool = True):
