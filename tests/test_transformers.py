@@ -21,93 +21,13 @@ transformers = pytest.importorskip(
     "transformers"
 )  # installed by the dev extra: never skipped in CI
 from conftest import rel_err  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel  # noqa: E402
+from hf_tiny import MOE, SCALED_ROPES, model_class, tiny_config  # noqa: E402, F401
+from transformers import LlamaForCausalLM, LlamaModel  # noqa: E402
 
 import coda  # noqa: E402
 import coda.transformers as ct  # noqa: E402
 
 TOL = 1e-5
-# Llama with a scaled RoPE (``rope_parameters``): the model's inverse frequencies, not the
-# default ones, for the tests that patch such a model (meta-device load, the GPU protocol)
-SCALED_ROPES = {
-    "llama3-rope": dict(
-        rope_type="llama3",
-        factor=8.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=64,
-        rope_theta=500000.0,
-    ),
-    "linear-rope": dict(rope_type="linear", factor=4.0, rope_theta=10000.0),
-}
-
-
-def tiny_config(family: str = "llama", **kw):
-    """A tiny random config: ``family`` "llama" (LlamaConfig), "llama-bias" (Llama with
-    ``attention_bias=True``: q, k, v and o biases), "qwen3" (Qwen3Config, with its per-head
-    QK-norm), "qwen2" (Qwen2Config: q, k, v biases), "mistral", "phi3" (Phi3Config: fused
-    qkv_proj and gate_up_proj) or "smollm3" (SmolLM3Config: every second layer without RoPE
-    here)."""
-    from transformers import Qwen3Config
-
-    base = dict(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation="sdpa",
-    )
-    if family == "qwen3":
-        return Qwen3Config(**{**base, "head_dim": 16, **kw})
-    if family == "qwen2":
-        from transformers import Qwen2Config
-
-        return Qwen2Config(**{**base, **kw})
-    if family == "mistral":  # (its default window is 4096: no window unless one is given)
-        from transformers import MistralConfig
-
-        return MistralConfig(**{**base, "head_dim": 12, "sliding_window": None, **kw})
-    if family == "phi3":  # (its default token ids lie outside the tiny vocabulary)
-        from transformers import Phi3Config
-
-        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-        return Phi3Config(**{**base, **ids, **kw})
-    if family == "smollm3":
-        from transformers import SmolLM3Config
-
-        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, no_rope_layer_interval=2)
-        return SmolLM3Config(**{**base, **ids, **kw})
-    if family == "llama-bias":
-        kw = {"attention_bias": True, **kw}
-    return LlamaConfig(**{**base, **kw})
-
-
-def model_class(config):
-    from transformers import (
-        MistralConfig,
-        MistralForCausalLM,
-        Phi3Config,
-        Phi3ForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-        SmolLM3Config,
-        SmolLM3ForCausalLM,
-    )
-
-    if isinstance(config, MistralConfig):
-        return MistralForCausalLM
-    if isinstance(config, Phi3Config):
-        return Phi3ForCausalLM
-    if isinstance(config, SmolLM3Config):
-        return SmolLM3ForCausalLM
-    if isinstance(config, Qwen2Config):
-        return Qwen2ForCausalLM
-    return Qwen3ForCausalLM if isinstance(config, Qwen3Config) else LlamaForCausalLM
 
 
 def pair(config, seed=0):

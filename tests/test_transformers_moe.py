@@ -15,46 +15,18 @@ import torch
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
 from conftest import rel_err  # noqa: E402
-from test_transformers import TOL, assert_same_step  # noqa: E402
+from test_transformers import TOL, assert_same_step, model_class, tiny_config  # noqa: E402
 
 import coda  # noqa: E402
 import coda.env  # noqa: E402
 import coda.transformers as ct  # noqa: E402
 
-BASE = dict(
-    vocab_size=97,
-    hidden_size=48,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    attn_implementation="sdpa",
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    num_experts_per_tok=2,
-    router_aux_loss_coef=0.5,  # (HF's 0.001 would hide a lost term under round-off)
-    output_router_logits=True,
-    experts_implementation="eager",  # (torch's grouped GEMM takes no float64)
-)
-
 
 def moe_model(family: str, **kw):
-    """A tiny float64 MoE causal LM, seeded: "mixtral", "qwen2_moe" or "qwen3_moe"."""
-    import transformers as tf
-
-    experts = {
-        "mixtral": dict(num_local_experts=4),
-        "qwen2_moe": dict(
-            num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=40
-        ),
-        "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, head_dim=12),
-    }[family]
-    name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}[family]
-    cfg = getattr(tf, f"{name}Config")(**{**BASE, **experts, **kw})
+    """A tiny float64 MoE causal LM (``tiny_config``'s), seeded."""
+    cfg = tiny_config(family, **kw)
     torch.manual_seed(0)
-    return getattr(tf, f"{name}ForCausalLM")(cfg).double()
+    return model_class(cfg)(cfg).double()
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])

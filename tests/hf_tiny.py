@@ -1,0 +1,116 @@
+"""Tiny random Hugging Face configs and their model classes for the HF tests (no downloads):
+``tiny_config(family)`` for every family ``apply_coda`` takes, ``model_class(config)``."""
+
+from __future__ import annotations
+
+from transformers import LlamaConfig, LlamaForCausalLM
+
+# Llama with a scaled RoPE (``rope_parameters``): the model's inverse frequencies, not the
+# default ones, for the tests that patch such a model (meta-device load, the GPU protocol)
+SCALED_ROPES = {
+    "llama3-rope": dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+        rope_theta=500000.0,
+    ),
+    "linear-rope": dict(rope_type="linear", factor=4.0, rope_theta=10000.0),
+}
+
+
+# the mixture-of-experts families (their layers stay HF's: ``apply_coda(layers=False)``)
+MOE = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}
+_ROUTER = dict(
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.5,  # (HF's 0.001 would hide a lost term under round-off)
+    output_router_logits=True,
+    experts_implementation="eager",  # (torch's grouped GEMM takes no float64)
+)
+MOE_KW = {
+    "mixtral": dict(num_local_experts=4, **_ROUTER),
+    "qwen2_moe": dict(
+        num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=40, **_ROUTER
+    ),
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, head_dim=12, **_ROUTER),
+}
+
+
+def tiny_config(family: str = "llama", **kw):
+    """A tiny random config: ``family`` "llama" (LlamaConfig), "llama-bias" (Llama with
+    ``attention_bias=True``: q, k, v and o biases), "qwen3" (Qwen3Config, with its per-head
+    QK-norm), "qwen2" (Qwen2Config: q, k, v biases), "mistral", "phi3" (Phi3Config: fused
+    qkv_proj and gate_up_proj), "smollm3" (SmolLM3Config: every second layer without RoPE
+    here) or the mixture-of-experts "mixtral", "qwen2_moe", "qwen3_moe" (``MOE``: four experts,
+    two a token, the router term on at a visible weight)."""
+    from transformers import Qwen3Config
+
+    base = dict(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
+    if family == "qwen3":
+        return Qwen3Config(**{**base, "head_dim": 16, **kw})
+    if family == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**{**base, **kw})
+    if family == "mistral":  # (its default window is 4096: no window unless one is given)
+        from transformers import MistralConfig
+
+        return MistralConfig(**{**base, "head_dim": 12, "sliding_window": None, **kw})
+    if family == "phi3":  # (its default token ids lie outside the tiny vocabulary)
+        from transformers import Phi3Config
+
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        return Phi3Config(**{**base, **ids, **kw})
+    if family in MOE:
+        import transformers
+
+        config = getattr(transformers, f"{MOE[family]}Config")
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        return config(**{**base, **ids, **MOE_KW[family], **kw})
+    if family == "smollm3":
+        from transformers import SmolLM3Config
+
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, no_rope_layer_interval=2)
+        return SmolLM3Config(**{**base, **ids, **kw})
+    if family == "llama-bias":
+        kw = {"attention_bias": True, **kw}
+    return LlamaConfig(**{**base, **kw})
+
+
+def model_class(config):
+    import transformers
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
+    )
+
+    for name in MOE.values():
+        if isinstance(config, getattr(transformers, f"{name}Config")):
+            return getattr(transformers, f"{name}ForCausalLM")
+    if isinstance(config, MistralConfig):
+        return MistralForCausalLM
+    if isinstance(config, Phi3Config):
+        return Phi3ForCausalLM
+    if isinstance(config, SmolLM3Config):
+        return SmolLM3ForCausalLM
+    if isinstance(config, Qwen2Config):
+        return Qwen2ForCausalLM
+    return Qwen3ForCausalLM if isinstance(config, Qwen3Config) else LlamaForCausalLM
