@@ -143,13 +143,13 @@ def _checkpoint_pack_code():
 _CHECKPOINT_PACK = _checkpoint_pack_code()
 
 
-def stand_in(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+def stand_in(shape, like: torch.Tensor) -> torch.Tensor:
     """Saved in place of a tensor that only a Function's backward reads, where no backward
     will read this run's (``backward_can_follow`` False): one element expanded to the
-    tensor's shape, in its dtype and on its device. Non-reentrant checkpointing checks that
-    its rerun saves tensors of the first pass's number, shapes, dtypes and devices; the
+    tensor's shape, in ``like``'s dtype and on its device. Non-reentrant checkpointing checks
+    that its rerun saves tensors of the first pass's number, shapes, dtypes and devices; the
     rerun saves the real ones."""
-    return like.new_empty((), dtype=dtype or like.dtype).expand(shape)
+    return like.new_empty(()).expand(shape)
 
 
 @dataclass(frozen=True)
