@@ -170,12 +170,13 @@ def causal_lm_forward(original):
         hidden = out.hidden_states
         if hidden and hidden[-1] is out.last_hidden_state:  # HF's last one is after the norm
             hidden = (*hidden[:-1], norm(out.last_hidden_state))
+        gain, eps = final_norm(norm)
         loss = lm_head_loss(
             out.last_hidden_state,
-            norm.weight,
+            gain,
             self.lm_head.weight.t(),
             shift.to(out.last_hidden_state.device),
-            eps=norm.variance_epsilon,
+            eps=eps,
             ignore_index=ignore_index,
             reduction="mean" if n_items is None else "sum",
             method=self.coda_method,
@@ -205,6 +206,22 @@ def causal_lm_forward(original):
         return result if return_dict else result.to_tuple()
 
     return forward
+
+
+# final norms that scale by 1 + weight, formed in fp32 (a bf16 1 + w would round w to 2^-8)
+# and applied before the one rounding of the output: Gemma's, Gemma 2's and Gemma 3's
+GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+
+
+def final_norm(norm) -> tuple:
+    """The model's final RMSNorm as coda's loss takes it: (gain, eps). Llama's norm (and every
+    family's with a ``variance_epsilon``) scales by its weight; Gemma's by 1 + weight in fp32,
+    which coda's loss keeps in fp32 (``coda.reference.final_norm_ref``: HF's rounding)."""
+    if type(norm).__name__ in GEMMA_NORMS:
+        return 1.0 + norm.weight.float(), norm.eps
+    if hasattr(norm, "variance_epsilon"):
+        return norm.weight, norm.variance_epsilon
+    raise v.CodaInputError(f"apply_coda: a final norm {type(norm).__name__} is not supported")
 
 
 def _router_loss(model, out, attention_mask):

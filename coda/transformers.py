@@ -44,8 +44,9 @@ per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's epilogue,
 (``coda._hf_fused``), its residual dropout 0 as in its released configs; Mistral's, Qwen2's,
 Qwen3's, Phi-3's and SmolLM3's sliding windows, when configured, keep the model's own masks and
 window). ``apply_coda(model, layers=False)`` makes only the training call's loss coda's (for
-layers with adapters, and for the mixture-of-experts models of ``LOSS_ONLY``, whose router
-term it adds as their forward does).
+layers with adapters, and for the models of ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE,
+whose router term it adds as their forward does, and Gemma, Gemma 2 and Gemma 3 text, whose
+final norm's fp32 gain 1 + w it keeps in fp32; Gemma 2's logit soft-capping is refused).
 """
 
 from __future__ import annotations
@@ -79,10 +80,21 @@ SUPPORTED = (
     "SmolLM3ForCausalLM",
     "SmolLM3Model",
 )
-# models whose training loss alone coda takes (``apply_coda(model, layers=False)``): their
-# decoder layers are a mixture of experts, not coda's; their loss is Llama's cross-entropy
-# plus the router's load-balancing term, which coda's call adds as their forward does
-LOSS_ONLY = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# models whose training loss alone coda takes (``apply_coda(model, layers=False)``), with why
+# their decoder layers are not coda's. The mixture-of-experts models' loss is Llama's
+# cross-entropy plus the router's load-balancing term, which coda's call adds as their forward
+# does; Gemma's final norm scales by 1 + w in fp32, which coda's loss keeps in fp32
+# (``coda._hf_forward.final_norm``), and its token embedding (scaled by sqrt(d) in its own
+# class) stays HF's
+_MOE, _GEMMA = "a mixture of experts", "GeGLU MLPs and norms that scale by 1 + w"
+LOSS_ONLY = {
+    "MixtralForCausalLM": _MOE,
+    "Qwen2MoeForCausalLM": _MOE,
+    "Qwen3MoeForCausalLM": _MOE,
+    "GemmaForCausalLM": _GEMMA,
+    "Gemma2ForCausalLM": _GEMMA + ", around both sublayers",
+    "Gemma3ForCausalLM": _GEMMA + ", around both sublayers",
+}
 # RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
 # ``inv_freq``), unscaled: "dynamic" changes them with the sequence length, "yarn" and
 # "longrope" scale cos and sin too
@@ -425,23 +437,36 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     modules, unchecked and unpatched (adapters such as PEFT's LoRA in them, applied before or
     after, train as they would), and only the training call's loss (final norm, LM head,
     cross-entropy: no logits) and the embedding's backward are coda's; so it is for the
-    mixture-of-experts models of ``LOSS_ONLY`` (their router's load-balancing loss added as
-    their forward adds it), which take only ``layers=False``. A PEFT model (one with
-    ``get_base_model()``) has the transformers model it wraps patched, and is returned."""
+    models of ``LOSS_ONLY`` (mixture-of-experts models, their router's load-balancing loss
+    added as their forward adds it; Gemma's, their final norm's gain 1 + w kept in fp32),
+    which take only ``layers=False``. A PEFT model (one with ``get_base_model()``) has the
+    transformers model it wraps patched, and is returned."""
     name = type(model).__name__
-    if name not in SUPPORTED + LOSS_ONLY and callable(getattr(model, "get_base_model", None)):
+    known = name in SUPPORTED or name in LOSS_ONLY
+    if not known and callable(getattr(model, "get_base_model", None)):
         # a PEFT model: the transformers model it wraps is patched, the wrapper returned
         apply_coda(model.get_base_model(), method=method, embedding=embedding, layers=layers)
         return model
     if name in LOSS_ONLY and layers:
         raise v.CodaInputError(
-            f"apply_coda: {name}'s decoder layers (a mixture of experts) are not coda's: "
+            f"apply_coda: {name}'s decoder layers ({LOSS_ONLY[name]}) are not coda's: "
             "apply_coda(model, layers=False) makes its training loss coda's"
         )
-    if name not in SUPPORTED + LOSS_ONLY:
-        raise v.CodaInputError(f"apply_coda: {name} is not supported ({', '.join(SUPPORTED)})")
+    if not known:
+        raise v.CodaInputError(
+            f"apply_coda: {name} is not supported ({', '.join(SUPPORTED)}; the loss alone, "
+            f"layers=False: {', '.join(LOSS_ONLY)})"
+        )
     v.check_choice("method", method, LM_HEAD_METHODS)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:  # (Gemma 2's: tanh(logits / cap) * cap before the loss)
+        raise v.CodaInputError(
+            f"apply_coda: final_logit_softcapping={cap} (the logits soft-capped before the "
+            "loss) is not supported"
+        )
     base = model.model if name.endswith("ForCausalLM") else model
+    if name.endswith("ForCausalLM"):
+        hf_forward.final_norm(base.norm)  # (a norm coda's loss does not take: refused now)
     if layers:
         _patch_layers(base, model.config)
     if embedding:  # left as it is where coda's backward does not cover it

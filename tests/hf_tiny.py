@@ -37,13 +37,18 @@ MOE_KW = {
 }
 
 
+# the Gemma families (their layers stay HF's: ``apply_coda(layers=False)``), by config class
+GEMMA = {"gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3Text"}
+
+
 def tiny_config(family: str = "llama", **kw):
     """A tiny random config: ``family`` "llama" (LlamaConfig), "llama-bias" (Llama with
     ``attention_bias=True``: q, k, v and o biases), "qwen3" (Qwen3Config, with its per-head
     QK-norm), "qwen2" (Qwen2Config: q, k, v biases), "mistral", "phi3" (Phi3Config: fused
     qkv_proj and gate_up_proj), "smollm3" (SmolLM3Config: every second layer without RoPE
-    here) or the mixture-of-experts "mixtral", "qwen2_moe", "qwen3_moe" (``MOE``: four experts,
-    two a token, the router term on at a visible weight)."""
+    here), the mixture-of-experts "mixtral", "qwen2_moe", "qwen3_moe" (``MOE``: four experts,
+    two a token, the router term on at a visible weight) or "gemma", "gemma2", "gemma3"
+    (``GEMMA``; Gemma 2's logit soft-capping off unless given)."""
     from transformers import Qwen3Config
 
     base = dict(
@@ -77,6 +82,15 @@ def tiny_config(family: str = "llama", **kw):
         config = getattr(transformers, f"{MOE[family]}Config")
         ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         return config(**{**base, **ids, **MOE_KW[family], **kw})
+    if family in GEMMA:
+        import transformers
+
+        config = getattr(transformers, f"{GEMMA[family]}Config")
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        # (Gemma 2 runs eager attention only: its attention logits are soft-capped too)
+        cap = dict(final_logit_softcapping=None, attn_implementation="eager")
+        cap = cap if family == "gemma2" else {}
+        return config(**{**base, **ids, "head_dim": 12, **cap, **kw})
     if family == "smollm3":
         from transformers import SmolLM3Config
 
@@ -105,6 +119,9 @@ def model_class(config):
     for name in MOE.values():
         if isinstance(config, getattr(transformers, f"{name}Config")):
             return getattr(transformers, f"{name}ForCausalLM")
+    for name in GEMMA.values():
+        if type(config) is getattr(transformers, f"{name}Config"):
+            return getattr(transformers, f"{name.removesuffix('Text')}ForCausalLM")
     if isinstance(config, MistralConfig):
         return MistralForCausalLM
     if isinstance(config, Phi3Config):

@@ -23,7 +23,7 @@ from coda.env import (
 from coda.kernels.target_check import checked_targets
 from coda.nn._common import FormerNames, in_dtype, tma_rule
 from coda.reference.cross_entropy import cross_entropy_ref
-from coda.reference.rmsnorm import rmsnorm_ref
+from coda.reference.rmsnorm import final_norm_ref
 
 
 class LMHeadLoss(FormerNames, nn.Module):
@@ -160,8 +160,13 @@ def _kernel_lm_head_loss(xf, gamma, w_lm, t, eps, ignore_index, reduction, chunk
     method = resolve_lm_head_method(method, w_lm.shape[1], needs_grad)
     args = (eps, ignore_index, reduction, chunk, method, *opts)
     # bf16 inside torch.autocast, as DecoderLayer's kernel path; w_lm is cast inside the
-    # Function, which returns its gradient in w_lm's own dtype (fp32 unrounded, for CE-C/CE-S)
-    xf, gamma = in_dtype(compute_dtype(xf), xf, gamma)
+    # Function, which returns its gradient in w_lm's own dtype (fp32 unrounded, for CE-C/CE-S);
+    # an fp32 gain stays fp32: the norm's kernels widen the gain to fp32 on load either way,
+    # and its gradient returns unrounded (``final_norm_ref``'s rounding)
+    dtype = compute_dtype(xf)
+    (xf,) = in_dtype(dtype, xf)
+    if gamma.dtype != torch.float32:
+        (gamma,) = in_dtype(dtype, gamma)
     with autocast_off(xf.device):
         return LinearCrossEntropyFunction.apply(xf.contiguous(), gamma, w_lm, t, *args)
 
@@ -190,6 +195,11 @@ def lm_head_loss(
     d, vocab = w_lm.shape
     v.check_activation("lm_head_loss", x, d, w_lm, ndim=(2, 3))
     v.check_vector("gamma", gamma, ("d", d))
+    if gamma.dtype not in (x.dtype, compute_dtype(x), torch.float32):
+        raise v.CodaInputError(
+            f"gamma: dtype must be x's ({x.dtype}) or torch.float32 (a gain kept in fp32, as "
+            f"Gemma's final norm forms 1 + w), got {gamma.dtype}"
+        )
     v.check_tensor("target", target)
     v.check_same_device({"x": x, "w_lm": w_lm, "gamma": gamma, "target": target})
     v.check_choice("reduction", reduction, v.REDUCTIONS)
@@ -215,6 +225,6 @@ def lm_head_loss(
             xf, gamma, w_lm, t, eps, ignore_index, reduction, chunk, method, label_smoothing, z_loss
         )
     else:
-        logits = rmsnorm_ref(xf, gamma, eps) @ w_lm  # as HF: in x's dtype, the loss in fp32+
+        logits = final_norm_ref(xf, gamma, eps) @ w_lm  # as HF: in x's dtype, the loss in fp32+
         loss = cross_entropy_ref(logits, t, ignore_index, reduction, label_smoothing, z_loss)
     return loss.view(target.shape) if reduction == "none" else loss

@@ -13,6 +13,7 @@ from coda.reference.cross_entropy import (  # noqa: F401
     lse_partials_ref,
 )
 from coda.reference.rmsnorm import (  # noqa: F401
+    final_norm_ref,
     gemm_residual_rms_ref,
     gemm_residual_rms_torch,
     norm_bwd_apply_ref,

@@ -41,6 +41,17 @@ def rmsnorm_ref(h: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tenso
     return (hf * rstd_ref(hf, eps)[..., None]).to(h.dtype) * gamma
 
 
+def final_norm_ref(h: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """The final norm as the LM-head loss applies it: ``rmsnorm_ref`` (Llama's rounding) for a
+    gain in h's dtype; for an fp32 gain with half h (Gemma's final norm, whose gain 1 + w is
+    formed in fp32 because a bf16 1 + w would round w to 2^-8) the scaling in fp32, rounded
+    once to h's dtype, as HF's ``GemmaRMSNorm`` computes it."""
+    if gamma.dtype == torch.float32 and h.dtype in (torch.bfloat16, torch.float16):
+        hf = h.float()
+        return (hf * rstd_ref(hf, eps)[..., None] * gamma).to(h.dtype)
+    return rmsnorm_ref(h, gamma, eps)
+
+
 def sumsq_partials_ref(h: torch.Tensor, tile_n: int) -> torch.Tensor:
     """RED_m of h^2: P[m, t] = sum over the columns of N-tile t (ragged last tile)."""
     M, N = h.shape
