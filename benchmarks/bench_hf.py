@@ -2,7 +2,8 @@
 .loss.backward()`` at 4 x 4096 tokens, tokens/s and peak memory, for a Llama-3.2-1B-shaped
 ``LlamaForCausalLM``, a Qwen3-0.6B-shaped ``Qwen3ForCausalLM`` and a Qwen2.5-0.5B-shaped
 ``Qwen2ForCausalLM`` (random init, bf16, sdpa; on request, ``ON_REQUEST``, Llama-1B with
-attention biases and a Phi-3-mini-shaped ``Phi3ForCausalLM``),
+attention biases, a Phi-3-mini-shaped ``Phi3ForCausalLM`` and a Gemma-3-1B-shaped
+``Gemma3ForCausalLM``, whose loss alone coda patches),
 in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and loss stay
 eager, as users compile it), with Liger's instance patch (called as the others, and with
 ``use_cache=False``, which a patched model's training call implies), and patched by
@@ -99,8 +100,26 @@ SHAPES = {
             tie_word_embeddings=False,
         ),
     ),
+    # Gemma-3-1B's shape (``Gemma3ForCausalLM``): coda patches the loss alone (its layers
+    # stay HF's: GeGLU, sandwich norms), the final norm's gain 1 + w kept in fp32; at its
+    # 262144-token vocabulary the logits are what the unpatched step spends its memory on
+    "gemma-3-1B": (
+        "gemma3",
+        dict(
+            vocab_size=262144,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            sliding_window=512,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
-ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini")  # (not in a default run: named in CODA_HF_SHAPES)
+# (not in a default run: named in CODA_HF_SHAPES)
+ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B")
 BATCH, SEQ = 4, 4096
 PROFILED = ("hf_coda", "hf_liger", "hf_liger_no_cache")  # per-kernel tables (pass 1)
 
@@ -108,9 +127,10 @@ PROFILED = ("hf_coda", "hf_liger", "hf_liger_no_cache")  # per-kernel tables (pa
 def build(family: str, shape: dict, device, dtype):
     import transformers
 
-    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[family]
+    names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
+    name = {**names, "gemma3": "Gemma3Text"}[family]
     cfg_cls = getattr(transformers, f"{name}Config")
-    model_cls = getattr(transformers, f"{name}ForCausalLM")
+    model_cls = getattr(transformers, f"{name.removesuffix('Text')}ForCausalLM")
     config = cfg_cls(**shape, max_position_embeddings=SEQ, attn_implementation="sdpa")
     torch.manual_seed(0)
     return model_cls(config).to(device, dtype)
@@ -141,7 +161,8 @@ class LigerSwitch:
         import liger_kernel.transformers as lk
 
         module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        return cls(module, getattr(lk, f"apply_liger_kernel_to_{family}"))
+        patch = {"gemma3": "gemma3_text"}.get(family, family)  # (its text-only model's patch)
+        return cls(module, getattr(lk, f"apply_liger_kernel_to_{patch}"))
 
     def patch(self, model):
         before = _module_state(self.module)
@@ -174,13 +195,16 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
     """(name, make) in run order; ``make`` returns a fresh model from ``base``'s weights."""
     import coda.transformers as ct
 
+    def coda_patch(m, **kw):  # (the loss alone where coda's layers do not apply: Gemma)
+        return ct.apply_coda(m, layers=type(m).__name__ not in ct.LOSS_ONLY, **kw)
+
     def compiled():
         m = copy.deepcopy(base)
         m.model = torch.compile(m.model)
         return m
 
     def checkpointed():  # HF's activation checkpointing over the patched layers
-        m = ct.apply_coda(copy.deepcopy(base)).train()
+        m = coda_patch(copy.deepcopy(base)).train()
         enable = getattr(m, "activation_checkpointing_enable", None)  # (5.24's name)
         (enable or m.gradient_checkpointing_enable)()
         return m
@@ -188,13 +212,13 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
     out = [
         ("hf", lambda: copy.deepcopy(base)),
         ("hf_torch_compile", compiled),
-        ("hf_coda", lambda: ct.apply_coda(copy.deepcopy(base))),
+        ("hf_coda", lambda: coda_patch(copy.deepcopy(base))),
         ("hf_coda_checkpointed", checkpointed),
         # the same, its checkpoint's first forward storing what only the backward's rerun
         # reads (``storing_for_backward``), as before session 64
         ("hf_coda_checkpointed_storing", checkpointed),
         # the embedding's backward left as torch's (before session 29)
-        ("hf_coda_torch_embedding", lambda: ct.apply_coda(copy.deepcopy(base), embedding=False)),
+        ("hf_coda_torch_embedding", lambda: coda_patch(copy.deepcopy(base), embedding=False)),
     ]
     if liger is not None:
         out.append(("hf_liger", lambda: liger.patch(copy.deepcopy(base))))

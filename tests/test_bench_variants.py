@@ -295,3 +295,29 @@ def test_the_storing_checkpointed_variant_stores_in_the_first_forward(monkeypatc
         grads.append([p.grad.clone() for p in model.parameters()])
         assert calls == [variant is not model, True]  # (the first forward, then the rerun)
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_every_hf_shape_builds_and_each_coda_variant_patches_it():
+    """``bench_hf``: every shape (at a tiny width, on the CPU's reference path) builds its
+    model class and config, and each coda variant patches it as the suite would (Gemma 3's
+    the loss alone) and takes a training step."""
+    pytest.importorskip("transformers")
+    from benchmarks import bench_hf
+
+    tiny = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1, head_dim=16
+    )
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
+    for name, (family, shape) in bench_hf.SHAPES.items():
+        kv = shape["num_key_value_heads"]  # (as the shape groups its heads: 4 query heads)
+        kv = 4 if kv == shape["num_attention_heads"] else min(kv, 2)
+        dims = {**tiny, "num_attention_heads": 4, "num_key_value_heads": kv}
+        dims.update({k: 8 for k in ("sliding_window",) if k in shape})
+        dims.update({"pad_token_id": 0} if "pad_token_id" in shape else {})
+        base = bench_hf.build(family, {**shape, **dims}, "cpu", torch.float32)
+        made = {label: make for label, make in bench_hf.variants(family, base, None)}
+        for label in ("hf_coda", "hf_coda_checkpointed", "hf_coda_torch_embedding"):
+            model = made[label]()
+            assert getattr(model, "coda_method", None) == "auto", (name, label)
+            model(input_ids=ids, labels=ids).loss.backward()
+            assert model.lm_head.weight.grad is not None, (name, label)

@@ -57,10 +57,21 @@ def test_compiled_step_equals_eager_and_does_not_recompile():
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen3", "qwen2", "llama-bias", "phi3", "smollm3", "llama-loss-alone"]
+    "family",
+    [
+        "llama",
+        "qwen3",
+        "qwen2",
+        "llama-bias",
+        "phi3",
+        "smollm3",
+        "llama-loss-alone",
+        "gemma3-loss-alone",
+    ],
 )
 def test_patched_hf_model_traces_without_graph_breaks(family):
-    """``llama-loss-alone``: ``apply_coda(layers=False)``, HF's layers around coda's loss."""
+    """``*-loss-alone``: ``apply_coda(layers=False)``, HF's layers around coda's loss (Gemma 3's
+    final-norm gain 1 + w formed in the traced call)."""
     pytest.importorskip("transformers")
     from test_transformers import model_class, tiny_config
 

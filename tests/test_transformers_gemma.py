@@ -4,9 +4,10 @@ call's loss is coda's LM-head loss with Gemma's final norm, whose gain 1 + w is 
 and applied before the output's one rounding (``coda._hf_forward.final_norm``,
 ``coda.reference.final_norm_ref``). CPU: float64, coda's loss on its reference path and on its
 kernel path through the tile interpreter, the loss and every gradient equal the unpatched
-model's; bf16, the kernel path's loss and final-norm gradient no further from the float64
-model than the unpatched bf16 model's, where a bf16 gain would be further. What the whole patch
-lacks, and Gemma 2's logit soft-capping, are named."""
+model's; bf16 (the final norm, head and loss alone, on the same bf16 rows), the kernel path's
+every output no further from float64 than HF's bf16 path's, and its gradients closer than the
+same call's with the gain rounded to bf16. What the whole patch lacks, and Gemma 2's logit
+soft-capping, are named."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
 from conftest import fro_err, rel_err, tie_band  # noqa: E402
-from test_transformers import _step, assert_same_step, model_class, tiny_config  # noqa: E402
+from test_transformers import assert_same_step, model_class, tiny_config  # noqa: E402
 
 import coda  # noqa: E402
 import coda.env  # noqa: E402

@@ -41,17 +41,22 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
         num_hidden_layers=2,
     )
     extra = {"qwen3": {"head_dim": 64}, "mistral": {"head_dim": 64, "sliding_window": 128}}
+    extra["gemma3"] = {"head_dim": 64, "sliding_window": 128}
     extra.update({name: {"rope_parameters": rope} for name, rope in SCALED_ROPES.items()})
     extra["llama-bias"] = {"attention_bias": True}  # biases on q, k, v and o
     base = "llama" if family in SCALED_ROPES or family == "llama-bias" else family
     cfg = tiny_config(base, **shape, **extra.get(family, {}))
     torch.manual_seed(seed)
     ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
-    with torch.no_grad():  # Qwen2's biases (HF makes them 0)
-        for n, p in ref.named_parameters():
+    loss_only = type(ref).__name__ in ct.LOSS_ONLY  # (Gemma 3: coda's loss, HF's layers)
+    with torch.no_grad():  # Qwen2's biases (HF makes them 0), Gemma's norm weights w (HF's 0:
+        for n, p in ref.named_parameters():  # a gain 1 + w of 1 would hide a rounded w)
             if n.endswith("_proj.bias"):
                 p.normal_(0.0, k_bias if "k_proj" in n else 1.0)
-    return cfg, copy.deepcopy(ref).double(), ref, ct.apply_coda(copy.deepcopy(ref))
+            if loss_only and n.endswith("norm.weight"):
+                p.normal_(0.0, 0.02)
+    patched = ct.apply_coda(copy.deepcopy(ref), layers=not loss_only)
+    return cfg, copy.deepcopy(ref).double(), ref, patched
 
 
 def loss_error_rms(family: str, device: str, batches: int = 64):
@@ -101,11 +106,12 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen3", "mistral", "phi3", "smollm3", *SCALED_ROPES],
+    ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", *SCALED_ROPES],
 )
 def test_gpu_patched_model_protocol(family):
     """H200: a patched bf16 Llama / Qwen3 / Mistral / Phi-3 / SmolLM3 (its NoPE layers: RoPE
-    at angle 0 in the epilogue), and Llama with Llama 3's and linear RoPE scaling (coda's
+    at angle 0 in the epilogue), Gemma 3 (the loss alone: its final norm's fp32 gain), and
+    Llama with Llama 3's and linear RoPE scaling (coda's
     kernels, HF's sdpa) against the unpatched bf16 model, both against a float64 copy: loss
     and every gradient no worse than the unpatched bf16 model's (CODA's protocol, ties within
     ``tie_band``), with a padding mask.
