@@ -176,13 +176,14 @@ def test_kernel_path_under_autocast_traces_without_graph_breaks():
 def test_hf_layout_lm_head_weight_under_autocast_gets_the_fp32_accumulator(method):
     """An HF ``lm_head.weight`` (V, d) in fp32, passed as its (d, V) view (what
     ``apply_coda`` does): its gradient under autocast is the fp32 accumulator, in the (V, d)
-    layout, and rounds to the bf16 copy's exactly."""
+    layout, and rounds to the bf16 copy's exactly. So is the final norm's fp32 gain's (kept in
+    fp32 since session 65: here bf16 values, so that both calls compute the same loss)."""
     from coda.nn.head import _kernel_lm_head_loss
 
     torch.manual_seed(4)
     d, V, M = 64, 256, 12
     w32 = torch.nn.Parameter(torch.randn(V, d) * 0.05)
-    g32 = torch.nn.Parameter(1 + 0.1 * torch.randn(d))
+    g32 = torch.nn.Parameter((1 + 0.1 * torch.randn(d)).to(BF16).float())
     w16, g16 = (torch.nn.Parameter(p.detach().to(BF16)) for p in (w32, g32))
     x = torch.randn(M, d)
     t = torch.randint(0, V, (M,))
@@ -198,4 +199,4 @@ def test_hf_layout_lm_head_weight_under_autocast_gets_the_fp32_accumulator(metho
     assert torch.equal(la, lb)
     assert w32.grad.dtype == torch.float32 and w32.grad.shape == (V, d)
     assert torch.equal(w32.grad.to(BF16), w16.grad) and not torch.equal(w32.grad, w16.grad.float())
-    assert torch.equal(g32.grad, g16.grad.float())
+    assert torch.equal(g32.grad.to(BF16), g16.grad) and not torch.equal(g32.grad, g16.grad.float())

@@ -188,7 +188,10 @@ def lm_head_loss(
 ):
     """Final RMSNorm (``gamma``) + LM head (``w_lm`` (d, vocab), either major: an HF
     ``lm_head.weight.t()`` view is fine) + cross-entropy, with parameters given: what
-    ``LMHeadLoss`` computes, for models that own their weights (``coda.transformers``)."""
+    ``LMHeadLoss`` computes, for models that own their weights (``coda.transformers``).
+    ``gamma`` in x's dtype, or in fp32, kept so on both paths (applied in fp32 before the
+    normed rows' one rounding, its gradient fp32: Gemma's final norm forms its gain 1 + w in
+    fp32, ``coda.reference.final_norm_ref``)."""
     v.check_tensor("w_lm", w_lm)
     if w_lm.dim() != 2:
         raise v.CodaInputError(f"w_lm: expected a 2-D (d, vocab) tensor, got {tuple(w_lm.shape)}")
