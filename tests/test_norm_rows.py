@@ -144,6 +144,16 @@ def test_norm_rows_compile_for_sm90(d):
     assert all(size > 0 for size in compile_norm_rows(d))
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("d", [1152, 2048])  # (Gemma 3 1B's width, and a power of two)
+def test_norm_rows_compile_for_sm90_with_an_fp32_gain(d):
+    """The final norm and dgamma's column sums with an fp32 gain (Gemma's, and an fp32
+    ``LMHeadLoss.final_norm`` under autocast): Triton specializes on the gain's dtype."""
+    from coda.kernels.norm_rows import compile_norm_rows
+
+    assert all(size > 0 for size in compile_norm_rows(d, gamma="fp32"))
+
+
 def test_tensor_memo_keys_by_identity_version_and_args():
     from coda.env import TensorMemo
 

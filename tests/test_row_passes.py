@@ -262,6 +262,7 @@ def test_head_norm_pass_compiles_at_every_launch_shape():
     assert LAUNCH in LAUNCH_SHAPES
     for shape in LAUNCH_SHAPES:
         assert compile_head_norm_bwd(shape) > 0, shape
+    assert compile_head_norm_bwd(LAUNCH, gamma="fp32") > 0  # (an fp32 gain: Gemma's)
 
 
 @pytest.mark.compile

@@ -125,12 +125,13 @@ def _fits(G, coef, S, target, h, gamma, rstd) -> bool:
     return G.stride(1) == 1 and h.stride(1) == 1 and all(t.is_contiguous() for t in tables)
 
 
-def compile_head_norm_bwd(launch=LAUNCH, arch: int = 90) -> int:
-    """The kernel (fp32 G and tables, bf16 W, h and gamma, int64 targets) at a launch shape,
-    compiled for ``sm_{arch}`` on the CPU: the cubin's size."""
+def compile_head_norm_bwd(launch=LAUNCH, arch: int = 90, gamma: str = "bf16") -> int:
+    """The kernel (fp32 G and tables, bf16 W and h, int64 targets; gamma's Triton type
+    ``gamma``: "fp32" for an fp32 gain, Gemma's) at a launch shape, compiled for
+    ``sm_{arch}`` on the CPU: the cubin's size."""
     BM, BD, P, warps = launch
     pointers = {n: "*fp32" for n in ("G", "coef", "S", "rstd", "g", "part")}
-    pointers.update({n: "*bf16" for n in ("W", "h", "gamma", "dh")})
+    pointers.update({n: "*bf16" for n in ("W", "h", "dh")}, gamma=f"*{gamma}")
     pointers["target"] = "*i64"
     consts = {"BM": BM, "BD": BD, "P": P, "ACC": tl.float32}
     return compile_sm90(_head_norm_bwd_kernel, pointers, consts, num_warps=warps, arch=arch)

@@ -217,11 +217,12 @@ def col_sums(partials, dtype):
     return combine_col_partials(partials).to(dtype)
 
 
-def compile_norm_rows(d: int, arch: int = 90) -> list[int]:
+def compile_norm_rows(d: int, arch: int = 90, gamma: str = "bf16") -> list[int]:
     """The three kernels (bf16 rows, fp32 statistics) at their launch shapes for rows of ``d``
-    entries, compiled for ``sm_{arch}`` on the CPU: cubin sizes."""
+    entries, compiled for ``sm_{arch}`` on the CPU: cubin sizes. ``gamma``: the gain's and
+    dgamma's Triton type ("fp32": the LM head's final norm given an fp32 gain, Gemma's)."""
     bm, warps = _rows_launch(d)
-    pointers = {"x": "*bf16", "gamma": "*bf16", "out": "*bf16", "rstd": "*fp32", "eps": "fp32"}
+    pointers = {"x": "*bf16", "gamma": f"*{gamma}", "out": "*bf16", "rstd": "*fp32", "eps": "fp32"}
     sizes = [
         compile_sm90(
             _norm_rows_kernel,
@@ -236,7 +237,7 @@ def compile_norm_rows(d: int, arch: int = 90) -> list[int]:
     for mode in (RSTD, CORR, CORR_SCALED):
         consts = {"MODE": mode, "BM": 128, "BT": 64, "ACC": tl.float32}
         sizes.append(compile_sm90(_row_stat_kernel, pointers, consts, 4, arch))
-    pointers = {"Q": "*fp32", "out": "*bf16"}
+    pointers = {"Q": "*fp32", "out": f"*{gamma}"}
     consts = {"BT": 64, "BN": COL_BLOCK, "ACC": tl.float32}
     sizes.append(compile_sm90(_col_sums_kernel, pointers, consts, 4, arch))
     return sizes
