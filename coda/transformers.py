@@ -43,7 +43,10 @@ per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's epilogue,
 ``gate_up_proj`` are Llama's projections concatenated by rows, converted exactly
 (``coda._hf_fused``), its residual dropout 0 as in its released configs; Mistral's, Qwen2's,
 Qwen3's, Phi-3's and SmolLM3's sliding windows, when configured, keep the model's own masks and
-window). ``apply_coda(model, layers=False)`` makes only the training call's loss coda's (for
+window); and those families' ``...ForSequenceClassification`` (reward models),
+``...ForTokenClassification`` and ``...ForQuestionAnswering`` (``TASK_HEADS``: the decoder
+stack patched, the task head and its loss HF's). ``apply_coda(model, layers=False)`` makes
+only the training call's loss coda's (for
 layers with adapters, and for the models of ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE,
 whose router term it adds as their forward does, and Gemma, Gemma 2 and Gemma 3 text, whose
 final norm's fp32 gain 1 + w it keeps in fp32; Gemma 2's logit soft-capping is refused).
@@ -80,6 +83,9 @@ SUPPORTED = (
     "SmolLM3ForCausalLM",
     "SmolLM3Model",
 )
+# task models (reward models, classifiers, extractive QA) over a supported family's decoder
+# stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
+TASK_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
 # models whose training loss alone coda takes (``apply_coda(model, layers=False)``), with why
 # their decoder layers are not coda's. The mixture-of-experts models' loss is Llama's
 # cross-entropy plus the router's load-balancing term, which coda's call adds as their forward
@@ -426,7 +432,7 @@ _base_forward, _causal_lm_forward = base_forward, causal_lm_forward
 
 def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: bool = True):
     """Patch a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 model
-    (``SUPPORTED``) in place; returns it.
+    (``SUPPORTED``, and their task models of ``TASK_HEADS``) in place; returns it.
 
     ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "auto" (the default: CE-S,
     "scaled_exp", the fastest on the H200, where the vocabulary is a multiple of 128, else
@@ -442,6 +448,10 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     which take only ``layers=False``. A PEFT model (one with ``get_base_model()``) has the
     transformers model it wraps patched, and is returned."""
     name = type(model).__name__
+    stack = _task_model_stack(model, name)
+    if stack is not None:  # a task head over a supported stack: the stack patched, the head HF's
+        apply_coda(stack, method=method, embedding=embedding, layers=layers)
+        return model
     known = name in SUPPORTED or name in LOSS_ONLY
     if not known and callable(getattr(model, "get_base_model", None)):
         # a PEFT model: the transformers model it wraps is patched, the wrapper returned
@@ -475,6 +485,15 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
         wrap_forward(model, causal_lm_forward)
     model.coda_method = method
     return model
+
+
+def _task_model_stack(model, name: str):
+    """The decoder stack (``model.model``) of a task model of a supported family
+    (``LlamaForSequenceClassification``, ..., ``TASK_HEADS``), else None."""
+    for head in TASK_HEADS:
+        if name.endswith(head) and name.removesuffix(head) + "Model" in SUPPORTED:
+            return getattr(model, model.base_model_prefix)
+    return None
 
 
 def _patch_layers(base, config) -> None:
