@@ -170,7 +170,8 @@ def causal_lm_forward(original):
         hidden = out.hidden_states
         if hidden and hidden[-1] is out.last_hidden_state:  # HF's last one is after the norm
             hidden = (*hidden[:-1], norm(out.last_hidden_state))
-        gain, eps = final_norm(norm)
+        scaled = type(self).__name__ in LOGITS_SCALED  # (another family's config may carry it)
+        gain, eps = final_norm(norm, self.config.logits_scaling if scaled else 1.0)
         loss = lm_head_loss(
             out.last_hidden_state,
             gain,
@@ -211,17 +212,23 @@ def causal_lm_forward(original):
 # final norms that scale by 1 + weight, formed in fp32 (a bf16 1 + w would round w to 2^-8)
 # and applied before the one rounding of the output: Gemma's, Gemma 2's and Gemma 3's
 GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+# causal LMs whose forward divides the logits by their config's ``logits_scaling``: Granite's
+LOGITS_SCALED = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 
 
-def final_norm(norm) -> tuple:
+def final_norm(norm, logits_scaling: float = 1.0) -> tuple:
     """The model's final RMSNorm as coda's loss takes it: (gain, eps). Llama's norm (and every
     family's with a ``variance_epsilon``) scales by its weight; Gemma's by 1 + weight in fp32,
-    which coda's loss keeps in fp32 (``coda.reference.final_norm_ref``: HF's rounding)."""
+    which coda's loss keeps in fp32 (``coda.reference.final_norm_ref``: HF's rounding).
+    ``logits_scaling`` (Granite's: its logits are divided by it) divides the gain, in fp32:
+    (r h g / s) W = (r h g) W / s."""
     if type(norm).__name__ in GEMMA_NORMS:
-        return 1.0 + norm.weight.float(), norm.eps
-    if hasattr(norm, "variance_epsilon"):
-        return norm.weight, norm.variance_epsilon
-    raise v.CodaInputError(f"apply_coda: a final norm {type(norm).__name__} is not supported")
+        gain, eps = 1.0 + norm.weight.float(), norm.eps
+    elif hasattr(norm, "variance_epsilon"):
+        gain, eps = norm.weight, norm.variance_epsilon
+    else:
+        raise v.CodaInputError(f"apply_coda: a final norm {type(norm).__name__} is not supported")
+    return (gain if logits_scaling == 1.0 else gain.float() / logits_scaling), eps
 
 
 def _router_loss(model, out, attention_mask):

@@ -49,7 +49,8 @@ stack patched, the task head and its loss HF's). ``apply_coda(model, layers=Fals
 only the training call's loss coda's (for
 layers with adapters, and for the models of ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE,
 whose router term it adds as their forward does, and Gemma, Gemma 2 and Gemma 3 text, whose
-final norm's fp32 gain 1 + w it keeps in fp32; Gemma 2's logit soft-capping is refused).
+final norm's fp32 gain 1 + w it keeps in fp32 (Gemma 2's logit soft-capping is refused), and
+Granite, Granite-MoE and Granite-MoE-Shared, whose ``logits_scaling`` divides that gain).
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ LOSS_ONLY = {
     "GemmaForCausalLM": _GEMMA,
     "Gemma2ForCausalLM": _GEMMA + ", around both sublayers",
     "Gemma3ForCausalLM": _GEMMA + ", around both sublayers",
+    # Granite's logits are divided by ``logits_scaling``, folded into the final norm's gain
+    "GraniteForCausalLM": "residual multipliers on both branches",
+    "GraniteMoeForCausalLM": _MOE,
+    "GraniteMoeSharedForCausalLM": _MOE,
 }
 # RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
 # ``inv_freq``), unscaled: "dynamic" changes them with the sequence length, "yarn" and
@@ -444,7 +449,8 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     after, train as they would), and only the training call's loss (final norm, LM head,
     cross-entropy: no logits) and the embedding's backward are coda's; so it is for the
     models of ``LOSS_ONLY`` (mixture-of-experts models, their router's load-balancing loss
-    added as their forward adds it; Gemma's, their final norm's gain 1 + w kept in fp32),
+    added as their forward adds it; Gemma's, their final norm's gain 1 + w kept in fp32;
+    Granite's, their ``logits_scaling`` folded into that gain),
     which take only ``layers=False``. A PEFT model (one with ``get_base_model()``) has the
     transformers model it wraps patched, and is returned."""
     name = type(model).__name__

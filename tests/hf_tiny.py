@@ -22,6 +22,7 @@ SCALED_ROPES = {
 
 # the mixture-of-experts families (their layers stay HF's: ``apply_coda(layers=False)``)
 MOE = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}
+MOE.update(granitemoe="GraniteMoe", granitemoeshared="GraniteMoeShared")
 _ROUTER = dict(
     num_experts_per_tok=2,
     router_aux_loss_coef=0.5,  # (HF's 0.001 would hide a lost term under round-off)
@@ -35,6 +36,12 @@ MOE_KW = {
     ),
     "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, head_dim=12, **_ROUTER),
 }
+# Granite's multipliers away from 1 (its released models' are): logits / 4 among them
+GRANITE_KW = dict(
+    logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2
+)
+MOE_KW["granitemoe"] = dict(num_local_experts=4, **_ROUTER, **GRANITE_KW)
+MOE_KW["granitemoeshared"] = dict(shared_intermediate_size=40, **MOE_KW["granitemoe"])
 
 
 # the Gemma families (their layers stay HF's: ``apply_coda(layers=False)``), by config class
@@ -48,7 +55,9 @@ def tiny_config(family: str = "llama", **kw):
     qkv_proj and gate_up_proj), "smollm3" (SmolLM3Config: every second layer without RoPE
     here), the mixture-of-experts "mixtral", "qwen2_moe", "qwen3_moe" (``MOE``: four experts,
     two a token, the router term on at a visible weight) or "gemma", "gemma2", "gemma3"
-    (``GEMMA``; Gemma 2's logit soft-capping off unless given)."""
+    (``GEMMA``; Gemma 2's logit soft-capping off unless given), "granite" (``GRANITE_KW``:
+    its multipliers, logits / 4), and the Granite MoE families "granitemoe",
+    "granitemoeshared"."""
     from transformers import Qwen3Config
 
     base = dict(
@@ -82,6 +91,10 @@ def tiny_config(family: str = "llama", **kw):
         config = getattr(transformers, f"{MOE[family]}Config")
         ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         return config(**{**base, **ids, **MOE_KW[family], **kw})
+    if family == "granite":
+        from transformers import GraniteConfig
+
+        return GraniteConfig(**{**base, **GRANITE_KW, **kw})
     if family in GEMMA:
         import transformers
 
@@ -117,8 +130,10 @@ def model_class(config):
     )
 
     for name in MOE.values():
-        if isinstance(config, getattr(transformers, f"{name}Config")):
+        if type(config) is getattr(transformers, f"{name}Config"):
             return getattr(transformers, f"{name}ForCausalLM")
+    if type(config) is transformers.GraniteConfig:
+        return transformers.GraniteForCausalLM
     for name in GEMMA.values():
         if type(config) is getattr(transformers, f"{name}Config"):
             return getattr(transformers, f"{name.removesuffix('Text')}ForCausalLM")

@@ -1,5 +1,6 @@
 """``apply_coda(model, layers=False)`` on tiny random Hugging Face mixture-of-experts models
-(Mixtral, Qwen2-MoE, Qwen3-MoE): their decoder layers stay HF's, and the training call's loss
+(Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE and Granite-MoE-Shared, whose logits are
+divided by ``logits_scaling``): their decoder layers stay HF's, and the training call's loss
 is coda's LM-head loss plus the router's load-balancing term, added as HF's forward adds it
 (``coda._hf_forward._router_loss``). CPU, float64, coda's loss on its reference path and on
 its kernel path through the tile interpreter: the loss, ``aux_loss`` and every gradient (the
@@ -15,6 +16,7 @@ import torch
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
 from conftest import rel_err  # noqa: E402
+from hf_tiny import MOE  # noqa: E402
 from test_transformers import TOL, assert_same_step, model_class, tiny_config  # noqa: E402
 
 import coda  # noqa: E402
@@ -30,7 +32,7 @@ def moe_model(family: str, **kw):
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", list(MOE))
 def test_the_loss_alone_with_the_router_term_equals_unpatched(family, kernel, monkeypatch):
     if kernel:  # (coda's loss on its kernel path; the layers are HF's either way)
         monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
