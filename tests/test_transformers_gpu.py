@@ -106,11 +106,12 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", *SCALED_ROPES],
+    ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", *SCALED_ROPES],
 )
 def test_gpu_patched_model_protocol(family):
     """H200: a patched bf16 Llama / Qwen3 / Mistral / Phi-3 / SmolLM3 (its NoPE layers: RoPE
-    at angle 0 in the epilogue), Gemma 3 (the loss alone: its final norm's fp32 gain), and
+    at angle 0 in the epilogue), Gemma 3 and Granite (the loss alone: the final norm's fp32
+    gain, Granite's logits_scaling in it), and
     Llama with Llama 3's and linear RoPE scaling (coda's
     kernels, HF's sdpa) against the unpatched bf16 model, both against a float64 copy: loss
     and every gradient no worse than the unpatched bf16 model's (CODA's protocol, ties within
