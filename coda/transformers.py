@@ -282,6 +282,9 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     ):
         # the KV cache is ``past_key_values`` up to transformers 5.2x, ``cache`` after
         cache = past_key_values if past_key_values is not None else kwargs.pop("cache", None)
+        # the attention function gets what HF's layer hands it: flash attention finds packed
+        # documents (padding-free batches) from ``position_ids`` alone
+        kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
         attention = self._hf_attention(attention_mask, cache, kwargs)
         if not self.use_rope:  # (both paths then rotate by the layer's zero frequencies)
             position_embeddings = None

@@ -1,0 +1,72 @@
+"""What a patched layer hands the model's attention function: exactly what HF's own layer
+hands it (the same keywords, the same values). Flash attention reads ``position_ids`` from
+them to find the documents of a padding-free packed batch (no attention mask): a layer that
+dropped them would let attention cross document boundaries silently, which no sdpa test
+shows (sdpa's packed mask is built before the layers). Probed on the CPU with an attention
+function registered under its own name that records its keywords and runs sdpa's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
+from test_transformers import model_class, tiny_config  # noqa: E402
+
+import coda.env  # noqa: E402
+import coda.transformers as ct  # noqa: E402
+
+CALLS: list = []
+
+
+@pytest.fixture(scope="module")
+def probe():
+    """An attention implementation "coda_probe": records each call's keywords, then sdpa."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def attention(module, q, k, v, mask, **kw):
+        CALLS.append({n: x.clone() if isinstance(x, torch.Tensor) else x for n, x in kw.items()})
+        return sdpa_attention_forward(module, q, k, v, mask, **kw)
+
+    AttentionInterface.register("coda_probe", attention)
+    AttentionMaskInterface.register("coda_probe", sdpa_mask)
+    return "coda_probe"
+
+
+def _calls(model, **batch) -> list:
+    CALLS.clear()
+    with torch.no_grad():
+        model(**batch)
+    return list(CALLS)
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "phi3", "smollm3"])
+def test_the_attention_function_gets_what_hfs_layer_gives_it(family, kernel, probe, monkeypatch):
+    if kernel:
+        monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    cfg = tiny_config(family, vocab_size=128)
+    cfg._attn_implementation = probe
+    torch.manual_seed(0)
+    ref = model_class(cfg)(cfg).double()
+    patched = ct.apply_coda(copy.deepcopy(ref))
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])  # three documents
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    for batch in (
+        dict(input_ids=ids, position_ids=packed, use_cache=False),  # padding-free packing
+        dict(input_ids=ids.repeat(2, 1), attention_mask=mask, use_cache=False),
+        dict(input_ids=ids),  # (generation's first call: the cache on)
+    ):
+        want, got = _calls(ref, **batch), _calls(patched, **batch)
+        assert len(got) == len(want) == cfg.num_hidden_layers
+        for w, g in zip(want, got):
+            assert g.keys() == w.keys(), (sorted(g), sorted(w))
+            for name, value in w.items():
+                same = torch.equal if isinstance(value, torch.Tensor) else lambda a, b: a == b
+                assert same(g[name], value), name
