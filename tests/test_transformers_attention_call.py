@@ -44,12 +44,31 @@ def _calls(model, **batch) -> list:
     return list(CALLS)
 
 
+# sliding windows (the attention function's ``sliding_window`` keyword): Mistral's on every
+# layer, Qwen3's on its "sliding_attention" layers, Phi-3's from its config
+WINDOWS = {
+    "mistral-window": ("mistral", dict(sliding_window=5)),
+    "qwen3-window": (
+        "qwen3",
+        dict(
+            use_sliding_window=True,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+    "phi3-window": ("phi3", dict(sliding_window=5)),
+}
+
+
 @pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "phi3", "smollm3"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "qwen2", "mistral", "phi3", "smollm3", *WINDOWS]
+)
 def test_the_attention_function_gets_what_hfs_layer_gives_it(family, kernel, probe, monkeypatch):
     if kernel:
         monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
-    cfg = tiny_config(family, vocab_size=128)
+    family, extra = WINDOWS.get(family, (family, {}))
+    cfg = tiny_config(family, vocab_size=128, **extra)
     cfg._attn_implementation = probe
     torch.manual_seed(0)
     ref = model_class(cfg)(cfg).double()
