@@ -46,11 +46,11 @@ Qwen3's, Phi-3's and SmolLM3's sliding windows, when configured, keep the model'
 window); and those families' ``...ForSequenceClassification`` (reward models),
 ``...ForTokenClassification`` and ``...ForQuestionAnswering`` (``TASK_HEADS``: the decoder
 stack patched, the task head and its loss HF's). ``apply_coda(model, layers=False)`` makes
-only the training call's loss coda's (for
-layers with adapters, and for the models of ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE,
-whose router term it adds as their forward does, and Gemma, Gemma 2 and Gemma 3 text, whose
-final norm's fp32 gain 1 + w it keeps in fp32 (Gemma 2's logit soft-capping is refused), and
-Granite, Granite-MoE and Granite-MoE-Shared, whose ``logits_scaling`` divides that gain).
+only the training call's loss coda's: for layers with adapters, and for the models of
+``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE, whose router term it adds as their forward
+does; Gemma, Gemma 2 and Gemma 3 text, whose final norm's fp32 gain 1 + w it keeps in fp32
+(Gemma 2's logit soft-capping is refused); Granite, Granite-MoE and Granite-MoE-Shared, whose
+``logits_scaling`` divides that gain.
 """
 
 from __future__ import annotations
@@ -453,9 +453,9 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     cross-entropy: no logits) and the embedding's backward are coda's; so it is for the
     models of ``LOSS_ONLY`` (mixture-of-experts models, their router's load-balancing loss
     added as their forward adds it; Gemma's, their final norm's gain 1 + w kept in fp32;
-    Granite's, their ``logits_scaling`` folded into that gain),
-    which take only ``layers=False``. A PEFT model (one with ``get_base_model()``) has the
-    transformers model it wraps patched, and is returned."""
+    Granite's, their ``logits_scaling`` folded into that gain), which take only
+    ``layers=False``. A PEFT model (one with ``get_base_model()``) has the transformers model
+    it wraps patched, and is returned."""
     name = type(model).__name__
     stack = _task_model_stack(model, name)
     if stack is not None:  # a task head over a supported stack: the stack patched, the head HF's
