@@ -9,7 +9,8 @@ fp32 on the CPU's own order.
     python benchmarks/cpu_numerics.py lm-head [--g G] [--confident]  # LMHeadLoss vs PyTorch
     python benchmarks/cpu_numerics.py qk-short     # DecoderLayer q/k/v weight gradients,
                                                    #   the GPU fuzz's short-sequence cases
-    python benchmarks/cpu_numerics.py hf           # patched HF Llama / Qwen3, loss + grads
+    python benchmarks/cpu_numerics.py hf [--families F ...] [--seeds N]  # patched HF models,
+                                                   #   loss + grads (default Llama, Qwen3)
     python benchmarks/cpu_numerics.py dw-neff      # effective samples of an LM head's dW
 """
 
@@ -30,10 +31,13 @@ BF = torch.bfloat16
 
 
 def _kernel_path_on_cpu():
-    """Route the modules' 'auto' backend to the kernel path (the interpreter on CPU)."""
-    import coda.nn as cnn
+    """Route the modules' 'auto' backend to the kernel path (the interpreter on CPU): every
+    module asks ``coda.env.kernel_support`` (rebinding a module's imported ``resolve_backend``
+    name, as this did until session 65, stopped reaching them when they imported it directly,
+    and ``hf`` then read the reference path; ``hf`` now checks which path ran)."""
+    import coda.env
 
-    cnn.resolve_backend = lambda *a, **k: "kernel"
+    coda.env.kernel_support = lambda device, dtype=None: (True, "")
 
 
 def lm_head(seeds=3, g=1.0, confident=False):
@@ -99,14 +103,17 @@ def qk_short(limit=25):
             break
 
 
-def hf(seeds=4):
+def hf(seeds=4, families=("llama", "qwen3")):
     from conftest import fro_err
     from test_transformers_gpu import protocol_run
 
+    import coda
+
     _kernel_path_on_cpu()
-    for family in ("llama", "qwen3"):
+    for family in families:
         for seed in range(seeds):
             (l64, l16, lc), (g64, g16, gc), floor = protocol_run(family, "cpu", seed)
+            assert coda.last_path("LMHeadLoss")[0] == "kernel", coda.last_path("LMHeadLoss")
             worst = max(
                 ((n, fro_err(gc[n], g) / fro_err(g16[n], g)) for n, g in g64.items()),
                 key=lambda kv: kv[1],
@@ -136,8 +143,14 @@ if __name__ == "__main__":
     ap.add_argument("what", choices=("lm-head", "qk-short", "hf", "dw-neff"))
     ap.add_argument("--g", type=float, default=1.0, help="lm-head: the upstream gradient")
     ap.add_argument("--confident", action="store_true", help="lm-head: p_y near 1")
+    ap.add_argument("--seeds", type=int, default=4, help="hf: seeds per family")
+    ap.add_argument(
+        "--families", nargs="+", default=["llama", "qwen3"], help="hf: tiny_config families"
+    )
     args = ap.parse_args()
     if args.what == "lm-head":
         lm_head(g=args.g, confident=args.confident)
+    elif args.what == "hf":
+        hf(args.seeds, args.families)
     else:
         {"qk-short": qk_short, "hf": hf, "dw-neff": dw_neff}[args.what]()
