@@ -44,17 +44,28 @@ def test_the_loss_alone_with_the_router_term_equals_unpatched(family, kernel, mo
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     labels = ids.masked_fill(mask == 0, -100)
-    assert_same_step(ref, patched, input_ids=ids, attention_mask=mask, labels=labels)
-    assert coda.last_path("LMHeadLoss")[0] == ("kernel" if kernel else "reference")
-    out_r = ref(input_ids=ids, attention_mask=mask, labels=labels)
-    out_p = patched(input_ids=ids, attention_mask=mask, labels=labels)
-    assert out_p.logits is None and rel_err(out_p.aux_loss, out_r.aux_loss) < TOL
-    assert len(out_p.router_logits) == len(out_r.router_logits)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    try:
+        out_r = ref(**batch)
+    except AttributeError as e:  # transformers 5.17's Granite-MoE records no router logits
+        # and its own forward then fails on the router term (5.24 and 5.25 do not): the
+        # patched model fails alike, and the term-off checks below still run
+        with pytest.raises(AttributeError, match=str(e)):
+            patched(**batch)
+    else:
+        assert_same_step(ref, patched, **batch)
+        assert coda.last_path("LMHeadLoss")[0] == ("kernel" if kernel else "reference")
+        out_p = patched(**batch)
+        assert out_p.logits is None and rel_err(out_p.aux_loss, out_r.aux_loss) < TOL
+        assert len(out_p.router_logits) == len(out_r.router_logits)
     # the term off by the call, and the token count HF's Trainer passes
     assert_same_step(ref, patched, input_ids=ids, labels=ids, output_router_logits=False)
+    assert coda.last_path("LMHeadLoss")[0] == ("kernel" if kernel else "reference")
     assert patched(input_ids=ids, labels=ids, output_router_logits=False).aux_loss is None
     n = torch.tensor(17.0, dtype=torch.float64)
-    assert_same_step(ref, patched, input_ids=ids, labels=ids, num_items_in_batch=n)
+    off = dict(output_router_logits=False)  # (the term on where HF's forward computes it)
+    kw = {} if family in ("mixtral", "qwen2_moe", "qwen3_moe") else off
+    assert_same_step(ref, patched, input_ids=ids, labels=ids, num_items_in_batch=n, **kw)
 
 
 def test_the_whole_patch_of_a_moe_model_says_what_works():
