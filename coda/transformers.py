@@ -37,7 +37,8 @@ Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel``, ``MistralForC
 ``Phi3ForCausalLM`` / ``Phi3Model`` and ``SmolLM3ForCausalLM`` / ``SmolLM3Model`` (SmolLM3's
 NoPE layers rotate by zero frequencies, the identity; silu MLP, no biases but Qwen2's on q, k
 and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
-"llama3" on whole heads: a fixed set of inverse frequencies, taken from the model; Qwen3's
+"llama3" or "yarn" on whole heads: a fixed set of inverse frequencies, taken from the model,
+YaRN's constant factor on cos and sin folded into the attention's scale; Qwen3's
 per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's epilogue,
 ``coda.kernels.qk_norm`` and ``coda.kernels.gemm_rope``; Phi-3's fused ``qkv_proj`` and
 ``gate_up_proj`` are Llama's projections concatenated by rows, converted exactly
@@ -107,9 +108,11 @@ LOSS_ONLY = {
     "GraniteMoeSharedForCausalLM": _MOE,
 }
 # RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
-# ``inv_freq``), unscaled: "dynamic" changes them with the sequence length, "yarn" and
-# "longrope" scale cos and sin too
-ROPE_TYPES = ("default", "linear", "llama3")
+# ``inv_freq``): "yarn" also scales cos and sin by a constant c (the module's
+# ``attention_scaling``), which a patched layer folds into the attention's scale, as
+# (c R q) . (c R k) = c^2 (R q) . (R k); "dynamic" and "longrope" change the frequencies with
+# the sequence length
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _check_config(config, rotary) -> None:
@@ -118,7 +121,6 @@ def _check_config(config, rotary) -> None:
         (not getattr(config, "mlp_bias", False), "mlp_bias=True"),
         (getattr(config, "pretraining_tp", 1) == 1, "pretraining_tp != 1"),
         (rotary.rope_type in ROPE_TYPES, f"rope_type={rotary.rope_type!r}"),
-        (float(rotary.attention_scaling) == 1.0, "RoPE attention_scaling != 1"),
         # Phi-3's dropout on each residual branch (0 in its released configs)
         (
             not getattr(config, "resid_pdrop", 0.0),
@@ -139,10 +141,10 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     checkpoints it as it would the layer it replaced, before or after the patch."""
 
     hf_keys = True  # ``state_dict()`` in HF's keys and layouts (``coda_keys`` turns it off)
-    # set per layer when made; these defaults serve layers pickled before session 64
-    fused, use_rope = False, True
+    # set per layer when made; these defaults serve layers pickled before sessions 64 and 65
+    fused, use_rope, rope_scale = False, True, 1.0
 
-    def __init__(self, hf_layer, config, inv_freq, mask_hint):
+    def __init__(self, hf_layer, config, inv_freq, mask_hint, rope_scale: float = 1.0):
         attn = hf_layer.self_attn
         where = f"layers.{attn.layer_idx}"
         _check_linears(hf_layer, where)
@@ -176,6 +178,9 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             raise v.CodaInputError("apply_coda: a QK-norm eps other than rms_norm_eps")
         self.fused = fused  # Phi-3's qkv_proj and gate_up_proj (``coda._hf_fused``)
         self.use_rope = use_rope
+        # YaRN's constant factor on cos and sin, folded into the attention's scale (a NoPE
+        # layer rotates nothing, so scales nothing)
+        self.rope_scale = float(rope_scale) if use_rope else 1.0
         self.load_hf_state_dict(hf_layer.state_dict())
         self._keep_frozen(hf_layer, where)
         names = (("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj")) + ("o_proj",)
@@ -262,7 +267,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
                 v,
                 attention_mask,
                 dropout=0.0 if not module.training else module.attention_dropout,
-                scaling=module.scaling,
+                scaling=module.scaling * self.rope_scale**2,  # (HF's, but for YaRN's c^2)
                 **window,
                 **kwargs,
             )
@@ -286,7 +291,8 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         # documents (padding-free batches) from ``position_ids`` alone
         kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
         attention = self._hf_attention(attention_mask, cache, kwargs)
-        if not self.use_rope:  # (both paths then rotate by the layer's zero frequencies)
+        if not self.use_rope or self.rope_scale != 1.0:  # both paths then rotate by the
+            # layer's own frequencies (zero in a NoPE layer), unscaled (YaRN's c: above)
             position_embeddings = None
         return super().forward(hidden_states, position_ids, position_embeddings, attention)
 
@@ -510,6 +516,7 @@ def _patch_layers(base, config) -> None:
     not one yet becomes a ``CodaLlamaDecoderLayer``, after the config's checks."""
     _check_config(config, base.rotary_emb)
     inv_freq = _inverse_frequencies(base.rotary_emb, config)
+    rope_scale = float(base.rotary_emb.attention_scaling)  # (YaRN's c; 1 for the others)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if 2 * inv_freq.numel() != head_dim:  # (coda's RoPE epilogue rotates whole heads)
         raise v.CodaInputError(
@@ -522,7 +529,7 @@ def _patch_layers(base, config) -> None:
     replaced = False
     for i, layer in enumerate(base.layers):
         if not isinstance(layer, CodaLlamaDecoderLayer):
-            ours = CodaLlamaDecoderLayer(layer, config, inv_freq, base.coda_mask_hint)
+            ours = CodaLlamaDecoderLayer(layer, config, inv_freq, base.coda_mask_hint, rope_scale)
             ours.__class__ = patched_class(type(layer))  # (made first: HF's __init__ not run)
             base.layers[i] = ours
             replaced = True

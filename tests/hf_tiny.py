@@ -17,6 +17,10 @@ SCALED_ROPES = {
         rope_theta=500000.0,
     ),
     "linear-rope": dict(rope_type="linear", factor=4.0, rope_theta=10000.0),
+    # cos and sin scaled by a constant too (its attention_scaling, 0.1 ln(4) + 1)
+    "yarn-rope": dict(
+        rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=64
+    ),
 }
 
 

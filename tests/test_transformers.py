@@ -75,8 +75,10 @@ def _step(model, **batch):
             original_max_position_embeddings=32,
         ),
         dict(rope_type="linear", factor=4.0),
+        # YaRN: its cos and sin scaled by c = 0.1 ln(4) + 1 (folded into the attention's scale)
+        dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32),
     ],
-    ids=["default", "llama3", "linear"],
+    ids=["default", "llama3", "linear", "yarn"],
 )
 def test_patched_llama_matches_unpatched_float64(rope, coda_path):
     cfg = tiny_config(
@@ -89,6 +91,12 @@ def test_patched_llama_matches_unpatched_float64(rope, coda_path):
     with torch.no_grad():
         assert rel_err(patched(ids).logits, ref(ids).logits) < TOL
     assert_same_step(ref, patched, input_ids=ids, labels=ids)
+    # past the original context (positions 40-52 of YaRN's 32) and through the KV cache
+    pos = torch.arange(40, 53)[None].expand(2, -1)
+    assert_same_step(ref, patched, input_ids=ids, position_ids=pos, labels=ids)
+    with torch.no_grad():
+        want = ref.generate(ids[:, :5], max_new_tokens=6, do_sample=False)
+        assert torch.equal(patched.generate(ids[:, :5], max_new_tokens=6, do_sample=False), want)
 
 
 def test_padding_and_packed_sequences_behave_as_unpatched(coda_path):
