@@ -3,7 +3,9 @@ hands it (the same keywords, the same values). Flash attention reads ``position_
 them to find the documents of a padding-free packed batch (no attention mask): a layer that
 dropped them would let attention cross document boundaries silently, which no sdpa test
 shows (sdpa's packed mask is built before the layers). Probed on the CPU with an attention
-function registered under its own name that records its keywords and runs sdpa's."""
+function registered under its own name that records its keywords and runs sdpa's. One
+difference is by design: for YaRN, whose cos and sin HF scales by a constant c, a patched
+layer rotates unscaled and hands the attention a scale c^2 larger."""
 
 from __future__ import annotations
 
@@ -57,6 +59,15 @@ WINDOWS = {
         ),
     ),
     "phi3-window": ("phi3", dict(sliding_window=5)),
+    # YaRN: HF scales cos and sin by c, a patched layer the attention's scale by c^2 instead
+    "llama-yarn": (
+        "llama",
+        dict(
+            rope_parameters=dict(
+                rope_type="yarn", factor=4.0, rope_theta=1e4, original_max_position_embeddings=8
+            )
+        ),
+    ),
 }
 
 
@@ -77,6 +88,7 @@ def test_the_attention_function_gets_what_hfs_layer_gives_it(family, kernel, pro
     packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])  # three documents
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :3] = 0
+    c2 = float(ref.model.rotary_emb.attention_scaling) ** 2  # (1 but for YaRN)
     for batch in (
         dict(input_ids=ids, position_ids=packed, use_cache=False),  # padding-free packing
         dict(input_ids=ids.repeat(2, 1), attention_mask=mask, use_cache=False),
@@ -88,4 +100,4 @@ def test_the_attention_function_gets_what_hfs_layer_gives_it(family, kernel, pro
             assert g.keys() == w.keys(), (sorted(g), sorted(w))
             for name, value in w.items():
                 same = torch.equal if isinstance(value, torch.Tensor) else lambda a, b: a == b
-                assert same(g[name], value), name
+                assert same(g[name], value * c2 if name == "scaling" else value), name
