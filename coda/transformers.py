@@ -503,8 +503,9 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
 
 
 def _task_model_stack(model, name: str):
-    """The decoder stack (``model.model``) of a task model of a supported family
-    (``LlamaForSequenceClassification``, ..., ``TASK_HEADS``), else None."""
+    """The decoder stack of a task model of a supported family (``LlamaForSequenceClassification``,
+    ..., ``TASK_HEADS``): its ``base_model_prefix`` attribute (``model``; ``transformer`` for
+    some QA models), else None."""
     for head in TASK_HEADS:
         if name.endswith(head) and name.removesuffix(head) + "Model" in SUPPORTED:
             return getattr(model, model.base_model_prefix)
