@@ -212,6 +212,9 @@ def causal_lm_forward(original):
 # final norms that scale by 1 + weight, formed in fp32 (a bf16 1 + w would round w to 2^-8)
 # and applied before the one rounding of the output: Gemma's, Gemma 2's and Gemma 3's
 GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+# final norms that scale by their weight in fp32, rounding the output once (Llama's rounds the
+# normed rows, then the product): OLMo 2's and OLMo 3's; their gain is given in fp32
+FP32_SCALED_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm")
 # causal LMs whose forward divides the logits by their config's ``logits_scaling``: Granite's
 LOGITS_SCALED = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 
@@ -219,11 +222,14 @@ LOGITS_SCALED = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeShare
 def final_norm(norm, logits_scaling: float = 1.0) -> tuple:
     """The model's final RMSNorm as coda's loss takes it: (gain, eps). Llama's norm (and every
     family's with a ``variance_epsilon``) scales by its weight; Gemma's by 1 + weight in fp32,
-    which coda's loss keeps in fp32 (``coda.reference.final_norm_ref``: HF's rounding).
+    which coda's loss keeps in fp32 (``coda.reference.final_norm_ref``: HF's rounding), and
+    OLMo's by its weight in fp32 (the same rounding).
     ``logits_scaling`` (Granite's: its logits are divided by it) divides the gain, in fp32:
     (r h g / s) W = (r h g) W / s."""
     if type(norm).__name__ in GEMMA_NORMS:
         gain, eps = 1.0 + norm.weight.float(), norm.eps
+    elif type(norm).__name__ in FP32_SCALED_NORMS:
+        gain, eps = norm.weight.float(), norm.variance_epsilon
     elif hasattr(norm, "variance_epsilon"):
         gain, eps = norm.weight, norm.variance_epsilon
     else:

@@ -51,7 +51,7 @@ only the training call's loss coda's: for layers with adapters, and for the mode
 ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE, whose router term it adds as their forward
 does; Gemma, Gemma 2 and Gemma 3 text, whose final norm's fp32 gain 1 + w it keeps in fp32
 (Gemma 2's logit soft-capping is refused); Granite, Granite-MoE and Granite-MoE-Shared, whose
-``logits_scaling`` divides that gain.
+``logits_scaling`` divides that gain; OLMo 2 and OLMo 3, whose final norm rounds once.
 """
 
 from __future__ import annotations
@@ -106,6 +106,9 @@ LOSS_ONLY = {
     "GraniteForCausalLM": "residual multipliers on both branches",
     "GraniteMoeForCausalLM": _MOE,
     "GraniteMoeSharedForCausalLM": _MOE,
+    # OLMo's final norm rounds once, after its weight (``_hf_forward.FP32_SCALED_NORMS``)
+    "Olmo2ForCausalLM": "norms after each sublayer and a QK-norm over whole q and k",
+    "Olmo3ForCausalLM": "norms after each sublayer and a QK-norm over whole q and k",
 }
 # RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
 # ``inv_freq``): "yarn" also scales cos and sin by a constant c (the module's

@@ -60,8 +60,9 @@ def tiny_config(family: str = "llama", **kw):
     here), the mixture-of-experts "mixtral", "qwen2_moe", "qwen3_moe" (``MOE``: four experts,
     two a token, the router term on at a visible weight) or "gemma", "gemma2", "gemma3"
     (``GEMMA``; Gemma 2's logit soft-capping off unless given), "granite" (``GRANITE_KW``:
-    its multipliers, logits / 4), and the Granite MoE families "granitemoe",
-    "granitemoeshared"."""
+    its multipliers, logits / 4), the Granite MoE families "granitemoe",
+    "granitemoeshared", and "olmo2", "olmo3" (OLMo 3 with a 4-token window on its sliding
+    layers)."""
     from transformers import Qwen3Config
 
     base = dict(
@@ -95,6 +96,13 @@ def tiny_config(family: str = "llama", **kw):
         config = getattr(transformers, f"{MOE[family]}Config")
         ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         return config(**{**base, **ids, **MOE_KW[family], **kw})
+    if family in ("olmo2", "olmo3"):
+        import transformers
+
+        config = getattr(transformers, f"{family.capitalize()}Config")
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        window = {"sliding_window": 4} if family == "olmo3" else {}  # (its default layer types)
+        return config(**{**base, **ids, **window, **kw})
     if family == "granite":
         from transformers import GraniteConfig
 
@@ -138,6 +146,9 @@ def model_class(config):
             return getattr(transformers, f"{name}ForCausalLM")
     if type(config) is transformers.GraniteConfig:
         return transformers.GraniteForCausalLM
+    for name in ("Olmo2", "Olmo3"):
+        if type(config) is getattr(transformers, f"{name}Config"):
+            return getattr(transformers, f"{name}ForCausalLM")
     for name in GEMMA.values():
         if type(config) is getattr(transformers, f"{name}Config"):
             return getattr(transformers, f"{name.removesuffix('Text')}ForCausalLM")

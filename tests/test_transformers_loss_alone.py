@@ -1,0 +1,76 @@
+"""``apply_coda(model, layers=False)`` on tiny random Hugging Face dense models whose layers
+are not coda's: Granite (residual multipliers; its ``logits_scaling``, logits / s, folded into
+the final norm's gain in fp32) and OLMo 2 / OLMo 3 (norms after each sublayer; their final norm
+scales by its weight in fp32 and rounds once, ``coda._hf_forward.FP32_SCALED_NORMS``). CPU,
+float64, coda's loss on its reference path and on its kernel path through the interpreter: the
+loss and every gradient equal the unpatched model's. Gemma has its own file
+(``test_transformers_gemma.py``: its gain's precision), the mixture-of-experts models theirs
+(``test_transformers_moe.py``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
+from test_transformers import assert_same_step, model_class, tiny_config  # noqa: E402
+
+import coda  # noqa: E402
+import coda.env  # noqa: E402
+import coda.transformers as ct  # noqa: E402
+
+
+def tiny(family: str, **kw):
+    cfg = tiny_config(family, **kw)
+    torch.manual_seed(0)
+    model = model_class(cfg)(cfg)
+    with torch.no_grad():  # (HF makes the norms' weights 1: a lost weight would not show)
+        model.model.norm.weight.normal_(1.0, 0.3)
+    return model.double()
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
+@pytest.mark.parametrize("family", ["granite", "olmo2", "olmo3"])
+def test_the_loss_alone_equals_unpatched(family, kernel, monkeypatch):
+    if kernel:
+        monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    ref = tiny(family, vocab_size=128)
+    patched = ct.apply_coda(copy.deepcopy(ref), layers=False)
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    assert_same_step(ref, patched, input_ids=ids, attention_mask=mask, labels=labels)
+    assert coda.last_path("LMHeadLoss")[0] == ("kernel" if kernel else "reference")
+    with torch.no_grad():  # (without labels: HF's own logits, as before)
+        assert torch.equal(patched(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_bf16_olmo_loss_rounds_its_final_norm_as_olmo_does():
+    """OLMo's final norm in bf16 (the product with its weight in fp32, rounded once): coda's
+    reference path computes the same loss as HF's bitwise, which Llama's rounding (the normed
+    rows rounded, then the product) would not."""
+    ref = tiny("olmo2", vocab_size=128).to(torch.bfloat16)
+    patched = ct.apply_coda(copy.deepcopy(ref), layers=False)
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(2))
+    loss_r = ref(input_ids=ids, labels=ids).loss
+    loss_p = patched(input_ids=ids, labels=ids).loss
+    assert coda.last_path("LMHeadLoss")[0] == "reference"
+    assert torch.equal(loss_p, loss_r.to(loss_p.dtype))
+
+
+def test_granite_whole_patch_and_a_stray_logits_scaling_are_handled():
+    assert tiny("granite").config.logits_scaling == 4.0
+    with pytest.raises(coda.CodaInputError, match=r"residual multipliers.*layers=False"):
+        ct.apply_coda(tiny("granite"))
+    with pytest.raises(coda.CodaInputError, match=r"norms after each sublayer.*layers=False"):
+        ct.apply_coda(tiny("olmo2"))
+    # a config of another family carrying the attribute: its forward ignores it, so does coda
+    cfg = tiny_config("llama", logits_scaling=4.0)
+    torch.manual_seed(0)
+    ref = model_class(cfg)(cfg).double()
+    patched = ct.apply_coda(copy.deepcopy(ref))
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
