@@ -24,6 +24,7 @@ from test_transformers import (  # noqa: E402
 
 import coda  # noqa: E402
 import coda.transformers as ct  # noqa: E402
+from coda._hf_forward import GEMMA_NORMS  # noqa: E402
 
 
 def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.0):
@@ -48,12 +49,13 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     cfg = tiny_config(base, **shape, **extra.get(family, {}))
     torch.manual_seed(seed)
     ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
-    loss_only = type(ref).__name__ in ct.LOSS_ONLY  # (Gemma 3: coda's loss, HF's layers)
+    loss_only = type(ref).__name__ in ct.LOSS_ONLY  # (coda's loss, HF's layers: Gemma 3's...)
+    gemma = type(ref.model.norm).__name__ in GEMMA_NORMS
     with torch.no_grad():  # Qwen2's biases (HF makes them 0), Gemma's norm weights w (HF's 0:
         for n, p in ref.named_parameters():  # a gain 1 + w of 1 would hide a rounded w)
             if n.endswith("_proj.bias"):
                 p.normal_(0.0, k_bias if "k_proj" in n else 1.0)
-            if loss_only and n.endswith("norm.weight"):
+            if gemma and n.endswith("norm.weight"):
                 p.normal_(0.0, 0.02)
     patched = ct.apply_coda(copy.deepcopy(ref), layers=not loss_only)
     return cfg, copy.deepcopy(ref).double(), ref, patched
@@ -106,12 +108,13 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", *SCALED_ROPES],
+    ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2"]
+    + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):
     """H200: a patched bf16 Llama / Qwen3 / Mistral / Phi-3 / SmolLM3 (its NoPE layers: RoPE
-    at angle 0 in the epilogue), Gemma 3 and Granite (the loss alone: the final norm's fp32
-    gain, Granite's logits_scaling in it), and
+    at angle 0 in the epilogue), Gemma 3, Granite and OLMo 2 (the loss alone: the final
+    norm's fp32 gain, Granite's logits_scaling in it), and
     Llama with Llama 3's and linear RoPE scaling (coda's
     kernels, HF's sdpa) against the unpatched bf16 model, both against a float64 copy: loss
     and every gradient no worse than the unpatched bf16 model's (CODA's protocol, ties within
