@@ -126,6 +126,17 @@ def tiny_config(family: str = "llama", **kw):
     return LlamaConfig(**{**base, **kw})
 
 
+def padded_batch(vocab: int, right: bool = False) -> dict:
+    """A training call's keywords for the loss-alone tests: (2, 11) seeded tokens, the second
+    row padded by 3 on the left (or the ``right``), its labels -100 there."""
+    import torch
+
+    ids = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, slice(-3, None) if right else slice(0, 3)] = 0
+    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+
 def model_class(config):
     import transformers
     from transformers import (

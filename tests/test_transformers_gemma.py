@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
 from conftest import fro_err, rel_err, tie_band  # noqa: E402
+from hf_tiny import padded_batch  # noqa: E402
 from test_transformers import assert_same_step, model_class, tiny_config  # noqa: E402
 
 import coda  # noqa: E402
@@ -52,13 +53,11 @@ def test_the_loss_alone_equals_unpatched_float64(family, kernel, monkeypatch):
     coda.env._LAST.clear()
     ref = gemma_model(family, **({"vocab_size": 128} if kernel else {}))
     patched = ct.apply_coda(copy.deepcopy(ref), layers=False)
-    V = ref.config.vocab_size
-    ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, -3:] = 0  # (right padding: left-padded rows attend to nothing, NaN in HF's
-    # float64 eager attention, Gemma 2's)
-    labels = ids.masked_fill(mask == 0, -100)
-    assert_same_step(ref, patched, input_ids=ids, attention_mask=mask, labels=labels)
+    # (right padding: left-padded rows attend to nothing, NaN in HF's float64 eager attention,
+    # Gemma 2's)
+    batch = padded_batch(ref.config.vocab_size, right=True)
+    ids, labels = batch["input_ids"], batch["labels"]
+    assert_same_step(ref, patched, **batch)
     assert coda.last_path("LMHeadLoss")[0] == ("kernel" if kernel else "reference")
     assert patched(input_ids=ids, labels=labels).logits is None  # (a training call: no logits)
     n = torch.tensor(17.0, dtype=torch.float64)

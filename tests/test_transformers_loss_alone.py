@@ -15,6 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
+from hf_tiny import padded_batch  # noqa: E402
 from test_transformers import assert_same_step, model_class, tiny_config  # noqa: E402
 
 import coda  # noqa: E402
@@ -38,11 +39,9 @@ def test_the_loss_alone_equals_unpatched(family, kernel, monkeypatch):
         monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
     ref = tiny(family, vocab_size=128)
     patched = ct.apply_coda(copy.deepcopy(ref), layers=False)
-    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    assert_same_step(ref, patched, input_ids=ids, attention_mask=mask, labels=labels)
+    batch = padded_batch(128)
+    ids = batch["input_ids"]
+    assert_same_step(ref, patched, **batch)
     assert coda.last_path("LMHeadLoss")[0] == ("kernel" if kernel else "reference")
     with torch.no_grad():  # (without labels: HF's own logits, as before)
         assert torch.equal(patched(input_ids=ids).logits, ref(input_ids=ids).logits)

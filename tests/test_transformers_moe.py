@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
 from conftest import rel_err  # noqa: E402
-from hf_tiny import MOE  # noqa: E402
+from hf_tiny import MOE, padded_batch  # noqa: E402
 from test_transformers import TOL, assert_same_step, model_class, tiny_config  # noqa: E402
 
 import coda  # noqa: E402
@@ -39,12 +39,8 @@ def test_the_loss_alone_with_the_router_term_equals_unpatched(family, kernel, mo
     coda.env._LAST.clear()
     ref = moe_model(family, **({"vocab_size": 128} if kernel else {}))
     patched = ct.apply_coda(copy.deepcopy(ref), layers=False)
-    V = ref.config.vocab_size
-    ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    batch = padded_batch(ref.config.vocab_size)
+    ids = batch["input_ids"]
     try:
         out_r = ref(**batch)
     except AttributeError as e:  # transformers 5.17's Granite-MoE records no router logits
