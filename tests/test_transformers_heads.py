@@ -81,6 +81,10 @@ def test_a_task_model_trains_as_unpatched(family, head, kernel, monkeypatch):
     for key in ("logits", "start_logits", "end_logits"):
         if key in want:
             assert rel_err(got[key], want[key]) < TOL, key
+    # saved as HF saves it: the same keys, shapes and values (a reward model's checkpoint)
+    saved, hf = patched.state_dict(), ref.state_dict()
+    assert saved.keys() == hf.keys()
+    assert all(torch.equal(saved[k], hf[k]) for k in hf)
 
 
 def test_a_task_model_of_an_unsupported_family_is_named():
