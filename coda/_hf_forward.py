@@ -219,21 +219,33 @@ FP32_SCALED_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm")
 LOGITS_SCALED = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 
 
+def norm_form(norm) -> str:
+    """How the model's final RMSNorm applies its weight, as coda's loss must: "gemma" (1 +
+    weight, in fp32), "fp32" (the weight in fp32, OLMo's), "llama" (Llama's, and every family's
+    with a ``variance_epsilon``); another norm class is refused, named (``apply_coda`` asks
+    before patching, so the training call cannot meet one)."""
+    name = type(norm).__name__
+    if name in GEMMA_NORMS:
+        return "gemma"
+    if name in FP32_SCALED_NORMS:
+        return "fp32"
+    if hasattr(norm, "variance_epsilon"):
+        return "llama"
+    raise v.CodaInputError(f"apply_coda: a final norm {name} is not supported")
+
+
 def final_norm(norm, logits_scaling: float = 1.0) -> tuple:
-    """The model's final RMSNorm as coda's loss takes it: (gain, eps). Llama's norm (and every
-    family's with a ``variance_epsilon``) scales by its weight; Gemma's by 1 + weight in fp32,
-    which coda's loss keeps in fp32 (``coda.reference.final_norm_ref``: HF's rounding), and
-    OLMo's by its weight in fp32 (the same rounding).
-    ``logits_scaling`` (Granite's: its logits are divided by it) divides the gain, in fp32:
-    (r h g / s) W = (r h g) W / s."""
-    if type(norm).__name__ in GEMMA_NORMS:
+    """The model's final RMSNorm as coda's loss takes it: (gain, eps), by ``norm_form``: the
+    weight (Llama's), 1 + weight in fp32 (Gemma's, which coda's loss keeps in fp32:
+    ``coda.reference.final_norm_ref``, HF's rounding) or the weight in fp32 (OLMo's, the same
+    rounding). ``logits_scaling`` (Granite's: its logits are divided by it) divides the gain,
+    in fp32: (r h g / s) W = (r h g) W / s."""
+    form = norm_form(norm)
+    if form == "gemma":
         gain, eps = 1.0 + norm.weight.float(), norm.eps
-    elif type(norm).__name__ in FP32_SCALED_NORMS:
-        gain, eps = norm.weight.float(), norm.variance_epsilon
-    elif hasattr(norm, "variance_epsilon"):
-        gain, eps = norm.weight, norm.variance_epsilon
     else:
-        raise v.CodaInputError(f"apply_coda: a final norm {type(norm).__name__} is not supported")
+        gain = norm.weight.float() if form == "fp32" else norm.weight
+        eps = norm.variance_epsilon
     return (gain if logits_scaling == 1.0 else gain.float() / logits_scaling), eps
 
 

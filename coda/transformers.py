@@ -494,7 +494,7 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
         )
     base = model.model if name.endswith("ForCausalLM") else model
     if name.endswith("ForCausalLM"):
-        hf_forward.final_norm(base.norm)  # (a norm coda's loss does not take: refused now)
+        hf_forward.norm_form(base.norm)  # (a norm coda's loss does not take: refused now)
     if layers:
         _patch_layers(base, model.config)
     if embedding:  # left as it is where coda's backward does not cover it

@@ -73,3 +73,13 @@ def test_granite_whole_patch_and_a_stray_logits_scaling_are_handled():
     patched = ct.apply_coda(copy.deepcopy(ref))
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
     assert_same_step(ref, patched, input_ids=ids, labels=ids)
+
+
+def test_a_final_norm_coda_does_not_know_is_refused_before_patching():
+    """A final norm of another form (here a LayerNorm put in the RMSNorm's place) would make
+    coda's loss compute another model's: refused by ``apply_coda``, named, nothing patched."""
+    model = tiny("olmo2")
+    model.model.norm = torch.nn.LayerNorm(model.config.hidden_size).double()
+    with pytest.raises(coda.CodaInputError, match=r"a final norm LayerNorm is not supported"):
+        ct.apply_coda(model, layers=False)
+    assert not hasattr(model, "coda_method")
