@@ -37,8 +37,10 @@ Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel``, ``MistralForC
 ``Phi3ForCausalLM`` / ``Phi3Model`` and ``SmolLM3ForCausalLM`` / ``SmolLM3Model`` (SmolLM3's
 NoPE layers rotate by zero frequencies, the identity; silu MLP, no biases but Qwen2's on q, k
 and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
-"llama3" or "yarn" on whole heads: a fixed set of inverse frequencies, taken from the model,
-YaRN's constant factor on cos and sin folded into the attention's scale; Qwen3's
+"llama3", "yarn" or "longrope" on whole heads: a fixed set of inverse frequencies, taken from
+the model (LongRoPE's two, the long one for a call whose largest position reaches the original
+context, as HF's rotary module picks), YaRN's and LongRoPE's constant factor on cos and sin
+folded into the attention's scale; Qwen3's
 per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's epilogue,
 ``coda.kernels.qk_norm`` and ``coda.kernels.gemm_rope``; Phi-3's fused ``qkv_proj`` and
 ``gate_up_proj`` are Llama's projections concatenated by rows, converted exactly
@@ -113,9 +115,10 @@ LOSS_ONLY = {
 # RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
 # ``inv_freq``): "yarn" also scales cos and sin by a constant c (the module's
 # ``attention_scaling``), which a patched layer folds into the attention's scale, as
-# (c R q) . (c R k) = c^2 (R q) . (R k); "dynamic" and "longrope" change the frequencies with
-# the sequence length
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# (c R q) . (c R k) = c^2 (R q) . (R k); "longrope" (Phi-3.5's) has two such sets, the long one
+# for a call whose largest position reaches the original context (HF's rule), and YaRN's kind
+# of constant; "dynamic" recomputes its frequencies from the sequence length
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def _check_config(config, rotary) -> None:
@@ -147,7 +150,9 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     # set per layer when made; these defaults serve layers pickled before sessions 64 and 65
     fused, use_rope, rope_scale = False, True, 1.0
 
-    def __init__(self, hf_layer, config, inv_freq, mask_hint, rope_scale: float = 1.0):
+    def __init__(
+        self, hf_layer, config, inv_freq, mask_hint, rope_scale: float = 1.0, long_rope=(None,) * 2
+    ):
         attn = hf_layer.self_attn
         where = f"layers.{attn.layer_idx}"
         _check_linears(hf_layer, where)
@@ -163,6 +168,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         # SmolLM3's NoPE layers (``use_rope`` 0): RoPE at angle 0, the identity, exactly
         use_rope = bool(getattr(attn, "use_rope", True))
         inv_freq = inv_freq if use_rope else torch.zeros_like(inv_freq)
+        long_inv_freq, long_after = long_rope if use_rope else (None, None)
         super().__init__(
             config.hidden_size,
             config.num_attention_heads,
@@ -176,6 +182,8 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             qk_norm=qk_norm,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
+            long_inv_freq=long_inv_freq,
+            long_after=long_after,
         )
         if qk_norm and attn.q_norm.variance_epsilon != config.rms_norm_eps:
             raise v.CodaInputError("apply_coda: a QK-norm eps other than rms_norm_eps")
@@ -387,14 +395,24 @@ def _new_patched_layer(hf_class: type):
     return object.__new__(patched_class(hf_class))
 
 
-def _inverse_frequencies(rotary, config) -> torch.Tensor:
-    """The model's RoPE inverse frequencies (float64, CPU): its buffer, or for a model made on
-    the meta device (no values yet; sharded before it is loaded, as FSDP2 recipes do) the
-    buffer of the same rotary module made afresh from the config on the CPU."""
+def _inverse_frequencies(rotary, config) -> tuple:
+    """The model's RoPE inverse frequencies (float64, CPU): its buffer (for LongRoPE, whose
+    buffer holds the set its last call used, the short set it was made with), or for a model
+    made on the meta device (no values yet; sharded before it is loaded, as FSDP2 recipes do)
+    the buffer of the same rotary module made afresh from the config on the CPU. With them
+    LongRoPE's (long set, original context length), computed as HF's rotary module computes
+    them on its first long call; (None, None) for the other types."""
     if rotary.inv_freq.device.type == "meta":
         with torch.device("cpu"):
             rotary = type(rotary)(config)
-    return rotary.inv_freq.detach().to("cpu", torch.float64)
+    if rotary.rope_type != "longrope":
+        return rotary.inv_freq.detach().to("cpu", torch.float64), (None, None)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    after = int(config.rope_parameters["original_max_position_embeddings"])
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=after + 1)
+    short = rotary.original_inv_freq.detach().to("cpu", torch.float64)
+    return short, (long.to(torch.float64), after)
 
 
 @host_cache()
@@ -519,8 +537,8 @@ def _patch_layers(base, config) -> None:
     """``apply_coda``'s layers: every decoder layer of ``base`` (an HF decoder stack) that is
     not one yet becomes a ``CodaLlamaDecoderLayer``, after the config's checks."""
     _check_config(config, base.rotary_emb)
-    inv_freq = _inverse_frequencies(base.rotary_emb, config)
-    rope_scale = float(base.rotary_emb.attention_scaling)  # (YaRN's c; 1 for the others)
+    inv_freq, long_rope = _inverse_frequencies(base.rotary_emb, config)
+    rope_scale = float(base.rotary_emb.attention_scaling)  # (YaRN's and LongRoPE's c; else 1)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if 2 * inv_freq.numel() != head_dim:  # (coda's RoPE epilogue rotates whole heads)
         raise v.CodaInputError(
@@ -533,7 +551,9 @@ def _patch_layers(base, config) -> None:
     replaced = False
     for i, layer in enumerate(base.layers):
         if not isinstance(layer, CodaLlamaDecoderLayer):
-            ours = CodaLlamaDecoderLayer(layer, config, inv_freq, base.coda_mask_hint, rope_scale)
+            ours = CodaLlamaDecoderLayer(
+                layer, config, inv_freq, base.coda_mask_hint, rope_scale, long_rope
+            )
             ours.__class__ = patched_class(type(layer))  # (made first: HF's __init__ not run)
             base.layers[i] = ours
             replaced = True

@@ -21,7 +21,24 @@ SCALED_ROPES = {
     "yarn-rope": dict(
         rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=64
     ),
+    # Phi-3.5's: two sets of frequencies (``tiny_config`` fills in their per-frequency factors
+    # for the config's head_dim), the long one for a call reaching position 64; cos and sin
+    # scaled by sqrt(1 + ln 4 / ln 64)
+    "longrope-rope": dict(
+        rope_type="longrope", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=64
+    ),
 }
+
+
+def with_longrope_factors(rope: dict, head_dim: int) -> dict:
+    """``rope`` with LongRoPE's per-frequency factors for ``head_dim`` where it has none: short
+    ones near 1, long ones growing to ~60 (a trained model's are of these sizes)."""
+    if rope.get("rope_type") != "longrope" or "long_factor" in rope:
+        return rope
+    half = head_dim // 2
+    short = [1.0 + 0.1 * i / half for i in range(half)]
+    long = [1.0 + 60.0 * (i / half) ** 2 for i in range(half)]
+    return {**rope, "short_factor": short, "long_factor": long}
 
 
 # the mixture-of-experts families (their layers stay HF's: ``apply_coda(layers=False)``)
@@ -89,7 +106,7 @@ def tiny_config(family: str = "llama", **kw):
         from transformers import Phi3Config
 
         ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-        return Phi3Config(**{**base, **ids, **kw})
+        return Phi3Config(**_longrope_filled({**base, **ids, **kw}))
     if family in MOE:
         import transformers
 
@@ -123,7 +140,14 @@ def tiny_config(family: str = "llama", **kw):
         return SmolLM3Config(**{**base, **ids, **kw})
     if family == "llama-bias":
         kw = {"attention_bias": True, **kw}
-    return LlamaConfig(**{**base, **kw})
+    return LlamaConfig(**_longrope_filled({**base, **kw}))
+
+
+def _longrope_filled(kw: dict) -> dict:
+    if "rope_parameters" in kw:
+        head_dim = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
+        kw["rope_parameters"] = with_longrope_factors(kw["rope_parameters"], head_dim)
+    return kw
 
 
 def padded_batch(vocab: int, right: bool = False) -> dict:

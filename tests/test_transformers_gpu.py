@@ -115,7 +115,7 @@ def test_gpu_patched_model_protocol(family):
     """H200: a patched bf16 Llama / Qwen3 / Mistral / Phi-3 / SmolLM3 (its NoPE layers: RoPE
     at angle 0 in the epilogue), Gemma 3, Granite and OLMo 2 (the loss alone: the final
     norm's fp32 gain, Granite's logits_scaling in it), and
-    Llama with Llama 3's and linear RoPE scaling (coda's
+    Llama with Llama 3's, linear, YaRN and LongRoPE scaling (coda's
     kernels, HF's sdpa) against the unpatched bf16 model, both against a float64 copy: loss
     and every gradient no worse than the unpatched bf16 model's (CODA's protocol, ties within
     ``tie_band``), with a padding mask.

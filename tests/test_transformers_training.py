@@ -221,10 +221,12 @@ def test_a_model_patched_on_meta_and_loaded_matches(family):
     ct.apply_coda(model)
     model.to_empty(device="cpu")
     model.load_state_dict(ref.state_dict())
-    with torch.no_grad():  # (transformers' buffer, not coda's: as for an unpatched model)
-        model.model.rotary_emb.inv_freq.copy_(ref.model.rotary_emb.inv_freq)
+    with torch.no_grad():  # (transformers' buffers, not coda's: as for an unpatched model)
+        for name, buffer in ref.model.rotary_emb.named_buffers():
+            model.model.rotary_emb.get_buffer(name).copy_(buffer)
     for mine, theirs in zip(model.model.layers, patched.model.layers):
         assert torch.equal(mine._inv_freq, theirs._inv_freq)
+        assert mine.long_after == theirs.long_after  # (LongRoPE's, both sets in the tables)
         for key, table in theirs._rope_tables.items():
             assert torch.equal(mine._rope_tables[key], table), key
     ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))

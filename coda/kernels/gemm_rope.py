@@ -107,6 +107,20 @@ def _freq_table_of(inv_freq: bytes, rotated_heads: int, plain_heads: int, device
     return rope_freq_table_from_inv(inv, rotated_heads, plain_heads, device)
 
 
+def _by_context(pos: torch.Tensor, short: torch.Tensor, long: torch.Tensor, long_after: int):
+    if pos.numel() == 0:
+        return short
+    return torch.where(pos.amax() >= long_after, long, short)
+
+
+# LongRoPE's choice of frequency set (Phi-3.5's, HF's ``longrope``): the ``long`` table for a
+# whole call whose largest position reaches ``long_after`` (the original context length),
+# else the ``short`` one; decided on the device (no host sync, capturable, traceable) and
+# remembered per positions rows, so every layer of a step gets the same table tensor (and
+# the backward's cos/sin, remembered per table, are built once a step as without it)
+context_freq_table = TensorMemo(_by_context, maxsize=4)
+
+
 @host_cache(maxsize=16, device_tensors=True)
 def default_positions(batch: int, seq: int, device) -> torch.Tensor:
     """The default positions 0..seq-1 of every sequence, as the float32 rows the RoPE epilogue

@@ -23,7 +23,12 @@ from coda.env import (
     compute_dtype,
     resolve_backend,
 )
-from coda.kernels.gemm_rope import default_positions, position_rows, shared_freq_table
+from coda.kernels.gemm_rope import (
+    context_freq_table,
+    default_positions,
+    position_rows,
+    shared_freq_table,
+)
 from coda.nn._common import FormerNames, in_dtype, tma_rule
 from coda.reference.layer import LayerShape, decoder_layer_ref
 
@@ -41,6 +46,23 @@ HF_KEYS = {  # each weight of a layer: the HF ``LlamaDecoderLayer`` weights it i
 }
 
 
+def _long_rope(long_inv_freq, long_after, head_dim: int):
+    """LongRoPE's (long set as float64 on the CPU, original context length), or (None, None)."""
+    if (long_inv_freq is None) != (long_after is None):
+        raise v.CodaInputError("long_inv_freq and long_after: give both (LongRoPE) or neither")
+    if long_inv_freq is None:
+        return None, None
+    v.check_tensor("long_inv_freq", long_inv_freq)
+    if long_inv_freq.shape != (head_dim // 2,):
+        raise v.CodaInputError(
+            f"long_inv_freq: expected shape (head_dim / 2,) = ({head_dim // 2},), got "
+            f"{tuple(long_inv_freq.shape)}"
+        )
+    return long_inv_freq.detach().to("cpu", torch.float64), v.check_positive_int(
+        "long_after", long_after
+    )
+
+
 class DecoderLayer(FormerNames, nn.Module):
     """Pre-norm Llama decoder layer. ``attention``: a callable (q, k, v) -> o on
     (batch, heads, seq, head_dim) tensors (k, v with n_kv_heads heads; causal), used by both
@@ -50,7 +72,10 @@ class DecoderLayer(FormerNames, nn.Module):
     ``qkv_bias``: Qwen2's biases of the q, k and v projections (``bias_qkv``, (Nqkv,) in
     ``w_qkv``'s column order, added before RoPE; not with ``qk_norm``). ``o_bias``: the O
     projection's bias (``bias_o``, (d,), added in F3's epilogue); with ``qkv_bias``, Llama's
-    ``attention_bias=True``.
+    ``attention_bias=True``. ``long_inv_freq`` and ``long_after``: LongRoPE (Phi-3.5's): a
+    second set of inverse frequencies, used by every call whose largest position is at least
+    ``long_after`` (the original context length), chosen on the device
+    (``gemm_rope.context_freq_table``).
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -60,6 +85,7 @@ class DecoderLayer(FormerNames, nn.Module):
     the biases ``b_qkv`` and ``b_o``, and state dicts saved under those names still load."""
 
     RENAMED = {"g1": "attention_norm", "g2": "ffn_norm", "b_qkv": "bias_qkv", "b_o": "bias_o"}
+    _long_inv_freq = long_after = None  # (the defaults of layers pickled before LongRoPE)
 
     def __init__(
         self,
@@ -78,6 +104,8 @@ class DecoderLayer(FormerNames, nn.Module):
         qk_norm: bool = False,
         qkv_bias: bool = False,
         o_bias: bool = False,
+        long_inv_freq=None,
+        long_after: int = None,
     ):
         super().__init__()
         if qk_norm and qkv_bias:
@@ -97,6 +125,7 @@ class DecoderLayer(FormerNames, nn.Module):
         # RoPE's inverse frequencies (plain attributes, not buffers: ``.to(dtype)`` must not
         # round them); the kernel's float-float table is derived once per device
         self._inv_freq = inv_freq.detach().to("cpu", torch.float64)
+        self._long_inv_freq, self.long_after = _long_rope(long_inv_freq, long_after, hd)
         self._rope_tables = {}
         if attention is not None and not callable(attention):
             raise v.CodaInputError(
@@ -147,7 +176,7 @@ class DecoderLayer(FormerNames, nn.Module):
         call. A call on another device still builds its own on first use."""
         self._rope_tables.clear()
         device = self.attention_norm.device
-        self._on_device("inv_freq", device, lambda d: self._inv_freq.to(d))
+        self._inverse_frequencies(device)
         self._freq_table(device)
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .double(), ...: tables follow
@@ -158,6 +187,7 @@ class DecoderLayer(FormerNames, nn.Module):
     def extra_repr(self) -> str:
         qk = ", qk_norm=True" if self.qk_norm else ", qkv_bias=True" if self.qkv_bias else ""
         qk += ", o_bias=True" if self.o_bias else ""
+        qk += f", long_after={self.long_after}" if self.long_after else ""
         return (
             f"d={self.d}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, ffn={self.ffn}{qk}"
@@ -244,7 +274,7 @@ class DecoderLayer(FormerNames, nn.Module):
             cos, sin = (t.expand(B, S, -1).reshape(B * S, -1)[:, :half] for t in rope_cos_sin)
             cs = torch.stack([cos, sin], dim=-1).flatten(1)
         else:
-            inv = self._on_device("inv_freq", pos.device, lambda d: self._inv_freq.to(d))
+            inv = self._inverse_frequencies(pos.device, pos)
             ang = pos.to(torch.float64)[:, None] * inv[None, :]
             cs = torch.stack([ang.cos(), ang.sin()], dim=-1).flatten(1)
         return decoder_layer_ref(
@@ -273,12 +303,28 @@ class DecoderLayer(FormerNames, nn.Module):
             self._rope_tables[key] = build(device)
         return self._rope_tables[key]
 
-    def _freq_table(self, device):
-        """The RoPE epilogue's per-column frequency table (float-float turns)."""
+    def _inverse_frequencies(self, device, pos=None):
+        """The reference path's inverse frequencies on ``device`` (LongRoPE's set for
+        positions ``pos``)."""
+        short = self._on_device("inv_freq", device, lambda d: self._inv_freq.to(d))
+        if self._long_inv_freq is None:
+            return short
+        long = self._on_device("inv_freq_long", device, lambda d: self._long_inv_freq.to(d))
+        return short if pos is None else context_freq_table(pos, short, long, self.long_after)
+
+    def _freq_table(self, device, pos=None):
+        """The RoPE epilogue's per-column frequency table (float-float turns); LongRoPE's set
+        for positions ``pos``."""
         heads = (self.n_heads + self.n_kv_heads, self.n_kv_heads)
-        return self._on_device(
+        short = self._on_device(
             "freq", device, lambda d: shared_freq_table(self._inv_freq, heads, d)
         )
+        if self._long_inv_freq is None:
+            return short
+        long = self._on_device(
+            "freq_long", device, lambda d: shared_freq_table(self._long_inv_freq, heads, d)
+        )
+        return short if pos is None else context_freq_table(pos, short, long, self.long_after)
 
     def _kernel_forward(self, x: torch.Tensor, positions=None, attention=None) -> torch.Tensor:
         """The kernel sequence (``coda.autograd``). On an SM90 GPU its GEMMs are the SM90
@@ -310,7 +356,7 @@ class DecoderLayer(FormerNames, nn.Module):
                 pos,
                 dims,
                 attention or self.attention,
-                self._freq_table(x.device),
+                self._freq_table(x.device, pos),
                 qk,
                 bias,
                 o_bias,
