@@ -1,5 +1,6 @@
-"""The forwards ``coda.transformers.apply_coda`` wraps: the causal LM's (a training call's
-loss through coda's LM-head loss, logits never formed; HF's own forward otherwise) and the
+"""The forwards ``coda.transformers.apply_coda`` wraps: the causal LM's and the
+vision-language model's (a training call's loss through coda's LM-head loss, logits never
+formed; HF's own forward otherwise) and the
 decoder stack's (its layers' causal-mask hint under a CUDA-graph capture), installed per
 instance as picklable ``_PatchedForward`` objects. What each does and why: the docstrings
 below and ``coda.transformers``'s."""
@@ -148,8 +149,7 @@ def causal_lm_forward(original):
             v.check_target_tensor(labels, rows, "labels")
             if shift is not None:
                 v.check_target_tensor(shift, rows, "shift_labels")
-        if shift is None:  # as HF's ForCausalLMLoss: tokens < n predict n
-            shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift = _shifted(labels, shift, ignore_index)
         kwargs.pop("logits_to_keep", None)  # no logits are formed
         if _cache_is_only_a_cost(args, kwargs):
             kwargs["use_cache"] = False
@@ -171,19 +171,9 @@ def causal_lm_forward(original):
         if hidden and hidden[-1] is out.last_hidden_state:  # HF's last one is after the norm
             hidden = (*hidden[:-1], norm(out.last_hidden_state))
         scaled = type(self).__name__ in LOGITS_SCALED  # (another family's config may carry it)
-        gain, eps = final_norm(norm, self.config.logits_scaling if scaled else 1.0)
-        loss = lm_head_loss(
-            out.last_hidden_state,
-            gain,
-            self.lm_head.weight.t(),
-            shift.to(out.last_hidden_state.device),
-            eps=eps,
-            ignore_index=ignore_index,
-            reduction="mean" if n_items is None else "sum",
-            method=self.coda_method,
-        )
-        if n_items is not None:
-            loss = loss / n_items
+        scaling = self.config.logits_scaling if scaled else 1.0
+        rows = out.last_hidden_state
+        loss = _coda_loss(self, self.lm_head, norm, rows, shift, n_items, ignore_index, scaling)
         extra = {}
         if moe:
             mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
@@ -204,6 +194,93 @@ def causal_lm_forward(original):
             **{cache_field: getattr(out, cache_field, None)},
             **extra,
         )
+        return result if return_dict else result.to_tuple()
+
+    return forward
+
+
+def _shifted(labels, shift_labels, ignore_index: int):
+    """The targets: ``shift_labels`` as given, else as HF's ForCausalLMLoss: tokens < n
+    predict n."""
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _coda_loss(model, head, norm, rows, shift, n_items, ignore_index: int, scaling=1.0):
+    """coda's LM-head loss of the pre-norm ``rows`` (the final ``norm`` and the LM ``head``
+    inside it, by ``model.coda_method``), reduced as HF's ForCausalLMLoss reduces it: the
+    mean over the counted targets, or the sum over ``n_items`` (``num_items_in_batch``)
+    where that is given."""
+    gain, eps = final_norm(norm, scaling)
+    loss = lm_head_loss(
+        rows,
+        gain,
+        head.weight.t(),
+        shift.to(rows.device),
+        eps=eps,
+        ignore_index=ignore_index,
+        reduction="mean" if n_items is None else "sum",
+        method=model.coda_method,
+    )
+    return loss if n_items is None else loss / n_items
+
+
+class _Rows(torch.nn.Module):
+    """Stands in for a module that the training call skips: passes its input through, and
+    keeps it (``rows``)."""
+
+    def forward(self, x):
+        self.rows = x
+        return x
+
+
+def vision_language_forward(original):
+    """A vision-language model's ``forward`` (``...ForConditionalGeneration``: a vision
+    encoder, and a text model whose last hidden state goes through its final norm, the model's
+    LM head and ``self.loss_function``): in a training call (as ``causal_lm_forward``
+    decides) the model's own forward runs with the final norm and the LM head passing their
+    input through and its loss function replaced by coda's LM-head loss of those rows (the
+    final norm inside it), so the images, the masks, the positions (Qwen2-VL's multimodal
+    RoPE), the loss arguments and the output type are the model's own, and no logits are
+    formed (``logits`` None in the output)."""
+
+    def forward(self, *args, labels=None, skip_logits=None, **kwargs):
+        if labels is None:
+            return original(self, *args, **kwargs)
+        if not (torch.is_grad_enabled() if skip_logits is None else skip_logits):
+            return original(self, *args, labels=labels, **kwargs)
+        text, head = self.model.language_model, self.lm_head
+        _check_head(head)
+        norm = text.norm
+        kwargs.pop("logits_to_keep", None)  # no logits are formed
+        if _cache_is_only_a_cost(args, kwargs):
+            kwargs["use_cache"] = False
+        return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
+
+        def loss_function(
+            logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+            shift_labels=None, **_,
+        ):  # fmt: skip
+            shift = _shifted(labels, shift_labels, ignore_index)
+            return _coda_loss(self, head, norm, logits, shift, num_items_in_batch, ignore_index)
+
+        own = self.__dict__.get("_loss_function")  # (one the user set: kept)
+        rows = _Rows()
+        text.norm, self.lm_head, self.loss_function = rows, _Rows(), loss_function
+        try:
+            out = original(self, *args, labels=labels, return_dict=True, **kwargs)
+        finally:
+            text.norm, self.lm_head = norm, head
+            if own is None:
+                del self._loss_function
+            else:
+                self._loss_function = own
+        fields = {name: getattr(out, name) for name in out.__dataclass_fields__}
+        hidden = fields.get("hidden_states")
+        if hidden and hidden[-1] is rows.rows:  # HF's last one is after the norm
+            fields["hidden_states"] = (*hidden[:-1], norm(rows.rows))
+        result = type(out)(**{**fields, "logits": None})
         return result if return_dict else result.to_tuple()
 
     return forward

@@ -54,6 +54,12 @@ only the training call's loss coda's: for layers with adapters, and for the mode
 does; Gemma, Gemma 2 and Gemma 3 text, whose final norm's fp32 gain 1 + w it keeps in fp32
 (Gemma 2's logit soft-capping is refused); Granite, Granite-MoE and Granite-MoE-Shared, whose
 ``logits_scaling`` divides that gain; OLMo 2 and OLMo 3, whose final norm rounds once.
+Vision-language models (``VISION_LANGUAGE``: Llava, Mistral 3, Gemma 3, Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL): the training call's loss through coda's (the model's own forward runs, its images,
+masks and multimodal positions its own, with its final norm and LM head skipped and its loss
+function coda's: ``_hf_forward.vision_language_forward``), and the text model's decoder layers
+where that text model is a supported family's (Llava's Llama, Mistral 3's Mistral); the others
+take ``layers=False``; the vision encoder stays HF's.
 """
 
 from __future__ import annotations
@@ -67,75 +73,21 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from coda import _hf_forward as hf_forward
 from coda import _hf_fused
 from coda import _validate as v
+from coda._hf_families import (
+    LOSS_ONLY,
+    ROPE_TYPES,  # noqa: F401 (coda.transformers.ROPE_TYPES, as before)
+    SUPPORTED,
+    TASK_HEADS,
+    TEXT_LOSS_ONLY,
+    VISION_LANGUAGE,
+    check_config,
+    inverse_frequencies,
+)
 from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_forward
 from coda.autograd import LM_HEAD_METHODS
 from coda.env import host_cache
 from coda.nn import DecoderLayer, Embedding
 from coda.nn.layer import HF_KEYS
-
-SUPPORTED = (
-    "LlamaForCausalLM",
-    "LlamaModel",
-    "MistralForCausalLM",
-    "MistralModel",
-    "Qwen2ForCausalLM",
-    "Qwen2Model",
-    "Qwen3ForCausalLM",
-    "Qwen3Model",
-    "Phi3ForCausalLM",
-    "Phi3Model",
-    "SmolLM3ForCausalLM",
-    "SmolLM3Model",
-)
-# task models (reward models, classifiers, extractive QA) over a supported family's decoder
-# stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
-TASK_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
-# models whose training loss alone coda takes (``apply_coda(model, layers=False)``), with why
-# their decoder layers are not coda's. The mixture-of-experts models' loss is Llama's
-# cross-entropy plus the router's load-balancing term, which coda's call adds as their forward
-# does; Gemma's final norm scales by 1 + w in fp32, which coda's loss keeps in fp32
-# (``coda._hf_forward.final_norm``), and its token embedding (scaled by sqrt(d) in its own
-# class) stays HF's
-_MOE, _GEMMA = "a mixture of experts", "GeGLU MLPs and norms that scale by 1 + w"
-LOSS_ONLY = {
-    "MixtralForCausalLM": _MOE,
-    "Qwen2MoeForCausalLM": _MOE,
-    "Qwen3MoeForCausalLM": _MOE,
-    "GemmaForCausalLM": _GEMMA,
-    "Gemma2ForCausalLM": _GEMMA + ", around both sublayers",
-    "Gemma3ForCausalLM": _GEMMA + ", around both sublayers",
-    # Granite's logits are divided by ``logits_scaling``, folded into the final norm's gain
-    "GraniteForCausalLM": "residual multipliers on both branches",
-    "GraniteMoeForCausalLM": _MOE,
-    "GraniteMoeSharedForCausalLM": _MOE,
-    # OLMo's final norm rounds once, after its weight (``_hf_forward.FP32_SCALED_NORMS``)
-    "Olmo2ForCausalLM": "norms after each sublayer and a QK-norm over whole q and k",
-    "Olmo3ForCausalLM": "norms after each sublayer and a QK-norm over whole q and k",
-}
-# RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
-# ``inv_freq``): "yarn" also scales cos and sin by a constant c (the module's
-# ``attention_scaling``), which a patched layer folds into the attention's scale, as
-# (c R q) . (c R k) = c^2 (R q) . (R k); "longrope" (Phi-3.5's) has two such sets, the long one
-# for a call whose largest position reaches the original context (HF's rule), and YaRN's kind
-# of constant; "dynamic" recomputes its frequencies from the sequence length
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-
-
-def _check_config(config, rotary) -> None:
-    rules = [
-        (getattr(config, "hidden_act", "silu") == "silu", f"hidden_act={config.hidden_act!r}"),
-        (not getattr(config, "mlp_bias", False), "mlp_bias=True"),
-        (getattr(config, "pretraining_tp", 1) == 1, "pretraining_tp != 1"),
-        (rotary.rope_type in ROPE_TYPES, f"rope_type={rotary.rope_type!r}"),
-        # Phi-3's dropout on each residual branch (0 in its released configs)
-        (
-            not getattr(config, "resid_pdrop", 0.0),
-            f"resid_pdrop={getattr(config, 'resid_pdrop', 0)}",
-        ),
-    ]
-    for ok, what in rules:
-        if not ok:
-            raise v.CodaInputError(f"apply_coda: {what} is not supported")
 
 
 class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
@@ -395,26 +347,6 @@ def _new_patched_layer(hf_class: type):
     return object.__new__(patched_class(hf_class))
 
 
-def _inverse_frequencies(rotary, config) -> tuple:
-    """The model's RoPE inverse frequencies (float64, CPU): its buffer (for LongRoPE, whose
-    buffer holds the set its last call used, the short set it was made with), or for a model
-    made on the meta device (no values yet; sharded before it is loaded, as FSDP2 recipes do)
-    the buffer of the same rotary module made afresh from the config on the CPU. With them
-    LongRoPE's (long set, original context length), computed as HF's rotary module computes
-    them on its first long call; (None, None) for the other types."""
-    if rotary.inv_freq.device.type == "meta":
-        with torch.device("cpu"):
-            rotary = type(rotary)(config)
-    if rotary.rope_type != "longrope":
-        return rotary.inv_freq.detach().to("cpu", torch.float64), (None, None)
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    after = int(config.rope_parameters["original_max_position_embeddings"])
-    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=after + 1)
-    short = rotary.original_inv_freq.detach().to("cpu", torch.float64)
-    return short, (long.to(torch.float64), after)
-
-
 @host_cache()
 def _hf_attention_functions():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -481,9 +413,13 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     models of ``LOSS_ONLY`` (mixture-of-experts models, their router's load-balancing loss
     added as their forward adds it; Gemma's, their final norm's gain 1 + w kept in fp32;
     Granite's, their ``logits_scaling`` folded into that gain), which take only
-    ``layers=False``. A PEFT model (one with ``get_base_model()``) has the transformers model
+    ``layers=False``; and for the vision-language models of ``VISION_LANGUAGE`` whose text
+    model is not a supported family's (Gemma 3's, the Qwen-VL models'). A PEFT model (one with ``get_base_model()``) has the transformers model
     it wraps patched, and is returned."""
     name = type(model).__name__
+    if name in VISION_LANGUAGE:
+        _apply_vision_language(model, name, method, embedding, layers)
+        return model
     stack = _task_model_stack(model, name)
     if stack is not None:  # a task head over a supported stack: the stack patched, the head HF's
         apply_coda(stack, method=method, embedding=embedding, layers=layers)
@@ -501,15 +437,11 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     if not known:
         raise v.CodaInputError(
             f"apply_coda: {name} is not supported ({', '.join(SUPPORTED)}; the loss alone, "
-            f"layers=False: {', '.join(LOSS_ONLY)})"
+            f"layers=False: {', '.join(LOSS_ONLY)}; vision-language: "
+            f"{', '.join(VISION_LANGUAGE)})"
         )
     v.check_choice("method", method, LM_HEAD_METHODS)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap is not None:  # (Gemma 2's: tanh(logits / cap) * cap before the loss)
-        raise v.CodaInputError(
-            f"apply_coda: final_logit_softcapping={cap} (the logits soft-capped before the "
-            "loss) is not supported"
-        )
+    _check_softcapping(model.config)
     base = model.model if name.endswith("ForCausalLM") else model
     if name.endswith("ForCausalLM"):
         hf_forward.norm_form(base.norm)  # (a norm coda's loss does not take: refused now)
@@ -521,6 +453,39 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
         wrap_forward(model, causal_lm_forward)
     model.coda_method = method
     return model
+
+
+def _check_softcapping(config) -> None:
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:  # (Gemma 2's: tanh(logits / cap) * cap before the loss)
+        raise v.CodaInputError(
+            f"apply_coda: final_logit_softcapping={cap} (the logits soft-capped before the "
+            "loss) is not supported"
+        )
+
+
+def _apply_vision_language(model, name: str, method: str, embedding: bool, layers: bool):
+    """``apply_coda`` for a model of ``VISION_LANGUAGE``: its text model's decoder layers
+    (where that text model is a supported family's), the training call's loss and the token
+    embedding's backward; the vision encoder and the projector stay HF's."""
+    text = model.model.language_model
+    kind = type(text).__name__
+    if layers and kind not in SUPPORTED:
+        why = TEXT_LOSS_ONLY.get(kind, "not a supported family's")
+        raise v.CodaInputError(
+            f"apply_coda: {name}'s text model {kind}: its decoder layers ({why}) are not "
+            "coda's: apply_coda(model, layers=False) makes its training loss coda's"
+        )
+    v.check_choice("method", method, LM_HEAD_METHODS)
+    _check_softcapping(model.config.get_text_config())
+    hf_forward.norm_form(text.norm)  # (a norm coda's loss does not take: refused now)
+    if layers:
+        _patch_layers(text, text.config)
+    if embedding:
+        Embedding.adopt(text.embed_tokens)
+    if not getattr(model, "coda_method", None):
+        wrap_forward(model, hf_forward.vision_language_forward)
+    model.coda_method = method
 
 
 def _task_model_stack(model, name: str):
@@ -536,8 +501,8 @@ def _task_model_stack(model, name: str):
 def _patch_layers(base, config) -> None:
     """``apply_coda``'s layers: every decoder layer of ``base`` (an HF decoder stack) that is
     not one yet becomes a ``CodaLlamaDecoderLayer``, after the config's checks."""
-    _check_config(config, base.rotary_emb)
-    inv_freq, long_rope = _inverse_frequencies(base.rotary_emb, config)
+    check_config(config, base.rotary_emb)
+    inv_freq, long_rope = inverse_frequencies(base.rotary_emb, config)
     rope_scale = float(base.rotary_emb.attention_scaling)  # (YaRN's and LongRoPE's c; else 1)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if 2 * inv_freq.numel() != head_dim:  # (coda's RoPE epilogue rotates whole heads)

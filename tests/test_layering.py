@@ -2,7 +2,7 @@
 memos (``functools.cache`` / ``lru_cache``) are the listed host-only ones.
 
     reference, primitives  ->  kernels  ->  ops, layouts, autograd  ->  nn  ->  transformers
-                                                                          (_hf_forward, _hf_fused)
+                                                      (_hf_families, _hf_forward, _hf_fused)
 (``env``, ``_validate`` and ``_metadata`` are leaves any layer may use; ``_quack`` is the only
 module that imports quack.)"""
 
@@ -19,7 +19,9 @@ RANK = {
     "autograd": 2,
     "nn": 3,
     "transformers": 4,
-    "_hf_forward": 4,  # (the HF layer's parts: its wrapped forwards, Phi-3's fused keys)
+    # (the HF patch's parts: the families it takes, its wrapped forwards, Phi-3's fused keys)
+    "_hf_families": 4,
+    "_hf_forward": 4,
     "_hf_fused": 4,
 }
 LEAVES = {"env", "_validate", "_quack", "_metadata", "__init__"}

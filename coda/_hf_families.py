@@ -1,0 +1,116 @@
+"""Which transformers models ``coda.transformers.apply_coda`` takes, and how: the families
+whose decoder layers become coda's (``SUPPORTED``, their task models ``TASK_HEADS``), those
+whose training loss alone does (``LOSS_ONLY``, with why their layers are not coda's), the
+vision-language models (``VISION_LANGUAGE``; ``TEXT_LOSS_ONLY``: their text models whose layers
+are not coda's), and the config rules a patched layer needs (``check_config``: RoPE types
+``ROPE_TYPES``, ``inverse_frequencies``). Kept apart from the patch itself so that adding a
+family is a change to these tables and their tests."""
+
+from __future__ import annotations
+
+import torch
+
+from coda import _validate as v
+
+SUPPORTED = (
+    "LlamaForCausalLM",
+    "LlamaModel",
+    "MistralForCausalLM",
+    "MistralModel",
+    "Qwen2ForCausalLM",
+    "Qwen2Model",
+    "Qwen3ForCausalLM",
+    "Qwen3Model",
+    "Phi3ForCausalLM",
+    "Phi3Model",
+    "SmolLM3ForCausalLM",
+    "SmolLM3Model",
+)
+# task models (reward models, classifiers, extractive QA) over a supported family's decoder
+# stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
+TASK_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+# models whose training loss alone coda takes (``apply_coda(model, layers=False)``), with why
+# their decoder layers are not coda's. The mixture-of-experts models' loss is Llama's
+# cross-entropy plus the router's load-balancing term, which coda's call adds as their forward
+# does; Gemma's final norm scales by 1 + w in fp32, which coda's loss keeps in fp32
+# (``coda._hf_forward.final_norm``), and its token embedding (scaled by sqrt(d) in its own
+# class) stays HF's
+_MOE, _GEMMA = "a mixture of experts", "GeGLU MLPs and norms that scale by 1 + w"
+LOSS_ONLY = {
+    "MixtralForCausalLM": _MOE,
+    "Qwen2MoeForCausalLM": _MOE,
+    "Qwen3MoeForCausalLM": _MOE,
+    "GemmaForCausalLM": _GEMMA,
+    "Gemma2ForCausalLM": _GEMMA + ", around both sublayers",
+    "Gemma3ForCausalLM": _GEMMA + ", around both sublayers",
+    # Granite's logits are divided by ``logits_scaling``, folded into the final norm's gain
+    "GraniteForCausalLM": "residual multipliers on both branches",
+    "GraniteMoeForCausalLM": _MOE,
+    "GraniteMoeSharedForCausalLM": _MOE,
+    # OLMo's final norm rounds once, after its weight (``_hf_forward.FP32_SCALED_NORMS``)
+    "Olmo2ForCausalLM": "norms after each sublayer and a QK-norm over whole q and k",
+    "Olmo3ForCausalLM": "norms after each sublayer and a QK-norm over whole q and k",
+}
+# vision-language models (a vision encoder feeding a text model's token embeddings) whose
+# training loss coda takes (``_hf_forward.vision_language_forward``), and whose text model's
+# decoder layers it patches where that text model is a supported family's (Llava's Llama,
+# Mistral 3's Mistral); the others' text layers, with why, for ``layers=False`` alone
+VISION_LANGUAGE = (
+    "LlavaForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+)
+_MROPE = "multimodal RoPE (positions in time, height and width)"
+TEXT_LOSS_ONLY = {
+    "Gemma3TextModel": LOSS_ONLY["Gemma3ForCausalLM"],
+    "Qwen2VLTextModel": _MROPE,
+    "Qwen2_5_VLTextModel": _MROPE,
+    "Qwen3VLTextModel": _MROPE + " and QK-norm",
+}
+# RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
+# ``inv_freq``): "yarn" also scales cos and sin by a constant c (the module's
+# ``attention_scaling``), which a patched layer folds into the attention's scale, as
+# (c R q) . (c R k) = c^2 (R q) . (R k); "longrope" (Phi-3.5's) has two such sets, the long one
+# for a call whose largest position reaches the original context (HF's rule), and YaRN's kind
+# of constant; "dynamic" recomputes its frequencies from the sequence length
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+def check_config(config, rotary) -> None:
+    rules = [
+        (getattr(config, "hidden_act", "silu") == "silu", f"hidden_act={config.hidden_act!r}"),
+        (not getattr(config, "mlp_bias", False), "mlp_bias=True"),
+        (getattr(config, "pretraining_tp", 1) == 1, "pretraining_tp != 1"),
+        (rotary.rope_type in ROPE_TYPES, f"rope_type={rotary.rope_type!r}"),
+        # Phi-3's dropout on each residual branch (0 in its released configs)
+        (
+            not getattr(config, "resid_pdrop", 0.0),
+            f"resid_pdrop={getattr(config, 'resid_pdrop', 0)}",
+        ),
+    ]
+    for ok, what in rules:
+        if not ok:
+            raise v.CodaInputError(f"apply_coda: {what} is not supported")
+
+
+def inverse_frequencies(rotary, config) -> tuple:
+    """The model's RoPE inverse frequencies (float64, CPU): its buffer (for LongRoPE, whose
+    buffer holds the set its last call used, the short set it was made with), or for a model
+    made on the meta device (no values yet; sharded before it is loaded, as FSDP2 recipes do)
+    the buffer of the same rotary module made afresh from the config on the CPU. With them
+    LongRoPE's (long set, original context length), computed as HF's rotary module computes
+    them on its first long call; (None, None) for the other types."""
+    if rotary.inv_freq.device.type == "meta":
+        with torch.device("cpu"):
+            rotary = type(rotary)(config)
+    if rotary.rope_type != "longrope":
+        return rotary.inv_freq.detach().to("cpu", torch.float64), (None, None)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    after = int(config.rope_parameters["original_max_position_embeddings"])
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=after + 1)
+    short = rotary.original_inv_freq.detach().to("cpu", torch.float64)
+    return short, (long.to(torch.float64), after)

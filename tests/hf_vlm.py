@@ -1,0 +1,128 @@
+"""Tiny random Hugging Face vision-language models for the VLM tests (no downloads): a vision
+encoder of two layers on 16 x 16 images (patches of 4), a 2-layer text model of width 48, a
+vocabulary of 128 with its image tokens at 120-122, and a training batch with an image:
+``tiny_vlm(kind)`` -> (model in float64, batch). ``KINDS``: kind -> whether its text model's
+layers are coda's (Llava's Llama, Mistral 3's Mistral) or its loss alone is
+(``layers=False``: Gemma 3's, and the Qwen-VL models' multimodal RoPE)."""
+
+from __future__ import annotations
+
+import torch
+
+KINDS = {
+    "llava": True,
+    "mistral3": True,
+    "gemma3": False,
+    "qwen2_vl": False,
+    "qwen2_5_vl": False,
+    "qwen3_vl": False,
+}
+IMAGE = 120  # the image placeholder token (121, 122: video and vision-start tokens)
+_TEXT = dict(
+    vocab_size=128,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, image_size=16)
+_MROPE = dict(rope_type="default", mrope_section=[2, 2, 2], rope_theta=1e4)
+_QWEN_VISION = dict(depth=2, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+
+
+def _config(kind: str):
+    import transformers as tf
+
+    if kind == "llava":
+        vision = tf.CLIPVisionConfig(**_VISION, num_attention_heads=2, patch_size=4)
+        return tf.LlavaConfig(
+            vision_config=vision,
+            text_config=tf.LlamaConfig(**_TEXT),
+            image_token_index=IMAGE,
+            vision_feature_layer=-1,
+            vision_feature_select_strategy="default",
+        )
+    if kind == "mistral3":
+        return tf.Mistral3Config(
+            text_config=dict(model_type="mistral", **_TEXT, head_dim=12, sliding_window=None),
+            vision_config=dict(
+                model_type="pixtral", **_VISION, num_attention_heads=2, patch_size=4, head_dim=16
+            ),
+            image_token_index=IMAGE,
+            spatial_merge_size=2,
+            vision_feature_layer=-1,
+        )
+    if kind == "gemma3":
+        return tf.Gemma3Config(
+            text_config=dict(_TEXT, head_dim=12, sliding_window=8),
+            vision_config=dict(_VISION, num_attention_heads=2, patch_size=4),
+            mm_tokens_per_image=4,
+            image_token_index=IMAGE,
+            boi_token_index=121,
+            eoi_token_index=122,
+        )
+    ids = dict(image_token_id=IMAGE, video_token_id=121, vision_start_token_id=122)
+    if kind == "qwen2_vl":
+        vision = dict(_QWEN_VISION, embed_dim=32, hidden_size=48, mlp_ratio=2)
+        text = dict(_TEXT, rope_parameters=_MROPE)
+        return tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+    vision = dict(_QWEN_VISION, hidden_size=32, intermediate_size=64, out_hidden_size=48)
+    if kind == "qwen2_5_vl":
+        vision.update(window_size=16, fullatt_block_indexes=[1])
+        text = dict(_TEXT, rope_parameters=_MROPE)
+        return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+    vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
+    text = dict(_TEXT, head_dim=12, rope_parameters=dict(_MROPE, mrope_interleaved=True))
+    return tf.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+
+
+def _model_class(kind: str):
+    import transformers as tf
+
+    name = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}.get(
+        kind, kind.capitalize()
+    )
+    return getattr(tf, f"{name}ForConditionalGeneration")
+
+
+def tiny_vlm(kind: str, seed: int = 0):
+    """(float64 model, a training batch): two rows of 28 tokens (one for the Qwen-VL models,
+    whose images come as one flat patch list) with an image's tokens from position 3 (16 for
+    Llava's, its 16 patches; 4 for the others, merging 2 x 2 patches), their labels
+    -100 as a fine-tuning recipe masks them, the other tokens' labels the tokens; every norm
+    weight moved off its initial value (a lost gain would show)."""
+    torch.manual_seed(seed)
+    model = _model_class(kind)(_config(kind))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+    model = model.double()
+    g = torch.Generator().manual_seed(seed + 1)
+    rows = 1 if kind.startswith("qwen") else 2
+    ids = torch.randint(3, 100, (rows, 28), generator=g)
+    image = slice(3, 19 if kind == "llava" else 7)
+    ids[:, image] = IMAGE
+    batch = dict(input_ids=ids, labels=ids.masked_fill(ids == IMAGE, -100))
+    pixels = torch.randn(rows, 3, 16, 16, dtype=torch.float64, generator=g)
+    if kind.startswith("qwen"):  # 16 patches of 3 x 2 x 4 x 4, merged 2 x 2: 4 tokens
+        ids[0, 2] = 122  # (the vision-start token before the image)
+        batch.update(
+            pixel_values=torch.randn(16, 96, dtype=torch.float64, generator=g),
+            image_grid_thw=torch.tensor([[1, 4, 4]]),
+            mm_token_type_ids=(ids == IMAGE).long(),
+        )
+    elif kind == "mistral3":
+        batch.update(pixel_values=pixels[:1], image_sizes=torch.tensor([[16, 16]]))
+        batch["input_ids"][1, image] = 5  # (one image: the second row's text only)
+        batch["labels"][1, image] = 5
+    else:
+        batch["pixel_values"] = pixels
+        if kind == "gemma3":  # (HF's training mask: image tokens attend both ways)
+            batch["token_type_ids"] = (ids == IMAGE).long()
+    return model, batch

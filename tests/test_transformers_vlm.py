@@ -1,0 +1,108 @@
+"""``apply_coda`` on vision-language models (``coda.transformers.VISION_LANGUAGE``): Llava and
+Mistral 3 (their Llama and Mistral text models' decoder layers coda's, and the loss), Gemma 3,
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the loss alone: ``layers=False``), tiny and random
+(``hf_vlm``), on the CPU in float64 on coda's reference path and its kernel path (the tile
+interpreter): a training step with an image equals the unpatched model's (the loss and every
+gradient, the vision encoder's included) and forms no logits; what else the call returns
+(hidden states, tuples, HF's logits without labels or under ``no_grad``) is HF's; HF's loss
+arguments are honored; the unsupported combinations are refused, named."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
+from conftest import rel_err  # noqa: E402
+from hf_vlm import KINDS, tiny_vlm  # noqa: E402
+from test_transformers import TOL, assert_same_step  # noqa: E402
+
+import coda  # noqa: E402
+import coda.env  # noqa: E402
+import coda.transformers as ct  # noqa: E402
+from coda import _validate as v  # noqa: E402
+
+
+def _patched(kind: str, model):
+    return ct.apply_coda(copy.deepcopy(model), layers=KINDS[kind])
+
+
+def _inputs(batch: dict) -> dict:
+    return {k: t for k, t in batch.items() if k != "labels"}
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_vlm_step_equals_unpatched_float64(kind, kernel, monkeypatch):
+    if kernel:
+        monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    coda.env._LAST.clear()
+    ref, batch = tiny_vlm(kind)
+    patched = _patched(kind, ref)
+    text = patched.model.language_model
+    assert all(isinstance(x, ct.CodaLlamaDecoderLayer) for x in text.layers) == KINDS[kind]
+    assert_same_step(ref, patched, **batch)
+    path = "kernel" if kernel else "reference"
+    assert coda.last_path("LMHeadLoss")[0] == path
+    if KINDS[kind]:
+        assert coda.last_path("DecoderLayer")[0] == path
+    out = patched(**batch)
+    assert out.logits is None and type(out) is type(ref(**batch))  # (no logits in training)
+    with torch.no_grad():  # (evaluation: HF's logits and loss)
+        want, got = ref(**batch), patched(**batch)
+        assert rel_err(got.logits, want.logits) < TOL and rel_err(got.loss, want.loss) < TOL
+    # text alone (no image) through the same call
+    ids = batch["input_ids"].masked_fill(batch["input_ids"] == 120, 7)
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
+def test_vlm_call_surface_is_hf(kind):
+    """What a training call returns besides the loss is HF's: every hidden state (the last
+    after the final norm, as HF's), ``return_dict=False``'s tuple, the loss arguments
+    (``num_items_in_batch``, ``shift_labels``), and a loss function the user set on the
+    model stays set."""
+    ref, batch = tiny_vlm(kind, seed=2)
+    patched = _patched(kind, ref)
+    want = ref(**batch, output_hidden_states=True)
+    got = patched(**batch, output_hidden_states=True)
+    assert len(got.hidden_states) == len(want.hidden_states)
+    for mine, theirs in zip(got.hidden_states, want.hidden_states):
+        assert rel_err(mine, theirs) < TOL
+    loss, *rest = patched(**batch, return_dict=False)
+    assert rel_err(loss, want.loss) < TOL and not any(
+        isinstance(t, torch.Tensor) and t.shape[-1] == 128 for t in rest
+    )  # (no logits among the rest)
+    assert_same_step(ref, patched, **batch, num_items_in_batch=torch.tensor(9.0))
+    shifted = torch.nn.functional.pad(batch["labels"], (0, 2), value=-100)[..., 2:].clone()
+    assert_same_step(ref, patched, **batch, shift_labels=shifted)
+
+    def own_loss(logits, labels, vocab_size, **kw):  # (a user's, kept by the patch)
+        return logits.float().logsumexp(-1).mean()
+
+    patched.loss_function = own_loss
+    patched(**batch)
+    assert patched.loss_function is own_loss
+
+
+@pytest.mark.parametrize("kind", [k for k, layers in KINDS.items() if not layers])
+def test_vlm_layers_that_are_not_codas_are_refused_named(kind):
+    ref, _ = tiny_vlm(kind)
+    name = type(ref.model.language_model).__name__
+    with pytest.raises(v.CodaInputError, match=f"text model {name}: its decoder layers"):
+        ct.apply_coda(ref)
+
+
+def test_vlm_state_dict_is_hf_and_loads_back():
+    """A patched Llava's state dict is HF's, keys and values; it loads into an unpatched
+    model, whose step then equals the patched one's."""
+    ref, batch = tiny_vlm("llava", seed=3)
+    patched = _patched("llava", ref)
+    mine, theirs = patched.state_dict(), ref.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    fresh, _ = tiny_vlm("llava", seed=4)
+    fresh.load_state_dict(mine)
+    assert_same_step(fresh, patched, **batch)
