@@ -53,22 +53,33 @@ LOSS_ONLY = {
 }
 # vision-language models (a vision encoder feeding a text model's token embeddings) whose
 # training loss coda takes (``_hf_forward.vision_language_forward``), and whose text model's
-# decoder layers it patches where that text model is a supported family's (Llava's Llama,
-# Mistral 3's Mistral); the others' text layers, with why, for ``layers=False`` alone
+# decoder layers it patches where that text model is a supported family's (Llava's and
+# Llava-NeXT's Llama or Mistral, Mistral 3's Mistral, Llava-OneVision's and InternVL's Qwen2,
+# Idefics3's and SmolVLM's Llama); the others' text layers, with why, for ``layers=False``
 VISION_LANGUAGE = (
     "LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
+    "InternVLForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
+    "PaliGemmaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "MllamaForConditionalGeneration",
 )
 _MROPE = "multimodal RoPE (positions in time, height and width)"
 TEXT_LOSS_ONLY = {
+    "GemmaModel": LOSS_ONLY["GemmaForCausalLM"],
+    "Gemma2Model": LOSS_ONLY["Gemma2ForCausalLM"],
     "Gemma3TextModel": LOSS_ONLY["Gemma3ForCausalLM"],
     "Qwen2VLTextModel": _MROPE,
     "Qwen2_5_VLTextModel": _MROPE,
     "Qwen3VLTextModel": _MROPE + " and QK-norm",
+    "MllamaTextModel": "cross-attention layers to the image",
 }
 # RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
 # ``inv_freq``): "yarn" also scales cos and sin by a constant c (the module's

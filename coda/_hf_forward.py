@@ -235,6 +235,13 @@ class _Rows(torch.nn.Module):
         return x
 
 
+def text_model(model):
+    """A vision-language model's text model (``language_model``; Idefics3's and SmolVLM's
+    ``text_model``)."""
+    inner = model.model
+    return inner.language_model if hasattr(inner, "language_model") else inner.text_model
+
+
 def vision_language_forward(original):
     """A vision-language model's ``forward`` (``...ForConditionalGeneration``: a vision
     encoder, and a text model whose last hidden state goes through its final norm, the model's
@@ -250,7 +257,7 @@ def vision_language_forward(original):
             return original(self, *args, **kwargs)
         if not (torch.is_grad_enabled() if skip_logits is None else skip_logits):
             return original(self, *args, labels=labels, **kwargs)
-        text, head = self.model.language_model, self.lm_head
+        text, head = text_model(self), self.lm_head
         _check_head(head)
         norm = text.norm
         kwargs.pop("logits_to_keep", None)  # no logits are formed

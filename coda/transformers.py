@@ -54,12 +54,13 @@ only the training call's loss coda's: for layers with adapters, and for the mode
 does; Gemma, Gemma 2 and Gemma 3 text, whose final norm's fp32 gain 1 + w it keeps in fp32
 (Gemma 2's logit soft-capping is refused); Granite, Granite-MoE and Granite-MoE-Shared, whose
 ``logits_scaling`` divides that gain; OLMo 2 and OLMo 3, whose final norm rounds once.
-Vision-language models (``VISION_LANGUAGE``: Llava, Mistral 3, Gemma 3, Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL): the training call's loss through coda's (the model's own forward runs, its images,
-masks and multimodal positions its own, with its final norm and LM head skipped and its loss
-function coda's: ``_hf_forward.vision_language_forward``), and the text model's decoder layers
-where that text model is a supported family's (Llava's Llama, Mistral 3's Mistral); the others
-take ``layers=False``; the vision encoder stays HF's.
+Vision-language models (``VISION_LANGUAGE``: Llava, Llava-NeXT, Llava-OneVision, Mistral 3,
+InternVL, Idefics3, SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mllama): the
+training call's loss through coda's (the model's own forward runs, its images, masks and
+multimodal positions its own, with its final norm and LM head skipped and its loss function
+coda's: ``_hf_forward.vision_language_forward``), and the text model's decoder layers where
+that text model is a supported family's (Llama, Mistral, Qwen2); the others take
+``layers=False``; the vision encoder stays HF's.
 """
 
 from __future__ import annotations
@@ -414,8 +415,9 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     added as their forward adds it; Gemma's, their final norm's gain 1 + w kept in fp32;
     Granite's, their ``logits_scaling`` folded into that gain), which take only
     ``layers=False``; and for the vision-language models of ``VISION_LANGUAGE`` whose text
-    model is not a supported family's (Gemma 3's, the Qwen-VL models'). A PEFT model (one with ``get_base_model()``) has the transformers model
-    it wraps patched, and is returned."""
+    model is not a supported family's (Gemma's, the Qwen-VL models', Mllama's). A PEFT
+    model (one with ``get_base_model()``) has the transformers model it wraps patched, and
+    is returned."""
     name = type(model).__name__
     if name in VISION_LANGUAGE:
         _apply_vision_language(model, name, method, embedding, layers)
@@ -468,7 +470,7 @@ def _apply_vision_language(model, name: str, method: str, embedding: bool, layer
     """``apply_coda`` for a model of ``VISION_LANGUAGE``: its text model's decoder layers
     (where that text model is a supported family's), the training call's loss and the token
     embedding's backward; the vision encoder and the projector stay HF's."""
-    text = model.model.language_model
+    text = hf_forward.text_model(model)
     kind = type(text).__name__
     if layers and kind not in SUPPORTED:
         why = TEXT_LOSS_ONLY.get(kind, "not a supported family's")

@@ -2,8 +2,10 @@
 encoder of two layers on 16 x 16 images (patches of 4), a 2-layer text model of width 48, a
 vocabulary of 128 with its image tokens at 120-122, and a training batch with an image:
 ``tiny_vlm(kind)`` -> (model in float64, batch). ``KINDS``: kind -> whether its text model's
-layers are coda's (Llava's Llama, Mistral 3's Mistral) or its loss alone is
-(``layers=False``: Gemma 3's, and the Qwen-VL models' multimodal RoPE)."""
+layers are coda's (a Llama, Mistral or Qwen2) or its loss alone is (``layers=False``: Gemma's,
+the Qwen-VL models' multimodal RoPE, Mllama's cross-attention). ``TEXT_ONLY``: the kinds whose
+image inputs are not built here (Llava-NeXT's and -OneVision's tiled images, Mllama's tiles
+and cross-attention masks): their batch has no image."""
 
 from __future__ import annotations
 
@@ -11,12 +13,22 @@ import torch
 
 KINDS = {
     "llava": True,
+    "llava_next": True,
+    "llava_onevision": True,
     "mistral3": True,
+    "internvl": True,
+    "idefics3": True,
+    "smolvlm": True,
     "gemma3": False,
+    "paligemma": False,
     "qwen2_vl": False,
     "qwen2_5_vl": False,
     "qwen3_vl": False,
+    "mllama": False,
 }
+TEXT_ONLY = ("llava_next", "llava_onevision", "mllama")
+# image tokens per image: Llava's and PaliGemma's 16 patches; the others merge 2 x 2 patches
+IMAGE_TOKENS = {"llava": 16, "paligemma": 16}
 IMAGE = 120  # the image placeholder token (121, 122: video and vision-start tokens)
 _TEXT = dict(
     vocab_size=128,
@@ -38,6 +50,35 @@ _QWEN_VISION = dict(depth=2, num_heads=2, patch_size=4, spatial_merge_size=2, te
 def _config(kind: str):
     import transformers as tf
 
+    siglip = dict(_VISION, num_attention_heads=2, patch_size=4)
+    if kind in ("llava_next", "llava_onevision"):
+        vision = dict(siglip, model_type="siglip_vision_model")
+        text = dict(_TEXT, model_type="mistral" if kind == "llava_next" else "qwen2")
+        config = tf.LlavaNextConfig if kind == "llava_next" else tf.LlavaOnevisionConfig
+        return config(
+            vision_config=vision, text_config=text, image_token_index=IMAGE,
+            image_grid_pinpoints=[[16, 16]],
+        )  # fmt: skip
+    if kind == "internvl":
+        vision = dict(_VISION, num_attention_heads=2, image_size=[16, 16], patch_size=[4, 4])
+        text = dict(_TEXT, model_type="qwen2")
+        return tf.InternVLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE)
+    if kind in ("idefics3", "smolvlm"):
+        config = tf.Idefics3Config if kind == "idefics3" else tf.SmolVLMConfig
+        text = dict(_TEXT, model_type="llama")
+        return config(vision_config=siglip, text_config=text, image_token_id=IMAGE, scale_factor=2)
+    if kind == "paligemma":
+        text = dict(_TEXT, model_type="gemma", head_dim=12)
+        return tf.PaliGemmaConfig(
+            vision_config=siglip, text_config=text, image_token_index=IMAGE, projection_dim=48
+        )
+    if kind == "mllama":
+        vision = dict(
+            _VISION, attention_heads=2, patch_size=4, num_global_layers=1, max_num_tiles=4,
+            vision_output_dim=64, intermediate_layers_indices=[0],
+        )  # fmt: skip
+        text = dict(_TEXT, cross_attention_layers=[1])
+        return tf.MllamaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE)
     if kind == "llava":
         vision = tf.CLIPVisionConfig(**_VISION, num_attention_heads=2, patch_size=4)
         return tf.LlavaConfig(
@@ -84,16 +125,17 @@ def _config(kind: str):
 def _model_class(kind: str):
     import transformers as tf
 
-    name = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}.get(
-        kind, kind.capitalize()
-    )
+    names = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
+    names.update(llava_next="LlavaNext", llava_onevision="LlavaOnevision", internvl="InternVL")
+    names.update(smolvlm="SmolVLM", paligemma="PaliGemma")
+    name = names.get(kind, kind.capitalize())
     return getattr(tf, f"{name}ForConditionalGeneration")
 
 
 def tiny_vlm(kind: str, seed: int = 0):
     """(float64 model, a training batch): two rows of 28 tokens (one for the Qwen-VL models,
-    whose images come as one flat patch list) with an image's tokens from position 3 (16 for
-    Llava's, its 16 patches; 4 for the others, merging 2 x 2 patches), their labels
+    whose images come as one flat patch list) with an image's tokens from position 3
+    (``IMAGE_TOKENS``; none for ``TEXT_ONLY``'s kinds), their labels
     -100 as a fine-tuning recipe masks them, the other tokens' labels the tokens; every norm
     weight moved off its initial value (a lost gain would show)."""
     torch.manual_seed(seed)
@@ -106,8 +148,9 @@ def tiny_vlm(kind: str, seed: int = 0):
     g = torch.Generator().manual_seed(seed + 1)
     rows = 1 if kind.startswith("qwen") else 2
     ids = torch.randint(3, 100, (rows, 28), generator=g)
-    image = slice(3, 19 if kind == "llava" else 7)
-    ids[:, image] = IMAGE
+    image = slice(3, 3 + IMAGE_TOKENS.get(kind, 4))
+    if kind not in TEXT_ONLY:
+        ids[:, image] = IMAGE
     batch = dict(input_ids=ids, labels=ids.masked_fill(ids == IMAGE, -100))
     pixels = torch.randn(rows, 3, 16, 16, dtype=torch.float64, generator=g)
     if kind.startswith("qwen"):  # 16 patches of 3 x 2 x 4 x 4, merged 2 x 2: 4 tokens
@@ -121,8 +164,12 @@ def tiny_vlm(kind: str, seed: int = 0):
         batch.update(pixel_values=pixels[:1], image_sizes=torch.tensor([[16, 16]]))
         batch["input_ids"][1, image] = 5  # (one image: the second row's text only)
         batch["labels"][1, image] = 5
-    else:
+    elif kind in ("idefics3", "smolvlm"):  # (images per row: one)
+        batch["pixel_values"] = pixels[:, None]
+    elif kind not in TEXT_ONLY:
         batch["pixel_values"] = pixels
         if kind == "gemma3":  # (HF's training mask: image tokens attend both ways)
             batch["token_type_ids"] = (ids == IMAGE).long()
+        if kind == "paligemma":  # (its prefix, image and prompt, attends both ways)
+            batch["token_type_ids"] = (torch.arange(28) >= 22).long().expand(rows, -1)
     return model, batch

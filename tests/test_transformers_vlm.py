@@ -1,9 +1,11 @@
-"""``apply_coda`` on vision-language models (``coda.transformers.VISION_LANGUAGE``): Llava and
-Mistral 3 (their Llama and Mistral text models' decoder layers coda's, and the loss), Gemma 3,
-Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the loss alone: ``layers=False``), tiny and random
+"""``apply_coda`` on vision-language models (``coda.transformers.VISION_LANGUAGE``): Llava,
+Llava-NeXT, Llava-OneVision, Mistral 3, InternVL, Idefics3 and SmolVLM (their Llama, Mistral
+and Qwen2 text models' decoder layers coda's, and the loss), Gemma 3, PaliGemma, Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL and Mllama (the loss alone: ``layers=False``), tiny and random
 (``hf_vlm``), on the CPU in float64 on coda's reference path and its kernel path (the tile
-interpreter): a training step with an image equals the unpatched model's (the loss and every
-gradient, the vision encoder's included) and forms no logits; what else the call returns
+interpreter): a training step with an image (text alone for ``hf_vlm.TEXT_ONLY``'s) equals
+the unpatched model's (the loss and every gradient, the vision encoder's included) and forms
+no logits; what else the call returns
 (hidden states, tuples, HF's logits without labels or under ``no_grad``) is HF's; HF's loss
 arguments are honored; the unsupported combinations are refused, named."""
 
@@ -23,6 +25,7 @@ import coda  # noqa: E402
 import coda.env  # noqa: E402
 import coda.transformers as ct  # noqa: E402
 from coda import _validate as v  # noqa: E402
+from coda._hf_forward import text_model  # noqa: E402
 
 
 def _patched(kind: str, model):
@@ -41,7 +44,7 @@ def test_vlm_step_equals_unpatched_float64(kind, kernel, monkeypatch):
     coda.env._LAST.clear()
     ref, batch = tiny_vlm(kind)
     patched = _patched(kind, ref)
-    text = patched.model.language_model
+    text = text_model(patched)
     assert all(isinstance(x, ct.CodaLlamaDecoderLayer) for x in text.layers) == KINDS[kind]
     assert_same_step(ref, patched, **batch)
     path = "kernel" if kernel else "reference"
@@ -90,7 +93,7 @@ def test_vlm_call_surface_is_hf(kind):
 @pytest.mark.parametrize("kind", [k for k, layers in KINDS.items() if not layers])
 def test_vlm_layers_that_are_not_codas_are_refused_named(kind):
     ref, _ = tiny_vlm(kind)
-    name = type(ref.model.language_model).__name__
+    name = type(text_model(ref)).__name__
     with pytest.raises(v.CodaInputError, match=f"text model {name}: its decoder layers"):
         ct.apply_coda(ref)
 
