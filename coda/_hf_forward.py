@@ -170,10 +170,13 @@ def causal_lm_forward(original):
         hidden = out.hidden_states
         if hidden and hidden[-1] is out.last_hidden_state:  # HF's last one is after the norm
             hidden = (*hidden[:-1], norm(out.last_hidden_state))
-        scaled = type(self).__name__ in LOGITS_SCALED  # (another family's config may carry it)
-        scaling = self.config.logits_scaling if scaled else 1.0
+        name = type(self).__name__  # (another family's config may carry these)
+        scaling = self.config.logits_scaling if name in LOGITS_SCALED else 1.0
+        cap = self.config.final_logit_softcapping if name in LOGITS_SOFTCAPPED else None
         rows = out.last_hidden_state
-        loss = _coda_loss(self, self.lm_head, norm, rows, shift, n_items, ignore_index, scaling)
+        loss = _coda_loss(
+            self, self.lm_head, norm, rows, shift, n_items, ignore_index, scaling, cap
+        )
         extra = {}
         if moe:
             mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
@@ -207,11 +210,13 @@ def _shifted(labels, shift_labels, ignore_index: int):
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-def _coda_loss(model, head, norm, rows, shift, n_items, ignore_index: int, scaling=1.0):
+def _coda_loss(
+    model, head, norm, rows, shift, n_items, ignore_index: int, scaling=1.0, softcap=None
+):
     """coda's LM-head loss of the pre-norm ``rows`` (the final ``norm`` and the LM ``head``
-    inside it, by ``model.coda_method``), reduced as HF's ForCausalLMLoss reduces it: the
-    mean over the counted targets, or the sum over ``n_items`` (``num_items_in_batch``)
-    where that is given."""
+    inside it, by ``model.coda_method``; the logits soft-capped by ``softcap`` where it is
+    given), reduced as HF's ForCausalLMLoss reduces it: the mean over the counted targets,
+    or the sum over ``n_items`` (``num_items_in_batch``) where that is given."""
     gain, eps = final_norm(norm, scaling)
     loss = lm_head_loss(
         rows,
@@ -222,6 +227,7 @@ def _coda_loss(model, head, norm, rows, shift, n_items, ignore_index: int, scali
         ignore_index=ignore_index,
         reduction="mean" if n_items is None else "sum",
         method=model.coda_method,
+        softcap=softcap,
     )
     return loss if n_items is None else loss / n_items
 
@@ -301,6 +307,9 @@ GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 FP32_SCALED_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm")
 # causal LMs whose forward divides the logits by their config's ``logits_scaling``: Granite's
 LOGITS_SCALED = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
+# causal LMs whose forward soft-caps the logits by their config's ``final_logit_softcapping``
+# (c tanh(l / c), where it is set): Gemma 2's and Gemma 3's
+LOGITS_SOFTCAPPED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def norm_form(norm) -> str:

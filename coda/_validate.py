@@ -139,6 +139,25 @@ def check_ce_options(label_smoothing, z_loss) -> tuple[float, float]:
     return float(label_smoothing), float(z_loss)
 
 
+def check_softcap(softcap, label_smoothing: float, method: str):
+    """The logits' soft-cap (Gemma 2's ``final_logit_softcapping``): None, or a finite
+    positive number, without label smoothing (its uniform term is a sum over the logits that
+    the programs form by linearity, which a cap breaks) and for the "recompute" program (or
+    "auto", which then picks it): the three-GEMM programs' stored numerators carry no
+    per-entry cap slope."""
+    if softcap is None:
+        return None
+    check_positive_number("softcap", softcap)
+    if label_smoothing:
+        raise CodaInputError("softcap: not supported with label_smoothing")
+    if method not in ("auto", "recompute"):
+        raise CodaInputError(
+            f"softcap: runs the 'recompute' program (method 'auto' or 'recompute'), got "
+            f"method {method!r}"
+        )
+    return float(softcap)
+
+
 def check_ignore_index(ignore_index) -> int:
     """Cross-entropy's ``ignore_index``: an integer (any, as ``F.cross_entropy``'s)."""
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):

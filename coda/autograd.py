@@ -53,7 +53,7 @@ from coda.kernels.ce_scaled_exp import chunk_rows_scaled
 from coda.kernels.drope import cached_head_rotation
 from coda.kernels.final_norm_rows import head_norm_backward
 from coda.kernels.gemm_rope import cached_freq_table, lean_z_cols
-from coda.kernels.linear_cross_entropy import logits_row_sum
+from coda.kernels.linear_cross_entropy import logits_row_sum, softcap_rows
 from coda.kernels.linear_cross_entropy_bwd import (
     ce_grad_weights,
     final_norm_bwd_normed,
@@ -488,12 +488,15 @@ class Embedding(torch.autograd.Function):
 LM_HEAD_METHODS = ("auto", "recompute", "chunked", "scaled_exp")  # LinearCrossEntropyFunction's
 
 
-def resolve_lm_head_method(method: str, vocab: int, needs_grad: bool = True) -> str:
+def resolve_lm_head_method(
+    method: str, vocab: int, needs_grad: bool = True, softcap: bool = False
+) -> str:
     """The LM-head program that runs. "auto": CE-S ("scaled_exp", the fastest on the H200 at
     every measured shape, benchmarks/NOTES.md) where it applies (vocab a multiple of 128),
     else "recompute". Without gradients (an evaluation loss) always "recompute": its forward
-    is one GEMM, where the three-GEMM programs would form gradients for nothing."""
-    if not needs_grad:
+    is one GEMM, where the three-GEMM programs would form gradients for nothing. With a
+    logit soft-cap, "recompute" (the only program with its per-entry slope)."""
+    if not needs_grad or softcap:
         return "recompute"
     if method != "auto":
         return method
@@ -514,8 +517,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x2, gf, w_lm, target, eps, ignore_index, reduction, chunk, method, smooth, z_loss
-    ):
+        ctx, x2, gf, w_lm, target, eps, ignore_index, reduction, chunk, method, smooth, z_loss,
+        softcap=None,
+    ):  # fmt: skip
         assert method != "auto", "resolve_lm_head_method first"
         M, d = x2.shape
         V = w_lm.shape[1]
@@ -547,29 +551,42 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # (the target entries read w_lm itself: under autocast no bf16 copy is kept)
             ctx.save_for_backward(G, coef, S, target, x2, gf, r, dw_acc, w_lm)
             return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
-        parts, tl = lib.lm_head_stats(y, w, ones, target, cfg)  # F6
+        parts, tl = lib.lm_head_stats(y, w, ones, target, cfg, softcap)  # F6
         lse = combine_lse(parts)  # A3
         ctx.save_for_backward(x2, y, r, ones, lse, tl, target, gf, w)
         ctx.w_dtype = w_lm.dtype
-        ctx.cfg = (ignore_index, reduction, chunk, cfg, smooth, z_loss)
-        return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
+        ctx.cfg = (ignore_index, reduction, chunk, cfg, smooth, z_loss, softcap)
+        capped = tl if softcap is None else softcap_rows(tl, softcap)  # (F6 keeps l_y uncapped)
+        return ce_loss_from_stats(lse, capped, target, ignore_index, reduction, **stats)
 
     @staticmethod
     def backward(ctx, g):
         differentiable_once("LinearCrossEntropyFunction")
-        nones = (None,) * 8
+        nones = (None,) * 9
         if ctx.method in ("chunked", "scaled_exp"):
             G, coef, S, target, x2, gf, r, dw_acc, w_lm = ctx.saved_tensors
             dx2, dgf = head_norm_backward(G, coef, S, target, w_lm, x2, gf, r, g)
             dw = weight_grad_from_acc(dw_acc, g, w_lm) if ctx.want_dw else None
             return dx2, dgf, dw, *nones  # dgf in gf's dtype already (one rounding)
         x2, y, r, ones, lse, tl, target, gf, w = ctx.saved_tensors
-        ignore_index, reduction, chunk, cfg, smooth, z_loss = ctx.cfg
+        ignore_index, reduction, chunk, cfg, smooth, z_loss, softcap = ctx.cfg
         scale = row_scale(target, ignore_index, reduction, g)
         p_scale, hot, shift = ce_grad_weights(scale, lse, w.shape[1], smooth, z_loss)
         want_dw = ctx.needs_input_grad[2]  # (a frozen LM head: no B3)
         G, S, dw = lib.lm_head_bwd(
-            y, w, ones, lse, tl, target, p_scale, chunk, cfg, hot=hot, shift=shift, want_dw=want_dw
+            y,
+            w,
+            ones,
+            lse,
+            tl,
+            target,
+            p_scale,
+            chunk,
+            cfg,
+            hot=hot,
+            shift=shift,
+            want_dw=want_dw,
+            softcap=softcap,
         )  # B1 + B3 + B2
         dx2, dgf = fused(final_norm_bwd_normed)(G, S, x2, gf, r)  # A4 + A5
         return dx2, dgf.to(gf.dtype), dw.to(ctx.w_dtype) if want_dw else None, *nones

@@ -52,8 +52,9 @@ stack patched, the task head and its loss HF's). ``apply_coda(model, layers=Fals
 only the training call's loss coda's: for layers with adapters, and for the models of
 ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE, whose router term it adds as their forward
 does; Gemma, Gemma 2 and Gemma 3 text, whose final norm's fp32 gain 1 + w it keeps in fp32
-(Gemma 2's logit soft-capping is refused); Granite, Granite-MoE and Granite-MoE-Shared, whose
-``logits_scaling`` divides that gain; OLMo 2 and OLMo 3, whose final norm rounds once.
+(Gemma 2's logit soft-capping in coda's loss too: its "recompute" program); Granite,
+Granite-MoE and Granite-MoE-Shared, whose ``logits_scaling`` divides that gain; OLMo 2 and
+OLMo 3, whose final norm rounds once.
 Vision-language models (``VISION_LANGUAGE``: Llava, Llava-NeXT, Llava-OneVision, Mistral 3,
 InternVL, Idefics3, SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mllama): the
 training call's loss through coda's (the model's own forward runs, its images, masks and
@@ -443,7 +444,7 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
             f"{', '.join(VISION_LANGUAGE)})"
         )
     v.check_choice("method", method, LM_HEAD_METHODS)
-    _check_softcapping(model.config)
+    _check_softcapping(model.config, method if name in hf_forward.LOGITS_SOFTCAPPED else None)
     base = model.model if name.endswith("ForCausalLM") else model
     if name.endswith("ForCausalLM"):
         hf_forward.norm_form(base.norm)  # (a norm coda's loss does not take: refused now)
@@ -457,13 +458,22 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     return model
 
 
-def _check_softcapping(config) -> None:
+def _check_softcapping(config, method: str | None = None) -> None:
+    """A model's ``final_logit_softcapping`` (Gemma 2's: c tanh(logits / c) before the loss):
+    taken by coda's loss (``softcap``: its "recompute" program) where ``method`` is given (a
+    model whose forward applies it, ``_hf_forward.LOGITS_SOFTCAPPED``), else refused."""
     cap = getattr(config, "final_logit_softcapping", None)
-    if cap is not None:  # (Gemma 2's: tanh(logits / cap) * cap before the loss)
+    if cap is None:
+        return
+    if method is None:
         raise v.CodaInputError(
             f"apply_coda: final_logit_softcapping={cap} (the logits soft-capped before the "
-            "loss) is not supported"
+            "loss) is not supported for this model"
         )
+    try:
+        v.check_softcap(cap, 0.0, method)
+    except v.CodaInputError as e:
+        raise v.CodaInputError(f"apply_coda: final_logit_softcapping={cap}: {e}") from None
 
 
 def _apply_vision_language(model, name: str, method: str, embedding: bool, layers: bool):

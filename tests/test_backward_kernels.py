@@ -255,6 +255,7 @@ COMPILES = {
     "norm_bwd": lambda: rmsnorm_bwd.compile_norm_bwd(1024, 512, residual=False),
     "norm_bwd_residual": lambda: rmsnorm_bwd.compile_norm_bwd(1024, 512, residual=True),
     "ce_grad_logits": lambda: ceb.compile_grad_logits(256, 1000),
+    "ce_grad_logits_capped": lambda: ceb.compile_grad_logits(256, 1000, capped=True),
     "ce_accumulate_fp32": lambda: ceb.compile_accumulate(1000, 512),
     "ce_dw_column_block": lambda: ceb.compile_dw_block(256, 2048),
     "wgrad_gamma_rows": lambda: wgrad.compile_wgrad_gamma_rows(512, 768),

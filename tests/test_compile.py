@@ -69,11 +69,13 @@ def test_compiled_step_equals_eager_and_does_not_recompile():
         "phi3-longrope",
         "llama-loss-alone",
         "gemma3-loss-alone",
+        "gemma2-capped-loss-alone",
     ],
 )
 def test_patched_hf_model_traces_without_graph_breaks(family):
     """``*-loss-alone``: ``apply_coda(layers=False)``, HF's layers around coda's loss (Gemma 3's
-    final-norm gain 1 + w formed in the traced call); ``phi3-longrope``: LongRoPE's choice of
+    final-norm gain 1 + w formed in the traced call; Gemma 2's soft-capped logits);
+    ``phi3-longrope``: LongRoPE's choice of
     frequency set, made on the device, traced. Skipped where the unpatched model itself
     breaks (transformers 5.17's LongRoPE picks its set on the host)."""
     pytest.importorskip("transformers")
@@ -85,6 +87,8 @@ def test_patched_hf_model_traces_without_graph_breaks(family):
     if family == "phi3-longrope":  # (a 9-token call past its original context of 8)
         rope = SCALED_ROPES["longrope-rope"]
         cfg = tiny_config("phi3", rope_parameters=rope, original_max_position_embeddings=8)
+    elif family == "gemma2-capped-loss-alone":  # (its logits soft-capped in coda's loss)
+        cfg = tiny_config("gemma2", final_logit_softcapping=30.0)
     else:
         cfg = tiny_config(family.removesuffix("-loss-alone"))
     torch.manual_seed(0)

@@ -48,7 +48,7 @@ def op_samples():
         "gemm_swiglu": (_r(M, K), _r(K, 2 * f), rstd, CFG),
         "gemm_swiglu_only": (_r(M, K), _r(K, 2 * f), rstd, CFG),
         "gemm_scale_rows": (_r(M, K), _r(K, N), rstd, CFG),
-        "lm_head_stats": (_r(M, d), _r(d, V), rstd, t, CFG),
+        "lm_head_stats": (_r(M, d), _r(d, V), rstd, t, CFG, None),
         "dswiglu": (_r(M, d), _r(f, d), _r(M, 2 * f), rstd, CFG),
         "norm_bwd": (_r(M, N), _r(d, N), _r(M, d), _r(d), torch.randn(M), _r(M, d), CFG),
         "wgrad_gamma_rows": (_r(M, d), _r(M, N), _r(d)),
@@ -65,6 +65,7 @@ def op_samples():
             None,
             None,
             True,
+            None,
         ),
         "lm_head_chunked": (
             _r(M, d),
@@ -129,6 +130,13 @@ def op_samples():
 @pytest.mark.parametrize("name", sorted(library.OPS))
 def test_opcheck(name):
     args = op_samples()[name]
+    torch.library.opcheck(library.OPS[name], args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("name", ["lm_head_stats", "lm_head_bwd"])
+def test_opcheck_with_a_logit_softcap(name):
+    """The LM-head ops with a soft-cap (Gemma 2's): the capped programs."""
+    args = (*op_samples()[name][:-1], 30.0)
     torch.library.opcheck(library.OPS[name], args, test_utils=("test_schema", "test_faketensor"))
 
 

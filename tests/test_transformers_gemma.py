@@ -178,12 +178,38 @@ def test_an_fp32_gain_with_bf16_rows_is_refused_by_neither_path(monkeypatch):
         lm_head_loss(x, gain.detach().half(), w, t)
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_soft_capped_logits_loss_equals_unpatched_float64(family, kernel, monkeypatch):
+    """Gemma 2's ``final_logit_softcapping`` (and Gemma 3's, where set) in coda's loss: c
+    tanh(l / c) of the logits before the cross-entropy, as HF's forward applies it (a cap
+    of 1 against logits of a few units: far from linear), on the recompute program; the
+    same model without its cap is far from it."""
+    if kernel:
+        _kernel_path(monkeypatch)
+    coda.env._LAST.clear()
+    ref = gemma_model(
+        family, final_logit_softcapping=1.0, **({"vocab_size": 128} if kernel else {})
+    )
+    with torch.no_grad():  # (logits of a few units)
+        ref.lm_head.weight.mul_(30.0)
+    patched = ct.apply_coda(copy.deepcopy(ref), layers=False)
+    batch = padded_batch(ref.config.vocab_size, right=True)
+    assert_same_step(ref, patched, **batch)
+    assert coda.last_path("LMHeadLoss")[0] == ("kernel" if kernel else "reference")
+    n = torch.tensor(13.0, dtype=torch.float64)
+    assert_same_step(ref, patched, **batch, num_items_in_batch=n)
+    uncapped = copy.deepcopy(patched)
+    uncapped.config.final_logit_softcapping = None
+    assert rel_err(uncapped(**batch).loss, ref(**batch).loss) > 1e-2
+
+
 def test_what_the_patch_does_not_take_is_named():
     model = gemma_model("gemma3")
     with pytest.raises(coda.CodaInputError, match=r"GeGLU.*layers=False"):
         ct.apply_coda(model)
     capped = gemma_model("gemma2", final_logit_softcapping=30.0)
-    with pytest.raises(coda.CodaInputError, match=r"final_logit_softcapping=30\.0"):
-        ct.apply_coda(capped, layers=False)
+    with pytest.raises(coda.CodaInputError, match=r"final_logit_softcapping=30\.0: softcap: "):
+        ct.apply_coda(capped, layers=False, method="scaled_exp")
     with pytest.raises(coda.CodaInputError, match=r"Gemma3ForCausalLM"):  # the list of loss-only
         ct.apply_coda(torch.nn.Linear(2, 2))

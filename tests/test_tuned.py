@@ -14,6 +14,7 @@ from coda.kernels import gemm_rmsnorm_gemm as rg
 from coda.kernels import gemm_rope as rp
 from coda.kernels import gemm_swiglu as sw
 from coda.kernels import linear_cross_entropy as ce
+from coda.kernels import linear_cross_entropy_bwd as ceb
 from coda.kernels import linear_cross_entropy_chunked as cec
 from coda.kernels.config import DEFAULT, GemmConfig
 
@@ -39,10 +40,14 @@ COMPILE = {
     "dswiglu": lambda c: dswiglu.compile_dswiglu(512, 768, config=c),
     "norm_bwd": lambda c: rmsnorm_bwd.compile_norm_bwd(768, 512, residual=True, config=c),
     "wgrad": lambda c: wgrad.compile_wgrad_gamma_rows(512, 768, config=c),
-    # CE-S's logits GEMM (the default method) and the recompute / chunked methods' stats GEMM
+    # CE-S's logits GEMM (the default method) and the recompute / chunked methods' stats GEMM;
+    # the recompute program's soft-capped pair (its stats and its gradient GEMM, whose tile is
+    # the same)
     "lm_head": lambda c: (
         cse.compile_scaled_exp_logits(512, 768, config=cse.scaled_exp_config(768, c))
         + ce.compile_lm_head_stats(256, 1000, config=c)
+        + ce.compile_lm_head_stats(256, 1000, config=c, capped=True)
+        + ceb.compile_grad_logits(256, 1000, config=c, capped=True)
     ),
     "passthrough": lambda c: cec.compile_logits_chunk(256, 1000, config=c),
 }

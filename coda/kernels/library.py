@@ -236,13 +236,18 @@ def _(a, w, rstd, cfg):
 
 @torch.library.custom_op("coda::lm_head_stats", mutates_args=())
 def _lm_head_stats(
-    a: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor, cfg: list[int]
+    a: torch.Tensor,
+    w: torch.Tensor,
+    rstd: torch.Tensor,
+    target: torch.Tensor,
+    cfg: list[int],
+    softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _lce.lm_head_stats_kernel(a, w, rstd, target, _gc(cfg))
+    return _lce.lm_head_stats_kernel(a, w, rstd, target, _gc(cfg), softcap=softcap)
 
 
 @_fake(_lm_head_stats)
-def _(a, w, rstd, target, cfg):
+def _(a, w, rstd, target, cfg, softcap):
     M, acc = a.shape[0], acc_dtype(a)
     return _empty(M, cdiv(w.shape[1], cfg[1]), like=a, dtype=acc), _empty(M, like=a, dtype=acc)
 
@@ -305,15 +310,17 @@ def _lm_head_bwd(
     hot: torch.Tensor | None,
     shift: torch.Tensor | None,
     want_dw: bool,
+    softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     G, S, dw = _ceb.linear_cross_entropy_bwd_kernel(
-        a, w, rstd, lse, tl, target, scale, chunk, _gc(cfg), hot=hot, shift=shift, want_dw=want_dw
-    )
+        a, w, rstd, lse, tl, target, scale, chunk, _gc(cfg), hot=hot, shift=shift,
+        want_dw=want_dw, softcap=softcap,
+    )  # fmt: skip
     return G, S, dw
 
 
 @_fake(_lm_head_bwd)
-def _(a, w, rstd, lse, tl, target, scale, chunk, cfg, hot, shift, want_dw):
+def _(a, w, rstd, lse, tl, target, scale, chunk, cfg, hot, shift, want_dw, softcap):
     M, d, V, acc = a.shape[0], a.shape[1], w.shape[1] if want_dw else 0, acc_dtype(a)
     return _empty(M, d, like=a, dtype=acc), _empty(M, like=a, dtype=acc), _empty(d, V, like=a)
 
@@ -510,8 +517,9 @@ gemm_swiglu_only = _either(
     lambda a, w, r, c: _gemm_swiglu_only(a, w, r, _cfg(c)),
     lambda a, w, r, c: _sw.gemm_swiglu_kernel(a, w, r, False, c)[0],
 )
-lm_head_stats = _either(
-    lambda a, w, r, t, c: _lm_head_stats(a, w, r, t, _cfg(c)), _lce.lm_head_stats_kernel
+lm_head_stats = _either(  # softcap: the logits' soft-cap c, or None
+    lambda a, w, r, t, c, softcap=None: _lm_head_stats(a, w, r, t, _cfg(c), softcap),
+    lambda a, w, r, t, c, softcap=None: _lce.lm_head_stats_kernel(a, w, r, t, c, softcap=softcap),
 )
 dswiglu = _either(lambda dx, w, u, r, c: _dswiglu(dx, w, u, r, _cfg(c)), _dsw.dswiglu_kernel)
 norm_bwd = _either(
@@ -520,12 +528,24 @@ norm_bwd = _either(
 )
 wgrad_gamma_rows = _either(_wgrad_gamma_rows, _wg.wgrad_gamma_rows)
 lm_head_bwd = _either(
-    lambda a, w, r, lse, tl, t, s, chunk, c, hot=None, shift=None, want_dw=True: _lm_head_bwd(
-        a, w, r, lse, tl, t, s, chunk, _cfg(c), hot, shift, want_dw
+    lambda a, w, r, lse, tl, t, s, chunk, c, hot=None, shift=None, want_dw=True, softcap=None: (
+        _lm_head_bwd(a, w, r, lse, tl, t, s, chunk, _cfg(c), hot, shift, want_dw, softcap)
     ),
-    lambda a, w, r, lse, tl, t, s, chunk, c, hot=None, shift=None, want_dw=True: (
+    lambda a, w, r, lse, tl, t, s, chunk, c, hot=None, shift=None, want_dw=True, softcap=None: (
         _ceb.linear_cross_entropy_bwd_kernel(
-            a, w, r, lse, tl, t, s, chunk, c, hot=hot, shift=shift, want_dw=want_dw
+            a,
+            w,
+            r,
+            lse,
+            tl,
+            t,
+            s,
+            chunk,
+            c,
+            hot=hot,
+            shift=shift,
+            want_dw=want_dw,
+            softcap=softcap,
         )
     ),
 )

@@ -15,6 +15,11 @@ For each vocabulary chunk C (the logits are never stored, dz~ only one chunk at 
 AUX:  corr = -(rstd^3 / d) * sum S;  dh = gamma * G + corr * h;  dgamma = sum_m G * h
 (the last step is elementwise over M x d; ``rmsnorm_bwd`` holds the epilogue form.)
 
+With a logit soft-cap c (``capped_softmax_grad_logits``): p = exp(z - lse) of the capped
+z = c tanh(l / c), every entry's gradient times dz/dl = 1 - tanh^2 = 4 s (1 - s) with
+s = sigmoid(2 l / c); the target entry's likewise (``_one_hot_fixup``, from F6's uncapped
+target logit).
+
 Peak extra memory: M |C| 2 bytes (dz~) + M d 4 bytes (G). Tests: tests/test_backward_kernels.py.
 """
 
@@ -28,7 +33,7 @@ from coda.kernels._triton import cdiv, compile_sm90, contiguous_pass, kernel
 from coda.kernels.config import DEFAULT, GemmConfig
 from coda.kernels.loss_rows import ce_row_weights
 from coda.kernels.tuned import config_for
-from coda.primitives import ColLoad, RowPartials, epilogue_program, exp
+from coda.primitives import ColLoad, RowPartials, epilogue_program, exp, sigmoid
 from coda.primitives.aux import combine_row_partials, norm_correction
 
 
@@ -51,6 +56,18 @@ def softmax_grad_logits_shifted(acc, rstd, lse, scale, shift):
     return {"D": dl * rstd, "stat": dl * acc}
 
 
+@epilogue_program(
+    inputs=[ColLoad("rstd"), ColLoad("lse"), ColLoad("scale"), ColLoad("cap")],
+    sinks=[RowPartials("stat")],
+)
+def capped_softmax_grad_logits(acc, rstd, lse, scale, cap):
+    """The soft-capped logits' gradient: tanh(l / c) = 2 s - 1 with s = sigmoid(2 l / c),
+    dl = scale * exp(c tanh(l / c) - lse) * 4 s (1 - s)."""
+    s = sigmoid(acc * rstd * (2.0 / cap))
+    dl = exp(cap * (2.0 * s - 1.0) - lse) * scale * (4.0 * s * (1.0 - s))
+    return {"D": dl * rstd, "stat": dl * acc}
+
+
 def row_scale(target, ignore_index, reduction, grad):
     """scale[m] = g * w[m]: w = 1/M_valid ("mean") or 1 ("sum") on valid rows, 0 elsewhere;
     ``grad`` is a 0-d tensor or a per-row tensor (reduction "none")."""
@@ -68,12 +85,15 @@ def ce_grad_weights(scale, lse, vocab: int, label_smoothing: float, z_loss: floa
     return p_scale, hot, shift
 
 
-def _one_hot_fixup(dz, stat_sum, target, col0, rstd, scale, hot, target_logit, lse, shift):
+def _one_hot_fixup(
+    dz, stat_sum, target, col0, rstd, scale, hot, target_logit, lse, shift, cap=None
+):
     """The one-hot term for rows whose target lies in this chunk: the target entry of dz~ is
     rewritten as rstd * (scale * p_y - hot - shift), formed in fp32 and rounded once (p_y =
     exp(l_y - lse) from F6's target logit: the same value the epilogue computed; ``hot`` is the
     one-hot weight, scale * (1 - eps) with label smoothing; ``shift`` the uniform term, or
-    None). Adding
+    None; with a soft-cap ``cap`` c, p_y = exp(z_y - lse) and the whole entry times
+    1 - tanh^2(l_y / c)). Adding
     -rstd * hot to the stored bf16 entry instead would round the row's largest entry three
     times. Each row writes one value (its own, where the target is elsewhere): no host sync,
     no collision, deterministic."""
@@ -81,19 +101,25 @@ def _one_hot_fixup(dz, stat_sum, target, col0, rstd, scale, hot, target_logit, l
     local = target - col0
     inside = (local >= 0) & (local < n)
     idx = local.clamp(0, n - 1)[:, None]
-    exact = scale * torch.exp(target_logit - lse) - hot
-    exact = rstd * (exact if shift is None else exact - shift)
+    if cap is None:
+        z, slope = target_logit, 1.0
+    else:
+        t = torch.tanh(target_logit * (1.0 / cap))
+        z, slope = t * cap, 1.0 - t * t  # (dz/dl at the target)
+    exact = scale * torch.exp(z - lse) - hot
+    exact = rstd * slope * (exact if shift is None else exact - shift)
     dz.scatter_(
         1, idx, torch.where(inside[:, None], exact.to(dz.dtype)[:, None], dz.gather(1, idx))
     )
-    stat_sum -= torch.where(inside, hot * target_logit / rstd, torch.zeros_like(scale))
+    stat_sum -= torch.where(inside, slope * hot * target_logit / rstd, torch.zeros_like(scale))
 
 
 def grad_logits_chunk(
-    a, w_chunk, rstd, lse, scale, config: GemmConfig = DEFAULT, dry=False, shift=None
+    a, w_chunk, rstd, lse, scale, config: GemmConfig = DEFAULT, dry=False, shift=None, cap=None
 ):
     """B1 on one vocabulary chunk: returns (dz~ chunk, per-row S without the one-hot term).
-    ``shift`` (per row, label smoothing's uniform term) selects the shifted program."""
+    ``shift`` (per row, label smoothing's uniform term) selects the shifted program, ``cap``
+    (per row, every entry the soft-cap c) the capped one (not both)."""
     M, n = a.shape[0], w_chunk.shape[1]
     dz = a.new_empty(M, n)
     stat = a.new_empty(M, config.grid(M, n)[1], dtype=acc_dtype(a))
@@ -101,6 +127,9 @@ def grad_logits_chunk(
     program = softmax_grad_logits
     if shift is not None:
         operands["shift"], program = shift, softmax_grad_logits_shifted
+    if cap is not None:
+        assert shift is None, "label smoothing with a soft-cap: refused before this"
+        operands["cap"], program = cap, capped_softmax_grad_logits
     compiled = launch(
         program,
         a,
@@ -133,15 +162,19 @@ def linear_cross_entropy_bwd_kernel(
     hot=None,
     shift=None,
     want_dw: bool = True,
+    softcap: float | None = None,
 ):
     """Returns (G = dz~ @ W_lm^T fp32 M x d, S per row fp32, dW_lm d x V row-major; without
     ``want_dw``, a frozen weight, no B3 GEMM and an empty (d, 0) dW_lm).
     ``chunk`` columns of dz~ are live at a time. ``interpreted`` runs B1 through the
     tile interpreter and B2/B3 in torch (the CPU oracle of the same loop). ``scale`` weighs
     the softmax term, ``hot`` (default ``scale``) the one-hot term, ``shift`` (default none)
-    is subtracted from every entry: z-loss and label smoothing (``ce_grad_weights``)."""
+    is subtracted from every entry: z-loss and label smoothing (``ce_grad_weights``).
+    ``softcap``: the logits' soft-cap c (``lse`` over the capped logits, ``target_logit``
+    uncapped), or None."""
     hot = scale if hot is None else hot
     (M, d), V = a.shape, w_lm.shape[1]
+    cap = None if softcap is None else lse.new_full((M,), softcap)  # (the epilogue's operand)
     chunk = -(-chunk // 8) * 8  # every dW column block starts 16-byte aligned for the TMA
     G = a.new_zeros(M, d, dtype=acc_dtype(a) if not interpreted else a.dtype)
     S = a.new_zeros(M, dtype=G.dtype)
@@ -150,10 +183,10 @@ def linear_cross_entropy_bwd_kernel(
     for c0 in range(0, V, chunk):
         wc = w_lm[:, c0 : c0 + chunk]
         if interpreted:
-            dz, s = grad_logits_interpreted(a, wc, rstd, lse, scale, config, shift)
+            dz, s = grad_logits_interpreted(a, wc, rstd, lse, scale, config, shift, cap)
         else:
-            dz, s = grad_logits_chunk(a, wc, rstd, lse, scale, config, shift=shift)
-        _one_hot_fixup(dz, s, target, c0, rstd, scale, hot, target_logit, lse, shift)
+            dz, s = grad_logits_chunk(a, wc, rstd, lse, scale, config, shift=shift, cap=cap)
+        _one_hot_fixup(dz, s, target, c0, rstd, scale, hot, target_logit, lse, shift, softcap)
         S += s
         if want_dw:  # B3: dW_lm[:, C] = a^T @ dz~, stored straight into its column block
             launch(
@@ -255,19 +288,26 @@ def weight_grad_from_acc(acc, g, like):
     return torch.empty_like(like).copy_(acc * g.to(acc.dtype))
 
 
-def grad_logits_interpreted(a, w, rstd, lse, scale, config: GemmConfig = DEFAULT, shift=None):
+def grad_logits_interpreted(
+    a, w, rstd, lse, scale, config: GemmConfig = DEFAULT, shift=None, cap=None
+):
     operands = {"rstd": rstd, "lse": lse, "scale": scale}
     program = softmax_grad_logits
     if shift is not None:
         operands["shift"], program = shift, softmax_grad_logits_shifted
+    if cap is not None:
+        operands["cap"], program = cap, capped_softmax_grad_logits
     out = interpret_gemm(program, a, w, config=config, operands=operands)
     return out["D"], combine_row_partials(out["stat"])
 
 
-def compile_grad_logits(d, v, *, w_major="n", config=DEFAULT, m=256, shifted=False) -> int:
+def compile_grad_logits(
+    d, v, *, w_major="n", config=DEFAULT, m=256, shifted=False, capped=False
+) -> int:
     a, w = example_operands(m, d, v, w_major)
     e = torch.empty(m)
-    return grad_logits_chunk(a, w, e, e, e, config, dry=True, shift=e if shifted else None)
+    shift, cap = (e if shifted else None), (e if capped else None)
+    return grad_logits_chunk(a, w, e, e, e, config, dry=True, shift=shift, cap=cap)
 
 
 def compile_dw_block(d, v, *, chunk=512, m=256) -> int:

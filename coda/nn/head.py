@@ -44,7 +44,9 @@ class LMHeadLoss(FormerNames, nn.Module):
     g = 1 and apply g in the backward before the one rounding to bf16, so any g (a mean loss,
     gradient accumulation, loss scaling) gives PyTorch's rounding.
     ``label_smoothing`` is ``F.cross_entropy``'s; ``z_loss`` adds z * logsumexp(logits)^2 per
-    non-ignored token (PaLM's auxiliary loss), reduced with the loss.
+    non-ignored token (PaLM's auxiliary loss), reduced with the loss. ``softcap`` c (Gemma 2's
+    ``final_logit_softcapping``): the loss of the soft-capped logits c tanh(l / c), on the
+    "recompute" program (``method`` "auto" or "recompute"; not with label smoothing).
 
     Parameters: ``final_norm`` (the final RMSNorm's gain, (d,); ``gf`` before session 21,
     still loaded under that name) and ``weight``."""
@@ -64,9 +66,11 @@ class LMHeadLoss(FormerNames, nn.Module):
         backend: str = "auto",
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
+        softcap: float | None = None,
     ):
         super().__init__()
         self.label_smoothing, self.z_loss = v.check_ce_options(label_smoothing, z_loss)
+        self.softcap = v.check_softcap(softcap, self.label_smoothing, method)
         v.check_positive_int("d", d)
         v.check_positive_int("vocab", vocab)
         v.check_positive_int("chunk", chunk)
@@ -118,6 +122,7 @@ class LMHeadLoss(FormerNames, nn.Module):
             backend=self.backend,
             label_smoothing=self.label_smoothing,
             z_loss=self.z_loss,
+            softcap=self.softcap,
         )
 
     def _kernel_loss(self, xf, t, reduction):
@@ -134,6 +139,7 @@ class LMHeadLoss(FormerNames, nn.Module):
             self.method,
             self.label_smoothing,
             self.z_loss,
+            self.softcap,
         )
 
     def hf_state_dict(self) -> dict:
@@ -157,7 +163,8 @@ def _kernel_lm_head_loss(xf, gamma, w_lm, t, eps, ignore_index, reduction, chunk
     program is chosen once here, knowing whether a gradient will be taken
     (``resolve_lm_head_method``)."""
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in (xf, gamma, w_lm))
-    method = resolve_lm_head_method(method, w_lm.shape[1], needs_grad)
+    softcap = opts[-1]
+    method = resolve_lm_head_method(method, w_lm.shape[1], needs_grad, softcap is not None)
     args = (eps, ignore_index, reduction, chunk, method, *opts)
     # bf16 inside torch.autocast, as DecoderLayer's kernel path; w_lm is cast inside the
     # Function, which returns its gradient in w_lm's own dtype (fp32 unrounded, for CE-C/CE-S);
@@ -185,6 +192,7 @@ def lm_head_loss(
     backend: str = "auto",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    softcap: float | None = None,
 ):
     """Final RMSNorm (``gamma``) + LM head (``w_lm`` (d, vocab), either major: an HF
     ``lm_head.weight.t()`` view is fine) + cross-entropy, with parameters given: what
@@ -209,6 +217,7 @@ def lm_head_loss(
     v.check_choice("method", method, LM_HEAD_METHODS)
     v.check_eps(eps)
     label_smoothing, z_loss = v.check_ce_options(label_smoothing, z_loss)
+    softcap = v.check_softcap(softcap, label_smoothing, method)
     ignore_index = v.check_ignore_index(ignore_index)
     t = checked_targets(target, x.shape[:-1], vocab, ignore_index)
     xf = x.reshape(-1, d)
@@ -224,10 +233,13 @@ def lm_head_loss(
             rule = f"method 'scaled_exp' needs vocab % 128 == 0 (its strips), got {vocab}"
         if rule:
             raise v.CodaInputError(f"LMHeadLoss (kernel path): {rule}")
+        opts = (label_smoothing, z_loss, softcap)
         loss = _kernel_lm_head_loss(
-            xf, gamma, w_lm, t, eps, ignore_index, reduction, chunk, method, label_smoothing, z_loss
+            xf, gamma, w_lm, t, eps, ignore_index, reduction, chunk, method, *opts
         )
     else:
         logits = final_norm_ref(xf, gamma, eps) @ w_lm  # as HF: in x's dtype, the loss in fp32+
-        loss = cross_entropy_ref(logits, t, ignore_index, reduction, label_smoothing, z_loss)
+        loss = cross_entropy_ref(
+            logits, t, ignore_index, reduction, label_smoothing, z_loss, softcap
+        )
     return loss.view(target.shape) if reduction == "none" else loss

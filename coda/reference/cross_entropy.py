@@ -26,11 +26,15 @@ def cross_entropy_ref(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    softcap: float | None = None,
 ):
     """Canonical CE in the logits' reference precision (``F.cross_entropy``, its label
     smoothing included), plus the z-loss z * logsumexp(l)^2 on every non-ignored row (as
-    PaLM's auxiliary loss), reduced the same way."""
+    PaLM's auxiliary loss), reduced the same way; with ``softcap`` c, of the soft-capped
+    logits c tanh(l / c) (Gemma 2's), formed in that precision."""
     lf, t = logits.to(ref_dtype(logits)), target.long()
+    if softcap is not None:
+        lf = softcap * torch.tanh(lf / softcap)
     if not z_loss:
         return torch.nn.functional.cross_entropy(
             lf, t, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
