@@ -117,9 +117,27 @@ SHAPES = {
             tie_word_embeddings=True,
         ),
     ),
+    # Gemma-2-2B's shape (``Gemma2ForCausalLM``): the loss alone, its logits soft-capped at 30
+    # (coda's recompute program, Liger's ``softcap``); eager attention for every variant (its
+    # attention's own soft-cap, 50: transformers runs no sdpa for Gemma 2)
+    "gemma-2-2B": (
+        "gemma2",
+        dict(
+            vocab_size=256000,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            sliding_window=4096,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 # (not in a default run: named in CODA_HF_SHAPES)
-ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B")
+ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B")
 BATCH, SEQ = 4, 4096
 PROFILED = ("hf_coda", "hf_liger", "hf_liger_no_cache")  # per-kernel tables (pass 1)
 
@@ -127,11 +145,18 @@ PROFILED = ("hf_coda", "hf_liger", "hf_liger_no_cache")  # per-kernel tables (pa
 def build(family: str, shape: dict, device, dtype):
     import transformers
 
-    names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
+    names = {
+        "llama": "Llama",
+        "qwen2": "Qwen2",
+        "qwen3": "Qwen3",
+        "phi3": "Phi3",
+        "gemma2": "Gemma2",
+    }
     name = {**names, "gemma3": "Gemma3Text"}[family]
     cfg_cls = getattr(transformers, f"{name}Config")
     model_cls = getattr(transformers, f"{name.removesuffix('Text')}ForCausalLM")
-    config = cfg_cls(**shape, max_position_embeddings=SEQ, attn_implementation="sdpa")
+    attention = "eager" if family == "gemma2" else "sdpa"  # (Gemma 2's: ``SHAPES``)
+    config = cfg_cls(**shape, max_position_embeddings=SEQ, attn_implementation=attention)
     torch.manual_seed(0)
     return model_cls(config).to(device, dtype)
 

@@ -7,11 +7,14 @@ X^T dY; cuBLAS) plus SDPA flash attention forward+backward. LM-head floor: its t
 activation memory a layer's forward keeps for backward, and the LM head's extra peak memory
 during forward+backward beyond inputs, weights and their gradients. The LM head's variants and
 its floor's GEMMs are timed in interleaved rounds (``_common.interleaved``), each row with its
-round medians and their spread.
+round medians and their spread. ``CODA_LM_HEAD_SOFTCAP=c``: every LM-head variant's logits
+soft-capped, c tanh(l / c) (Gemma 2's, c = 30), those that take a cap only
+(``SOFTCAP_VARIANTS``).
 """
 
 from __future__ import annotations
 
+import os
 from unittest import mock
 
 import torch
@@ -244,6 +247,18 @@ def lm_head_variants() -> list[str]:
     return [n for n in LM_HEAD_VARIANTS if n == "coda" or n in chosen]
 
 
+# the variants that take a logit soft-cap (coda's recompute program, which "auto" then runs;
+# the torch paths; Liger's ``softcap``): run alone under ``CODA_LM_HEAD_SOFTCAP``
+SOFTCAP_VARIANTS = ("coda", "coda_recompute", "torch_eager", "torch_compile", "liger")
+
+
+def lm_head_softcap() -> float | None:
+    """Every LM-head variant's logit soft-cap c (``CODA_LM_HEAD_SOFTCAP``, e.g. 30: Gemma 2's
+    c tanh(logits / c)), or None (the default: no cap)."""
+    raw = os.environ.get("CODA_LM_HEAD_SOFTCAP", "").strip()
+    return float(raw) if raw else None
+
+
 def _graphed_ms(step):
     try:
         return bench(graphed(step))["ms"]
@@ -254,12 +269,13 @@ def _graphed_ms(step):
 def lm_head_rows(liger) -> list[dict]:
     rows = []
     quack_lce = _quack.chunked_linear_cross_entropy()
-    targets = lm_head_targets()
+    targets, cap = lm_head_targets(), lm_head_softcap()
     for d, V, quack_chunk in lm_head_shapes():
         first = len(rows)
-        head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel")  # "auto": CE-S here
+        kw = dict(device="cuda", backend="kernel", softcap=cap)
+        head = cnn.LMHeadLoss(d, V, **kw)  # "auto": CE-S here (with a soft-cap, recompute)
         head_c = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="chunked")
-        head_r = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="recompute")
+        head_r = cnn.LMHeadLoss(d, V, **kw, method="recompute")
         # one set of weights, three programs
         head_c.final_norm, head_c.weight = head.final_norm, head.weight
         head_r.final_norm, head_r.weight = head.final_norm, head.weight
@@ -273,7 +289,10 @@ def lm_head_rows(liger) -> list[dict]:
 
         def torch_loss(x=x, w_lin=w_lin, gf=gf, t=t):
             y = F.rms_norm(x, (d,), gf, 1e-5)
-            return F.cross_entropy((y @ w_lin.t()).float(), t)
+            logits = y @ w_lin.t()
+            if cap is not None:  # (as HF's Gemma 2: in the logits' dtype)
+                logits = torch.tanh(logits / cap) * cap
+            return F.cross_entropy(logits.float(), t)
 
         compiled = torch.compile(torch_loss)
         variants = {
@@ -312,11 +331,12 @@ def lm_head_rows(liger) -> list[dict]:
         if liger is not None:
             variants["liger"] = (
                 lambda x=x, w_lin=w_lin, gf=gf, t=t: liger.liger_fused_linear_cross_entropy(
-                    F.rms_norm(x, (d,), gf, 1e-5), w_lin, t
+                    F.rms_norm(x, (d,), gf, 1e-5), w_lin, t, softcap=cap
                 ),
                 [gf, w_lin],
             )
         keep = lm_head_variants()
+        keep = [n for n in keep if n in SOFTCAP_VARIANTS] if cap is not None else keep
         variants = {name: v for name, v in variants.items() if name in keep}
         a = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(d, V, device="cuda", dtype=torch.bfloat16)
@@ -327,6 +347,8 @@ def lm_head_rows(liger) -> list[dict]:
             "wgrad": lambda: a.t() @ g,
         }
         shape = {"M": M, "d": d, "V": V, "targets": targets}
+        if cap is not None:
+            shape["softcap"] = cap
 
         def make_step(fn, params):
             def step():

@@ -150,6 +150,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_LM_HEAD_SHAPES",
     "CODA_LM_HEAD_PEERS",
     "CODA_LM_HEAD_TARGETS",
+    "CODA_LM_HEAD_SOFTCAP",
     "CODA_MODEL_SHAPES",
     "CODA_MODEL_PEERS",
     "CODA_MODEL_AMP",

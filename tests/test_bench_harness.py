@@ -354,6 +354,21 @@ def test_lm_head_targets_selection(monkeypatch):
             bench_train.lm_head_targets()
 
 
+def test_lm_head_softcap_selection(monkeypatch):
+    """``CODA_LM_HEAD_SOFTCAP``: no cap unless a number is given; with one, only the variants
+    that take a cap run."""
+    from benchmarks import bench_train
+
+    monkeypatch.delenv("CODA_LM_HEAD_SOFTCAP", raising=False)
+    assert bench_train.lm_head_softcap() is None
+    monkeypatch.setenv("CODA_LM_HEAD_SOFTCAP", "30")
+    assert bench_train.lm_head_softcap() == 30.0
+    assert set(bench_train.SOFTCAP_VARIANTS) <= set(bench_train.LM_HEAD_VARIANTS)
+    monkeypatch.setenv("CODA_LM_HEAD_SOFTCAP", "thirty")
+    with pytest.raises(ValueError):
+        bench_train.lm_head_softcap()
+
+
 def test_source_digest_names_the_tree_by_its_content(tmp_path):
     """A record's ``source_sha256``: the same files give the same digest wherever they lie; a
     changed byte, a renamed file or a new source file changes it; caches and non-source

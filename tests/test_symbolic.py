@@ -164,6 +164,36 @@ def test_softmax_gradient_epilogue_is_the_cross_entropy_gradient(smoothing):
     assert same(sum(o["stat"] for o in outs), sp.diff(L, r))
 
 
+def test_capped_programs_are_the_soft_capped_cross_entropy_and_its_gradient():
+    """Gemma 2's soft-cap c: F6's capped program takes z = c tanh(l / c) of l = r acc into the
+    LSE (formed as c (2 sigmoid(2 l / c) - 1)) and keeps the target's l uncapped; B1's capped
+    program over a row of V = 3 logits stores D = dL/dacc of L = scale lse(z) (the target's
+    term apart, as uncapped), and its statistic's row sum is dL/dr. (The programs' constants
+    2.0, 1.0 and 4.0 are exact in binary: ``exact`` makes them sympy's integers.)"""
+
+    def exact(e):
+        return sp.nsimplify(e, rational=True).rewrite(sp.exp)
+
+    c = sp.Symbol("c", positive=True)
+    acc, r = sp.symbols("acc r", real=True)
+    out = evaluate(lce.capped_logits_lse_target, acc=acc, rstd=r, cap=c)
+    assert same(out["target_logit"], r * acc)
+    assert same(exact(out["lse"]), (c * sp.tanh(r * acc / c)).rewrite(sp.exp))
+    V = 3
+    scale = sp.Symbol("scale", real=True)
+    accs = sp.symbols(f"acc0:{V}", real=True)
+    z = [c * sp.tanh(r * a / c) for a in accs]
+    lse = sp.log(sum(sp.exp(x) for x in z))
+    L = scale * lse
+    outs = []
+    for j in range(V):
+        args = dict(rstd=r, lse=lse, scale=scale, cap=c)
+        outs.append(evaluate(ceb.capped_softmax_grad_logits, acc=accs[j], **args))
+        assert same(exact(outs[j]["D"]), sp.diff(L, accs[j]).rewrite(sp.exp))
+    stat = sum(o["stat"] for o in outs)
+    assert same(exact(stat), sp.diff(L, r).rewrite(sp.exp))
+
+
 def test_scaled_exp_stores_exp_of_the_logit_over_its_tile_power_of_two():
     """CE-S's GEMM1: E = 2^(l log2 e - k) is e^l 2^-k and the target logit is l = r acc.
     log2 e is a float constant in the program, so this one identity is checked to 40
@@ -233,6 +263,7 @@ PROVEN = {
     "softmax_grad_logits_shifted", "scaled_exp_logits", "_qk_norm_rope", "_qk_norm_rope_keep_z",
     "logits_lse_target", "logits_with_stats", "scale_rows", "scaled_grad_dx", "passthrough",
     "scaled_grad_dw", "rope_scaled_bias", "residual_bias_sumsq", "residual_bias_norm_sumsq",
+    "capped_logits_lse_target", "capped_softmax_grad_logits",
 }  # fmt: skip
 
 

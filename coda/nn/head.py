@@ -158,14 +158,16 @@ class LMHeadLoss(FormerNames, nn.Module):
         self.weight.copy_(sd["lm_head.weight"])
 
 
-def _kernel_lm_head_loss(xf, gamma, w_lm, t, eps, ignore_index, reduction, chunk, method, *opts):
+def _kernel_lm_head_loss(
+    xf, gamma, w_lm, t, eps, ignore_index, reduction, chunk, method,
+    label_smoothing=0.0, z_loss=0.0, softcap=None,
+):  # fmt: skip
     """The LM head's kernel sequence on validated (tokens, d) rows (``coda.autograd``); the
     program is chosen once here, knowing whether a gradient will be taken
     (``resolve_lm_head_method``)."""
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in (xf, gamma, w_lm))
-    softcap = opts[-1]
     method = resolve_lm_head_method(method, w_lm.shape[1], needs_grad, softcap is not None)
-    args = (eps, ignore_index, reduction, chunk, method, *opts)
+    args = (eps, ignore_index, reduction, chunk, method, label_smoothing, z_loss, softcap)
     # bf16 inside torch.autocast, as DecoderLayer's kernel path; w_lm is cast inside the
     # Function, which returns its gradient in w_lm's own dtype (fp32 unrounded, for CE-C/CE-S);
     # an fp32 gain stays fp32: the norm's kernels widen the gain to fp32 on load either way,
