@@ -25,6 +25,12 @@ SUPPORTED = (
     "Phi3Model",
     "SmolLM3ForCausalLM",
     "SmolLM3Model",
+    # Llama's layer with a per-layer sliding window (``layer_types``): Ministral-8B's, and
+    # Meta's CWM (Llama 3's RoPE scaling)
+    "MinistralForCausalLM",
+    "MinistralModel",
+    "CwmForCausalLM",
+    "CwmModel",
 )
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's

@@ -73,13 +73,13 @@ def tiny_config(family: str = "llama", **kw):
     """A tiny random config: ``family`` "llama" (LlamaConfig), "llama-bias" (Llama with
     ``attention_bias=True``: q, k, v and o biases), "qwen3" (Qwen3Config, with its per-head
     QK-norm), "qwen2" (Qwen2Config: q, k, v biases), "mistral", "phi3" (Phi3Config: fused
-    qkv_proj and gate_up_proj), "smollm3" (SmolLM3Config: every second layer without RoPE
-    here), the mixture-of-experts "mixtral", "qwen2_moe", "qwen3_moe" (``MOE``: four experts,
-    two a token, the router term on at a visible weight) or "gemma", "gemma2", "gemma3"
-    (``GEMMA``; Gemma 2's logit soft-capping off unless given), "granite" (``GRANITE_KW``:
-    its multipliers, logits / 4), the Granite MoE families "granitemoe",
-    "granitemoeshared", and "olmo2", "olmo3" (OLMo 3 with a 4-token window on its sliding
-    layers)."""
+    qkv_proj and gate_up_proj), "smollm3" (SmolLM3Config: every second layer without RoPE here),
+    "ministral" and "cwm" (Llama's layer, a 4-token window on the first of two), the
+    mixture-of-experts "mixtral", "qwen2_moe", "qwen3_moe" (``MOE``: four experts, two a token,
+    the router term on at a visible weight) or "gemma", "gemma2", "gemma3" (``GEMMA``; Gemma 2's
+    logit soft-capping off unless given), "granite" (``GRANITE_KW``: its multipliers, logits /
+    4), the Granite MoE families "granitemoe", "granitemoeshared", and "olmo2", "olmo3" (OLMo 3
+    with a 4-token window on its sliding layers)."""
     from transformers import Qwen3Config
 
     base = dict(
@@ -133,6 +133,13 @@ def tiny_config(family: str = "llama", **kw):
         cap = dict(final_logit_softcapping=None, attn_implementation="eager")
         cap = cap if family == "gemma2" else {}
         return config(**{**base, **ids, "head_dim": 12, **cap, **kw})
+    if family in ("ministral", "cwm"):  # (a 4-token window on the first layer only)
+        import transformers
+
+        config = transformers.MinistralConfig if family == "ministral" else transformers.CwmConfig
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, head_dim=12, sliding_window=4)
+        types = dict(layer_types=["sliding_attention", "full_attention"])
+        return config(**{**base, **ids, **types, **kw})
     if family == "smollm3":
         from transformers import SmolLM3Config
 
@@ -182,6 +189,9 @@ def model_class(config):
     if type(config) is transformers.GraniteConfig:
         return transformers.GraniteForCausalLM
     for name in ("Olmo2", "Olmo3"):
+        if type(config) is getattr(transformers, f"{name}Config"):
+            return getattr(transformers, f"{name}ForCausalLM")
+    for name in ("Ministral", "Cwm"):
         if type(config) is getattr(transformers, f"{name}Config"):
             return getattr(transformers, f"{name}ForCausalLM")
     for name in GEMMA.values():

@@ -66,6 +66,7 @@ def test_compiled_step_equals_eager_and_does_not_recompile():
         "llama-bias",
         "phi3",
         "smollm3",
+        "ministral",
         "phi3-longrope",
         "llama-loss-alone",
         "gemma3-loss-alone",

@@ -43,6 +43,7 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     )
     extra = {"qwen3": {"head_dim": 64}, "mistral": {"head_dim": 64, "sliding_window": 128}}
     extra["gemma3"] = {"head_dim": 64, "sliding_window": 128}
+    extra["ministral"] = extra["cwm"] = {"head_dim": 64, "sliding_window": 128}
     extra.update({name: {"rope_parameters": rope} for name, rope in SCALED_ROPES.items()})
     extra["llama-bias"] = {"attention_bias": True}  # biases on q, k, v and o
     base = "llama" if family in SCALED_ROPES or family == "llama-bias" else family
@@ -108,7 +109,8 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2"]
+    ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
+    + ["cwm"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):

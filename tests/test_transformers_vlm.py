@@ -109,3 +109,41 @@ def test_vlm_state_dict_is_hf_and_loads_back():
     fresh, _ = tiny_vlm("llava", seed=4)
     fresh.load_state_dict(mine)
     assert_same_step(fresh, patched, **batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llava", "gemma3"])
+def test_gpu_vlm_protocol(kind):
+    """H200: a patched bf16 Llava (coda's layers and loss) and Gemma 3 (the loss alone), one
+    training step with an image, against the unpatched bf16 model, both against a float64
+    copy: the loss no worse than PyTorch's above its rounding floor, every gradient (the
+    vision encoder's included) within its tie band of the unpatched model's error (CODA's
+    protocol)."""
+    from conftest import fro_err, tie_band
+
+    ref64, batch = tiny_vlm(kind, seed=5)
+    ref64 = ref64.cuda()
+    batch = {k: t.cuda() for k, t in batch.items()}
+    ref16 = copy.deepcopy(ref64).to(torch.bfloat16)
+    patched = _patched(kind, copy.deepcopy(ref16))
+    for model in (ref64, ref16, patched):
+        model.zero_grad(set_to_none=True)
+    b16 = {k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in batch.items()}
+    losses = [m(**(batch if m is ref64 else b16)).loss for m in (ref64, ref16, patched)]
+    for loss in losses:
+        loss.backward()
+    l64 = float(losses[0])
+    e_t, e_c = (abs(float(x) - l64) / abs(l64) for x in losses[1:])
+    rows = int((batch["labels"] != -100).sum())
+    floor = 2.0**-9 / rows**0.5
+    assert max(e_c, floor) <= max(e_t, floor), (e_c, e_t, floor)
+    g64 = {n: p.grad for n, p in ref64.named_parameters() if p.grad is not None}
+    g16 = {n: p.grad for n, p in ref16.named_parameters() if p.grad is not None}
+    gc = ct.hf_gradients(patched)
+    # (gradients that are 0 in exact arithmetic, as attention's k biases', hold only the float64
+    # copy's round-off: no error to compare)
+    top = max(float(g.norm()) for g in g64.values())
+    kept = {n: g for n, g in g64.items() if float(g.norm()) > 1e-8 * top}
+    ratios = {n: fro_err(gc[n], g) / max(fro_err(g16[n], g), 1e-30) for n, g in kept.items()}
+    worse = {n: r for n, r in ratios.items() if r > 1.0 + tie_band(g64[n])}
+    assert not worse, worse

@@ -1,0 +1,38 @@
+"""``apply_coda`` on the families whose decoder layer is Llama's with a per-layer sliding window
+(``layer_types``): Ministral (Ministral-8B) and CWM (Meta's Code World Model, Llama 3's RoPE
+scaling), tiny and random, on the CPU in float64 on coda's reference path and its kernel
+path (the tile interpreter): logits, a training step with padding and with packed documents,
+greedy generation and the state dict as the unpatched model's; the window matters (the first
+layer's is 4 tokens against 13). Ministral 3 (a Llama 4 attention temperature that grows
+with the position, applied inside its attention module) is not taken, and says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
+from test_transformers import assert_behaves_as_unpatched, pair, tiny_config  # noqa: E402
+
+import coda.transformers as ct  # noqa: E402
+from coda import _validate as v  # noqa: E402
+
+
+@pytest.mark.parametrize("family", ["ministral", "cwm"])
+def test_patched_model_behaves_as_unpatched_float64(family, coda_path):
+    cfg = tiny_config(family, **coda_path)
+    ref, patched = pair(cfg)
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in patched.model.layers)
+    assert [layer.self_attn.sliding_window for layer in patched.model.layers] == [4, None]
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+
+
+def test_ministral3_is_refused_named():
+    import transformers
+
+    cfg = transformers.Ministral3Config(
+        vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+    )  # fmt: skip
+    with pytest.raises(v.CodaInputError, match="Ministral3ForCausalLM is not supported"):
+        ct.apply_coda(transformers.Ministral3ForCausalLM(cfg))
