@@ -69,6 +69,18 @@ MOE_KW["granitemoeshared"] = dict(shared_intermediate_size=40, **MOE_KW["granite
 GEMMA = {"gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3Text"}
 
 
+# every tiny model's text dimensions (the VLM tests' text models too: ``hf_vlm``)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
 def tiny_config(family: str = "llama", **kw):
     """A tiny random config: ``family`` "llama" (LlamaConfig), "llama-bias" (Llama with
     ``attention_bias=True``: q, k, v and o biases), "qwen3" (Qwen3Config, with its per-head
@@ -82,16 +94,7 @@ def tiny_config(family: str = "llama", **kw):
     with a 4-token window on its sliding layers)."""
     from transformers import Qwen3Config
 
-    base = dict(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation="sdpa",
-    )
+    base = {**TINY, "attn_implementation": "sdpa"}
     if family == "qwen3":
         return Qwen3Config(**{**base, "head_dim": 16, **kw})
     if family == "qwen2":

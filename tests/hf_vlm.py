@@ -10,6 +10,7 @@ and cross-attention masks): their batch has no image."""
 from __future__ import annotations
 
 import torch
+from hf_tiny import TINY
 
 KINDS = {
     "llava": True,
@@ -30,18 +31,7 @@ TEXT_ONLY = ("llava_next", "llava_onevision", "mllama")
 # image tokens per image: Llava's and PaliGemma's 16 patches; the others merge 2 x 2 patches
 IMAGE_TOKENS = {"llava": 16, "paligemma": 16}
 IMAGE = 120  # the image placeholder token (121, 122: video and vision-start tokens)
-_TEXT = dict(
-    vocab_size=128,
-    hidden_size=48,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+_TEXT = {**TINY, "vocab_size": 128, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, image_size=16)
 _MROPE = dict(rope_type="default", mrope_section=[2, 2, 2], rope_theta=1e4)
 _QWEN_VISION = dict(depth=2, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
