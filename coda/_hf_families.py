@@ -31,6 +31,9 @@ SUPPORTED = (
     "MinistralModel",
     "CwmForCausalLM",
     "CwmModel",
+    # Llama's layer with q, k, v biases (Qwen2's) and an optional o bias: Seed-OSS's
+    "SeedOssForCausalLM",
+    "SeedOssModel",
 )
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
@@ -102,10 +105,15 @@ def check_config(config, rotary) -> None:
         (not getattr(config, "mlp_bias", False), "mlp_bias=True"),
         (getattr(config, "pretraining_tp", 1) == 1, "pretraining_tp != 1"),
         (rotary.rope_type in ROPE_TYPES, f"rope_type={rotary.rope_type!r}"),
-        # Phi-3's dropout on each residual branch (0 in its released configs)
+        # Phi-3's and Seed-OSS's dropout on each residual branch (0 in Phi-3's released
+        # configs; Seed-OSS's 0.1: set it to 0 to patch)
         (
             not getattr(config, "resid_pdrop", 0.0),
             f"resid_pdrop={getattr(config, 'resid_pdrop', 0)}",
+        ),
+        (
+            not getattr(config, "residual_dropout", 0.0),
+            f"residual_dropout={getattr(config, 'residual_dropout', 0)}",
         ),
     ]
     for ok, what in rules:

@@ -1,6 +1,6 @@
 """Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama,
-Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Ministral or CWM model in place so its decoder layers
-run coda's kernels and, in a training step (labels given, autograd recording),
+Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Ministral, CWM or Seed-OSS model in place so its decoder
+layers run coda's kernels and, in a training step (labels given, autograd recording),
 ``model(input_ids, labels=...)`` returns the loss through coda's LM-head loss, logits never
 stored (honoring the loss arguments HF's own loss reads from the call:
 ``num_items_in_batch``, ``shift_labels``, ``ignore_index``); under ``torch.no_grad`` (an
@@ -36,7 +36,8 @@ does.
 Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel``, ``MistralForCausalLM`` /
 ``MistralModel``, ``Qwen2ForCausalLM`` / ``Qwen2Model``, ``Qwen3ForCausalLM`` / ``Qwen3Model``,
 ``Phi3ForCausalLM`` / ``Phi3Model``, ``MinistralForCausalLM`` / ``MinistralModel``,
-``CwmForCausalLM`` / ``CwmModel`` and ``SmolLM3ForCausalLM`` / ``SmolLM3Model`` (SmolLM3's
+``CwmForCausalLM`` / ``CwmModel``, ``SeedOssForCausalLM`` / ``SeedOssModel`` (its residual
+dropout 0) and ``SmolLM3ForCausalLM`` / ``SmolLM3Model`` (SmolLM3's
 NoPE layers rotate by zero frequencies, the identity; silu MLP, no biases but Qwen2's on q, k
 and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
 "llama3", "yarn" or "longrope" on whole heads: a fixed set of inverse frequencies, taken from
@@ -402,7 +403,8 @@ _base_forward, _causal_lm_forward = base_forward, causal_lm_forward
 
 
 def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: bool = True):
-    """Patch a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Ministral or CWM model
+    """Patch a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Ministral, CWM or
+    Seed-OSS model
     (``SUPPORTED``, and their task models of ``TASK_HEADS``) in place; returns it.
 
     ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "auto" (the default: CE-S,

@@ -86,7 +86,8 @@ def tiny_config(family: str = "llama", **kw):
     ``attention_bias=True``: q, k, v and o biases), "qwen3" (Qwen3Config, with its per-head
     QK-norm), "qwen2" (Qwen2Config: q, k, v biases), "mistral", "phi3" (Phi3Config: fused
     qkv_proj and gate_up_proj), "smollm3" (SmolLM3Config: every second layer without RoPE here),
-    "ministral" and "cwm" (Llama's layer, a 4-token window on the first of two), the
+    "ministral" and "cwm" (Llama's layer, a 4-token window on the first of two), "seed_oss"
+    (q, k, v biases, its dropouts off), the
     mixture-of-experts "mixtral", "qwen2_moe", "qwen3_moe" (``MOE``: four experts, two a token,
     the router term on at a visible weight) or "gemma", "gemma2", "gemma3" (``GEMMA``; Gemma 2's
     logit soft-capping off unless given), "granite" (``GRANITE_KW``: its multipliers, logits /
@@ -136,6 +137,12 @@ def tiny_config(family: str = "llama", **kw):
         cap = dict(final_logit_softcapping=None, attn_implementation="eager")
         cap = cap if family == "gemma2" else {}
         return config(**{**base, **ids, "head_dim": 12, **cap, **kw})
+    if family == "seed_oss":  # (q, k, v biases; its dropouts, 0.1 by default, off)
+        from transformers import SeedOssConfig
+
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        drop = dict(residual_dropout=0.0, attention_dropout=0.0)
+        return SeedOssConfig(**{**base, **ids, **drop, **kw})
     if family in ("ministral", "cwm"):  # (a 4-token window on the first layer only)
         import transformers
 
@@ -194,7 +201,7 @@ def model_class(config):
     for name in ("Olmo2", "Olmo3"):
         if type(config) is getattr(transformers, f"{name}Config"):
             return getattr(transformers, f"{name}ForCausalLM")
-    for name in ("Ministral", "Cwm"):
+    for name in ("Ministral", "Cwm", "SeedOss"):
         if type(config) is getattr(transformers, f"{name}Config"):
             return getattr(transformers, f"{name}ForCausalLM")
     for name in GEMMA.values():

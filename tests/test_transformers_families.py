@@ -1,10 +1,11 @@
 """``apply_coda`` on the families whose decoder layer is Llama's with a per-layer sliding window
 (``layer_types``): Ministral (Ministral-8B) and CWM (Meta's Code World Model, Llama 3's RoPE
-scaling), tiny and random, on the CPU in float64 on coda's reference path and its kernel
-path (the tile interpreter): logits, a training step with padding and with packed documents,
-greedy generation and the state dict as the unpatched model's; the window matters (the first
-layer's is 4 tokens against 13). Ministral 3 (a Llama 4 attention temperature that grows
-with the position, applied inside its attention module) is not taken, and says so."""
+scaling), or with q, k, v biases: Seed-OSS, tiny and random, on the CPU in float64 on coda's
+reference path and its kernel path (the tile interpreter): logits, a training step with padding
+and with packed documents, greedy generation and the state dict as the unpatched model's; the
+window matters (the first layer's is 4 tokens against 13). Ministral 3 (a Llama 4 attention
+temperature that grows with the position, applied inside its attention module) is not taken, and
+says so."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
-from test_transformers import assert_behaves_as_unpatched, pair, tiny_config  # noqa: E402
+from test_transformers import assert_behaves_as_unpatched, model_class, pair, tiny_config  # noqa: E402
 
 import coda.transformers as ct  # noqa: E402
 from coda import _validate as v  # noqa: E402
@@ -36,3 +37,18 @@ def test_ministral3_is_refused_named():
     )  # fmt: skip
     with pytest.raises(v.CodaInputError, match="Ministral3ForCausalLM is not supported"):
         ct.apply_coda(transformers.Ministral3ForCausalLM(cfg))
+
+
+@pytest.mark.parametrize("out_bias", [False, True], ids=["qkv_bias", "qkv_and_o_bias"])
+def test_seed_oss_behaves_as_unpatched_float64(out_bias, coda_path):
+    """Seed-OSS: Llama's layer with q, k, v biases (Qwen2's, in the QKV GEMM's epilogue) and,
+    with ``attention_out_bias``, the O projection's (in F3's); its residual dropout (0.1 in
+    its config's defaults) must be 0 to be patched, and is refused, named, otherwise."""
+    cfg = tiny_config("seed_oss", attention_out_bias=out_bias, **coda_path)
+    ref, patched = pair(cfg)
+    layer = patched.model.layers[0]
+    assert layer.qkv_bias and layer.o_bias == out_bias
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+    dropping = tiny_config("seed_oss", residual_dropout=0.1)
+    with pytest.raises(v.CodaInputError, match=r"residual_dropout=0\.1 is not supported"):
+        ct.apply_coda(model_class(dropping)(dropping))
