@@ -2,8 +2,10 @@
 .loss.backward()`` at 4 x 4096 tokens, tokens/s and peak memory, for a Llama-3.2-1B-shaped
 ``LlamaForCausalLM``, a Qwen3-0.6B-shaped ``Qwen3ForCausalLM`` and a Qwen2.5-0.5B-shaped
 ``Qwen2ForCausalLM`` (random init, bf16, sdpa; on request, ``ON_REQUEST``, Llama-1B with
-attention biases, a Phi-3-mini-shaped ``Phi3ForCausalLM`` and a Gemma-3-1B-shaped
-``Gemma3ForCausalLM``, whose loss alone coda patches),
+attention biases, a Phi-3-mini-shaped ``Phi3ForCausalLM``, a Gemma-3-1B-shaped
+``Gemma3ForCausalLM`` and a Gemma-2-2B-shaped ``Gemma2ForCausalLM`` (its logits soft-capped),
+whose loss alone coda patches, and Qwen2.5-VL-3B's text model in its vision-language class,
+text-only batches, the loss alone too),
 in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and loss stay
 eager, as users compile it), with Liger's instance patch (called as the others, and with
 ``use_cache=False``, which a patched model's training call implies), and patched by
@@ -135,15 +137,53 @@ SHAPES = {
             tie_word_embeddings=True,
         ),
     ),
+    # Qwen2.5-VL-3B's text model (``Qwen2_5_VLForConditionalGeneration``, a 1-block vision
+    # encoder that text-only batches leave idle): the loss alone (its layers' multimodal RoPE
+    # is not coda's), the vision-language forward's path, V = 151936
+    "qwen2.5-vl-3B": (
+        "qwen2_5_vl",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_hidden_layers=36,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 # (not in a default run: named in CODA_HF_SHAPES)
-ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B")
+ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B", "qwen2.5-vl-3B")
 BATCH, SEQ = 4, 4096
 PROFILED = ("hf_coda", "hf_liger", "hf_liger_no_cache")  # per-kernel tables (pass 1)
 
 
+def _vision_language_config(shape: dict):
+    """Qwen2.5-VL's config around the text ``shape``: its multimodal RoPE sections in
+    Qwen2.5-VL's proportions (16, 24, 24 of head_dim / 2 = 64), one small vision block."""
+    import transformers
+
+    half = (shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]) // 2
+    t = half // 4
+    sections = [t, (half - t) // 2, half - t - (half - t) // 2]
+    rope = dict(rope_type="default", rope_theta=1e6, mrope_section=sections)
+    text = {**shape, "max_position_embeddings": SEQ, "rope_parameters": rope}
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2)
+    vision["out_hidden_size"] = shape["hidden_size"]
+    return transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, attn_implementation="sdpa",
+        tie_word_embeddings=shape.get("tie_word_embeddings", False),
+    )  # fmt: skip
+
+
 def build(family: str, shape: dict, device, dtype):
     import transformers
+
+    if family == "qwen2_5_vl":
+        torch.manual_seed(0)
+        config = _vision_language_config(shape)
+        return transformers.Qwen2_5_VLForConditionalGeneration(config).to(device, dtype)
 
     names = {
         "llama": "Llama",
@@ -220,8 +260,11 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
     """(name, make) in run order; ``make`` returns a fresh model from ``base``'s weights."""
     import coda.transformers as ct
 
-    def coda_patch(m, **kw):  # (the loss alone where coda's layers do not apply: Gemma)
-        return ct.apply_coda(m, layers=type(m).__name__ not in ct.LOSS_ONLY, **kw)
+    def coda_patch(m, **kw):  # (the loss alone where coda's layers do not apply: Gemma, VLMs)
+        vlm = type(m).__name__ in ct.VISION_LANGUAGE
+        text = type(m.model.language_model).__name__ if vlm else None
+        alone = type(m).__name__ in ct.LOSS_ONLY or text in ct.TEXT_LOSS_ONLY
+        return ct.apply_coda(m, layers=not alone, **kw)
 
     def compiled():
         m = copy.deepcopy(base)
