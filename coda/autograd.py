@@ -50,7 +50,7 @@ from coda._validate import CodaInputError, check_attention_output
 from coda.kernels import library as lib
 from coda.kernels._launch import fused, unit_rows
 from coda.kernels.ce_scaled_exp import chunk_rows_scaled
-from coda.kernels.drope import cached_head_rotation
+from coda.kernels.drope import cached_head_rotation, cached_mrope_rotation
 from coda.kernels.final_norm_rows import head_norm_backward
 from coda.kernels.gemm_rope import cached_freq_table, lean_z_cols
 from coda.kernels.linear_cross_entropy import logits_row_sum, softcap_rows
@@ -235,35 +235,40 @@ class AttentionInputBias(torch.autograd.Function):
     only its first 16 bytes a row where no backward reads it, ``train`` False) for B11, whose
     statistic reads z in place of the rotated output (which a large bias would leave with few
     bits of z); B11 also returns the bias's gradient, the column sums of the gradient before
-    the rotation."""
+    the rotation. With ``sect`` (Qwen2-VL's multimodal RoPE: ``gemm_rope.mrope_section_table``)
+    ``positions`` is (3, M), the time, height and width rows."""
 
     @staticmethod
-    def forward(ctx, x0, g1, w_qkv, bias_qkv, positions, freq, dims: LayerDims, train: bool):
+    def forward(ctx, x0, g1, w_qkv, bias_qkv, positions, freq, dims: LayerDims, train, sect=None):
         M, d = x0.shape
         pos = positions.float()
         a0, r0 = lib.norm_rows(x0, g1, dims.eps, False)  # F0
         N = w_qkv.shape[1]
         z_cols = N if train else lean_z_cols(N)  # (no backward: z's store clipped to one row)
-        qkv, *z = lib.gemm_rope_bias(
-            a0, w_qkv, r0, pos, freq, bias_qkv, config_for("rope", M, d, N), z_cols
-        )  # F1
+        row, mrope = (pos, ()) if sect is None else (pos[0], (pos[1:], sect))
+        cfg = config_for("rope", M, d, N)
+        qkv, *z = lib.gemm_rope_bias(a0, w_qkv, r0, row, freq, bias_qkv, cfg, z_cols, *mrope)  # F1
         if not train:  # (no backward reads this run's z)
             z = [stand_in((M, N // 2), qkv) for _ in range(2)]
         ctx.save_for_backward(x0, r0, *z, g1, w_qkv, pos, freq)
-        ctx.dims, ctx.b_dtype = dims, bias_qkv.dtype
+        ctx.dims, ctx.b_dtype, ctx.sect = dims, bias_qkv.dtype, sect
         return (*split_heads(qkv, dims), x0.view_as(x0))
 
     @staticmethod
     def backward(ctx, dq, dk, dv, dres):
         differentiable_once("AttentionInputBias")
         x0, r0, z_even, z_odd, g1, w_qkv, pos, freq = ctx.saved_tensors
-        cos, sin = cached_head_rotation(pos, freq, ctx.dims.head_dim, r0.dtype)
+        hd = ctx.dims.head_dim
+        if ctx.sect is None:
+            cos, sin = cached_head_rotation(pos, freq, hd, r0.dtype)
+        else:
+            cos, sin = cached_mrope_rotation(pos, ctx.sect, freq, hd, r0.dtype)
         d = x0.shape[1]
         dz0, corr0, db = lib.drope_bias_rows(dq, dk, dv, z_even, z_odd, r0, cos, sin, d)  # B11
         want_dw = ctx.needs_input_grad[2]
         dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres, want_dw)
         db = db.to(ctx.b_dtype) if ctx.needs_input_grad[3] else None
-        return dx0, dg1, dw_qkv, db, None, None, None, None
+        return dx0, dg1, dw_qkv, db, None, None, None, None, None
 
 
 class AttentionInputQKNorm(torch.autograd.Function):
@@ -427,13 +432,15 @@ def decoder_layer(
     qk_norm=None,
     qkv_bias=None,
     o_bias=None,
+    sect=None,
 ):
     """One decoder layer on token rows x0 (M, d) as the composition of the kernel-path
     Functions, with ``attention`` (default ``sdpa_causal``) between them, differentiated by
     its own autograd. ``freq``: the RoPE epilogue's per-column frequency table (default: from
     ``dims.rope_base``); ``qk_norm``: Qwen3's (q_norm, k_norm) head-norm weights, or None;
     ``qkv_bias``: Qwen2's QKV bias (Nqkv,) in W_qkv's column order, or None (not both);
-    ``o_bias``: the O projection's bias (d,) (Llama's ``attention_bias=True``), or None.
+    ``o_bias``: the O projection's bias (d,) (Llama's ``attention_bias=True``), or None;
+    ``sect``: multimodal RoPE's section flags, ``positions`` then (3, M) (with ``qkv_bias``)
     Returns x2 (batch, seq, d), a tensor of its own (not a view of an (M, d) one). Where no
     backward reads this run's tensors (``torch.no_grad``, inference mode, nothing requiring a
     gradient, either kind of activation checkpointing's first pass: ``backward_can_follow``),
@@ -451,7 +458,7 @@ def decoder_layer(
     elif qkv_bias is not None:
         train = backward_can_follow(x0, g1, w_qkv, qkv_bias)
         q, k, v, x0_residual = AttentionInputBias.apply(
-            x0, g1, w_qkv, qkv_bias, positions, freq, dims, train
+            x0, g1, w_qkv, qkv_bias, positions, freq, dims, train, sect
         )
     else:
         q, k, v, x0_residual = AttentionInput.apply(x0, g1, w_qkv, positions, freq, dims)

@@ -123,7 +123,7 @@ def op_samples():
     # 32 of N = 64 columns (the tiles past them clipped)
     samples["gemm_qk_norm_rope_keep_z"] = (*samples["gemm_qk_norm_rope"], 32)
     # F1 with Qwen2's QKV bias, z kept whole for the backward (clipped: the test below)
-    samples["gemm_rope_bias"] = (*samples["gemm_rope"][:5], _r(N), CFG, N)
+    samples["gemm_rope_bias"] = (*samples["gemm_rope"][:5], _r(N), CFG, N, None, None)
     return samples
 
 
@@ -140,9 +140,20 @@ def test_opcheck_with_a_logit_softcap(name):
     torch.library.opcheck(library.OPS[name], args, test_utils=("test_schema", "test_faketensor"))
 
 
+def test_opcheck_gemm_rope_bias_with_multimodal_rope():
+    """The bias op with multimodal RoPE's height and width rows and section flags."""
+    args = op_samples()["gemm_rope_bias"]
+    M, N = args[0].shape[0], args[1].shape[1]
+    sect = torch.randint(0, 2, (N,)).float()
+    args = (*args[:-2], torch.arange(2 * M).float().view(2, M) % 7, sect)
+    torch.library.opcheck(
+        library.OPS["gemm_rope_bias"], args, test_utils=("test_schema", "test_faketensor")
+    )
+
+
 def test_opcheck_gemm_rope_bias_with_z_clipped():
     """The bias op where no backward follows: z's store clipped to 16 columns."""
-    args = (*op_samples()["gemm_rope_bias"][:-1], 16)
+    args = (*op_samples()["gemm_rope_bias"][:-3], 16, None, None)
     torch.library.opcheck(
         library.OPS["gemm_rope_bias"], args, test_utils=("test_schema", "test_faketensor")
     )

@@ -339,6 +339,7 @@ COMPILES = {
     "rope": lambda m: rp.compile_gemm_rope(256, 640, w_major=m),
     "rope_bias": lambda m: rp.compile_gemm_rope_bias(256, 640, w_major=m),
     "rope_bias_lean": lambda m: rp.compile_gemm_rope_bias(256, 640, z_cols=16, w_major=m),
+    "rope_bias_mrope": lambda m: rp.compile_gemm_rope_bias(256, 640, w_major=m, mrope=True),
     "lm_head_stats": lambda m: ce.compile_lm_head_stats(256, 1000, w_major=m),
     "lm_head_stats_capped": lambda m: ce.compile_lm_head_stats(256, 1000, w_major=m, capped=True),
     "scale_rows": lambda m: rg.compile_gemm_scale_rows(256, 520, w_major=m),

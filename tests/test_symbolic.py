@@ -91,6 +91,24 @@ def test_rope_with_a_bias_rotates_the_biased_pair_and_keeps_z_without_it():
     assert same(out["z_even"], r * a1) and same(out["z_odd"], r * a2)
 
 
+def test_multimodal_rope_rotates_each_pair_by_its_sections_position():
+    """F1 with multimodal RoPE (Qwen2-VL's): a pair whose section flags are (0, 0), (1, 0) or
+    (0, 1) rotates as ``rope_scaled_bias`` at the time, height or width position, and z is
+    kept the same way."""
+    a1, a2, r, hi, lo, b1, b2 = sp.symbols("a1 a2 r hi lo b1 b2", real=True)
+    rows = sp.symbols("t h w", real=True)
+    ops = dict(rstd=r, freq=(hi, lo), bias=(b1, b2))
+    for flags, at in (((0, 0), rows[0]), ((1, 0), rows[1]), ((0, 1), rows[2])):
+        out = evaluate(
+            rope.mrope_scaled_bias, acc=(a1, a2), pos=rows[0], pos_h=rows[1], pos_w=rows[2],
+            sect=flags, **ops,
+        )  # fmt: skip
+        want = evaluate(rope.rope_scaled_bias, acc=(a1, a2), pos=at, **ops)
+        for key in ("z_even", "z_odd"):
+            assert same(out[key], want[key])
+        assert same(out["D"][0], want["D"][0]) and same(out["D"][1], want["D"][1])
+
+
 def test_residual_norm_epilogue_defers_rmsnorm_to_a_row_scale():
     """F3 + AUX: h = acc + c per element, sumsq's terms h^2, normed h gamma; over a row of
     N = 3 columns the AUX scale (sum/N + eps)^-1/2 times normed is RMSNorm(h) gamma."""
@@ -263,7 +281,7 @@ PROVEN = {
     "softmax_grad_logits_shifted", "scaled_exp_logits", "_qk_norm_rope", "_qk_norm_rope_keep_z",
     "logits_lse_target", "logits_with_stats", "scale_rows", "scaled_grad_dx", "passthrough",
     "scaled_grad_dw", "rope_scaled_bias", "residual_bias_sumsq", "residual_bias_norm_sumsq",
-    "capped_logits_lse_target", "capped_softmax_grad_logits",
+    "capped_logits_lse_target", "capped_softmax_grad_logits", "mrope_scaled_bias",
 }  # fmt: skip
 
 

@@ -25,6 +25,7 @@ COMPILE = {
         rp.compile_gemm_rope(256, 640, config=c)
         + rp.compile_gemm_rope_bias(256, 640, config=c)
         + rp.compile_gemm_rope_bias(256, 640, z_cols=16, config=c)
+        + rp.compile_gemm_rope_bias(256, 640, mrope=True, config=c)
     ),
     "scale_rows": lambda c: rg.compile_gemm_scale_rows(256, 520, config=c),
     "residual": lambda c: (  # with the O projection's bias too (Llama's attention_bias)

@@ -37,6 +37,20 @@ def head_rotation(positions, freq, head_dim, dtype=torch.float32):
     return rotation_tables(positions, head[0::2], head[1::2], head_dim, dtype)
 
 
+def mrope_head_rotation(positions, sect, freq, head_dim, dtype=torch.float32):
+    """``head_rotation`` for multimodal RoPE: ``positions`` (3, M), the time, height and width
+    rows, ``sect`` F1's section flags (``gemm_rope.mrope_section_table``): each frequency's
+    angle from its own section's row, as the forward epilogue formed it."""
+    head, flags = freq[:head_dim], sect[:head_dim]
+    section = (flags[0::2] + 2 * flags[1::2]).long()  # (hd/2,): 0 time, 1 height, 2 width
+    pos = positions.index_select(0, section).t()  # (M, hd/2)
+    theta = turns_to_angle(pos, head[0::2], head[1::2])
+    return theta.cos().to(dtype), theta.sin().to(dtype)
+
+
+cached_mrope_rotation = TensorMemo(mrope_head_rotation, maxsize=2)
+
+
 # ``head_rotation`` once per (positions, freq) pair: every layer of a step is given the same
 # positions rows and frequency table, so a stack's backward builds its cos/sin tables (about
 # ten float64 kernels) once per step, or once in all for the default positions. Two entries:

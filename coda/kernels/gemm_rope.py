@@ -14,6 +14,12 @@ of 8, even head_dim; any M. Tests: tests/test_forward_kernels.py.
 
 With a QKV bias (Qwen2's q, k, v projections): z = rstd * acc + bias (VEC-LD ROW bias) before
 the rotation, and rstd * acc stored for the backward (``rope_scaled_bias``).
+
+Multimodal RoPE (Qwen2-VL's and Qwen2.5-VL's, ``mrope_scaled_bias``): three position rows
+(time, height, width; VEC-LD COL pos, pos_h, pos_w) and each frequency's section, as a
+per-column pair of one-hot flags (VEC-LD ROW sect: (1, 0) for height, (0, 1) for width,
+(0, 0) for time and for V's columns): the pair's position is pos + on_h (pos_h - pos) +
+on_w (pos_w - pos), exact in fp32 for integer positions below 2^24, then the same angle.
 """
 
 from __future__ import annotations
@@ -57,6 +63,33 @@ def rope_scaled_bias(acc, rstd, pos, freq, bias):
     z = acc * rstd
     z_even, z_odd = unpack(z)
     return {"D": _rotated(z + bias, pos, freq), "z_even": z_even, "z_odd": z_odd}
+
+
+@epilogue_program(
+    inputs=[
+        ColLoad("rstd"), ColLoad("pos"), ColLoad("pos_h"), ColLoad("pos_w"), RowLoad("freq"),
+        RowLoad("sect"), RowLoad("bias"),
+    ],
+    stores=[TileStore("z_even"), TileStore("z_odd")],
+    mode="pair",
+)  # fmt: skip
+def mrope_scaled_bias(acc, rstd, pos, pos_h, pos_w, freq, sect, bias):
+    """``rope_scaled_bias`` with multimodal RoPE: each pair's position from its section."""
+    on_h, on_w = unpack(sect)
+    at = pos + on_h * (pos_h - pos) + on_w * (pos_w - pos)
+    z = acc * rstd
+    z_even, z_odd = unpack(z)
+    return {"D": _rotated(z + bias, at, freq), "z_even": z_even, "z_odd": z_odd}
+
+
+def mrope_section_table(sections, rotated_heads: int, plain_heads: int, device=None):
+    """``mrope_scaled_bias``'s per-column section flags: for each of ``rotated_heads`` heads,
+    pair i holds ([s_i = 1], [s_i = 2]) at columns (2i, 2i+1), ``sections`` (hd/2,) each
+    frequency's position row (0 time, 1 height, 2 width); the ``plain_heads`` (V) hold 0."""
+    s = torch.as_tensor(sections, device="cpu").long()
+    head = torch.stack([(s == 1), (s == 2)], dim=-1).flatten().float()
+    plain = torch.zeros(plain_heads * 2 * s.numel())
+    return torch.cat([head.repeat(rotated_heads), plain]).to(device)
 
 
 def rope_freq_table(
@@ -144,6 +177,17 @@ def position_rows(positions, batch: int, device) -> torch.Tensor:
     return flat.repeat(batch) if one_sequence and batch > 1 else flat
 
 
+@functools.partial(TensorMemo, maxsize=2)
+def mrope_rows(positions, batch: int, device) -> torch.Tensor:
+    """Multimodal RoPE's positions ((3, batch, seq) or (3, seq): time, height, width) as the
+    (3, M) float32 rows ``mrope_scaled_bias`` reads, remembered per positions tensor as
+    ``position_rows``."""
+    rows = positions.reshape(3, -1).to(device, torch.float32)
+    if rows.shape[1] != batch * positions.shape[-1]:  # (3, seq): every sequence the same
+        rows = rows.repeat(1, batch)
+    return rows.contiguous()
+
+
 def gemm_rope_kernel(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT, dry=False):
     """Returns qkv (M x Nqkv, rotated q and k, plain v); with ``dry`` only compiles."""
     qkv = a.new_empty(a.shape[0], w_qkv.shape[1])
@@ -156,19 +200,27 @@ def gemm_rope_kernel(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT, dr
 LEAN_Z_COLS = 16
 
 
-def gemm_rope_bias_kernel(a, w_qkv, rstd, pos, freq, bias, config=DEFAULT, z_cols=None, dry=False):
+def gemm_rope_bias_kernel(
+    a, w_qkv, rstd, pos, freq, bias, config=DEFAULT, z_cols=None, dry=False, mrope=None
+):
     """``gemm_rope_kernel`` with a per-column ``bias`` (Nqkv,) added before the rotation.
     Returns (qkv, z_even, z_odd): z = rstd * acc without the bias, the even and odd columns of
     its first ``z_cols`` columns (default all Nqkv, what ``drope_bias_heads`` reads; on the GPU
-    a multiple of 16, for the TMA's 16-byte rows: the store clips the tiles past it)."""
+    a multiple of 16, for the TMA's 16-byte rows: the store clips the tiles past it).
+    ``mrope``: (pos_h, pos_w, sect), multimodal RoPE's height and width rows and section
+    flags (``mrope_section_table``); ``pos`` is then the time row."""
     M, N = a.shape[0], w_qkv.shape[1]
     z_cols = N if z_cols is None else z_cols
     assert 0 < z_cols <= N and z_cols % 2 == 0, z_cols
     qkv = a.new_empty(M, N)
     operands = {"rstd": rstd, "pos": pos, "freq": freq, "bias": bias}
+    program = rope_scaled_bias
+    if mrope is not None:
+        operands.update(zip(("pos_h", "pos_w", "sect"), mrope))
+        program = mrope_scaled_bias
     outputs = {"z_even": a.new_empty(M, z_cols // 2), "z_odd": a.new_empty(M, z_cols // 2)}
     compiled = launch(
-        rope_scaled_bias,
+        program,
         a,
         w_qkv,
         config=config,
@@ -197,9 +249,11 @@ def compile_gemm_rope(k, n, *, w_major="n", config=DEFAULT, m=256, pos_dtype=tor
 
 
 def compile_gemm_rope_bias(
-    k, n, *, z_cols=None, w_major="n", config=DEFAULT, m=256, pos_dtype=torch.float32
-) -> int:
+    k, n, *, z_cols=None, w_major="n", config=DEFAULT, m=256, pos_dtype=torch.float32,
+    mrope=False,
+) -> int:  # fmt: skip
     a, w = example_operands(m, k, n, w_major)
     pos, r, f = torch.zeros(m, dtype=pos_dtype), torch.empty(m), torch.empty(n)
     b = torch.empty(n, dtype=a.dtype)
-    return gemm_rope_bias_kernel(a, w, r, pos, f, b, config, z_cols=z_cols, dry=True)
+    rows = (torch.zeros(m), torch.zeros(m), torch.zeros(n)) if mrope else None
+    return gemm_rope_bias_kernel(a, w, r, pos, f, b, config, z_cols=z_cols, dry=True, mrope=rows)

@@ -84,12 +84,15 @@ def _gemm_rope_bias(
     bias: torch.Tensor,
     cfg: list[int],
     z_cols: int,
+    pos_hw: torch.Tensor | None,
+    sect: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _rope.gemm_rope_bias_kernel(a, w, rstd, pos, freq, bias, _gc(cfg), z_cols)
+    mrope = None if sect is None else (pos_hw[0], pos_hw[1], sect)  # (multimodal RoPE)
+    return _rope.gemm_rope_bias_kernel(a, w, rstd, pos, freq, bias, _gc(cfg), z_cols, mrope=mrope)
 
 
 @_fake(_gemm_rope_bias)
-def _(a, w, rstd, pos, freq, bias, cfg, z_cols):
+def _(a, w, rstd, pos, freq, bias, cfg, z_cols, pos_hw, sect):
     M, N = a.shape[0], w.shape[1]
     return _empty(M, N, like=a), _empty(M, z_cols // 2, like=a), _empty(M, z_cols // 2, like=a)
 
@@ -478,9 +481,13 @@ def _either(op, direct):
 gemm_rope = _either(
     lambda a, w, r, p, f, c: _gemm_rope(a, w, r, p, f, _cfg(c)), _rope.gemm_rope_kernel
 )
-gemm_rope_bias = _either(  # (qkv, z_even, z_odd)
-    lambda a, w, r, p, f, b, c, z_cols: _gemm_rope_bias(a, w, r, p, f, b, _cfg(c), z_cols),
-    _rope.gemm_rope_bias_kernel,
+gemm_rope_bias = _either(  # (qkv, z_even, z_odd); pos_hw, sect: multimodal RoPE's, or None
+    lambda a, w, r, p, f, b, c, z_cols, pos_hw=None, sect=None: _gemm_rope_bias(
+        a, w, r, p, f, b, _cfg(c), z_cols, pos_hw, sect
+    ),
+    lambda a, w, r, p, f, b, c, z_cols, pos_hw=None, sect=None: _rope.gemm_rope_bias_kernel(
+        a, w, r, p, f, b, c, z_cols, mrope=None if sect is None else (pos_hw[0], pos_hw[1], sect)
+    ),
 )
 gemm_qk_norm_rope = _either(
     lambda a, w, r, p, f, hw, pl, hd, eps, c: _gemm_qk_norm_rope(

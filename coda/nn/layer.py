@@ -26,6 +26,8 @@ from coda.env import (
 from coda.kernels.gemm_rope import (
     context_freq_table,
     default_positions,
+    mrope_rows,
+    mrope_section_table,
     position_rows,
     shared_freq_table,
 )
@@ -63,6 +65,24 @@ def _long_rope(long_inv_freq, long_after, head_dim: int):
     )
 
 
+def _mrope(sections, head_dim: int, with_bias: bool, long_inv_freq):
+    """Multimodal RoPE's section per frequency (a CPU long tensor), or None."""
+    if sections is None:
+        return None
+    s = torch.as_tensor(sections).long().cpu()
+    if s.shape != (head_dim // 2,) or not bool(((s >= 0) & (s <= 2)).all()):
+        raise v.CodaInputError(
+            f"mrope_sections: expected head_dim / 2 = {head_dim // 2} entries in (0, 1, 2), "
+            f"got {sections!r}"
+        )
+    if not with_bias or long_inv_freq is not None:
+        raise v.CodaInputError(
+            "mrope_sections: supported with qkv_bias (Qwen2-VL's layer), without qk_norm or "
+            "LongRoPE"
+        )
+    return s
+
+
 class DecoderLayer(FormerNames, nn.Module):
     """Pre-norm Llama decoder layer. ``attention``: a callable (q, k, v) -> o on
     (batch, heads, seq, head_dim) tensors (k, v with n_kv_heads heads; causal), used by both
@@ -72,7 +92,10 @@ class DecoderLayer(FormerNames, nn.Module):
     ``qkv_bias``: Qwen2's biases of the q, k and v projections (``bias_qkv``, (Nqkv,) in
     ``w_qkv``'s column order, added before RoPE; not with ``qk_norm``). ``o_bias``: the O
     projection's bias (``bias_o``, (d,), added in F3's epilogue); with ``qkv_bias``, Llama's
-    ``attention_bias=True``. ``long_inv_freq`` and ``long_after``: LongRoPE (Phi-3.5's): a
+    ``attention_bias=True``. ``mrope_sections``: multimodal RoPE (Qwen2-VL's, with ``qkv_bias``):
+    each of the head_dim / 2 frequencies' position row, 0 (time), 1 (height) or 2 (width);
+    positions then (3, batch, seq) (or (3, seq); a (batch, seq) one is every row's).
+    ``long_inv_freq`` and ``long_after``: LongRoPE (Phi-3.5's): a
     second set of inverse frequencies, used by every call whose largest position is at least
     ``long_after`` (the original context length), chosen on the device
     (``gemm_rope.context_freq_table``).
@@ -85,7 +108,8 @@ class DecoderLayer(FormerNames, nn.Module):
     the biases ``b_qkv`` and ``b_o``, and state dicts saved under those names still load."""
 
     RENAMED = {"g1": "attention_norm", "g2": "ffn_norm", "b_qkv": "bias_qkv", "b_o": "bias_o"}
-    _long_inv_freq = long_after = None  # (the defaults of layers pickled before LongRoPE)
+    # (the defaults of layers pickled before LongRoPE and multimodal RoPE)
+    _long_inv_freq = long_after = _mrope = None
 
     def __init__(
         self,
@@ -106,6 +130,7 @@ class DecoderLayer(FormerNames, nn.Module):
         o_bias: bool = False,
         long_inv_freq=None,
         long_after: int = None,
+        mrope_sections=None,
     ):
         super().__init__()
         if qk_norm and qkv_bias:
@@ -126,6 +151,7 @@ class DecoderLayer(FormerNames, nn.Module):
         # round them); the kernel's float-float table is derived once per device
         self._inv_freq = inv_freq.detach().to("cpu", torch.float64)
         self._long_inv_freq, self.long_after = _long_rope(long_inv_freq, long_after, hd)
+        self._mrope = _mrope(mrope_sections, hd, qkv_bias and not qk_norm, long_inv_freq)
         self._rope_tables = {}
         if attention is not None and not callable(attention):
             raise v.CodaInputError(
@@ -178,6 +204,8 @@ class DecoderLayer(FormerNames, nn.Module):
         device = self.attention_norm.device
         self._inverse_frequencies(device)
         self._freq_table(device)
+        if self._mrope is not None:
+            self._mrope_table(device)
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .double(), ...: tables follow
         out = super()._apply(fn, recurse)
@@ -273,6 +301,11 @@ class DecoderLayer(FormerNames, nn.Module):
             half = self.head_dim // 2
             cos, sin = (t.expand(B, S, -1).reshape(B * S, -1)[:, :half] for t in rope_cos_sin)
             cs = torch.stack([cos, sin], dim=-1).flatten(1)
+        elif self._mrope is not None:  # each frequency's angle from its section's row
+            inv = self._inverse_frequencies(pos.device)
+            rows = pos.to(torch.float64).index_select(0, self._mrope.to(pos.device))
+            ang = rows.t() * inv[None, :]
+            cs = torch.stack([ang.cos(), ang.sin()], dim=-1).flatten(1)
         else:
             inv = self._inverse_frequencies(pos.device, pos)
             ang = pos.to(torch.float64)[:, None] * inv[None, :]
@@ -282,6 +315,8 @@ class DecoderLayer(FormerNames, nn.Module):
         )
 
     def _positions(self, positions, B, S, device):
+        if self._mrope is not None:
+            return self._mrope_positions(positions, B, S, device)
         if positions is None:
             return default_positions(B, S, device)
         v.check_tensor("positions", positions)
@@ -292,6 +327,35 @@ class DecoderLayer(FormerNames, nn.Module):
                 f"{positions.dtype} {tuple(positions.shape)}"
             )
         return position_rows(positions, B, device)
+
+    def _mrope_positions(self, positions, B, S, device):
+        """Multimodal RoPE's (3, M) rows: (3, batch, seq) positions, or one (batch, seq) /
+        (seq,) / default set for all three rows (text alone)."""
+        if positions is None or positions.dim() != 3:
+            rows = self._positions_plain(positions, B, S, device)
+            return rows[None].expand(3, -1).contiguous()
+        v.check_tensor("positions", positions)
+        n, shape = positions.numel(), tuple(positions.shape)
+        if not v.is_integer(positions) or shape[::2] != (3, S) or n not in (3 * S, 3 * B * S):
+            raise v.CodaInputError(
+                f"positions: expected integer (3, batch, seq) = (3, {B}, {S}) multimodal "
+                f"positions, got {positions.dtype} {shape}"
+            )
+        return mrope_rows(positions, B, device)
+
+    def _positions_plain(self, positions, B, S, device):
+        mrope, self._mrope = self._mrope, None
+        try:
+            return self._positions(positions, B, S, device)
+        finally:
+            self._mrope = mrope
+
+    def _mrope_table(self, device):
+        """F1's multimodal section flags (``gemm_rope.mrope_section_table``)."""
+        heads = (self.n_heads + self.n_kv_heads, self.n_kv_heads)
+        return self._on_device(
+            "mrope", device, lambda d: mrope_section_table(self._mrope, *heads, d)
+        )
 
     def _on_device(self, name, device, build):
         """A RoPE table derived from the inverse frequencies, built once per device (a host to
@@ -333,7 +397,7 @@ class DecoderLayer(FormerNames, nn.Module):
         ``torch.autocast`` (bf16) x and the parameters are cast to bf16 first (``compute_dtype``;
         the casts are differentiable: fp32 parameters get fp32 gradients, as under autocast)."""
         B, S, d = x.shape
-        pos = default_positions(B, S, x.device) if positions is None else positions
+        pos = self._positions(None, B, S, x.device) if positions is None else positions
         dims = LayerDims(
             B, S, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.rope_base
         )
@@ -356,10 +420,11 @@ class DecoderLayer(FormerNames, nn.Module):
                 pos,
                 dims,
                 attention or self.attention,
-                self._freq_table(x.device, pos),
+                self._freq_table(x.device, None if self._mrope is not None else pos),
                 qk,
                 bias,
                 o_bias,
+                None if self._mrope is None else self._mrope_table(x.device),
             )
         return out
 
