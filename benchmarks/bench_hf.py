@@ -5,7 +5,7 @@
 attention biases, a Phi-3-mini-shaped ``Phi3ForCausalLM``, a Gemma-3-1B-shaped
 ``Gemma3ForCausalLM`` and a Gemma-2-2B-shaped ``Gemma2ForCausalLM`` (its logits soft-capped),
 whose loss alone coda patches, and Qwen2.5-VL-3B's text model in its vision-language class,
-text-only batches, the loss alone too),
+text-only batches),
 in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and loss stay
 eager, as users compile it), with Liger's instance patch (called as the others, and with
 ``use_cache=False``, which a patched model's training call implies), and patched by
@@ -138,8 +138,8 @@ SHAPES = {
         ),
     ),
     # Qwen2.5-VL-3B's text model (``Qwen2_5_VLForConditionalGeneration``, a 1-block vision
-    # encoder that text-only batches leave idle): the loss alone (its layers' multimodal RoPE
-    # is not coda's), the vision-language forward's path, V = 151936
+    # encoder that text-only batches leave idle): coda's layers (multimodal RoPE in the QKV
+    # epilogue) and loss through the vision-language forward, V = 151936
     "qwen2.5-vl-3B": (
         "qwen2_5_vl",
         dict(

@@ -64,7 +64,8 @@ LOSS_ONLY = {
 # training loss coda takes (``_hf_forward.vision_language_forward``), and whose text model's
 # decoder layers it patches where that text model is a supported family's (Llava's and
 # Llava-NeXT's Llama or Mistral, Mistral 3's Mistral, Llava-OneVision's and InternVL's Qwen2,
-# Idefics3's and SmolVLM's Llama); the others' text layers, with why, for ``layers=False``
+# Idefics3's and SmolVLM's Llama) or Qwen2-VL's (``MROPE_TEXT``); the others' text layers, with
+# why, for ``layers=False``
 VISION_LANGUAGE = (
     "LlavaForConditionalGeneration",
     "LlavaNextForConditionalGeneration",
@@ -80,16 +81,16 @@ VISION_LANGUAGE = (
     "Qwen3VLForConditionalGeneration",
     "MllamaForConditionalGeneration",
 )
-_MROPE = "multimodal RoPE (positions in time, height and width)"
 TEXT_LOSS_ONLY = {
     "GemmaModel": LOSS_ONLY["GemmaForCausalLM"],
     "Gemma2Model": LOSS_ONLY["Gemma2ForCausalLM"],
     "Gemma3TextModel": LOSS_ONLY["Gemma3ForCausalLM"],
-    "Qwen2VLTextModel": _MROPE,
-    "Qwen2_5_VLTextModel": _MROPE,
-    "Qwen3VLTextModel": _MROPE + " and QK-norm",
+    "Qwen3VLTextModel": "interleaved multimodal RoPE with QK-norm",
     "MllamaTextModel": "cross-attention layers to the image",
 }
+# text models whose layers are Qwen2's with multimodal RoPE (sectioned: each frequency's
+# position row by ``mrope_section``), coda's layer with ``mrope_sections``
+MROPE_TEXT = ("Qwen2VLTextModel", "Qwen2_5_VLTextModel")
 # RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
 # ``inv_freq``): "yarn" also scales cos and sin by a constant c (the module's
 # ``attention_scaling``), which a patched layer folds into the attention's scale, as
@@ -119,6 +120,16 @@ def check_config(config, rotary) -> None:
     for ok, what in rules:
         if not ok:
             raise v.CodaInputError(f"apply_coda: {what} is not supported")
+
+
+def mrope_sections(rotary) -> list | None:
+    """Each frequency's position row (0 time, 1 height, 2 width) of a multimodal rotary
+    module (Qwen2-VL's ``mrope_section``: chunk k of the frequencies takes row k % 3), or None
+    for another."""
+    chunks = getattr(rotary, "mrope_section", None)
+    if chunks is None:
+        return None
+    return [k % 3 for k, size in enumerate(chunks) for _ in range(size)]
 
 
 def inverse_frequencies(rotary, config) -> tuple:

@@ -63,8 +63,10 @@ InternVL, Idefics3, SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
 training call's loss through coda's (the model's own forward runs, its images, masks and
 multimodal positions its own, with its final norm and LM head skipped and its loss function
 coda's: ``_hf_forward.vision_language_forward``), and the text model's decoder layers where
-that text model is a supported family's (Llama, Mistral, Qwen2); the others take
-``layers=False``; the vision encoder stays HF's.
+that text model is a supported family's (Llama, Mistral, Qwen2) or Qwen2-VL's and
+Qwen2.5-VL's (Qwen2's layer with multimodal RoPE: ``mrope_sections``, the position rows
+tagged on the rotary module's output, ``_tag_mrope_rows``); the others take ``layers=False``;
+the vision encoder stays HF's.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ from coda import _hf_fused
 from coda import _validate as v
 from coda._hf_families import (
     LOSS_ONLY,
+    MROPE_TEXT,
     ROPE_TYPES,  # noqa: F401 (coda.transformers.ROPE_TYPES, as before)
     SUPPORTED,
     TASK_HEADS,
@@ -87,6 +90,7 @@ from coda._hf_families import (
     VISION_LANGUAGE,
     check_config,
     inverse_frequencies,
+    mrope_sections,
 )
 from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_forward
 from coda.autograd import LM_HEAD_METHODS
@@ -108,8 +112,9 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     fused, use_rope, rope_scale = False, True, 1.0
 
     def __init__(
-        self, hf_layer, config, inv_freq, mask_hint, rope_scale: float = 1.0, long_rope=(None,) * 2
-    ):
+        self, hf_layer, config, inv_freq, mask_hint, rope_scale=1.0, long_rope=(None,) * 2,
+        mrope=None,
+    ):  # fmt: skip
         attn = hf_layer.self_attn
         where = f"layers.{attn.layer_idx}"
         _check_linears(hf_layer, where)
@@ -141,6 +146,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             o_bias=o_bias,
             long_inv_freq=long_inv_freq,
             long_after=long_after,
+            mrope_sections=mrope,
         )
         if qk_norm and attn.q_norm.variance_epsilon != config.rms_norm_eps:
             raise v.CodaInputError("apply_coda: a QK-norm eps other than rms_norm_eps")
@@ -262,7 +268,15 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         if not self.use_rope or self.rope_scale != 1.0:  # both paths then rotate by the
             # layer's own frequencies (zero in a NoPE layer), unscaled (YaRN's c: above)
             position_embeddings = None
-        return super().forward(hidden_states, position_ids, position_embeddings, attention)
+        positions = position_ids
+        if self._mrope is not None:  # (the rows HF's rotary module took: ``_tag_mrope_rows``)
+            positions = getattr(position_embeddings[0], "coda_mrope_positions", None)
+            if positions is None:
+                raise v.CodaInputError(
+                    "apply_coda: a multimodal-RoPE layer called without its model's position "
+                    "embeddings (the text model's rotary module tags them with their positions)"
+                )
+        return super().forward(hidden_states, positions, position_embeddings, attention)
 
 
 def _check_linears(hf_layer, where: str) -> None:
@@ -486,7 +500,7 @@ def _apply_vision_language(model, name: str, method: str, embedding: bool, layer
     embedding's backward; the vision encoder and the projector stay HF's."""
     text = hf_forward.text_model(model)
     kind = type(text).__name__
-    if layers and kind not in SUPPORTED:
+    if layers and kind not in SUPPORTED and kind not in MROPE_TEXT:
         why = TEXT_LOSS_ONLY.get(kind, "not a supported family's")
         raise v.CodaInputError(
             f"apply_coda: {name}'s text model {kind}: its decoder layers ({why}) are not "
@@ -529,11 +543,15 @@ def _patch_layers(base, config) -> None:
     if getattr(base, "coda_mask_hint", None) is None:  # (not patched before)
         base.coda_mask_hint = MaskHint()
         wrap_forward(base, base_forward)
+    mrope = mrope_sections(base.rotary_emb)
+    if mrope is not None and not getattr(base.rotary_emb, "coda_tags_rows", False):
+        base.rotary_emb.register_forward_hook(_tag_mrope_rows)
+        base.rotary_emb.coda_tags_rows = True
     replaced = False
     for i, layer in enumerate(base.layers):
         if not isinstance(layer, CodaLlamaDecoderLayer):
             ours = CodaLlamaDecoderLayer(
-                layer, config, inv_freq, base.coda_mask_hint, rope_scale, long_rope
+                layer, config, inv_freq, base.coda_mask_hint, rope_scale, long_rope, mrope
             )
             ours.__class__ = patched_class(type(layer))  # (made first: HF's __init__ not run)
             base.layers[i] = ours
@@ -541,6 +559,14 @@ def _patch_layers(base, config) -> None:
     if replaced:  # transformers hooks the layers for ``output_hidden_states`` once, at the
         # first call asking for them: the patched layers are new modules, to be hooked anew
         base.__dict__.pop("_output_capturing_hooks_installed", None)
+
+
+def _tag_mrope_rows(rotary, args, output) -> None:
+    """A multimodal rotary module's forward hook: its cos table carries the (3, batch, seq)
+    position rows it was computed from (``coda_mrope_positions``), which the patched layers'
+    kernel path reads; on the tensor the layers are handed, so a checkpoint's recompute
+    reads the same rows."""
+    output[0].coda_mrope_positions = args[1].expand(3, -1, -1)
 
 
 def hf_gradients(model) -> dict:

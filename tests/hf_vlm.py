@@ -2,8 +2,9 @@
 encoder of two layers on 16 x 16 images (patches of 4), a 2-layer text model of width 48, a
 vocabulary of 128 with its image tokens at 120-122, and a training batch with an image:
 ``tiny_vlm(kind)`` -> (model in float64, batch). ``KINDS``: kind -> whether its text model's
-layers are coda's (a Llama, Mistral or Qwen2) or its loss alone is (``layers=False``: Gemma's,
-the Qwen-VL models' multimodal RoPE, Mllama's cross-attention). ``TEXT_ONLY``: the kinds whose
+layers are coda's (a Llama, Mistral or Qwen2; Qwen2-VL's and Qwen2.5-VL's with multimodal
+RoPE) or its loss alone is (``layers=False``: Gemma's, Qwen3-VL's interleaved multimodal RoPE
+with QK-norm, Mllama's cross-attention). ``TEXT_ONLY``: the kinds whose
 image inputs are not built here (Llava-NeXT's and -OneVision's tiled images, Mllama's tiles
 and cross-attention masks): their batch has no image."""
 
@@ -22,8 +23,8 @@ KINDS = {
     "smolvlm": True,
     "gemma3": False,
     "paligemma": False,
-    "qwen2_vl": False,
-    "qwen2_5_vl": False,
+    "qwen2_vl": True,
+    "qwen2_5_vl": True,
     "qwen3_vl": False,
     "mllama": False,
 }

@@ -1,7 +1,8 @@
 """``apply_coda`` on vision-language models (``coda.transformers.VISION_LANGUAGE``): Llava,
-Llava-NeXT, Llava-OneVision, Mistral 3, InternVL, Idefics3 and SmolVLM (their Llama, Mistral
-and Qwen2 text models' decoder layers coda's, and the loss), Gemma 3, PaliGemma, Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL and Mllama (the loss alone: ``layers=False``), tiny and random
+Llava-NeXT, Llava-OneVision, Mistral 3, InternVL, Idefics3, SmolVLM, Qwen2-VL and Qwen2.5-VL
+(their Llama, Mistral and Qwen2 text models' decoder layers coda's, Qwen2-VL's with multimodal
+RoPE, and the loss), Gemma 3, PaliGemma, Qwen3-VL and Mllama (the loss alone:
+``layers=False``), tiny and random
 (``hf_vlm``), on the CPU in float64 on coda's reference path and its kernel path (the tile
 interpreter): a training step with an image (text alone for ``hf_vlm.TEXT_ONLY``'s) equals
 the unpatched model's (the loss and every gradient, the vision encoder's included) and forms
@@ -82,6 +83,11 @@ def test_vlm_call_surface_is_hf(kind):
     shifted = torch.nn.functional.pad(batch["labels"], (0, 2), value=-100)[..., 2:].clone()
     assert_same_step(ref, patched, **batch, shift_labels=shifted)
 
+    with torch.no_grad():  # (generation: HF's forward, the patched layers and their cache)
+        ids = batch["input_ids"][:, :5].masked_fill(batch["input_ids"][:, :5] >= 120, 7)
+        want = ref.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+        assert torch.equal(patched.generate(input_ids=ids, max_new_tokens=4, do_sample=False), want)
+
     def own_loss(logits, labels, vocab_size, **kw):  # (a user's, kept by the patch)
         return logits.float().logsumexp(-1).mean()
 
@@ -112,9 +118,10 @@ def test_vlm_state_dict_is_hf_and_loads_back():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llava", "gemma3"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "gemma3"])
 def test_gpu_vlm_protocol(kind):
-    """H200: a patched bf16 Llava (coda's layers and loss) and Gemma 3 (the loss alone), one
+    """H200: a patched bf16 Llava and Qwen2.5-VL (coda's layers, multimodal RoPE in the QKV
+    epilogue for Qwen2.5-VL's, and loss) and Gemma 3 (the loss alone), one
     training step with an image, against the unpatched bf16 model, both against a float64
     copy: the loss no worse than PyTorch's above its rounding floor, every gradient (the
     vision encoder's included) within its tie band of the unpatched model's error (CODA's
