@@ -85,12 +85,11 @@ TEXT_LOSS_ONLY = {
     "GemmaModel": LOSS_ONLY["GemmaForCausalLM"],
     "Gemma2Model": LOSS_ONLY["Gemma2ForCausalLM"],
     "Gemma3TextModel": LOSS_ONLY["Gemma3ForCausalLM"],
-    "Qwen3VLTextModel": "interleaved multimodal RoPE with QK-norm",
     "MllamaTextModel": "cross-attention layers to the image",
 }
-# text models whose layers are Qwen2's with multimodal RoPE (sectioned: each frequency's
-# position row by ``mrope_section``), coda's layer with ``mrope_sections``
-MROPE_TEXT = ("Qwen2VLTextModel", "Qwen2_5_VLTextModel")
+# text models whose layers are Qwen2's (Qwen2-VL, Qwen2.5-VL) or Qwen3's (Qwen3-VL) with
+# multimodal RoPE: coda's layer with ``mrope_sections``
+MROPE_TEXT = ("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel")
 # RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
 # ``inv_freq``): "yarn" also scales cos and sin by a constant c (the module's
 # ``attention_scaling``), which a patched layer folds into the attention's scale, as
@@ -124,12 +123,16 @@ def check_config(config, rotary) -> None:
 
 def mrope_sections(rotary) -> list | None:
     """Each frequency's position row (0 time, 1 height, 2 width) of a multimodal rotary
-    module (Qwen2-VL's ``mrope_section``: chunk k of the frequencies takes row k % 3), or None
-    for another."""
-    chunks = getattr(rotary, "mrope_section", None)
-    if chunks is None:
+    module, or None for another: read from the module's own ``recomposition_frequencies``
+    (which merges three rows' angles into one table) applied to rows of 0, 1 and 2, so
+    Qwen2-VL's chunks (chunk k of ``mrope_section`` takes row k % 3) and Qwen3-VL's
+    interleaved order come out as the model computes them."""
+    recompose = getattr(rotary, "recomposition_frequencies", None)
+    if recompose is None or getattr(rotary, "mrope_section", None) is None:
         return None
-    return [k % 3 for k, size in enumerate(chunks) for _ in range(size)]
+    half = rotary.inv_freq.numel()
+    probe = torch.arange(3.0).view(3, 1, 1).repeat(1, 1, half)  # (a copy: Qwen3-VL's writes)
+    return [int(x) for x in recompose(probe)[0, :half]]
 
 
 def inverse_frequencies(rotary, config) -> tuple:

@@ -50,9 +50,10 @@ from coda._validate import CodaInputError, check_attention_output
 from coda.kernels import library as lib
 from coda.kernels._launch import fused, unit_rows
 from coda.kernels.ce_scaled_exp import chunk_rows_scaled
-from coda.kernels.drope import cached_head_rotation, cached_mrope_rotation
+from coda.kernels.drope import cached_head_rotation
+from coda.kernels.drope import cached_rotation as _rotation
 from coda.kernels.final_norm_rows import head_norm_backward
-from coda.kernels.gemm_rope import cached_freq_table, lean_z_cols
+from coda.kernels.gemm_rope import cached_freq_table, f1_rows, lean_z_cols
 from coda.kernels.linear_cross_entropy import logits_row_sum, softcap_rows
 from coda.kernels.linear_cross_entropy_bwd import (
     ce_grad_weights,
@@ -245,7 +246,7 @@ class AttentionInputBias(torch.autograd.Function):
         a0, r0 = lib.norm_rows(x0, g1, dims.eps, False)  # F0
         N = w_qkv.shape[1]
         z_cols = N if train else lean_z_cols(N)  # (no backward: z's store clipped to one row)
-        row, mrope = (pos, ()) if sect is None else (pos[0], (pos[1:], sect))
+        row, mrope = f1_rows(pos, sect)
         cfg = config_for("rope", M, d, N)
         qkv, *z = lib.gemm_rope_bias(a0, w_qkv, r0, row, freq, bias_qkv, cfg, z_cols, *mrope)  # F1
         if not train:  # (no backward reads this run's z)
@@ -258,11 +259,7 @@ class AttentionInputBias(torch.autograd.Function):
     def backward(ctx, dq, dk, dv, dres):
         differentiable_once("AttentionInputBias")
         x0, r0, z_even, z_odd, g1, w_qkv, pos, freq = ctx.saved_tensors
-        hd = ctx.dims.head_dim
-        if ctx.sect is None:
-            cos, sin = cached_head_rotation(pos, freq, hd, r0.dtype)
-        else:
-            cos, sin = cached_mrope_rotation(pos, ctx.sect, freq, hd, r0.dtype)
+        cos, sin = _rotation(pos, freq, ctx.dims.head_dim, r0.dtype, ctx.sect)
         d = x0.shape[1]
         dz0, corr0, db = lib.drope_bias_rows(dq, dk, dv, z_even, z_odd, r0, cos, sin, d)  # B11
         want_dw = ctx.needs_input_grad[2]
@@ -279,13 +276,17 @@ class AttentionInputQKNorm(torch.autograd.Function):
     columns; on v columns z is v) and the statistic s for the backward when ``train`` (a
     backward can run); when head_dim divides no tile width (``qk_norm_config``), F1 without
     rotation and one row pass instead. Backward: the head norms' backward and dRoPE in one
-    row pass (with the entry norm's statistic), then B12 and B13 as in ``AttentionInput``."""
+    row pass (with the entry norm's statistic), then B12 and B13 as in ``AttentionInput``.
+    ``sect``: multimodal RoPE (Qwen3-VL's), as ``AttentionInputBias``'s."""
 
     @staticmethod
-    def forward(ctx, x0, g1, w_qkv, q_norm, k_norm, positions, freq, dims: LayerDims, train: bool):
+    def forward(
+        ctx, x0, g1, w_qkv, q_norm, k_norm, positions, freq, dims: LayerDims, train, sect=None
+    ):
         M, d = x0.shape
         hd, n_q, n_k = dims.head_dim, dims.heads, dims.kv_heads
         pos = positions.float()
+        row, mrope = f1_rows(pos, sect)
         a0, r0 = lib.norm_rows(x0, g1, dims.eps, False)  # F0
         cfg = qk_norm_config(hd)
         n_rot = (n_q + n_k) * hd
@@ -296,24 +297,24 @@ class AttentionInputQKNorm(torch.autograd.Function):
             z_cols = n_rot if n_rot % 16 == 0 else w_qkv.shape[1]
             if train:
                 qkv, z_even, z_odd, s = lib.gemm_qk_norm_rope_keep_z(
-                    a0, w_qkv, r0, pos, freq, head_w, plain, hd, dims.eps, cfg, z_cols=z_cols
+                    a0, w_qkv, r0, row, freq, head_w, plain, hd, dims.eps, cfg, z_cols, *mrope
                 )
                 s = s[:, : n_q + n_k]  # the v heads' statistic is computed and unused
             else:  # no backward reads this run's z and s: not stored
                 qkv = lib.gemm_qk_norm_rope(
-                    a0, w_qkv, r0, pos, freq, head_w, plain, hd, dims.eps, cfg
+                    a0, w_qkv, r0, row, freq, head_w, plain, hd, dims.eps, cfg, *mrope
                 )
                 z_even, z_odd = (stand_in((M, z_cols // 2), qkv) for _ in range(2))
                 s = stand_in((M, n_q + n_k), r0)
         else:  # F1 without rotation, then the head norms and RoPE as a row pass
             z = lib.gemm_scale_rows(a0, w_qkv, r0, config_for("scale_rows", M, d, w_qkv.shape[1]))
-            cos, sin = cached_head_rotation(pos, freq, hd, r0.dtype)
+            cos, sin = _rotation(pos, freq, hd, r0.dtype, sect)
             qkv, s = fused(qk_norm_rope_rows)(z, q_norm, k_norm, cos, sin, n_q, n_k, hd, dims.eps)
             z_even, z_odd = z[:, :n_rot], None  # z's q and k columns whole
         # qkv (the attention input, whose v columns are z there) shares storage with the q, k,
         # v views attention saves: keeping it costs no memory
         ctx.save_for_backward(x0, r0, z_even, z_odd, s, qkv, g1, w_qkv, q_norm, k_norm, pos, freq)
-        ctx.dims = dims
+        ctx.dims, ctx.sect = dims, sect
         return (*split_heads(qkv, dims), x0.view_as(x0))
 
     @staticmethod
@@ -321,7 +322,7 @@ class AttentionInputQKNorm(torch.autograd.Function):
         differentiable_once("AttentionInputQKNorm")
         x0, r0, z_even, z_odd, s, qkv, g1, w_qkv, q_norm, k_norm, pos, freq = ctx.saved_tensors
         dims = ctx.dims
-        cos, sin = cached_head_rotation(pos, freq, dims.head_dim, r0.dtype)
+        cos, sin = _rotation(pos, freq, dims.head_dim, r0.dtype, ctx.sect)
         d = x0.shape[1]
         z_v = qkv[:, (dims.heads + dims.kv_heads) * dims.head_dim :]  # z on the v columns
         # B11 with the head norms' backward (z_odd None: z saved whole, the row-pass forward)
@@ -336,10 +337,7 @@ class AttentionInputQKNorm(torch.autograd.Function):
             dw_qkv,
             dqn.to(q_norm.dtype),
             dkn.to(k_norm.dtype),
-            None,
-            None,
-            None,
-            None,
+            *(None,) * 5,
         )
 
 
@@ -440,7 +438,8 @@ def decoder_layer(
     ``dims.rope_base``); ``qk_norm``: Qwen3's (q_norm, k_norm) head-norm weights, or None;
     ``qkv_bias``: Qwen2's QKV bias (Nqkv,) in W_qkv's column order, or None (not both);
     ``o_bias``: the O projection's bias (d,) (Llama's ``attention_bias=True``), or None;
-    ``sect``: multimodal RoPE's section flags, ``positions`` then (3, M) (with ``qkv_bias``)
+    ``sect``: multimodal RoPE's section flags, ``positions`` then (3, M) (with ``qkv_bias`` or
+    ``qk_norm``)
     Returns x2 (batch, seq, d), a tensor of its own (not a view of an (M, d) one). Where no
     backward reads this run's tensors (``torch.no_grad``, inference mode, nothing requiring a
     gradient, either kind of activation checkpointing's first pass: ``backward_can_follow``),
@@ -453,7 +452,7 @@ def decoder_layer(
     if qk_norm is not None:
         train = backward_can_follow(x0, g1, w_qkv, *qk_norm)
         q, k, v, x0_residual = AttentionInputQKNorm.apply(
-            x0, g1, w_qkv, *qk_norm, positions, freq, dims, train
+            x0, g1, w_qkv, *qk_norm, positions, freq, dims, train, sect
         )
     elif qkv_bias is not None:
         train = backward_can_follow(x0, g1, w_qkv, qkv_bias)

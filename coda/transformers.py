@@ -63,10 +63,10 @@ InternVL, Idefics3, SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
 training call's loss through coda's (the model's own forward runs, its images, masks and
 multimodal positions its own, with its final norm and LM head skipped and its loss function
 coda's: ``_hf_forward.vision_language_forward``), and the text model's decoder layers where
-that text model is a supported family's (Llama, Mistral, Qwen2) or Qwen2-VL's and
-Qwen2.5-VL's (Qwen2's layer with multimodal RoPE: ``mrope_sections``, the position rows
-tagged on the rotary module's output, ``_tag_mrope_rows``); the others take ``layers=False``;
-the vision encoder stays HF's.
+that text model is a supported family's (Llama, Mistral, Qwen2) or a Qwen-VL model's
+(Qwen2's or Qwen3's layer with multimodal RoPE: ``mrope_sections``, the position rows tagged
+on the rotary module's output, ``_tag_mrope_rows``); the others take ``layers=False``; the
+vision encoder stays HF's.
 """
 
 from __future__ import annotations
@@ -434,7 +434,7 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     added as their forward adds it; Gemma's, their final norm's gain 1 + w kept in fp32;
     Granite's, their ``logits_scaling`` folded into that gain), which take only
     ``layers=False``; and for the vision-language models of ``VISION_LANGUAGE`` whose text
-    model is not a supported family's (Gemma's, the Qwen-VL models', Mllama's). A PEFT
+    model is not a supported family's (Gemma's, Mllama's). A PEFT
     model (one with ``get_base_model()``) has the transformers model it wraps patched, and
     is returned."""
     name = type(model).__name__

@@ -2,11 +2,10 @@
 encoder of two layers on 16 x 16 images (patches of 4), a 2-layer text model of width 48, a
 vocabulary of 128 with its image tokens at 120-122, and a training batch with an image:
 ``tiny_vlm(kind)`` -> (model in float64, batch). ``KINDS``: kind -> whether its text model's
-layers are coda's (a Llama, Mistral or Qwen2; Qwen2-VL's and Qwen2.5-VL's with multimodal
-RoPE) or its loss alone is (``layers=False``: Gemma's, Qwen3-VL's interleaved multimodal RoPE
-with QK-norm, Mllama's cross-attention). ``TEXT_ONLY``: the kinds whose
-image inputs are not built here (Llava-NeXT's and -OneVision's tiled images, Mllama's tiles
-and cross-attention masks): their batch has no image."""
+layers are coda's (a Llama, Mistral or Qwen2; the Qwen-VL models' Qwen2 and Qwen3 layers with
+multimodal RoPE) or its loss alone is (``layers=False``: Gemma's, Mllama's cross-attention).
+``TEXT_ONLY``: the kinds whose image inputs are not built here (Llava-NeXT's and -OneVision's
+tiled images, Mllama's tiles and cross-attention masks): their batch has no image."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ KINDS = {
     "paligemma": False,
     "qwen2_vl": True,
     "qwen2_5_vl": True,
-    "qwen3_vl": False,
+    "qwen3_vl": True,
     "mllama": False,
 }
 TEXT_ONLY = ("llava_next", "llava_onevision", "mllama")

@@ -41,6 +41,8 @@ def op_samples():
             16,
             1e-6,
             CFG,
+            None,
+            None,
         ),
         "gemm_residual_rms": (_r(M, K), _r(K, N), _r(M, N), _r(N), 1e-5, CFG, _r(N)),
         "gemm_residual": (_r(M, K), _r(K, N), _r(M, N), CFG, None),
@@ -121,7 +123,7 @@ def op_samples():
     samples["embedding_backward"] = (tokens, _r(M, d), V, int(tokens[0]))  # (a padding row)
     # the training variant of the QK-norm epilogue: the same inputs, and z kept on the first
     # 32 of N = 64 columns (the tiles past them clipped)
-    samples["gemm_qk_norm_rope_keep_z"] = (*samples["gemm_qk_norm_rope"], 32)
+    samples["gemm_qk_norm_rope_keep_z"] = (*samples["gemm_qk_norm_rope"][:-2], 32, None, None)
     # F1 with Qwen2's QKV bias, z kept whole for the backward (clipped: the test below)
     samples["gemm_rope_bias"] = (*samples["gemm_rope"][:5], _r(N), CFG, N, None, None)
     return samples
@@ -140,15 +142,16 @@ def test_opcheck_with_a_logit_softcap(name):
     torch.library.opcheck(library.OPS[name], args, test_utils=("test_schema", "test_faketensor"))
 
 
-def test_opcheck_gemm_rope_bias_with_multimodal_rope():
-    """The bias op with multimodal RoPE's height and width rows and section flags."""
-    args = op_samples()["gemm_rope_bias"]
+@pytest.mark.parametrize(
+    "name", ["gemm_rope_bias", "gemm_qk_norm_rope", "gemm_qk_norm_rope_keep_z"]
+)
+def test_opcheck_with_multimodal_rope(name):
+    """The F1 ops with multimodal RoPE's height and width rows and section flags."""
+    args = op_samples()[name]
     M, N = args[0].shape[0], args[1].shape[1]
     sect = torch.randint(0, 2, (N,)).float()
     args = (*args[:-2], torch.arange(2 * M).float().view(2, M) % 7, sect)
-    torch.library.opcheck(
-        library.OPS["gemm_rope_bias"], args, test_utils=("test_schema", "test_faketensor")
-    )
+    torch.library.opcheck(library.OPS[name], args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_opcheck_gemm_rope_bias_with_z_clipped():

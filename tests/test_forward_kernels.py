@@ -355,6 +355,8 @@ def test_qk_norm_rope_compiles_for_sm90(head_dim):
     k, n = QK_NORM_COMPILES[head_dim]
     assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim) in (0, 1)
     assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim, keep_z=True) in (0, 1)  # training F1
+    for keep_z in (False, True):  # Qwen3-VL's multimodal RoPE
+        assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim, keep_z=keep_z, mrope=True) in (0, 1)
 
 
 @pytest.mark.compile

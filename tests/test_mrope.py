@@ -98,6 +98,30 @@ def test_mrope_layer_kernel_path_equals_reference_float64(B, S, monkeypatch):
     assert rel_err(plain[0] - x, want[0] - x) > 1e-2
 
 
+@pytest.mark.parametrize("head_dim", [16, 12], ids=["epilogue", "row_pass"])
+def test_mrope_with_qk_norm_kernel_path_equals_reference_float64(head_dim, monkeypatch):
+    """Qwen3-VL's layer: QK-norm and multimodal RoPE in F1's epilogue (head_dim 16: a tile
+    holds whole heads) or in the row pass after it (head_dim 12), and the backward's."""
+    half = head_dim // 2
+    sections = [i % 3 for i in range(half)]  # (Qwen3-VL's interleaved order)
+    torch.manual_seed(3)
+    kw = dict(head_dim=head_dim, dtype=F64, qk_norm=True, mrope_sections=sections)
+    layer = DecoderLayer(48, 4, 2, 64, **kw)
+    with torch.no_grad():
+        layer.w_qkv.normal_(0.0, 0.5)
+        layer.q_norm.add_(0.3 * torch.randn(head_dim, dtype=F64))
+    x = torch.randn(2, 13, 48, dtype=F64)
+    pos = _rows(2, 13, seed=5)
+    want = _step(layer, x, pos)
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    got = _step(layer, x, pos)
+    assert coda.last_path("DecoderLayer")[0] == "kernel"
+    for a, e in zip(got, want):
+        assert rel_err(a, e) < 1e-10
+    plain = _step(layer, x, pos[0])
+    assert rel_err(plain[0] - x, want[0] - x) > 1e-2
+
+
 def test_text_alone_is_plain_rope(monkeypatch):
     """One (batch, seq) row for all three: the same as a layer without sections."""
     monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
@@ -115,7 +139,7 @@ def test_mrope_arguments_are_checked():
         _layer(0, [0, 1, 2])
     with pytest.raises(v.CodaInputError, match="mrope_sections: expected head_dim / 2 = 6"):
         _layer(0, [0, 1, 2, 3, 0, 0])
-    with pytest.raises(v.CodaInputError, match="supported with qkv_bias"):
+    with pytest.raises(v.CodaInputError, match="supported with qkv_bias .* or qk_norm"):
         DecoderLayer(48, 4, 2, 64, head_dim=12, mrope_sections=[0] * 6)
     layer = _layer(0, [0] * 6)
     with pytest.raises(v.CodaInputError, match=r"positions: expected integer \(3, batch, seq\)"):

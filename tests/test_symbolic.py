@@ -109,6 +109,26 @@ def test_multimodal_rope_rotates_each_pair_by_its_sections_position():
         assert same(out["D"][0], want["D"][0]) and same(out["D"][1], want["D"][1])
 
 
+def test_qk_norm_with_multimodal_rope_rotates_by_the_sections_position():
+    """Qwen3-VL's F1 (QK-norm and multimodal RoPE): a pair whose section flags pick the
+    time, height or width row rotates as the QK-norm program at that row's position, z and
+    the statistic kept alike."""
+    r, s, hi, lo, w1, w2 = sp.symbols("r s hi lo w1 w2", real=True)
+    acc, rows = sp.symbols("a1 a2", real=True), sp.symbols("t h w", real=True)
+    head = dict(rstd=r, head_rstd=s, freq=(hi, lo), head_w=(w1, w2), plain=(0, 0))
+    for keep_z in (False, True):
+        mrope = qk.qk_norm_rope_program(1e-6, keep_z, True)
+        plain = qk.qk_norm_rope_program(1e-6, keep_z)
+        for flags, at in (((0, 0), rows[0]), ((1, 0), rows[1]), ((0, 1), rows[2])):
+            out = evaluate(
+                mrope, acc=acc, pos=rows[0], pos_h=rows[1], pos_w=rows[2], sect=flags, **head
+            )
+            want = evaluate(plain, acc=acc, pos=at, **head)
+            assert same(out["D"][0], want["D"][0]) and same(out["D"][1], want["D"][1])
+            for key in ("z_even", "z_odd") if keep_z else ():
+                assert same(out[key], want[key])
+
+
 def test_residual_norm_epilogue_defers_rmsnorm_to_a_row_scale():
     """F3 + AUX: h = acc + c per element, sumsq's terms h^2, normed h gamma; over a row of
     N = 3 columns the AUX scale (sum/N + eps)^-1/2 times normed is RMSNorm(h) gamma."""
@@ -282,6 +302,7 @@ PROVEN = {
     "logits_lse_target", "logits_with_stats", "scale_rows", "scaled_grad_dx", "passthrough",
     "scaled_grad_dw", "rope_scaled_bias", "residual_bias_sumsq", "residual_bias_norm_sumsq",
     "capped_logits_lse_target", "capped_softmax_grad_logits", "mrope_scaled_bias",
+    "_qk_norm_mrope", "_qk_norm_mrope_keep_z",
 }  # fmt: skip
 
 
@@ -293,7 +314,11 @@ def test_every_epilogue_program_has_a_symbolic_proof():
     import coda.kernels
     from coda.primitives.vocabulary import EpilogueProgram
 
-    names = {qk.qk_norm_rope_program(1e-6, keep_z).name for keep_z in (False, True)}
+    names = {
+        qk.qk_norm_rope_program(1e-6, keep_z, mrope).name
+        for keep_z in (False, True)
+        for mrope in (False, True)
+    }
     for info in pkgutil.iter_modules(coda.kernels.__path__):
         module = importlib.import_module(f"coda.kernels.{info.name}")
         names |= {v.name for v in vars(module).values() if isinstance(v, EpilogueProgram)}

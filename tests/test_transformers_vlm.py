@@ -1,8 +1,8 @@
 """``apply_coda`` on vision-language models (``coda.transformers.VISION_LANGUAGE``): Llava,
-Llava-NeXT, Llava-OneVision, Mistral 3, InternVL, Idefics3, SmolVLM, Qwen2-VL and Qwen2.5-VL
-(their Llama, Mistral and Qwen2 text models' decoder layers coda's, Qwen2-VL's with multimodal
-RoPE, and the loss), Gemma 3, PaliGemma, Qwen3-VL and Mllama (the loss alone:
-``layers=False``), tiny and random
+Llava-NeXT, Llava-OneVision, Mistral 3, InternVL, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL and
+Qwen3-VL (their Llama, Mistral, Qwen2 and Qwen3 text models' decoder layers coda's, the
+Qwen-VL models' with multimodal RoPE, and the loss), Gemma 3, PaliGemma and Mllama (the loss
+alone: ``layers=False``), tiny and random
 (``hf_vlm``), on the CPU in float64 on coda's reference path and its kernel path (the tile
 interpreter): a training step with an image (text alone for ``hf_vlm.TEXT_ONLY``'s) equals
 the unpatched model's (the loss and every gradient, the vision encoder's included) and forms
@@ -118,10 +118,10 @@ def test_vlm_state_dict_is_hf_and_loads_back():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "qwen3_vl", "gemma3"])
 def test_gpu_vlm_protocol(kind):
-    """H200: a patched bf16 Llava and Qwen2.5-VL (coda's layers, multimodal RoPE in the QKV
-    epilogue for Qwen2.5-VL's, and loss) and Gemma 3 (the loss alone), one
+    """H200: a patched bf16 Llava, Qwen2.5-VL and Qwen3-VL (coda's layers, multimodal RoPE
+    for the Qwen-VL models', and loss) and Gemma 3 (the loss alone), one
     training step with an image, against the unpatched bf16 model, both against a float64
     copy: the loss no worse than PyTorch's above its rounding floor, every gradient (the
     vision encoder's included) within its tie band of the unpatched model's error (CODA's

@@ -51,6 +51,14 @@ def mrope_head_rotation(positions, sect, freq, head_dim, dtype=torch.float32):
 cached_mrope_rotation = TensorMemo(mrope_head_rotation, maxsize=2)
 
 
+def cached_rotation(positions, freq, head_dim: int, dtype, sect=None):
+    """B11's cos / sin tables, remembered per positions: ``cached_head_rotation``, or with
+    section flags ``sect`` (positions (3, M)) ``cached_mrope_rotation``."""
+    if sect is None:
+        return cached_head_rotation(positions, freq, head_dim, dtype)
+    return cached_mrope_rotation(positions, sect, freq, head_dim, dtype)
+
+
 # ``head_rotation`` once per (positions, freq) pair: every layer of a step is given the same
 # positions rows and frequency table, so a stack's backward builds its cos/sin tables (about
 # ten float64 kernels) once per step, or once in all for the default positions. Two entries:

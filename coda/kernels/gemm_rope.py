@@ -65,6 +65,19 @@ def rope_scaled_bias(acc, rstd, pos, freq, bias):
     return {"D": _rotated(z + bias, pos, freq), "z_even": z_even, "z_odd": z_odd}
 
 
+def f1_rows(pos, sect):
+    """F1's position row and its op's multimodal-RoPE arguments: (pos, ()), or with section
+    flags ``sect`` (pos (3, M): the time row, (the height and width rows, sect))."""
+    return (pos, ()) if sect is None else (pos[0], (pos[1:], sect))
+
+
+def mrope_position(pos, pos_h, pos_w, sect):
+    """A pair's multimodal-RoPE position: the time row's, or by its section flags (on_h,
+    on_w) the height or the width row's (exact: the flags are 0 or 1, the rows integers)."""
+    on_h, on_w = unpack(sect)
+    return pos + on_h * (pos_h - pos) + on_w * (pos_w - pos)
+
+
 @epilogue_program(
     inputs=[
         ColLoad("rstd"), ColLoad("pos"), ColLoad("pos_h"), ColLoad("pos_w"), RowLoad("freq"),
@@ -75,8 +88,7 @@ def rope_scaled_bias(acc, rstd, pos, freq, bias):
 )  # fmt: skip
 def mrope_scaled_bias(acc, rstd, pos, pos_h, pos_w, freq, sect, bias):
     """``rope_scaled_bias`` with multimodal RoPE: each pair's position from its section."""
-    on_h, on_w = unpack(sect)
-    at = pos + on_h * (pos_h - pos) + on_w * (pos_w - pos)
+    at = mrope_position(pos, pos_h, pos_w, sect)
     z = acc * rstd
     z_even, z_odd = unpack(z)
     return {"D": _rotated(z + bias, at, freq), "z_even": z_even, "z_odd": z_odd}

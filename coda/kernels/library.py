@@ -87,7 +87,7 @@ def _gemm_rope_bias(
     pos_hw: torch.Tensor | None,
     sect: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    mrope = None if sect is None else (pos_hw[0], pos_hw[1], sect)  # (multimodal RoPE)
+    mrope = _mrope(pos_hw, sect)  # (multimodal RoPE)
     return _rope.gemm_rope_bias_kernel(a, w, rstd, pos, freq, bias, _gc(cfg), z_cols, mrope=mrope)
 
 
@@ -109,14 +109,21 @@ def _gemm_qk_norm_rope(
     head_dim: int,
     eps: float,
     cfg: list[int],
+    pos_hw: torch.Tensor | None,
+    sect: torch.Tensor | None,
 ) -> torch.Tensor:
     return _qkn.gemm_qk_norm_rope_kernel(
-        a, w, rstd, pos, freq, head_w, plain, head_dim, eps, _gc(cfg)
+        a, w, rstd, pos, freq, head_w, plain, head_dim, eps, _gc(cfg), mrope=_mrope(pos_hw, sect)
     )
 
 
+def _mrope(pos_hw, sect):
+    """A kernel's ``mrope`` argument from an op's optional (2, M) rows and section flags."""
+    return None if sect is None else (pos_hw[0], pos_hw[1], sect)
+
+
 @_fake(_gemm_qk_norm_rope)
-def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg):
+def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg, pos_hw, sect):
     return _empty(a.shape[0], w.shape[1], like=a)
 
 
@@ -133,14 +140,17 @@ def _gemm_qk_norm_rope_keep_z(
     eps: float,
     cfg: list[int],
     z_cols: int,
+    pos_hw: torch.Tensor | None,
+    sect: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _qkn.gemm_qk_norm_rope_kernel(
-        a, w, rstd, pos, freq, head_w, plain, head_dim, eps, _gc(cfg), keep_z=True, z_cols=z_cols
-    )
+        a, w, rstd, pos, freq, head_w, plain, head_dim, eps, _gc(cfg), keep_z=True, z_cols=z_cols,
+        mrope=_mrope(pos_hw, sect),
+    )  # fmt: skip
 
 
 @_fake(_gemm_qk_norm_rope_keep_z)
-def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg, z_cols):
+def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg, z_cols, pos_hw, sect):
     M, N = a.shape[0], w.shape[1]
     half = _empty(M, z_cols // 2, like=a)
     return (
@@ -489,17 +499,35 @@ gemm_rope_bias = _either(  # (qkv, z_even, z_odd); pos_hw, sect: multimodal RoPE
         a, w, r, p, f, b, c, z_cols, mrope=None if sect is None else (pos_hw[0], pos_hw[1], sect)
     ),
 )
-gemm_qk_norm_rope = _either(
-    lambda a, w, r, p, f, hw, pl, hd, eps, c: _gemm_qk_norm_rope(
-        a, w, r, p, f, hw, pl, hd, eps, _cfg(c)
+gemm_qk_norm_rope = _either(  # pos_hw, sect: multimodal RoPE's, or None
+    lambda a, w, r, p, f, hw, pl, hd, eps, c, pos_hw=None, sect=None: _gemm_qk_norm_rope(
+        a, w, r, p, f, hw, pl, hd, eps, _cfg(c), pos_hw, sect
     ),
-    _qkn.gemm_qk_norm_rope_kernel,
+    lambda *args, pos_hw=None, sect=None: _qkn.gemm_qk_norm_rope_kernel(
+        *args, mrope=_mrope(pos_hw, sect)
+    ),
 )
 gemm_qk_norm_rope_keep_z = _either(
-    lambda a, w, r, p, f, hw, pl, hd, eps, c, z_cols: _gemm_qk_norm_rope_keep_z(
-        a, w, r, p, f, hw, pl, hd, eps, _cfg(c), z_cols
+    lambda a, w, r, p, f, hw, pl, hd, eps, c, z_cols, pos_hw=None, sect=None: (
+        _gemm_qk_norm_rope_keep_z(a, w, r, p, f, hw, pl, hd, eps, _cfg(c), z_cols, pos_hw, sect)
     ),
-    lambda *args, z_cols: _qkn.gemm_qk_norm_rope_kernel(*args, keep_z=True, z_cols=z_cols),
+    lambda a, w, r, p, f, hw, pl, hd, eps, c, z_cols, pos_hw=None, sect=None: (
+        _qkn.gemm_qk_norm_rope_kernel(
+            a,
+            w,
+            r,
+            p,
+            f,
+            hw,
+            pl,
+            hd,
+            eps,
+            c,
+            keep_z=True,
+            z_cols=z_cols,
+            mrope=_mrope(pos_hw, sect),
+        )
+    ),  # fmt: skip
 )
 gemm_residual_rms = _either(  # bias: the projection's (N,), or None
     lambda x, w, res, g, eps, c, bias=None: _gemm_residual_rms(x, w, res, g, eps, _cfg(c), bias),

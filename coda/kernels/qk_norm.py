@@ -39,6 +39,7 @@ from coda.env import host_cache
 from coda.kernels._launch import acc_dtype, example_operands, launch
 from coda.kernels.config import GemmConfig
 from coda.kernels.drope import pack_heads, rotate_pairs
+from coda.kernels.gemm_rope import mrope_position
 from coda.primitives import (
     ColLoad,
     GroupRstd,
@@ -125,27 +126,46 @@ def _qk_norm_rope_keep_z(acc, rstd, pos, freq, head_w, plain, head_rstd):
     return {"D": out, "z_even": z_even, "z_odd": z_odd}
 
 
+# with multimodal RoPE (Qwen3-VL's): each pair's position by its section (``mrope_position``)
+def _qk_norm_mrope(acc, rstd, pos, pos_h, pos_w, freq, sect, head_w, plain, head_rstd):
+    at = mrope_position(pos, pos_h, pos_w, sect)
+    return _qk_norm_rope(acc, rstd, at, freq, head_w, plain, head_rstd)
+
+
+def _qk_norm_mrope_keep_z(acc, rstd, pos, pos_h, pos_w, freq, sect, head_w, plain, head_rstd):
+    at = mrope_position(pos, pos_h, pos_w, sect)
+    return _qk_norm_rope_keep_z(acc, rstd, at, freq, head_w, plain, head_rstd)
+
+
 @functools.lru_cache(maxsize=None)
-def qk_norm_rope_program(eps: float, keep_z: bool = False):
+def qk_norm_rope_program(eps: float, keep_z: bool = False, mrope: bool = False):
     """F1 with QK-norm (one program per eps: it is a compile-time constant of the statistic).
+    ``mrope``: multimodal RoPE's height and width rows and section flags too.
     Per output column: ``head_w`` = the q or k norm weight (0 on v columns), ``plain`` = 1 on
     v columns (0 elsewhere), so v is stored as z; freq is 0 on v columns (no rotation).
     ``keep_z`` (training): also stores z = rstd * acc, what the backward needs, as its even
     and odd columns (two half-width tiles beside the rotated output), and the head statistic
     s (M x Nqkv / hd, fp32)."""
+    rows = [ColLoad("pos_h"), ColLoad("pos_w")] if mrope else []
     inputs = [
         ColLoad("rstd"),
         ColLoad("pos"),
+        *rows,
         RowLoad("freq"),
+        *([RowLoad("sect")] if mrope else []),
         RowLoad("head_w"),
         RowLoad("plain"),
         GroupRstd("head_rstd", eps=float(eps), out="head_s" if keep_z else None),
     ]
-    if not keep_z:
-        return epilogue_program(inputs=inputs, mode="pair", prepass=_z_squared)(_qk_norm_rope)
-    stores = [TileStore("z_even"), TileStore("z_odd")]
+    fns = {
+        (False, False): _qk_norm_rope,
+        (True, False): _qk_norm_rope_keep_z,
+        (False, True): _qk_norm_mrope,
+        (True, True): _qk_norm_mrope_keep_z,
+    }
+    stores = [TileStore("z_even"), TileStore("z_odd")] if keep_z else []
     return epilogue_program(inputs=inputs, stores=stores, mode="pair", prepass=_z_squared)(
-        _qk_norm_rope_keep_z
+        fns[keep_z, mrope]
     )
 
 
@@ -175,7 +195,7 @@ def _plain_row(n_rot_cols: int, n_v_cols: int, dtype, device):
 
 def gemm_qk_norm_rope_kernel(
     a, w_qkv, rstd, pos, freq, head_w, plain, head_dim, eps, config, keep_z=False, dry=False,
-    z_cols=None,
+    z_cols=None, mrope=None,
 ):  # fmt: skip
     """Returns qkv (M x Nqkv: normed and rotated q, k; plain v). ``config.tile_n`` must be a
     multiple of ``head_dim`` (a head inside one tile). ``keep_z`` (the training F1): returns
@@ -183,7 +203,8 @@ def gemm_qk_norm_rope_kernel(
     (M x z_cols / 2 each, a.dtype; default all Nqkv; on the GPU a multiple of 16, for the
     TMA's 16-byte rows; the store clips the tiles past it) and the head statistic s
     (M x Nqkv / hd, fp32; its v-head columns are computed and unused). The training F1 keeps
-    z for the q and k heads only: on v columns z is the stored v itself."""
+    z for the q and k heads only: on v columns z is the stored v itself. ``mrope``: (pos_h,
+    pos_w, sect), multimodal RoPE's (``gemm_rope.mrope_scaled_bias``'s)."""
     M, N = a.shape[0], w_qkv.shape[1]
     qkv = a.new_empty(M, N)
     operands = {"rstd": rstd, "pos": pos, "freq": freq, "head_w": head_w, "plain": plain}
@@ -197,7 +218,9 @@ def gemm_qk_norm_rope_kernel(
             "z_odd": a.new_empty(M, z_cols // 2),
             "head_s": a.new_empty(M, N // head_dim, dtype=acc_dtype(a)),
         }
-    program = qk_norm_rope_program(eps, keep_z)
+    if mrope is not None:
+        operands.update(zip(("pos_h", "pos_w", "sect"), mrope))
+    program = qk_norm_rope_program(eps, keep_z, mrope is not None)
     compiled = launch(
         program, a, w_qkv, config=config, d=qkv, operands=operands, outputs=outputs, dry=dry
     )
@@ -229,12 +252,13 @@ def qk_norm_config(head_dim: int) -> GemmConfig | None:
 
 
 def compile_gemm_qk_norm_rope(
-    k, n, head_dim, *, keep_z=False, eps=1e-6, m=256, pos_dtype=torch.float32
+    k, n, head_dim, *, keep_z=False, eps=1e-6, m=256, pos_dtype=torch.float32, mrope=False
 ) -> int:
     a, w = example_operands(m, k, n)
     f, r, pos = torch.empty(n), torch.empty(m), torch.zeros(m, dtype=pos_dtype)
     cfg = qk_norm_config(head_dim)
     z_cols = n - head_dim if keep_z else None  # z kept short of the last head: clipped tiles
+    rows = (torch.zeros(m), torch.zeros(m), torch.zeros(n)) if mrope else None
     return gemm_qk_norm_rope_kernel(
-        a, w, r, pos, f, f, f, head_dim, eps, cfg, keep_z, dry=True, z_cols=z_cols
+        a, w, r, pos, f, f, f, head_dim, eps, cfg, keep_z, dry=True, z_cols=z_cols, mrope=rows
     )

@@ -65,7 +65,7 @@ def _long_rope(long_inv_freq, long_after, head_dim: int):
     )
 
 
-def _mrope(sections, head_dim: int, with_bias: bool, long_inv_freq):
+def _mrope(sections, head_dim: int, with_bias: bool, long_inv_freq):  # (bias: or QK-norm)
     """Multimodal RoPE's section per frequency (a CPU long tensor), or None."""
     if sections is None:
         return None
@@ -77,8 +77,8 @@ def _mrope(sections, head_dim: int, with_bias: bool, long_inv_freq):
         )
     if not with_bias or long_inv_freq is not None:
         raise v.CodaInputError(
-            "mrope_sections: supported with qkv_bias (Qwen2-VL's layer), without qk_norm or "
-            "LongRoPE"
+            "mrope_sections: supported with qkv_bias (Qwen2-VL's layer) or qk_norm (Qwen3-VL's),"
+            " without LongRoPE"
         )
     return s
 
@@ -92,7 +92,8 @@ class DecoderLayer(FormerNames, nn.Module):
     ``qkv_bias``: Qwen2's biases of the q, k and v projections (``bias_qkv``, (Nqkv,) in
     ``w_qkv``'s column order, added before RoPE; not with ``qk_norm``). ``o_bias``: the O
     projection's bias (``bias_o``, (d,), added in F3's epilogue); with ``qkv_bias``, Llama's
-    ``attention_bias=True``. ``mrope_sections``: multimodal RoPE (Qwen2-VL's, with ``qkv_bias``):
+    ``attention_bias=True``. ``mrope_sections``: multimodal RoPE (Qwen2-VL's, with ``qkv_bias``;
+    Qwen3-VL's, with ``qk_norm``):
     each of the head_dim / 2 frequencies' position row, 0 (time), 1 (height) or 2 (width);
     positions then (3, batch, seq) (or (3, seq); a (batch, seq) one is every row's).
     ``long_inv_freq`` and ``long_after``: LongRoPE (Phi-3.5's): a
@@ -151,7 +152,7 @@ class DecoderLayer(FormerNames, nn.Module):
         # round them); the kernel's float-float table is derived once per device
         self._inv_freq = inv_freq.detach().to("cpu", torch.float64)
         self._long_inv_freq, self.long_after = _long_rope(long_inv_freq, long_after, hd)
-        self._mrope = _mrope(mrope_sections, hd, qkv_bias and not qk_norm, long_inv_freq)
+        self._mrope = _mrope(mrope_sections, hd, qkv_bias or qk_norm, long_inv_freq)
         self._rope_tables = {}
         if attention is not None and not callable(attention):
             raise v.CodaInputError(
