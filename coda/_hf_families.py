@@ -79,6 +79,9 @@ VISION_LANGUAGE = (
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+    "Glm4vForConditionalGeneration",
+    "Glm4vMoeForConditionalGeneration",
     "MllamaForConditionalGeneration",
 )
 TEXT_LOSS_ONLY = {
@@ -86,6 +89,9 @@ TEXT_LOSS_ONLY = {
     "Gemma2Model": LOSS_ONLY["Gemma2ForCausalLM"],
     "Gemma3TextModel": LOSS_ONLY["Gemma3ForCausalLM"],
     "MllamaTextModel": "cross-attention layers to the image",
+    "Qwen3VLMoeTextModel": _MOE,
+    "Glm4vTextModel": "norms after each sublayer, multimodal RoPE on part of each head",
+    "Glm4vMoeTextModel": _MOE,
 }
 # text models whose layers are Qwen2's (Qwen2-VL, Qwen2.5-VL) or Qwen3's (Qwen3-VL) with
 # multimodal RoPE: coda's layer with ``mrope_sections``

@@ -59,7 +59,8 @@ does; Gemma, Gemma 2 and Gemma 3 text, whose final norm's fp32 gain 1 + w it kee
 Granite-MoE and Granite-MoE-Shared, whose ``logits_scaling`` divides that gain; OLMo 2 and
 OLMo 3, whose final norm rounds once.
 Vision-language models (``VISION_LANGUAGE``: Llava, Llava-NeXT, Llava-OneVision, Mistral 3,
-InternVL, Idefics3, SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mllama): the
+InternVL, Idefics3, SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE,
+GLM-4V, GLM-4.5V, Mllama): the
 training call's loss through coda's (the model's own forward runs, its images, masks and
 multimodal positions its own, with its final norm and LM head skipped and its loss function
 coda's: ``_hf_forward.vision_language_forward``), and the text model's decoder layers where
@@ -434,7 +435,7 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     added as their forward adds it; Gemma's, their final norm's gain 1 + w kept in fp32;
     Granite's, their ``logits_scaling`` folded into that gain), which take only
     ``layers=False``; and for the vision-language models of ``VISION_LANGUAGE`` whose text
-    model is not a supported family's (Gemma's, Mllama's). A PEFT
+    model is not a supported family's (Gemma's, Mllama's, GLM-4V's, the MoE ones). A PEFT
     model (one with ``get_base_model()``) has the transformers model it wraps patched, and
     is returned."""
     name = type(model).__name__

@@ -26,6 +26,9 @@ KINDS = {
     "qwen2_5_vl": True,
     "qwen3_vl": True,
     "mllama": False,
+    "qwen3_vl_moe": False,
+    "glm4v": False,
+    "glm4v_moe": False,
 }
 TEXT_ONLY = ("llava_next", "llava_onevision", "mllama")
 # image tokens per image: Llava's and PaliGemma's 16 patches; the others merge 2 x 2 patches
@@ -34,6 +37,8 @@ IMAGE = 120  # the image placeholder token (121, 122: video and vision-start tok
 _TEXT = {**TINY, "vocab_size": 128, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, image_size=16)
 _MROPE = dict(rope_type="default", mrope_section=[2, 2, 2], rope_theta=1e4)
+_EAGER = dict(experts_implementation="eager")  # (the MoE text models: torch's grouped GEMM
+# takes no float64)
 _QWEN_VISION = dict(depth=2, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
 
 
@@ -107,8 +112,21 @@ def _config(kind: str):
         vision.update(window_size=16, fullatt_block_indexes=[1])
         text = dict(_TEXT, rope_parameters=_MROPE)
         return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+    if kind.startswith("glm4v"):  # (GLM-4V's multimodal RoPE on half of each head)
+        vision = dict(_QWEN_VISION, hidden_size=32, intermediate_size=64, out_hidden_size=48)
+        rope = dict(_MROPE, mrope_section=[1, 1, 1], partial_rotary_factor=0.5)
+        text = dict(_TEXT, rope_parameters=rope)
+        ids = dict(ids, image_start_token_id=122, image_end_token_id=123)
+        if kind == "glm4v":
+            return tf.Glm4vConfig(text_config=text, vision_config=vision, **ids)
+        text.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        text.update(first_k_dense_replace=1, n_shared_experts=1)
+        return tf.Glm4vMoeConfig(text_config=text, vision_config=vision, **ids, **_EAGER)
     vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
     text = dict(_TEXT, head_dim=12, rope_parameters=dict(_MROPE, mrope_interleaved=True))
+    if kind == "qwen3_vl_moe":
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        return tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids, **_EAGER)
     return tf.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
 
 
@@ -116,6 +134,7 @@ def _model_class(kind: str):
     import transformers as tf
 
     names = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
+    names.update(qwen3_vl_moe="Qwen3VLMoe", glm4v="Glm4v", glm4v_moe="Glm4vMoe")
     names.update(llava_next="LlavaNext", llava_onevision="LlavaOnevision", internvl="InternVL")
     names.update(smolvlm="SmolVLM", paligemma="PaliGemma")
     name = names.get(kind, kind.capitalize())
@@ -136,15 +155,17 @@ def tiny_vlm(kind: str, seed: int = 0):
                 p.add_(0.3 * torch.randn_like(p))
     model = model.double()
     g = torch.Generator().manual_seed(seed + 1)
-    rows = 1 if kind.startswith("qwen") else 2
+    patches = kind.startswith(("qwen", "glm4v"))  # (images as one flat patch list)
+    rows = 1 if patches else 2
     ids = torch.randint(3, 100, (rows, 28), generator=g)
     image = slice(3, 3 + IMAGE_TOKENS.get(kind, 4))
     if kind not in TEXT_ONLY:
         ids[:, image] = IMAGE
     batch = dict(input_ids=ids, labels=ids.masked_fill(ids == IMAGE, -100))
     pixels = torch.randn(rows, 3, 16, 16, dtype=torch.float64, generator=g)
-    if kind.startswith("qwen"):  # 16 patches of 3 x 2 x 4 x 4, merged 2 x 2: 4 tokens
-        ids[0, 2] = 122  # (the vision-start token before the image)
+    if patches:  # 16 patches of 3 x 2 x 4 x 4, merged 2 x 2: 4 tokens
+        ids[0, 2] = 122  # (the vision-start token before the image; GLM-4V's end after it)
+        ids[0, 7] = 123 if kind.startswith("glm4v") else ids[0, 7]
         batch.update(
             pixel_values=torch.randn(16, 96, dtype=torch.float64, generator=g),
             image_grid_thw=torch.tensor([[1, 4, 4]]),

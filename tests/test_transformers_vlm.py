@@ -1,12 +1,11 @@
 """``apply_coda`` on vision-language models (``coda.transformers.VISION_LANGUAGE``): Llava,
 Llava-NeXT, Llava-OneVision, Mistral 3, InternVL, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL and
-Qwen3-VL (their Llama, Mistral, Qwen2 and Qwen3 text models' decoder layers coda's, the
-Qwen-VL models' with multimodal RoPE, and the loss), Gemma 3, PaliGemma and Mllama (the loss
-alone: ``layers=False``), tiny and random
-(``hf_vlm``), on the CPU in float64 on coda's reference path and its kernel path (the tile
-interpreter): a training step with an image (text alone for ``hf_vlm.TEXT_ONLY``'s) equals
-the unpatched model's (the loss and every gradient, the vision encoder's included) and forms
-no logits; what else the call returns
+Qwen3-VL (their Llama, Mistral, Qwen2 and Qwen3 text models' decoder layers coda's, the Qwen-VL
+models' with multimodal RoPE, and the loss), Gemma 3, PaliGemma, Mllama, Qwen3-VL-MoE, GLM-4V
+and GLM-4.5V (the loss alone: ``layers=False``), tiny and random (``hf_vlm``), on the CPU in
+float64 on coda's reference path and its kernel path (the tile interpreter): a training step
+with an image (text alone for ``hf_vlm.TEXT_ONLY``'s) equals the unpatched model's (the loss and
+every gradient, the vision encoder's included) and forms no logits; what else the call returns
 (hidden states, tuples, HF's logits without labels or under ``no_grad``) is HF's; HF's loss
 arguments are honored; the unsupported combinations are refused, named."""
 
