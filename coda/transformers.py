@@ -266,17 +266,18 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         # documents (padding-free batches) from ``position_ids`` alone
         kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
         attention = self._hf_attention(attention_mask, cache, kwargs)
-        if not self.use_rope or self.rope_scale != 1.0:  # both paths then rotate by the
-            # layer's own frequencies (zero in a NoPE layer), unscaled (YaRN's c: above)
-            position_embeddings = None
         positions = position_ids
         if self._mrope is not None:  # (the rows HF's rotary module took: ``_tag_mrope_rows``)
-            positions = getattr(position_embeddings[0], "coda_mrope_positions", None)
+            cos = position_embeddings[0] if position_embeddings is not None else None
+            positions = getattr(cos, "coda_mrope_positions", None)
             if positions is None:
                 raise v.CodaInputError(
                     "apply_coda: a multimodal-RoPE layer called without its model's position "
                     "embeddings (the text model's rotary module tags them with their positions)"
                 )
+        if not self.use_rope or self.rope_scale != 1.0:  # both paths then rotate by the
+            # layer's own frequencies (zero in a NoPE layer), unscaled (YaRN's c: above)
+            position_embeddings = None
         return super().forward(hidden_states, positions, position_embeddings, attention)
 
 
@@ -546,7 +547,7 @@ def _patch_layers(base, config) -> None:
         wrap_forward(base, base_forward)
     mrope = mrope_sections(base.rotary_emb)
     if mrope is not None and not getattr(base.rotary_emb, "coda_tags_rows", False):
-        base.rotary_emb.register_forward_hook(_tag_mrope_rows)
+        base.rotary_emb.register_forward_hook(_tag_mrope_rows, with_kwargs=True)
         base.rotary_emb.coda_tags_rows = True
     replaced = False
     for i, layer in enumerate(base.layers):
@@ -562,12 +563,13 @@ def _patch_layers(base, config) -> None:
         base.__dict__.pop("_output_capturing_hooks_installed", None)
 
 
-def _tag_mrope_rows(rotary, args, output) -> None:
+def _tag_mrope_rows(rotary, args, kwargs, output) -> None:
     """A multimodal rotary module's forward hook: its cos table carries the (3, batch, seq)
     position rows it was computed from (``coda_mrope_positions``), which the patched layers'
     kernel path reads; on the tensor the layers are handed, so a checkpoint's recompute
     reads the same rows."""
-    output[0].coda_mrope_positions = args[1].expand(3, -1, -1)
+    position_ids = args[1] if len(args) > 1 else kwargs["position_ids"]
+    output[0].coda_mrope_positions = position_ids.expand(3, -1, -1)
 
 
 def hf_gradients(model) -> dict:

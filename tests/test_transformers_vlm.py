@@ -153,3 +153,24 @@ def test_gpu_vlm_protocol(kind):
     ratios = {n: fro_err(gc[n], g) / max(fro_err(g16[n], g), 1e-30) for n, g in kept.items()}
     worse = {n: r for n, r in ratios.items() if r > 1.0 + tie_band(g64[n])}
     assert not worse, worse
+
+
+def test_multimodal_rows_survive_checkpointing_and_pickling(monkeypatch):
+    """The Qwen-VL layers read their three position rows from the cos table the rotary
+    module tagged (``_tag_mrope_rows``): with HF's activation checkpointing (the backward's
+    recompute reads the same rows) and after a pickle round trip (``torch.save(model)``:
+    the hook comes back), the kernel path's step still equals the unpatched model's."""
+    import io
+
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    ref, batch = tiny_vlm("qwen2_5_vl", seed=6)
+    patched = _patched("qwen2_5_vl", ref)
+    patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    patched.train()
+    assert_same_step(ref, patched, **batch)
+    buffer = io.BytesIO()
+    torch.save(_patched("qwen2_5_vl", ref), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert_same_step(ref, loaded, **batch)
+    assert coda.last_path("DecoderLayer")[0] == "kernel"
