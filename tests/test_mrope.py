@@ -80,11 +80,10 @@ def _step(layer, x, pos):
     return [y.detach(), xi.grad] + [p.grad for p in layer.parameters()]
 
 
-@pytest.mark.parametrize("B,S", [(2, 13), (1, 21)])
-def test_mrope_layer_kernel_path_equals_reference_float64(B, S, monkeypatch):
-    layer = _layer(0, [0, 0, 1, 1, 2, 2])
-    x = torch.randn(B, S, 48, dtype=F64)
-    pos = _rows(B, S, seed=B)
+def _assert_kernel_path_equals_reference(layer, x, pos, monkeypatch):
+    """The layer's kernel path (the interpreter) equals its reference path, output and every
+    gradient; and the rows matter: the time row alone for all three is another layer's (its
+    branches' output, past the residual, differs)."""
     want = _step(layer, x, pos)
     monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
     coda.env._LAST.clear()
@@ -92,10 +91,15 @@ def test_mrope_layer_kernel_path_equals_reference_float64(B, S, monkeypatch):
     assert coda.last_path("DecoderLayer")[0] == "kernel"
     for a, e in zip(got, want):
         assert rel_err(a, e) < 1e-10
-    # the rows matter: the time row alone for all three is another layer's (its branches'
-    # output, past the residual, differs)
     plain = _step(layer, x, pos[0])
     assert rel_err(plain[0] - x, want[0] - x) > 1e-2
+
+
+@pytest.mark.parametrize("B,S", [(2, 13), (1, 21)])
+def test_mrope_layer_kernel_path_equals_reference_float64(B, S, monkeypatch):
+    layer = _layer(0, [0, 0, 1, 1, 2, 2])
+    x = torch.randn(B, S, 48, dtype=F64)
+    _assert_kernel_path_equals_reference(layer, x, _rows(B, S, seed=B), monkeypatch)
 
 
 @pytest.mark.parametrize("head_dim", [16, 12], ids=["epilogue", "row_pass"])
@@ -111,15 +115,7 @@ def test_mrope_with_qk_norm_kernel_path_equals_reference_float64(head_dim, monke
         layer.w_qkv.normal_(0.0, 0.5)
         layer.q_norm.add_(0.3 * torch.randn(head_dim, dtype=F64))
     x = torch.randn(2, 13, 48, dtype=F64)
-    pos = _rows(2, 13, seed=5)
-    want = _step(layer, x, pos)
-    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
-    got = _step(layer, x, pos)
-    assert coda.last_path("DecoderLayer")[0] == "kernel"
-    for a, e in zip(got, want):
-        assert rel_err(a, e) < 1e-10
-    plain = _step(layer, x, pos[0])
-    assert rel_err(plain[0] - x, want[0] - x) > 1e-2
+    _assert_kernel_path_equals_reference(layer, x, _rows(2, 13, seed=5), monkeypatch)
 
 
 def test_text_alone_is_plain_rope(monkeypatch):
