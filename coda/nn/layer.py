@@ -92,14 +92,13 @@ class DecoderLayer(FormerNames, nn.Module):
     ``qkv_bias``: Qwen2's biases of the q, k and v projections (``bias_qkv``, (Nqkv,) in
     ``w_qkv``'s column order, added before RoPE; not with ``qk_norm``). ``o_bias``: the O
     projection's bias (``bias_o``, (d,), added in F3's epilogue); with ``qkv_bias``, Llama's
-    ``attention_bias=True``. ``mrope_sections``: multimodal RoPE (Qwen2-VL's, with ``qkv_bias``;
-    Qwen3-VL's, with ``qk_norm``):
-    each of the head_dim / 2 frequencies' position row, 0 (time), 1 (height) or 2 (width);
-    positions then (3, batch, seq) (or (3, seq); a (batch, seq) one is every row's).
-    ``long_inv_freq`` and ``long_after``: LongRoPE (Phi-3.5's): a
-    second set of inverse frequencies, used by every call whose largest position is at least
-    ``long_after`` (the original context length), chosen on the device
-    (``gemm_rope.context_freq_table``).
+    ``attention_bias=True``. ``mrope_sections``: multimodal RoPE (Qwen2-VL's, with
+    ``qkv_bias``; Qwen3-VL's, with ``qk_norm``): each of the head_dim / 2 frequencies'
+    position row, 0 (time), 1 (height) or 2 (width); positions then (3, batch, seq) (a
+    (batch, seq) or (seq,) one is every row's). ``long_inv_freq`` and ``long_after``:
+    LongRoPE (Phi-3.5's): a second set of inverse frequencies, used by every call whose
+    largest position is at least ``long_after`` (the original context length), chosen on the
+    device (``gemm_rope.context_freq_table``).
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -318,6 +317,9 @@ class DecoderLayer(FormerNames, nn.Module):
     def _positions(self, positions, B, S, device):
         if self._mrope is not None:
             return self._mrope_positions(positions, B, S, device)
+        return self._plain_positions(positions, B, S, device)
+
+    def _plain_positions(self, positions, B, S, device):
         if positions is None:
             return default_positions(B, S, device)
         v.check_tensor("positions", positions)
@@ -333,7 +335,7 @@ class DecoderLayer(FormerNames, nn.Module):
         """Multimodal RoPE's (3, M) rows: (3, batch, seq) positions, or one (batch, seq) /
         (seq,) / default set for all three rows (text alone)."""
         if positions is None or positions.dim() != 3:
-            rows = self._positions_plain(positions, B, S, device)
+            rows = self._plain_positions(positions, B, S, device)
             return rows[None].expand(3, -1).contiguous()
         v.check_tensor("positions", positions)
         n, shape = positions.numel(), tuple(positions.shape)
@@ -343,13 +345,6 @@ class DecoderLayer(FormerNames, nn.Module):
                 f"positions, got {positions.dtype} {shape}"
             )
         return mrope_rows(positions, B, device)
-
-    def _positions_plain(self, positions, B, S, device):
-        mrope, self._mrope = self._mrope, None
-        try:
-            return self._positions(positions, B, S, device)
-        finally:
-            self._mrope = mrope
 
     def _mrope_table(self, device):
         """F1's multimodal section flags (``gemm_rope.mrope_section_table``)."""
