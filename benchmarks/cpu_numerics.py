@@ -11,6 +11,8 @@ fp32 on the CPU's own order.
                                                    #   the GPU fuzz's short-sequence cases
     python benchmarks/cpu_numerics.py hf [--families F ...] [--seeds N]  # patched HF models,
                                                    #   loss + grads (default Llama, Qwen3)
+    python benchmarks/cpu_numerics.py vlm [--kinds K ...] [--seeds N]  # patched VLMs with an
+                                                   #   image (default Qwen2.5-VL, Qwen3-VL)
     python benchmarks/cpu_numerics.py dw-neff      # effective samples of an LM head's dW
 """
 
@@ -125,6 +127,30 @@ def hf(seeds=4, families=("llama", "qwen3")):
             )
 
 
+def vlm(seeds=2, kinds=("qwen2_5_vl", "qwen3_vl")):
+    """``test_gpu_vlm_protocol``'s step on the CPU: the kernel path's bf16 roundings through
+    the interpreter (the multimodal-RoPE epilogues included)."""
+    from test_transformers_vlm import text_side, vlm_protocol
+
+    import coda
+
+    _kernel_path_on_cpu()
+    for kind in kinds:
+        for seed in range(seeds):
+            (e_c, e_t), floor, ratios = vlm_protocol(kind, "cpu", seed)
+            assert coda.last_path("LMHeadLoss")[0] == "kernel", coda.last_path("LMHeadLoss")
+            text = text_side(ratios)
+            name, (worst, band) = max(text.items(), key=lambda kv: kv[1][0] - kv[1][1])
+            over_text = sum(r > 1 + b for r, b in text.values())
+            over_all = sum(r > 1 + b for r, b in ratios.values())
+            print(
+                f"vlm {kind} seed {seed}: loss err coda {e_c:.3g} torch {e_t:.3g} (scalar "
+                f"floor {floor:.3g}); text side: worst gradient ratio {worst:.3f} (band 1 + "
+                f"{band:.3f}: {name}), over its band {over_text}; vision side over its band "
+                f"{over_all - over_text}"
+            )
+
+
 def dw_neff():
     torch.manual_seed(0)
     M, d, V = 3917, 1880, 8192
@@ -140,10 +166,13 @@ def dw_neff():
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("lm-head", "qk-short", "hf", "dw-neff"))
+    ap.add_argument("what", choices=("lm-head", "qk-short", "hf", "vlm", "dw-neff"))
     ap.add_argument("--g", type=float, default=1.0, help="lm-head: the upstream gradient")
     ap.add_argument("--confident", action="store_true", help="lm-head: p_y near 1")
-    ap.add_argument("--seeds", type=int, default=4, help="hf: seeds per family")
+    ap.add_argument("--seeds", type=int, default=4, help="hf, vlm: seeds per family")
+    ap.add_argument(
+        "--kinds", nargs="+", default=["qwen2_5_vl", "qwen3_vl"], help="vlm: hf_vlm kinds"
+    )
     ap.add_argument(
         "--families", nargs="+", default=["llama", "qwen3"], help="hf: tiny_config families"
     )
@@ -152,5 +181,7 @@ if __name__ == "__main__":
         lm_head(g=args.g, confident=args.confident)
     elif args.what == "hf":
         hf(args.seeds, args.families)
+    elif args.what == "vlm":
+        vlm(args.seeds, args.kinds)
     else:
         {"qk-short": qk_short, "hf": hf, "dw-neff": dw_neff}[args.what]()
