@@ -8,25 +8,20 @@ function here calls its kernel directly unless ``torch.compile`` is tracing. Til
 cross the op boundary as seven ints (``GemmConfig`` fields).
 
 Inductor lowers every op to a call of it (a fallback kernel), registered by coda the first
-time an op is traced (``op_support.inductor_fallbacks``: why, there).
+time an op is traced (``op_support.inductor_fallbacks``: why, there). The LM head's ops live
+in ``library_head`` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from coda.kernels import ce_scaled_exp as _cse
 from coda.kernels import dswiglu as _dsw
 from coda.kernels import embedding as _emb
 from coda.kernels import gemm_residual_rms as _grr
 from coda.kernels import gemm_rmsnorm_gemm as _rg
 from coda.kernels import gemm_rope as _rope
 from coda.kernels import gemm_swiglu as _sw
-from coda.kernels import linear_cross_entropy as _lce
-from coda.kernels import linear_cross_entropy_bwd as _ceb
-from coda.kernels import linear_cross_entropy_chunked as _cec
 from coda.kernels import norm_rows as _nr
 from coda.kernels import qk_norm as _qkn
 from coda.kernels import rmsnorm_bwd as _nb
@@ -34,26 +29,27 @@ from coda.kernels import row_passes as _rp
 from coda.kernels import wgrad as _wg
 from coda.kernels._launch import acc_dtype
 from coda.kernels._triton import cdiv
+from coda.kernels.library_head import (  # noqa: F401 (the LM head's ops, re-exported)
+    _lm_head_bwd,
+    _lm_head_chunked,
+    _lm_head_scaled,
+    _lm_head_stats,
+    lm_head_bwd,
+    lm_head_chunked,
+    lm_head_scaled,
+    lm_head_stats,
+)
 from coda.kernels.op_support import config_ints as _cfg
 from coda.kernels.op_support import config_of as _gc
-from coda.kernels.op_support import inductor_fallbacks
+from coda.kernels.op_support import either as _either
 from coda.kernels.op_support import new_empty as _empty
+from coda.kernels.op_support import registered_fake
 
 
 def _fake(op):
-    """``op``'s fake implementation, registered behind ``inductor_fallbacks`` (a fake
-    implementation runs exactly when an op is traced)."""
-
-    def register(fn):
-        @functools.wraps(fn)
-        def fake(*args, **kwargs):
-            inductor_fallbacks(OPS)
-            return fn(*args, **kwargs)
-
-        op.register_fake(fake)
-        return fn
-
-    return register
+    """``op``'s fake implementation, registered behind the Inductor fallbacks of every op
+    (``op_support.registered_fake``)."""
+    return registered_fake(op, lambda: OPS)
 
 
 # -- forward ------------------------------------------------------------------------------------
@@ -247,24 +243,6 @@ def _(a, w, rstd, cfg):
     return _empty(a.shape[0], w.shape[1] // 2, like=a)
 
 
-@torch.library.custom_op("coda::lm_head_stats", mutates_args=())
-def _lm_head_stats(
-    a: torch.Tensor,
-    w: torch.Tensor,
-    rstd: torch.Tensor,
-    target: torch.Tensor,
-    cfg: list[int],
-    softcap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _lce.lm_head_stats_kernel(a, w, rstd, target, _gc(cfg), softcap=softcap)
-
-
-@_fake(_lm_head_stats)
-def _(a, w, rstd, target, cfg, softcap):
-    M, acc = a.shape[0], acc_dtype(a)
-    return _empty(M, cdiv(w.shape[1], cfg[1]), like=a, dtype=acc), _empty(M, like=a, dtype=acc)
-
-
 # -- backward -----------------------------------------------------------------------------------
 @torch.library.custom_op("coda::dswiglu", mutates_args=())
 def _dswiglu(
@@ -307,78 +285,6 @@ def _wgrad_gamma_rows(h: torch.Tensor, dz: torch.Tensor, gamma: torch.Tensor) ->
 @_fake(_wgrad_gamma_rows)
 def _(h, dz, gamma):
     return _empty(h.shape[1], dz.shape[1], like=h)
-
-
-@torch.library.custom_op("coda::lm_head_bwd", mutates_args=())
-def _lm_head_bwd(
-    a: torch.Tensor,
-    w: torch.Tensor,
-    rstd: torch.Tensor,
-    lse: torch.Tensor,
-    tl: torch.Tensor,
-    target: torch.Tensor,
-    scale: torch.Tensor,
-    chunk: int,
-    cfg: list[int],
-    hot: torch.Tensor | None,
-    shift: torch.Tensor | None,
-    want_dw: bool,
-    softcap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    G, S, dw = _ceb.linear_cross_entropy_bwd_kernel(
-        a, w, rstd, lse, tl, target, scale, chunk, _gc(cfg), hot=hot, shift=shift,
-        want_dw=want_dw, softcap=softcap,
-    )  # fmt: skip
-    return G, S, dw
-
-
-@_fake(_lm_head_bwd)
-def _(a, w, rstd, lse, tl, target, scale, chunk, cfg, hot, shift, want_dw, softcap):
-    M, d, V, acc = a.shape[0], a.shape[1], w.shape[1] if want_dw else 0, acc_dtype(a)
-    return _empty(M, d, like=a, dtype=acc), _empty(M, like=a, dtype=acc), _empty(d, V, like=a)
-
-
-def _lm_head_gradients_fake(
-    a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss, want_dw
-):
-    """The fake of an LM-head gradients op: dW is the fp32 accumulator, a (d, V) view of
-    (V, d) storage (both programs scatter-add the target entries into its rows); (d, 0)
-    without ``want_dw``."""
-    M, d, acc = a.shape[0], a.shape[1], acc_dtype(a)
-    stat = _empty(M, like=a, dtype=acc)
-    dw = _empty(w.shape[1] if want_dw else 0, w.shape[0], like=a, dtype=acc).t()
-    g = _empty(M, d, like=a, dtype=acc)
-    return stat, torch.empty_like(stat), g, torch.empty_like(stat), torch.empty_like(stat), dw
-
-
-def _lm_head_gradients_op(name: str, program):
-    """The custom op of an LM-head program that forms its g = 1 gradients in the forward
-    (CE-C, CE-S): (lse, target logit, G, coef, S, dW fp32) with one schema: G the softmax
-    share of dL/da, coef its target entries' coefficient per row."""
-
-    @torch.library.custom_op(f"coda::{name}", mutates_args=())
-    def op(
-        a: torch.Tensor,
-        w: torch.Tensor,
-        rstd: torch.Tensor,
-        target: torch.Tensor,
-        weight: torch.Tensor,
-        rows: int,
-        cfg: list[int],
-        label_smoothing: float,
-        z_loss: float,
-        want_dw: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        cfg_ = _gc(cfg)
-        options = {"label_smoothing": label_smoothing, "z_loss": z_loss, "want_dw": want_dw}
-        return program(a, w, rstd, target, weight, rows, cfg_, **options)
-
-    _fake(op)(_lm_head_gradients_fake)
-    return op
-
-
-_lm_head_chunked = _lm_head_gradients_op("lm_head_chunked", _cec.linear_cross_entropy_chunked)
-_lm_head_scaled = _lm_head_gradients_op("lm_head_scaled", _cse.linear_cross_entropy_scaled)
 
 
 # -- row passes (Triton on the GPU, torch on the CPU) ------------------------------------------
@@ -481,13 +387,6 @@ def _(tokens, grad, vocab, padding_idx):
 
 
 # -- what coda.autograd calls: the kernel directly, or the op while torch.compile traces --------
-def _either(op, direct):
-    def call(*args, **kwargs):
-        return op(*args, **kwargs) if torch.compiler.is_compiling() else direct(*args, **kwargs)
-
-    return call
-
-
 gemm_rope = _either(
     lambda a, w, r, p, f, c: _gemm_rope(a, w, r, p, f, _cfg(c)), _rope.gemm_rope_kernel
 )
@@ -552,39 +451,12 @@ gemm_swiglu_only = _either(
     lambda a, w, r, c: _gemm_swiglu_only(a, w, r, _cfg(c)),
     lambda a, w, r, c: _sw.gemm_swiglu_kernel(a, w, r, False, c)[0],
 )
-lm_head_stats = _either(  # softcap: the logits' soft-cap c, or None
-    lambda a, w, r, t, c, softcap=None: _lm_head_stats(a, w, r, t, _cfg(c), softcap),
-    lambda a, w, r, t, c, softcap=None: _lce.lm_head_stats_kernel(a, w, r, t, c, softcap=softcap),
-)
 dswiglu = _either(lambda dx, w, u, r, c: _dswiglu(dx, w, u, r, _cfg(c)), _dsw.dswiglu_kernel)
 norm_bwd = _either(
     lambda dz, w2, h, g, corr, dres, c: _norm_bwd(dz, w2, h, g, corr, dres, _cfg(c)),
     _nb.norm_bwd_kernel,
 )
 wgrad_gamma_rows = _either(_wgrad_gamma_rows, _wg.wgrad_gamma_rows)
-lm_head_bwd = _either(
-    lambda a, w, r, lse, tl, t, s, chunk, c, hot=None, shift=None, want_dw=True, softcap=None: (
-        _lm_head_bwd(a, w, r, lse, tl, t, s, chunk, _cfg(c), hot, shift, want_dw, softcap)
-    ),
-    lambda a, w, r, lse, tl, t, s, chunk, c, hot=None, shift=None, want_dw=True, softcap=None: (
-        _ceb.linear_cross_entropy_bwd_kernel(
-            a,
-            w,
-            r,
-            lse,
-            tl,
-            t,
-            s,
-            chunk,
-            c,
-            hot=hot,
-            shift=shift,
-            want_dw=want_dw,
-            softcap=softcap,
-        )
-    ),
-)
-
 # F0 and the final norm: under torch.compile the same Triton pass as in eager calls (an op),
 # not a torch form for Inductor to regenerate: there is nothing for it to fuse the norm with
 # (its input comes from an op's GEMM, the embedding's gather, or the step's input)
@@ -594,18 +466,6 @@ drope_bias_rows = _either(_drope_bias_rows, _rp.drope_bias_pass)
 embedding_backward = _either(_embedding_backward, _emb.embedding_backward)
 dqk_norm_rows = _either(_dqk_norm_rows, _rp.dqk_norm_pass)
 
-
-def _lm_head_gradients(op, program):
-    return _either(
-        lambda a, w, r, t, wt, rows, c, ls, z, dw: op(a, w, r, t, wt, rows, _cfg(c), ls, z, dw),
-        lambda a, w, r, t, wt, rows, c, ls, z, dw: program(
-            a, w, r, t, wt, rows, c, label_smoothing=ls, z_loss=z, want_dw=dw
-        ),
-    )
-
-
-lm_head_chunked = _lm_head_gradients(_lm_head_chunked, _cec.linear_cross_entropy_chunked)
-lm_head_scaled = _lm_head_gradients(_lm_head_scaled, _cse.linear_cross_entropy_scaled)
 
 # every op, for tests (opcheck) and reports
 OPS = {

@@ -1,6 +1,7 @@
 """What ``coda.kernels.library``'s custom ops share: a tile config as the seven ints that cross
-an op's boundary and back, the fake implementations' empty outputs, and the registration of
-every op as an Inductor fallback kernel.
+an op's boundary and back, the fake implementations' empty outputs and their registration, an
+eager call's way around the dispatcher (``either``), and the registration of every op as an
+Inductor fallback kernel.
 
 Why coda registers the fallbacks itself rather than leaving them to Inductor's implicit path:
 that path first formats each argument's IR for an info log (built even when the log is off
@@ -14,6 +15,7 @@ formatting IR when cut (run 136).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 
 import torch
@@ -34,6 +36,33 @@ def config_of(c: list[int]) -> GemmConfig:
 def new_empty(*shape, like, dtype=None):
     """An empty tensor of ``shape`` on ``like``'s device, in ``dtype`` or ``like``'s."""
     return like.new_empty(*shape, dtype=dtype or like.dtype)
+
+
+def either(op, direct):
+    """A launch function: the custom op ``op`` while ``torch.compile`` traces, else ``direct``
+    (the kernel function: no dispatcher on an eager call's host path)."""
+
+    def call(*args, **kwargs):
+        return op(*args, **kwargs) if torch.compiler.is_compiling() else direct(*args, **kwargs)
+
+    return call
+
+
+def registered_fake(op, all_ops):
+    """A decorator registering ``fn`` as ``op``'s fake implementation behind
+    ``inductor_fallbacks(all_ops())`` (a fake implementation runs exactly when an op is
+    traced)."""
+
+    def register(fn):
+        @functools.wraps(fn)
+        def fake(*args, **kwargs):
+            inductor_fallbacks(all_ops())
+            return fn(*args, **kwargs)
+
+        op.register_fake(fake)
+        return fn
+
+    return register
 
 
 _FALLBACKS = {"made": False}
