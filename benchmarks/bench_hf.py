@@ -4,8 +4,8 @@
 ``Qwen2ForCausalLM`` (random init, bf16, sdpa; on request, ``ON_REQUEST``, Llama-1B with
 attention biases, a Phi-3-mini-shaped ``Phi3ForCausalLM``, a Gemma-3-1B-shaped
 ``Gemma3ForCausalLM`` and a Gemma-2-2B-shaped ``Gemma2ForCausalLM`` (its logits soft-capped),
-whose loss alone coda patches, and Qwen2.5-VL-3B's text model in its vision-language class,
-text-only batches),
+whose loss alone coda patches, and Qwen2.5-VL-3B's and Qwen3-VL-2B's text models in their
+vision-language classes, text-only batches),
 in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and loss stay
 eager, as users compile it), with Liger's instance patch (called as the others, and with
 ``use_cache=False``, which a patched model's training call implies), and patched by
@@ -152,26 +152,53 @@ SHAPES = {
             tie_word_embeddings=True,
         ),
     ),
+    # Qwen3-VL-2B's text model (``Qwen3VLForConditionalGeneration``): Qwen3's layer, QK-norm
+    # and multimodal RoPE (interleaved) in the QKV epilogue, as the one above
+    "qwen3-vl-2B": (
+        "qwen3_vl",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 # (not in a default run: named in CODA_HF_SHAPES)
 ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B", "qwen2.5-vl-3B")
+ON_REQUEST += ("qwen3-vl-2B",)
 BATCH, SEQ = 4, 4096
 PROFILED = ("hf_coda", "hf_liger", "hf_liger_no_cache")  # per-kernel tables (pass 1)
 
 
-def _vision_language_config(shape: dict):
-    """Qwen2.5-VL's config around the text ``shape``: its multimodal RoPE sections in
-    Qwen2.5-VL's proportions (16, 24, 24 of head_dim / 2 = 64), one small vision block."""
+# the vision-language families: (config class, multimodal RoPE sections as parts of
+# head_dim / 2: Qwen2.5-VL's 16, 24, 24 of 64; Qwen3-VL's 24, 20, 20, interleaved)
+VISION_LANGUAGE = {
+    "qwen2_5_vl": ("Qwen2_5_VL", (16, 24, 24)),
+    "qwen3_vl": ("Qwen3VL", (24, 20, 20)),
+}
+
+
+def _vision_language_config(family: str, shape: dict):
+    """The ``family``'s vision-language config around the text ``shape``: its multimodal RoPE
+    sections in the released proportions, one small vision block."""
     import transformers
 
+    name, parts = VISION_LANGUAGE[family]
     half = (shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]) // 2
-    t = half // 4
-    sections = [t, (half - t) // 2, half - t - (half - t) // 2]
+    sections = [half * p // 64 for p in parts[:2]]
+    sections.append(half - sum(sections))
     rope = dict(rope_type="default", rope_theta=1e6, mrope_section=sections)
     text = {**shape, "max_position_embeddings": SEQ, "rope_parameters": rope}
     vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2)
     vision["out_hidden_size"] = shape["hidden_size"]
-    return transformers.Qwen2_5_VLConfig(
+    if family == "qwen3_vl":
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return getattr(transformers, f"{name}Config")(
         text_config=text, vision_config=vision, attn_implementation="sdpa",
         tie_word_embeddings=shape.get("tie_word_embeddings", False),
     )  # fmt: skip
@@ -180,10 +207,11 @@ def _vision_language_config(shape: dict):
 def build(family: str, shape: dict, device, dtype):
     import transformers
 
-    if family == "qwen2_5_vl":
+    if family in VISION_LANGUAGE:
         torch.manual_seed(0)
-        config = _vision_language_config(shape)
-        return transformers.Qwen2_5_VLForConditionalGeneration(config).to(device, dtype)
+        config = _vision_language_config(family, shape)
+        model_cls = getattr(transformers, f"{VISION_LANGUAGE[family][0]}ForConditionalGeneration")
+        return model_cls(config).to(device, dtype)
 
     names = {
         "llama": "Llama",
