@@ -287,10 +287,11 @@ class LigerSwitch:
 def variants(family: str, base, liger: "LigerSwitch | None"):
     """(name, make) in run order; ``make`` returns a fresh model from ``base``'s weights."""
     import coda.transformers as ct
+    from coda._hf_forward import text_model
 
     def coda_patch(m, **kw):  # (the loss alone where coda's layers do not apply: Gemma, VLMs)
         vlm = type(m).__name__ in ct.VISION_LANGUAGE
-        text = type(m.model.language_model).__name__ if vlm else None
+        text = type(text_model(m)).__name__ if vlm else None
         alone = type(m).__name__ in ct.LOSS_ONLY or text in ct.TEXT_LOSS_ONLY
         return ct.apply_coda(m, layers=not alone, **kw)
 

@@ -119,7 +119,8 @@ def test_mrope_with_qk_norm_kernel_path_equals_reference_float64(head_dim, monke
 
 
 def test_text_alone_is_plain_rope(monkeypatch):
-    """One (batch, seq) row for all three: the same as a layer without sections."""
+    """One (batch, seq) row for all three: the same as a layer without sections, and the
+    same (3, M) rows tensor on every call with those positions."""
     monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
     layer = _layer(1, [0, 1, 2, 0, 1, 2])
     plain = _layer(1, None)
@@ -128,6 +129,10 @@ def test_text_alone_is_plain_rope(monkeypatch):
     pos = torch.arange(9).repeat(2, 1) + 3
     for a, e in zip(_step(layer, x, pos), _step(plain, x, pos)):
         assert rel_err(a, e) < 1e-12
+    # the three rows built once for the positions, as the plain rows are (every layer of a
+    # step the same tensor, so its backward's tables are remembered, not rebuilt per layer)
+    dev = torch.device("cpu")
+    assert layer._positions(pos, 2, 9, dev) is layer._positions(pos, 2, 9, dev)
 
 
 def test_mrope_arguments_are_checked():

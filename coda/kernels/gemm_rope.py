@@ -191,13 +191,20 @@ def position_rows(positions, batch: int, device) -> torch.Tensor:
 
 @functools.partial(TensorMemo, maxsize=2)
 def mrope_rows(positions, batch: int, device) -> torch.Tensor:
-    """Multimodal RoPE's positions ((3, batch, seq) or (3, seq): time, height, width) as the
-    (3, M) float32 rows ``mrope_scaled_bias`` reads, remembered per positions tensor as
+    """Multimodal RoPE's positions ((3, batch, seq) or (3, 1, seq): time, height, width) as
+    the (3, M) float32 rows ``mrope_scaled_bias`` reads, remembered per positions tensor as
     ``position_rows``."""
     rows = positions.reshape(3, -1).to(device, torch.float32)
-    if rows.shape[1] != batch * positions.shape[-1]:  # (3, seq): every sequence the same
+    if rows.shape[1] != batch * positions.shape[-1]:  # (3, 1, seq): every sequence the same
         rows = rows.repeat(1, batch)
     return rows.contiguous()
+
+
+@functools.partial(TensorMemo, maxsize=2)
+def text_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Text alone in a multimodal-RoPE layer: one set of position rows (M,) as all three
+    (3, M), remembered per rows (one tensor for every layer of a step, as the others)."""
+    return rows[None].expand(3, -1).contiguous()
 
 
 def gemm_rope_kernel(a, w_qkv, rstd, pos, freq, config: GemmConfig = DEFAULT, dry=False):

@@ -30,6 +30,7 @@ from coda.kernels.gemm_rope import (
     mrope_section_table,
     position_rows,
     shared_freq_table,
+    text_rows,
 )
 from coda.nn._common import FormerNames, in_dtype, tma_rule
 from coda.reference.layer import LayerShape, decoder_layer_ref
@@ -336,7 +337,7 @@ class DecoderLayer(FormerNames, nn.Module):
         (seq,) / default set for all three rows (text alone)."""
         if positions is None or positions.dim() != 3:
             rows = self._plain_positions(positions, B, S, device)
-            return rows[None].expand(3, -1).contiguous()
+            return text_rows(rows)
         v.check_tensor("positions", positions)
         n, shape = positions.numel(), tuple(positions.shape)
         if not v.is_integer(positions) or shape[::2] != (3, S) or n not in (3 * S, 3 * B * S):
@@ -416,7 +417,7 @@ class DecoderLayer(FormerNames, nn.Module):
                 pos,
                 dims,
                 attention or self.attention,
-                self._freq_table(x.device, None if self._mrope is not None else pos),
+                self._freq_table(x.device, pos),
                 qk,
                 bias,
                 o_bias,
