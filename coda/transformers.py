@@ -465,17 +465,28 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
         )
     v.check_choice("method", method, LM_HEAD_METHODS)
     _check_softcapping(model.config, method if name in hf_forward.LOGITS_SOFTCAPPED else None)
-    base = model.model if name.endswith("ForCausalLM") else model
-    if name.endswith("ForCausalLM"):
-        hf_forward.norm_form(base.norm)  # (a norm coda's loss does not take: refused now)
-    if layers:
-        _patch_layers(base, model.config)
-    if embedding:  # left as it is where coda's backward does not cover it
-        Embedding.adopt(base.embed_tokens)
-    if name.endswith("ForCausalLM") and not getattr(model, "coda_method", None):
-        wrap_forward(model, causal_lm_forward)
-    model.coda_method = method
+    causal = name.endswith("ForCausalLM")
+    base = model.model if causal else model
+    _patch_stack(
+        model, base, model.config, causal_lm_forward if causal else None, method, embedding, layers
+    )
     return model
+
+
+def _patch_stack(model, base, config, forward, method, embedding, layers) -> None:
+    """What both kinds of model share: their decoder stack ``base``'s layers (``layers``),
+    its token embedding's backward (``embedding``; left as it is where coda's does not cover
+    it), and with ``forward`` (the model's training call, wrapped once) the loss, whose final
+    norm is checked now (a norm coda's loss does not take: refused here, not at the call)."""
+    if forward is not None:
+        hf_forward.norm_form(base.norm)
+    if layers:
+        _patch_layers(base, config)
+    if embedding:
+        Embedding.adopt(base.embed_tokens)
+    if forward is not None and not getattr(model, "coda_method", None):
+        wrap_forward(model, forward)
+    model.coda_method = method
 
 
 def _check_softcapping(config, method: str | None = None) -> None:
@@ -510,14 +521,8 @@ def _apply_vision_language(model, name: str, method: str, embedding: bool, layer
         )
     v.check_choice("method", method, LM_HEAD_METHODS)
     _check_softcapping(model.config.get_text_config())
-    hf_forward.norm_form(text.norm)  # (a norm coda's loss does not take: refused now)
-    if layers:
-        _patch_layers(text, text.config)
-    if embedding:
-        Embedding.adopt(text.embed_tokens)
-    if not getattr(model, "coda_method", None):
-        wrap_forward(model, hf_forward.vision_language_forward)
-    model.coda_method = method
+    forward = hf_forward.vision_language_forward
+    _patch_stack(model, text, text.config, forward, method, embedding, layers)
 
 
 def _task_model_stack(model, name: str):
