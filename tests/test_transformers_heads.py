@@ -119,9 +119,11 @@ def test_gpu_reward_model_protocol(family):
     ids = torch.randint(1, 1024, (4, 256), generator=g)
     ids[1, 200:] = 0  # (right padding: the score is read at the last real token)
     call = dict(input_ids=ids.cuda(), attention_mask=(ids != 0).long().cuda())
-    call["labels"] = torch.randn(4, generator=g).cuda()  # (one label: a regression loss)
+    # one label, a regression loss: in each model's dtype (CUDA's mse_loss backward refuses
+    # a float32 target beside float64 or bf16 scores, unpatched as patched), bf16-exact
+    labels = torch.randn(4, generator=g).bfloat16().cuda()
     for m in (ref64, ref, patched):
-        _step(m, **call)
+        _step(m, **call, labels=labels.to(m.dtype))
     assert coda.last_path("DecoderLayer")[0] == "kernel"
     with torch.no_grad():
         s64, s16, sc = (m(**call).logits for m in (ref64, ref, patched))

@@ -43,7 +43,7 @@ def mrope_head_rotation(positions, sect, freq, head_dim, dtype=torch.float32):
     angle from its own section's row, as the forward epilogue formed it."""
     head, flags = freq[:head_dim], sect[:head_dim]
     section = (flags[0::2] + 2 * flags[1::2]).long()  # (hd/2,): 0 time, 1 height, 2 width
-    pos = positions.index_select(0, section).t()  # (M, hd/2)
+    pos = positions.index_select(0, section).t().contiguous()  # (M, hd/2), rows unit-stride
     theta = turns_to_angle(pos, head[0::2], head[1::2])
     return theta.cos().to(dtype), theta.sin().to(dtype)
 

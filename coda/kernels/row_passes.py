@@ -347,6 +347,7 @@ def drope_pass(dq, dk, dv, qkv, rstd, cos, sin, d: int):
     """B11: (dz~0, corr0) from attention's dq (B, H, S, hd), dk, dv (B, Hkv, S, hd) and the
     saved rotated qkv (M, Nqkv): the Triton kernel on the GPU, the torch oracle on the CPU."""
     n_rot, hd = dq.shape[1] + dk.shape[1], dq.shape[-1]
+    _rows_contiguous(rstd, cos, sin)  # (both lowerings hold the Triton kernel's contract)
     if on_triton(qkv):
         return drope_heads_triton(dq, dk, dv, qkv, rstd, cos, sin, n_rot, hd, d)
     return drope_heads(dq, dk, dv, qkv, rstd, cos, sin, n_rot, hd, d)
@@ -356,6 +357,7 @@ def drope_bias_pass(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d: int):
     """B11 with a QKV bias: (dz~0, corr0, dbias) from attention's dq, dk, dv and F1's z
     (``gemm_rope.rope_scaled_bias``'s even and odd columns): the Triton kernel on the
     GPU, the torch oracle on the CPU."""
+    _rows_contiguous(rstd, cos, sin)
     if on_triton(z_even):
         return drope_bias_heads_triton(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d)
     return drope_bias_heads(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d)
@@ -366,6 +368,7 @@ def dqk_norm_pass(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_n
     dv, the forward's z on the q and k columns (as its even and odd columns, or whole:
     ``z_odd`` None), the stored v ``z_v`` (z on the v columns) and the head statistic s: the
     Triton kernel on the GPU, the torch oracle on the CPU."""
+    _rows_contiguous(rstd, cos, sin, q_norm, k_norm)
     rest = (s, rstd, cos, sin, q_norm, k_norm, dq.shape[1], dk.shape[1], dq.shape[-1], d)
     if on_triton(z_even):
         return dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, z_v, *rest)
