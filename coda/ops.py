@@ -48,7 +48,7 @@ from coda.kernels.gemm_rope import (
 )
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
 from coda.kernels.norm_rows import row_stat
-from coda.kernels.qk_norm import column_rows, qk_norm_config
+from coda.kernels.qk_norm import column_rows, epilogue_head_rule, qk_norm_config
 from coda.kernels.target_check import checked_targets
 from coda.kernels.tuned import config_for
 from coda.reference.cross_entropy import linear_cross_entropy_ref
@@ -418,12 +418,14 @@ def gemm_rope(
         if path == "kernel":
             vectors = {"rstd": rstd, "positions": positions, "bias": bias}
             _kernel_layout({"x": x}, {"w_qkv": w_qkv}, vectors)
-            cfg = config or qk_norm_config(head_dim)
-            if q_norm is not None and (cfg is None or cfg.tile_n % head_dim):
-                raise v.CodaInputError(  # the QK-norm epilogue normalizes heads within a tile
+            why = q_norm is not None and epilogue_head_rule(
+                head_dim, config or qk_norm_config(head_dim)
+            )
+            if why:  # the QK-norm epilogue normalizes heads within a tile
+                raise v.CodaInputError(
                     f"head_dim ({head_dim}): the QK-norm epilogue needs whole heads in one "
-                    f"output tile (a tile_n multiple of head_dim, 128 or 256 by default); got "
-                    f"{'no such default' if cfg is None else f'tile_n {cfg.tile_n}'}"
+                    f"output tile and heads of whole 32-column epilogue subtiles: {why} "
+                    f"(the reference path, backend='reference', takes any head_dim)"
                 )
         return path
 

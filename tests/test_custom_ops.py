@@ -38,7 +38,7 @@ def op_samples():
             torch.randn(N),
             torch.randn(N),
             torch.zeros(N),
-            16,
+            32,  # (head_dim: a multiple of the epilogue's 32-column subtile)
             1e-6,
             CFG,
             None,

@@ -10,6 +10,7 @@ import torch
 from conftest import assert_no_worse, fro_err, random_dims, rel_err
 
 import coda
+import coda.env
 from coda import layouts
 from coda.kernels import gemm_rmsnorm_gemm as rg
 from coda.kernels import gemm_rope as rp
@@ -70,7 +71,7 @@ def test_qk_norm_rope_program(seed):
     """F1 with Qwen3's QK-norm in the epilogue (a GroupRstd prepass statistic per head): the
     interpreted program equals the reference, for tile widths holding 1, 2 or 4 heads."""
     d = random_dims(seed, M=(1, 150), K=(1, 40), H=(1, 4), Hkv=(1, 2))
-    g, hd = gen(seed), [16, 32, 64, 16][seed]  # tile_n (a multiple of 16) holds whole heads
+    g, hd = gen(seed), [32, 64, 32, 64][seed]  # tile_n holds whole heads of whole subtiles
     H, Hkv = d["H"] * d["Hkv"], d["Hkv"]
     a, w = randn(g, d["M"], d["K"]), randn(g, d["K"], (H + 2 * Hkv) * hd)
     r = 0.5 + torch.rand(d["M"], dtype=F64, generator=g)
@@ -97,6 +98,39 @@ def test_qk_norm_rope_program(seed):
     assert rel_err(qkv[:, n_rot:], z[:, n_rot:]) < 1e-12  # the v columns: z itself
     s_want = torch.rsqrt(z.view(d["M"], -1, hd).pow(2).mean(-1) + eps)
     assert rel_err(s, s_want) < 1e-12
+
+
+@pytest.mark.parametrize("hd", [8, 16])
+def test_heads_narrower_than_an_epilogue_subtile_are_refused(hd, monkeypatch):
+    """The GPU lowering of a per-head statistic folds each thread's run of a 32-column
+    epilogue subtile into one head's slot: heads of 8 or 16 columns there would share one
+    statistic (run 289: a patched Qwen3 at head_dim 16 scored 0.42 off). Both lowerings refuse
+    such a program, naming the rule (the interpreter alone would compute it right); the layer
+    takes the row pass for them (``qk_norm_config`` None), and the public op on the kernel
+    path says why it cannot."""
+    g = gen(0)
+    M, K, H, Hkv = 40, 24, 4, 2
+    N = (H + 2 * Hkv) * hd
+    a, w = randn(g, M, K), randn(g, K, N)
+    r, pos = torch.ones(M, dtype=F64), torch.arange(M, dtype=F64)
+    head_w, plain = qkn.column_rows(randn(g, hd), randn(g, hd), H, Hkv, Hkv, F64)
+    freq = rp.rope_freq_table(hd, H + Hkv, Hkv).to(F64)
+    rule = "must be a multiple of the epilogue subtile's 32 columns"
+    for dry in (False, True):  # the interpreter, and the GPU lowering before quack's trace
+        with pytest.raises(ValueError, match=rule):
+            qkn.gemm_qk_norm_rope_kernel(
+                a, w, r, pos, freq, head_w, plain, hd, 1e-6, GemmConfig(64, 128), dry=dry
+            )
+    assert qkn.qk_norm_config(hd) is None and qkn.qk_norm_config(2 * 16) is not None
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    x, wq = torch.randn(M, K).bfloat16(), torch.randn(K, N).bfloat16()
+    norms = dict(q_norm=torch.ones(hd).bfloat16(), k_norm=torch.ones(hd).bfloat16())
+    with pytest.raises(coda.CodaInputError, match=f"head_dim \\({hd}\\).*subtile"):
+        coda.gemm_rope(x, wq, pos, head_dim=hd, n_heads=H, n_kv_heads=Hkv, **norms)
+    with pytest.raises(coda.CodaInputError, match=rule):  # a config given: the same rule
+        coda.gemm_rope(
+            x, wq, pos, head_dim=hd, n_heads=H, n_kv_heads=Hkv, config=GemmConfig(64, 64), **norms
+        )
 
 
 @pytest.mark.parametrize("seed", range(3))

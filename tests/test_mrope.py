@@ -102,9 +102,9 @@ def test_mrope_layer_kernel_path_equals_reference_float64(B, S, monkeypatch):
     _assert_kernel_path_equals_reference(layer, x, _rows(B, S, seed=B), monkeypatch)
 
 
-@pytest.mark.parametrize("head_dim", [16, 12], ids=["epilogue", "row_pass"])
+@pytest.mark.parametrize("head_dim", [32, 12], ids=["epilogue", "row_pass"])
 def test_mrope_with_qk_norm_kernel_path_equals_reference_float64(head_dim, monkeypatch):
-    """Qwen3-VL's layer: QK-norm and multimodal RoPE in F1's epilogue (head_dim 16: a tile
+    """Qwen3-VL's layer: QK-norm and multimodal RoPE in F1's epilogue (head_dim 32: a tile
     holds whole heads) or in the row pass after it (head_dim 12), and the backward's."""
     half = head_dim // 2
     sections = [i % 3 for i in range(half)]  # (Qwen3-VL's interleaved order)

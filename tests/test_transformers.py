@@ -399,16 +399,18 @@ def test_patched_mistral_matches_unpatched_float64(window, coda_path):
     assert_same_step(ref, patched, input_ids=ids, attention_mask=mask, labels=ids)
 
 
-@pytest.mark.parametrize("head_dim", [16, 12], ids=["epilogue", "row-pass"])
+@pytest.mark.parametrize("head_dim", [32, 12, 16], ids=["epilogue", "row-pass", "narrow-heads"])
 def test_qwen3_kernel_sequence_equals_reference_float64(head_dim):
     """The kernel path's QK-norm Function on the CPU through the tile interpreter equals the
     reference path, both ways it runs: F1 with the head norms and RoPE in its epilogue
-    (head_dim 16: whole heads in a 128-column tile) and F1 without rotation plus a row pass
-    (head_dim 12: no tile width holds whole heads); the backward of each."""
+    (head_dim 32: whole heads in a 128-column tile) and F1 without rotation plus a row pass
+    (head_dim 12: no tile width holds whole heads; 16: a head narrower than the epilogue's
+    32-column subtile, whose statistic the GPU would fold with its neighbour's); the backward
+    of each."""
     import coda.nn as cnn
     from coda.kernels.qk_norm import qk_norm_config
 
-    assert (qk_norm_config(head_dim) is None) == (head_dim == 12)
+    assert (qk_norm_config(head_dim) is None) == (head_dim != 32)
     torch.manual_seed(5)
     layer = cnn.DecoderLayer(
         48, 4, 2, 40, head_dim=head_dim, eps=1e-2, dtype=torch.float64, qk_norm=True

@@ -45,6 +45,8 @@ def launch(
     xf = program.a_transform
     if xf is not None:
         xf.check(operands[xf.name], x, config.tile_m)
+    for p in program.group_stats:  # (the same refusal on the CPU and the GPU)
+        p.check_group(operands[p.name], config.tile_n, w.shape[1])
     if not dry and not x.is_cuda and INTERPRET_OFF_GPU:
         return _interpret_into(program, x, w, config, d, c, operands, outputs or {}, add_to_output)
     args = epi_args(program, operands, outputs or {})

@@ -9,7 +9,7 @@ applied):
 
 It runs in F1's epilogue (``qk_norm_rope_program``): the head statistic in a prepass
 (``GroupRstd``: a head is hd adjacent columns inside one output tile, so tile_n must be a
-multiple of hd, ``qk_norm_config``), then RoPE(z * s * w) is stored. For training
+multiple of hd, and hd a multiple of the epilogue's 32-column subtile, ``qk_norm_config``), then RoPE(z * s * w) is stored. For training
 (``keep_z=True``) the epilogue also stores z on the q and k columns, as its even and odd
 columns (two half-width tiles beside the rotated pairs, clipped by the TMA store past the k
 heads: on v columns z is the stored v), and s. Where no tile width holds whole heads, F1 runs
@@ -46,6 +46,7 @@ from coda.primitives import (
     RowLoad,
     TileStore,
     epilogue_program,
+    group_fits,
     pack,
     unpack,
 )
@@ -241,13 +242,22 @@ def dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, z_v, s, *args):
     return dqk_norm_rope_heads(dq, dk, dv, torch.cat([z_rot, z_v], dim=1), s, *args)
 
 
+def epilogue_head_rule(head_dim: int, config: GemmConfig | None) -> str:
+    """Why F1's epilogue cannot normalize heads of ``head_dim`` under ``config``, or "": a
+    head's statistic (``GroupRstd``) needs whole heads in a tile and whole epilogue subtiles
+    (32 columns) in a head (``group_fits``; N is whole heads by construction)."""
+    if config is None:
+        return "no default tile holds whole heads (tile_n 128 or 256)"
+    return group_fits(head_dim, config.tile_n, config.tile_n)
+
+
 def qk_norm_config(head_dim: int) -> GemmConfig | None:
     """A tile config whose tile_n holds whole heads (128 columns ping-pong, or 256
-    cooperative), or None when head_dim divides neither."""
-    if 128 % head_dim == 0:
-        return GemmConfig(128, 128, 2, 1, True)
-    if 256 % head_dim == 0:
-        return GemmConfig(128, 256, 2, 1, False)
+    cooperative), or None where neither does (head_dim 12, 48) or a head is narrower than an
+    epilogue subtile (head_dim 8, 16): then F1 runs without rotation and a row pass."""
+    for config in (GemmConfig(128, 128, 2, 1, True), GemmConfig(128, 256, 2, 1, False)):
+        if not epilogue_head_rule(head_dim, config):
+            return config
     return None
 
 

@@ -24,4 +24,5 @@ from coda.primitives.vocabulary import (  # noqa: F401
     TileMaxLog2,
     TileStore,
     epilogue_program,
+    group_fits,
 )

@@ -66,6 +66,7 @@ def interpret(
         out[p.name] = p.alloc(M, N, t_m, t_n, mode, dt)
     stats = [p for p in program.inputs if p.from_prepass]
     for p in stats:
+        p.check_group(ops[p.name], tile_n, N)
         if p.out:
             out[p.out] = torch.zeros(M, N // ops[p.name], dtype=dt)
     pre_names = list(inspect.signature(program.prepass).parameters)[1:] if stats else []

@@ -43,6 +43,7 @@ a quack EpiOp coda has not used before, one entry in ``coda._quack.op_classes``)
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -282,6 +283,25 @@ class OnlineLSE(Primitive):
 
 
 # -- RED, finalized in the tile: a per-(row, column group) statistic of a prepass value -------
+def epilogue_subtile_n(tile_n: int) -> int:
+    """Columns of one epilogue subtile on SM90 (16- and 32-bit D): the GPU lowering sweeps a
+    tile in subtiles this wide and folds each thread's run within one into one statistic."""
+    return math.gcd(32, tile_n)
+
+
+def group_fits(group: int, tile_n: int, n: int) -> str:
+    """Why a column group of width ``group`` cannot be a statistic's group in an N = ``n``
+    GEMM with ``tile_n``-wide tiles, or "" when it can: whole groups in every tile and in N,
+    and, on the GPU, whole subtiles in every group (a narrower group would be folded with its
+    subtile's neighbours: run 289's Qwen3 with head_dim 16)."""
+    if tile_n % group or n % group:
+        return f"group {group} must divide tile_n ({tile_n}) and N ({n})"
+    sub = epilogue_subtile_n(tile_n)
+    if group % sub:
+        return f"group {group} must be a multiple of the epilogue subtile's {sub} columns"
+    return ""
+
+
 @dataclass(frozen=True)
 class _GroupStat(Primitive):
     """A per-(row, column group) statistic of the value the program's ``prepass`` returns
@@ -301,10 +321,14 @@ class _GroupStat(Primitive):
         """(rows, groups, group) prepass values -> (rows, groups) statistic."""
         raise NotImplementedError
 
+    def check_group(self, group: int, tile_n: int, n: int) -> None:
+        """Both lowerings refuse a group the GPU's cannot reduce (``group_fits``)."""
+        why = group_fits(int(group), tile_n, n)
+        if why:
+            raise ValueError(f"{self.name}: {why}")
+
     def finish(self, value, group: int, rows, cols, mode, out_buf):
         """The tile's statistic from its prepass ``value``, as ``fn`` sees it."""
-        if cols.start % group or (cols.stop - cols.start) % group:
-            raise ValueError(f"{self.name}: group {group} must divide tile_n and N")
         v = as_lanes(value)
         r = self.statistic(v.reshape(v.shape[0], -1, group))
         if out_buf is not None:
@@ -490,6 +514,11 @@ class EpilogueProgram:
     @property
     def name(self) -> str:
         return self.fn.__name__
+
+    @functools.cached_property
+    def group_stats(self) -> tuple:
+        """The inputs computed in the prepass (``GroupRstd``, ``TileMaxLog2``)."""
+        return tuple(p for p in self.inputs if p.from_prepass)
 
     def cache_key(self) -> tuple:
         """Plain-value identity of the declarations (the fn source is keyed by quack)."""
