@@ -9,10 +9,11 @@ applied):
 
 It runs in F1's epilogue (``qk_norm_rope_program``): the head statistic in a prepass
 (``GroupRstd``: a head is hd adjacent columns inside one output tile, so tile_n must be a
-multiple of hd, and hd a multiple of the epilogue's 32-column subtile, ``qk_norm_config``), then RoPE(z * s * w) is stored. For training
-(``keep_z=True``) the epilogue also stores z on the q and k columns, as its even and odd
-columns (two half-width tiles beside the rotated pairs, clipped by the TMA store past the k
-heads: on v columns z is the stored v), and s. Where no tile width holds whole heads, F1 runs
+multiple of hd, and hd a multiple of the epilogue's 32-column subtile, ``qk_norm_config``),
+then RoPE(z * s * w) is stored. For training (``keep_z=True``) the epilogue also stores z on
+the q and k columns, as its even and odd columns (two half-width tiles beside the rotated
+pairs, clipped by the TMA store past the k heads: on v columns z is the stored v), and s.
+Where no tile width holds whole heads (or a head is narrower than a subtile), F1 runs
 without rotation (``scale_rows``) and ``qk_norm_rope_rows`` does the rest as a row pass.
 
 Backward, from dout (attention's dq, dk, dv), per q/k head with q_hat = z * s:
