@@ -75,7 +75,8 @@ def _lm_head_bwd(
 @_fake(_lm_head_bwd)
 def _(a, w, rstd, lse, tl, target, scale, chunk, cfg, hot, shift, want_dw, softcap):
     M, d, V, acc = a.shape[0], a.shape[1], w.shape[1] if want_dw else 0, acc_dtype(a)
-    return _empty(M, d, like=a, dtype=acc), _empty(M, like=a, dtype=acc), _empty(d, V, like=a)
+    dw = _empty(V, d, like=a).t() if want_dw and _ceb.vocab_rows(w) else _empty(d, V, like=a)
+    return _empty(M, d, like=a, dtype=acc), _empty(M, like=a, dtype=acc), dw
 
 
 def _lm_head_gradients_fake(

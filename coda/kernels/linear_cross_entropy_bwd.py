@@ -164,8 +164,9 @@ def linear_cross_entropy_bwd_kernel(
     want_dw: bool = True,
     softcap: float | None = None,
 ):
-    """Returns (G = dz~ @ W_lm^T fp32 M x d, S per row fp32, dW_lm d x V row-major; without
-    ``want_dw``, a frozen weight, no B3 GEMM and an empty (d, 0) dW_lm).
+    """Returns (G = dz~ @ W_lm^T fp32 M x d, S per row fp32, dW_lm d x V in w_lm's layout
+    (``vocab_rows``: a view of (V, d) rows, else row-major); without ``want_dw``, a frozen
+    weight, no B3 GEMM and an empty (d, 0) dW_lm).
     ``chunk`` columns of dz~ are live at a time. ``interpreted`` runs B1 through the
     tile interpreter and B2/B3 in torch (the CPU oracle of the same loop). ``scale`` weighs
     the softmax term, ``hot`` (default ``scale``) the one-hot term, ``shift`` (default none)
@@ -178,8 +179,11 @@ def linear_cross_entropy_bwd_kernel(
     chunk = -(-chunk // 8) * 8  # every dW column block starts 16-byte aligned for the TMA
     G = a.new_zeros(M, d, dtype=acc_dtype(a) if not interpreted else a.dtype)
     S = a.new_zeros(M, dtype=G.dtype)
-    # w_lm's own layout: no copy later
-    dw = a.new_empty(d, V if want_dw else 0)
+    # dW in w_lm's own storage: (V, d) rows for the (d, V) view of an ``nn.Linear``-style
+    # (V, d) weight (LMHeadLoss's, HF's), whose gradient then leaves without a transposing
+    # copy (run 290: 0.45 ms at d = 2048, V = 32768; 3.9 ms at d = 4096, V = 128256)
+    rows = want_dw and vocab_rows(w_lm)
+    dw = a.new_empty(V, d) if rows else a.new_empty(d, V if want_dw else 0)
     for c0 in range(0, V, chunk):
         wc = w_lm[:, c0 : c0 + chunk]
         if interpreted:
@@ -188,7 +192,11 @@ def linear_cross_entropy_bwd_kernel(
             dz, s = grad_logits_chunk(a, wc, rstd, lse, scale, config, shift=shift, cap=cap)
         _one_hot_fixup(dz, s, target, c0, rstd, scale, hot, target_logit, lse, shift, softcap)
         S += s
-        if want_dw:  # B3: dW_lm[:, C] = a^T @ dz~, stored straight into its column block
+        if rows:  # B3: dW_lm^T[C, :] = dz~^T @ a, stored straight into its row block
+            n = dz.shape[1]
+            cfg = config_for("passthrough", V, M, d)
+            launch(passthrough, dz.t(), a, config=cfg, d=dw[c0 : c0 + n])
+        elif want_dw:  # B3: dW_lm[:, C] = a^T @ dz~, stored straight into its column block
             launch(
                 passthrough,
                 a.t(),
@@ -200,7 +208,13 @@ def linear_cross_entropy_bwd_kernel(
             G += dz @ wc.t()
         else:  # B2: G += dz~ @ W_c^T, reduce-added by the TMA store into the fp32 G
             launch(passthrough, dz, wc.t(), config=config, d=G, add_to_output=True)
-    return G, S, dw
+    return G, S, (dw.t() if rows else dw)
+
+
+def vocab_rows(w_lm) -> bool:
+    """Whether the (d, V) LM-head weight ``w_lm`` is a view of (V, d) row-major storage
+    (``nn.Linear``'s layout): then its gradient is formed in that storage."""
+    return not w_lm.is_contiguous() and w_lm.t().is_contiguous()
 
 
 def final_norm_bwd(G, S, h, gamma, rstd):
