@@ -138,7 +138,8 @@ def test_opcheck(name):
 def test_lm_head_bwd_forms_dw_in_the_weights_storage():
     """The recompute backward given the (d, V) view of an ``nn.Linear``-style (V, d) weight
     forms dW in (V, d) rows (its transpose then is the gradient, no copy: run 290 spent 0.45
-    to 3.9 ms a step on that copy) and equals the row-major form (to float32 round-off); the fake says the same."""
+    to 3.9 ms a step on that copy) and equals the row-major form (to float32 round-off); the
+    fake says the same."""
     args = op_samples()["lm_head_bwd"]
     w = args[1]
     wt = w.t().contiguous().t()  # the same values as a view of (V, d) rows
