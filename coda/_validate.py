@@ -143,17 +143,17 @@ def check_softcap(softcap, label_smoothing: float, method: str):
     """The logits' soft-cap (Gemma 2's ``final_logit_softcapping``): None, or a finite
     positive number, without label smoothing (its uniform term is a sum over the logits that
     the programs form by linearity, which a cap breaks) and for the "recompute" program (or
-    "auto", which then picks it): the three-GEMM programs' stored numerators carry no
-    per-entry cap slope."""
+    "auto", which then picks it) or "scaled_exp" (whose stored numerators carry each entry's
+    slope); CE-C's ("chunked") do not."""
     if softcap is None:
         return None
     check_positive_number("softcap", softcap)
     if label_smoothing:
         raise CodaInputError("softcap: not supported with label_smoothing")
-    if method not in ("auto", "recompute"):
+    if method not in ("auto", "recompute", "scaled_exp"):
         raise CodaInputError(
-            f"softcap: runs the 'recompute' program (method 'auto' or 'recompute'), got "
-            f"method {method!r}"
+            f"softcap: runs the 'recompute' or 'scaled_exp' program (method 'auto', "
+            f"'recompute' or 'scaled_exp'), got method {method!r}"
         )
     return float(softcap)
 

@@ -501,8 +501,9 @@ def resolve_lm_head_method(
     every measured shape, benchmarks/NOTES.md) where it applies (vocab a multiple of 128),
     else "recompute". Without gradients (an evaluation loss) always "recompute": its forward
     is one GEMM, where the three-GEMM programs would form gradients for nothing. With a
-    logit soft-cap, "recompute" (the only program with its per-entry slope)."""
-    if not needs_grad or softcap:
+    logit soft-cap, "auto" stays "recompute" until the H200 times CE-S's capped program
+    (``ce_scaled_exp.capped_scaled_exp_logits``), which "scaled_exp" selects."""
+    if not needs_grad or (softcap and method == "auto"):
         return "recompute"
     if method != "auto":
         return method
@@ -550,13 +551,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 rows, op = chunk_rows_scaled(V), lib.lm_head_scaled
             ctx.want_dw = ctx.needs_input_grad[2]  # (a frozen LM head: no dW GEMM at all)
             lse, tl, G, coef, S, dw_acc = op(
-                y, w, ones, target, weight, rows, cfg, smooth, z_loss, ctx.want_dw
+                y, w, ones, target, weight, rows, cfg, smooth, z_loss, ctx.want_dw, softcap
             )
             # kept unrounded (G, coef and dW in fp32): the backward adds G's target entries
             # and applies the upstream gradient before the one rounding to bf16
             # (the target entries read w_lm itself: under autocast no bf16 copy is kept)
             ctx.save_for_backward(G, coef, S, target, x2, gf, r, dw_acc, w_lm)
-            return ce_loss_from_stats(lse, tl, target, ignore_index, reduction, **stats)
+            capped = tl if softcap is None else softcap_rows(tl, softcap)  # (l_y uncapped)
+            return ce_loss_from_stats(lse, capped, target, ignore_index, reduction, **stats)
         parts, tl = lib.lm_head_stats(y, w, ones, target, cfg, softcap)  # F6
         lse = combine_lse(parts)  # A3
         ctx.save_for_backward(x2, y, r, ones, lse, tl, target, gf, w)

@@ -92,6 +92,7 @@ def test_tile_must_divide_the_vocabulary():
 def test_scaled_exp_logits_compiles_for_sm90(v, tile_n):
     cfg = GemmConfig(tile_n=tile_n)
     assert cse.compile_scaled_exp_logits(512, v, config=cfg) in (0, 1)
+    assert cse.compile_scaled_exp_logits(512, v, config=cfg, capped=True) in (0, 1)
 
 
 def _autograd_reference(a, w, rstd, t, weight, smoothing, z_loss):

@@ -59,6 +59,30 @@ def test_capped_kernel_path_equals_reference_float64(
     assert all(rel_err(a, e) > 1e-2 for a, e in zip(plain, want))
 
 
+@pytest.mark.parametrize("M,d,V", [(300, 24, 256), (37, 16, 384)])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+def test_capped_three_gemm_program_equals_reference_float64(
+    M, d, V, reduction, z_loss, monkeypatch
+):
+    """CE-S with the cap (``method="scaled_exp"``: ``capped_scaled_exp_logits``, the target's
+    coefficient times its slope): the kernel path through the interpreter equals the reference
+    in float64, over token chunks of 128 rows (three at M = 300, the last padded), with ignored
+    targets and the z-loss."""
+    import coda.autograd
+
+    x, gamma, w, t = _case(M, d, V, seed=M + V)
+    kw = dict(reduction=reduction, z_loss=z_loss, softcap=2.0, method="scaled_exp")
+    want = _run(x, gamma, w, t, **kw)
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    monkeypatch.setattr(coda.autograd, "chunk_rows_scaled", lambda vocab: 128)
+    coda.env._LAST.clear()
+    got = _run(x, gamma, w, t, **kw)
+    assert coda.last_path("LMHeadLoss")[0] == "kernel"
+    for name, a, e in zip(("loss", "dx", "dgamma", "dW"), got, want):
+        assert rel_err(a, e) < TOL, name
+
+
 def test_reference_is_the_capped_cross_entropy():
     """The reference path's loss is F.cross_entropy of c tanh(l / c), l the normed rows'
     logits: written out here once, from the definition."""
@@ -91,8 +115,7 @@ def test_module_carries_the_cap_and_auto_runs_recompute(monkeypatch):
         (dict(softcap=float("inf")), "softcap: must be a finite positive number"),
         (dict(softcap=True), "softcap: must be a finite positive number"),
         (dict(softcap=30.0, label_smoothing=0.1), "softcap: not supported with label_smoothing"),
-        (dict(softcap=30.0, method="scaled_exp"), "softcap: runs the 'recompute' program"),
-        (dict(softcap=30.0, method="chunked"), "softcap: runs the 'recompute' program"),
+        (dict(softcap=30.0, method="chunked"), "softcap: runs the 'recompute' or 'scaled_exp'"),
     ],
 )
 def test_bad_caps_are_refused_named(kw, match):
@@ -103,7 +126,7 @@ def test_bad_caps_are_refused_named(kw, match):
         LMHeadLoss(16, 40, **kw)
 
 
-def _protocol(device: str, M: int, d: int, V: int, cap: float, seed: int = 0):
+def _protocol(device: str, M: int, d: int, V: int, cap: float, seed: int = 0, method="auto"):
     """CODA's protocol for the capped loss: bf16 inputs, coda's kernel path and the plain
     PyTorch bf16 path (HF's Gemma 2: the normed rows, the logits and the cap in bf16, the
     loss in fp32), each against float64: {output: (coda's error, PyTorch's, tie band)}."""
@@ -130,7 +153,7 @@ def _protocol(device: str, M: int, d: int, V: int, cap: float, seed: int = 0):
         return [loss.detach()] + [p.grad for p in leaves]
 
     ref = grads(lambda *p: lm_head_loss(*p, t, softcap=cap, backend="reference"), torch.float64)
-    ours = grads(lambda *p: lm_head_loss(*p, t, softcap=cap), torch.bfloat16)
+    ours = grads(lambda *p: lm_head_loss(*p, t, softcap=cap, method=method), torch.bfloat16)
     theirs = grads(torch_bf16, torch.bfloat16)
     names = ("loss", "dx", "dgamma", "dW")
     return {
@@ -147,17 +170,21 @@ def _assert_protocol(errors, floor: float) -> None:
             assert e_c <= e_t * (1.0 + band), (name, e_c, e_t, band)
 
 
-def test_capped_bf16_protocol_on_the_interpreter(monkeypatch):
+@pytest.mark.parametrize("method", ["auto", "scaled_exp"])
+def test_capped_bf16_protocol_on_the_interpreter(method, monkeypatch):
     """The protocol on the CPU, the kernel path's bf16 roundings through the interpreter
     (a model of the GPU's; the GPU's own: ``test_gpu_capped_loss_protocol``)."""
     monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
-    errors = _protocol("cpu", 512, 64, 512, cap=5.0)
+    errors = _protocol("cpu", 512, 64, 512, cap=5.0, method=method)
     assert coda.last_path("LMHeadLoss")[0] == "kernel"
     _assert_protocol(errors, 2.0**-9 / 512**0.5)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method", ["auto", "scaled_exp"])
 @pytest.mark.parametrize("cap", [30.0, 5.0])
-def test_gpu_capped_loss_protocol(cap):
-    """H200: Gemma 2 2B's width and cap (30; and a tighter one), V = 32768, 4096 rows."""
-    _assert_protocol(_protocol("cuda", 4096, 2304, 32768, cap), 2.0**-9 / 4096**0.5)
+def test_gpu_capped_loss_protocol(cap, method):
+    """H200: Gemma 2 2B's width and cap (30; and a tighter one), V = 32768, 4096 rows; "auto"
+    (the recompute program) and CE-S's capped program."""
+    errors = _protocol("cuda", 4096, 2304, 32768, cap, method=method)
+    _assert_protocol(errors, 2.0**-9 / 4096**0.5)

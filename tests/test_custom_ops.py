@@ -161,6 +161,15 @@ def test_opcheck_with_a_logit_softcap(name):
     torch.library.opcheck(library.OPS[name], args, test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("want_dw", [False, True])
+def test_opcheck_capped_three_gemm_program(want_dw):
+    """CE-S's op with a soft-cap (its capped GEMM1, the target's slope), with and without dW."""
+    args = (*op_samples()["lm_head_scaled"][:-1], want_dw, 30.0)
+    torch.library.opcheck(
+        library.OPS["lm_head_scaled"], args, test_utils=("test_schema", "test_faketensor")
+    )
+
+
 @pytest.mark.parametrize(
     "name", ["gemm_rope_bias", "gemm_qk_norm_rope", "gemm_qk_norm_rope_keep_z"]
 )

@@ -21,7 +21,12 @@ from coda.kernels import linear_cross_entropy_bwd as ceb
 from coda.kernels import linear_cross_entropy_chunked as cec
 from coda.kernels import qk_norm as qk
 from coda.kernels import rmsnorm_bwd as nb
-from coda.kernels.ce_scaled_exp import scaled_exp_logits, scaled_grad_dw, scaled_grad_dx
+from coda.kernels.ce_scaled_exp import (
+    capped_scaled_exp_logits,
+    scaled_exp_logits,
+    scaled_grad_dw,
+    scaled_grad_dx,
+)
 from coda.primitives.symbolic import evaluate, prepass
 
 
@@ -245,6 +250,31 @@ def test_scaled_exp_stores_exp_of_the_logit_over_its_tile_power_of_two():
         assert abs(got / want - 1) < 1e-14
 
 
+def test_capped_scaled_exp_stores_the_capped_numerator_times_its_slope():
+    """CE-S's GEMM1 with Gemma 2's soft-cap c: its prepass value (the tile maximum's operand)
+    is z = c tanh(l / c) of l = r acc; the sum's term is e^z 2^-k (to log2 e's rounding, at
+    sampled points, as the uncapped program's); the stored tile is that term times the slope
+    dz/dl = 1 - tanh^2(l / c), exactly; the target logit stays l, uncapped."""
+
+    def exact(e):
+        return sp.nsimplify(e, rational=True).rewrite(sp.exp)
+
+    c = sp.Symbol("c", positive=True)
+    acc, r, k = sp.symbols("acc r k", real=True)
+    z = c * sp.tanh(r * acc / c)
+    assert same(
+        exact(prepass(capped_scaled_exp_logits, acc, rstd=r, cap=c)["k"]), z.rewrite(sp.exp)
+    )
+    out = evaluate(capped_scaled_exp_logits, acc=acc, rstd=r, cap=c, k=k)
+    assert same(out["target_logit"], r * acc)
+    slope = sp.diff(z, acc) / r
+    assert same(exact(out["D"] / out["sum_exp"]), slope.rewrite(sp.exp))
+    canonical = sp.exp(z) * 2 ** (-k)
+    for point in ({acc: 0.75, r: 1.3, k: 1, c: 2}, {acc: -7.5, r: 0.6, k: -6, c: 30}):
+        got, want = (sp.N(e.subs(point), 40) for e in (out["sum_exp"], canonical))
+        assert abs(got / want - 1) < 1e-14
+
+
 def test_qk_norm_epilogue_norms_each_head_then_rotates_and_passes_v_through():
     """Qwen3's F1 over one head of hd = 4 columns (two pairs): the prepass terms z^2 of
     z = r acc summed over the head give s = (mean z^2 + eps)^-1/2 (``GroupRstd``), and the
@@ -302,7 +332,7 @@ PROVEN = {
     "logits_lse_target", "logits_with_stats", "scale_rows", "scaled_grad_dx", "passthrough",
     "scaled_grad_dw", "rope_scaled_bias", "residual_bias_sumsq", "residual_bias_norm_sumsq",
     "capped_logits_lse_target", "capped_softmax_grad_logits", "mrope_scaled_bias",
-    "_qk_norm_mrope", "_qk_norm_mrope_keep_z",
+    "_qk_norm_mrope", "_qk_norm_mrope_keep_z", "capped_scaled_exp_logits",
 }  # fmt: skip
 
 

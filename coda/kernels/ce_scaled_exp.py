@@ -63,6 +63,7 @@ from coda.primitives import (
     TileMaxLog2,
     epilogue_program,
     exp2,
+    sigmoid,
 )
 from coda.primitives.vocabulary import LOG2E
 
@@ -80,6 +81,27 @@ def scaled_exp_logits(acc, rstd, k):
     logit = acc * rstd
     e = exp2(logit * LOG2E - k)
     return {"D": e, "sum_exp": e, "target_logit": logit}
+
+
+# -- GEMM1 with a logit soft-cap (Gemma 2's): the numerators of the capped logits
+# z = c tanh(l / c) = c (2 s - 1), s = sigmoid(2 l / c) (``capped_logits_lse_target``'s form);
+# the sum is of 2^(z log2 e - k), the stored tile that times the slope dz/dl = 4 s (1 - s), so
+# the gradient GEMMs read dl's softmax share as before; the target's l_y stays uncapped (the
+# driver caps it for p_y and the loss, and scales its coefficient by the target's slope)
+def _capped_row_logits(acc, rstd, cap):
+    return {"k": cap * (2.0 * sigmoid(acc * rstd * (2.0 / cap)) - 1.0)}
+
+
+@epilogue_program(
+    inputs=[ColLoad("rstd"), ColLoad("cap"), TileMaxLog2("k", out="k_tile")],
+    sinks=[RowPartials("sum_exp"), ColSelect("target_logit", index="target")],
+    prepass=_capped_row_logits,
+)
+def capped_scaled_exp_logits(acc, rstd, cap, k):
+    logit = acc * rstd
+    s = sigmoid(logit * (2.0 / cap))
+    e = exp2(cap * (2.0 * s - 1.0) * LOG2E - k)
+    return {"D": e * (4.0 * s * (1.0 - s)), "sum_exp": e, "target_logit": logit}
 
 
 def scaled_exp_config(v: int, config: GemmConfig) -> GemmConfig:
@@ -107,9 +129,11 @@ LOGITS_CANDIDATES = tuple(
 )
 
 
-def scaled_exp_logits_kernel(a, w_lm, rstd, target, config: GemmConfig, dry=False):
+def scaled_exp_logits_kernel(a, w_lm, rstd, target, config: GemmConfig, dry=False, softcap=None):
     """Returns (E bf16 (M, V), sum_exp fp32 (M, T_N), k fp32 (M, T_N), target logit fp32 (M,),
-    0 where not selected). ``config.tile_n`` must divide V (``scaled_exp_config``)."""
+    0 where not selected). ``config.tile_n`` must divide V (``scaled_exp_config``).
+    ``softcap`` c: the capped program (E times each entry's slope; the sums and k of the
+    capped logits; the target logit uncapped)."""
     M, V = a.shape[0], w_lm.shape[1]
     if V % config.tile_n:
         raise ValueError(f"V = {V} must be a multiple of tile_n = {config.tile_n}")
@@ -122,8 +146,11 @@ def scaled_exp_logits_kernel(a, w_lm, rstd, target, config: GemmConfig, dry=Fals
         "target_logit": a.new_zeros(M, dtype=acc),
     }
     operands = {"rstd": rstd, "target": target, "k": config.tile_n}
+    program = scaled_exp_logits
+    if softcap is not None:  # (the cap as a per-row operand, as the recompute program's)
+        operands["cap"], program = rstd.new_full((M,), softcap, dtype=acc), capped_scaled_exp_logits
     compiled = launch(
-        scaled_exp_logits,
+        program,
         a,
         w_lm,
         config=config,
@@ -257,6 +284,7 @@ def linear_cross_entropy_scaled(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     want_dw: bool = True,
+    softcap: float | None = None,
 ):
     """CE-S, forward stats and g = 1 gradients in three GEMMs per token chunk (GEMM1 storing
     E, dX and dW reading E through the A-operand transform). Returns (lse, target_logit,
@@ -265,6 +293,9 @@ def linear_cross_entropy_scaled(
     statistic, ``norm_stat``, with its row dot summed in dX's epilogue), dW_lm the fp32
     accumulator as a (d, V) view of its (V, d) storage (without ``want_dw``, a frozen weight:
     no dW GEMM, an empty (d, 0) dW_lm).
+    ``softcap`` c: of the logits z = c tanh(l / c) (``capped_scaled_exp_logits``; the target
+    logit returned uncapped, its coefficient the gradient's w.r.t. the uncapped l_y; not with
+    label smoothing).
     ``weight``: the per-row loss weight (1/M_valid or 1; 0 on ignored rows). V must be a
     multiple of 128."""
     from coda._validate import CodaInputError
@@ -302,8 +333,13 @@ def linear_cross_entropy_scaled(
             r_c = torch.cat([r_c, r_c.new_ones(C - n)])
             t_c = torch.cat([t_c, t_c.new_full((C - n,), -1)])
             w_c = torch.cat([w_c, w_c.new_zeros(C - n)])
-        e, sum_exp, k, tl_c = scaled_exp_logits_kernel(a_c, w_lm, r_c, t_c, cfg)
-        lse_c, K, c, coef = glue(sum_exp, k, tl_c, r_c, w_c, z_loss, label_smoothing)
+        e, sum_exp, k, tl_c = scaled_exp_logits_kernel(a_c, w_lm, r_c, t_c, cfg, softcap=softcap)
+        if softcap is None:
+            lse_c, K, c, coef = glue(sum_exp, k, tl_c, r_c, w_c, z_loss, label_smoothing)
+        else:  # p_y from the capped target logit, its coefficient times the slope there
+            t = torch.tanh(tl_c * (1.0 / softcap))  # (as the recompute fixup forms it)
+            lse_c, K, c, coef = glue(sum_exp, k, t * softcap, r_c, w_c, z_loss, 0.0)
+            coef = coef * (1.0 - t * t)
         xs = row_scaled_torch(a_c, c) if interpreted else row_scaled(a_c, c)
         u = strip_u(k, K, cfg.tile_n, a.dtype)
         # E' = E with each row's target entry zeroed (ignored and padded rows have c = 0, so
@@ -354,8 +390,11 @@ def compile_scaled_grad_dw(d: int, v: int, *, accumulate: bool, m: int = 256, co
     return scaled_grad_dw_kernel(e, xs, u, out, accumulate, dry=True, config=config)
 
 
-def compile_scaled_exp_logits(d: int, v: int, *, config: GemmConfig, m: int = 256) -> int:
+def compile_scaled_exp_logits(
+    d: int, v: int, *, config: GemmConfig, m: int = 256, capped: bool = False
+) -> int:
     a, w = example_operands(m, d, v)
+    softcap = 30.0 if capped else None
     return scaled_exp_logits_kernel(
-        a, w, torch.empty(m), torch.zeros(m, dtype=torch.int64), config, dry=True
+        a, w, torch.empty(m), torch.zeros(m, dtype=torch.int64), config, dry=True, softcap=softcap
     )

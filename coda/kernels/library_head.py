@@ -80,7 +80,7 @@ def _(a, w, rstd, lse, tl, target, scale, chunk, cfg, hot, shift, want_dw, softc
 
 
 def _lm_head_gradients_fake(
-    a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss, want_dw
+    a, w, rstd, target, weight, rows, cfg, label_smoothing, z_loss, want_dw, softcap=None
 ):
     """The fake of an LM-head gradients op: dW is the fp32 accumulator, a (d, V) view of
     (V, d) storage (both programs scatter-add the target entries into its rows); (d, 0)
@@ -109,9 +109,12 @@ def _lm_head_gradients_op(name: str, program):
         label_smoothing: float,
         z_loss: float,
         want_dw: bool,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg_ = _gc(cfg)
         options = {"label_smoothing": label_smoothing, "z_loss": z_loss, "want_dw": want_dw}
+        if softcap is not None:  # (CE-S's capped program; CE-C takes none: ``check_softcap``)
+            options["softcap"] = softcap
         return program(a, w, rstd, target, weight, rows, cfg_, **options)
 
     _fake(op)(_lm_head_gradients_fake)
@@ -152,11 +155,18 @@ lm_head_bwd = _either(
 
 
 def _lm_head_gradients(op, program):
+    """The op (custom op, or the program itself off the dispatcher); ``cap``: CE-S's soft-cap,
+    passed on only when given (CE-C's program takes none)."""
+
+    def direct(a, w, r, t, wt, rows, c, ls, z, dw, cap=None):
+        capped = {} if cap is None else {"softcap": cap}
+        return program(a, w, r, t, wt, rows, c, label_smoothing=ls, z_loss=z, want_dw=dw, **capped)
+
     return _either(
-        lambda a, w, r, t, wt, rows, c, ls, z, dw: op(a, w, r, t, wt, rows, _cfg(c), ls, z, dw),
-        lambda a, w, r, t, wt, rows, c, ls, z, dw: program(
-            a, w, r, t, wt, rows, c, label_smoothing=ls, z_loss=z, want_dw=dw
+        lambda a, w, r, t, wt, rows, c, ls, z, dw, cap=None: op(
+            a, w, r, t, wt, rows, _cfg(c), ls, z, dw, cap
         ),
+        direct,
     )
 
 

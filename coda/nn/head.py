@@ -46,7 +46,9 @@ class LMHeadLoss(FormerNames, nn.Module):
     ``label_smoothing`` is ``F.cross_entropy``'s; ``z_loss`` adds z * logsumexp(logits)^2 per
     non-ignored token (PaLM's auxiliary loss), reduced with the loss. ``softcap`` c (Gemma 2's
     ``final_logit_softcapping``): the loss of the soft-capped logits c tanh(l / c), on the
-    "recompute" program (``method`` "auto" or "recompute"; not with label smoothing).
+    "recompute" program (``method`` "auto" or "recompute") or CE-S's capped one
+    ("scaled_exp"; "auto" keeps "recompute" until the H200 times it); not with label
+    smoothing, nor "chunked".
 
     Parameters: ``final_norm`` (the final RMSNorm's gain, (d,); ``gf`` before session 21,
     still loaded under that name) and ``weight``."""
