@@ -53,6 +53,7 @@ from coda.kernels.ce_scaled_rows import (
     strip_u,
 )
 from coda.kernels.config import GemmConfig
+from coda.kernels.linear_cross_entropy import capped_with_slope
 from coda.kernels.linear_cross_entropy_chunked import add_target_terms
 from coda.primitives import (
     ColLoad,
@@ -337,9 +338,9 @@ def linear_cross_entropy_scaled(
         if softcap is None:
             lse_c, K, c, coef = glue(sum_exp, k, tl_c, r_c, w_c, z_loss, label_smoothing)
         else:  # p_y from the capped target logit, its coefficient times the slope there
-            t = torch.tanh(tl_c * (1.0 / softcap))  # (as the recompute fixup forms it)
-            lse_c, K, c, coef = glue(sum_exp, k, t * softcap, r_c, w_c, z_loss, 0.0)
-            coef = coef * (1.0 - t * t)
+            z_y, slope = capped_with_slope(tl_c, softcap)
+            lse_c, K, c, coef = glue(sum_exp, k, z_y, r_c, w_c, z_loss, 0.0)
+            coef = coef * slope
         xs = row_scaled_torch(a_c, c) if interpreted else row_scaled(a_c, c)
         u = strip_u(k, K, cfg.tile_n, a.dtype)
         # E' = E with each row's target entry zeroed (ignored and padded rows have c = 0, so

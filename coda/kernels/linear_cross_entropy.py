@@ -55,6 +55,13 @@ def softcap_rows(logit, cap: float):
     return torch.tanh(logit * (1.0 / cap)) * cap
 
 
+def capped_with_slope(logit, cap: float):
+    """(z, dz/dl) = (c tanh(l / c), 1 - tanh^2(l / c)) of the targets' uncapped logits: their
+    p_y's logit and the slope their gradient entries take (both gradient programs')."""
+    t = torch.tanh(logit * (1.0 / cap))
+    return t * cap, 1.0 - t * t
+
+
 def lm_head_stats_kernel(
     a, w_lm, rstd, target, config: GemmConfig = DEFAULT, dry=False, softcap: float | None = None
 ):

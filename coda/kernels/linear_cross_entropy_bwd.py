@@ -31,6 +31,7 @@ import triton.language as tl
 from coda.kernels._launch import acc_dtype, example_operands, fused, interpret_gemm, launch
 from coda.kernels._triton import cdiv, compile_sm90, contiguous_pass, kernel
 from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.linear_cross_entropy import capped_with_slope
 from coda.kernels.loss_rows import ce_row_weights
 from coda.kernels.tuned import config_for
 from coda.primitives import ColLoad, RowPartials, epilogue_program, exp, sigmoid
@@ -104,8 +105,7 @@ def _one_hot_fixup(
     if cap is None:
         z, slope = target_logit, 1.0
     else:
-        t = torch.tanh(target_logit * (1.0 / cap))
-        z, slope = t * cap, 1.0 - t * t  # (dz/dl at the target)
+        z, slope = capped_with_slope(target_logit, cap)
     exact = scale * torch.exp(z - lse) - hot
     exact = rstd * slope * (exact if shift is None else exact - shift)
     dz.scatter_(
