@@ -120,7 +120,7 @@ SHAPES = {
         ),
     ),
     # Gemma-2-2B's shape (``Gemma2ForCausalLM``): the loss alone, its logits soft-capped at 30
-    # (coda's recompute program, Liger's ``softcap``); eager attention for every variant (its
+    # (coda's ``softcap``, Liger's); eager attention for every variant (its
     # attention's own soft-cap, 50: transformers runs no sdpa for Gemma 2)
     "gemma-2-2B": (
         "gemma2",
@@ -364,6 +364,21 @@ def step_peak(step, model, steps: int = 4) -> float:
     return mem.gib
 
 
+def _one_held(held: dict):
+    """``interleaved``'s timer: a variant's step timed, then its model's gradients dropped
+    (``held``: step -> model), so the rounds hold one variant's gradients at a time (run 293
+    ran out of memory at a 256k vocabulary with every variant's held)."""
+    timer = clocked(bench_long)
+
+    def run(step):
+        try:
+            return timer(step)
+        finally:
+            held[step].zero_grad(set_to_none=True)
+
+    return run
+
+
 def run() -> list[dict]:
     """Every shape but those run only on request (``ON_REQUEST``), or those named in
     ``CODA_HF_SHAPES`` (comma-separated keys of SHAPES)."""
@@ -379,7 +394,7 @@ def run() -> list[dict]:
         # pass 1, one variant at a time: its peak memory as if alone (``PeakAlone``) and its
         # kernel table; pass 2 times every variant in
         # interleaved rounds (``_common.interleaved``)
-        steps, peaks, profiles = {}, {}, {}
+        steps, peaks, profiles, held = {}, {}, {}, {}
         try:
             liger = LigerSwitch.of(family)
         except ImportError:  # no liger-kernel here: the other variants still run
@@ -401,7 +416,7 @@ def run() -> list[dict]:
                     except Exception as e:
                         profiles[label] = {"profile_error": repr(e)[:300]}
                 model.zero_grad(set_to_none=True)
-                steps[label] = step
+                steps[label], held[step] = step, model
                 alone = {"peak_gib": peaks[label], **profiles.get(label, {})}
                 progress({"name": f"hf/{name}/{label}/alone", **alone})  # kept if the call is cut
             except Exception as e:  # recorded, never hidden
@@ -410,7 +425,11 @@ def run() -> list[dict]:
             torch.cuda.empty_cache()
         timed = {}
         if steps and not out_of_time():
-            timed = interleaved(steps, timer=clocked(bench_long))
+            try:
+                timed = interleaved(steps, timer=_one_held(held))
+            except Exception as e:  # recorded; the next shape still runs
+                rows += [{"name": f"hf/{name}/{lb}", "error": repr(e)[:300]} for lb in steps]
+                steps = {}
         if steps and not timed:  # measured alone, then out of time before the rounds (run 153)
             for label in steps:
                 alone = {"peak_gib": peaks[label], **profiles.get(label, {})}
@@ -429,7 +448,7 @@ def run() -> list[dict]:
                     }
                 )
             )
-        steps = timed = None
+        steps = timed = held = None
         peers = [
             t
             for k, t in times.items()

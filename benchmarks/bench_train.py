@@ -247,9 +247,8 @@ def lm_head_variants() -> list[str]:
     return [n for n in LM_HEAD_VARIANTS if n == "coda" or n in chosen]
 
 
-# the variants that take a logit soft-cap (coda's recompute program, which "auto" then runs;
-# the torch paths; Liger's ``softcap``): run alone under ``CODA_LM_HEAD_SOFTCAP``, with
-# "coda_scaled_exp" (CE-S's capped program; without a cap it is "coda" itself)
+# the variants that take a logit soft-cap (coda's CE-S program, "auto"'s, and its recompute
+# program; the torch paths; Liger's ``softcap``): run alone under ``CODA_LM_HEAD_SOFTCAP``
 SOFTCAP_VARIANTS = ("coda", "coda_recompute", "torch_eager", "torch_compile", "liger")
 
 
@@ -274,12 +273,11 @@ def lm_head_rows(liger) -> list[dict]:
     for d, V, quack_chunk in lm_head_shapes():
         first = len(rows)
         kw = dict(device="cuda", backend="kernel", softcap=cap)
-        head = cnn.LMHeadLoss(d, V, **kw)  # "auto": CE-S here (with a soft-cap, recompute)
+        head = cnn.LMHeadLoss(d, V, **kw)  # "auto": CE-S here, with a soft-cap too
         head_c = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method="chunked")
         head_r = cnn.LMHeadLoss(d, V, **kw, method="recompute")
-        head_s = cnn.LMHeadLoss(d, V, **kw, method="scaled_exp")  # (with a cap: CE-S's capped)
         # one set of weights, three programs
-        for other in (head_c, head_r, head_s):
+        for other in (head_c, head_r):
             other.final_norm, other.weight = head.final_norm, head.weight
         x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         t = token_ids(targets, V, M)
@@ -320,7 +318,6 @@ def lm_head_rows(liger) -> list[dict]:
                 [gf, w_dv],
             ),
             "coda_recompute": (lambda: head_r(x, t), [head.final_norm, head.weight]),
-            "coda_scaled_exp": (lambda: head_s(x, t), [head.final_norm, head.weight]),
             "coda_chunked": (lambda: head_c(x, t), [head.final_norm, head.weight]),
             "torch_eager": (torch_loss, [gf, w_lin]),
             "torch_compile": (compiled, [gf, w_lin]),
@@ -339,8 +336,8 @@ def lm_head_rows(liger) -> list[dict]:
                 [gf, w_lin],
             )
         keep = lm_head_variants()
-        if cap is not None:  # (and CE-S's capped program, which "auto" does not yet pick)
-            keep = [n for n in keep if n in SOFTCAP_VARIANTS] + ["coda_scaled_exp"]
+        if cap is not None:
+            keep = [n for n in keep if n in SOFTCAP_VARIANTS]
         variants = {name: v for name, v in variants.items() if name in keep}
         a = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(d, V, device="cuda", dtype=torch.bfloat16)
@@ -410,7 +407,7 @@ def lm_head_rows(liger) -> list[dict]:
                     extra_peak_gib=extra[name],
                 )
             )
-        for name in ("coda", "coda_dv_weight", "coda_e2g", "coda_recompute", "coda_scaled_exp"):
+        for name in ("coda", "coda_dv_weight", "coda_e2g", "coda_recompute"):
             if name in extra and not out_of_time():
                 rows.append(
                     {

@@ -347,7 +347,9 @@ def main():
         except Exception as e:  # recorded, never hidden
             import traceback
 
-            record["benchmarks"][name] = {"error": repr(e), "trace": traceback.format_exc()}
+            failed = {"error": repr(e), "trace": traceback.format_exc()}
+            # the rows it had finished (run 293: an out-of-memory error lost a whole suite)
+            record["benchmarks"][name] = {**failed, "rows_so_far": list(PROGRESS)}
         record.setdefault("suite_seconds", {})[name] = round(time.time() - t0, 1)
         print(f"{name}: {time.time() - t0:.0f}s", flush=True)
         write_record(record, args.out)  # after every suite: a run cut short keeps what it did

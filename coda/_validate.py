@@ -142,9 +142,9 @@ def check_ce_options(label_smoothing, z_loss) -> tuple[float, float]:
 def check_softcap(softcap, label_smoothing: float, method: str):
     """The logits' soft-cap (Gemma 2's ``final_logit_softcapping``): None, or a finite
     positive number, without label smoothing (its uniform term is a sum over the logits that
-    the programs form by linearity, which a cap breaks) and for the "recompute" program (or
-    "auto", which then picks it) or "scaled_exp" (whose stored numerators carry each entry's
-    slope); CE-C's ("chunked") do not."""
+    the programs form by linearity, which a cap breaks) and for the "recompute" or
+    "scaled_exp" program (whose stored numerators carry each entry's slope), or "auto",
+    which picks one of them; CE-C's ("chunked") do not."""
     if softcap is None:
         return None
     check_positive_number("softcap", softcap)

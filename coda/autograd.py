@@ -494,16 +494,13 @@ class Embedding(torch.autograd.Function):
 LM_HEAD_METHODS = ("auto", "recompute", "chunked", "scaled_exp")  # LinearCrossEntropyFunction's
 
 
-def resolve_lm_head_method(
-    method: str, vocab: int, needs_grad: bool = True, softcap: bool = False
-) -> str:
+def resolve_lm_head_method(method: str, vocab: int, needs_grad: bool = True) -> str:
     """The LM-head program that runs. "auto": CE-S ("scaled_exp", the fastest on the H200 at
-    every measured shape, benchmarks/NOTES.md) where it applies (vocab a multiple of 128),
-    else "recompute". Without gradients (an evaluation loss) always "recompute": its forward
-    is one GEMM, where the three-GEMM programs would form gradients for nothing. With a
-    logit soft-cap, "auto" stays "recompute" until the H200 times CE-S's capped program
-    (``ce_scaled_exp.capped_scaled_exp_logits``), which "scaled_exp" selects."""
-    if not needs_grad or (softcap and method == "auto"):
+    every measured shape, with and without a logit soft-cap: benchmarks/NOTES.md) where it
+    applies (vocab a multiple of 128), else "recompute". Without gradients (an evaluation
+    loss) always "recompute": its forward is one GEMM, where the three-GEMM programs would
+    form gradients for nothing."""
+    if not needs_grad:
         return "recompute"
     if method != "auto":
         return method

@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from benchmarks import _common
 
@@ -154,6 +155,62 @@ def test_a_call_cut_by_sigterm_still_writes_its_record(monkeypatch, tmp_path):
     assert benchmarks["done"] == [{"name": "done/row", "ms": 1.0}]
     assert benchmarks["cut"]["cut"].startswith("cut by signal 15 after ")
     assert benchmarks["cut"]["rows_so_far"] == [{"name": "cut/first", "ms": 2.0}]
+
+
+def test_a_suite_that_raises_keeps_its_finished_rows(monkeypatch, tmp_path):
+    """A suite raising (run 293: out of GPU memory in its last shape) is recorded with its
+    error and the rows it had reported, and the next suite still runs."""
+    import json
+
+    from benchmarks import gpu_suite
+
+    class Fails:
+        @staticmethod
+        def run():
+            _common.progress({"name": "fails/first", "ms": 2.0})
+            raise MemoryError("out of memory")
+
+    class After:
+        @staticmethod
+        def run():
+            return [{"name": "after/row", "ms": 1.0}]
+
+    monkeypatch.setattr(gpu_suite, "ROOT", str(tmp_path))  # no record in the repository
+    monkeypatch.setattr(gpu_suite, "suite_list", lambda args: [("fails", Fails), ("after", After)])
+    out = tmp_path / "out"
+    monkeypatch.setattr("sys.argv", ["gpu_suite.py", "--skip-tests", "--out", str(out)])
+    gpu_suite.main()
+    (path,) = out.glob("*.json")
+    benchmarks = json.loads(path.read_text())["benchmarks"]
+    assert benchmarks["fails"]["error"] == "MemoryError('out of memory')"
+    assert benchmarks["fails"]["rows_so_far"] == [{"name": "fails/first", "ms": 2.0}]
+    assert benchmarks["after"] == [{"name": "after/row", "ms": 1.0}]
+
+
+def test_hf_rounds_hold_one_variants_gradients_at_a_time(monkeypatch):
+    """``bench_hf``'s timer drops a variant's gradients once it is timed, and when its step
+    raises, so the interleaved rounds hold one model's gradients, not every variant's."""
+    from benchmarks import bench_hf
+
+    monkeypatch.setattr(bench_hf, "clocked", lambda timer: lambda fn: (fn(), {"ms": 1.0})[1])
+    models = {n: torch.nn.Linear(3, 2) for n in "ab"}
+
+    def step_of(model, fails=False):
+        def step():
+            model(torch.ones(1, 3)).sum().backward()
+            assert all(p.grad is not None for p in model.parameters())
+            if fails:
+                raise RuntimeError("out of memory")
+
+        return step
+
+    steps = {"a": step_of(models["a"]), "b": step_of(models["b"], fails=True)}
+    timer = bench_hf._one_held({steps[n]: models[n] for n in "ab"})
+    assert timer(steps["a"]) == {"ms": 1.0}
+    assert all(p.grad is None for p in models["a"].parameters())
+    with pytest.raises(RuntimeError, match="out of memory"):
+        timer(steps["b"])
+    assert all(p.grad is None for p in models["b"].parameters())
 
 
 def test_a_call_past_its_limit_writes_its_record_while_blocked(monkeypatch, tmp_path):

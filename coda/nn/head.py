@@ -45,10 +45,9 @@ class LMHeadLoss(FormerNames, nn.Module):
     gradient accumulation, loss scaling) gives PyTorch's rounding.
     ``label_smoothing`` is ``F.cross_entropy``'s; ``z_loss`` adds z * logsumexp(logits)^2 per
     non-ignored token (PaLM's auxiliary loss), reduced with the loss. ``softcap`` c (Gemma 2's
-    ``final_logit_softcapping``): the loss of the soft-capped logits c tanh(l / c), on the
-    "recompute" program (``method`` "auto" or "recompute") or CE-S's capped one
-    ("scaled_exp"; "auto" keeps "recompute" until the H200 times it); not with label
-    smoothing, nor "chunked".
+    ``final_logit_softcapping``): the loss of the soft-capped logits c tanh(l / c), on CE-S's
+    capped program ("scaled_exp", "auto"'s: the fastest on the H200, run 293) or the
+    "recompute" program (least memory); not with label smoothing, nor "chunked".
 
     Parameters: ``final_norm`` (the final RMSNorm's gain, (d,); ``gf`` before session 21,
     still loaded under that name) and ``weight``."""
@@ -168,7 +167,7 @@ def _kernel_lm_head_loss(
     program is chosen once here, knowing whether a gradient will be taken
     (``resolve_lm_head_method``)."""
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in (xf, gamma, w_lm))
-    method = resolve_lm_head_method(method, w_lm.shape[1], needs_grad, softcap is not None)
+    method = resolve_lm_head_method(method, w_lm.shape[1], needs_grad)
     args = (eps, ignore_index, reduction, chunk, method, label_smoothing, z_loss, softcap)
     # bf16 inside torch.autocast, as DecoderLayer's kernel path; w_lm is cast inside the
     # Function, which returns its gradient in w_lm's own dtype (fp32 unrounded, for CE-C/CE-S);
