@@ -163,38 +163,54 @@ def head_norm_case(M, d, V, dtype, seed=0, device="cpu", hf_layout=True, launch=
             for a, b in zip(got, ref)]  # fmt: skip
 
 
+def shape_case(rows: int) -> tuple:
+    """(B, S, H, Hkv, hd) of the launch-shape case at ``rows`` rows per program: three
+    sequences of rows - 1 tokens: 3 rows - 3 rows in all, so that every row count runs more
+    than one program, the last one partial, with sequence boundaries inside programs (and
+    the interpreter, whose cost is per program, runs two or three)."""
+    return (3, rows - 1, 2, 1, 16)
+
+
+# two children, run side by side (the interpreter's run is the suite's longest): the
+# final-norm backward in float64, its launch shapes, the row passes' launch shapes and the
+# target entries; then the final-norm backward in bf16 and the row passes' cases
 _CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
 from test_row_passes import CASES, HEAD_NORM_CASES, TARGET_CASES, head_norm_case
-from test_row_passes import row_pass_case, target_terms_case
+from test_row_passes import row_pass_case, shape_case, target_terms_case
 from coda.kernels.row_passes import LAUNCH_SHAPES
+from coda.kernels.final_norm_rows import LAUNCH_SHAPES as HEAD_SHAPES
+PART = int(sys.argv[1])
 out = []
-for dtype in (torch.float64, torch.bfloat16):
+for dtype in ((torch.float64,), (torch.bfloat16,))[PART]:
     for i, case in enumerate(HEAD_NORM_CASES):
         err = head_norm_case(*case, dtype, i, hf_layout=bool(i % 2))
         out.append(["head_norm " + str(dtype), case, {"err": err}])
-from coda.kernels.final_norm_rows import LAUNCH_SHAPES as HEAD_SHAPES
-for launch in HEAD_SHAPES:  # every launch shape the probe times, rows over P row groups
-    err = head_norm_case(4200, 40, 129, torch.float64, 9, launch=launch)
-    out.append(["head_norm_launch", list(launch), {"err": err}])
-# every row count the launch shapes give: rows across programs (the interpreter runs a
-# program as whole arrays, so its warp count changes nothing here; every (rows, warps)
-# compiles for sm_90 in test_row_passes_compile_at_every_launch_shape)
-for rows in sorted({bm for bm, _ in LAUNCH_SHAPES}):
-    out.append(["shape", rows, row_pass_case(2, 45, 2, 1, 16, torch.float64, shape=(rows, 1))])
-for i, case in enumerate(TARGET_CASES):
-    out.append(["target_terms", case, {"err": list(target_terms_case(*case, i))}])
-for dtype in (torch.float64, torch.bfloat16):
-    for i, case in enumerate(CASES):
-        errs = row_pass_case(*case, dtype=dtype, contiguous_q=bool(i % 2), seed=i)
-        out.append([str(dtype), case, errs])
+if PART == 0:
+    for launch in HEAD_SHAPES:  # every launch shape the probe times, rows over P row groups
+        err = head_norm_case(4200, 40, 129, torch.float64, 9, launch=launch)
+        out.append(["head_norm_launch", list(launch), {"err": err}])
+    # every row count the launch shapes give (the interpreter runs a program as whole
+    # arrays, so its warp count changes nothing here; every (rows, warps) compiles for sm_90
+    # in test_row_passes_compile_at_every_launch_shape)
+    for rows in sorted({bm for bm, _ in LAUNCH_SHAPES}):
+        errs = row_pass_case(*shape_case(rows), torch.float64, shape=(rows, 1))
+        out.append(["shape", rows, errs])
+    for i, case in enumerate(TARGET_CASES):
+        out.append(["target_terms", case, {"err": list(target_terms_case(*case, i))}])
+else:
+    for dtype in (torch.float64, torch.bfloat16):
+        for i, case in enumerate(CASES):
+            errs = row_pass_case(*case, dtype=dtype, contiguous_q=bool(i % 2), seed=i)
+            out.append([str(dtype), case, errs])
 print(json.dumps(out))
 """
 
 
 def test_row_passes_in_triton_interpreter_equal_oracles():
-    results = triton_child.results(_CHILD)
+    parts = triton_child.results_side_by_side(_CHILD, [["0"], ["1"]])
+    results = [row for part in parts for row in part]
     from coda.kernels.row_passes import LAUNCH_SHAPES
 
     row_counts = {bm for bm, _ in LAUNCH_SHAPES}

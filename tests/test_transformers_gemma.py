@@ -183,8 +183,9 @@ def test_an_fp32_gain_with_bf16_rows_is_refused_by_neither_path(monkeypatch):
 def test_soft_capped_logits_loss_equals_unpatched_float64(family, kernel, monkeypatch):
     """Gemma 2's ``final_logit_softcapping`` (and Gemma 3's, where set) in coda's loss: c
     tanh(l / c) of the logits before the cross-entropy, as HF's forward applies it (a cap
-    of 1 against logits of a few units: far from linear), on the recompute program; the
-    same model without its cap is far from it."""
+    of 1 against logits of a few units: far from linear), on "auto"'s program (on the
+    kernel path CE-S's capped one: V = 128); the same model without its cap is far from
+    it."""
     if kernel:
         _kernel_path(monkeypatch)
     coda.env._LAST.clear()

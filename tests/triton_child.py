@@ -20,11 +20,31 @@ def run(args: list[str]) -> subprocess.CompletedProcess:
     )
 
 
-def results(code: str):
-    """Run ``code`` (which prints one JSON value last) with the interpreter on; that value."""
-    proc = run(["-c", code])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def results(code: str, *args: str):
+    """Run ``code`` (which prints one JSON value last) with the interpreter on, ``args`` its
+    ``sys.argv[1:]``; that value."""
+    return results_side_by_side(code, [list(args)])[0]
+
+
+def results_side_by_side(code: str, parts: list[list[str]]) -> list:
+    """``results(code, *args)`` for each ``args`` of ``parts``, the children running at once:
+    a long interpreter run split in parts takes the machine's other cores (the suite itself
+    runs on one)."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            cwd=ROOT,
+            env=ENV,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        for args in parts
+    ]
+    outs = [proc.communicate() for proc in procs]
+    for proc, (_, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-3000:]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
 def counted(module, name: str) -> list:
