@@ -120,8 +120,8 @@ SHAPES = {
         ),
     ),
     # Gemma-2-2B's shape (``Gemma2ForCausalLM``): the loss alone, its logits soft-capped at 30
-    # (coda's ``softcap``, Liger's); eager attention for every variant (its
-    # attention's own soft-cap, 50: transformers runs no sdpa for Gemma 2)
+    # (coda's ``softcap``, Liger's); eager attention for every variant (its attention's own
+    # soft-cap, 50: transformers runs no sdpa for Gemma 2)
     "gemma-2-2B": (
         "gemma2",
         dict(

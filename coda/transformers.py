@@ -55,9 +55,9 @@ stack patched, the task head and its loss HF's). ``apply_coda(model, layers=Fals
 only the training call's loss coda's: for layers with adapters, and for the models of
 ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE, whose router term it adds as their forward
 does; Gemma, Gemma 2 and Gemma 3 text, whose final norm's fp32 gain 1 + w it keeps in fp32
-(Gemma 2's logit soft-capping in coda's loss too); Granite,
-Granite-MoE and Granite-MoE-Shared, whose ``logits_scaling`` divides that gain; OLMo 2 and
-OLMo 3, whose final norm rounds once.
+(Gemma 2's logit soft-capping in coda's loss too); Granite, Granite-MoE and
+Granite-MoE-Shared, whose ``logits_scaling`` divides that gain; OLMo 2 and OLMo 3, whose
+final norm rounds once.
 Vision-language models (``VISION_LANGUAGE``: Llava, Llava-NeXT, Llava-OneVision, Mistral 3,
 InternVL, Idefics3, SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE,
 GLM-4V, GLM-4.5V, Mllama): the
@@ -491,8 +491,8 @@ def _patch_stack(model, base, config, forward, method, embedding, layers) -> Non
 
 def _check_softcapping(config, method: str | None = None) -> None:
     """A model's ``final_logit_softcapping`` (Gemma 2's: c tanh(logits / c) before the loss):
-    taken by coda's loss (``softcap``) where ``method`` is given (a
-    model whose forward applies it, ``_hf_forward.LOGITS_SOFTCAPPED``), else refused."""
+    taken by coda's loss (``softcap``) where ``method`` is given (a model whose forward
+    applies it, ``_hf_forward.LOGITS_SOFTCAPPED``), else refused."""
     cap = getattr(config, "final_logit_softcapping", None)
     if cap is None:
         return
