@@ -516,13 +516,10 @@ def print_table(record):
         "error",
     )
     for name, rows in record["benchmarks"].items():
-        if isinstance(rows, dict):  # an error or a skip, recorded as such
-            print(
-                name,
-                "ERROR" if "error" in rows else "SKIPPED",
-                rows.get("error", rows.get("skipped")),
-            )
-            continue
+        if isinstance(rows, dict):  # an error or a skip, recorded as such, and what it finished
+            how = next(k for k in ("error", "cut", "skipped") if k in rows)
+            print(name, how.upper(), rows[how])
+            rows = rows.get("rows_so_far", [])
         for r in rows:
             vals = " ".join(f"{k}={_fmt(r[k])}" for k in keys if r.get(k) is not None)
             print(f"{r['name']:40s} {vals}{_fmt_config(r.get('config'))}")

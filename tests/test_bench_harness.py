@@ -157,9 +157,10 @@ def test_a_call_cut_by_sigterm_still_writes_its_record(monkeypatch, tmp_path):
     assert benchmarks["cut"]["rows_so_far"] == [{"name": "cut/first", "ms": 2.0}]
 
 
-def test_a_suite_that_raises_keeps_its_finished_rows(monkeypatch, tmp_path):
+def test_a_suite_that_raises_keeps_its_finished_rows(monkeypatch, tmp_path, capsys):
     """A suite raising (run 293: out of GPU memory in its last shape) is recorded with its
-    error and the rows it had reported, and the next suite still runs."""
+    error and the rows it had reported, which the call's table prints, and the next suite
+    still runs."""
     import json
 
     from benchmarks import gpu_suite
@@ -185,6 +186,8 @@ def test_a_suite_that_raises_keeps_its_finished_rows(monkeypatch, tmp_path):
     assert benchmarks["fails"]["error"] == "MemoryError('out of memory')"
     assert benchmarks["fails"]["rows_so_far"] == [{"name": "fails/first", "ms": 2.0}]
     assert benchmarks["after"] == [{"name": "after/row", "ms": 1.0}]
+    table = capsys.readouterr().out
+    assert "fails ERROR MemoryError('out of memory')" in table and "fails/first" in table
 
 
 def test_hf_rounds_hold_one_variants_gradients_at_a_time(monkeypatch):
