@@ -43,6 +43,7 @@ R266, R267, R271, R273 = (
     f"2026-12-04_h200_run{n}.json" for n in (266, 267, 271, 273)
 )  # mixed precision
 R272, R276 = "2026-12-04_h200_run272.json", "2026-12-04_h200_run276.json"
+R293 = "2026-12-05_h200_run293.json"  # the soft-capped LM head (CE-S as "coda_scaled_exp")
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
 FWD = {**LAYER, "coda": "coda_decoder_layer"}
@@ -65,6 +66,10 @@ def expected() -> dict:
 
     def head(d, record, key="ratio_vs_floor", fmt=_ratio):
         return _suite_row(record, "lm_head_train", d, _named("lm_head_train", HEAD), key, fmt)
+
+    def capped(d, key="ratio_vs_floor", fmt=_ratio):  # CE-S's capped program, "auto"'s now
+        names = {**LAYER, "coda": "coda_scaled_exp"}
+        return _suite_row(R293, "lm_head_train", d, _named("lm_head_train", names), key, fmt)
 
     def step(key, fmt, names=model, record=R252):
         return _suite_row(record, "model", None, names, key, fmt)
@@ -97,6 +102,9 @@ def expected() -> dict:
         "... LM head extra peak GiB at d=4096": head(
             4096, R242, "extra_peak_gib", lambda v: f"{v:.2f}"
         ),
+        "Gemma 2's soft-capped LM head + CE fwd+bwd": capped(2048),
+        "... d=4096, V=128256 (run 293)": capped(4096),
+        "... extra peak GiB at d=4096": capped(4096, "extra_peak_gib", lambda v: f"{v:.2f}"),
         "1B-shaped model step + AdamW": step("tokens_per_s", _k),
         "... joules per step": step("joules_per_step", lambda v: f"{v:.1f}"),
         "... as one CUDA graph": step("tokens_per_s", _k, {"coda": B1.format("coda_graphed")}),
