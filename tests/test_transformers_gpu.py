@@ -138,10 +138,13 @@ POOLED_SEEDS = 128
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family,k_bias", [("qwen2", 1.0), ("qwen2", 4.0), ("llama-bias", 1.0)])
+@pytest.mark.parametrize(
+    "family,k_bias", [("qwen2", 1.0), ("qwen2", 4.0), ("llama-bias", 1.0), ("seed_oss", 1.0)]
+)
 def test_gpu_patched_biased_protocol_pooled(family, k_bias):
     """H200: CODA's protocol for a patched bf16 Qwen2 (q and v biases of standard deviation 1,
-    k biases of ``k_bias``) and a Llama with ``attention_bias=True`` (o biases too), each
+    k biases of ``k_bias``), a Llama with ``attention_bias=True`` (o biases too) and a
+    Seed-OSS (q, k, v biases, head_dim 128), each
     gradient's error pooled over ``POOLED_SEEDS`` seeds
     (``conftest.pooled_ratio``): no gradient's pooled error measurably above the unpatched
     bf16 model's (above 1 + its band, Bonferroni over the gradients). One seed cannot decide
