@@ -427,8 +427,10 @@ def run() -> list[dict]:
         if steps and not out_of_time():
             try:
                 timed = interleaved(steps, timer=_one_held(held))
-            except Exception as e:  # recorded; the next shape still runs
-                rows += [{"name": f"hf/{name}/{lb}", "error": repr(e)[:300]} for lb in steps]
+            except Exception as e:  # recorded, with each variant's peak alone; the next
+                for label in steps:  # shape still runs
+                    alone = {"peak_gib": peaks[label], **profiles.get(label, {})}
+                    rows.append({"name": f"hf/{name}/{label}", **alone, "error": repr(e)[:300]})
                 steps = {}
         if steps and not timed:  # measured alone, then out of time before the rounds (run 153)
             for label in steps:

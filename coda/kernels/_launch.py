@@ -45,10 +45,10 @@ def launch(
     xf = program.a_transform
     if xf is not None:
         xf.check(operands[xf.name], x, config.tile_m)
-    for p in program.group_stats:  # (the same refusal on the CPU and the GPU)
-        p.check_group(operands[p.name], config.tile_n, w.shape[1])
-    if not dry and not x.is_cuda and INTERPRET_OFF_GPU:
+    if not dry and not x.is_cuda and INTERPRET_OFF_GPU:  # (``interpret`` checks the groups)
         return _interpret_into(program, x, w, config, d, c, operands, outputs or {}, add_to_output)
+    for p in program.group_stats:  # the interpreter's refusal, before quack's trace
+        p.check_group(operands[p.name], config.tile_n, w.shape[1])
     args = epi_args(program, operands, outputs or {})
     a_scale = (xf.kind, operands[xf.name], xf.tile_k) if xf is not None else None
     # which stores are narrower than the tile grid matters only where a plan is built
