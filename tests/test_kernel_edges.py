@@ -280,6 +280,51 @@ def test_a_bad_attention_result_or_rope_table_is_named(monkeypatch, path):
         layer(x, rope_cos_sin=(cos[:1], cos[:1] * 0))  # one table for the whole batch
 
 
+def _misaligned(x):
+    """x's values as a leaf whose view ``rows`` starts 2 bytes past a 16-byte boundary (a
+    contiguous view at an odd offset of a flat buffer); the view's gradient lands in the leaf."""
+    leaf = torch.cat([x.new_zeros(1), x.flatten()]).requires_grad_(True)
+    rows = leaf[1:].view_as(x)
+    assert rows.is_contiguous() and rows.data_ptr() % 16 == 2
+    return leaf, rows
+
+
+def _layer_and_head_step(rows, t):
+    """A layer's and an LM head's outputs on ``rows`` (the same weights every call) after one
+    backward, and their parameters' gradients."""
+    torch.manual_seed(0)
+    layer = cnn.DecoderLayer(64, 2, 1, 128, device=rows.device, attention=_math_attention)
+    head = cnn.LMHeadLoss(64, 256, device=rows.device)
+    y, loss = layer(rows), head(rows, t, reduction="sum")
+    (y.float().square().sum() + loss).backward()
+    return [y, loss, *(p.grad for p in (*layer.parameters(), *head.parameters()))]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_misaligned_activation_runs_as_its_aligned_copy(kernel_forced, device):
+    """bf16 rows whose base address is 2 bytes off 16 (the TMA reads from 16-byte aligned
+    addresses) run through the layer and the LM head as an aligned copy of them does: outputs,
+    loss and every gradient bitwise. The layer copies such rows (``tma_aligned``: they are
+    the O projection's residual operand), where the fused ops refuse them by name; the LM
+    head's kernels never read its rows through the TMA (its final norm's row pass writes the
+    GEMMs' operand), on every method (checked). On the CPU the tile interpreter checks the
+    TMA's rules, so without the layer's copy this raises (checked); on the H200 the kernels'
+    TMA descriptors would be given an address they cannot take."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(1)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, device=device)
+    t = torch.randint(0, 256, (2, 16), device=device)
+    leaf, rows = _misaligned(x)
+    got = _layer_and_head_step(rows, t)
+    assert coda.last_path("DecoderLayer")[0] == "kernel"
+    assert coda.last_path("LMHeadLoss")[0] == "kernel"
+    xa = x.clone().requires_grad_(True)
+    want = _layer_and_head_step(xa, t)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(leaf.grad[1:].view_as(x), xa.grad)
+
+
 @pytest.mark.gpu
 def test_gpu_edges_of_the_kernel_path():
     """H200, bf16: an empty batch launches nothing and gives zero gradients, caller positions

@@ -1,7 +1,9 @@
-"""What coda's modules share: autograd-friendly dtype casts, the kernel path's TMA rule, and
+"""What coda's modules share: autograd-friendly dtype casts, the kernel path's TMA rules, and
 the loading of state dicts saved under a parameter's former name."""
 
 from __future__ import annotations
+
+import torch
 
 
 def in_dtype(dtype, *tensors):
@@ -17,6 +19,18 @@ def tma_rule(**dims) -> str | None:
         if n % 8:
             return f"{name} = {n} is not a multiple of 8 (the TMA needs 16-byte rows in bf16)"
     return None
+
+
+def tma_aligned(rows):
+    """``rows`` itself where its base address is 16-byte aligned (the TMA's rule), else a copy
+    (the allocator aligns it; differentiable). The fused ops refuse such a tensor, naming the
+    rule; a module takes any activation, as ``nn.Linear`` does, a contiguous view at an odd
+    offset of a flat buffer included (``DecoderLayer``: its input is the O projection's
+    residual operand; ``LMHeadLoss`` never hands its input to a GEMM). One pointer read a
+    call; none while torch.compile traces (a fake tensor has no address)."""
+    if torch.compiler.is_compiling() or rows.data_ptr() % 16 == 0:
+        return rows
+    return rows.clone()
 
 
 class FormerNames:

@@ -32,7 +32,7 @@ from coda.kernels.gemm_rope import (
     shared_freq_table,
     text_rows,
 )
-from coda.nn._common import FormerNames, in_dtype, tma_rule
+from coda.nn._common import FormerNames, in_dtype, tma_aligned, tma_rule
 from coda.reference.layer import LayerShape, decoder_layer_ref
 
 HF_KEYS = {  # each weight of a layer: the HF ``LlamaDecoderLayer`` weights it is made from
@@ -407,7 +407,7 @@ class DecoderLayer(FormerNames, nn.Module):
         o_bias = in_dtype(dtype, self.bias_o)[0] if self.o_bias else None
         with autocast_off(x.device):
             out = decoder_layer(
-                x.reshape(B * S, d).contiguous(),
+                tma_aligned(x.reshape(B * S, d).contiguous()),
                 g1,
                 w_qkv,
                 w_o,
