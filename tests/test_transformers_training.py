@@ -8,6 +8,7 @@ reference path; ``gpu`` tests on the H200's kernel path."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -309,6 +310,35 @@ def test_hf_activation_checkpointing_recomputes_the_patched_layers(family, enabl
     patched.eval()  # (HF checkpoints in training mode only)
     _step(patched, input_ids=ids, labels=ids)
     assert calls == [0, 1]
+
+
+def _takes_every_n_layers() -> bool:
+    from transformers import PreTrainedModel
+
+    enable = getattr(PreTrainedModel, "activation_checkpointing_enable", None)
+    return enable is not None and "every_n_layers" in inspect.signature(enable).parameters
+
+
+@pytest.mark.skipif(not _takes_every_n_layers(), reason="transformers before 5.25")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_hf_checkpointing_every_n_layers_recomputes_those_patched_layers(family, monkeypatch):
+    """transformers 5.25's ``activation_checkpointing_enable(every_n_layers=2)`` checkpoints
+    layers 0 and 2 of four, patched as HF's own: those two run again in the backward, and
+    the loss and every gradient equal the unpatched model's under the same call (float64,
+    reference path). (Its ``offload=True`` pins host memory, which a CPU-only torch has not:
+    HF's own call fails there, patched or not.)"""
+    cfg = tiny_config(family, num_hidden_layers=4)
+    ref, _ = pair(cfg)
+    ref.train()
+    patched = ct.apply_coda(copy.deepcopy(ref))
+    for model in (ref, patched):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=2
+        )
+    calls = _count_attention_calls(monkeypatch)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
+    assert calls == [0, 1, 2, 3, 2, 0]  # the forward, then layers 2 and 0 recomputed
 
 
 def test_a_checkpointing_recompute_under_a_capture_keeps_sdpa_causal(monkeypatch):
