@@ -293,8 +293,8 @@ def _layer_and_head_step(rows, t):
     """A layer's and an LM head's outputs on ``rows`` (the same weights every call) after one
     backward, and their parameters' gradients."""
     torch.manual_seed(0)
-    layer = cnn.DecoderLayer(64, 2, 1, 128, device=rows.device, attention=_math_attention)
-    head = cnn.LMHeadLoss(64, 256, device=rows.device)
+    layer = cnn.DecoderLayer(128, 2, 1, 256, device=rows.device, attention=_math_attention)
+    head = cnn.LMHeadLoss(128, 512, device=rows.device)
     y, loss = layer(rows), head(rows, t, reduction="sum")
     (y.float().square().sum() + loss).backward()
     return [y, loss, *(p.grad for p in (*layer.parameters(), *head.parameters()))]
@@ -313,8 +313,8 @@ def test_a_misaligned_activation_runs_as_its_aligned_copy(kernel_forced, device)
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(1)
-    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, device=device)
-    t = torch.randint(0, 256, (2, 16), device=device)
+    x = torch.randn(2, 16, 128, dtype=torch.bfloat16, device=device)
+    t = torch.randint(0, 512, (2, 16), device=device)
     leaf, rows = _misaligned(x)
     got = _layer_and_head_step(rows, t)
     assert coda.last_path("DecoderLayer")[0] == "kernel"
