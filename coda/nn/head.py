@@ -23,7 +23,7 @@ from coda.env import (
 from coda.kernels.target_check import checked_targets
 from coda.nn._common import FormerNames, in_dtype, tma_rule
 from coda.reference.cross_entropy import cross_entropy_ref
-from coda.reference.rmsnorm import final_norm_ref
+from coda.reference.rmsnorm import final_norm_ref, ref_dtype
 
 
 class LMHeadLoss(FormerNames, nn.Module):
@@ -125,6 +125,18 @@ class LMHeadLoss(FormerNames, nn.Module):
             z_loss=self.z_loss,
             softcap=self.softcap,
         )
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits this loss is taken of, for evaluation and sampling (the loss never
+        forms them): x (batch, seq, d) or (tokens, d) -> (..., vocab) in x's dtype, the final
+        norm and the LM head as HF's causal LMs compute them (``final_norm_ref``, then one
+        torch GEMM on any device), capped by ``softcap`` as Gemma 2's forward caps them."""
+        v.check_activation("LMHeadLoss.logits", x, self.d, self.weight, ndim=(2, 3))
+        logits = final_norm_ref(x, self.final_norm, self.eps) @ self.w_lm
+        if self.softcap is None:
+            return logits
+        wide = logits.to(ref_dtype(logits))  # (the cap formed as the loss forms it)
+        return (self.softcap * torch.tanh(wide / self.softcap)).to(logits.dtype)
 
     def _kernel_loss(self, xf, t, reduction):
         """The kernel sequence on (tokens, d) rows (on CPU tensors: through the interpreter)."""

@@ -17,7 +17,8 @@ class CausalLM(nn.Module):
     """A Llama-style causal LM built from coda's modules: token embedding (``coda.nn.Embedding``:
     its backward coda's sorted scatter), ``n_layers``
     ``DecoderLayer``s, and ``LMHeadLoss`` (final norm + LM head + cross-entropy, logits never
-    stored on the kernel path). ``forward(tokens, targets)`` returns the loss.
+    stored on the kernel path). ``forward(tokens, targets)`` returns the loss, ``logits(tokens)``
+    the logits (for evaluation and sampling).
 
     ``hf_state_dict`` / ``load_hf_state_dict`` use ``LlamaForCausalLM``'s key names, exactly.
     ``tie_embeddings``: the LM head's (vocab, d) weight is the embedding's, one parameter (HF's
@@ -92,6 +93,15 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
         """tokens, targets (batch, seq) -> the loss (fp32)."""
+        return self.head(self._hidden(tokens), targets, reduction)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) -> logits (batch, seq, vocab), for evaluation and sampling
+        (``LMHeadLoss.logits``: the training loss never forms them)."""
+        return self.head.logits(self._hidden(tokens))
+
+    def _hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The last layer's output rows, before the final norm."""
         v.check_tokens(tokens, self.embed.num_embeddings)
         x = self.embed(tokens)
         for layer in self.layers:
@@ -99,7 +109,7 @@ class CausalLM(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
             else:
                 x = layer(x)
-        return self.head(x, targets, reduction)
+        return x
 
     def hf_state_dict(self) -> dict:
         sd = {"model.embed_tokens.weight": self.embed.weight.detach().clone()}
