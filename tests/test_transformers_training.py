@@ -263,7 +263,7 @@ def test_frozen_weights_stay_frozen(family="qwen3"):
 
 
 def _enable_checkpointing(model, reentrant: bool = False) -> None:
-    """HF's activation checkpointing, by its current name (5.24 renamed it; 5.17 has the old)."""
+    """HF's activation checkpointing, by its current name (5.23 renamed it; 5.17 has the old)."""
     kwargs = {"use_reentrant": reentrant}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -319,10 +319,10 @@ def _takes_every_n_layers() -> bool:
     return enable is not None and "every_n_layers" in inspect.signature(enable).parameters
 
 
-@pytest.mark.skipif(not _takes_every_n_layers(), reason="transformers before 5.25")
+@pytest.mark.skipif(not _takes_every_n_layers(), reason="transformers before 5.23")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_hf_checkpointing_every_n_layers_recomputes_those_patched_layers(family, monkeypatch):
-    """transformers 5.25's ``activation_checkpointing_enable(every_n_layers=2)`` checkpoints
+    """transformers 5.23's ``activation_checkpointing_enable(every_n_layers=2)`` checkpoints
     layers 0 and 2 of four, patched as HF's own: those two run again in the backward, and
     the loss and every gradient equal the unpatched model's under the same call (float64,
     reference path). (Its ``offload=True`` pins host memory, which a CPU-only torch has not:
