@@ -320,25 +320,45 @@ def _takes_every_n_layers() -> bool:
 
 
 @pytest.mark.skipif(not _takes_every_n_layers(), reason="transformers before 5.23")
+@pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_hf_checkpointing_every_n_layers_recomputes_those_patched_layers(family, monkeypatch):
+def test_hf_checkpointing_every_n_layers_recomputes_those_patched_layers(
+    family, offload, coda_path, monkeypatch
+):
     """transformers 5.23's ``activation_checkpointing_enable(every_n_layers=2)`` checkpoints
-    layers 0 and 2 of four, patched as HF's own: those two run again in the backward, and
-    the loss and every gradient equal the unpatched model's under the same call (float64,
-    reference path). (Its ``offload=True`` pins host memory, which a CPU-only torch has not:
-    HF's own call fails there, patched or not.)"""
-    cfg = tiny_config(family, num_hidden_layers=4)
+    layers 0 and 2 of four, patched as HF's own: those two run again in the backward (on
+    the kernel path their first forwards lean: no SwiGLU pre-activation stored), and the loss
+    and every gradient equal the unpatched model's under the same call (float64, both
+    paths). ``offload=True`` wraps each checkpoint in ``save_on_cpu``'s hooks, outside the
+    checkpoint's own, by which coda's layers tell a checkpoint's first pass; HF pins that
+    host memory, which a CPU-only torch cannot (HF's call fails there, patched or not), so
+    here the hooks run unpinned."""
+    import transformers.modeling_utils as modeling_utils
+    from torch.autograd.graph import save_on_cpu
+
+    if not torch.cuda.is_available():
+        unpinned = lambda pin_memory, **kw: save_on_cpu(pin_memory=False, **kw)  # noqa: E731
+        monkeypatch.setattr(modeling_utils, "save_on_cpu", unpinned)
+    cfg = tiny_config(family, num_hidden_layers=4, **coda_path)
     ref, _ = pair(cfg)
     ref.train()
     patched = ct.apply_coda(copy.deepcopy(ref))
     for model in (ref, patched):
         model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=2
+            activation_checkpointing_kwargs={"use_reentrant": False},
+            every_n_layers=2,
+            offload=offload,
         )
     calls = _count_attention_calls(monkeypatch)
+    lean = []  # the F4 launches that store no pre-activation
+    real = coda.autograd.lib.gemm_swiglu_only
+    monkeypatch.setattr(
+        coda.autograd.lib, "gemm_swiglu_only", lambda *a: lean.append(1) or real(*a)
+    )
     ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
     assert_same_step(ref, patched, input_ids=ids, labels=ids)
     assert calls == [0, 1, 2, 3, 2, 0]  # the forward, then layers 2 and 0 recomputed
+    assert len(lean) == (2 if coda_path else 0)  # layers 0 and 2's first forwards
 
 
 def test_a_checkpointing_recompute_under_a_capture_keeps_sdpa_causal(monkeypatch):
