@@ -59,6 +59,23 @@ LOSS_ONLY = {
     # OLMo's final norm rounds once, after its weight (``_hf_forward.FP32_SCALED_NORMS``)
     "Olmo2ForCausalLM": "norms after each sublayer and a QK-norm over whole q and k",
     "Olmo3ForCausalLM": "norms after each sublayer and a QK-norm over whole q and k",
+    # later families (session 69): GPT-OSS's final norm rounds as OLMo's; Qwen3-Next's and
+    # Qwen3.5's scale by 1 + w in fp32 as Gemma's (``_hf_forward.check_final_norm`` holds
+    # each form against the norm itself)
+    "OlmoeForCausalLM": _MOE,
+    "GptOssForCausalLM": _MOE + " with attention sinks",
+    "MiniMaxM2ForCausalLM": _MOE,
+    "Ernie4_5_MoeForCausalLM": _MOE,
+    "Qwen3NextForCausalLM": _MOE + " and linear-attention layers",
+    "Qwen3_5MoeForCausalLM": _MOE + " and linear-attention layers",
+    "DeepseekV3ForCausalLM": _MOE + " and multi-head latent attention",
+    "Glm4MoeForCausalLM": _MOE,
+    "Llama4ForCausalLM": _MOE,
+    "Glm4ForCausalLM": "norms after each sublayer",
+    "ApertusForCausalLM": "a gateless xIELU MLP and a QK-norm",
+    "ArceeForCausalLM": "a gateless ReLU^2 MLP",
+    "Exaone4ForCausalLM": "norms after each sublayer and a QK-norm",
+    "Qwen3_5ForCausalLM": "linear-attention layers",
 }
 # vision-language models (a vision encoder feeding a text model's token embeddings) whose
 # training loss coda takes (``_hf_forward.vision_language_forward``), and whose text model's

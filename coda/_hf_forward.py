@@ -7,6 +7,7 @@ below and ``coda.transformers``'s."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import sys
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from coda import _validate as v
 from coda.nn import lm_head_loss
+from coda.reference.rmsnorm import final_norm_ref
 
 
 class MaskHint:
@@ -300,11 +302,13 @@ def vision_language_forward(original):
 
 
 # final norms that scale by 1 + weight, formed in fp32 (a bf16 1 + w would round w to 2^-8)
-# and applied before the one rounding of the output: Gemma's, Gemma 2's and Gemma 3's
-GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+# and applied before the one rounding of the output: Gemma's, Gemma 2's and Gemma 3's, and
+# Qwen3-Next's and Qwen3.5's
+GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3NextRMSNorm")
+GEMMA_NORMS += ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 # final norms that scale by their weight in fp32, rounding the output once (Llama's rounds the
-# normed rows, then the product): OLMo 2's and OLMo 3's; their gain is given in fp32
-FP32_SCALED_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm")
+# normed rows, then the product): OLMo 2's and OLMo 3's, GPT-OSS's; their gain is given in fp32
+FP32_SCALED_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm", "GptOssRMSNorm")
 # causal LMs whose forward divides the logits by their config's ``logits_scaling``: Granite's
 LOGITS_SCALED = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 # causal LMs whose forward soft-caps the logits by their config's ``final_logit_softcapping``
@@ -325,6 +329,32 @@ def norm_form(norm) -> str:
     if hasattr(norm, "variance_epsilon"):
         return "llama"
     raise v.CodaInputError(f"apply_coda: a final norm {name} is not supported")
+
+
+def check_final_norm(norm) -> None:
+    """``norm_form``'s verdict held against the norm itself: a bf16 copy of it, given a gain
+    with mantissa bits to round, must compute coda's final norm (``final_norm_ref`` of
+    ``final_norm``'s gain) bitwise, or the model is refused, named. The forms differ only in
+    where they round, which no float64 test sees: this is what keeps a family whose norm
+    rounds as another's (GPT-OSS's as OLMo's, with a Llama-like ``variance_epsilon``) from
+    training on the wrong rounding. A norm on the meta device (a model to be loaded) is
+    taken by its class alone."""
+    form = norm_form(norm)
+    if norm.weight.is_meta:
+        return
+    d, device = norm.weight.shape[0], norm.weight.device
+    steps = torch.arange(3 * d, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        probe = copy.deepcopy(norm).to(torch.bfloat16)
+        probe.weight.copy_(0.5 + 0.37 * torch.sin(steps[:d] * 0.7))
+        x = (3.0 * torch.sin(steps * 1.3)).view(3, d).to(torch.bfloat16)
+        gain, eps = final_norm(probe)
+        same = torch.equal(probe(x), final_norm_ref(x, gain, eps))
+    if not same:
+        raise v.CodaInputError(
+            f"apply_coda: the final norm {type(norm).__name__} does not compute coda's "
+            f"{form!r} form (its rounding differs); its loss cannot be coda's"
+        )
 
 
 def final_norm(norm, logits_scaling: float = 1.0) -> tuple:

@@ -57,7 +57,11 @@ only the training call's loss coda's: for layers with adapters, and for the mode
 does; Gemma, Gemma 2 and Gemma 3 text, whose final norm's fp32 gain 1 + w it keeps in fp32
 (Gemma 2's logit soft-capping in coda's loss too); Granite, Granite-MoE and
 Granite-MoE-Shared, whose ``logits_scaling`` divides that gain; OLMo 2 and OLMo 3, whose
-final norm rounds once.
+final norm rounds once; OLMoE, GPT-OSS (its final norm rounding as OLMo's), MiniMax-M2, ERNIE
+4.5 MoE, Qwen3-Next and Qwen3.5 MoE (their router terms as Mixtral's; Qwen3-Next's and
+Qwen3.5's final norm scaling by 1 + w in fp32 as Gemma's), DeepSeek-V3, GLM-4.5, Llama 4
+(text), GLM-4, Apertus, Arcee, EXAONE 4 and Qwen3.5. Each final norm's form is held against
+the norm itself before patching (``_hf_forward.check_final_norm``).
 Vision-language models (``VISION_LANGUAGE``: Llava, Llava-NeXT, Llava-OneVision, Mistral 3,
 InternVL, Idefics3, SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE,
 GLM-4V, GLM-4.5V, Mllama): the
@@ -479,7 +483,7 @@ def _patch_stack(model, base, config, forward, method, embedding, layers) -> Non
     it), and with ``forward`` (the model's training call, wrapped once) the loss, whose final
     norm is checked now (a norm coda's loss does not take: refused here, not at the call)."""
     if forward is not None:
-        hf_forward.norm_form(base.norm)
+        hf_forward.check_final_norm(base.norm)
     if layers:
         _patch_layers(base, config)
     if embedding:

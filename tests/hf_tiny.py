@@ -63,6 +63,38 @@ GRANITE_KW = dict(
 )
 MOE_KW["granitemoe"] = dict(num_local_experts=4, **_ROUTER, **GRANITE_KW)
 MOE_KW["granitemoeshared"] = dict(shared_intermediate_size=40, **MOE_KW["granitemoe"])
+# later families with the router term (session 69), by config class ("...Text": the causal
+# LM's text config; its class drops the suffix): OLMoE, GPT-OSS (its attention sinks eager
+# only), MiniMax-M2, ERNIE 4.5 MoE, Qwen3-Next and Qwen3.5 MoE (linear-attention layers: four
+# layers, the fourth full attention)
+MOE.update(olmoe="Olmoe", gpt_oss="GptOss", minimax_m2="MiniMaxM2", ernie4_5_moe="Ernie4_5_Moe")
+MOE.update(qwen3_next="Qwen3Next", qwen3_5_moe="Qwen3_5MoeText")
+_HYBRID = dict(num_hidden_layers=4, head_dim=12, shared_expert_intermediate_size=40)
+MOE_KW.update(
+    olmoe=dict(num_experts=4, **_ROUTER),
+    gpt_oss=dict(num_local_experts=4, head_dim=12, attn_implementation="eager", **_ROUTER),
+    minimax_m2=dict(num_local_experts=4, head_dim=12, **_ROUTER),
+    ernie4_5_moe=dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, **_ROUTER),
+    qwen3_next=dict(num_experts=4, moe_intermediate_size=32, **_HYBRID, **_ROUTER),
+    qwen3_5_moe=dict(num_experts=4, moe_intermediate_size=32, **_HYBRID, **_ROUTER),
+)
+# families whose loss alone coda takes with no router term in HF's forward (session 69), by
+# config class as ``MOE``: DeepSeek-V3 (latent attention), GLM-4.5 (MoE), Llama 4 (text),
+# GLM-4, Apertus, Arcee, EXAONE 4 and Qwen3.5 (linear-attention layers)
+LOSS_ALONE = dict(deepseek_v3="DeepseekV3", glm4_moe="Glm4Moe", llama4="Llama4Text")
+LOSS_ALONE.update(glm4="Glm4", apertus="Apertus", arcee="Arcee", exaone4="Exaone4")
+LOSS_ALONE.update(qwen3_5="Qwen3_5Text")
+_GROUPED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1)
+_GROUPED.update(topk_group=1, first_k_dense_replace=1, experts_implementation="eager")
+LOSS_ALONE_KW = dict(
+    deepseek_v3=dict(
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=12, **_GROUPED,
+    ),
+    glm4_moe=dict(head_dim=12, **_GROUPED),
+    llama4=dict(experts_implementation="eager"),
+    qwen3_5=dict(num_hidden_layers=4, head_dim=12),
+)  # fmt: skip
 
 
 # the Gemma families (their layers stay HF's: ``apply_coda(layers=False)``), by config class
@@ -111,12 +143,13 @@ def tiny_config(family: str = "llama", **kw):
 
         ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         return Phi3Config(**_longrope_filled({**base, **ids, **kw}))
-    if family in MOE:
+    if family in MOE or family in LOSS_ALONE:
         import transformers
 
-        config = getattr(transformers, f"{MOE[family]}Config")
+        name, extra = (MOE, MOE_KW) if family in MOE else (LOSS_ALONE, LOSS_ALONE_KW)
+        config = getattr(transformers, f"{name[family]}Config")
         ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-        return config(**{**base, **ids, **MOE_KW[family], **kw})
+        return config(**{**base, **ids, **extra.get(family, {}), **kw})
     if family in ("olmo2", "olmo3"):
         import transformers
 
@@ -193,9 +226,9 @@ def model_class(config):
         SmolLM3ForCausalLM,
     )
 
-    for name in MOE.values():
+    for name in (*MOE.values(), *LOSS_ALONE.values()):
         if type(config) is getattr(transformers, f"{name}Config"):
-            return getattr(transformers, f"{name}ForCausalLM")
+            return getattr(transformers, f"{name.removesuffix('Text')}ForCausalLM")
     if type(config) is transformers.GraniteConfig:
         return transformers.GraniteForCausalLM
     for name in ("Olmo2", "Olmo3"):

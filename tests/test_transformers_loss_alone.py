@@ -15,7 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
-from hf_tiny import padded_batch  # noqa: E402
+from hf_tiny import LOSS_ALONE, padded_batch  # noqa: E402
 from test_transformers import assert_same_step, model_class, tiny_config  # noqa: E402
 
 import coda  # noqa: E402
@@ -33,7 +33,7 @@ def tiny(family: str, **kw):
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
-@pytest.mark.parametrize("family", ["granite", "olmo2", "olmo3"])
+@pytest.mark.parametrize("family", ["granite", "olmo2", "olmo3", *LOSS_ALONE])
 def test_the_loss_alone_equals_unpatched(family, kernel, monkeypatch):
     if kernel:
         monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
@@ -47,11 +47,13 @@ def test_the_loss_alone_equals_unpatched(family, kernel, monkeypatch):
         assert torch.equal(patched(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
-def test_bf16_olmo_loss_rounds_its_final_norm_as_olmo_does():
-    """OLMo's final norm in bf16 (the product with its weight in fp32, rounded once): coda's
-    reference path computes the same loss as HF's bitwise, which Llama's rounding (the normed
-    rows rounded, then the product) would not."""
-    ref = tiny("olmo2", vocab_size=128).to(torch.bfloat16)
+@pytest.mark.parametrize("family", ["olmo2", "gpt_oss", "qwen3_next"])
+def test_bf16_loss_rounds_its_final_norm_as_the_model_does(family):
+    """OLMo's and GPT-OSS's final norm in bf16 (the product with its weight in fp32, rounded
+    once), Qwen3-Next's (1 + w in fp32, rounded once): coda's reference path computes the same
+    loss as HF's bitwise, which Llama's rounding (the normed rows rounded, then the product)
+    would not."""
+    ref = tiny(family, vocab_size=128).to(torch.bfloat16)
     patched = ct.apply_coda(copy.deepcopy(ref), layers=False)
     ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(2))
     loss_r = ref(input_ids=ids, labels=ids).loss
@@ -83,3 +85,27 @@ def test_a_final_norm_coda_does_not_know_is_refused_before_patching():
     with pytest.raises(coda.CodaInputError, match=r"a final norm LayerNorm is not supported"):
         ct.apply_coda(model, layers=False)
     assert not hasattr(model, "coda_method")
+
+
+def test_a_final_norm_that_rounds_as_another_form_is_refused():
+    """A norm class that looks like Llama's (a ``variance_epsilon``) but rounds as OLMo's (the
+    product with its weight in fp32, rounded once) would train on the wrong rounding, which no
+    float64 test sees: ``check_final_norm`` runs a bf16 copy of it against coda's form and
+    refuses it, named, nothing patched; a model on the meta device is taken by class."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class RoundsOnce(LlamaRMSNorm):
+        def forward(self, h):
+            hf = h.float()
+            hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (self.weight * hf).to(h.dtype)
+
+    model = tiny("llama")
+    model.model.norm = RoundsOnce(model.config.hidden_size).double()
+    with pytest.raises(coda.CodaInputError, match=r"RoundsOnce does not compute coda's 'llama'"):
+        ct.apply_coda(model, layers=False)
+    assert not hasattr(model, "coda_method")
+    with torch.device("meta"):
+        on_meta = model_class(tiny_config("llama"))(tiny_config("llama"))
+    ct.apply_coda(on_meta, layers=False)  # (its class is Llama's: its norm is not run)
+    assert on_meta.coda_method == "auto"
