@@ -25,10 +25,14 @@ import coda.transformers as ct  # noqa: E402
 
 
 def moe_model(family: str, **kw):
-    """A tiny float64 MoE causal LM (``tiny_config``'s), seeded."""
+    """A tiny float64 MoE causal LM (``tiny_config``'s), seeded, its final norm's weight moved
+    off its initial value (HF makes it 1, or 0 for a 1 + w gain: a lost gain would not show)."""
     cfg = tiny_config(family, **kw)
     torch.manual_seed(0)
-    return model_class(cfg)(cfg).double()
+    model = model_class(cfg)(cfg)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.3 * torch.randn_like(model.model.norm.weight))
+    return model.double()
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
