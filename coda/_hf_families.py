@@ -100,6 +100,8 @@ VISION_LANGUAGE = (
     "Glm4vForConditionalGeneration",
     "Glm4vMoeForConditionalGeneration",
     "MllamaForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
 )
 TEXT_LOSS_ONLY = {
     "GemmaModel": LOSS_ONLY["GemmaForCausalLM"],
@@ -109,6 +111,8 @@ TEXT_LOSS_ONLY = {
     "Qwen3VLMoeTextModel": _MOE,
     "Glm4vTextModel": "norms after each sublayer, multimodal RoPE on part of each head",
     "Glm4vMoeTextModel": _MOE,
+    "Qwen3_5TextModel": LOSS_ONLY["Qwen3_5ForCausalLM"],
+    "Qwen3_5MoeTextModel": LOSS_ONLY["Qwen3_5MoeForCausalLM"],
 }
 # text models whose layers are Qwen2's (Qwen2-VL, Qwen2.5-VL) or Qwen3's (Qwen3-VL) with
 # multimodal RoPE: coda's layer with ``mrope_sections``

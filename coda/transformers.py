@@ -64,7 +64,7 @@ Qwen3.5's final norm scaling by 1 + w in fp32 as Gemma's), DeepSeek-V3, GLM-4.5,
 the norm itself before patching (``_hf_forward.check_final_norm``).
 Vision-language models (``VISION_LANGUAGE``: Llava, Llava-NeXT, Llava-OneVision, Mistral 3,
 InternVL, Idefics3, SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE,
-GLM-4V, GLM-4.5V, Mllama): the
+GLM-4V, GLM-4.5V, Mllama, Qwen3.5, Qwen3.5 MoE): the
 training call's loss through coda's (the model's own forward runs, its images, masks and
 multimodal positions its own, with its final norm and LM head skipped and its loss function
 coda's: ``_hf_forward.vision_language_forward``), and the text model's decoder layers where

@@ -29,6 +29,8 @@ KINDS = {
     "qwen3_vl_moe": False,
     "glm4v": False,
     "glm4v_moe": False,
+    "qwen3_5": False,
+    "qwen3_5_moe": False,
 }
 TEXT_ONLY = ("llava_next", "llava_onevision", "mllama")
 # image tokens per image: Llava's and PaliGemma's 16 patches; the others merge 2 x 2 patches
@@ -124,6 +126,13 @@ def _config(kind: str):
         return tf.Glm4vMoeConfig(text_config=text, vision_config=vision, **ids, **_EAGER)
     vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
     text = dict(_TEXT, head_dim=12, rope_parameters=dict(_MROPE, mrope_interleaved=True))
+    if kind.startswith("qwen3_5"):  # (linear-attention layers: four, the fourth full attention)
+        text.update(num_hidden_layers=4)
+        if kind == "qwen3_5":
+            return tf.Qwen3_5Config(text_config=text, vision_config=vision, **ids)
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        text.update(shared_expert_intermediate_size=40)
+        return tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **ids, **_EAGER)
     if kind == "qwen3_vl_moe":
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
         return tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids, **_EAGER)
@@ -136,7 +145,8 @@ def _model_class(kind: str):
     names = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
     names.update(qwen3_vl_moe="Qwen3VLMoe", glm4v="Glm4v", glm4v_moe="Glm4vMoe")
     names.update(llava_next="LlavaNext", llava_onevision="LlavaOnevision", internvl="InternVL")
-    names.update(smolvlm="SmolVLM", paligemma="PaliGemma")
+    names.update(smolvlm="SmolVLM", paligemma="PaliGemma", qwen3_5="Qwen3_5")
+    names.update(qwen3_5_moe="Qwen3_5Moe")
     name = names.get(kind, kind.capitalize())
     return getattr(tf, f"{name}ForConditionalGeneration")
 
