@@ -318,17 +318,24 @@ LOGITS_SOFTCAPPED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 def norm_form(norm) -> str:
     """How the model's final RMSNorm applies its weight, as coda's loss must: "gemma" (1 +
-    weight, in fp32), "fp32" (the weight in fp32, OLMo's), "llama" (Llama's, and every family's
-    with a ``variance_epsilon``); another norm class is refused, named (``apply_coda`` asks
-    before patching, so the training call cannot meet one)."""
+    weight, in fp32), "fp32" (the weight in fp32, OLMo's), "llama" (Llama's, and every other
+    RMSNorm's with an epsilon: ``variance_epsilon``, or ``eps`` as Llama 4's in transformers
+    5.17; ``check_final_norm`` holds the verdict against the norm); another norm class is
+    refused, named (``apply_coda`` asks before patching, so the training call cannot meet
+    one)."""
     name = type(norm).__name__
     if name in GEMMA_NORMS:
         return "gemma"
     if name in FP32_SCALED_NORMS:
         return "fp32"
-    if hasattr(norm, "variance_epsilon"):
+    if name.endswith("RMSNorm") and _epsilon(norm) is not None:
         return "llama"
     raise v.CodaInputError(f"apply_coda: a final norm {name} is not supported")
+
+
+def _epsilon(norm):
+    """A norm's epsilon, by either of the names HF's RMSNorms give it (or None)."""
+    return getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
 
 
 def check_final_norm(norm) -> None:
@@ -368,7 +375,7 @@ def final_norm(norm, logits_scaling: float = 1.0) -> tuple:
         gain, eps = 1.0 + norm.weight.float(), norm.eps
     else:
         gain = norm.weight.float() if form == "fp32" else norm.weight
-        eps = norm.variance_epsilon
+        eps = _epsilon(norm)
     return (gain if logits_scaling == 1.0 else gain.float() / logits_scaling), eps
 
 

@@ -94,15 +94,17 @@ def test_a_final_norm_that_rounds_as_another_form_is_refused():
     refuses it, named, nothing patched; a model on the meta device is taken by class."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    class RoundsOnce(LlamaRMSNorm):
+    class RoundsOnceRMSNorm(LlamaRMSNorm):
         def forward(self, h):
             hf = h.float()
             hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
             return (self.weight * hf).to(h.dtype)
 
     model = tiny("llama")
-    model.model.norm = RoundsOnce(model.config.hidden_size).double()
-    with pytest.raises(coda.CodaInputError, match=r"RoundsOnce does not compute coda's 'llama'"):
+    model.model.norm = RoundsOnceRMSNorm(model.config.hidden_size).double()
+    with pytest.raises(
+        coda.CodaInputError, match=r"RoundsOnceRMSNorm does not compute coda's 'llama'"
+    ):
         ct.apply_coda(model, layers=False)
     assert not hasattr(model, "coda_method")
     with torch.device("meta"):
