@@ -80,10 +80,10 @@ MOE_KW.update(
 )
 # families whose loss alone coda takes with no router term in HF's forward (session 69), by
 # config class as ``MOE``: DeepSeek-V3 (latent attention), GLM-4.5 (MoE), Llama 4 (text),
-# GLM-4, Apertus, Arcee, EXAONE 4 and Qwen3.5 (linear-attention layers)
+# GLM-4, Apertus, Arcee, EXAONE 4, Qwen3.5 (linear-attention layers) and ERNIE 4.5
 LOSS_ALONE = dict(deepseek_v3="DeepseekV3", glm4_moe="Glm4Moe", llama4="Llama4Text")
 LOSS_ALONE.update(glm4="Glm4", apertus="Apertus", arcee="Arcee", exaone4="Exaone4")
-LOSS_ALONE.update(qwen3_5="Qwen3_5Text")
+LOSS_ALONE.update(qwen3_5="Qwen3_5Text", ernie4_5="Ernie4_5")
 _GROUPED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1)
 _GROUPED.update(topk_group=1, first_k_dense_replace=1, experts_implementation="eager")
 LOSS_ALONE_KW = dict(
