@@ -49,9 +49,13 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     extra["ministral"] = extra["cwm"] = {"head_dim": 64, "sliding_window": 128}
     extra.update({name: {"rope_parameters": rope} for name, rope in SCALED_ROPES.items()})
     extra["llama-bias"] = {"attention_bias": True}  # biases on q, k, v and o
+    # the loss alone of GPT-OSS (its final norm rounding once, in fp32) and Qwen3-Next (a
+    # gain 1 + w; four layers, the fourth full attention, the others linear attention)
+    extra["gpt_oss"] = {"head_dim": 64}
+    extra["qwen3_next"] = {"head_dim": 64, "num_hidden_layers": 4}
     base = "llama" if family in SCALED_ROPES or family == "llama-bias" else family
     base = "gemma2" if family == "gemma2-capped" else base
-    cfg = tiny_config(base, **shape, **extra.get(family, {}))
+    cfg = tiny_config(base, **{**shape, **extra.get(family, {})})
     torch.manual_seed(seed)
     ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
     loss_only = type(ref).__name__ in ct.LOSS_ONLY  # (coda's loss, HF's layers: Gemma 3's...)
@@ -116,13 +120,13 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
 @pytest.mark.parametrize(
     "family",
     ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
-    + ["cwm"]
+    + ["cwm", "gpt_oss", "qwen3_next"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):
     """H200: a patched bf16 Llama / Qwen3 / Mistral / Phi-3 / SmolLM3 (its NoPE layers: RoPE
-    at angle 0 in the epilogue), Gemma 3, Granite and OLMo 2 (the loss alone: the final
-    norm's fp32 gain, Granite's logits_scaling in it), and
+    at angle 0 in the epilogue), Gemma 3, Granite, OLMo 2, GPT-OSS and Qwen3-Next (the loss
+    alone: the final norm's fp32 gain, Granite's logits_scaling in it), and
     Llama with Llama 3's, linear, YaRN and LongRoPE scaling (coda's
     kernels, HF's sdpa) against the unpatched bf16 model, both against a float64 copy: loss
     and every gradient no worse than the unpatched bf16 model's (CODA's protocol, ties within
