@@ -77,6 +77,8 @@ LOSS_ONLY = {
     "Exaone4ForCausalLM": "norms after each sublayer and a QK-norm",
     "Qwen3_5ForCausalLM": "linear-attention layers",
     "Ernie4_5ForCausalLM": "RoPE on adjacent pairs (GLM's order), which the patch does not map",
+    "HunYuanDenseV1ForCausalLM": "a QK-norm after RoPE",
+    "HunYuanMoEV1ForCausalLM": _MOE + " and a QK-norm after RoPE",
 }
 # vision-language models (a vision encoder feeding a text model's token embeddings) whose
 # training loss coda takes (``_hf_forward.vision_language_forward``), and whose text model's

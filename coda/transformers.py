@@ -60,8 +60,9 @@ Granite-MoE-Shared, whose ``logits_scaling`` divides that gain; OLMo 2 and OLMo 
 final norm rounds once; OLMoE, GPT-OSS (its final norm rounding as OLMo's), MiniMax-M2, ERNIE
 4.5 MoE, Qwen3-Next and Qwen3.5 MoE (their router terms as Mixtral's; Qwen3-Next's and
 Qwen3.5's final norm scaling by 1 + w in fp32 as Gemma's), DeepSeek-V3, GLM-4.5, Llama 4
-(text), GLM-4, Apertus, Arcee, EXAONE 4, Qwen3.5 and ERNIE 4.5. Each final norm's form is
-held against the norm itself before patching (``_hf_forward.check_final_norm``).
+(text), GLM-4, Apertus, Arcee, EXAONE 4, Qwen3.5, ERNIE 4.5 and Hunyuan (dense, MoE). Each
+final norm's form is held against the norm itself before patching
+(``_hf_forward.check_final_norm``).
 Vision-language models (``VISION_LANGUAGE``: Llava, Llava-NeXT, Llava-OneVision, Mistral 3,
 InternVL, Idefics3, SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE,
 GLM-4V, GLM-4.5V, Mllama, Qwen3.5, Qwen3.5 MoE): the

@@ -80,10 +80,12 @@ MOE_KW.update(
 )
 # families whose loss alone coda takes with no router term in HF's forward (session 69), by
 # config class as ``MOE``: DeepSeek-V3 (latent attention), GLM-4.5 (MoE), Llama 4 (text),
-# GLM-4, Apertus, Arcee, EXAONE 4, Qwen3.5 (linear-attention layers) and ERNIE 4.5
+# GLM-4, Apertus, Arcee, EXAONE 4, Qwen3.5 (linear-attention layers), ERNIE 4.5 and
+# Hunyuan (dense and MoE)
 LOSS_ALONE = dict(deepseek_v3="DeepseekV3", glm4_moe="Glm4Moe", llama4="Llama4Text")
 LOSS_ALONE.update(glm4="Glm4", apertus="Apertus", arcee="Arcee", exaone4="Exaone4")
 LOSS_ALONE.update(qwen3_5="Qwen3_5Text", ernie4_5="Ernie4_5")
+LOSS_ALONE.update(hunyuan_dense="HunYuanDenseV1", hunyuan_moe="HunYuanMoEV1")
 _GROUPED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1)
 _GROUPED.update(topk_group=1, first_k_dense_replace=1, experts_implementation="eager")
 LOSS_ALONE_KW = dict(
@@ -94,6 +96,8 @@ LOSS_ALONE_KW = dict(
     glm4_moe=dict(head_dim=12, **_GROUPED),
     llama4=dict(experts_implementation="eager"),
     qwen3_5=dict(num_hidden_layers=4, head_dim=12),
+    hunyuan_dense=dict(head_dim=12),
+    hunyuan_moe=dict(num_experts=4, moe_topk=2, head_dim=12, experts_implementation="eager"),
 )  # fmt: skip
 
 
