@@ -8,24 +8,24 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from hf_tiny import model_class, tiny_config
 
 import coda
 import coda.nn as cnn
 
 F64 = torch.float64
-SHAPE = dict(vocab=128, d=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn=80)  # (vocab: the TMA rule)
+# the HF tests' tiny Llama (its vocabulary of 16-byte rows, for the kernel path's TMA rule)
+CONFIG = tiny_config("llama", vocab_size=128, attn_implementation="eager")
+SHAPE = dict(
+    vocab=CONFIG.vocab_size, d=CONFIG.hidden_size, n_layers=CONFIG.num_hidden_layers,
+    n_heads=CONFIG.num_attention_heads, n_kv_heads=CONFIG.num_key_value_heads,
+    ffn=CONFIG.intermediate_size, eps=CONFIG.rms_norm_eps,
+)  # fmt: skip
 
 
-def _hf_twin(model: cnn.CausalLM) -> LlamaForCausalLM:
-    """The HF model of ``model``'s shape, loaded from its HF state dict."""
-    cfg = LlamaConfig(
-        vocab_size=SHAPE["vocab"], hidden_size=SHAPE["d"], intermediate_size=SHAPE["ffn"],
-        num_hidden_layers=SHAPE["n_layers"], num_attention_heads=SHAPE["n_heads"],
-        num_key_value_heads=SHAPE["n_kv_heads"], rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=False, attn_implementation="eager",
-    )  # fmt: skip
-    hf = LlamaForCausalLM(cfg).to(F64)
+def _hf_twin(model: cnn.CausalLM):
+    """The HF ``LlamaForCausalLM`` of ``CONFIG``, loaded from ``model``'s HF state dict."""
+    hf = model_class(CONFIG)(CONFIG).to(F64)
     hf.load_state_dict(model.hf_state_dict(), strict=True)
     return hf.eval()
 

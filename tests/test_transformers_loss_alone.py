@@ -107,7 +107,8 @@ def test_a_final_norm_that_rounds_as_another_form_is_refused():
     ):
         ct.apply_coda(model, layers=False)
     assert not hasattr(model, "coda_method")
+    cfg = tiny_config("llama")
     with torch.device("meta"):
-        on_meta = model_class(tiny_config("llama"))(tiny_config("llama"))
+        on_meta = model_class(cfg)(cfg)
     ct.apply_coda(on_meta, layers=False)  # (its class is Llama's: its norm is not run)
     assert on_meta.coda_method == "auto"
