@@ -9,7 +9,9 @@ vision-language classes, text-only batches),
 in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and loss stay
 eager, as users compile it), with Liger's instance patch (called as the others, and with
 ``use_cache=False``, which a patched model's training call implies), and patched by
-``coda.transformers.apply_coda``, and patched with HF's activation checkpointing on (what it
+``coda.transformers.apply_coda``, and patched with ``model.model`` then compiled (``_compiled``:
+for the models whose loss alone coda takes, Inductor fusing HF's own layers around coda's
+loss; session 70), and patched with HF's activation checkpointing on (what it
 saves in memory and costs in time; ``_storing``: its first forward storing what only the
 backward's rerun reads, as before session 64), and patched with the embedding's backward left as
 torch's (``apply_coda(embedding=False)``). Every variant starts from the same weights. coda's and
@@ -172,7 +174,8 @@ SHAPES = {
 ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B", "qwen2.5-vl-3B")
 ON_REQUEST += ("qwen3-vl-2B",)
 BATCH, SEQ = 4, 4096
-PROFILED = ("hf_coda", "hf_liger", "hf_liger_no_cache")  # per-kernel tables (pass 1)
+# the variants whose per-kernel tables pass 1 takes
+PROFILED = ("hf_coda", "hf_coda_compiled", "hf_liger", "hf_liger_no_cache")
 
 
 # the vision-language families: (config class, multimodal RoPE sections as parts of
@@ -300,6 +303,11 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
         m.model = torch.compile(m.model)
         return m
 
+    def coda_compiled():  # coda's patch, then the decoder stack compiled as ``compiled``'s:
+        m = coda_patch(copy.deepcopy(base))  # for the loss-alone models (Gemma), Inductor's
+        m.model = torch.compile(m.model)  # fusion of HF's own layers around coda's loss
+        return m
+
     def checkpointed():  # HF's activation checkpointing over the patched layers
         m = coda_patch(copy.deepcopy(base)).train()
         enable = getattr(m, "activation_checkpointing_enable", None)  # (5.24's name)
@@ -310,6 +318,7 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
         ("hf", lambda: copy.deepcopy(base)),
         ("hf_torch_compile", compiled),
         ("hf_coda", lambda: coda_patch(copy.deepcopy(base))),
+        ("hf_coda_compiled", coda_compiled),
         ("hf_coda_checkpointed", checkpointed),
         # the same, its checkpoint's first forward storing what only the backward's rerun
         # reads (``storing_for_backward``), as before session 64

@@ -297,6 +297,22 @@ def test_the_storing_checkpointed_variant_stores_in_the_first_forward(monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def _tiny_hf_base(name: str, dtype=torch.float32):
+    """(family, model) of ``bench_hf.SHAPES[name]`` at a tiny width, built as the suite builds
+    it, on the CPU."""
+    from benchmarks import bench_hf
+
+    family, shape = bench_hf.SHAPES[name]
+    kv = shape["num_key_value_heads"]  # (as the shape groups its heads: 4 query heads)
+    kv = 4 if kv == shape["num_attention_heads"] else min(kv, 2)
+    dims = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
+    dims.update(head_dim=16, num_attention_heads=4, num_key_value_heads=kv)
+    dims.update({k: 8 for k in ("sliding_window",) if k in shape})
+    dims.update({"pad_token_id": 0} if "pad_token_id" in shape else {})
+    torch.manual_seed(0)
+    return family, bench_hf.build(family, {**shape, **dims}, "cpu", dtype)
+
+
 def test_every_hf_shape_builds_and_each_coda_variant_patches_it():
     """``bench_hf``: every shape (at a tiny width, on the CPU's reference path) builds its
     model class and config, and each coda variant patches it as the suite would (Gemma 3's
@@ -304,20 +320,43 @@ def test_every_hf_shape_builds_and_each_coda_variant_patches_it():
     pytest.importorskip("transformers")
     from benchmarks import bench_hf
 
-    tiny = dict(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1, head_dim=16
-    )
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
-    for name, (family, shape) in bench_hf.SHAPES.items():
-        kv = shape["num_key_value_heads"]  # (as the shape groups its heads: 4 query heads)
-        kv = 4 if kv == shape["num_attention_heads"] else min(kv, 2)
-        dims = {**tiny, "num_attention_heads": 4, "num_key_value_heads": kv}
-        dims.update({k: 8 for k in ("sliding_window",) if k in shape})
-        dims.update({"pad_token_id": 0} if "pad_token_id" in shape else {})
-        base = bench_hf.build(family, {**shape, **dims}, "cpu", torch.float32)
+    for name in bench_hf.SHAPES:
+        family, base = _tiny_hf_base(name)
         made = {label: make for label, make in bench_hf.variants(family, base, None)}
         for label in ("hf_coda", "hf_coda_checkpointed", "hf_coda_torch_embedding"):
             model = made[label]()
             assert getattr(model, "coda_method", None) == "auto", (name, label)
             model(input_ids=ids, labels=ids).loss.backward()
             assert model.lm_head.weight.grad is not None, (name, label)
+
+
+def test_the_compiled_coda_variant_steps_as_the_uncompiled_one():
+    """``hf_coda_compiled``: the patched model with its decoder stack under ``torch.compile``
+    (Inductor, on the CPU here); for Gemma 3, whose loss alone coda takes, its loss and every
+    gradient are the uncompiled patched model's in float64, to the fp32 roundings of HF's own
+    layers (Gemma's norms compute in fp32 whatever the model's dtype), which Inductor fuses in
+    another order: the compiled variant's gradients differ by 3e-7 of their largest (and
+    the unpatched model's from coda's by 2e-7), while with the final norm run twice, as it
+    would be were coda's swap of it to land on the compiled wrapper, they differ by 1.8 and
+    the loss by 7e-4 (the final norm's gain moved off 1, so that the loss tells it too)."""
+    pytest.importorskip("transformers")
+    from benchmarks import bench_hf
+
+    family, base = _tiny_hf_base("gemma-3-1B", torch.float64)
+    with torch.no_grad():
+        base.model.norm.weight.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(2))
+    made = dict(bench_hf.variants(family, base, None))
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    steps = []
+    for label in ("hf_coda", "hf_coda_compiled"):
+        model = made[label]()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        steps.append((model, loss))
+    (eager, want), (compiled, got) = steps
+    assert isinstance(compiled.model, torch._dynamo.eval_frame.OptimizedModule)
+    assert getattr(compiled, "coda_method", None) == "auto"
+    torch.testing.assert_close(got, want, rtol=1e-8, atol=0)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert (q.grad - p.grad).abs().max() <= 2e-6 * p.grad.abs().max(), name
