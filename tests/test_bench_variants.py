@@ -336,10 +336,10 @@ def test_the_compiled_coda_variant_steps_as_the_uncompiled_one():
     (Inductor, on the CPU here); for Gemma 3, whose loss alone coda takes, its loss and every
     gradient are the uncompiled patched model's in float64, to the fp32 roundings of HF's own
     layers (Gemma's norms compute in fp32 whatever the model's dtype), which Inductor fuses in
-    another order: the compiled variant's gradients differ by 3e-7 of their largest (and
-    the unpatched model's from coda's by 2e-7), while with the final norm run twice, as it
-    would be were coda's swap of it to land on the compiled wrapper, they differ by 1.8 and
-    the loss by 7e-4 (the final norm's gain moved off 1, so that the loss tells it too)."""
+    another order: the compiled variant's gradients differ by 3e-7 of their largest, while
+    with the final norm run twice, as it would be were coda's swap of it to land on the
+    compiled wrapper, they differ by 1.8 and the loss by 7e-4 (the final norm's gain moved off
+    1, so that the loss tells it too)."""
     pytest.importorskip("transformers")
     from benchmarks import bench_hf
 
