@@ -18,6 +18,7 @@ COLUMNS = ("coda", "torch.compile", "Liger", "quack", "eager")
 
 def _entry(record: str, suite: str, name: str, d: int | None = None) -> dict:
     rows = json.loads((RESULTS / record).read_text())["benchmarks"][suite]
+    rows = rows["rows_so_far"] if isinstance(rows, dict) else rows  # (a suite cut at its limit)
     hits = [r for r in rows if r["name"] == name and (d is None or r.get("d") == d)]
     assert len(hits) == 1, (record, name, d, len(hits))
     return hits[0]
@@ -44,6 +45,7 @@ R266, R267, R271, R273 = (
 )  # mixed precision
 R272, R276 = "2026-12-04_h200_run272.json", "2026-12-04_h200_run276.json"
 R293 = "2026-12-05_h200_run293.json"  # the soft-capped LM head (CE-S as "coda_scaled_exp")
+R296 = "2026-12-05_h200_run296.json"  # Gemma-3-1B's loss alone, beside Liger's patch
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
 FWD = {**LAYER, "coda": "coda_decoder_layer"}
@@ -149,6 +151,10 @@ def expected() -> dict:
         "HF Qwen3-0.6B": hf("qwen3-0.6B", R261),
         "... HF Llama-3.2-1B, fp32 weights": hf("llama-3.2-1B+amp", R271),
         "... HF Qwen3-0.6B, fp32 weights": hf("qwen3-0.6B+amp", R273),
+        "... HF Gemma-3-1B, the loss alone": {
+            c: _k(_entry(R296, "hf", f"hf/gemma-3-1B/{n}")["tokens_per_s"])
+            for c, n in {"coda": "hf_coda", "Liger": "hf_liger", "eager": "hf"}.items()
+        },
         "FSDP2, 2 H200s": {c: _k(fsdp[n]["tokens_per_s_per_rank"]) for c, n in fsdp_cols.items()},
     }
 
