@@ -298,14 +298,8 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
         alone = type(m).__name__ in ct.LOSS_ONLY or text in ct.TEXT_LOSS_ONLY
         return ct.apply_coda(m, layers=not alone, **kw)
 
-    def compiled():
-        m = copy.deepcopy(base)
+    def compiled(m):  # the decoder stack under torch.compile, as users compile an HF model
         m.model = torch.compile(m.model)
-        return m
-
-    def coda_compiled():  # coda's patch, then the decoder stack compiled as ``compiled``'s:
-        m = coda_patch(copy.deepcopy(base))  # for the loss-alone models (Gemma), Inductor's
-        m.model = torch.compile(m.model)  # fusion of HF's own layers around coda's loss
         return m
 
     def checkpointed():  # HF's activation checkpointing over the patched layers
@@ -316,9 +310,11 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
 
     out = [
         ("hf", lambda: copy.deepcopy(base)),
-        ("hf_torch_compile", compiled),
+        ("hf_torch_compile", lambda: compiled(copy.deepcopy(base))),
         ("hf_coda", lambda: coda_patch(copy.deepcopy(base))),
-        ("hf_coda_compiled", coda_compiled),
+        # the patch, then the stack compiled: for the loss-alone models (Gemma), Inductor's
+        # fusion of HF's own layers around coda's loss
+        ("hf_coda_compiled", lambda: compiled(coda_patch(copy.deepcopy(base)))),
         ("hf_coda_checkpointed", checkpointed),
         # the same, its checkpoint's first forward storing what only the backward's rerun
         # reads (``storing_for_backward``), as before session 64
