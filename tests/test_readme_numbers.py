@@ -46,6 +46,8 @@ R266, R267, R271, R273 = (
 R272, R276 = "2026-12-04_h200_run272.json", "2026-12-04_h200_run276.json"
 R293 = "2026-12-05_h200_run293.json"  # the soft-capped LM head (CE-S as "coda_scaled_exp")
 R296 = "2026-12-05_h200_run296.json"  # Gemma-3-1B's loss alone, beside Liger's patch
+# on an H100: Gemma-3-1B's loss alone with the stack compiled; Llama-3.2-1B patched
+R297, R298 = "2026-12-05_h100_run297.json", "2026-12-05_h100_run298.json"
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
 FWD = {**LAYER, "coda": "coda_decoder_layer"}
@@ -154,6 +156,18 @@ def expected() -> dict:
         "... HF Gemma-3-1B, the loss alone": {
             c: _k(_entry(R296, "hf", f"hf/gemma-3-1B/{n}")["tokens_per_s"])
             for c, n in {"coda": "hf_coda", "Liger": "hf_liger", "eager": "hf"}.items()
+        },
+        "... HF Gemma-3-1B on an H100": {
+            c: _k(_entry(R297, "hf", f"hf/gemma-3-1B/{n}")["tokens_per_s"])
+            for c, n in {"coda": "hf_coda_compiled", "Liger": "hf_liger"}.items()
+        },
+        "... HF Llama-3.2-1B on an H100": {
+            c: _k(_entry(R298, "hf", f"hf/llama-3.2-1B/{n}")["tokens_per_s"])
+            for c, n in {
+                "coda": "hf_coda",
+                "torch.compile": "hf_torch_compile",
+                "Liger": "hf_liger",
+            }.items()
         },
         "FSDP2, 2 H200s": {c: _k(fsdp[n]["tokens_per_s_per_rank"]) for c, n in fsdp_cols.items()},
     }

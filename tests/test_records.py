@@ -1,4 +1,4 @@
-"""Every H200 record kept in ``benchmarks/results/`` (loose, or inside one of its archives)
+"""Every device record (H200, and H100 where no H200 was lent) kept in ``benchmarks/results/`` (loose, or inside one of its archives)
 names commits git has, and every record that carries ``source_sha256`` (those since session
 34) names the tree that ran: the digest of its named commit's sources equals it
 (``benchmarks/provenance.py``). Records whose tree no commit holds, or another commit than
