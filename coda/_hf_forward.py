@@ -22,7 +22,8 @@ from coda.reference.rmsnorm import final_norm_ref
 
 class MaskHint:
     """Shared by a patched model's layers: ``causal`` is True while a call whose attention
-    mask is the plain causal one runs under a CUDA-graph capture (``_plain_causal``)."""
+    mask is the plain causal one runs under a CUDA-graph capture or a torch.compile trace
+    (``_plain_causal``)."""
 
     __slots__ = ("causal",)
 
@@ -34,13 +35,16 @@ MASK_ARGUMENTS = ("attention_mask", "position_ids", "past_key_values", "cache", 
 
 
 def _plain_causal(args: tuple, kwargs: dict) -> bool:
-    """Whether the mask transformers builds for this call under a capture is the plain causal
-    one: a capture, and nothing given that shapes the mask (``input_ids`` or ``inputs_embeds``
-    and ``labels`` only, among the mask's inputs)."""
+    """Whether the mask transformers builds for this call under a capture or a trace is the
+    plain causal one: a capture or a torch.compile trace (where transformers before torch 2.14
+    builds a tensor mask too: ``_ignore_causal_mask_sdpa`` declines the skip while tracing),
+    and nothing given that shapes the mask (``input_ids`` or ``inputs_embeds`` and ``labels``
+    only, among the mask's inputs). A trace decides it from the call's arguments alone, which
+    dynamo guards on: a later call with a mask input recompiles."""
     return (
         len(args) <= 1  # (input_ids, attention_mask, position_ids, ...) by position
         and all(kwargs.get(k) is None for k in MASK_ARGUMENTS)
-        and _capturing()
+        and (torch.compiler.is_compiling() or _capturing())
     )
 
 

@@ -26,12 +26,12 @@ architecture, a config feature, an adapter or quantized linear in place of a pro
 ``output_attentions``) raises ``CodaInputError`` naming it: nothing is silently left out.
 
 Under a CUDA-graph capture (``coda.nn.GraphedStep``) transformers 5.17 cannot tell the
-capture from a trace and hands SDPA its causal mask as a full (batch, 1, seq, seq) tensor in
-place of ``is_causal``, which costs SDPA its causal block skipping: a captured 1B step ran
-0.75x its eager one (benchmarks/NOTES.md, session 19). Where that mask is provably the plain
-causal one (the caller gave no attention mask, positions, cache or cache positions, and the
-layer has no sliding window), the patched model's sdpa layers pass no mask, as the eager step
-does.
+capture from a trace and hands SDPA its causal mask as a (batch, 1, seq, seq) tensor in place
+of ``is_causal``, as it does under a torch.compile trace before torch 2.14: a captured 1B step
+ran 0.75x its eager one (NOTES.md, session 19), a compiled HF Llama's attention 2.9x (run 298).
+Where that mask is provably the plain causal one (the caller gave no attention mask,
+positions, cache or cache positions; the layer has no sliding window), the patched model's
+sdpa layers pass no mask, as the eager step does.
 
 Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel``, ``MistralForCausalLM`` /
 ``MistralModel``, ``Qwen2ForCausalLM`` / ``Qwen2Model``, ``Qwen3ForCausalLM`` / ``Qwen3Model``,
@@ -213,7 +213,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         for an activation-checkpointing recompute, which runs in the backward with the same
         mask after the forward has returned."""
         if self.mask_hint.causal:
-            if isinstance(attention_mask, torch.Tensor):
+            if isinstance(attention_mask, torch.Tensor) and not torch.compiler.is_compiling():
                 attention_mask.coda_plain_causal = True
             return True
         return (

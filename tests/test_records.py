@@ -1,9 +1,9 @@
-"""Every device record (H200, and H100 where no H200 was lent) kept in ``benchmarks/results/`` (loose, or inside one of its archives)
-names commits git has, and every record that carries ``source_sha256`` (those since session
-34) names the tree that ran: the digest of its named commit's sources equals it
-(``benchmarks/provenance.py``). Records whose tree no commit holds, or another commit than
-the one they name, are listed below with why; the test checks that each still reads as
-explained, so the list cannot go stale."""
+"""Every device record kept in ``benchmarks/results/`` (H200, and H100 where no H200 was
+lent; loose, or inside one of its archives) names commits git has, and every record that
+carries ``source_sha256`` (those since session 34) names the tree that ran: the digest of its
+named commit's sources equals it (``benchmarks/provenance.py``). Records whose tree no commit
+holds, or another commit than the one they name, are listed below with why; the test checks
+that each still reads as explained, so the list cannot go stale."""
 
 from __future__ import annotations
 

@@ -195,6 +195,35 @@ def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
     assert calls == [(False, False)] * 2  # no capture: transformers' mask, as it made it
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_compiled_patched_model_keeps_sdpa_causal(family, monkeypatch):
+    """Under torch.compile, transformers before torch 2.14 builds SDPA a tensor causal mask
+    (``_ignore_causal_mask_sdpa`` declines the skip while tracing), which cost a compiled
+    patched Llama 2.9x its attention time on the H100 (run 298). The patched sdpa layers drop
+    that mask where nothing the caller gave shapes it, as under a capture: SDPA traced with no
+    mask and ``is_causal`` (dynamo's eager backend, whole graph), the same loss as the
+    uncompiled call; a caller's attention mask is kept."""
+    _, model = pair(tiny_config(family))
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = model(input_ids=ids, labels=ids).loss
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    got = compiled(input_ids=ids, labels=ids).loss
+    assert calls == [(True, True)] * 2 and torch.equal(got, want)  # two layers, no mask
+    calls.clear()
+    compiled(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
+    assert calls == [(False, False)] * 2  # the caller's mask: transformers', as it made it
+    torch._dynamo.reset()
+
+
 def test_capture_keeps_a_sliding_window_mask(monkeypatch):
     """A Mistral model with a sliding window builds a windowed mask: under a capture it is
     not the plain causal one and stays (emulated as above; the same loss as eagerly)."""
