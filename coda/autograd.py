@@ -162,6 +162,7 @@ class LayerDims:
     head_dim: int
     eps: float
     rope_base: float
+    activation: str = "silu"  # the MLP's gated activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU)
 
 
 def sdpa_causal(q, k, v):
@@ -374,7 +375,8 @@ class AttentionOutput(torch.autograd.Function):
 
 
 class MLP(torch.autograd.Function):
-    """F4 + F5 / B4..B7: gate/up GEMM with the deferred row scale and SwiGLU in its epilogue
+    """F4 + F5 / B4..B7: gate/up GEMM with the deferred row scale and SwiGLU (``activation``
+    "silu"; "gelu_tanh": GeGLU) in its epilogue
     (the unscaled pre-activation kept for backward when ``train``: a backward can run), down
     projection + residual; backward: dSwiGLU and the norm statistic in the down projection's
     dgrad epilogue, the norm-backward dgrad GEMM with the residual gradient in its epilogue,
@@ -384,18 +386,19 @@ class MLP(torch.autograd.Function):
     would skip the pre-backward hook)."""
 
     @staticmethod
-    def forward(ctx, x1, a1, r1, g2, w_il, w_d, rows: tuple, train: bool):
+    def forward(ctx, x1, a1, r1, g2, w_il, w_d, rows: tuple, train: bool, activation="silu"):
         M, d = x1.shape
         f = w_d.shape[0]
         cfg = config_for("swiglu", M, d, 2 * f)
         if train:  # F4, keeping the unscaled pre-activation u for dSwiGLU (B4)
-            s, u = lib.gemm_swiglu(a1, w_il, r1, cfg)
+            s, u = lib.gemm_swiglu(a1, w_il, r1, cfg, activation)
         else:  # F4 alone: no backward reads this run's u, so no 2f-wide store
-            s, u = lib.gemm_swiglu_only(a1, w_il, r1, cfg), stand_in((M, 2 * f), a1)
+            s, u = lib.gemm_swiglu_only(a1, w_il, r1, cfg, activation), stand_in((M, 2 * f), a1)
         # F5: the residual add alone (no statistic): this boundary's norm is the next
         # layer's F0, which computes its own
         x2 = lib.gemm_residual_add(s, w_d, x1, config_for("residual", M, f, d), rows)
         ctx.save_for_backward(x1, r1, u, g2, w_il, w_d)
+        ctx.activation = activation
         return x2
 
     @staticmethod
@@ -405,14 +408,14 @@ class MLP(torch.autograd.Function):
         M, d = x1.shape
         f = w_d.shape[0]
         dx2 = dx2.reshape(M, d).contiguous()
-        dz1, s, stat1 = lib.dswiglu(dx2, w_d, u, r1, config_for("dswiglu", M, d, f))  # B4
+        dz1, s, stat1 = lib.dswiglu(dx2, w_d, u, r1, config_for("dswiglu", M, d, f), ctx.activation)
         dw_d = wgrad(s, dx2) if ctx.needs_input_grad[5] else None  # B5 (frozen: none)
         corr1 = norm_corr(r1, stat1, d)  # A6
         dx1, dg2 = lib.norm_bwd(
             dz1, w_il, x1, g2, corr1, dx2, config_for("norm_bwd", M, 2 * f, d)
         )  # B6 + A7
         dw_il = lib.wgrad_gamma_rows(x1, dz1, g2) if ctx.needs_input_grad[4] else None  # B7
-        return dx1, None, None, dg2, dw_il, dw_d, None, None
+        return dx1, None, None, dg2, dw_il, dw_d, None, None, None
 
 
 def decoder_layer(
@@ -467,7 +470,7 @@ def decoder_layer(
     o = o4.transpose(1, 2).reshape(x0.shape[0], H * hd)
     x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps, o_bias)
     train = backward_can_follow(x1, a1, r1, g2, w_il, w_d)  # (attention may own weights)
-    return MLP.apply(x1, a1, r1, g2, w_il, w_d, (dims.batch, dims.seq), train)
+    return MLP.apply(x1, a1, r1, g2, w_il, w_d, (dims.batch, dims.seq), train, dims.activation)
 
 
 class Embedding(torch.autograd.Function):

@@ -46,6 +46,7 @@ from coda.kernels.gemm_rope import (
     lean_z_cols,
     position_rows,
 )
+from coda.kernels.gemm_swiglu import ACTIVATIONS as GLU_ACTIVATIONS
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
 from coda.kernels.norm_rows import row_stat
 from coda.kernels.qk_norm import column_rows, epilogue_head_rule, qk_norm_config
@@ -302,7 +303,7 @@ def gemm_rmsnorm_gemm(
 
 
 class SwiGLU(NamedTuple):
-    s: torch.Tensor  # (M, f) silu(gate) * up
+    s: torch.Tensor  # (M, f) act(gate) * up: silu (SwiGLU) or gelu_tanh (GeGLU)
     preact: Optional[torch.Tensor]  # (M, 2f) the unscaled interleaved pre-activation, if kept
 
 
@@ -312,16 +313,19 @@ def gemm_swiglu(
     rstd=None,
     *,
     save_preact: bool = False,
+    activation: str = "silu",
     backend: str = "auto",
     config: Optional[GemmConfig] = None,
 ) -> SwiGLU:
     """s = SwiGLU(rstd * (x @ w_il)) with gate/up interleaved: column 2j gate j, 2j+1 up j.
 
     x (M, K), w_il (K, 2f) (``coda.layouts.gate_up_weight_from_hf``), rstd (M,) fp32 or None
-    (no norm). ``save_preact`` also returns x @ w_il, what the backward needs."""
+    (no norm). ``save_preact`` also returns x @ w_il, what the backward needs. ``activation``:
+    the gate's, "silu" (SwiGLU) or "gelu_tanh" (GeGLU, GELU's tanh form: Gemma's MLP)."""
     named = {"x": x, "w_il": w_il, "rstd": rstd}
 
     def check():
+        v.check_choice("activation", activation, GLU_ACTIVATIONS)
         v.check_matrix("x", x)
         v.check_matrix("w_il", w_il, rows=("x.shape[1]", x.shape[1]))
         if w_il.shape[1] % 2:
@@ -335,7 +339,7 @@ def gemm_swiglu(
                 raise v.CodaInputError(f"config.tile_n must be a multiple of 32, got {tile_n}")
         return path
 
-    plain = (backend, save_preact, config)
+    plain = (backend, save_preact, config, activation)
     path, tape, config = _checked(
         "gemm_swiglu", check, plain, named, ("x", "w_il"),
         configs=lambda: config or config_for("swiglu", *x.shape, w_il.shape[1]),
@@ -344,9 +348,9 @@ def gemm_swiglu(
     if path == "kernel":
         with tape:
             if save_preact:
-                return SwiGLU(*lib.gemm_swiglu(x, w_il, r, config))
-            return SwiGLU(lib.gemm_swiglu_only(x, w_il, r, config), None)
-    s, u = gemm_swiglu_ref(x, w_il, r)
+                return SwiGLU(*lib.gemm_swiglu(x, w_il, r, config, activation))
+            return SwiGLU(lib.gemm_swiglu_only(x, w_il, r, config, activation), None)
+    s, u = gemm_swiglu_ref(x, w_il, r, activation)
     return SwiGLU(s.to(x.dtype), u.to(x.dtype) if save_preact else None)
 
 

@@ -252,6 +252,7 @@ def test_layer_positions_must_be_integers(dtype):
 # -- level 2 ----------------------------------------------------------------------------------
 COMPILES = {
     "dswiglu": lambda: dswiglu.compile_dswiglu(512, 768),
+    "dgeglu": lambda: dswiglu.compile_dswiglu(512, 768, activation="gelu_tanh"),
     "norm_bwd": lambda: rmsnorm_bwd.compile_norm_bwd(1024, 512, residual=False),
     "norm_bwd_residual": lambda: rmsnorm_bwd.compile_norm_bwd(1024, 512, residual=True),
     "ce_grad_logits": lambda: ceb.compile_grad_logits(256, 1000),
@@ -302,8 +303,15 @@ def _grads(model_fn, params, x):
 def test_gpu_layer_and_head_every_gradient(B, S, d, H, Hkv, f, V, method):
     """Kernel path (bf16) vs fp32 reference of the same modules; each gradient's error no worse
     than the plain PyTorch bf16 path's (the reference path run in bf16)."""
+    assert_layer_and_head_protocol(B, S, d, H, Hkv, f, V, method)
+
+
+def assert_layer_and_head_protocol(B, S, d, H, Hkv, f, V, method, activation="silu"):
+    """CODA's protocol on one layer + LM head step (``test_gpu_layer_and_head_every_gradient``;
+    ``activation``: the layer's MLP gate)."""
     torch.manual_seed(0)
-    layer = cnn.DecoderLayer(d, H, Hkv, f, device="cuda", backend="kernel")
+    kw = {"device": "cuda", "activation": activation}
+    layer = cnn.DecoderLayer(d, H, Hkv, f, backend="kernel", **kw)
     head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method=method)
     with torch.no_grad():
         for p in (layer.attention_norm, layer.ffn_norm, head.final_norm):
@@ -315,7 +323,7 @@ def test_gpu_layer_and_head_every_gradient(B, S, d, H, Hkv, f, V, method):
     loss, grads = _grads(lambda: head(layer(x), t), params, x)
 
     def variant(dtype, backend):
-        lay = cnn.DecoderLayer(d, H, Hkv, f, device="cuda", dtype=dtype, backend=backend)
+        lay = cnn.DecoderLayer(d, H, Hkv, f, dtype=dtype, backend=backend, **kw)
         hd = cnn.LMHeadLoss(d, V, device="cuda", dtype=dtype, backend=backend)
         with torch.no_grad():
             for a, b in zip((*lay.parameters(), *hd.parameters()), params):

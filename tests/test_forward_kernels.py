@@ -253,7 +253,7 @@ def test_public_ops_take_the_tuned_tile_unless_given_one(monkeypatch):
     seen = []
     monkeypatch.setattr(ops, "_start", lambda *a: "kernel")
     monkeypatch.setattr(ops, "_kernel_layout", lambda *a: None)
-    monkeypatch.setattr(ops.lib, "gemm_swiglu_only", lambda *a: seen.append(a[-1]))
+    monkeypatch.setattr(ops.lib, "gemm_swiglu_only", lambda *a: seen.append(a[3]))
     monkeypatch.setattr(ops.lib, "gemm_residual_rms", lambda *a: seen.append(a[5]) or (1, 2, 3))
     monkeypatch.setattr(ops.lib, "gemm_rope", lambda *a: seen.append(a[-1]))
     monkeypatch.setattr(
@@ -370,6 +370,12 @@ def test_forward_ops_bad_input():
 COMPILES = {
     "swiglu_keep_preact": lambda m: sw.compile_gemm_swiglu(256, 512, save_preact=True, w_major=m),
     "swiglu_only": lambda m: sw.compile_gemm_swiglu(256, 512, save_preact=False, w_major=m),
+    "geglu_keep_preact": lambda m: sw.compile_gemm_swiglu(
+        256, 512, save_preact=True, w_major=m, activation="gelu_tanh"
+    ),
+    "geglu_only": lambda m: sw.compile_gemm_swiglu(
+        256, 512, save_preact=False, w_major=m, activation="gelu_tanh"
+    ),
     "rope": lambda m: rp.compile_gemm_rope(256, 640, w_major=m),
     "rope_bias": lambda m: rp.compile_gemm_rope_bias(256, 640, w_major=m),
     "rope_bias_lean": lambda m: rp.compile_gemm_rope_bias(256, 640, z_cols=16, w_major=m),

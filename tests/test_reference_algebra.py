@@ -78,8 +78,9 @@ def test_deferred_norm_backward_through_gemm2(seed):  # [I5.6, I5.8]
     assert rel_err(rn.wgrad_gamma_rows_ref(hd, dz_t, gd), w2.grad) < TOL
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_swiglu_interleaved_forward_backward(seed):  # [I3.1-I3.3, I5.1]
+def test_swiglu_interleaved_forward_backward(seed, activation):  # [I3.1-I3.3, I5.1]
     dims = random_dims(seed, M=(1, 40), d=(2, 50), f=(1, 45))
     g = torch.Generator().manual_seed(seed)
     M, d, f = dims["M"], dims["d"], dims["f"]
@@ -91,20 +92,21 @@ def test_swiglu_interleaved_forward_backward(seed):  # [I3.1-I3.3, I5.1]
     assert torch.equal(lin, w_il.T) and all(
         torch.equal(p, q.T) for p, q in zip(sg.split_gate_up_linear(lin), (wg, wu))
     )
-    s, u = sg.gemm_swiglu_ref(a, w_il, r)
+    glu = sg.GLU_REFS[activation]
+    s, u = sg.gemm_swiglu_ref(a, w_il, r, activation)
     y = r[:, None] * a
-    s_canon = sg.swiglu_ref(y @ wg, y @ wu)
+    s_canon = glu(y @ wg, y @ wu)
     assert rel_err(s, s_canon) < TOL
     ds = rand(g, M, f)
     s_canon.backward(ds)
-    s_re, dz_t, S = sg.dswiglu_ref(ds, u, r)
+    s_re, dz_t, S = sg.dswiglu_ref(ds, u, r, activation)
     assert rel_err(s_re, s) < TOL
     dw_il = a.T @ dz_t  # wgrad of the interleaved weight (r already in dz~)
     dwg, dwu = sg.split_gate_up(dw_il)
     assert rel_err(dwg, wg.grad) < TOL and rel_err(dwu, wu.grad) < TOL
     # S is the norm statistic: sum over GEMM2's output of d(loss)/dz * u
     zz = (r[:, None] * u).requires_grad_(True)
-    sg.swiglu_ref(zz[:, 0::2], zz[:, 1::2]).backward(ds)
+    glu(zz[:, 0::2], zz[:, 1::2]).backward(ds)
     assert rel_err(S, (zz.grad * u).sum(-1)) < TOL
 
 
@@ -189,6 +191,7 @@ def test_full_layer_sequence_matches_autograd(seed):  # [I5.9-I5.14, I4.5]
         2 * dims["half"],
         dims["f"],
         dims["V"],
+        activation=("silu", "gelu_tanh")[seed % 2],  # the MLP's gate: SwiGLU or GeGLU
     )
     g = torch.Generator().manual_seed(100 + seed)
     w = L.random_layer_weights(s, generator=g)

@@ -68,6 +68,59 @@ def test_dswiglu_proof_fails_on_a_wrong_formula():
     assert not same(out["D"][0], ds * sp.diff(s, u_u))
 
 
+@pytest.fixture
+def gelu_constants(monkeypatch):
+    """GELU's tanh-form constants as symbols (K2 = 2 k, a), so that the GeGLU proofs are
+    identities in them, not in two roundings of each; their values are checked apart."""
+    import coda.primitives.math as pm
+
+    k2, a = sp.symbols("K2 a", positive=True)
+    monkeypatch.setattr(pm, "GELU_TANH_K2", k2)
+    monkeypatch.setattr(pm, "GELU_TANH_A", a)
+    return k2, a
+
+
+def gelu_tanh(z, k2, a):
+    """The textbook form, 0.5 z (1 + tanh(k (z + a z^3))), k = K2 / 2."""
+    return z / 2 * (1 + sp.tanh(k2 / 2 * (z + a * z**3)))
+
+
+def same_exp(a, b) -> bool:
+    """``same``, with tanh written through exp first (the kernels' sigmoid form)."""
+    return sp.simplify((a - b).rewrite(sp.exp)) == 0
+
+
+def test_gelu_constants_are_geluts():
+    import math
+
+    import coda.primitives.math as pm
+
+    assert pm.GELU_TANH_K2 == 2 * math.sqrt(2 / math.pi) and pm.GELU_TANH_A == 0.044715
+
+
+def test_geglu_stores_the_preactivation_and_gelu_of_the_scaled_gate_times_up(gelu_constants):
+    a_g, a_u, r = sp.symbols("a_g a_u r")
+    for program in (sw.geglu_keep_preact, sw.geglu_only):
+        out = evaluate(program, acc=(a_g, a_u), rstd=r)
+        assert same_exp(out["s"], gelu_tanh(r * a_g, *gelu_constants) * (r * a_u))
+    assert evaluate(sw.geglu_keep_preact, acc=(a_g, a_u), rstd=r)["D"] == (a_g, a_u)
+
+
+def test_dgeglu_pair_is_the_gradient_of_the_forward_and_its_statistic_the_rstd_gradient(
+    gelu_constants,
+):
+    """B4 for GeGLU, as ``test_dswiglu_pair_...`` for SwiGLU; and the proof fails on a
+    swapped lane."""
+    ds, u_g, u_u, r = sp.symbols("ds u_g u_u r")
+    s = gelu_tanh(r * u_g, *gelu_constants) * (r * u_u)
+    out = evaluate(dsw.dgeglu_rescaled, acc=ds, c=(u_g, u_u), rstd=r)
+    assert same_exp(out["D"][0], ds * sp.diff(s, u_g))
+    assert same_exp(out["D"][1], ds * sp.diff(s, u_u))
+    assert same_exp(out["s"], s)
+    assert same_exp(out["stat"], ds * sp.diff(s, r))
+    assert not same_exp(out["D"][0], ds * sp.diff(s, u_u))
+
+
 def test_rope_rotates_each_pair_by_position_times_frequency():
     """F1: the pair (x1, x2) = r acc rotates by theta = pos * inv_freq, where the frequency
     row holds inv_freq / 2pi split as (hi, lo): x1 + i x2 times e^(i theta); the rotation
@@ -332,7 +385,8 @@ PROVEN = {
     "logits_lse_target", "logits_with_stats", "scale_rows", "scaled_grad_dx", "passthrough",
     "scaled_grad_dw", "rope_scaled_bias", "residual_bias_sumsq", "residual_bias_norm_sumsq",
     "capped_logits_lse_target", "capped_softmax_grad_logits", "mrope_scaled_bias",
-    "_qk_norm_mrope", "_qk_norm_mrope_keep_z", "capped_scaled_exp_logits",
+    "_qk_norm_mrope", "_qk_norm_mrope_keep_z", "capped_scaled_exp_logits", "geglu_keep_preact",
+    "geglu_only", "dgeglu_rescaled",
 }  # fmt: skip
 
 

@@ -1,17 +1,19 @@
-"""dSwiGLU in the epilogue of the down-projection's dgrad GEMM (KERNELS.md B4 + A6).
+"""dSwiGLU (or dGeGLU) in the epilogue of the down-projection's dgrad GEMM (KERNELS.md B4 + A6).
 
     acc = ds = dx2 @ W_d^T       (M x f)
     z = rstd * u                 TILE-LD u (saved unscaled pre-activation, as the GEMM's C,
                                  one (gate, up) pair per output column); VEC-LD COL rstd
-    dz_g = ds z_u sig (1 + z_g (1 - sig)),  dz_u = ds silu(z_g),  sig = sigmoid(z_g)
+    dz_g = ds z_u act'(z_g),  dz_u = ds act(z_g)
+        silu:      act' = sig (1 + z_g (1 - sig)),  sig = sigmoid(z_g)
+        gelu_tanh: act' = t + z_g t (1 - t) 2 k (1 + 3 a z_g^2),  t = sigmoid(2 k (z_g + a z_g^3))
     D     = rstd * (dz_g, dz_u)  TILE-ST, bf16 M x 2f interleaved ("widen": one value in,
                                  a packed pair out): the A operand of the W_il dgrad (B6) and
                                  the B operand of its wgrad (B7)
-    s     = silu(z_g) z_u        TILE-ST, recomputed: the operand of the W_d wgrad (B5)
+    s     = act(z_g) z_u         TILE-ST, recomputed: the operand of the W_d wgrad (B5)
     S[m, t] = sum (dz_g u_g + dz_u u_u)   RED_m: the norm-backward statistic, one GEMM early
 AUX:  corr = -(rstd^3 / d) * sum_t S       (``coda.kernels.rmsnorm_bwd.norm_corr``)
 
-Supported: bf16; f a multiple of 8. Tests: tests/test_backward_kernels.py.
+Supported: bf16; f a multiple of 8. Tests: tests/test_backward_kernels.py, tests/test_geglu.py.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from coda.primitives import (
     TileC,
     TileStore,
     epilogue_program,
+    gelu_tanh_gate,
+    gelu_tanh_slope,
     pack,
     sigmoid,
     unpack,
@@ -49,7 +53,26 @@ def dswiglu_rescaled(acc, c, rstd):
     return {"D": pack(dzg * rstd, dzu * rstd), "s": silu_g * zu, "stat": dzg * ug + dzu * uu}
 
 
-def dswiglu_kernel(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False):
+@epilogue_program(
+    inputs=[TileC(), ColLoad("rstd")],
+    stores=[TileStore("s")],
+    sinks=[RowPartials("stat")],
+    mode="widen",
+)
+def dgeglu_rescaled(acc, c, rstd):
+    ug, uu = unpack(c)
+    zg, zu = ug * rstd, uu * rstd
+    gate = gelu_tanh_gate(zg)
+    gelu_g = zg * gate
+    dzg = acc * zu * gelu_tanh_slope(zg, gate)
+    dzu = acc * gelu_g
+    return {"D": pack(dzg * rstd, dzu * rstd), "s": gelu_g * zu, "stat": dzg * ug + dzu * uu}
+
+
+PROGRAMS = {"silu": dswiglu_rescaled, "gelu_tanh": dgeglu_rescaled}
+
+
+def dswiglu_kernel(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False, activation="silu"):
     """acc = dx @ w_d^T; returns (dz_tilde M x 2f, s M x f, stat partials M x T_N).
     ``w_d`` is the (f, d) down-projection weight; its transpose is a view."""
     M, f = dx.shape[0], w_d.shape[0]
@@ -59,7 +82,7 @@ def dswiglu_kernel(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False):
         "stat": dx.new_empty(M, config.grid(M, f)[1], dtype=acc_dtype(dx)),
     }
     compiled = launch(
-        dswiglu_rescaled,
+        PROGRAMS[activation],
         dx,
         w_d.t(),
         config=config,
@@ -72,14 +95,14 @@ def dswiglu_kernel(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False):
     return compiled if dry else (dz, outputs["s"], outputs["stat"])
 
 
-def dswiglu_interpreted(dx, w_d, u, rstd, config: GemmConfig = DEFAULT):
+def dswiglu_interpreted(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, activation="silu"):
     out = interpret_gemm(
-        dswiglu_rescaled, dx, w_d.t(), config=config, operands={"c": u, "rstd": rstd}
+        PROGRAMS[activation], dx, w_d.t(), config=config, operands={"c": u, "rstd": rstd}
     )
     return out["D"], out["s"], out["stat"]
 
 
-def compile_dswiglu(d, f, *, config=DEFAULT, m=256) -> int:
+def compile_dswiglu(d, f, *, config=DEFAULT, m=256, activation="silu") -> int:
     dx, w_dt = example_operands(m, d, f, "k")  # w_d^T of a row-major (f, d) weight: k-major
     u = torch.empty(m, 2 * f, dtype=torch.bfloat16)
-    return dswiglu_kernel(dx, w_dt.t(), u, torch.empty(m), config, dry=True)
+    return dswiglu_kernel(dx, w_dt.t(), u, torch.empty(m), config, dry=True, activation=activation)

@@ -1,13 +1,15 @@
-"""GEMM2 of the MLP boundary: gate/up projection + deferred row scale + SwiGLU (KERNELS.md F4).
+"""GEMM2 of the MLP boundary: gate/up projection + deferred row scale + a gated activation
+(KERNELS.md F4): SwiGLU, or GeGLU (Gemma's MLP: GELU's tanh form in place of silu).
 
     acc = a @ W_il            a = h * gamma (from GEMM1), W_il gate/up interleaved (d x 2f)
     u   = acc                 TILE-ST (optional, bf16): the unscaled pre-activation for backward
     z   = rstd * acc          VEC-LD COL rstd (the norm's deferred row scale)
-    s_j = silu(z_2j) z_2j+1   EW pairwise (gate at even, up at odd columns); TILE-ST s (M x f)
+    s_j = act(z_2j) z_2j+1    EW pairwise (gate at even, up at odd columns); TILE-ST s (M x f)
+                              act = silu, or gelu_tanh(x) = x sigmoid(2 k (x + a x^3))
 
 Supported: bf16, K and 2f multiples of 8, tile_n a multiple of 32 (quack's SM90 rule for a
 half-width pair store); any M. Compile key: program, dtypes, majors, GemmConfig.
-Tests: tests/test_forward_kernels.py.
+Tests: tests/test_forward_kernels.py, tests/test_geglu.py.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
-from coda.primitives import ColLoad, TileStore, epilogue_program, silu, unpack
+from coda.primitives import ColLoad, TileStore, epilogue_program, gelu_tanh, silu, unpack
 from coda.reference.swiglu import gemm_swiglu_ref  # noqa: F401  (the op's reference)
 
 
@@ -32,17 +34,41 @@ def swiglu_only(acc, rstd):
     return {"s": silu(g) * u}
 
 
-def program_for(save_preact: bool):
-    return swiglu_keep_preact if save_preact else swiglu_only
+@epilogue_program(inputs=[ColLoad("rstd")], stores=[TileStore("s")], mode="pair")
+def geglu_keep_preact(acc, rstd):
+    g, u = unpack(acc * rstd)
+    return {"D": acc, "s": gelu_tanh(g) * u}
 
 
-def gemm_swiglu_kernel(a, w_il, rstd, save_preact=True, config: GemmConfig = DEFAULT, dry=False):
+@epilogue_program(inputs=[ColLoad("rstd")], stores=[TileStore("s")], mode="pair", writes_d=False)
+def geglu_only(acc, rstd):
+    g, u = unpack(acc * rstd)
+    return {"s": gelu_tanh(g) * u}
+
+
+# the gated activations (``activation=`` of the ops, the MLP Function and ``DecoderLayer``)
+ACTIVATIONS = ("silu", "gelu_tanh")
+_PROGRAMS = {
+    ("silu", True): swiglu_keep_preact,
+    ("silu", False): swiglu_only,
+    ("gelu_tanh", True): geglu_keep_preact,
+    ("gelu_tanh", False): geglu_only,
+}
+
+
+def program_for(save_preact: bool, activation: str = "silu"):
+    return _PROGRAMS[activation, save_preact]
+
+
+def gemm_swiglu_kernel(
+    a, w_il, rstd, save_preact=True, config: GemmConfig = DEFAULT, dry=False, activation="silu"
+):
     """Returns (s (M x f), u (M x 2f) or None); with ``dry`` only compiles."""
     M, n2 = a.shape[0], w_il.shape[1]
     s = a.new_empty(M, n2 // 2)
     u = a.new_empty(M, n2) if save_preact else None
     compiled = launch(
-        program_for(save_preact),
+        program_for(save_preact, activation),
         a,
         w_il,
         config=config,
@@ -54,11 +80,14 @@ def gemm_swiglu_kernel(a, w_il, rstd, save_preact=True, config: GemmConfig = DEF
     return compiled if dry else (s, u)
 
 
-def gemm_swiglu_interpreted(a, w_il, rstd, config: GemmConfig = DEFAULT):
-    out = interpret_gemm(swiglu_keep_preact, a, w_il, config=config, operands={"rstd": rstd})
+def gemm_swiglu_interpreted(a, w_il, rstd, config: GemmConfig = DEFAULT, activation="silu"):
+    program = program_for(True, activation)
+    out = interpret_gemm(program, a, w_il, config=config, operands={"rstd": rstd})
     return out["s"], out["D"]
 
 
-def compile_gemm_swiglu(k, n2, *, save_preact, w_major="n", config=DEFAULT, m=256) -> int:
+def compile_gemm_swiglu(
+    k, n2, *, save_preact, w_major="n", config=DEFAULT, m=256, activation="silu"
+) -> int:
     a, w = example_operands(m, k, n2, w_major)
-    return gemm_swiglu_kernel(a, w, torch.empty(m), save_preact, config, dry=True)
+    return gemm_swiglu_kernel(a, w, torch.empty(m), save_preact, config, True, activation)

@@ -208,13 +208,13 @@ def _(x, w, res, cfg, rows):
 
 @torch.library.custom_op("coda::gemm_swiglu", mutates_args=())
 def _gemm_swiglu(
-    a: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, cfg: list[int]
+    a: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, cfg: list[int], act: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _sw.gemm_swiglu_kernel(a, w, rstd, True, _gc(cfg))
+    return _sw.gemm_swiglu_kernel(a, w, rstd, True, _gc(cfg), activation=act)
 
 
 @_fake(_gemm_swiglu)
-def _(a, w, rstd, cfg):
+def _(a, w, rstd, cfg, act):
     M, N = a.shape[0], w.shape[1]
     return _empty(M, N // 2, like=a), _empty(M, N, like=a)
 
@@ -233,26 +233,31 @@ def _(a, w, scale, cfg):
 
 @torch.library.custom_op("coda::gemm_swiglu_only", mutates_args=())
 def _gemm_swiglu_only(
-    a: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, cfg: list[int]
+    a: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, cfg: list[int], act: str
 ) -> torch.Tensor:
-    return _sw.gemm_swiglu_kernel(a, w, rstd, False, _gc(cfg))[0]
+    return _sw.gemm_swiglu_kernel(a, w, rstd, False, _gc(cfg), activation=act)[0]
 
 
 @_fake(_gemm_swiglu_only)
-def _(a, w, rstd, cfg):
+def _(a, w, rstd, cfg, act):
     return _empty(a.shape[0], w.shape[1] // 2, like=a)
 
 
 # -- backward -----------------------------------------------------------------------------------
 @torch.library.custom_op("coda::dswiglu", mutates_args=())
 def _dswiglu(
-    dx: torch.Tensor, w_d: torch.Tensor, u: torch.Tensor, rstd: torch.Tensor, cfg: list[int]
+    dx: torch.Tensor,
+    w_d: torch.Tensor,
+    u: torch.Tensor,
+    rstd: torch.Tensor,
+    cfg: list[int],
+    act: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _dsw.dswiglu_kernel(dx, w_d, u, rstd, _gc(cfg))
+    return _dsw.dswiglu_kernel(dx, w_d, u, rstd, _gc(cfg), activation=act)
 
 
 @_fake(_dswiglu)
-def _(dx, w_d, u, rstd, cfg):
+def _(dx, w_d, u, rstd, cfg, act):
     M, f = dx.shape[0], w_d.shape[0]
     stat = _empty(M, cdiv(f, cfg[1]), like=dx, dtype=acc_dtype(dx))
     return torch.empty_like(u), _empty(M, f, like=dx), stat
@@ -440,18 +445,21 @@ gemm_residual_add = _either(  # h alone (no statistic), its leading dimensions `
     lambda x, w, res, c, rows=(): _gemm_residual_add(x, w, res, _cfg(c), list(rows)),
     lambda x, w, res, c, rows=(): _grr.epilogue_gemm(x, w, res, None, c, stats=False, rows=rows)[0],
 )
-gemm_swiglu = _either(
-    lambda a, w, r, c: _gemm_swiglu(a, w, r, _cfg(c)),
-    lambda a, w, r, c: _sw.gemm_swiglu_kernel(a, w, r, True, c),
+gemm_swiglu = _either(  # act: the gated activation, "silu" or "gelu_tanh"
+    lambda a, w, r, c, act="silu": _gemm_swiglu(a, w, r, _cfg(c), act),
+    lambda a, w, r, c, act="silu": _sw.gemm_swiglu_kernel(a, w, r, True, c, activation=act),
 )
 gemm_scale_rows = _either(
     lambda a, w, s, c: _gemm_scale_rows(a, w, s, _cfg(c)), _rg.gemm_scale_rows_kernel
 )
 gemm_swiglu_only = _either(
-    lambda a, w, r, c: _gemm_swiglu_only(a, w, r, _cfg(c)),
-    lambda a, w, r, c: _sw.gemm_swiglu_kernel(a, w, r, False, c)[0],
+    lambda a, w, r, c, act="silu": _gemm_swiglu_only(a, w, r, _cfg(c), act),
+    lambda a, w, r, c, act="silu": _sw.gemm_swiglu_kernel(a, w, r, False, c, activation=act)[0],
 )
-dswiglu = _either(lambda dx, w, u, r, c: _dswiglu(dx, w, u, r, _cfg(c)), _dsw.dswiglu_kernel)
+dswiglu = _either(
+    lambda dx, w, u, r, c, act="silu": _dswiglu(dx, w, u, r, _cfg(c), act),
+    lambda dx, w, u, r, c, act="silu": _dsw.dswiglu_kernel(dx, w, u, r, c, activation=act),
+)
 norm_bwd = _either(
     lambda dz, w2, h, g, corr, dres, c: _norm_bwd(dz, w2, h, g, corr, dres, _cfg(c)),
     _nb.norm_bwd_kernel,

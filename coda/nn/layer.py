@@ -32,6 +32,7 @@ from coda.kernels.gemm_rope import (
     shared_freq_table,
     text_rows,
 )
+from coda.kernels.gemm_swiglu import ACTIVATIONS as GLU_ACTIVATIONS
 from coda.nn._common import FormerNames, in_dtype, tma_aligned, tma_rule
 from coda.reference.layer import LayerShape, decoder_layer_ref
 
@@ -99,7 +100,8 @@ class DecoderLayer(FormerNames, nn.Module):
     (batch, seq) or (seq,) one is every row's). ``long_inv_freq`` and ``long_after``:
     LongRoPE (Phi-3.5's): a second set of inverse frequencies, used by every call whose
     largest position is at least ``long_after`` (the original context length), chosen on the
-    device (``gemm_rope.context_freq_table``).
+    device (``gemm_rope.context_freq_table``). ``activation``: the MLP's gate, "silu"
+    (SwiGLU) or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's MLP), in the same epilogues.
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -109,8 +111,9 @@ class DecoderLayer(FormerNames, nn.Module):
     the biases ``b_qkv`` and ``b_o``, and state dicts saved under those names still load."""
 
     RENAMED = {"g1": "attention_norm", "g2": "ffn_norm", "b_qkv": "bias_qkv", "b_o": "bias_o"}
-    # (the defaults of layers pickled before LongRoPE and multimodal RoPE)
+    # (the defaults of layers pickled before LongRoPE, multimodal RoPE and GeGLU)
     _long_inv_freq = long_after = _mrope = None
+    activation = "silu"
 
     def __init__(
         self,
@@ -132,8 +135,10 @@ class DecoderLayer(FormerNames, nn.Module):
         long_inv_freq=None,
         long_after: int = None,
         mrope_sections=None,
+        activation: str = "silu",
     ):
         super().__init__()
+        self.activation = v.check_choice("activation", activation, GLU_ACTIVATIONS)
         if qk_norm and qkv_bias:
             raise v.CodaInputError("DecoderLayer: qk_norm and qkv_bias together are not supported")
         hd = v.check_heads(d, n_heads, n_kv_heads, head_dim)
@@ -217,6 +222,7 @@ class DecoderLayer(FormerNames, nn.Module):
         qk = ", qk_norm=True" if self.qk_norm else ", qkv_bias=True" if self.qkv_bias else ""
         qk += ", o_bias=True" if self.o_bias else ""
         qk += f", long_after={self.long_after}" if self.long_after else ""
+        qk += f", activation={self.activation!r}" if self.activation != "silu" else ""
         return (
             f"d={self.d}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, ffn={self.ffn}{qk}"
@@ -259,6 +265,7 @@ class DecoderLayer(FormerNames, nn.Module):
             1,
             self.eps,
             self.rope_base,
+            self.activation,
         )
 
     def forward(
@@ -396,7 +403,14 @@ class DecoderLayer(FormerNames, nn.Module):
         B, S, d = x.shape
         pos = self._positions(None, B, S, x.device) if positions is None else positions
         dims = LayerDims(
-            B, S, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.rope_base
+            B,
+            S,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.eps,
+            self.rope_base,
+            self.activation,
         )
         dtype = compute_dtype(x)
         x, g1, w_qkv, w_o, g2, w_il, w_d = in_dtype(

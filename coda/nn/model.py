@@ -26,7 +26,8 @@ class CausalLM(nn.Module):
     uses, and a loaded state dict's ``lm_head.weight`` must then equal its embedding.
     ``checkpoint``: activation checkpointing per layer
     (``torch.utils.checkpoint``, non-reentrant): each layer keeps only its input and reruns
-    its forward in the backward."""
+    its forward in the backward. ``activation``: the layers' MLP gate, "silu" (SwiGLU) or
+    "gelu_tanh" (GeGLU)."""
 
     def __init__(
         self,
@@ -45,19 +46,21 @@ class CausalLM(nn.Module):
         backend: str = "auto",
         checkpoint: bool = False,
         tie_embeddings: bool = False,
+        activation: str = "silu",
     ):
         super().__init__()
         v.check_positive_int("n_layers", n_layers)
         v.check_param_dtype(dtype)
         self.checkpoint = bool(checkpoint)
         kw = {"device": device, "dtype": dtype, "backend": backend}
+        layer_kw = {**kw, "activation": activation}
         # made uninitialized (nn.Embedding's own N(0, 1) draw skipped), then drawn here, so
         # the constructor draws in reset_parameters' order: embedding, layers, head
         weight = torch.empty(vocab, d, device=device, dtype=dtype)
         self.embed = Embedding(vocab, d, _weight=weight, backend=backend)
         nn.init.normal_(self.embed.weight, std=0.02)
         self.layers = nn.ModuleList(
-            DecoderLayer(d, n_heads, n_kv_heads, ffn, head_dim, eps, rope_base, **kw)
+            DecoderLayer(d, n_heads, n_kv_heads, ffn, head_dim, eps, rope_base, **layer_kw)
             for _ in range(n_layers)
         )
         self.head = LMHeadLoss(d, vocab, eps, method=method, **kw)

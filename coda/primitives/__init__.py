@@ -8,7 +8,17 @@
 - ``aux``: the fixed-order reductions over partials.
 """
 
-from coda.primitives.math import exp, exp2, pack, sigmoid, silu, unpack  # noqa: F401
+from coda.primitives.math import (  # noqa: F401
+    exp,
+    exp2,
+    gelu_tanh,
+    gelu_tanh_gate,
+    gelu_tanh_slope,
+    pack,
+    sigmoid,
+    silu,
+    unpack,
+)
 from coda.primitives.vocabulary import (  # noqa: F401
     ColLoad,
     ColPartials,

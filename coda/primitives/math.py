@@ -110,6 +110,28 @@ def silu(x):
     return x * sigmoid(x)
 
 
+# GELU's tanh form, 0.5 x (1 + tanh(k (x + a x^3))) with k = sqrt(2 / pi), a = 0.044715, is
+# x * sigmoid(2 k (x + a x^3)) exactly (tanh(y) = 2 sigmoid(2 y) - 1): one sigmoid, as silu
+GELU_TANH_A = 0.044715
+GELU_TANH_K2 = 2.0 * math.sqrt(2.0 / math.pi)
+
+
+def gelu_tanh_gate(x):
+    """sigmoid(2 k (x + a x^3)): the gate of GELU's tanh form, gelu_tanh(x) = x times it."""
+    return sigmoid(GELU_TANH_K2 * (x + GELU_TANH_A * x * x * x))
+
+
+def gelu_tanh(x):
+    """GELU's tanh approximation (torch's ``gelu(approximate="tanh")``, Gemma's MLP)."""
+    return x * gelu_tanh_gate(x)
+
+
+def gelu_tanh_slope(x, gate):
+    """d gelu_tanh / dx given ``gate = gelu_tanh_gate(x)``:
+    gate + x gate (1 - gate) 2 k (1 + 3 a x^2)."""
+    return gate + x * gate * (1.0 - gate) * GELU_TANH_K2 * (1.0 + 3.0 * GELU_TANH_A * x * x)
+
+
 def turns_to_angle(pos, freq_hi, freq_lo):
     """theta = 2 pi * frac(pos * (hi + lo)) in float64: the RoPE angle from a float-float
     frequency in turns, range-reduced exactly. The torch form of the angle the GPU epilogue

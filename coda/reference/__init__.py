@@ -35,6 +35,7 @@ from coda.reference.rope import (  # noqa: F401
 )
 from coda.reference.swiglu import (  # noqa: F401
     dswiglu_ref,
+    geglu_ref,
     gemm_swiglu_ref,
     interleave_gate_up,
     split_gate_up,

@@ -44,7 +44,13 @@ from coda.reference.rope import (
     rope_hf_ref,
     rope_table,
 )
-from coda.reference.swiglu import dswiglu_ref, gemm_swiglu_ref, interleave_gate_up, split_gate_up
+from coda.reference.swiglu import (
+    GLU_REFS,
+    dswiglu_ref,
+    gemm_swiglu_ref,
+    interleave_gate_up,
+    split_gate_up,
+)
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class LayerShape:
     vocab: int
     eps: float = 1e-5
     rope_base: float = 10000.0
+    activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
 
     @property
     def tokens(self) -> int:
@@ -142,7 +149,7 @@ def decoder_layer_ref(
         o = o + w["bo"].to(o.dtype)
     x1 = x0 + o
     gu = rmsnorm_ref(x1, w["g2"], s.eps) @ w["w_il"]
-    y = (torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]) @ w["wd"]
+    y = GLU_REFS[s.activation](gu[:, 0::2], gu[:, 1::2]) @ w["wd"]
     if rows:
         x1, y = x1.view(*rows, x1.shape[1]), y.view(*rows, y.shape[1])
     return x1 + y
@@ -157,7 +164,7 @@ def llama_layer_ref(x0, w: dict, s: LayerShape):
     k = rope_hf_ref((y1 @ w["wk"]).view(M, s.kv_heads, hd), theta).flatten(1)
     x1 = x0 + attention_ref(q, k, y1 @ w["wv"], s) @ w["wo"]
     y2 = rmsnorm_ref(x1, w["g2"], s.eps)
-    sw = torch.nn.functional.silu(y2 @ w["wg"]) * (y2 @ w["wu"])
+    sw = GLU_REFS[s.activation](y2 @ w["wg"], y2 @ w["wu"])
     return x1 + sw @ w["wd"]
 
 
@@ -205,7 +212,7 @@ def coda_layer_sequence_ref(x0, w: dict, target, s: LayerShape, tile_n: int = 12
     qkv = z.detach().requires_grad_(True)
     o = attention_ref(qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :], s)  # F2
     x1, a1, r1 = gemm_residual_rms_ref(o.detach(), w["wo"], x0, w["g2"], s.eps)  # F3 + A1
-    sw, u1 = gemm_swiglu_ref(a1, w["w_il"], r1)  # F4
+    sw, u1 = gemm_swiglu_ref(a1, w["w_il"], r1, s.activation)  # F4
     x2, a2, r2 = gemm_residual_rms_ref(sw, w["wd"], x1, w["gf"], s.eps)  # F5 + A2
     acc_lm = a2 @ w["w_lm"]  # F6 (never stored by the kernel)
     logits = r2[:, None] * acc_lm
@@ -220,7 +227,7 @@ def coda_layer_sequence_ref(x0, w: dict, target, s: LayerShape, tile_n: int = 12
     dx2, g["gf"] = norm_bwd_apply_ref(dz_lm @ w["w_lm"].T, x2, w["gf"], corr2)  # B2 + A5
     g["w_lm"] = a2.T @ dz_lm  # B3
     ds = dx2 @ w["wd"].T  # B4
-    s_re, dz1, S1 = dswiglu_ref(ds, u1, r1)
+    s_re, dz1, S1 = dswiglu_ref(ds, u1, r1, s.activation)
     g["wd"] = s_re.T @ dx2  # B5
     corr1 = norm_corr_ref(r1, S1, d)  # A6
     dx1, g["g2"] = norm_bwd_apply_ref(dz1 @ w["w_il"].T, x1, w["g2"], corr1, dres=dx2)  # B6, A7
