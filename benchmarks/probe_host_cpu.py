@@ -85,7 +85,7 @@ def pieces(calls: int = 20000) -> dict:
     rstd = torch.rand(M, generator=g) + 0.5
     s = torch.empty(M, F, dtype=BF)
     config = config_for("swiglu", M, D, 2 * F)
-    named, plain = {"x": x, "w_il": w_il, "rstd": rstd}, ("auto", False, None)
+    named, plain = {"x": x, "w_il": w_il, "rstd": rstd}, ("auto", False, None, "silu")
     with stood_in() as launches, torch.no_grad():
         for _ in range(2):  # the first call checks and records the plan tape
             coda.gemm_swiglu(x, w_il, rstd)
