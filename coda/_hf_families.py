@@ -44,7 +44,9 @@ TASK_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestio
 # does; Gemma's final norm scales by 1 + w in fp32, which coda's loss keeps in fp32
 # (``coda._hf_forward.final_norm``), and its token embedding (scaled by sqrt(d) in its own
 # class) stays HF's
-_MOE, _GEMMA = "a mixture of experts", "GeGLU MLPs and norms that scale by 1 + w"
+# (coda's MLP epilogues run Gemma's GeGLU since session 71: ``DecoderLayer(activation=
+# "gelu_tanh")``; its norms' 1 + w gains, formed in fp32, are what the layers lack)
+_MOE, _GEMMA = "a mixture of experts", "norms that scale by 1 + w in fp32"
 LOSS_ONLY = {
     "MixtralForCausalLM": _MOE,
     "Qwen2MoeForCausalLM": _MOE,

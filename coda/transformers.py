@@ -460,7 +460,8 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     if name in LOSS_ONLY and layers:
         raise v.CodaInputError(
             f"apply_coda: {name}'s decoder layers ({LOSS_ONLY[name]}) are not coda's: "
-            "apply_coda(model, layers=False) makes its training loss coda's"
+            "apply_coda(model, layers=False) makes its training loss coda's (torch.compile on "
+            "model.model then fuses HF's layers: docs/HUGGINGFACE.md)"
         )
     if not known:
         raise v.CodaInputError(
