@@ -313,7 +313,8 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
         ("hf_torch_compile", lambda: compiled(copy.deepcopy(base))),
         ("hf_coda", lambda: coda_patch(copy.deepcopy(base))),
         # the patch, then the stack compiled: for the loss-alone models (Gemma), Inductor's
-        # fusion of HF's own layers around coda's loss
+        # fusion of HF's own layers around coda's loss (run 297); for the layers coda takes,
+        # their uncompiled step (run 301, since the patched layers keep SDPA's causal flag)
         ("hf_coda_compiled", lambda: compiled(coda_patch(copy.deepcopy(base)))),
         ("hf_coda_checkpointed", checkpointed),
         # the same, its checkpoint's first forward storing what only the backward's rerun
