@@ -153,6 +153,14 @@ def _emulate_a_5_17_capture(monkeypatch) -> list:
     each SDPA call appends (its mask is None, its is_causal) to."""
     import transformers.masking_utils as mu
 
+    calls = _sdpa_calls(monkeypatch)
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    monkeypatch.setattr(hf_forward, "_capturing", lambda: True)
+    return calls
+
+
+def _sdpa_calls(monkeypatch) -> list:
+    """The list each SDPA call appends (its mask is None, its is_causal) to."""
     calls = []
     sdpa = F.scaled_dot_product_attention
 
@@ -161,8 +169,6 @@ def _emulate_a_5_17_capture(monkeypatch) -> list:
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
-    monkeypatch.setattr(hf_forward, "_capturing", lambda: True)
     return calls
 
 
@@ -206,14 +212,7 @@ def test_a_compiled_patched_model_keeps_sdpa_causal(family, monkeypatch):
     _, model = pair(tiny_config(family))
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     want = model(input_ids=ids, labels=ids).loss
-    calls = []
-    sdpa = F.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    calls = _sdpa_calls(monkeypatch)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     got = compiled(input_ids=ids, labels=ids).loss

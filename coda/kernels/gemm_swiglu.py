@@ -46,6 +46,9 @@ def geglu_only(acc, rstd):
     return {"s": gelu_tanh(g) * u}
 
 
+# (each program is its own module-level function, not one made per activation by a factory:
+# quack keys its compile cache on the fn's source and the globals it names, not on a
+# closure's values, so two programs must differ in their source)
 # the gated activations (``activation=`` of the ops, the MLP Function and ``DecoderLayer``)
 ACTIVATIONS = ("silu", "gelu_tanh")
 _PROGRAMS = {
