@@ -36,13 +36,17 @@ from coda.primitives import (
 )
 from coda.reference.swiglu import dswiglu_ref  # noqa: F401  (the kernel's reference)
 
+# both programs' declaration: the saved pairs (as C) and rstd in; the pair gradient (D, a
+# packed pair per input value), the recomputed s and the norm statistic's partials out
+_DGLU = {
+    "inputs": [TileC(), ColLoad("rstd")],
+    "stores": [TileStore("s")],
+    "sinks": [RowPartials("stat")],
+    "mode": "widen",
+}
 
-@epilogue_program(
-    inputs=[TileC(), ColLoad("rstd")],
-    stores=[TileStore("s")],
-    sinks=[RowPartials("stat")],
-    mode="widen",
-)
+
+@epilogue_program(**_DGLU)
 def dswiglu_rescaled(acc, c, rstd):
     ug, uu = unpack(c)
     zg, zu = ug * rstd, uu * rstd
@@ -53,12 +57,7 @@ def dswiglu_rescaled(acc, c, rstd):
     return {"D": pack(dzg * rstd, dzu * rstd), "s": silu_g * zu, "stat": dzg * ug + dzu * uu}
 
 
-@epilogue_program(
-    inputs=[TileC(), ColLoad("rstd")],
-    stores=[TileStore("s")],
-    sinks=[RowPartials("stat")],
-    mode="widen",
-)
+@epilogue_program(**_DGLU)
 def dgeglu_rescaled(acc, c, rstd):
     ug, uu = unpack(c)
     zg, zu = ug * rstd, uu * rstd

@@ -21,34 +21,37 @@ from coda.kernels.config import DEFAULT, GemmConfig
 from coda.primitives import ColLoad, TileStore, epilogue_program, gelu_tanh, silu, unpack
 from coda.reference.swiglu import gemm_swiglu_ref  # noqa: F401  (the op's reference)
 
+# one declaration for every gated program: rstd in, s out, a (gate, up) pair per column.
+# Each program is its own module-level function, not one made per activation by a factory:
+# quack keys its compile cache on the fn's source and the globals it names, not on a
+# closure's values, so two programs must differ in their source
+_GLU = {"inputs": [ColLoad("rstd")], "stores": [TileStore("s")], "mode": "pair"}
 
-@epilogue_program(inputs=[ColLoad("rstd")], stores=[TileStore("s")], mode="pair")
+
+@epilogue_program(**_GLU)
 def swiglu_keep_preact(acc, rstd):
     g, u = unpack(acc * rstd)
     return {"D": acc, "s": silu(g) * u}
 
 
-@epilogue_program(inputs=[ColLoad("rstd")], stores=[TileStore("s")], mode="pair", writes_d=False)
+@epilogue_program(**_GLU, writes_d=False)
 def swiglu_only(acc, rstd):
     g, u = unpack(acc * rstd)
     return {"s": silu(g) * u}
 
 
-@epilogue_program(inputs=[ColLoad("rstd")], stores=[TileStore("s")], mode="pair")
+@epilogue_program(**_GLU)
 def geglu_keep_preact(acc, rstd):
     g, u = unpack(acc * rstd)
     return {"D": acc, "s": gelu_tanh(g) * u}
 
 
-@epilogue_program(inputs=[ColLoad("rstd")], stores=[TileStore("s")], mode="pair", writes_d=False)
+@epilogue_program(**_GLU, writes_d=False)
 def geglu_only(acc, rstd):
     g, u = unpack(acc * rstd)
     return {"s": gelu_tanh(g) * u}
 
 
-# (each program is its own module-level function, not one made per activation by a factory:
-# quack keys its compile cache on the fn's source and the globals it names, not on a
-# closure's values, so two programs must differ in their source)
 # the gated activations (``activation=`` of the ops, the MLP Function and ``DecoderLayer``)
 ACTIVATIONS = ("silu", "gelu_tanh")
 _PROGRAMS = {
