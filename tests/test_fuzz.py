@@ -3,9 +3,10 @@
 Each case draws odd token counts (1 included, never a tile multiple on purpose), every allowed
 K/N alignment (multiples of 8 elements: the TMA's 16-byte rows in bf16), GQA ratios, head_dim
 64 and 128, ignore_index patterns (none, some, all, the first row), both target dtypes, and
-eps values. The canonical side is written here from torch's own functions (``F.rms_norm``,
-``F.silu``, HF rotate_half RoPE, ``F.cross_entropy``) on Hugging Face weight layouts, so it
-shares no code with the op under test beyond the exact layout permutations.
+eps values, SwiGLU and GeGLU. The canonical side is written here from torch's own functions
+(``F.rms_norm``, ``F.silu``, ``F.gelu``, HF rotate_half RoPE, ``F.cross_entropy``) on Hugging
+Face weight layouts, so it shares no code with the op under test beyond the exact layout
+permutations.
 
 - CPU (CI): float64 inputs; the public op (reference path) and the kernel's own epilogue
   program through the tile interpreter (random tile configs) must equal the canonical math to
@@ -167,6 +168,7 @@ class SwiGLU(Op):
             "wg": randn(g, K, f, dtype=dtype, device=device, scale=K**-0.5),
             "wu": randn(g, K, f, dtype=dtype, device=device, scale=K**-0.5),
             "rstd": row_scales(g, M, dtype, device),
+            "activation": rng.choice(["silu", "gelu_tanh"]),  # SwiGLU, or GeGLU (Gemma's)
         }
 
     def w_il(self, i):
@@ -174,14 +176,17 @@ class SwiGLU(Op):
 
     def coda(self, i):
         rstd = i["rstd"]
-        return (coda.gemm_swiglu(i["x"], self.w_il(i), rstd).s,)
+        return (coda.gemm_swiglu(i["x"], self.w_il(i), rstd, activation=i["activation"]).s,)
 
     def canonical(self, i):
         y = (up(i["x"]) * i["rstd"][:, None]).to(i["x"].dtype)
-        return (F.silu(y @ i["wg"]) * (y @ i["wu"]),)
+        gate = y @ i["wg"]
+        act = F.silu(gate) if i["activation"] == "silu" else F.gelu(gate, approximate="tanh")
+        return (act * (y @ i["wu"]),)
 
     def interpreted(self, i, cfg):
-        return (sw.gemm_swiglu_interpreted(i["x"], self.w_il(i), i["rstd"], cfg)[0],)
+        x, w_il, act = i["x"], self.w_il(i), i["activation"]
+        return (sw.gemm_swiglu_interpreted(x, w_il, i["rstd"], cfg, activation=act)[0],)
 
 
 class Rope(Op):
