@@ -2,7 +2,7 @@
 causal LM built from them.
 
 ``DecoderLayer`` (``coda.nn.layer``): pre-norm RMSNorm, GQA causal attention (torch SDPA /
-flash) with RoPE, SwiGLU MLP, residuals. ``LMHeadLoss`` and ``lm_head_loss``
+flash) with RoPE, SwiGLU (or GeGLU) MLP, residuals. ``LMHeadLoss`` and ``lm_head_loss``
 (``coda.nn.head``): final RMSNorm, LM head and cross-entropy, logits never stored on the
 kernel path. ``CausalLM`` (``coda.nn.model``): embedding, layers, head. On an SM90 GPU with
 bf16 tensors they run ``coda.autograd``'s kernel sequences; elsewhere the same math through

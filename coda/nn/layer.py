@@ -1,9 +1,8 @@
 """``DecoderLayer``: a Llama decoder layer (or Qwen3's, with QK-norm; or Qwen2's, with QKV
 biases; or Llama's with ``attention_bias=True``, an O-projection bias too) whose kernel path
-is ``coda.autograd.decoder_layer``'s fused sequence: pre-norm
-RMSNorm, GQA causal attention
-(SDPA by default, any attention callable) with RoPE, SwiGLU MLP, residuals. Weights in coda's
-paired layouts (``coda.nn``'s docstring); HF state dicts convert exactly."""
+is ``coda.autograd.decoder_layer``'s fused sequence: pre-norm RMSNorm, GQA causal attention
+(SDPA by default, any attention callable) with RoPE, SwiGLU (or GeGLU) MLP, residuals.
+Weights in coda's paired layouts (``coda.nn``'s docstring); HF state dicts convert exactly."""
 
 from __future__ import annotations
 
