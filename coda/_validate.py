@@ -11,6 +11,7 @@ NaN and Inf in inputs are not errors: they propagate as they do in PyTorch.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -107,6 +108,13 @@ def check_positive_int(name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
         raise CodaInputError(f"{name}: must be a positive integer, got {v!r}")
     return int(v)
+
+
+def check_finite_number(name: str, value) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value):
+        raise CodaInputError(f"{name}: must be a finite number, got {value!r}")
+    return float(value)
 
 
 def check_positive_number(name: str, value) -> float:

@@ -255,11 +255,21 @@ COMPILES = {
     "dgeglu": lambda: dswiglu.compile_dswiglu(512, 768, activation="gelu_tanh"),
     "norm_bwd": lambda: rmsnorm_bwd.compile_norm_bwd(1024, 512, residual=False),
     "norm_bwd_residual": lambda: rmsnorm_bwd.compile_norm_bwd(1024, 512, residual=True),
+    "norm_bwd_fp32_gain": lambda: rmsnorm_bwd.compile_norm_bwd(
+        1024, 512, residual=False, gamma=torch.float32
+    ),
+    "norm_bwd_residual_fp32_gain": lambda: rmsnorm_bwd.compile_norm_bwd(
+        1024, 512, residual=True, gamma=torch.float32
+    ),
     "ce_grad_logits": lambda: ceb.compile_grad_logits(256, 1000),
     "ce_grad_logits_capped": lambda: ceb.compile_grad_logits(256, 1000, capped=True),
     "ce_accumulate_fp32": lambda: ceb.compile_accumulate(1000, 512),
     "ce_dw_column_block": lambda: ceb.compile_dw_block(256, 2048),
     "wgrad_gamma_rows": lambda: wgrad.compile_wgrad_gamma_rows(512, 768),
+    # an fp32 gain (``DecoderLayer(norm_offset=1.0)``: Gemma's 1 + w, formed in fp32)
+    "wgrad_gamma_rows_fp32_gain": lambda: wgrad.compile_wgrad_gamma_rows(
+        512, 768, gamma=torch.float32
+    ),
     # Cleave's Split: the K = tokens loop cut in two, partials combined in split order
     "wgrad_gamma_rows_split_k": lambda: wgrad.compile_wgrad_gamma_rows(
         512, 768, config=GemmConfig(128, 192, 2, 1, False, split_k=2)
@@ -306,11 +316,11 @@ def test_gpu_layer_and_head_every_gradient(B, S, d, H, Hkv, f, V, method):
     assert_layer_and_head_protocol(B, S, d, H, Hkv, f, V, method)
 
 
-def assert_layer_and_head_protocol(B, S, d, H, Hkv, f, V, method, activation="silu"):
+def assert_layer_and_head_protocol(B, S, d, H, Hkv, f, V, method, **layer_options):
     """CODA's protocol on one layer + LM head step (``test_gpu_layer_and_head_every_gradient``;
-    ``activation``: the layer's MLP gate)."""
+    ``layer_options``: more ``DecoderLayer`` arguments, e.g. ``activation``)."""
     torch.manual_seed(0)
-    kw = {"device": "cuda", "activation": activation}
+    kw = {"device": "cuda", **layer_options}
     layer = cnn.DecoderLayer(d, H, Hkv, f, backend="kernel", **kw)
     head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method=method)
     with torch.no_grad():

@@ -117,6 +117,15 @@ def test_compiles_for_sm90(with_gamma, w_major, with_bias):
 
 
 @pytest.mark.compile
+def test_an_fp32_gain_compiles_for_sm90():
+    """F3 with an fp32 gain (``DecoderLayer(norm_offset=1.0)``: Gemma's 1 + w, formed in
+    fp32): a compile of its own (the gain's dtype is in the key), then reused."""
+    kw = dict(gamma=True, gamma_dtype=torch.float32)
+    assert kern.compile_gemm_residual_rms(256, 520, **kw) in (0, 1)
+    assert kern.compile_gemm_residual_rms(512, 1032, m=1000, **kw) == 0
+
+
+@pytest.mark.compile
 def test_statistic_free_program_compiles_for_sm90():
     assert kern.compile_gemm_residual_rms(256, 520, gamma=False, stats=False) in (0, 1)
     assert kern.compile_gemm_residual_rms(512, 1032, gamma=False, stats=False, m=1000) == 0

@@ -39,9 +39,10 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
     eps, qk_norm, qkv_bias = rng.choice([1e-5, 1e-2]), seed % 3 == 1, seed % 3 == 2
     o_bias = seed in (0, 5, 8)
     activation = "gelu_tanh" if seed in (2, 3, 4, 7) else "silu"  # GeGLU's MLP, and SwiGLU's
+    norm_offset = 1.0 if seed in (3, 6, 7) else 0.0  # Gemma's 1 + w gains
     layer = cnn.DecoderLayer(
         d, H, Hkv, f, head_dim=hd, eps=eps, dtype=F64, qk_norm=qk_norm, qkv_bias=qkv_bias,
-        o_bias=o_bias, activation=activation,
+        o_bias=o_bias, activation=activation, norm_offset=norm_offset,
     )  # fmt: skip
     with torch.no_grad():
         for gam in (layer.attention_norm, layer.ffn_norm, layer.q_norm, layer.k_norm):

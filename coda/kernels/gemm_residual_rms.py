@@ -153,10 +153,12 @@ def compile_gemm_residual_rms(
     config: GemmConfig = DEFAULT,
     m: int = 256,
     bias: bool = False,
+    gamma_dtype: torch.dtype = torch.bfloat16,
 ) -> int:
-    """Compile for sm_90a without a GPU; returns compiles done (M, N, K are dynamic)."""
+    """Compile for sm_90a without a GPU; returns compiles done (M, N, K are dynamic).
+    ``gamma_dtype``: the gain's (fp32: a ``norm_offset`` layer's 1 + w)."""
     x, w = example_operands(m, k, n, w_major)
     residual = torch.empty(m, n, dtype=torch.bfloat16)
-    g = torch.empty(n, dtype=torch.bfloat16) if gamma else None
+    g = torch.empty(n, dtype=gamma_dtype) if gamma else None
     b = torch.empty(n, dtype=torch.bfloat16) if bias else None
     return epilogue_gemm(x, w, residual, g, config, dry=True, stats=stats, bias=b)

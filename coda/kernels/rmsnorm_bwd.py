@@ -72,9 +72,11 @@ def norm_bwd_interpreted(dz, w2, h, gamma, corr, dres=None, config: GemmConfig =
     return out["D"], col_sums(out["dgamma"], gamma.dtype)
 
 
-def compile_norm_bwd(n2, d, *, residual: bool, config=DEFAULT, m=256) -> int:
+def compile_norm_bwd(n2, d, *, residual: bool, config=DEFAULT, m=256, gamma=torch.bfloat16):
+    """Compile for sm_90a without a GPU; ``gamma``: the gain's dtype (fp32: a
+    ``norm_offset`` layer's 1 + w). Returns compiles done."""
     dz, w2t = example_operands(m, n2, d, "k")
     bf = torch.bfloat16
-    h, g = torch.empty(m, d, dtype=bf), torch.empty(d, dtype=bf)
+    h, g = torch.empty(m, d, dtype=bf), torch.empty(d, dtype=gamma)
     dres = torch.empty(m, d, dtype=bf) if residual else None
     return norm_bwd_kernel(dz, w2t.t(), h, g, torch.empty(m), dres, config, dry=True)

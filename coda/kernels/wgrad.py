@@ -35,8 +35,9 @@ def wgrad_gamma_rows(h, dz, gamma, config: GemmConfig | None = None, dry=False):
     return gemm_scale_rows_kernel(h.t(), dz, gamma, config, dry=dry)
 
 
-def compile_wgrad_gamma_rows(d, n, *, config=DEFAULT, m=256) -> int:
-    """dW (d, n) = gamma * (h^T @ dz): h (m, d) and dz (m, n), both row-major activations."""
+def compile_wgrad_gamma_rows(d, n, *, config=DEFAULT, m=256, gamma=torch.bfloat16) -> int:
+    """dW (d, n) = gamma * (h^T @ dz): h (m, d) and dz (m, n), both row-major activations;
+    ``gamma``: the gain's dtype (fp32: a ``norm_offset`` layer's 1 + w)."""
     h = torch.empty(m, d, dtype=torch.bfloat16)
     dz = torch.empty(m, n, dtype=torch.bfloat16)
-    return wgrad_gamma_rows(h, dz, torch.empty(d, dtype=torch.bfloat16), config, dry=True)
+    return wgrad_gamma_rows(h, dz, torch.empty(d, dtype=gamma), config, dry=True)

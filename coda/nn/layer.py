@@ -101,6 +101,9 @@ class DecoderLayer(FormerNames, nn.Module):
     largest position is at least ``long_after`` (the original context length), chosen on the
     device (``gemm_rope.context_freq_table``). ``activation``: the MLP's gate, "silu"
     (SwiGLU) or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's MLP), in the same epilogues.
+    ``norm_offset``: the two norms scale by ``norm_offset + gain`` (Gemma's 1 + w), that sum
+    formed in fp32 and applied before the one rounding, as HF's ``GemmaRMSNorm`` does (a
+    bf16 1 + w would round w to 2^-8); the gains then start at 1 - norm_offset.
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -112,7 +115,7 @@ class DecoderLayer(FormerNames, nn.Module):
     RENAMED = {"g1": "attention_norm", "g2": "ffn_norm", "b_qkv": "bias_qkv", "b_o": "bias_o"}
     # (the defaults of layers pickled before LongRoPE, multimodal RoPE and GeGLU)
     _long_inv_freq = long_after = _mrope = None
-    activation = "silu"
+    activation, norm_offset = "silu", 0.0
 
     def __init__(
         self,
@@ -135,9 +138,11 @@ class DecoderLayer(FormerNames, nn.Module):
         long_after: int = None,
         mrope_sections=None,
         activation: str = "silu",
+        norm_offset: float = 0.0,
     ):
         super().__init__()
         self.activation = v.check_choice("activation", activation, GLU_ACTIVATIONS)
+        self.norm_offset = v.check_finite_number("norm_offset", norm_offset)
         if qk_norm and qkv_bias:
             raise v.CodaInputError("DecoderLayer: qk_norm and qkv_bias together are not supported")
         hd = v.check_heads(d, n_heads, n_kv_heads, head_dim)
@@ -222,6 +227,7 @@ class DecoderLayer(FormerNames, nn.Module):
         qk += ", o_bias=True" if self.o_bias else ""
         qk += f", long_after={self.long_after}" if self.long_after else ""
         qk += f", activation={self.activation!r}" if self.activation != "silu" else ""
+        qk += f", norm_offset={self.norm_offset}" if self.norm_offset else ""
         return (
             f"d={self.d}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, ffn={self.ffn}{qk}"
@@ -245,7 +251,9 @@ class DecoderLayer(FormerNames, nn.Module):
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w_qkv, self.w_o, self.w_il, self.w_d):
             nn.init.normal_(w, std=std)
-        for g in (self.attention_norm, self.ffn_norm, self.q_norm, self.k_norm):
+        for g in (self.attention_norm, self.ffn_norm):
+            nn.init.constant_(g, 1.0 - self.norm_offset)  # an effective gain of 1
+        for g in (self.q_norm, self.k_norm):
             if g is not None:
                 nn.init.ones_(g)
         for b in (self.bias_qkv, self.bias_o):
@@ -289,11 +297,12 @@ class DecoderLayer(FormerNames, nn.Module):
             if self._kernel_rule:
                 raise v.CodaInputError(f"DecoderLayer (kernel path): {self._kernel_rule}")
             return self._kernel_forward(x, pos, attention)
+        g1, g2 = self._gains(compute_dtype(x))
         w = {
-            "g1": self.attention_norm,
+            "g1": g1,
             "wqkv": self.w_qkv,
             "wo": self.w_o,
-            "g2": self.ffn_norm,
+            "g2": g2,
             "w_il": self.w_il,
             "wd": self.w_d,
         }
@@ -320,6 +329,16 @@ class DecoderLayer(FormerNames, nn.Module):
         return decoder_layer_ref(
             x.reshape(B * S, d), w, self._shape(B, S), None, attention, cs, rows=(B, S)
         )
+
+    def _gains(self, dtype):
+        """The two norms' gains as the kernels and the reference apply them: the parameters
+        in the compute dtype, or with ``norm_offset`` the fp32 (float64 for float64 compute)
+        sum ``norm_offset + gain`` (differentiable: the gain's gradient is the sum's)."""
+        gains = (self.attention_norm, self.ffn_norm)
+        if not self.norm_offset:
+            return in_dtype(dtype, *gains)
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        return tuple(g.to(acc) + self.norm_offset for g in gains)
 
     def _positions(self, positions, B, S, device):
         if self._mrope is not None:
@@ -412,9 +431,8 @@ class DecoderLayer(FormerNames, nn.Module):
             self.activation,
         )
         dtype = compute_dtype(x)
-        x, g1, w_qkv, w_o, g2, w_il, w_d = in_dtype(
-            dtype, x, self.attention_norm, self.w_qkv, self.w_o, self.ffn_norm, self.w_il, self.w_d
-        )
+        x, w_qkv, w_o, w_il, w_d = in_dtype(dtype, x, self.w_qkv, self.w_o, self.w_il, self.w_d)
+        g1, g2 = self._gains(dtype)
         qk = in_dtype(dtype, self.q_norm, self.k_norm) if self.qk_norm else None
         bias = in_dtype(dtype, self.bias_qkv)[0] if self.qkv_bias else None
         o_bias = in_dtype(dtype, self.bias_o)[0] if self.o_bias else None

@@ -25,6 +25,7 @@ from coda.reference.cross_entropy import (
     lse_partials_ref,
 )
 from coda.reference.rmsnorm import (
+    final_norm_ref,
     gemm_residual_rms_ref,
     head_rmsnorm_ref,
     norm_bwd_apply_ref,
@@ -137,7 +138,7 @@ def decoder_layer_ref(
         pos = positions_of(s) if positions is None else positions
         cs = rope_table(pos, hd, s.rope_base)
     cs = cs.to(device=x0.device, dtype=x0.dtype)
-    z = rmsnorm_ref(x0, w["g1"], s.eps) @ w["wqkv"]
+    z = final_norm_ref(x0, w["g1"], s.eps) @ w["wqkv"]  # (an fp32 gain: Gemma's rounding)
     if "bqkv" in w:  # Qwen2's q, k, v biases (W_qkv's column order), added before RoPE in
         z = z + w["bqkv"].to(z.dtype)  # the product's dtype (a Linear's under autocast)
     q, k = z[:, :nq].reshape(M, s.heads, hd), z[:, nq : nq + nkv].reshape(M, s.kv_heads, hd)
@@ -148,7 +149,7 @@ def decoder_layer_ref(
     if "bo" in w:  # the O projection's bias (Llama's attention_bias=True), a Linear's
         o = o + w["bo"].to(o.dtype)
     x1 = x0 + o
-    gu = rmsnorm_ref(x1, w["g2"], s.eps) @ w["w_il"]
+    gu = final_norm_ref(x1, w["g2"], s.eps) @ w["w_il"]
     y = GLU_REFS[s.activation](gu[:, 0::2], gu[:, 1::2]) @ w["wd"]
     if rows:
         x1, y = x1.view(*rows, x1.shape[1]), y.view(*rows, y.shape[1])
