@@ -34,6 +34,10 @@ SUPPORTED = (
     # Llama's layer with q, k, v biases (Qwen2's) and an optional o bias: Seed-OSS's
     "SeedOssForCausalLM",
     "SeedOssModel",
+    # Llama's layer with GeGLU and norms scaling by 1 + w in fp32 (``layer_options``):
+    # Gemma's (its scaled token embedding stays HF's)
+    "GemmaForCausalLM",
+    "GemmaModel",
 )
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
@@ -44,16 +48,15 @@ TASK_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestio
 # does; Gemma's final norm scales by 1 + w in fp32, which coda's loss keeps in fp32
 # (``coda._hf_forward.final_norm``), and its token embedding (scaled by sqrt(d) in its own
 # class) stays HF's
-# (coda's MLP epilogues run Gemma's GeGLU since session 71: ``DecoderLayer(activation=
-# "gelu_tanh")``; its norms' 1 + w gains, formed in fp32, are what the layers lack)
-_MOE, _GEMMA = "a mixture of experts", "norms that scale by 1 + w in fp32"
+# (Gemma's own layers are coda's since session 71: GeGLU and the 1 + w gains; Gemma 2's and
+# 3's also norm each sublayer's output before its residual add, which coda's F3 and F5 do not)
+_MOE, _GEMMA = "a mixture of experts", "norms after each sublayer, before its residual add"
 LOSS_ONLY = {
     "MixtralForCausalLM": _MOE,
     "Qwen2MoeForCausalLM": _MOE,
     "Qwen3MoeForCausalLM": _MOE,
-    "GemmaForCausalLM": _GEMMA,
-    "Gemma2ForCausalLM": _GEMMA + ", around both sublayers",
-    "Gemma3ForCausalLM": _GEMMA + ", around both sublayers",
+    "Gemma2ForCausalLM": _GEMMA,
+    "Gemma3ForCausalLM": _GEMMA,
     # Granite's logits are divided by ``logits_scaling``, folded into the final norm's gain
     "GraniteForCausalLM": "residual multipliers on both branches",
     "GraniteMoeForCausalLM": _MOE,
@@ -109,7 +112,8 @@ VISION_LANGUAGE = (
     "Qwen3_5MoeForConditionalGeneration",
 )
 TEXT_LOSS_ONLY = {
-    "GemmaModel": LOSS_ONLY["GemmaForCausalLM"],
+    # (PaliGemma's: Gemma's layers, under its prefix-LM mask; not yet tested with coda's)
+    "GemmaModel": "Gemma's layers under PaliGemma's prefix mask, not yet tested as coda's",
     "Gemma2Model": LOSS_ONLY["Gemma2ForCausalLM"],
     "Gemma3TextModel": LOSS_ONLY["Gemma3ForCausalLM"],
     "MllamaTextModel": "cross-attention layers to the image",
@@ -131,9 +135,31 @@ MROPE_TEXT = ("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
+# the MLP activations a patched layer takes (HF's ``hidden_act`` -> coda's ``activation``)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def layer_options(hf_layer, config) -> dict:
+    """``DecoderLayer``'s options for an HF layer: its MLP's ``activation`` and its norms'
+    ``norm_offset`` (1 for norms scaling by 1 + w in fp32, Gemma's; 0 for Llama's), each norm's
+    rounding held against coda's form of it bitwise (``_hf_forward.check_final_norm``)."""
+    from coda._hf_forward import check_final_norm, norm_form
+
+    forms = set()
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        norm = getattr(hf_layer, name)
+        check_final_norm(norm)
+        forms.add(norm_form(norm))
+    if forms - {"llama", "gemma"} or len(forms) > 1:
+        raise v.CodaInputError(f"apply_coda: layer norms of the forms {sorted(forms)}")
+    act = getattr(config, "hidden_act", "silu")
+    return {"activation": ACTIVATIONS[act], "norm_offset": 1.0 if "gemma" in forms else 0.0}
+
+
 def check_config(config, rotary) -> None:
+    act = getattr(config, "hidden_act", "silu")
     rules = [
-        (getattr(config, "hidden_act", "silu") == "silu", f"hidden_act={config.hidden_act!r}"),
+        (act in ACTIVATIONS, f"hidden_act={act!r}"),
         (not getattr(config, "mlp_bias", False), "mlp_bias=True"),
         (getattr(config, "pretraining_tp", 1) == 1, "pretraining_tp != 1"),
         (rotary.rope_type in ROPE_TYPES, f"rope_type={rotary.rope_type!r}"),

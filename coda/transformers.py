@@ -33,13 +33,11 @@ Where that mask is provably the plain causal one (the caller gave no attention m
 positions, cache or cache positions; the layer has no sliding window), the patched model's
 sdpa layers pass no mask, as the eager step does.
 
-Supported: transformers 5.x ``LlamaForCausalLM`` / ``LlamaModel``, ``MistralForCausalLM`` /
-``MistralModel``, ``Qwen2ForCausalLM`` / ``Qwen2Model``, ``Qwen3ForCausalLM`` / ``Qwen3Model``,
-``Phi3ForCausalLM`` / ``Phi3Model``, ``MinistralForCausalLM`` / ``MinistralModel``,
-``CwmForCausalLM`` / ``CwmModel``, ``SeedOssForCausalLM`` / ``SeedOssModel`` (its residual
-dropout 0) and ``SmolLM3ForCausalLM`` / ``SmolLM3Model`` (SmolLM3's
-NoPE layers rotate by zero frequencies, the identity; silu MLP, no biases but Qwen2's on q, k
-and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
+Supported (``SUPPORTED``): transformers 5.x ``...ForCausalLM`` / ``...Model`` of Llama,
+Mistral, Qwen2, Qwen3, Phi3, Ministral, Cwm, SeedOss (its residual dropout 0), Gemma (GeGLU,
+norms scaling by 1 + w in fp32: ``_hf_families.layer_options``) and SmolLM3 (its NoPE
+layers rotate by zero frequencies, the identity; silu or GeGLU MLP, no biases but Qwen2's on q,
+k and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
 "llama3", "yarn" or "longrope" on whole heads: a fixed set of inverse frequencies, taken from
 the model (LongRoPE's two, the long one for a call whose largest position reaches the original
 context, as HF's rotary module picks), YaRN's and LongRoPE's constant factor on cos and sin
@@ -54,7 +52,7 @@ window); and those families' ``...ForSequenceClassification`` (reward models),
 stack patched, the task head and its loss HF's). ``apply_coda(model, layers=False)`` makes
 only the training call's loss coda's: for layers with adapters, and for the models of
 ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE, whose router term it adds as their forward
-does; Gemma, Gemma 2 and Gemma 3 text, whose final norm's fp32 gain 1 + w it keeps in fp32
+does; Gemma 2 and Gemma 3 text, whose final norm's fp32 gain 1 + w it keeps in fp32
 (Gemma 2's logit soft-capping in coda's loss too); Granite, Granite-MoE and
 Granite-MoE-Shared, whose ``logits_scaling`` divides that gain; OLMo 2 and OLMo 3, whose
 final norm rounds once; OLMoE, GPT-OSS (its final norm rounding as OLMo's), MiniMax-M2, ERNIE
@@ -96,6 +94,7 @@ from coda._hf_families import (
     VISION_LANGUAGE,
     check_config,
     inverse_frequencies,
+    layer_options,
     mrope_sections,
 )
 from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_forward
@@ -153,6 +152,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             long_inv_freq=long_inv_freq,
             long_after=long_after,
             mrope_sections=mrope,
+            **layer_options(hf_layer, config),  # (GeGLU, Gemma's 1 + w norms)
         )
         if qk_norm and attn.q_norm.variance_epsilon != config.rms_norm_eps:
             raise v.CodaInputError("apply_coda: a QK-norm eps other than rms_norm_eps")
@@ -519,7 +519,7 @@ def _apply_vision_language(model, name: str, method: str, embedding: bool, layer
     embedding's backward; the vision encoder and the projector stay HF's."""
     text = hf_forward.text_model(model)
     kind = type(text).__name__
-    if layers and kind not in SUPPORTED and kind not in MROPE_TEXT:
+    if layers and (kind in TEXT_LOSS_ONLY or kind not in SUPPORTED and kind not in MROPE_TEXT):
         why = TEXT_LOSS_ONLY.get(kind, "not a supported family's")
         raise v.CodaInputError(
             f"apply_coda: {name}'s text model {kind}: its decoder layers ({why}) are not "

@@ -1,8 +1,9 @@
 """``apply_coda`` on the families whose decoder layer is Llama's with a per-layer sliding window
 (``layer_types``): Ministral (Ministral-8B) and CWM (Meta's Code World Model, Llama 3's RoPE
-scaling), or with q, k, v biases: Seed-OSS, tiny and random, on the CPU in float64 on coda's
-reference path and its kernel path (the tile interpreter): logits, a training step with padding
-and with packed documents, greedy generation and the state dict as the unpatched model's; the
+scaling), or with q, k, v biases: Seed-OSS, or with GeGLU and 1 + w norms: Gemma, tiny and
+random, on the CPU in float64 on coda's reference path and its kernel path (the tile
+interpreter): logits, a training step with padding and with packed documents, greedy
+generation and the state dict as the unpatched model's; the
 window matters (the first layer's is 4 tokens against 13). Ministral 3 (a Llama 4 attention
 temperature that grows with the position, applied inside its attention module) is not taken, and
 says so."""
@@ -26,6 +27,26 @@ def test_patched_model_behaves_as_unpatched_float64(family, coda_path):
     assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in patched.model.layers)
     assert [layer.self_attn.sliding_window for layer in patched.model.layers] == [4, None]
     assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+
+
+def test_gemma_layers_behave_as_unpatched_float64(coda_path):
+    """Gemma (1): Llama's layer with GeGLU and norms scaling by 1 + w in fp32, its token
+    embedding scaled by sqrt(d) (HF's, kept): coda's layers with ``activation="gelu_tanh"``
+    and ``norm_offset=1.0``, behaving as the unpatched model (norm weights away from 0, so a
+    lost offset or weight would show)."""
+    cfg = tiny_config("gemma", **coda_path)
+    ref, patched = pair(cfg)
+    layers = patched.model.layers
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+    assert {(layer.activation, layer.norm_offset) for layer in layers} == {("gelu_tanh", 1.0)}
+    assert type(patched.model.embed_tokens) is type(ref.model.embed_tokens)  # (scaled: HF's)
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+
+
+def test_an_mlp_activation_coda_lacks_is_refused_named():
+    cfg = tiny_config("llama", hidden_act="relu")
+    with pytest.raises(v.CodaInputError, match="hidden_act='relu' is not supported"):
+        ct.apply_coda(model_class(cfg)(cfg))
 
 
 def test_ministral3_is_refused_named():

@@ -207,7 +207,9 @@ def test_soft_capped_logits_loss_equals_unpatched_float64(family, kernel, monkey
 
 def test_what_the_patch_does_not_take_is_named():
     model = gemma_model("gemma3")
-    with pytest.raises(coda.CodaInputError, match=r"1 \+ w in fp32.*layers=False.*compile"):
+    with pytest.raises(
+        coda.CodaInputError, match=r"norms after each sublayer.*layers=False.*compile"
+    ):
         ct.apply_coda(model)
     capped = gemma_model("gemma2", final_logit_softcapping=30.0)
     with pytest.raises(coda.CodaInputError, match=r"final_logit_softcapping=30\.0: softcap: "):
