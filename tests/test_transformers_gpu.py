@@ -43,6 +43,7 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     )
     extra = {"qwen3": {"head_dim": 64}, "mistral": {"head_dim": 64, "sliding_window": 128}}
     extra["gemma3"] = {"head_dim": 64, "sliding_window": 128}
+    extra["gemma"] = {"head_dim": 64}  # (Gemma's own layers: GeGLU, 1 + w norms in fp32)
     # Gemma 2 with its logits soft-capped (coda's loss alone, CE-S's capped program): a cap
     # of 0.5 against the tiny model's logits of ~0.3 bends tanh, where its 30 would not
     extra["gemma2-capped"] = {"head_dim": 64, "final_logit_softcapping": 0.5}
@@ -120,14 +121,14 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
 @pytest.mark.parametrize(
     "family",
     ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
-    + ["cwm", "gpt_oss", "qwen3_next"]
+    + ["cwm", "gpt_oss", "qwen3_next", "gemma"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):
     """H200: a patched bf16 Llama / Qwen3 / Mistral / Phi-3 / SmolLM3 (its NoPE layers: RoPE
-    at angle 0 in the epilogue), Gemma 3, Granite, OLMo 2, GPT-OSS and Qwen3-Next (the loss
-    alone: the final norm's fp32 gain, Granite's logits_scaling in it), and
-    Llama with Llama 3's, linear, YaRN and LongRoPE scaling (coda's
+    at angle 0 in the epilogue) / Gemma (GeGLU, 1 + w norms in fp32), Gemma 3, Granite,
+    OLMo 2, GPT-OSS and Qwen3-Next (the loss alone: the final norm's fp32 gain, Granite's
+    logits_scaling in it), and Llama with Llama 3's, linear, YaRN and LongRoPE scaling (coda's
     kernels, HF's sdpa) against the unpatched bf16 model, both against a float64 copy: loss
     and every gradient no worse than the unpatched bf16 model's (CODA's protocol, ties within
     ``tie_band``), with a padding mask.
