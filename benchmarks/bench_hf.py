@@ -104,6 +104,21 @@ SHAPES = {
             tie_word_embeddings=False,
         ),
     ),
+    # Gemma-2B's shape (Gemma 1, ``GemmaForCausalLM``): coda's layers since session 71 (GeGLU
+    # in the gate/up epilogue, the norms' 1 + w gains in fp32), its loss at V = 256000
+    "gemma-2B": (
+        "gemma",
+        dict(
+            vocab_size=256000,
+            hidden_size=2048,
+            intermediate_size=16384,
+            num_hidden_layers=18,
+            num_attention_heads=8,
+            num_key_value_heads=1,
+            head_dim=256,
+            tie_word_embeddings=True,
+        ),
+    ),
     # Gemma-3-1B's shape (``Gemma3ForCausalLM``): coda patches the loss alone (its layers
     # stay HF's: GeGLU, sandwich norms), the final norm's gain 1 + w kept in fp32; at its
     # 262144-token vocabulary the logits are what the unpatched step spends its memory on
@@ -172,7 +187,7 @@ SHAPES = {
 }
 # (not in a default run: named in CODA_HF_SHAPES)
 ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B", "qwen2.5-vl-3B")
-ON_REQUEST += ("qwen3-vl-2B",)
+ON_REQUEST += ("qwen3-vl-2B", "gemma-2B")
 BATCH, SEQ = 4, 4096
 # the variants whose per-kernel tables pass 1 takes
 PROFILED = ("hf_coda", "hf_coda_compiled", "hf_liger", "hf_liger_no_cache")
@@ -221,6 +236,7 @@ def build(family: str, shape: dict, device, dtype):
         "qwen2": "Qwen2",
         "qwen3": "Qwen3",
         "phi3": "Phi3",
+        "gemma": "Gemma",
         "gemma2": "Gemma2",
     }
     name = {**names, "gemma3": "Gemma3Text"}[family]
