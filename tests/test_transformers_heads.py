@@ -22,7 +22,7 @@ import coda.env  # noqa: E402
 import coda.transformers as ct  # noqa: E402
 from coda.nn import DecoderLayer  # noqa: E402
 
-FAMILIES = ["llama", "qwen3", "qwen2", "mistral", "phi3", "smollm3"]
+FAMILIES = ["llama", "qwen3", "qwen2", "mistral", "phi3", "smollm3", "gemma"]
 B, S, V, LABELS = 2, 11, 128, 3
 
 
@@ -88,14 +88,14 @@ def test_a_task_model_trains_as_unpatched(family, head, kernel, monkeypatch):
 
 
 def test_a_task_model_of_an_unsupported_family_is_named():
-    from transformers import GemmaConfig, GemmaForSequenceClassification
+    from transformers import Gemma2Config, Gemma2ForSequenceClassification
 
-    cfg = GemmaConfig(
+    cfg = Gemma2Config(
         vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, pad_token_id=0,
     )  # fmt: skip
-    with pytest.raises(coda.CodaInputError, match="GemmaForSequenceClassification"):
-        ct.apply_coda(GemmaForSequenceClassification(cfg))
+    with pytest.raises(coda.CodaInputError, match="Gemma2ForSequenceClassification"):
+        ct.apply_coda(Gemma2ForSequenceClassification(cfg))
 
 
 @pytest.mark.gpu
