@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from coda import _validate as v
+from coda._hf_forward import check_final_norm, norm_form
 
 SUPPORTED = (
     "LlamaForCausalLM",
@@ -143,8 +144,6 @@ def layer_options(hf_layer, config) -> dict:
     """``DecoderLayer``'s options for an HF layer: its MLP's ``activation`` and its norms'
     ``norm_offset`` (1 for norms scaling by 1 + w in fp32, Gemma's; 0 for Llama's), each norm's
     rounding held against coda's form of it bitwise (``_hf_forward.check_final_norm``)."""
-    from coda._hf_forward import check_final_norm, norm_form
-
     forms = set()
     for name in ("input_layernorm", "post_attention_layernorm"):
         norm = getattr(hf_layer, name)
