@@ -297,7 +297,7 @@ class DecoderLayer(FormerNames, nn.Module):
             if self._kernel_rule:
                 raise v.CodaInputError(f"DecoderLayer (kernel path): {self._kernel_rule}")
             return self._kernel_forward(x, pos, attention)
-        g1, g2 = self._gains(compute_dtype(x))
+        g1, g2 = self._gains(compute_dtype(x), cast=False)
         w = {
             "g1": g1,
             "wqkv": self.w_qkv,
@@ -330,13 +330,14 @@ class DecoderLayer(FormerNames, nn.Module):
             x.reshape(B * S, d), w, self._shape(B, S), None, attention, cs, rows=(B, S)
         )
 
-    def _gains(self, dtype):
-        """The two norms' gains as the kernels and the reference apply them: the parameters
-        in the compute dtype, or with ``norm_offset`` the fp32 (float64 for float64 compute)
-        sum ``norm_offset + gain`` (differentiable: the gain's gradient is the sum's)."""
+    def _gains(self, dtype, cast: bool = True):
+        """The two norms' gains as the kernels (``cast``: in the compute dtype) and the
+        reference (as they are, as HF's norms take their weights) apply them, or with
+        ``norm_offset`` the fp32 (float64 for float64 compute) sum ``norm_offset + gain``
+        (differentiable: the gain's gradient is the sum's)."""
         gains = (self.attention_norm, self.ffn_norm)
         if not self.norm_offset:
-            return in_dtype(dtype, *gains)
+            return in_dtype(dtype, *gains) if cast else gains
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         return tuple(g.to(acc) + self.norm_offset for g in gains)
 
