@@ -68,13 +68,15 @@ def test_compiled_step_equals_eager_and_does_not_recompile():
         "smollm3",
         "ministral",
         "phi3-longrope",
+        "gemma",
         "llama-loss-alone",
         "gemma3-loss-alone",
         "gemma2-capped-loss-alone",
     ],
 )
 def test_patched_hf_model_traces_without_graph_breaks(family):
-    """``*-loss-alone``: ``apply_coda(layers=False)``, HF's layers around coda's loss (Gemma 3's
+    """``gemma``: Gemma's layers (GeGLU, the 1 + w gains formed in the traced call);
+    ``*-loss-alone``: ``apply_coda(layers=False)``, HF's layers around coda's loss (Gemma 3's
     final-norm gain 1 + w formed in the traced call; Gemma 2's soft-capped logits);
     ``phi3-longrope``: LongRoPE's choice of
     frequency set, made on the device, traced. Skipped where the unpatched model itself
