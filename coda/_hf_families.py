@@ -2,8 +2,10 @@
 whose decoder layers become coda's (``SUPPORTED``, their task models ``TASK_HEADS``), those
 whose training loss alone does (``LOSS_ONLY``, with why their layers are not coda's), the
 vision-language models (``VISION_LANGUAGE``; ``TEXT_LOSS_ONLY``: their text models whose layers
-are not coda's), and the config rules a patched layer needs (``check_config``: RoPE types
-``ROPE_TYPES``, ``inverse_frequencies``). Kept apart from the patch itself so that adding a
+are not coda's), and the rules a patched layer needs: of the config (``check_config``: RoPE
+types ``ROPE_TYPES``, ``inverse_frequencies``) and of the HF layer it replaces (its options,
+``layer_options``; ``check_linears``, ``fused_projections``, ``attention_biases``,
+``sliding_window``). Kept apart from the patch itself so that adding a
 family is a change to these tables and their tests."""
 
 from __future__ import annotations
@@ -210,3 +212,59 @@ def inverse_frequencies(rotary, config) -> tuple:
     long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=after + 1)
     short = rotary.original_inv_freq.detach().to("cpu", torch.float64)
     return short, (long.to(torch.float64), after)
+
+
+def check_linears(hf_layer, where: str) -> None:
+    """Every projection (``*_proj``) of an HF layer is a plain ``nn.Linear`` (what coda
+    fuses)."""
+    for name, module in hf_layer.named_modules():
+        if name.endswith("_proj") and type(module) is not torch.nn.Linear:
+            cls = type(module)  # (PEFT's LoRA linear is also called Linear: say whose)
+            what = cls.__name__ if cls.__name__ != "Linear" else f"{cls.__module__}.Linear"
+            raise v.CodaInputError(
+                f"apply_coda: {where}.{name} is a {what}, not a plain "
+                "torch.nn.Linear (adapters such as LoRA and quantized or fp8 linears are not "
+                "supported in patched layers; apply_coda(model, layers=False) keeps the "
+                "layers as they are and makes only the loss coda's)"
+            )
+
+
+def fused_projections(hf_layer, where: str) -> bool:
+    """Whether the layer's projections are Phi-3's fused ``qkv_proj`` and ``gate_up_proj``
+    (both, or neither: Llama's separate ones), without biases."""
+    fused = [hasattr(hf_layer.self_attn, "qkv_proj"), hasattr(hf_layer.mlp, "gate_up_proj")]
+    if len(set(fused)) > 1:
+        raise v.CodaInputError(
+            f"apply_coda: {where}: one of qkv_proj and gate_up_proj fused, not both"
+        )
+    biased = fused[0] and any(
+        m.bias is not None for m in (hf_layer.self_attn.qkv_proj, hf_layer.mlp.gate_up_proj)
+    )
+    if biased:
+        raise v.CodaInputError(f"apply_coda: {where}: biases on fused projections")
+    return fused[0]
+
+
+def attention_biases(attention, where: str) -> tuple[bool, bool]:
+    """(whether the q, k and v projections have biases, whether o_proj has one): Qwen2's are
+    on q, k and v, Llama's ``attention_bias=True`` puts them on all four; q, k and v have
+    them all or none (Phi-3's fused qkv_proj: none, ``fused_projections``)."""
+    names = ("qkv_proj",) if hasattr(attention, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
+    has = [getattr(attention, n).bias is not None for n in names]
+    if len(set(has)) > 1:
+        raise v.CodaInputError(
+            f"apply_coda: {where}: biases on some of q_proj, k_proj and v_proj; supported on "
+            "all three (Qwen2's; with o_proj's too, Llama's attention_bias=True) or none"
+        )
+    return has[0], attention.o_proj.bias is not None
+
+
+def sliding_window(attention) -> dict:
+    """The ``sliding_window`` argument an HF attention module passes its attention function:
+    its own (Qwen2, Qwen3: per layer, None on full-attention layers), the model's (Mistral), or none
+    (Llama)."""
+    if hasattr(attention, "sliding_window"):
+        return {"sliding_window": attention.sliding_window}
+    if hasattr(attention.config, "sliding_window"):
+        return {"sliding_window": attention.config.sliding_window}
+    return {}

@@ -92,10 +92,14 @@ from coda._hf_families import (
     TASK_HEADS,
     TEXT_LOSS_ONLY,
     VISION_LANGUAGE,
+    attention_biases,
     check_config,
+    check_linears,
+    fused_projections,
     inverse_frequencies,
     layer_options,
     mrope_sections,
+    sliding_window,
 )
 from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_forward
 from coda.autograd import LM_HEAD_METHODS
@@ -122,10 +126,10 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     ):  # fmt: skip
         attn = hf_layer.self_attn
         where = f"layers.{attn.layer_idx}"
-        _check_linears(hf_layer, where)
+        check_linears(hf_layer, where)
         qk_norm = hasattr(attn, "q_norm")
-        fused = _fused_projections(hf_layer, where)
-        qkv_bias, o_bias = _attention_biases(attn, where)
+        fused = fused_projections(hf_layer, where)
+        qkv_bias, o_bias = attention_biases(attn, where)
         if qk_norm and qkv_bias:
             raise v.CodaInputError(
                 f"apply_coda: {where}: q, k, v biases with Qwen3's QK-norm (attention_bias=True)"
@@ -229,7 +233,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         module = self.self_attn
         implementation = module.config._attn_implementation
         iface = functions.get_interface(implementation, eager)
-        window = _sliding_window(module)
+        window = sliding_window(module)
         if (
             self._plain_causal(attention_mask)
             and implementation == "sdpa"
@@ -284,62 +288,6 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             # layer's own frequencies (zero in a NoPE layer), unscaled (YaRN's c: above)
             position_embeddings = None
         return super().forward(hidden_states, positions, position_embeddings, attention)
-
-
-def _check_linears(hf_layer, where: str) -> None:
-    """Every projection (``*_proj``) of an HF layer is a plain ``nn.Linear`` (what coda
-    fuses)."""
-    for name, module in hf_layer.named_modules():
-        if name.endswith("_proj") and type(module) is not torch.nn.Linear:
-            cls = type(module)  # (PEFT's LoRA linear is also called Linear: say whose)
-            what = cls.__name__ if cls.__name__ != "Linear" else f"{cls.__module__}.Linear"
-            raise v.CodaInputError(
-                f"apply_coda: {where}.{name} is a {what}, not a plain "
-                "torch.nn.Linear (adapters such as LoRA and quantized or fp8 linears are not "
-                "supported in patched layers; apply_coda(model, layers=False) keeps the "
-                "layers as they are and makes only the loss coda's)"
-            )
-
-
-def _fused_projections(hf_layer, where: str) -> bool:
-    """Whether the layer's projections are Phi-3's fused ``qkv_proj`` and ``gate_up_proj``
-    (both, or neither: Llama's separate ones), without biases."""
-    fused = [hasattr(hf_layer.self_attn, "qkv_proj"), hasattr(hf_layer.mlp, "gate_up_proj")]
-    if len(set(fused)) > 1:
-        raise v.CodaInputError(
-            f"apply_coda: {where}: one of qkv_proj and gate_up_proj fused, not both"
-        )
-    biased = fused[0] and any(
-        m.bias is not None for m in (hf_layer.self_attn.qkv_proj, hf_layer.mlp.gate_up_proj)
-    )
-    if biased:
-        raise v.CodaInputError(f"apply_coda: {where}: biases on fused projections")
-    return fused[0]
-
-
-def _attention_biases(attention, where: str) -> tuple[bool, bool]:
-    """(whether the q, k and v projections have biases, whether o_proj has one): Qwen2's are
-    on q, k and v, Llama's ``attention_bias=True`` puts them on all four; q, k and v have
-    them all or none (Phi-3's fused qkv_proj: none, ``_fused_projections``)."""
-    names = ("qkv_proj",) if hasattr(attention, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
-    has = [getattr(attention, n).bias is not None for n in names]
-    if len(set(has)) > 1:
-        raise v.CodaInputError(
-            f"apply_coda: {where}: biases on some of q_proj, k_proj and v_proj; supported on "
-            "all three (Qwen2's; with o_proj's too, Llama's attention_bias=True) or none"
-        )
-    return has[0], attention.o_proj.bias is not None
-
-
-def _sliding_window(attention) -> dict:
-    """The ``sliding_window`` argument an HF attention module passes its attention function:
-    its own (Qwen2, Qwen3: per layer, None on full-attention layers), the model's (Mistral), or none
-    (Llama)."""
-    if hasattr(attention, "sliding_window"):
-        return {"sliding_window": attention.sliding_window}
-    if hasattr(attention.config, "sliding_window"):
-        return {"sliding_window": attention.config.sliding_window}
-    return {}
 
 
 @functools.cache
