@@ -11,7 +11,7 @@ reduction. Per layer (x0 in, x2 out; "epi" = in the GEMM's epilogue):
     F3   x1 = x0 + o @ W_o; a1 = x1 * gamma2      epi: residual, norm input, sum of squares
                                                   [, Llama's O-projection bias]
     A1   r1 from F3's partials                    row kernel
-    F4   s = SwiGLU(r1 * (a1 @ W_il)), u kept     epi: row scale, SwiGLU, pre-activation
+    F4   s = SwiGLU(r1 * (a1 @ W_il)), u kept     epi: row scale, SwiGLU (or GeGLU), u
     F5   x2 = x1 + s @ W_d                        epi: residual (the next layer's F0 is its norm)
     B4   dz1, s = dSwiGLU(dx2 @ W_d^T)            epi: dSwiGLU, s again, the norm statistic
     B5   dW_d = s^T dx2                           cuBLAS
