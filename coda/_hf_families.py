@@ -115,8 +115,6 @@ VISION_LANGUAGE = (
     "Qwen3_5MoeForConditionalGeneration",
 )
 TEXT_LOSS_ONLY = {
-    # (PaliGemma's: Gemma's layers, under its prefix-LM mask; not yet tested with coda's)
-    "GemmaModel": "Gemma's layers under PaliGemma's prefix mask, not yet tested as coda's",
     "Gemma2Model": LOSS_ONLY["Gemma2ForCausalLM"],
     "Gemma3TextModel": LOSS_ONLY["Gemma3ForCausalLM"],
     "MllamaTextModel": "cross-attention layers to the image",

@@ -67,7 +67,7 @@ GLM-4V, GLM-4.5V, Mllama, Qwen3.5, Qwen3.5 MoE): the
 training call's loss through coda's (the model's own forward runs, its images, masks and
 multimodal positions its own, with its final norm and LM head skipped and its loss function
 coda's: ``_hf_forward.vision_language_forward``), and the text model's decoder layers where
-that text model is a supported family's (Llama, Mistral, Qwen2) or a Qwen-VL model's
+that text model is a supported family's (Llama, Mistral, Qwen2, Gemma) or a Qwen-VL model's
 (Qwen2's or Qwen3's layer with multimodal RoPE: ``mrope_sections``, the position rows tagged
 on the rotary module's output, ``_tag_mrope_rows``); the others take ``layers=False``; the
 vision encoder stays HF's.

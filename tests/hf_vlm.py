@@ -21,7 +21,7 @@ KINDS = {
     "idefics3": True,
     "smolvlm": True,
     "gemma3": False,
-    "paligemma": False,
+    "paligemma": True,
     "qwen2_vl": True,
     "qwen2_5_vl": True,
     "qwen3_vl": True,

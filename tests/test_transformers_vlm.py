@@ -1,7 +1,8 @@
 """``apply_coda`` on vision-language models (``coda.transformers.VISION_LANGUAGE``): Llava,
-Llava-NeXT, Llava-OneVision, Mistral 3, InternVL, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL and
-Qwen3-VL (their Llama, Mistral, Qwen2 and Qwen3 text models' decoder layers coda's, the Qwen-VL
-models' with multimodal RoPE, and the loss), Gemma 3, PaliGemma, Mllama, Qwen3-VL-MoE, GLM-4V
+Llava-NeXT, Llava-OneVision, Mistral 3, InternVL, Idefics3, SmolVLM, PaliGemma, Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL (their Llama, Mistral, Qwen2, Qwen3 and Gemma text models' decoder
+layers coda's, PaliGemma's under its prefix mask, the Qwen-VL models' with multimodal RoPE,
+and the loss), Gemma 3, Mllama, Qwen3-VL-MoE, GLM-4V
 and GLM-4.5V (the loss alone: ``layers=False``), tiny and random (``hf_vlm``), on the CPU in
 float64 on coda's reference path and its kernel path (the tile interpreter): a training step
 with an image (text alone for ``hf_vlm.TEXT_ONLY``'s) equals the unpatched model's (the loss and
@@ -149,10 +150,11 @@ def vlm_protocol(kind: str, device: str, seed: int = 5):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "qwen3_vl", "gemma3", "paligemma"])
 def test_gpu_vlm_protocol(kind):
-    """H200: a patched bf16 Llava, Qwen2.5-VL and Qwen3-VL (coda's layers, multimodal RoPE
-    for the Qwen-VL models', and loss) and Gemma 3 (the loss alone), one training step with
+    """H200: a patched bf16 Llava, Qwen2.5-VL, Qwen3-VL and PaliGemma (coda's layers,
+    multimodal RoPE for the Qwen-VL models', Gemma's for PaliGemma, and loss) and Gemma 3
+    (the loss alone), one training step with
     an image, against the unpatched bf16 model, both against a float64 copy
     (``vlm_protocol``): the loss no worse than PyTorch's above its rounding floor, every
     gradient of the text model and the head within its tie band of the unpatched model's
