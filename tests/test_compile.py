@@ -111,10 +111,10 @@ class _KernelStep(torch.nn.Module):
     """A layer and the LM-head loss on the kernel path (on the CPU its epilogue programs run
     through the tile interpreter, the Triton-less row passes through their torch forms)."""
 
-    def __init__(self, dtype=torch.float64, device=None):
+    def __init__(self, dtype=torch.float64, device=None, **layer_options):
         super().__init__()
         kw = {"dtype": dtype, "device": device}
-        self.layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, **kw)
+        self.layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, **kw, **layer_options)
         self.head = cnn.LMHeadLoss(40, 128, **kw)
 
     def forward(self, x, t):
@@ -122,8 +122,17 @@ class _KernelStep(torch.nn.Module):
         return self.head._kernel_loss(h, t.reshape(-1), "mean")
 
 
-@pytest.mark.parametrize("how", ["mark_dynamic", "dynamic=True"])
-def test_kernel_path_compiles_once_for_every_token_count(how):
+@pytest.mark.parametrize(
+    "how, options",
+    [
+        ("mark_dynamic", {}),
+        ("dynamic=True", {}),
+        # Gemma's layer: GeGLU through the custom ops' ``act``, the fp32 gains 1 + w
+        ("mark_dynamic", {"activation": "gelu_tanh", "norm_offset": 1.0}),
+    ],
+    ids=["mark_dynamic", "dynamic=True", "mark_dynamic-gemma"],
+)
+def test_kernel_path_compiles_once_for_every_token_count(how, options):
     """The kernel path under torch.compile: one compile serves four token counts (the wgrad
     tiles keyed by the token count are chosen inside their custom op, the RoPE tables are
     built when the layer is made, not in the first traced call; a float module attribute
@@ -132,7 +141,11 @@ def test_kernel_path_compiles_once_for_every_token_count(how):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(0)
-    model = _KernelStep()
+    model = _KernelStep(**options)
+    if options:  # (gains away from 0: a lost w would show)
+        with torch.no_grad():
+            for g in (model.layer.attention_norm, model.layer.ffn_norm):
+                g.uniform_(-0.5, 0.5)
     counter = CompileCounterWithBackend("aot_eager")
     dynamic = True if how == "dynamic=True" else None
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=dynamic)
