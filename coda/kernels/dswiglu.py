@@ -68,7 +68,12 @@ def dgeglu_rescaled(acc, c, rstd):
     return {"D": pack(dzg * rstd, dzu * rstd), "s": gelu_g * zu, "stat": dzg * ug + dzu * uu}
 
 
-PROGRAMS = {"silu": dswiglu_rescaled, "gelu_tanh": dgeglu_rescaled}
+_PROGRAMS = {"silu": dswiglu_rescaled, "gelu_tanh": dgeglu_rescaled}
+
+
+def program_for(activation: str = "silu"):
+    """B4's program for the MLP's gated ``activation`` (``gemm_swiglu.ACTIVATIONS``)."""
+    return _PROGRAMS[activation]
 
 
 def dswiglu_kernel(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False, activation="silu"):
@@ -81,7 +86,7 @@ def dswiglu_kernel(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False, ac
         "stat": dx.new_empty(M, config.grid(M, f)[1], dtype=acc_dtype(dx)),
     }
     compiled = launch(
-        PROGRAMS[activation],
+        program_for(activation),
         dx,
         w_d.t(),
         config=config,
@@ -96,7 +101,7 @@ def dswiglu_kernel(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False, ac
 
 def dswiglu_interpreted(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, activation="silu"):
     out = interpret_gemm(
-        PROGRAMS[activation], dx, w_d.t(), config=config, operands={"c": u, "rstd": rstd}
+        program_for(activation), dx, w_d.t(), config=config, operands={"c": u, "rstd": rstd}
     )
     return out["D"], out["s"], out["stat"]
 

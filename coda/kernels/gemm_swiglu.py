@@ -63,6 +63,7 @@ _PROGRAMS = {
 
 
 def program_for(save_preact: bool, activation: str = "silu"):
+    """F4's program for ``activation``, storing the pre-activations (``save_preact``) or not."""
     return _PROGRAMS[activation, save_preact]
 
 
