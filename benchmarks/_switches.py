@@ -32,12 +32,12 @@ def without_row_kernels(fn):
 
 
 def storing_for_backward(fn):
-    """``fn`` with every layer forward storing what a backward would read, also where none can
-    follow (``coda.autograd.LEAN_FORWARD`` off), as before session 61 (and in a non-reentrant
-    checkpoint's first forward, as before session 64)."""
-    from coda import autograd
+    """``fn`` with every layer forward storing what a backward would read, also where none
+    can follow (``coda._autograd_support.LEAN_FORWARD`` off), as before session 61 (and in a
+    non-reentrant checkpoint's first forward, as before session 64)."""
+    from coda import _autograd_support
 
-    return _switched_off(fn, (autograd, "LEAN_FORWARD"))
+    return _switched_off(fn, (_autograd_support, "LEAN_FORWARD"))
 
 
 def without_direct_triton(fn):

@@ -46,7 +46,14 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from coda._validate import CodaInputError, check_attention_output
+from coda._autograd_support import (  # noqa: F401 (checkpoint_first_pass: coda.autograd's)
+    backward_can_follow,
+    checkpoint_first_pass,
+    differentiable_once,
+    root_float_use,
+    stand_in,
+)
+from coda._validate import check_attention_output
 from coda.kernels import library as lib
 from coda.kernels._launch import fused, unit_rows
 from coda.kernels.ce_scaled_exp import chunk_rows_scaled
@@ -72,85 +79,6 @@ from coda.kernels.rmsnorm_bwd import norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad
 from coda.primitives.aux import combine_lse
-
-
-def root_float_use(value: float) -> None:
-    """Checks ``value > 0`` outside every autograd.Function: under ``torch.compile(...,
-    dynamic=True)`` a float module attribute becomes symbolic, and Dynamo (torch 2.13) fails
-    ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer") when such a
-    float is first used inside one Function's traced forward and then again outside it or in
-    another Function. Used here first, the float belongs to the outer graph, which every
-    Function may read. In eager mode a plain comparison."""
-    torch._check(value > 0)
-
-
-def differentiable_once(name: str) -> None:
-    """Called first by every backward here. The kernel path's backward runs kernels autograd
-    cannot see through, so the gradients it returns carry no graph: a second derivative
-    (``create_graph=True``: a gradient penalty, a Hessian-vector product) would silently miss
-    their share. It raises instead, saying what has one. (Inside a torch.compile trace the
-    backward is traced with grad mode off: never raised there.)"""
-    if torch.is_grad_enabled():
-        raise CodaInputError(
-            f"{name}: coda's kernel path is differentiable once; a backward with "
-            f"create_graph=True (a second derivative) needs backend='reference', whose "
-            f"torch ops autograd differentiates again (attention as far as its SDPA "
-            f"backend allows: the math one does)"
-        )
-
-
-# False: every layer forward stores what a backward would read, as before session 61 (the
-# layer benchmark's same-run comparison, ``benchmarks._switches.storing_for_backward``)
-LEAN_FORWARD = True
-
-
-def backward_can_follow(*inputs) -> bool:
-    """Whether a backward will read what a Function applied to ``inputs`` now saves (grad mode
-    on, an input requiring a gradient, and not the first forward of torch's non-reentrant
-    activation checkpointing, whose backward reruns the forward and reads the rerun's
-    tensors): where none will, its forward stores nothing only that backward would read
-    (``stand_in`` takes its place among the saved tensors; always stored with
-    ``LEAN_FORWARD`` off)."""
-    if not LEAN_FORWARD:
-        return True
-    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    return recorded and not checkpoint_first_pass()
-
-
-def checkpoint_first_pass() -> bool:
-    """Whether this forward runs inside ``torch.utils.checkpoint.checkpoint(...,
-    use_reentrant=False)``'s first pass (HF's activation checkpointing by default since
-    transformers 5, and ``coda.nn.CausalLM(checkpoint=True)``): the innermost saved-tensor
-    hooks are that checkpoint's, which keep no tensor but its metadata. Told by the pack
-    hook's code object (torch defines it inside ``_checkpoint_hook.__init__``); a torch
-    without one reads False, storing as before. False inside a torch.compile trace (which
-    decides what a checkpointed region saves itself)."""
-    if torch.compiler.is_compiling() or _CHECKPOINT_PACK is None:
-        return False
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and getattr(top[0], "__code__", None) is _CHECKPOINT_PACK
-
-
-def _checkpoint_pack_code():
-    hook = getattr(torch.utils.checkpoint, "_checkpoint_hook", None)
-    try:  # (the query as ``checkpoint_first_pass`` makes it)
-        torch._C._autograd._top_saved_tensors_default_hooks(False)
-    except (AttributeError, TypeError):  # another torch's internals
-        return None
-    consts = hook.__init__.__code__.co_consts if hook is not None else ()
-    return next((c for c in consts if getattr(c, "co_name", None) == "pack_hook"), None)
-
-
-_CHECKPOINT_PACK = _checkpoint_pack_code()
-
-
-def stand_in(shape, like: torch.Tensor) -> torch.Tensor:
-    """Saved in place of a tensor that only a Function's backward reads, where no backward
-    will read this run's (``backward_can_follow`` False): one element expanded to the
-    tensor's shape, in ``like``'s dtype and on its device. Non-reentrant checkpointing checks
-    that its rerun saves tensors of the first pass's number, shapes, dtypes and devices; the
-    rerun saves the real ones."""
-    return like.new_empty(()).expand(shape)
 
 
 @dataclass(frozen=True)
@@ -389,11 +317,7 @@ class MLP(torch.autograd.Function):
     def forward(ctx, x1, a1, r1, g2, w_il, w_d, rows: tuple, train: bool, activation="silu"):
         M, d = x1.shape
         f = w_d.shape[0]
-        cfg = config_for("swiglu", M, d, 2 * f)
-        if train:  # F4, keeping the unscaled pre-activation u for dSwiGLU (B4)
-            s, u = lib.gemm_swiglu(a1, w_il, r1, cfg, activation)
-        else:  # F4 alone: no backward reads this run's u, so no 2f-wide store
-            s, u = lib.gemm_swiglu_only(a1, w_il, r1, cfg, activation), stand_in((M, 2 * f), a1)
+        s, u = gated_up(a1, r1, w_il, train, activation)
         # F5: the residual add alone (no statistic): this boundary's norm is the next
         # layer's F0, which computes its own
         x2 = lib.gemm_residual_add(s, w_d, x1, config_for("residual", M, f, d), rows)
@@ -405,17 +329,36 @@ class MLP(torch.autograd.Function):
     def backward(ctx, dx2):
         differentiable_once("MLP")
         x1, r1, u, g2, w_il, w_d = ctx.saved_tensors
-        M, d = x1.shape
-        f = w_d.shape[0]
-        dx2 = dx2.reshape(M, d).contiguous()
-        dz1, s, stat1 = lib.dswiglu(dx2, w_d, u, r1, config_for("dswiglu", M, d, f), ctx.activation)
-        dw_d = wgrad(s, dx2) if ctx.needs_input_grad[5] else None  # B5 (frozen: none)
-        corr1 = norm_corr(r1, stat1, d)  # A6
-        dx1, dg2 = lib.norm_bwd(
-            dz1, w_il, x1, g2, corr1, dx2, config_for("norm_bwd", M, 2 * f, d)
-        )  # B6 + A7
-        dw_il = lib.wgrad_gamma_rows(x1, dz1, g2) if ctx.needs_input_grad[4] else None  # B7
+        dx2 = dx2.reshape(x1.shape).contiguous()
+        want = ctx.needs_input_grad[4:6]
+        dx1, dg2, dw_il, dw_d = mlp_grads(x1, r1, u, g2, w_il, w_d, dx2, dx2, ctx.activation, want)
         return dx1, None, None, dg2, dw_il, dw_d, None, None, None
+
+
+def gated_up(a1, r1, w_il, train: bool, activation: str):
+    """F4: s = GLU(r1 * (a1 @ W_il)) and, when ``train`` (a backward can run), the unscaled
+    pre-activation u dSwiGLU reads (B4); else a stand-in for u (no 2f-wide store)."""
+    M, d = a1.shape
+    cfg = config_for("swiglu", M, d, w_il.shape[1])
+    if train:
+        return lib.gemm_swiglu(a1, w_il, r1, cfg, activation)
+    return lib.gemm_swiglu_only(a1, w_il, r1, cfg, activation), stand_in((M, w_il.shape[1]), a1)
+
+
+def mlp_grads(x1, r1, u, g2, w_il, w_d, d_down, dres, activation: str, want=(True, True)):
+    """B4-B7 from the down projection's output gradient ``d_down`` and the residual's ``dres``
+    (both dx2, unless a norm follows the projection): (dx1, dgamma2, dW_il, dW_d), a weight's
+    gradient None where ``want`` (W_il's, W_d's) says it is frozen."""
+    M, d = x1.shape
+    f = w_d.shape[0]
+    dz1, s, stat1 = lib.dswiglu(d_down, w_d, u, r1, config_for("dswiglu", M, d, f), activation)
+    dw_d = wgrad(s, d_down) if want[1] else None  # B5
+    corr1 = norm_corr(r1, stat1, d)  # A6
+    dx1, dg2 = lib.norm_bwd(
+        dz1, w_il, x1, g2, corr1, dres, config_for("norm_bwd", M, 2 * f, d)
+    )  # B6 + A7
+    dw_il = lib.wgrad_gamma_rows(x1, dz1, g2) if want[0] else None  # B7
+    return dx1, dg2, dw_il, dw_d
 
 
 def decoder_layer(
@@ -448,6 +391,19 @@ def decoder_layer(
     gradient, either kind of activation checkpointing's first pass: ``backward_can_follow``),
     the GEMMs store nothing only a backward reads (SwiGLU's pre-activation, the bias form's
     and QK-norm's z, QK-norm's statistic)."""
+    o, x0_residual = attention_block(
+        x0, g1, w_qkv, positions, dims, attention, freq, qk_norm, qkv_bias, sect
+    )
+    x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps, o_bias)
+    train = backward_can_follow(x1, a1, r1, g2, w_il, w_d)  # (attention may own weights)
+    return MLP.apply(x1, a1, r1, g2, w_il, w_d, (dims.batch, dims.seq), train, dims.activation)
+
+
+def attention_block(
+    x0, g1, w_qkv, positions, dims: LayerDims, attention, freq, qk_norm, qkv_bias, sect
+):
+    """F0-F2 (``decoder_layer``'s arguments): the attention-input Function of the layer's
+    form, then attention. Returns (o (M, H hd), x0 as the residual branch)."""
     H, Hkv, hd = dims.heads, dims.kv_heads, dims.head_dim
     root_float_use(dims.eps)
     if freq is None:
@@ -467,10 +423,7 @@ def decoder_layer(
     o4 = (attention or sdpa_causal)(q, k, v)
     if attention is not None:
         check_attention_output(o4, q)
-    o = o4.transpose(1, 2).reshape(x0.shape[0], H * hd)
-    x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps, o_bias)
-    train = backward_can_follow(x1, a1, r1, g2, w_il, w_d)  # (attention may own weights)
-    return MLP.apply(x1, a1, r1, g2, w_il, w_d, (dims.batch, dims.seq), train, dims.activation)
+    return o4.transpose(1, 2).reshape(x0.shape[0], H * hd), x0_residual
 
 
 class Embedding(torch.autograd.Function):

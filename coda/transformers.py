@@ -105,7 +105,6 @@ from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_for
 from coda.autograd import LM_HEAD_METHODS
 from coda.env import host_cache
 from coda.nn import DecoderLayer, Embedding
-from coda.nn.layer import HF_KEYS
 
 
 class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
@@ -202,7 +201,8 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         ``w_qkv``; gate and up into ``w_il``) cannot be partly frozen, and says so."""
         hf = dict(hf_layer.named_parameters())
         for name in self._hf_weights():
-            keys = _hf_fused.fused_keys(HF_KEYS[name]) if self.fused else HF_KEYS[name]
+            keys = self._hf_keys()[name]
+            keys = _hf_fused.fused_keys(keys) if self.fused else keys
             flags = {hf[k].requires_grad for k in keys}
             if len(flags) > 1:
                 raise v.CodaInputError(

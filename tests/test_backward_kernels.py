@@ -324,7 +324,7 @@ def assert_layer_and_head_protocol(B, S, d, H, Hkv, f, V, method, **layer_option
     layer = cnn.DecoderLayer(d, H, Hkv, f, backend="kernel", **kw)
     head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method=method)
     with torch.no_grad():
-        for p in (layer.attention_norm, layer.ffn_norm, head.final_norm):
+        for p in (*layer._norm_gains(), head.final_norm):  # (a post-norm layer's four)
             p.add_(0.1 * torch.randn_like(p))
     x = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     t = torch.randint(0, V, (B, S), device="cuda")

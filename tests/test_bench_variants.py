@@ -109,7 +109,7 @@ def test_a_switched_off_variant_sees_its_switches_off_and_restores_them():
         without_plan_tapes,
         without_row_kernels,
     )
-    from coda import autograd, ops
+    from coda import _autograd_support, ops
     from coda.kernels import _triton, drope, norm_rows
 
     switches = [
@@ -117,7 +117,7 @@ def test_a_switched_off_variant_sees_its_switches_off_and_restores_them():
         (_triton, "FAST_LAUNCH"),
         (norm_rows, "TRITON"),
         (drope.cached_head_rotation, "enabled"),
-        (autograd, "LEAN_FORWARD"),
+        (_autograd_support, "LEAN_FORWARD"),
     ]
     seen = []
 

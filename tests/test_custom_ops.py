@@ -47,6 +47,13 @@ def op_samples():
         "gemm_residual_rms": (_r(M, K), _r(K, N), _r(M, N), _r(N), 1e-5, CFG, _r(N)),
         "gemm_residual": (_r(M, K), _r(K, N), _r(M, N), CFG, None),
         "gemm_residual_add": (_r(M, K), _r(K, N), _r(M, N), CFG, [2, M // 2]),
+        "gemm_output_sumsq": (_r(M, K), _r(K, N), CFG),
+        # the norm after a sublayer: y, its partials (M, T), x0, fp32 gains (Gemma's 1 + w)
+        "post_norm_rows": (_r(M, N), torch.rand(M, 2), _r(M, N), torch.randn(N), 1e-6, [2, 20]),
+        "post_norm_next_rows": (
+            _r(M, N), torch.rand(M, 2), _r(M, N), torch.randn(N), 1e-6, torch.randn(N)
+        ),  # fmt: skip
+        "post_norm_bwd_rows": (_r(M, N), _r(M, N), torch.rand(M) + 0.5, _r(N)),
         "gemm_swiglu": (_r(M, K), _r(K, 2 * f), rstd, CFG, "gelu_tanh"),
         "gemm_swiglu_only": (_r(M, K), _r(K, 2 * f), rstd, CFG, "silu"),
         "gemm_scale_rows": (_r(M, K), _r(K, N), rstd, CFG),

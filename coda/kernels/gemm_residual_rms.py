@@ -15,7 +15,9 @@ partials", and without the statistic (``stats=False``, ``residual_add``) D alone
 layer's down projection, whose norm is the next layer's entry norm, which computes its own
 (the partials would be dropped). Saved for backward: h and r. With ``bias`` (N,) (Llama's
 ``attention_bias=True`` puts one on the O projection) the bias is added to the fp32
-accumulator before the residual, h rounded once.
+accumulator before the residual, h rounded once. Without a residual (``output_sumsq``): D =
+acc and the partials of acc^2, a sublayer's output whose norm comes before the residual add
+(Gemma 2's and 3's; ``coda.kernels.post_norm`` finishes it in one row pass).
 
 Supported: bf16 x (M, K) row-major, w (K, N) either major, residual (M, N) row-major,
 gamma (N,); K and N multiples of 8 (16-byte TMA rows); any M and any N-tile raggedness.
@@ -74,7 +76,15 @@ def residual_add(acc, c):
     return {"D": acc + c}
 
 
-def program_for(gamma, stats: bool = True, bias: bool = False) -> object:
+@epilogue_program(sinks=[RowPartials("sumsq", scaled=True)])
+def output_sumsq(acc):  # (a sublayer's output, before the norm that follows it: no residual)
+    return {"D": acc, "sumsq": (acc, acc)}
+
+
+def program_for(gamma, stats: bool = True, bias: bool = False, residual: bool = True) -> object:
+    if not residual:
+        assert stats and gamma is None and not bias, "without a residual: D and its statistic"
+        return output_sumsq
     if not stats:
         assert gamma is None and not bias, "the normed output and the bias need the statistic"
         return residual_add
@@ -103,7 +113,8 @@ def epilogue_gemm(
     or None without ``stats``), or with ``dry`` only compiles it and returns the number of
     compiles. ``rows``: h's leading dimensions (product M), e.g. (batch, seq), so that a
     layer returns h as a tensor of its own rather than a view of an (M, N) one; default (M,).
-    ``bias`` (N,) in x's dtype, or None."""
+    ``bias`` (N,) in x's dtype, or None. Without ``residual`` (None), h = acc with its
+    statistic: the output of a sublayer whose norm follows it (``coda.kernels.post_norm``)."""
     M, N = x.shape[0], w.shape[1]
     h = x.new_empty(*(rows or (M,)), N)
     outputs = {}
@@ -112,7 +123,7 @@ def epilogue_gemm(
     if gamma is not None:
         outputs["normed"] = torch.empty_like(h)
     compiled = launch(
-        program_for(gamma, stats, bias is not None),
+        program_for(gamma, stats, bias is not None, residual is not None),
         x,
         w,
         config=config,
@@ -154,11 +165,13 @@ def compile_gemm_residual_rms(
     m: int = 256,
     bias: bool = False,
     gamma_dtype: torch.dtype = torch.bfloat16,
+    residual: bool = True,
 ) -> int:
     """Compile for sm_90a without a GPU; returns compiles done (M, N, K are dynamic).
-    ``gamma_dtype``: the gain's (fp32: a ``norm_offset`` layer's 1 + w)."""
+    ``gamma_dtype``: the gain's (fp32: a ``norm_offset`` layer's 1 + w); ``residual``
+    False: ``output_sumsq``."""
     x, w = example_operands(m, k, n, w_major)
-    residual = torch.empty(m, n, dtype=torch.bfloat16)
+    residual = torch.empty(m, n, dtype=torch.bfloat16) if residual else None
     g = torch.empty(n, dtype=gamma_dtype) if gamma else None
     b = torch.empty(n, dtype=torch.bfloat16) if bias else None
     return epilogue_gemm(x, w, residual, g, config, dry=True, stats=stats, bias=b)

@@ -23,6 +23,7 @@ from coda.kernels import gemm_rmsnorm_gemm as _rg
 from coda.kernels import gemm_rope as _rope
 from coda.kernels import gemm_swiglu as _sw
 from coda.kernels import norm_rows as _nr
+from coda.kernels import post_norm as _pn
 from coda.kernels import qk_norm as _qkn
 from coda.kernels import rmsnorm_bwd as _nb
 from coda.kernels import row_passes as _rp
@@ -206,6 +207,20 @@ def _(x, w, res, cfg, rows):
     return _empty(*(rows or [x.shape[0]]), w.shape[1], like=x)
 
 
+@torch.library.custom_op("coda::gemm_output_sumsq", mutates_args=())
+def _gemm_output_sumsq(
+    x: torch.Tensor, w: torch.Tensor, cfg: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, sumsq = _grr.epilogue_gemm(x, w, None, None, _gc(cfg))
+    return y, sumsq
+
+
+@_fake(_gemm_output_sumsq)
+def _(x, w, cfg):
+    M, N = x.shape[0], w.shape[1]
+    return _empty(M, N, like=x), _empty(M, cdiv(N, cfg[1]), like=x, dtype=acc_dtype(x))
+
+
 @torch.library.custom_op("coda::gemm_swiglu", mutates_args=())
 def _gemm_swiglu(
     a: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, cfg: list[int], act: str
@@ -303,6 +318,54 @@ def _norm_rows(
 @_fake(_norm_rows)
 def _(x, gamma, eps, scaled):
     return _empty(*x.shape, like=x), _empty(x.shape[0], like=x, dtype=acc_dtype(x))
+
+
+@torch.library.custom_op("coda::post_norm_rows", mutates_args=())
+def _post_norm_rows(
+    y: torch.Tensor,
+    sumsq: torch.Tensor,
+    x0: torch.Tensor,
+    gain: torch.Tensor,
+    eps: float,
+    rows: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _pn.post_norm(y, sumsq, x0, gain, eps, None, tuple(rows))
+
+
+@_fake(_post_norm_rows)
+def _(y, sumsq, x0, gain, eps, rows):
+    r = _empty(y.shape[0], like=y, dtype=acc_dtype(y))
+    return _empty(*(rows or [y.shape[0]]), y.shape[1], like=x0), r
+
+
+@torch.library.custom_op("coda::post_norm_next_rows", mutates_args=())
+def _post_norm_next_rows(
+    y: torch.Tensor,
+    sumsq: torch.Tensor,
+    x0: torch.Tensor,
+    gain: torch.Tensor,
+    eps: float,
+    next_gain: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _pn.post_norm(y, sumsq, x0, gain, eps, next_gain)
+
+
+@_fake(_post_norm_next_rows)
+def _(y, sumsq, x0, gain, eps, next_gain):
+    r = _empty(y.shape[0], like=y, dtype=acc_dtype(y))
+    return _empty(*x0.shape, like=x0), r, _empty(*x0.shape, like=x0), torch.empty_like(r)
+
+
+@torch.library.custom_op("coda::post_norm_bwd_rows", mutates_args=())
+def _post_norm_bwd_rows(
+    dx1: torch.Tensor, y: torch.Tensor, r: torch.Tensor, gain: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _pn.post_norm_bwd(dx1, y, r, gain)
+
+
+@_fake(_post_norm_bwd_rows)
+def _(dx1, y, r, gain):
+    return _empty(*y.shape, like=y), _empty(y.shape[1], like=gain)
 
 
 @torch.library.custom_op("coda::drope_rows", mutates_args=())
@@ -445,6 +508,10 @@ gemm_residual_add = _either(  # h alone (no statistic), its leading dimensions `
     lambda x, w, res, c, rows=(): _gemm_residual_add(x, w, res, _cfg(c), list(rows)),
     lambda x, w, res, c, rows=(): _grr.epilogue_gemm(x, w, res, None, c, stats=False, rows=rows)[0],
 )
+gemm_output_sumsq = _either(  # (y, its sum-of-squares partials): no residual
+    lambda x, w, c: _gemm_output_sumsq(x, w, _cfg(c)),
+    lambda x, w, c: _grr.epilogue_gemm(x, w, None, None, c)[::2],
+)
 gemm_swiglu = _either(  # act: the gated activation, "silu" or "gelu_tanh"
     lambda a, w, r, c, act="silu": _gemm_swiglu(a, w, r, _cfg(c), act),
     lambda a, w, r, c, act="silu": _sw.gemm_swiglu_kernel(a, w, r, True, c, activation=act),
@@ -469,6 +536,13 @@ wgrad_gamma_rows = _either(_wgrad_gamma_rows, _wg.wgrad_gamma_rows)
 # not a torch form for Inductor to regenerate: there is nothing for it to fuse the norm with
 # (its input comes from an op's GEMM, the embedding's gather, or the step's input)
 norm_rows = _either(_norm_rows, _nr.norm_rows)
+# the norm after a sublayer (``post_norm``): one row pass each way
+post_norm_rows = _either(
+    lambda y, s, x0, g, eps, rows=(): _post_norm_rows(y, s, x0, g, eps, list(rows)),
+    lambda y, s, x0, g, eps, rows=(): _pn.post_norm(y, s, x0, g, eps, None, rows),
+)
+post_norm_next_rows = _either(_post_norm_next_rows, _pn.post_norm)
+post_norm_bwd_rows = _either(_post_norm_bwd_rows, _pn.post_norm_bwd)
 drope_rows = _either(_drope_rows, _rp.drope_pass)
 drope_bias_rows = _either(_drope_bias_rows, _rp.drope_bias_pass)
 embedding_backward = _either(_embedding_backward, _emb.embedding_backward)
@@ -484,6 +558,7 @@ OPS = {
     "gemm_residual_rms": _gemm_residual_rms,
     "gemm_residual": _gemm_residual,
     "gemm_residual_add": _gemm_residual_add,
+    "gemm_output_sumsq": _gemm_output_sumsq,
     "gemm_swiglu": _gemm_swiglu,
     "gemm_scale_rows": _gemm_scale_rows,
     "gemm_swiglu_only": _gemm_swiglu_only,
@@ -495,6 +570,9 @@ OPS = {
     "lm_head_chunked": _lm_head_chunked,
     "lm_head_scaled": _lm_head_scaled,
     "norm_rows": _norm_rows,
+    "post_norm_rows": _post_norm_rows,
+    "post_norm_next_rows": _post_norm_next_rows,
+    "post_norm_bwd_rows": _post_norm_bwd_rows,
     "drope_rows": _drope_rows,
     "drope_bias_rows": _drope_bias_rows,
     "dqk_norm_rows": _dqk_norm_rows,

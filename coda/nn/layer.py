@@ -15,6 +15,7 @@ from coda.autograd import (
     LayerDims,
     decoder_layer,
 )
+from coda.autograd_post_norm import post_norm_decoder_layer
 from coda.env import (
     BACKENDS,
     autocast_off,
@@ -46,6 +47,14 @@ HF_KEYS = {  # each weight of a layer: the HF ``LlamaDecoderLayer`` weights it i
     "k_norm": ("self_attn.k_norm.weight",),
     "bias_qkv": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "bias_o": ("self_attn.o_proj.bias",),
+}
+# a layer with a norm after each sublayer (Gemma 2's and 3's): HF's pre-MLP norm is
+# ``pre_feedforward_layernorm``, and ``post_attention_layernorm`` norms the attention's output
+POST_NORM_KEYS = {
+    **HF_KEYS,
+    "ffn_norm": ("pre_feedforward_layernorm.weight",),
+    "post_attention_norm": ("post_attention_layernorm.weight",),
+    "post_ffn_norm": ("post_feedforward_layernorm.weight",),
 }
 
 
@@ -104,6 +113,10 @@ class DecoderLayer(FormerNames, nn.Module):
     ``norm_offset``: the two norms scale by ``norm_offset + gain`` (Gemma's 1 + w), that sum
     formed in fp32 and applied before the one rounding, as HF's ``GemmaRMSNorm`` does (a
     bf16 1 + w would round w to 2^-8); the gains then start at 1 - norm_offset.
+    ``post_norms``: Gemma 2's and 3's RMSNorm of the attention's and the MLP's outputs
+    before each residual add (gains ``post_attention_norm``, ``post_ffn_norm``, with
+    ``norm_offset`` as the others; kernel path: ``coda.autograd_post_norm``); not with
+    ``qkv_bias``, ``o_bias`` or ``mrope_sections``.
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -139,12 +152,17 @@ class DecoderLayer(FormerNames, nn.Module):
         mrope_sections=None,
         activation: str = "silu",
         norm_offset: float = 0.0,
+        post_norms: bool = False,
     ):
         super().__init__()
         self.activation = v.check_choice("activation", activation, GLU_ACTIVATIONS)
         self.norm_offset = v.check_finite_number("norm_offset", norm_offset)
         if qk_norm and qkv_bias:
             raise v.CodaInputError("DecoderLayer: qk_norm and qkv_bias together are not supported")
+        if post_norms and (qkv_bias or o_bias or mrope_sections is not None):
+            raise v.CodaInputError(
+                "DecoderLayer: post_norms with qkv_bias, o_bias or mrope_sections is not supported"
+            )
         hd = v.check_heads(d, n_heads, n_kv_heads, head_dim)
         v.check_positive_number("rope_base", rope_base)
         v.check_param_dtype(dtype)
@@ -202,6 +220,9 @@ class DecoderLayer(FormerNames, nn.Module):
         self.bias_qkv = nn.Parameter(torch.zeros(nqkv, **kw)) if qkv_bias else None
         # the O projection's bias (d,) (Llama's attention_bias=True)
         self.bias_o = nn.Parameter(torch.zeros(d, **kw)) if o_bias else None
+        # Gemma 2's and 3's norms of the attention's and the MLP's outputs (d,)
+        self.post_attention_norm = nn.Parameter(torch.ones(d, **kw)) if post_norms else None
+        self.post_ffn_norm = nn.Parameter(torch.ones(d, **kw)) if post_norms else None
         self.reset_parameters()
         self._build_rope_tables()
 
@@ -228,6 +249,7 @@ class DecoderLayer(FormerNames, nn.Module):
         qk += f", long_after={self.long_after}" if self.long_after else ""
         qk += f", activation={self.activation!r}" if self.activation != "silu" else ""
         qk += f", norm_offset={self.norm_offset}" if self.norm_offset else ""
+        qk += ", post_norms=True" if self.post_norms else ""
         return (
             f"d={self.d}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, ffn={self.ffn}{qk}"
@@ -244,6 +266,12 @@ class DecoderLayer(FormerNames, nn.Module):
         return self.bias_qkv is not None
 
     @property
+    def post_norms(self) -> bool:
+        """Whether the attention's and the MLP's outputs are normed before their residual adds
+        (Gemma 2's and 3's ``post_attention_norm``, ``post_ffn_norm``)."""
+        return getattr(self, "post_attention_norm", None) is not None  # (pickled before: none)
+
+    @property
     def o_bias(self) -> bool:
         """Whether the O projection has a bias (``bias_o``: Llama's ``attention_bias=True``)."""
         return self.bias_o is not None
@@ -251,11 +279,11 @@ class DecoderLayer(FormerNames, nn.Module):
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w_qkv, self.w_o, self.w_il, self.w_d):
             nn.init.normal_(w, std=std)
-        for g in (self.attention_norm, self.ffn_norm):
+        for g in self._norm_gains():
             nn.init.constant_(g, 1.0 - self.norm_offset)  # an effective gain of 1
         for g in (self.q_norm, self.k_norm):
             if g is not None:
-                nn.init.ones_(g)
+                nn.init.constant_(g, 1.0 - self.norm_offset)
         for b in (self.bias_qkv, self.bias_o):
             if b is not None:
                 nn.init.zeros_(b)
@@ -307,11 +335,13 @@ class DecoderLayer(FormerNames, nn.Module):
             "wd": self.w_d,
         }
         if self.qk_norm:
-            w["q_norm"], w["k_norm"] = self.q_norm, self.k_norm
+            w["q_norm"], w["k_norm"] = self._gains(compute_dtype(x), False, "qk")
         if self.qkv_bias:
             w["bqkv"] = self.bias_qkv
         if self.o_bias:
             w["bo"] = self.bias_o
+        if self.post_norms:
+            w["g_attn_out"], w["g_ffn_out"] = self._gains(compute_dtype(x), False, "post")
         if rope_cos_sin is not None:  # HF's halves -> coda's adjacent (cos, sin) pairs
             v.check_rope_cos_sin(rope_cos_sin, B, S, self.head_dim)
             half = self.head_dim // 2
@@ -330,12 +360,22 @@ class DecoderLayer(FormerNames, nn.Module):
             x.reshape(B * S, d), w, self._shape(B, S), None, attention, cs, rows=(B, S)
         )
 
-    def _gains(self, dtype, cast: bool = True):
-        """The two norms' gains as the kernels (``cast``: in the compute dtype) and the
-        reference (as they are, as HF's norms take their weights) apply them, or with
-        ``norm_offset`` the fp32 (float64 for float64 compute) sum ``norm_offset + gain``
-        (differentiable: the gain's gradient is the sum's)."""
-        gains = (self.attention_norm, self.ffn_norm)
+    def _norm_gains(self) -> tuple:
+        """Every norm's gain: the two pre-norms', then the post-norms' where there are."""
+        post = (self.post_attention_norm, self.post_ffn_norm) if self.post_norms else ()
+        return (self.attention_norm, self.ffn_norm, *post)
+
+    def _gains(self, dtype, cast: bool = True, which: str = "pre"):
+        """The gains of the two pre-norms (``which`` "pre"), the two post-norms ("post") or the
+        QK-norm ("qk") as the kernels (``cast``: in the compute dtype) and the reference (as
+        they are, as HF's norms take their weights) apply them, or with ``norm_offset`` the
+        fp32 (float64 for float64 compute) sum ``norm_offset + gain`` (differentiable: the
+        gain's gradient is the sum's)."""
+        gains = {
+            "pre": (self.attention_norm, self.ffn_norm),
+            "post": self._norm_gains()[2:],
+            "qk": (self.q_norm, self.k_norm),
+        }[which]
         if not self.norm_offset:
             return in_dtype(dtype, *gains) if cast else gains
         acc = torch.float64 if dtype == torch.float64 else torch.float32
@@ -434,9 +474,26 @@ class DecoderLayer(FormerNames, nn.Module):
         dtype = compute_dtype(x)
         x, w_qkv, w_o, w_il, w_d = in_dtype(dtype, x, self.w_qkv, self.w_o, self.w_il, self.w_d)
         g1, g2 = self._gains(dtype)
-        qk = in_dtype(dtype, self.q_norm, self.k_norm) if self.qk_norm else None
+        qk = self._gains(dtype, which="qk") if self.qk_norm else None
         bias = in_dtype(dtype, self.bias_qkv)[0] if self.qkv_bias else None
         o_bias = in_dtype(dtype, self.bias_o)[0] if self.o_bias else None
+        if self.post_norms:
+            with autocast_off(x.device):
+                return post_norm_decoder_layer(
+                    tma_aligned(x.reshape(B * S, d).contiguous()),
+                    g1,
+                    w_qkv,
+                    w_o,
+                    g2,
+                    w_il,
+                    w_d,
+                    self._gains(dtype, which="post"),
+                    pos,
+                    dims,
+                    attention or self.attention,
+                    self._freq_table(x.device, pos),
+                    qk,
+                )
         with autocast_off(x.device):
             out = decoder_layer(
                 tma_aligned(x.reshape(B * S, d).contiguous()),
@@ -458,10 +515,14 @@ class DecoderLayer(FormerNames, nn.Module):
         return out
 
     # -- Hugging Face weights ------------------------------------------------------------------
+    def _hf_keys(self) -> dict:
+        """{coda weight: its HF keys}: ``HF_KEYS``, or ``POST_NORM_KEYS`` with post-norms."""
+        return POST_NORM_KEYS if self.post_norms else HF_KEYS
+
     def _hf_weights(self) -> list[str]:
         """This layer's weights that HF has (``HF_KEYS``; q_norm / k_norm with QK-norm only,
-        bias_qkv and bias_o with those biases only)."""
-        return [name for name in HF_KEYS if getattr(self, name) is not None]
+        bias_qkv and bias_o with those biases only, the post-norms' with them only)."""
+        return [name for name in self._hf_keys() if getattr(self, name) is not None]
 
     def hf_state_dict(self, prefix: str = "", grad: bool = False) -> dict:
         """This layer's weights (or, with ``grad``, their gradients) as HF
@@ -484,7 +545,7 @@ class DecoderLayer(FormerNames, nn.Module):
             if t is None:  # (no gradient)
                 continue
             hf = to_hf.get(name, lambda x: (x.clone(),))(t.detach())
-            out.update({prefix + k: x for k, x in zip(HF_KEYS[name], hf)})
+            out.update({prefix + k: x for k, x in zip(self._hf_keys()[name], hf)})
         return out
 
     def hf_shapes(self, prefix: str = "") -> dict:
@@ -505,11 +566,13 @@ class DecoderLayer(FormerNames, nn.Module):
             "k_norm": [(hd,)],
             "bias_qkv": [(nq,), (nkv,), (nkv,)],
             "bias_o": [(d,)],
+            "post_attention_norm": [(d,)],
+            "post_ffn_norm": [(d,)],
         }
         return {
             prefix + key: shape
             for name in self._hf_weights()
-            for key, shape in zip(HF_KEYS[name], shapes[name])
+            for key, shape in zip(self._hf_keys()[name], shapes[name])
         }
 
     @torch.no_grad()
@@ -524,6 +587,7 @@ class DecoderLayer(FormerNames, nn.Module):
         ``Qwen3DecoderLayer``) weights under ``prefix``, validated (exact permutations)."""
         v.check_state_dict(sd, self._llama_shapes(prefix))
         heads = {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
+        keys = self._hf_keys()
         from_hf = {
             "w_qkv": lambda q, k, v_: layouts.qkv_weight_from_hf(q, k, v_, **heads),
             "w_il": layouts.gate_up_weight_from_hf,
@@ -534,6 +598,6 @@ class DecoderLayer(FormerNames, nn.Module):
             "bias_qkv": lambda q, k, v_: layouts.qkv_bias_from_hf(q, k, v_, **heads),
         }
         return {
-            name: from_hf.get(name, lambda x: x)(*(sd[prefix + k] for k in HF_KEYS[name]))
+            name: from_hf.get(name, lambda x: x)(*(sd[prefix + k] for k in keys[name]))
             for name in self._hf_weights()
         }

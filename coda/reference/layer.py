@@ -127,7 +127,8 @@ def decoder_layer_ref(
 ):
     """The layer in coda's weight layout (w: g1, wqkv, wo, g2, w_il, wd; with Qwen3's QK-norm
     also q_norm, k_norm (hd,) in adjacent order; with Qwen2's QKV bias bqkv (Nqkv,) in wqkv's
-    column order; with Llama's O-projection bias bo (d,)), differentiable by autograd: the
+    column order; with Llama's O-projection bias bo (d,); with Gemma 2's and 3's norms after
+    each sublayer their gains g_attn_out, g_ffn_out (d,)), differentiable by autograd: the
     reference path of ``coda.nn.DecoderLayer``. Same math as ``llama_layer_ref`` on the
     converted weights ([I3.4-I3.7]); ``attention`` as in
     ``attention_ref``; ``cs`` (M, hd), the RoPE table of every row (default from positions).
@@ -148,9 +149,13 @@ def decoder_layer_ref(
     o = attention_ref(q, k, z[:, nq + nkv :], s, attention) @ w["wo"]
     if "bo" in w:  # the O projection's bias (Llama's attention_bias=True), a Linear's
         o = o + w["bo"].to(o.dtype)
+    if "g_attn_out" in w:  # Gemma 2's and 3's norm of the sublayer's output, before the add
+        o = final_norm_ref(o, w["g_attn_out"], s.eps)
     x1 = x0 + o
     gu = final_norm_ref(x1, w["g2"], s.eps) @ w["w_il"]
     y = GLU_REFS[s.activation](gu[:, 0::2], gu[:, 1::2]) @ w["wd"]
+    if "g_ffn_out" in w:
+        y = final_norm_ref(y, w["g_ffn_out"], s.eps)
     if rows:
         x1, y = x1.view(*rows, x1.shape[1]), y.view(*rows, y.shape[1])
     return x1 + y

@@ -136,5 +136,6 @@ def wgrad_gamma_rows_ref(h, dz_tilde, gamma):
 
 def head_rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-head RMSNorm (Qwen3's QK-norm): x (M, heads, hd), one weight (hd,) shared by the
-    heads; each (row, head) is normalized over its hd values."""
-    return rmsnorm_ref(x, weight, eps)
+    heads; each (row, head) is normalized over its hd values. An fp32 weight with half x
+    (Gemma 3's 1 + w) scales in fp32 and rounds once, as ``final_norm_ref``."""
+    return final_norm_ref(x, weight, eps)
