@@ -10,6 +10,8 @@ family is a change to these tables and their tests."""
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from coda import _validate as v
@@ -41,6 +43,14 @@ SUPPORTED = (
     # Gemma's (its scaled token embedding stays HF's)
     "GemmaForCausalLM",
     "GemmaModel",
+    # Gemma's with a norm after each sublayer (``DecoderLayer(post_norms=True)``), sliding-
+    # window layers and the attention's scale from ``query_pre_attn_scalar``: Gemma 2's (its
+    # attention logits soft-capped by its attention function, HF's) and Gemma 3's (QK-norm
+    # with 1 + w gains; RoPE per layer type, ``typed_rotary``)
+    "Gemma2ForCausalLM",
+    "Gemma2Model",
+    "Gemma3ForCausalLM",
+    "Gemma3TextModel",
 )
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
@@ -52,14 +62,12 @@ TASK_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestio
 # (``coda._hf_forward.final_norm``), and its token embedding (scaled by sqrt(d) in its own
 # class) stays HF's
 # (Gemma's own layers are coda's since session 71: GeGLU and the 1 + w gains; Gemma 2's and
-# 3's also norm each sublayer's output before its residual add, which coda's F3 and F5 do not)
-_MOE, _GEMMA = "a mixture of experts", "norms after each sublayer, before its residual add"
+# 3's, which also norm each sublayer's output before its residual add, since session 72)
+_MOE = "a mixture of experts"
 LOSS_ONLY = {
     "MixtralForCausalLM": _MOE,
     "Qwen2MoeForCausalLM": _MOE,
     "Qwen3MoeForCausalLM": _MOE,
-    "Gemma2ForCausalLM": _GEMMA,
-    "Gemma3ForCausalLM": _GEMMA,
     # Granite's logits are divided by ``logits_scaling``, folded into the final norm's gain
     "GraniteForCausalLM": "residual multipliers on both branches",
     "GraniteMoeForCausalLM": _MOE,
@@ -115,8 +123,6 @@ VISION_LANGUAGE = (
     "Qwen3_5MoeForConditionalGeneration",
 )
 TEXT_LOSS_ONLY = {
-    "Gemma2Model": LOSS_ONLY["Gemma2ForCausalLM"],
-    "Gemma3TextModel": LOSS_ONLY["Gemma3ForCausalLM"],
     "MllamaTextModel": "cross-attention layers to the image",
     "Qwen3VLMoeTextModel": _MOE,
     "Glm4vTextModel": "norms after each sublayer, multimodal RoPE on part of each head",
@@ -138,25 +144,80 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 # the MLP activations a patched layer takes (HF's ``hidden_act`` -> coda's ``activation``)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# HF attention modules whose forward hands their attention function ``softcap``, the
+# attention logits' soft cap (``attn_logit_softcapping``); Gemma 3's has the attribute but
+# passes no cap
+SOFTCAP_ATTENTION = ("Gemma2Attention",)
+# the norms of a layer with a norm after each sublayer (Gemma 2's and 3's): its pre-MLP norm is
+# ``pre_feedforward_layernorm``, and ``post_attention_layernorm`` norms the attention's output
+POST_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def activation_name(config) -> str:
+    """The MLP's activation as HF's config names it: ``hidden_activation`` (Gemma 2's and
+    3's MLPs read it), else ``hidden_act``."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
 
 
 def layer_options(hf_layer, config) -> dict:
-    """``DecoderLayer``'s options for an HF layer: its MLP's ``activation`` and its norms'
-    ``norm_offset`` (1 for norms scaling by 1 + w in fp32, Gemma's; 0 for Llama's), each norm's
-    rounding held against coda's form of it bitwise (``_hf_forward.check_final_norm``)."""
+    """``DecoderLayer``'s options for an HF layer: its MLP's ``activation``, its norms'
+    ``norm_offset`` (1 for norms scaling by 1 + w in fp32, Gemma's; 0 for Llama's) and whether
+    it norms each sublayer's output (``post_norms``: Gemma 2's and 3's four norms), each norm's
+    rounding (QK-norm's too) held against coda's form of it bitwise
+    (``_hf_forward.check_final_norm``), every one with the config's epsilon."""
+    post = all(hasattr(hf_layer, n) for n in POST_NORMS)
+    names = ["input_layernorm", "post_attention_layernorm", *(POST_NORMS if post else ())]
+    norms = [getattr(hf_layer, n) for n in names]
+    norms += [getattr(hf_layer.self_attn, n, None) for n in ("q_norm", "k_norm")]
     forms = set()
-    for name in ("input_layernorm", "post_attention_layernorm"):
-        norm = getattr(hf_layer, name)
+    for norm in filter(None, norms):
         check_final_norm(norm)
         forms.add(norm_form(norm))
+        if norm_epsilon(norm) != config.rms_norm_eps:
+            raise v.CodaInputError(
+                f"apply_coda: a layer norm's eps {norm_epsilon(norm)} other than the config's "
+                f"rms_norm_eps {config.rms_norm_eps}"
+            )
     if forms - {"llama", "gemma"} or len(forms) > 1:
         raise v.CodaInputError(f"apply_coda: layer norms of the forms {sorted(forms)}")
-    act = getattr(config, "hidden_act", "silu")
-    return {"activation": ACTIVATIONS[act], "norm_offset": 1.0 if "gemma" in forms else 0.0}
+    return {
+        "activation": ACTIVATIONS[activation_name(config)],
+        "norm_offset": 1.0 if "gemma" in forms else 0.0,
+        "post_norms": post,
+    }
+
+
+def norm_epsilon(norm):
+    """An HF RMSNorm's epsilon, by either name HF gives it (``variance_epsilon``, ``eps``)."""
+    return getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+
+
+def typed_rotary(rotary, config, layer_type):
+    """The rotary module ``rotary`` as one layer type sees it (Gemma 3's: RoPE per layer type,
+    its buffers ``<type>_inv_freq``, its ``rope_type`` a dict): an object with the
+    ``rope_type``, ``inv_freq`` and ``attention_scaling`` of ``layer_type``'s RoPE; ``rotary``
+    itself for a model with one RoPE (``layer_type`` then ignored)."""
+    if not isinstance(rotary.rope_type, dict):
+        return rotary
+    if getattr(rotary, f"{layer_type}_inv_freq").device.type == "meta":  # (as
+        with torch.device("cpu"):  # ``inverse_frequencies``: made afresh on the CPU)
+            rotary = type(rotary)(config)
+    return types.SimpleNamespace(
+        rope_type=rotary.rope_type[layer_type],
+        inv_freq=getattr(rotary, f"{layer_type}_inv_freq"),
+        attention_scaling=getattr(rotary, f"{layer_type}_attention_scaling"),
+    )
+
+
+def layer_type(hf_layer, config):
+    """The layer's type in ``config.layer_types`` (Gemma 2's and 3's sliding or full
+    attention), or None for a config without them."""
+    types_ = getattr(config, "layer_types", None)
+    return None if types_ is None else types_[hf_layer.self_attn.layer_idx]
 
 
 def check_config(config, rotary) -> None:
-    act = getattr(config, "hidden_act", "silu")
+    act = activation_name(config)
     rules = [
         (act in ACTIVATIONS, f"hidden_act={act!r}"),
         (not getattr(config, "mlp_bias", False), "mlp_bias=True"),
@@ -171,6 +232,11 @@ def check_config(config, rotary) -> None:
         (
             not getattr(config, "residual_dropout", 0.0),
             f"residual_dropout={getattr(config, 'residual_dropout', 0)}",
+        ),
+        # Gemma 3's bidirectional attention (EmbeddingGemma's): not a causal LM's layer
+        (
+            not getattr(config, "use_bidirectional_attention", False),
+            "use_bidirectional_attention=True",
         ),
     ]
     for ok, what in rules:

@@ -88,6 +88,7 @@ from coda._hf_families import (
     LOSS_ONLY,
     MROPE_TEXT,
     ROPE_TYPES,  # noqa: F401 (coda.transformers.ROPE_TYPES, as before)
+    SOFTCAP_ATTENTION,
     SUPPORTED,
     TASK_HEADS,
     TEXT_LOSS_ONLY,
@@ -98,8 +99,10 @@ from coda._hf_families import (
     fused_projections,
     inverse_frequencies,
     layer_options,
+    layer_type,
     mrope_sections,
     sliding_window,
+    typed_rotary,
 )
 from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_forward
 from coda.autograd import LM_HEAD_METHODS
@@ -157,8 +160,6 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             mrope_sections=mrope,
             **layer_options(hf_layer, config),  # (GeGLU, Gemma's 1 + w norms)
         )
-        if qk_norm and attn.q_norm.variance_epsilon != config.rms_norm_eps:
-            raise v.CodaInputError("apply_coda: a QK-norm eps other than rms_norm_eps")
         self.fused = fused  # Phi-3's qkv_proj and gate_up_proj (``coda._hf_fused``)
         self.use_rope = use_rope
         # YaRN's constant factor on cos and sin, folded into the attention's scale (a NoPE
@@ -229,11 +230,13 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     def _hf_attention(self, attention_mask, cache, kwargs):
         """The model's configured attention function (read from its config on every call, so
         ``set_attn_implementation`` after patching is honored) as coda's attention callable."""
-        functions, eager = _hf_attention_functions()
         module = self.self_attn
+        functions, eager = _hf_attention_functions(type(module))
         implementation = module.config._attn_implementation
         iface = functions.get_interface(implementation, eager)
         window = sliding_window(module)
+        if type(module).__name__ in SOFTCAP_ATTENTION:  # (Gemma 2's: as its forward calls)
+            window["softcap"] = module.attn_logit_softcapping
         if (
             self._plain_causal(attention_mask)
             and implementation == "sdpa"
@@ -322,11 +325,17 @@ def _new_patched_layer(hf_class: type):
 
 
 @host_cache()
-def _hf_attention_functions():
+@functools.cache
+def _hf_attention_functions(attention_class: type):
+    """transformers' attention functions and the eager one ``attention_class``'s forward
+    falls back on: its own modeling module's (Gemma 2's soft-caps the logits), else Llama's."""
+    import sys
+
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    return ALL_ATTENTION_FUNCTIONS, eager_attention_forward
+    own = getattr(sys.modules.get(attention_class.__module__), "eager_attention_forward", None)
+    return ALL_ATTENTION_FUNCTIONS, own or eager_attention_forward
 
 
 @contextlib.contextmanager
@@ -491,16 +500,12 @@ def _task_model_stack(model, name: str):
 
 def _patch_layers(base, config) -> None:
     """``apply_coda``'s layers: every decoder layer of ``base`` (an HF decoder stack) that is
-    not one yet becomes a ``CodaLlamaDecoderLayer``, after the config's checks."""
-    check_config(config, base.rotary_emb)
-    inv_freq, long_rope = inverse_frequencies(base.rotary_emb, config)
-    rope_scale = float(base.rotary_emb.attention_scaling)  # (YaRN's and LongRoPE's c; else 1)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if 2 * inv_freq.numel() != head_dim:  # (coda's RoPE epilogue rotates whole heads)
-        raise v.CodaInputError(
-            f"apply_coda: a partial rotary embedding ({2 * inv_freq.numel()} of head_dim "
-            f"{head_dim}: partial_rotary_factor < 1) is not supported"
-        )
+    not one yet becomes a ``CodaLlamaDecoderLayer``, after the config's checks (for each layer
+    type's RoPE where it has one per type: Gemma 3's)."""
+    per_type = isinstance(base.rotary_emb.rope_type, dict)  # (Gemma 3's RoPE per layer type)
+    kinds = set(config.layer_types) if per_type else {None}
+    # layer type (None: the model's one RoPE) -> its RoPE's arguments, checked before any change
+    ropes = {k: _rope_arguments(typed_rotary(base.rotary_emb, config, k), config) for k in kinds}
     if getattr(base, "coda_mask_hint", None) is None:  # (not patched before)
         base.coda_mask_hint = MaskHint()
         wrap_forward(base, base_forward)
@@ -511,6 +516,8 @@ def _patch_layers(base, config) -> None:
     replaced = False
     for i, layer in enumerate(base.layers):
         if not isinstance(layer, CodaLlamaDecoderLayer):
+            kind = layer_type(layer, config) if per_type else None
+            inv_freq, long_rope, rope_scale = ropes[kind]
             ours = CodaLlamaDecoderLayer(
                 layer, config, inv_freq, base.coda_mask_hint, rope_scale, long_rope, mrope
             )
@@ -520,6 +527,21 @@ def _patch_layers(base, config) -> None:
     if replaced:  # transformers hooks the layers for ``output_hidden_states`` once, at the
         # first call asking for them: the patched layers are new modules, to be hooked anew
         base.__dict__.pop("_output_capturing_hooks_installed", None)
+
+
+def _rope_arguments(rotary, config) -> tuple:
+    """(inverse frequencies, LongRoPE's (long set, context) or (None, None), YaRN's or
+    LongRoPE's constant c on cos and sin, else 1) of a rotary module, after the config's
+    checks."""
+    check_config(config, rotary)
+    inv_freq, long_rope = inverse_frequencies(rotary, config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if 2 * inv_freq.numel() != head_dim:  # (coda's RoPE epilogue rotates whole heads)
+        raise v.CodaInputError(
+            f"apply_coda: a partial rotary embedding ({2 * inv_freq.numel()} of head_dim "
+            f"{head_dim}: partial_rotary_factor < 1) is not supported"
+        )
+    return inv_freq, long_rope, float(rotary.attention_scaling)
 
 
 def _tag_mrope_rows(rotary, args, kwargs, output) -> None:

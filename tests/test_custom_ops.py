@@ -51,7 +51,12 @@ def op_samples():
         # the norm after a sublayer: y, its partials (M, T), x0, fp32 gains (Gemma's 1 + w)
         "post_norm_rows": (_r(M, N), torch.rand(M, 2), _r(M, N), torch.randn(N), 1e-6, [2, 20]),
         "post_norm_next_rows": (
-            _r(M, N), torch.rand(M, 2), _r(M, N), torch.randn(N), 1e-6, torch.randn(N)
+            _r(M, N),
+            torch.rand(M, 2),
+            _r(M, N),
+            torch.randn(N),
+            1e-6,
+            torch.randn(N),
         ),  # fmt: skip
         "post_norm_bwd_rows": (_r(M, N), _r(M, N), torch.rand(M) + 0.5, _r(N)),
         "gemm_swiglu": (_r(M, K), _r(K, 2 * f), rstd, CFG, "gelu_tanh"),

@@ -2,7 +2,8 @@
 memos (``functools.cache`` / ``lru_cache``) are the listed host-only ones.
 
     reference, primitives  ->  kernels  ->  ops, layouts, autograd  ->  nn  ->  transformers
-                                                      (_hf_families, _hf_forward, _hf_fused)
+                        (_autograd_support, autograd_post_norm)   (_hf_families, _hf_forward,
+                                                                   _hf_fused)
 (``env``, ``_validate`` and ``_metadata`` are leaves any layer may use; ``_quack`` is the only
 module that imports quack.)"""
 
@@ -17,6 +18,9 @@ RANK = {
     "ops": 2,
     "layouts": 2,
     "autograd": 2,
+    # (what every autograd Function shares; the post-norm layer's Functions)
+    "_autograd_support": 2,
+    "autograd_post_norm": 2,
     "nn": 3,
     "transformers": 4,
     # (the HF patch's parts: the families it takes, its wrapped forwards, Phi-3's fused keys)
@@ -109,7 +113,7 @@ PLAIN_MEMOS = {
     "kernels/_triton.py": {"interpreted", "kernel"},
     "kernels/qk_norm.py": {"qk_norm_rope_program"},
     "primitives/lowering.py": {"lower"},
-    "transformers.py": {"patched_class"},
+    "transformers.py": {"patched_class", "_hf_attention_functions"},
 }
 
 

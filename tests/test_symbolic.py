@@ -187,6 +187,19 @@ def test_qk_norm_with_multimodal_rope_rotates_by_the_sections_position():
                 assert same(out[key], want[key])
 
 
+def test_output_sumsq_epilogue_gives_the_post_norm_its_statistic():
+    """F3 without the residual (a sublayer's output y normed before its add, Gemma 2's and
+    3's): D = acc, sumsq's terms acc^2; over a row of N = 3 columns P1's scale
+    (sum/N + eps)^-1/2 times D times g is RMSNorm(y) g."""
+    eps = sp.Symbol("eps", positive=True)
+    acc, g = (sp.symbols(f"{n}0:3", real=True) for n in ("acc", "g"))
+    cols = [evaluate(grr.output_sumsq, acc=acc[j]) for j in range(3)]
+    r = (sum(col["sumsq"] for col in cols) / 3 + eps) ** sp.Rational(-1, 2)
+    rms = sp.sqrt(sum(x**2 for x in acc) / 3 + eps)
+    for j, col in enumerate(cols):
+        assert same(col["D"], acc[j]) and same(r * col["D"] * g[j], acc[j] / rms * g[j])
+
+
 def test_residual_norm_epilogue_defers_rmsnorm_to_a_row_scale():
     """F3 + AUX: h = acc + c per element, sumsq's terms h^2, normed h gamma; over a row of
     N = 3 columns the AUX scale (sum/N + eps)^-1/2 times normed is RMSNorm(h) gamma."""
@@ -386,7 +399,7 @@ PROVEN = {
     "scaled_grad_dw", "rope_scaled_bias", "residual_bias_sumsq", "residual_bias_norm_sumsq",
     "capped_logits_lse_target", "capped_softmax_grad_logits", "mrope_scaled_bias",
     "_qk_norm_mrope", "_qk_norm_mrope_keep_z", "capped_scaled_exp_logits", "geglu_keep_preact",
-    "geglu_only", "dgeglu_rescaled",
+    "geglu_only", "dgeglu_rescaled", "output_sumsq",
 }  # fmt: skip
 
 

@@ -342,15 +342,17 @@ def test_patched_qwen3_matches_unpatched_float64(coda_path):
     assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
 
 
-def assert_behaves_as_unpatched(ref, patched, ids):
+def assert_behaves_as_unpatched(ref, patched, ids, right_padding: bool = False):
     """Logits, a training step (loss and every gradient), with a padding mask and with packed
     positions (two documents), greedy generation and the state dict as the unpatched model's;
-    ``ids`` (2, 13)."""
+    ``ids`` (2, 13). ``right_padding``: the padded row's pads at its end (HF's eager attention
+    gives a left pad's row, which attends to nothing, NaN: Gemma 2's)."""
     with torch.no_grad():
         assert rel_err(patched(ids).logits, ref(ids).logits) < TOL
     assert_same_step(ref, patched, input_ids=ids, labels=ids)
     mask = torch.ones(2, 13, dtype=torch.long)
-    mask[1, :4] = 0
+    mask[1, -4:] = 0 if right_padding else 1
+    mask[1, :4] = 1 if right_padding else 0
     assert_same_step(
         ref, patched, input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)
     )

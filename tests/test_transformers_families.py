@@ -73,3 +73,29 @@ def test_seed_oss_behaves_as_unpatched_float64(out_bias, coda_path):
     dropping = tiny_config("seed_oss", residual_dropout=0.1)
     with pytest.raises(v.CodaInputError, match=r"residual_dropout=0\.1 is not supported"):
         ct.apply_coda(model_class(dropping)(dropping))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma2_and_gemma3_layers_behave_as_unpatched_float64(family, coda_path):
+    """Gemma 2 and Gemma 3 (text): Gemma's layer with a norm after each sublayer
+    (``post_norms``), a 6-token window on the first of two layers, the attention's scale from
+    ``query_pre_attn_scalar``; Gemma 2's attention logits soft-capped (by HF's attention
+    function: eager), Gemma 3's QK-norm with 1 + w gains and RoPE per layer type (bases 10^4 on
+    the sliding layer, 10^6 on the full one): coda's layers behave as the unpatched model."""
+    kw = dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    kw |= dict(query_pre_attn_scalar=20)  # (not head_dim: a scale taken from head_dim would show)
+    if family == "gemma2":
+        kw |= dict(attn_logit_softcapping=0.02)  # (the tiny model's logits reach it: it binds)
+    cfg = tiny_config(family, **kw, **coda_path)
+    ref, patched = pair(cfg)
+    layers = patched.model.layers
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+    assert {(la.activation, la.norm_offset, la.post_norms) for la in layers} == {
+        ("gelu_tanh", 1.0, True)
+    }
+    assert [la.qk_norm for la in layers] == [family == "gemma3"] * 2
+    assert [layer.self_attn.sliding_window for layer in layers] == [6, None]
+    if family == "gemma3":  # each layer rotates by its own type's frequencies
+        assert layers[0]._inv_freq[1] != layers[1]._inv_freq[1]
+    ids = torch.randint(0, cfg.vocab_size, (2, 13))
+    assert_behaves_as_unpatched(ref, patched, ids, right_padding=family == "gemma2")

@@ -1,5 +1,6 @@
 """``apply_coda(model, layers=False)`` on tiny random Hugging Face Gemma, Gemma 2 and Gemma 3
-(text) models: their decoder layers and scaled token embedding stay HF's, and the training
+(text) models (their layers patched too: tests/test_transformers_families.py): their decoder
+layers and scaled token embedding stay HF's, and the training
 call's loss is coda's LM-head loss with Gemma's final norm, whose gain 1 + w is formed in fp32
 and applied before the output's one rounding (``coda._hf_forward.final_norm``,
 ``coda.reference.final_norm_ref``). CPU: float64, coda's loss on its reference path and on its
@@ -206,11 +207,9 @@ def test_soft_capped_logits_loss_equals_unpatched_float64(family, kernel, monkey
 
 
 def test_what_the_patch_does_not_take_is_named():
-    model = gemma_model("gemma3")
-    with pytest.raises(
-        coda.CodaInputError, match=r"norms after each sublayer.*layers=False.*compile"
-    ):
-        ct.apply_coda(model)
+    bidirectional = gemma_model("gemma3", use_bidirectional_attention=True)  # (EmbeddingGemma's)
+    with pytest.raises(coda.CodaInputError, match="use_bidirectional_attention=True"):
+        ct.apply_coda(bidirectional)
     capped = gemma_model("gemma2", final_logit_softcapping=30.0)
     with pytest.raises(coda.CodaInputError, match=r"final_logit_softcapping=30\.0: softcap: "):
         ct.apply_coda(capped, layers=False, method="chunked")  # (CE-C's program takes no cap)

@@ -59,7 +59,7 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     cfg = tiny_config(base, **{**shape, **extra.get(family, {})})
     torch.manual_seed(seed)
     ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
-    loss_only = type(ref).__name__ in ct.LOSS_ONLY  # (coda's loss, HF's layers: Gemma 3's...)
+    loss_only = type(ref).__name__ in ct.LOSS_ONLY  # (coda's loss, HF's layers: Granite's...)
     gemma = type(ref.model.norm).__name__ in GEMMA_NORMS
     with torch.no_grad():  # Qwen2's biases (HF makes them 0), Gemma's norm weights w (HF's 0:
         for n, p in ref.named_parameters():  # a gain 1 + w of 1 would hide a rounded w)
@@ -126,7 +126,8 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
 )
 def test_gpu_patched_model_protocol(family):
     """H200: a patched bf16 Llama / Qwen3 / Mistral / Phi-3 / SmolLM3 (its NoPE layers: RoPE
-    at angle 0 in the epilogue) / Gemma (GeGLU, 1 + w norms in fp32), Gemma 3, Granite,
+    at angle 0 in the epilogue) / Gemma (GeGLU, 1 + w norms in fp32) / Gemma 3 (norms after
+    each sublayer, QK-norm with 1 + w gains, RoPE per layer type), Granite,
     OLMo 2, GPT-OSS and Qwen3-Next (the loss alone: the final norm's fp32 gain, Granite's
     logits_scaling in it), and Llama with Llama 3's, linear, YaRN and LongRoPE scaling (coda's
     kernels, HF's sdpa) against the unpatched bf16 model, both against a float64 copy: loss
@@ -157,9 +158,9 @@ def test_gpu_patched_biased_protocol_pooled(family, k_bias):
     """H200: CODA's protocol for a patched bf16 Qwen2 (q and v biases of standard deviation 1,
     k biases of ``k_bias``), a Llama with ``attention_bias=True`` (o biases too), a
     Seed-OSS (q, k, v biases, head_dim 128) and, without biases, a Gemma 2 with its logits
-    soft-capped (coda's loss alone, CE-S's capped program: its layers are HF's in both
-    models, so their gradients differ only through the loss's dX, which one seed cannot
-    decide either: benchmarks/NOTES.md, session 68), each
+    soft-capped (CE-S's capped program; its layers HF's up to session 71, when its
+    gradients differed only through the loss's dX, which one seed could not decide either:
+    benchmarks/NOTES.md, session 68; coda's since session 72: norms after each sublayer), each
     gradient's error pooled over ``POOLED_SEEDS`` seeds
     (``conftest.pooled_ratio``): no gradient's pooled error measurably above the unpatched
     bf16 model's (above 1 + its band, Bonferroni over the gradients). One seed cannot decide
