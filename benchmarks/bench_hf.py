@@ -119,9 +119,10 @@ SHAPES = {
             tie_word_embeddings=True,
         ),
     ),
-    # Gemma-3-1B's shape (``Gemma3ForCausalLM``): coda patches the loss alone (its layers
-    # stay HF's: GeGLU, sandwich norms), the final norm's gain 1 + w kept in fp32; at its
-    # 262144-token vocabulary the logits are what the unpatched step spends its memory on
+    # Gemma-3-1B's shape (``Gemma3ForCausalLM``): coda's layers since session 72 (GeGLU, the
+    # norms after each sublayer, QK-norm with 1 + w, RoPE per layer type; the loss alone
+    # before), the final norm's gain 1 + w kept in fp32; at its 262144-token vocabulary the
+    # logits are what the unpatched step spends its memory on
     "gemma-3-1B": (
         "gemma3",
         dict(
@@ -136,7 +137,8 @@ SHAPES = {
             tie_word_embeddings=True,
         ),
     ),
-    # Gemma-2-2B's shape (``Gemma2ForCausalLM``): the loss alone, its logits soft-capped at 30
+    # Gemma-2-2B's shape (``Gemma2ForCausalLM``): coda's layers since session 72 (the loss
+    # alone before), its logits soft-capped at 30
     # (coda's ``softcap``, Liger's); eager attention for every variant (its attention's own
     # soft-cap, 50: transformers runs no sdpa for Gemma 2)
     "gemma-2-2B": (
