@@ -272,6 +272,14 @@ def test_row_passes_compile_for_sm90(head_dim):
 
 
 @pytest.mark.compile
+def test_row_passes_compile_for_gemma3_heads():
+    """Gemma 3's heads: 256 wide, their QK-norm weights 1 + w in fp32."""
+    from coda.kernels.row_passes import compile_row_passes
+
+    assert all(n > 0 for n in compile_row_passes(256, head_w="fp32"))
+
+
+@pytest.mark.compile
 def test_head_norm_pass_compiles_at_every_launch_shape():
     from coda.kernels.final_norm_rows import LAUNCH, LAUNCH_SHAPES, compile_head_norm_bwd
 

@@ -382,14 +382,16 @@ POINTERS.update({n: "*fp32" for n in ("rstd", "cos", "sin", "s_part", "dw_part",
 POINTERS["db_part"] = "*fp32"
 
 
-def compile_row_passes(head_dim: int, arch: int = 90, shape=None) -> list[int]:
+def compile_row_passes(head_dim: int, arch: int = 90, shape=None, head_w="bf16") -> list[int]:
     """The three kernels (bf16 tensors) at their launch shapes (``launch_shape``) compiled for
-    ``sm_{arch}`` on the CPU: cubin sizes."""
+    ``sm_{arch}`` on the CPU: cubin sizes. ``head_w``: the QK-norm weights' Triton type
+    ("fp32": Gemma 3's 1 + w, formed in fp32)."""
+    pointers = {**POINTERS, "q_norm": f"*{head_w}", "k_norm": f"*{head_w}"}
     sizes = []
     kernels = (("drope", _drope_kernel), ("dqk_norm", _dqk_norm_kernel))
     for name, fn in (*kernels, ("drope", _drope_bias_kernel)):
         bm, warps = launch_shape(name, head_dim, shape)
         hp = next_power_of_2(head_dim)
         consts = {"HD": head_dim, "HP": hp, "BM": bm, "ACC": tl.float32}
-        sizes.append(compile_sm90(fn, POINTERS, consts, warps, arch))
+        sizes.append(compile_sm90(fn, pointers, consts, warps, arch))
     return sizes
