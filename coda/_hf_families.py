@@ -233,11 +233,6 @@ def check_config(config, rotary) -> None:
             not getattr(config, "residual_dropout", 0.0),
             f"residual_dropout={getattr(config, 'residual_dropout', 0)}",
         ),
-        # Gemma 3's bidirectional attention (EmbeddingGemma's): not a causal LM's layer
-        (
-            not getattr(config, "use_bidirectional_attention", False),
-            "use_bidirectional_attention=True",
-        ),
     ]
     for ok, what in rules:
         if not ok:

@@ -325,10 +325,11 @@ def _new_patched_layer(hf_class: type):
 
 
 @host_cache()
-@functools.cache
 def _hf_attention_functions(attention_class: type):
     """transformers' attention functions and the eager one ``attention_class``'s forward
-    falls back on: its own modeling module's (Gemma 2's soft-caps the logits), else Llama's."""
+    falls back on: its own modeling module's (Gemma 2's soft-caps the logits), else Llama's.
+    (Not memoized: a patched model's forward runs it under torch.compile's trace, where
+    Dynamo warns of every ``functools.cache`` it meets; the lookups are a dict's.)"""
     import sys
 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -427,8 +428,9 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
             f"{', '.join(VISION_LANGUAGE)})"
         )
     v.check_choice("method", method, LM_HEAD_METHODS)
-    _check_softcapping(model.config, method if name in hf_forward.LOGITS_SOFTCAPPED else None)
     causal = name.endswith("ForCausalLM")
+    if causal:  # (a decoder stack alone, or under a task head, has no logits to cap)
+        _check_softcapping(model.config, method if name in hf_forward.LOGITS_SOFTCAPPED else None)
     base = model.model if causal else model
     _patch_stack(
         model, base, model.config, causal_lm_forward if causal else None, method, embedding, layers

@@ -113,7 +113,7 @@ PLAIN_MEMOS = {
     "kernels/_triton.py": {"interpreted", "kernel"},
     "kernels/qk_norm.py": {"qk_norm_rope_program"},
     "primitives/lowering.py": {"lower"},
-    "transformers.py": {"patched_class", "_hf_attention_functions"},
+    "transformers.py": {"patched_class"},
 }
 
 

@@ -88,14 +88,28 @@ def test_a_task_model_trains_as_unpatched(family, head, kernel, monkeypatch):
 
 
 def test_a_task_model_of_an_unsupported_family_is_named():
+    from transformers import Olmo2Config, Olmo2ForSequenceClassification
+
+    cfg = Olmo2Config(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
+    )  # fmt: skip
+    with pytest.raises(coda.CodaInputError, match="Olmo2ForSequenceClassification"):
+        ct.apply_coda(Olmo2ForSequenceClassification(cfg))
+
+
+def test_a_gemma2_reward_model_takes_codas_layers():
+    """Gemma 2's task model: its stack's layers coda's (their norms after each sublayer); its
+    config's final-logit soft-cap (30 by default) concerns an LM head it does not have."""
     from transformers import Gemma2Config, Gemma2ForSequenceClassification
 
     cfg = Gemma2Config(
         vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, pad_token_id=0,
     )  # fmt: skip
-    with pytest.raises(coda.CodaInputError, match="Gemma2ForSequenceClassification"):
-        ct.apply_coda(Gemma2ForSequenceClassification(cfg))
+    model = ct.apply_coda(Gemma2ForSequenceClassification(cfg))
+    assert isinstance(model.model.layers[0], ct.CodaLlamaDecoderLayer)
+    assert model.model.layers[0].post_norms
 
 
 @pytest.mark.gpu
