@@ -151,6 +151,26 @@ def vlm(seeds=2, kinds=("qwen2_5_vl", "qwen3_vl")):
             )
 
 
+def vlm_pooled(seeds=16, kinds=("gemma3",)):
+    """``test_gpu_vlm_protocol_pooled``'s check on the CPU: each text-side gradient's error
+    pooled over ``seeds`` seeds (``conftest.pooled_ratio``, Bonferroni over the gradients);
+    the largest pooled ratios and how many are over their bands."""
+    from conftest import family_z, pooled_ratio
+    from test_transformers_vlm import text_side, vlm_errors
+
+    _kernel_path_on_cpu()
+    for kind in kinds:
+        errors: dict = {}
+        for seed in range(seeds):
+            for n, e in text_side(vlm_errors(kind, "cpu", seed)[2]).items():
+                errors.setdefault(n, []).append(e)
+        z = family_z(len(errors))
+        pooled = sorted(((*pooled_ratio(e, z), n) for n, e in errors.items()), reverse=True)
+        over = [n for r, b, n in pooled if r > 1 + b]
+        top = "; ".join(f"{n} {r:.3f} (band 1 + {b:.3f})" for r, b, n in pooled[:4])
+        print(f"vlm {kind} pooled over {seeds} seeds: largest {top}; over its band {len(over)}")
+
+
 def dw_neff():
     torch.manual_seed(0)
     M, d, V = 3917, 1880, 8192
@@ -166,7 +186,7 @@ def dw_neff():
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("lm-head", "qk-short", "hf", "vlm", "dw-neff"))
+    ap.add_argument("what", choices=("lm-head", "qk-short", "hf", "vlm", "vlm-pooled", "dw-neff"))
     ap.add_argument("--g", type=float, default=1.0, help="lm-head: the upstream gradient")
     ap.add_argument("--confident", action="store_true", help="lm-head: p_y near 1")
     ap.add_argument("--seeds", type=int, default=4, help="hf, vlm: seeds per family")
@@ -183,5 +203,7 @@ if __name__ == "__main__":
         hf(args.seeds, args.families)
     elif args.what == "vlm":
         vlm(args.seeds, args.kinds)
+    elif args.what == "vlm-pooled":
+        vlm_pooled(args.seeds, args.kinds)
     else:
         {"qk-short": qk_short, "hf": hf, "dw-neff": dw_neff}[args.what]()

@@ -2,7 +2,7 @@
 Llava-NeXT, Llava-OneVision, Mistral 3, InternVL, Idefics3, SmolVLM, PaliGemma, Qwen2-VL,
 Qwen2.5-VL and Qwen3-VL (their Llama, Mistral, Qwen2, Qwen3 and Gemma text models' decoder
 layers coda's, PaliGemma's under its prefix mask, the Qwen-VL models' with multimodal RoPE,
-and the loss), Gemma 3, Mllama, Qwen3-VL-MoE, GLM-4V
+and the loss; Gemma 3's Gemma 3 text model's too), Mllama, Qwen3-VL-MoE, GLM-4V
 and GLM-4.5V (the loss alone: ``layers=False``), tiny and random (``hf_vlm``), on the CPU in
 float64 on coda's reference path and its kernel path (the tile interpreter): a training step
 with an image (text alone for ``hf_vlm.TEXT_ONLY``'s) equals the unpatched model's (the loss and
@@ -123,7 +123,17 @@ def vlm_protocol(kind: str, device: str, seed: int = 5):
     on the CPU): ((loss errors coda, PyTorch), scalar floor, {gradient: (coda's error / the
     unpatched bf16 model's, tie band)}). Gradients that are 0 in exact arithmetic, as
     attention's k biases', hold only the float64 copy's round-off: left out."""
-    from conftest import fro_err, tie_band
+    from conftest import tie_band
+
+    losses, floor, errors, g64 = vlm_errors(kind, device, seed)
+    ratios = {n: (c / max(t, 1e-30), tie_band(g64[n])) for n, (c, t) in errors.items()}
+    return losses, floor, ratios
+
+
+def vlm_errors(kind: str, device: str, seed: int):
+    """``vlm_protocol``'s step: ((loss errors coda, PyTorch), floor, {gradient: (coda's
+    relative error, the unpatched bf16 model's)}, the float64 gradients)."""
+    from conftest import fro_err
 
     ref64, batch = tiny_vlm(kind, seed=seed)
     ref64 = ref64.to(device)
@@ -134,34 +144,61 @@ def vlm_protocol(kind: str, device: str, seed: int = 5):
     losses = [m(**(batch if m is ref64 else b16)).loss for m in (ref64, ref16, patched)]
     for loss in losses:
         loss.backward()
-    l64 = float(losses[0])
-    e_t, e_c = (abs(float(x) - l64) / abs(l64) for x in losses[1:])
+    l64 = float(losses[0].detach())
+    e_t, e_c = (abs(float(x.detach()) - l64) / abs(l64) for x in losses[1:])
     floor = 2.0**-9 / int((batch["labels"] != -100).sum()) ** 0.5
     g64 = {n: p.grad for n, p in ref64.named_parameters() if p.grad is not None}
     g16 = {n: p.grad for n, p in ref16.named_parameters() if p.grad is not None}
     gc = ct.hf_gradients(patched)
     top = max(float(g.norm()) for g in g64.values())
-    kept = {n: g for n, g in g64.items() if float(g.norm()) > 1e-8 * top}
-    ratios = {
-        n: (fro_err(gc[n], g) / max(fro_err(g16[n], g), 1e-30), tie_band(g))
-        for n, g in kept.items()
-    }
-    return (e_c, e_t), floor, ratios
+    kept = [n for n, g in g64.items() if float(g.norm()) > 1e-8 * top]
+    errors = {n: (fro_err(gc[n], g64[n]), fro_err(g16[n], g64[n])) for n in kept}
+    return (e_c, e_t), floor, errors, g64
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "qwen3_vl", "gemma3", "paligemma"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "qwen3_vl", "paligemma"])
 def test_gpu_vlm_protocol(kind):
     """H200: a patched bf16 Llava, Qwen2.5-VL, Qwen3-VL and PaliGemma (coda's layers,
-    multimodal RoPE for the Qwen-VL models', Gemma's for PaliGemma, and loss) and Gemma 3
-    (the loss alone), one training step with
-    an image, against the unpatched bf16 model, both against a float64 copy
+    multimodal RoPE for the Qwen-VL models', Gemma's for PaliGemma, and loss), one training
+    step with an image, against the unpatched bf16 model, both against a float64 copy
     (``vlm_protocol``): the loss no worse than PyTorch's above its rounding floor, every
     gradient of the text model and the head within its tie band of the unpatched model's
     error (CODA's protocol; ``text_side``: the text model's and the head's)."""
     (e_c, e_t), floor, ratios = vlm_protocol(kind, "cuda")
     assert max(e_c, floor) <= max(e_t, floor), (e_c, e_t, floor)
     worse = {n: r for n, (r, band) in text_side(ratios).items() if r > 1.0 + band}
+    assert not worse, worse
+
+
+VLM_POOLED_SEEDS = 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gemma3"])
+def test_gpu_vlm_protocol_pooled(kind):
+    """``test_gpu_vlm_protocol`` for Gemma 3 (coda's layers since session 72: the norms
+    after each sublayer, QK-norm), each gradient's error pooled over ``VLM_POOLED_SEEDS``
+    seeds (``conftest.pooled_ratio``, Bonferroni over the text side's gradients): one seed of
+    this 48-wide model over 56 tokens cannot decide a tie. Run 306 read seed 5 alone: three
+    weights at 1.11-1.17x, over bands of ~0.1; the CPU model of the GPU's roundings
+    (``cpu_numerics.py vlm``) flags the same seed (1.096 against 1.095) and, pooled over 16
+    seeds, every text-side gradient at or below 1.11, inside its band (0.92-0.93 for those
+    three; benchmarks/NOTES.md, session 72). The loss's error as an RMS over the seeds."""
+    from conftest import family_z, pooled_ratio
+
+    errors: dict = {}
+    loss_errors = []
+    for seed in range(VLM_POOLED_SEEDS):
+        losses, floor, errs, _ = vlm_errors(kind, "cuda", seed)
+        loss_errors.append(losses)
+        for n, e in text_side(errs).items():
+            errors.setdefault(n, []).append(e)
+    rms = [(sum(e[i] ** 2 for e in loss_errors) / len(loss_errors)) ** 0.5 for i in (0, 1)]
+    assert max(rms[0], floor) <= max(rms[1], floor), (rms, floor)
+    z = family_z(len(errors))
+    pooled = {n: pooled_ratio(e, z) for n, e in errors.items()}
+    worse = {n: (round(r, 4), round(1 + b, 4)) for n, (r, b) in pooled.items() if r > 1 + b}
     assert not worse, worse
 
 
