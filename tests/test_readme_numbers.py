@@ -48,6 +48,7 @@ R293 = "2026-12-05_h200_run293.json"  # the soft-capped LM head (CE-S as "coda_s
 R296 = "2026-12-05_h200_run296.json"  # Gemma-3-1B's loss alone, beside Liger's patch
 # on an H100: Gemma-3-1B's loss alone with the stack compiled; Llama-3.2-1B patched
 R297, R298 = "2026-12-05_h100_run297.json", "2026-12-05_h100_run298.json"
+R306 = "2026-12-05_h100_run306.json"  # on an H100: Gemma-3-1B with coda's layers
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
 FWD = {**LAYER, "coda": "coda_decoder_layer"}
@@ -157,9 +158,13 @@ def expected() -> dict:
             c: _k(_entry(R296, "hf", f"hf/gemma-3-1B/{n}")["tokens_per_s"])
             for c, n in {"coda": "hf_coda", "Liger": "hf_liger", "eager": "hf"}.items()
         },
-        "... HF Gemma-3-1B on an H100": {
+        "... HF Gemma-3-1B on an H100, the loss alone": {
             c: _k(_entry(R297, "hf", f"hf/gemma-3-1B/{n}")["tokens_per_s"])
             for c, n in {"coda": "hf_coda_compiled", "Liger": "hf_liger"}.items()
+        },
+        "... HF Gemma-3-1B on an H100 with coda's layers": {
+            c: _k(_entry(R306, "hf", f"hf/gemma-3-1B/{n}")["tokens_per_s"])
+            for c, n in {"coda": "hf_coda", "Liger": "hf_liger"}.items()
         },
         "... HF Llama-3.2-1B on an H100": {
             c: _k(_entry(R298, "hf", f"hf/llama-3.2-1B/{n}")["tokens_per_s"])
