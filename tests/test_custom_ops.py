@@ -214,6 +214,7 @@ def test_every_op_is_sampled():
         ("scaled_exp", "llama"),
         ("recompute", "qk_norm"),
         ("scaled_exp", "biases"),  # q, k, v and o biases (Llama's attention_bias=True)
+        ("scaled_exp", "gemma3"),  # norms after each sublayer, QK-norm, 1 + w gains, GeGLU
     ],
 )
 def test_compiled_kernel_path_equals_eager_float64(method, kind):
@@ -221,7 +222,13 @@ def test_compiled_kernel_path_equals_eager_float64(method, kind):
     F64 = torch.float64
     V = 128  # a multiple of 128 for scaled_exp's strips
     flags = dict(qk_norm=kind == "qk_norm", qkv_bias=kind == "biases", o_bias=kind == "biases")
+    if kind == "gemma3":
+        flags = dict(qk_norm=True, post_norms=True, norm_offset=1.0, activation="gelu_tanh")
     layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64, **flags)
+    if kind == "gemma3":  # (gains away from their start, so that a lost gain would show)
+        with torch.no_grad():
+            for p in (*layer._norm_gains(), layer.q_norm, layer.k_norm):
+                p.normal_(0.0, 0.3)
     if kind == "biases":
         with torch.no_grad():
             layer.bias_qkv.normal_(0.0, 2.0)
