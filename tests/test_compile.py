@@ -133,8 +133,13 @@ class _KernelStep(torch.nn.Module):
         ("dynamic=True", {}),
         # Gemma's layer: GeGLU through the custom ops' ``act``, the fp32 gains 1 + w
         ("mark_dynamic", {"activation": "gelu_tanh", "norm_offset": 1.0}),
+        # Gemma 3's: the norms after each sublayer (their row passes' ops), QK-norm
+        (
+            "mark_dynamic",
+            {"activation": "gelu_tanh", "norm_offset": 1.0, "post_norms": True, "qk_norm": True},
+        ),
     ],
-    ids=["mark_dynamic", "dynamic=True", "mark_dynamic-gemma"],
+    ids=["mark_dynamic", "dynamic=True", "mark_dynamic-gemma", "mark_dynamic-gemma3"],
 )
 def test_kernel_path_compiles_once_for_every_token_count(how, options):
     """The kernel path under torch.compile: one compile serves four token counts (the wgrad
@@ -148,7 +153,7 @@ def test_kernel_path_compiles_once_for_every_token_count(how, options):
     model = _KernelStep(**options)
     if options:  # (gains away from 0: a lost w would show)
         with torch.no_grad():
-            for g in (model.layer.attention_norm, model.layer.ffn_norm):
+            for g in model.layer._norm_gains():
                 g.uniform_(-0.5, 0.5)
     counter = CompileCounterWithBackend("aot_eager")
     dynamic = True if how == "dynamic=True" else None
