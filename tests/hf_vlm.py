@@ -2,7 +2,8 @@
 encoder of two layers on 16 x 16 images (patches of 4), a 2-layer text model of width 48, a
 vocabulary of 128 with its image tokens at 120-122, and a training batch with an image:
 ``tiny_vlm(kind)`` -> (model in float64, batch). ``KINDS``: kind -> whether its text model's
-layers are coda's (a Llama, Mistral, Qwen2, Gemma or Gemma 3; the Qwen-VL models' Qwen2 and
+layers are coda's (a Llama, Mistral, Qwen2, Gemma, Gemma 2 (PaliGemma 2's) or Gemma 3; the
+Qwen-VL models' Qwen2 and
 Qwen3 layers with multimodal RoPE) or its loss alone is (``layers=False``: Mllama's
 cross-attention, the MoE and linear-attention text models).
 ``TEXT_ONLY``: the kinds whose image inputs are not built here (Llava-NeXT's and -OneVision's
@@ -23,6 +24,7 @@ KINDS = {
     "smolvlm": True,
     "gemma3": True,
     "paligemma": True,
+    "paligemma2": True,
     "qwen2_vl": True,
     "qwen2_5_vl": True,
     "qwen3_vl": True,
@@ -35,7 +37,7 @@ KINDS = {
 }
 TEXT_ONLY = ("llava_next", "llava_onevision", "mllama")
 # image tokens per image: Llava's and PaliGemma's 16 patches; the others merge 2 x 2 patches
-IMAGE_TOKENS = {"llava": 16, "paligemma": 16}
+IMAGE_TOKENS = {"llava": 16, "paligemma": 16, "paligemma2": 16}
 IMAGE = 120  # the image placeholder token (121, 122: video and vision-start tokens)
 _TEXT = {**TINY, "vocab_size": 128, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, image_size=16)
@@ -65,8 +67,10 @@ def _config(kind: str):
         config = tf.Idefics3Config if kind == "idefics3" else tf.SmolVLMConfig
         text = dict(_TEXT, model_type="llama")
         return config(vision_config=siglip, text_config=text, image_token_id=IMAGE, scale_factor=2)
-    if kind == "paligemma":
-        text = dict(_TEXT, model_type="gemma", head_dim=12)
+    if kind.startswith("paligemma"):  # (PaliGemma 2's text model is Gemma 2's: eager)
+        gemma2 = dict(model_type="gemma2", final_logit_softcapping=None, sliding_window=8)
+        text = dict(_TEXT, **(gemma2 if kind == "paligemma2" else {"model_type": "gemma"}))
+        text = dict(text, head_dim=12)
         return tf.PaliGemmaConfig(
             vision_config=siglip, text_config=text, image_token_index=IMAGE, projection_dim=48
         )
@@ -146,7 +150,8 @@ def _model_class(kind: str):
     names = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
     names.update(qwen3_vl_moe="Qwen3VLMoe", glm4v="Glm4v", glm4v_moe="Glm4vMoe")
     names.update(llava_next="LlavaNext", llava_onevision="LlavaOnevision", internvl="InternVL")
-    names.update(smolvlm="SmolVLM", paligemma="PaliGemma", qwen3_5="Qwen3_5")
+    names.update(smolvlm="SmolVLM", paligemma="PaliGemma", paligemma2="PaliGemma")
+    names.update(qwen3_5="Qwen3_5")
     names.update(qwen3_5_moe="Qwen3_5Moe")
     name = names.get(kind, kind.capitalize())
     return getattr(tf, f"{name}ForConditionalGeneration")
@@ -192,6 +197,6 @@ def tiny_vlm(kind: str, seed: int = 0):
         batch["pixel_values"] = pixels
         if kind == "gemma3":  # (HF's training mask: image tokens attend both ways)
             batch["token_type_ids"] = (ids == IMAGE).long()
-        if kind == "paligemma":  # (its prefix, image and prompt, attends both ways)
+        if kind.startswith("paligemma"):  # (its prefix, image and prompt, attends both ways)
             batch["token_type_ids"] = (torch.arange(28) >= 22).long().expand(rows, -1)
     return model, batch
