@@ -127,6 +127,17 @@ def kernel_forced(monkeypatch):
     monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
 
 
+def _both_paths(layer, x):
+    """(output, {gradient}) of one step on the reference path, then on the kernel path, with
+    one random output gradient."""
+    dy = torch.randn_like(x)
+    results = []
+    for backend in ("reference", "kernel"):
+        layer.backend = backend
+        results.append(_step(layer, x, dy))
+    return results
+
+
 def _step(layer, x, dy):
     for p in (*layer.parameters(), x):
         p.grad = None
@@ -144,12 +155,7 @@ def test_kernel_path_equals_reference_path_float64(kernel_forced, kind):
         for p in (*layer._norm_gains(), *([layer.q_norm, layer.k_norm] if layer.qk_norm else [])):
             p.add_(0.3 * torch.randn_like(p))
     x = torch.randn(B, S, d, dtype=F64, requires_grad=True)
-    dy = torch.randn_like(x)
-    results = {}
-    for backend in ("reference", "kernel"):
-        layer.backend = backend
-        results[backend] = _step(layer, x, dy)
-    (out_r, g_r), (out_k, g_k) = results["reference"], results["kernel"]
+    (out_r, g_r), (out_k, g_k) = _both_paths(layer, x)
     assert out_k.shape == (B, S, d) and out_k._base is None  # a tensor of its own
     assert rel_err(out_k, out_r) < 1e-13
     assert {"post_attention_norm", "post_ffn_norm"} <= set(g_r)
@@ -176,12 +182,7 @@ def test_kernel_path_equals_reference_path_at_random_shapes(kernel_forced, case)
         for p in layer.parameters():
             p.add_(0.2 * torch.randn_like(p))
     x = torch.randn(B, S, d, dtype=F64, requires_grad=True)
-    dy = torch.randn_like(x)
-    got = {}
-    for backend in ("reference", "kernel"):
-        layer.backend = backend
-        got[backend] = _step(layer, x, dy)
-    (out_r, g_r), (out_k, g_k) = got["reference"], got["kernel"]
+    (out_r, g_r), (out_k, g_k) = _both_paths(layer, x)
     what = f"case {case}: d {d}, H {H}, Hkv {Hkv}, hd {hd}, f {f}, B {B}, S {S}, {options}"
     assert rel_err(out_k, out_r) < 1e-12, what
     # (a gradient that is 0 in exact arithmetic, q's with one token, is round-off on both

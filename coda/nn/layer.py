@@ -477,42 +477,13 @@ class DecoderLayer(FormerNames, nn.Module):
         qk = self._gains(dtype, which="qk") if self.qk_norm else None
         bias = in_dtype(dtype, self.bias_qkv)[0] if self.qkv_bias else None
         o_bias = in_dtype(dtype, self.bias_o)[0] if self.o_bias else None
-        if self.post_norms:
-            with autocast_off(x.device):
-                return post_norm_decoder_layer(
-                    tma_aligned(x.reshape(B * S, d).contiguous()),
-                    g1,
-                    w_qkv,
-                    w_o,
-                    g2,
-                    w_il,
-                    w_d,
-                    self._gains(dtype, which="post"),
-                    pos,
-                    dims,
-                    attention or self.attention,
-                    self._freq_table(x.device, pos),
-                    qk,
-                )
+        rows = (tma_aligned(x.reshape(B * S, d).contiguous()), g1, w_qkv, w_o, g2, w_il, w_d)
+        rope = (pos, dims, attention or self.attention, self._freq_table(x.device, pos))
         with autocast_off(x.device):
-            out = decoder_layer(
-                tma_aligned(x.reshape(B * S, d).contiguous()),
-                g1,
-                w_qkv,
-                w_o,
-                g2,
-                w_il,
-                w_d,
-                pos,
-                dims,
-                attention or self.attention,
-                self._freq_table(x.device, pos),
-                qk,
-                bias,
-                o_bias,
-                None if self._mrope is None else self._mrope_table(x.device),
-            )
-        return out
+            if self.post_norms:
+                return post_norm_decoder_layer(*rows, self._gains(dtype, which="post"), *rope, qk)
+            mrope = None if self._mrope is None else self._mrope_table(x.device)
+            return decoder_layer(*rows, *rope, qk, bias, o_bias, mrope)
 
     # -- Hugging Face weights ------------------------------------------------------------------
     def _hf_keys(self) -> dict:
