@@ -35,7 +35,10 @@ sdpa layers pass no mask, as the eager step does.
 
 Supported (``SUPPORTED``): transformers 5.x ``...ForCausalLM`` / ``...Model`` of Llama,
 Mistral, Qwen2, Qwen3, Phi3, Ministral, Cwm, SeedOss (its residual dropout 0), Gemma (GeGLU,
-norms scaling by 1 + w in fp32: ``_hf_families.layer_options``) and SmolLM3 (its NoPE
+norms scaling by 1 + w in fp32: ``_hf_families.layer_options``), Gemma 2 and Gemma 3 text
+(also a norm after each sublayer, ``DecoderLayer(post_norms=True)``; Gemma 2's soft-capped
+attention logits by its own eager attention, Gemma 3's QK-norm and RoPE per layer type,
+``_hf_families.typed_rotary``) and SmolLM3 (its NoPE
 layers rotate by zero frequencies, the identity; silu or GeGLU MLP, no biases but Qwen2's on q,
 k and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
 "llama3", "yarn" or "longrope" on whole heads: a fixed set of inverse frequencies, taken from
@@ -52,8 +55,8 @@ window); and those families' ``...ForSequenceClassification`` (reward models),
 stack patched, the task head and its loss HF's). ``apply_coda(model, layers=False)`` makes
 only the training call's loss coda's: for layers with adapters, and for the models of
 ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE, whose router term it adds as their forward
-does; Gemma 2 and Gemma 3 text, whose final norm's fp32 gain 1 + w it keeps in fp32
-(Gemma 2's logit soft-capping in coda's loss too); Granite, Granite-MoE and
+does (Gemma's final norm's gain 1 + w it keeps in fp32, Gemma 2's logit soft-capping in coda's
+loss too, with or without the layers); Granite, Granite-MoE and
 Granite-MoE-Shared, whose ``logits_scaling`` divides that gain; OLMo 2 and OLMo 3, whose
 final norm rounds once; OLMoE, GPT-OSS (its final norm rounding as OLMo's), MiniMax-M2, ERNIE
 4.5 MoE, Qwen3-Next and Qwen3.5 MoE (their router terms as Mixtral's; Qwen3-Next's and
@@ -382,8 +385,8 @@ _base_forward, _causal_lm_forward = base_forward, causal_lm_forward
 
 
 def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: bool = True):
-    """Patch a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Ministral, CWM or
-    Seed-OSS model
+    """Patch a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Ministral, CWM,
+    Seed-OSS, Gemma, Gemma 2 or Gemma 3 (text) model
     (``SUPPORTED``, and their task models of ``TASK_HEADS``) in place; returns it.
 
     ``method``: the LM-head loss program (``coda.nn.LMHeadLoss``): "auto" (the default: CE-S,
@@ -396,10 +399,10 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     after, train as they would), and only the training call's loss (final norm, LM head,
     cross-entropy: no logits) and the embedding's backward are coda's; so it is for the
     models of ``LOSS_ONLY`` (mixture-of-experts models, their router's load-balancing loss
-    added as their forward adds it; Gemma's, their final norm's gain 1 + w kept in fp32;
-    Granite's, their ``logits_scaling`` folded into that gain), which take only
-    ``layers=False``; and for the vision-language models of ``VISION_LANGUAGE`` whose text
-    model is not a supported family's (Gemma's, Mllama's, GLM-4V's, the MoE ones). A PEFT
+    added as their forward adds it; Granite's, their ``logits_scaling`` folded into the final
+    norm's gain; OLMo's), which take only ``layers=False``; and for the vision-language
+    models of ``VISION_LANGUAGE`` whose text model is not a supported family's (Mllama's,
+    GLM-4V's, the MoE ones). (Gemma's final norm's gain 1 + w stays in fp32 either way.) A PEFT
     model (one with ``get_base_model()``) has the transformers model it wraps patched, and
     is returned."""
     name = type(model).__name__
