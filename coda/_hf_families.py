@@ -15,7 +15,7 @@ import types
 import torch
 
 from coda import _validate as v
-from coda._hf_forward import check_final_norm, norm_form
+from coda._hf_forward import check_final_norm, norm_epsilon, norm_form
 
 SUPPORTED = (
     "LlamaForCausalLM",
@@ -187,11 +187,6 @@ def layer_options(hf_layer, config) -> dict:
     }
 
 
-def norm_epsilon(norm):
-    """An HF RMSNorm's epsilon, by either name HF gives it (``variance_epsilon``, ``eps``)."""
-    return getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-
-
 def typed_rotary(rotary, config, layer_type):
     """The rotary module ``rotary`` as one layer type sees it (Gemma 3's: RoPE per layer type,
     its buffers ``<type>_inv_freq``, its ``rope_type`` a dict): an object with the
@@ -218,8 +213,9 @@ def layer_type(hf_layer, config):
 
 def check_config(config, rotary) -> None:
     act = activation_name(config)
+    key = "hidden_activation" if getattr(config, "hidden_activation", None) else "hidden_act"
     rules = [
-        (act in ACTIVATIONS, f"hidden_act={act!r}"),
+        (act in ACTIVATIONS, f"{key}={act!r}"),
         (not getattr(config, "mlp_bias", False), "mlp_bias=True"),
         (getattr(config, "pretraining_tp", 1) == 1, "pretraining_tp != 1"),
         (rotary.rope_type in ROPE_TYPES, f"rope_type={rotary.rope_type!r}"),

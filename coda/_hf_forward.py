@@ -332,12 +332,12 @@ def norm_form(norm) -> str:
         return "gemma"
     if name in FP32_SCALED_NORMS:
         return "fp32"
-    if name.endswith("RMSNorm") and _epsilon(norm) is not None:
+    if name.endswith("RMSNorm") and norm_epsilon(norm) is not None:
         return "llama"
     raise v.CodaInputError(f"apply_coda: a final norm {name} is not supported")
 
 
-def _epsilon(norm):
+def norm_epsilon(norm):
     """A norm's epsilon, by either of the names HF's RMSNorms give it (or None)."""
     return getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
 
@@ -379,7 +379,7 @@ def final_norm(norm, logits_scaling: float = 1.0) -> tuple:
         gain, eps = 1.0 + norm.weight.float(), norm.eps
     else:
         gain = norm.weight.float() if form == "fp32" else norm.weight
-        eps = _epsilon(norm)
+        eps = norm_epsilon(norm)
     return (gain if logits_scaling == 1.0 else gain.float() / logits_scaling), eps
 
 
