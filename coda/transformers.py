@@ -330,9 +330,8 @@ def _new_patched_layer(hf_class: type):
 @host_cache()
 def _hf_attention_functions(attention_class: type):
     """transformers' attention functions and the eager one ``attention_class``'s forward
-    falls back on: its own modeling module's (Gemma 2's soft-caps the logits), else Llama's.
-    (Not memoized: a patched model's forward runs it under torch.compile's trace, where
-    Dynamo warns of every ``functools.cache`` it meets; the lookups are a dict's.)"""
+    falls back on: its own modeling module's (Gemma 2's soft-caps the logits), else Llama's
+    (``host_cache``: cached per class in eager calls, run as it is inside a trace)."""
     import sys
 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
