@@ -31,7 +31,9 @@ method (``LinearCrossEntropyFunction`` below).
 
 A layer is three Functions, one per fusion boundary (``AttentionInput``: F0-F1 / B11-B13;
 ``AttentionOutput``: F3 / B8-B9; ``MLP``: F4-F5 / B4-B7), composed by ``decoder_layer``
-around a pluggable attention callable (SDPA by default) that autograd differentiates.
+around a pluggable attention callable (SDPA by default) that autograd differentiates; a
+layer whose sublayers end in a norm (Gemma 2's and 3's) swaps the last two for
+``coda.autograd_post_norm``'s.
 Weights are coda-layout (in, out) matrices (``coda.layouts``); tokens are rows, batch-major.
 
 Saved per layer: x0, r0, rotated q/k and v (qkv), what attention saves, o, x1, r1, u. Not
