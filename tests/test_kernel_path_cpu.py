@@ -243,15 +243,18 @@ def test_layer_backward_fills_no_zero_gradients():
     assert not [f for f in fills if f[1] in token_shaped], fills
 
 
+@pytest.mark.parametrize("post_norms", [False, True], ids=["llama", "post_norms"])
 @pytest.mark.parametrize("path", ["reference", "kernel"])
-def test_activation_checkpointing_gives_the_same_gradients(path):
+def test_activation_checkpointing_gives_the_same_gradients(path, post_norms):
     """torch.utils.checkpoint (non-reentrant) over coda layers: the backward re-runs the
-    forward (the kernel path's Functions included) and the gradients are the same, exactly."""
+    forward (the kernel path's Functions included; with ``post_norms``, Gemma 2's and 3's
+    layer) and the gradients are the same, exactly."""
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(3)
     layers = torch.nn.ModuleList(
-        cnn.DecoderLayer(32, 4, 2, 40, head_dim=8, dtype=F64) for _ in range(2)
+        cnn.DecoderLayer(32, 4, 2, 40, head_dim=8, dtype=F64, post_norms=post_norms)
+        for _ in range(2)
     )
     x = torch.randn(2, 6, 32, dtype=F64, requires_grad=True)
     dy = torch.randn(2, 6, 32, dtype=F64)

@@ -312,7 +312,7 @@ def _count_attention_calls(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma3"])
 @pytest.mark.parametrize("enabled", ["before", "after", "after, reentrant"])
 def test_hf_activation_checkpointing_recomputes_the_patched_layers(family, enabled, monkeypatch):
     """``model.gradient_checkpointing_enable()`` (the Trainer's ``gradient_checkpointing``)
