@@ -48,16 +48,17 @@ def _run(tmp_path, *flags, script=("benchmarks/fsdp_step.py", "--check"), nproc=
 VIEW_WARNING = "returned a view tensor"
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("form", ["llama", "qk_norm", "post_norms"])
 @pytest.mark.parametrize("path", ["kernel", "reference"])
-def test_a_layer_returns_a_tensor_of_its_own(path, qk_norm):
+def test_a_layer_returns_a_tensor_of_its_own(path, form):
     """A decoder layer's output on either path is a (batch, seq, d) tensor of its own, not a
     view of its (tokens, d) rows: an in-place op on a sharded module's output that is a view
     would skip FSDP2's pre-backward hook (its all-gather), and FSDP2 warns of every such
     output."""
     from coda.nn import DecoderLayer
 
-    layer = DecoderLayer(24, 4, 2, 20, head_dim=6, dtype=torch.float64, qk_norm=qk_norm)
+    flags = {form: True} if form != "llama" else {}  # (post_norms: Gemma 2's and 3's layer)
+    layer = DecoderLayer(24, 4, 2, 20, head_dim=6, dtype=torch.float64, **flags)
     x = torch.randn(2, 5, 24, dtype=torch.float64, requires_grad=True)
     out = layer._kernel_forward(x) if path == "kernel" else layer(x)
     assert out.shape == (2, 5, 24) and out._base is None and not out._is_view()
