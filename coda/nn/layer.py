@@ -1,8 +1,10 @@
 """``DecoderLayer``: a Llama decoder layer (or Qwen3's, with QK-norm; or Qwen2's, with QKV
-biases; or Llama's with ``attention_bias=True``, an O-projection bias too) whose kernel path
-is ``coda.autograd.decoder_layer``'s fused sequence: pre-norm RMSNorm, GQA causal attention
-(SDPA by default, any attention callable) with RoPE, SwiGLU (or GeGLU) MLP, residuals.
-Weights in coda's paired layouts (``coda.nn``'s docstring); HF state dicts convert exactly."""
+biases; or Llama's with ``attention_bias=True``, an O-projection bias too; or Gemma's, Gemma
+2's and 3's: GeGLU, 1 + w gains, a norm after each sublayer) whose kernel path is
+``coda.autograd.decoder_layer``'s fused sequence (``coda.autograd_post_norm``'s with norms
+after the sublayers): pre-norm RMSNorm, GQA causal attention (SDPA by default, any attention
+callable) with RoPE, SwiGLU (or GeGLU) MLP, residuals. Weights in coda's paired layouts
+(``coda.nn``'s docstring); HF state dicts convert exactly."""
 
 from __future__ import annotations
 
