@@ -8,7 +8,7 @@ Level 1 (CPU, float64): the passes' torch forms are the canonical norm and its a
 derivative; their Triton kernels equal them in the interpreter (odd token counts and row
 widths, one and several partials a row; bf16 within a step); the layer's kernel path equals
 its reference path, output and every gradient, with GeGLU, Gemma's 1 + w gains and Gemma 3's
-QK-norm (the reference equals HF's ``Gemma3DecoderLayer``: tests/test_transformers_gemma.py).
+QK-norm (the reference equals HF's Gemma 2 and 3 layers: tests/test_transformers_families.py).
 Level 2: every kernel compiles for sm_90 / sm_90a on the CPU. Level 3: CODA's protocol on a
 Gemma-3-shaped layer + LM head on the GPU."""
 
