@@ -9,7 +9,9 @@ during forward+backward beyond inputs, weights and their gradients. The LM head'
 its floor's GEMMs are timed in interleaved rounds (``_common.interleaved``), each row with its
 round medians and their spread. ``CODA_LM_HEAD_SOFTCAP=c``: every LM-head variant's logits
 soft-capped, c tanh(l / c) (Gemma 2's, c = 30), those that take a cap only
-(``SOFTCAP_VARIANTS``).
+(``SOFTCAP_VARIANTS``). ``CODA_LAYER_POST_NORMS=1``: the layer also with a norm after each
+sublayer (Gemma 2's and 3's form, ``DecoderLayer(post_norms=True)``; the floor is the same
+GEMMs and attention) as coda's and as torch.compile's, beside the pre-norm rows.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ M = B * S
 
 
 def _hf_layer(x, p, cos, sin, H, Hkv, liger=None):
-    """HF Llama layer (nn.Linear-style (out, in) weights), optionally with Liger's kernels."""
+    """HF Llama layer (nn.Linear-style (out, in) weights), optionally with Liger's kernels;
+    with gains ``g1o`` and ``g2o`` in ``p``, the attention's and the MLP's outputs normed
+    before their residual adds (Gemma 2's and 3's form)."""
 
     def norm(h, g):
         if liger:
@@ -67,11 +71,33 @@ def _hf_layer(x, p, cos, sin, H, Hkv, liger=None):
         q, k = liger.liger_rope(q, k, cos[None], sin[None])
     else:
         q, k = apply_rope_hf(q, cos, sin), apply_rope_hf(k, cos, sin)
-    x1 = x + attention(q, k, v) @ p["wo"].t()
+    o = attention(q, k, v) @ p["wo"].t()
+    x1 = x + (norm(o, p["g1o"]) if "g1o" in p else o)
     y2 = norm(x1, p["g2"])
     g, u = y2 @ p["wg"].t(), y2 @ p["wu"].t()
     s = liger.liger_swiglu(g, u) if liger else F.silu(g) * u
-    return x1 + s @ p["wd"].t()
+    m = s @ p["wd"].t()
+    return x1 + (norm(m, p["g2o"]) if "g2o" in p else m)
+
+
+def _hf_params(layer) -> dict:
+    """A coda layer's weights as ``_hf_layer`` takes them (HF's layouts), each a leaf that
+    wants its gradient; with post-norms their gains too."""
+    sd = layer.hf_state_dict()
+    post = layer.post_norms
+    names = {
+        "g1": "input_layernorm",
+        "g2": "pre_feedforward_layernorm" if post else "post_attention_layernorm",
+        "wo": "self_attn.o_proj",
+        "wg": "mlp.gate_proj",
+        "wu": "mlp.up_proj",
+        "wd": "mlp.down_proj",
+    }
+    if post:
+        names.update(g1o="post_attention_layernorm", g2o="post_feedforward_layernorm")
+    params = {k: sd[f"{n}.weight"] for k, n in names.items()}
+    params["wqkv"] = torch.cat([sd[f"self_attn.{n}_proj.weight"] for n in "qkv"])
+    return {k: v.clone().requires_grad_(True) for k, v in params.items()}
 
 
 def _step(fn, params, x, dy):
@@ -100,25 +126,7 @@ def layer_rows(liger) -> list[dict]:
         layer = cnn.DecoderLayer(d, H, Hkv, f, device="cuda", backend="kernel")
         x = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16)
-        sd = layer.hf_state_dict()
-        hf = {
-            k: v.clone().requires_grad_(True)
-            for k, v in {
-                "g1": sd["input_layernorm.weight"],
-                "g2": sd["post_attention_layernorm.weight"],
-                "wqkv": torch.cat(
-                    [
-                        sd["self_attn.q_proj.weight"],
-                        sd["self_attn.k_proj.weight"],
-                        sd["self_attn.v_proj.weight"],
-                    ]
-                ),
-                "wo": sd["self_attn.o_proj.weight"],
-                "wg": sd["mlp.gate_proj.weight"],
-                "wu": sd["mlp.up_proj.weight"],
-                "wd": sd["mlp.down_proj.weight"],
-            }.items()
-        }
+        hf = _hf_params(layer)
         cos, sin = hf_cos_sin(torch.arange(S, device="cuda"), HD, dtype=torch.bfloat16)
         xm = x.detach().view(M, d)
         nqkv = (H + 2 * Hkv) * HD
@@ -162,6 +170,22 @@ def layer_rows(liger) -> list[dict]:
                 lambda: compiled(xm, hf, cos, sin, H, Hkv),
             ),
         }
+        if os.environ.get("CODA_LAYER_POST_NORMS") == "1":  # (Gemma 2's and 3's form)
+            post = cnn.DecoderLayer(d, H, Hkv, f, device="cuda", backend="kernel", post_norms=True)
+            hf_post = _hf_params(post)
+            variants["coda_post_norms"] = (
+                _step(lambda: post(x), list(post.parameters()), x, dy),
+                lambda: post(x),
+            )
+            variants["torch_compile_post_norms"] = (
+                _step(
+                    lambda: compiled(xm, hf_post, cos, sin, H, Hkv).view(B, S, d),
+                    list(hf_post.values()),
+                    x,
+                    dy,
+                ),
+                lambda: compiled(xm, hf_post, cos, sin, H, Hkv),
+            )
         if liger is not None:
             variants["liger"] = (
                 _step(

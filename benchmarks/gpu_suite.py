@@ -147,6 +147,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_HF_PEERS",
     "CODA_HF_AMP",
     "CODA_LAYER_SHAPES",
+    "CODA_LAYER_POST_NORMS",
     "CODA_LM_HEAD_SHAPES",
     "CODA_LM_HEAD_PEERS",
     "CODA_LM_HEAD_TARGETS",

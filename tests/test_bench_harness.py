@@ -513,3 +513,31 @@ def test_records_energy_reads_each_row_against_its_floor():
     assert head["cycles"] == pytest.approx(11.0 * 1500 / (10.0 * 1600))
     assert head["mhz"] == (1500, 1600)
     assert head["parts"] == 1.03  # the floor as one step over its parts, as recorded
+
+
+@pytest.mark.parametrize("post_norms", [False, True], ids=["llama", "post_norms"])
+def test_the_layer_benchmarks_hf_form_is_codas_layer(monkeypatch, post_norms):
+    """``bench_train``'s HF-style peer layer (torch eager and torch.compile's), on weights read
+    from a coda layer by ``_hf_params``, computes that layer (float64, its reference path):
+    pre-norm, and with a norm after each sublayer (``CODA_LAYER_POST_NORMS``'s rows), so the
+    peers time the same function as coda's rows."""
+    import coda.nn as cnn
+    from benchmarks import bench_layer, bench_train
+    from coda.reference.rope import hf_cos_sin
+
+    B, S = 2, 5  # (the benchmark's module-level token shape, small here)
+    for module in (bench_layer, bench_train):
+        monkeypatch.setattr(module, "B", B)
+        monkeypatch.setattr(module, "S", S)
+        monkeypatch.setattr(module, "M", B * S)
+    torch.manual_seed(0)
+    d, H, Hkv, f = 256, 2, 1, 96  # (head_dim: the benchmark's 128)
+    layer = cnn.DecoderLayer(d, H, Hkv, f, dtype=torch.float64, post_norms=post_norms)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(B, S, d, dtype=torch.float64)
+    cos, sin = hf_cos_sin(torch.arange(S), 128, dtype=torch.float64)
+    got = bench_train._hf_layer(x.view(B * S, d), bench_train._hf_params(layer), cos, sin, H, Hkv)
+    want = layer(x, rope_cos_sin=(cos[None], sin[None])).view(B * S, d)  # (the same tables)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-12
