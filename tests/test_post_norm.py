@@ -36,14 +36,14 @@ def _partials(y, t: int):
     return torch.stack([c.pow(2).sum(1) for c in torch.tensor_split(y, t, dim=1)], 1)
 
 
-def pass_case(M, d, t, dtype, seed=0) -> dict:
+def pass_case(M, d, t, dtype, seed=0, device="cpu") -> dict:
     """Largest error of every output of P1 (both forms) and P2, kernel against torch form, in
     units of the output's largest magnitude."""
     g = torch.Generator().manual_seed(seed)
-    y, x0, dx1 = (torch.randn(M, d, generator=g).to(dtype) for _ in range(3))
+    y, x0, dx1 = (torch.randn(M, d, generator=g).to(device, dtype) for _ in range(3))
     gain, g1 = (1 + 0.1 * torch.randn(d, generator=g, dtype=torch.float32) for _ in range(2))
-    if dtype == F64:
-        gain, g1 = gain.double(), g1.double()
+    gain, g1 = gain.to(device, F64 if dtype == F64 else torch.float32), g1.to(gain.device)
+    g1 = g1.to(gain.dtype)
     P = _partials(y.to(torch.float32 if dtype != F64 else F64), t)
     out = {}
     for name, nxt in (("P1", None), ("P1 next", g1)):
@@ -244,6 +244,19 @@ def test_output_sumsq_gemm_compiles_for_sm90():
 
 
 # -- level 3 -----------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,d", [(16384, 1152), (16384, 2304), (4099, 2048)])
+def test_gpu_post_norm_kernels_equal_torch_forms(M, d):
+    """The compiled P1 / P2 on the GPU against their torch forms at Gemma 3's and Gemma 2's
+    widths (fp32 gains, one partial per 128 columns): every output within one bf16 step of
+    its torch form, relative to its largest entry (as the interpreter test's bf16 cases)."""
+    for name, e in pass_case(M, d, -(-d // 128), torch.bfloat16, device="cuda").items():
+        if name.endswith("dtypes"):
+            assert all(e), name
+        else:
+            assert max(e) <= 2.0**-7, (name, e)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [256, 128])
 def test_gpu_gemma3_style_layer_and_head_every_gradient(head_dim):
