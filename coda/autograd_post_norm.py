@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from coda._autograd_support import backward_can_follow, differentiable_once, root_float_use
+from coda._autograd_support import backward_can_follow, differentiable_once
 from coda.autograd import LayerDims, attention_block, gated_up, mlp_grads
 from coda.kernels import library as lib
 from coda.kernels.tuned import config_for
@@ -104,7 +104,6 @@ def post_norm_decoder_layer(
     """``coda.autograd.decoder_layer`` with a norm after each sublayer: ``out_gains`` =
     (g_attn_out, g_ffn_out), the gains of the norms of the attention's and the MLP's outputs.
     Returns x2 (batch, seq, d), a tensor of its own."""
-    root_float_use(dims.eps)
     o, x0_residual = attention_block(
         x0, g1, w_qkv, positions, dims, attention, freq, qk_norm, None, sect
     )

@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -332,8 +333,6 @@ def _hf_attention_functions(attention_class: type):
     """transformers' attention functions and the eager one ``attention_class``'s forward
     falls back on: its own modeling module's (Gemma 2's soft-caps the logits), else Llama's
     (``host_cache``: cached per class in eager calls, run as it is inside a trace)."""
-    import sys
-
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
 

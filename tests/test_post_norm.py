@@ -41,10 +41,9 @@ def pass_case(M, d, t, dtype, seed=0, device="cpu") -> dict:
     units of the output's largest magnitude."""
     g = torch.Generator().manual_seed(seed)
     y, x0, dx1 = (torch.randn(M, d, generator=g).to(device, dtype) for _ in range(3))
-    gain, g1 = (1 + 0.1 * torch.randn(d, generator=g, dtype=torch.float32) for _ in range(2))
-    gain, g1 = gain.to(device, F64 if dtype == F64 else torch.float32), g1.to(gain.device)
-    g1 = g1.to(gain.dtype)
-    P = _partials(y.to(torch.float32 if dtype != F64 else F64), t)
+    acc = F64 if dtype == F64 else torch.float32  # (the gains in fp32: Gemma's 1 + w)
+    gain, g1 = ((1 + 0.1 * torch.randn(d, generator=g)).to(device, acc) for _ in range(2))
+    P = _partials(y.to(acc), t)
     out = {}
     for name, nxt in (("P1", None), ("P1 next", g1)):
         got = pn.post_norm_triton(y, P, x0, gain, 1e-6, nxt)

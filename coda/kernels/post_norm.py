@@ -18,9 +18,10 @@ y once and writes the new residual stream once:
 
 ``g`` may be fp32 (Gemma's 1 + w, formed in fp32 before the one rounding, as HF's
 ``Gemma3RMSNorm``). The torch forms here are the CPU path and the oracle; the Triton kernels
-run on the GPU (and in Triton's interpreter on the CPU, how CI tests them), one program per
-``ROWS`` token rows (P2's walks them in blocks of a few rows, so that its dg partials are
-one row per program). Float64 inputs accumulate in float64 (the CPU proofs).
+run on the GPU (and in Triton's interpreter on the CPU, how CI tests them): P1 one program
+per few token rows (``norm_rows``' launch shape for rows of d entries), P2 one per ``ROWS``
+token rows, walked in blocks of that few, so that its dg partials are one row per program.
+Float64 inputs accumulate in float64 (the CPU proofs).
 """
 
 from __future__ import annotations
