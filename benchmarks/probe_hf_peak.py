@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks._common import Diagnostic, bf16_autocast, own_bytes, progress, selected
-from benchmarks.bench_hf import BATCH, SEQ, SHAPES, _step, build
+from benchmarks.bench_hf import SHAPES, _step, batch_of, build
 
 SUITE = "hf_peak"
 STEPS = 4
@@ -29,7 +29,7 @@ def peaks(shape_name: str, compiled: bool, amp: bool) -> dict:
     model = build(family, shape, "cuda", torch.float32 if amp else torch.bfloat16)
     if compiled:  # ``bench_hf.variants``' recipe: the base model compiled, the head eager
         model.model = torch.compile(model.model)
-    ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), device="cuda")
+    ids = torch.randint(0, shape["vocab_size"], batch_of(shape_name), device="cuda")
     step = _step(model, ids, amp)
     resident, per_step, after = [], [], []
     for _ in range(STEPS):

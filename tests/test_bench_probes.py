@@ -172,6 +172,7 @@ def test_a_run_of_every_suite_leaves_the_diagnostics_out():
         "compile_graphs",
         "triton_launch",
         "hf_peak",
+        "post_norm_passes",
     }
 
 

@@ -28,7 +28,9 @@ from coda.kernels import post_norm as pn
 from coda.reference.rmsnorm import rmsnorm_ref
 
 F64 = torch.float64
-CASES = [(37, 72, 3), (5, 1000, 4), (130, 256, 1), (3, 2048, 16)]  # (M, d, partials a row)
+# (M, d, partials a row); P1's launch takes several rows a program to d = 2048, two to 8192
+# (3000), one beyond (9000: its partials reduced as a vector)
+CASES = [(37, 72, 3), (5, 1000, 4), (130, 256, 1), (3, 2048, 16), (3, 3000, 23), (2, 9000, 5)]
 
 
 def _partials(y, t: int):
@@ -46,9 +48,10 @@ def pass_case(M, d, t, dtype, seed=0, device="cpu") -> dict:
     P = _partials(y.to(acc), t)
     out = {}
     for name, nxt in (("P1", None), ("P1 next", g1)):
-        got = pn.post_norm_triton(y, P, x0, gain, 1e-6, nxt)
         ref = pn.post_norm_torch(y, P, x0, gain, 1e-6, nxt)
-        out[name] = [_rel(a, b) for a, b in zip(got, ref)]
+        for launch in (None, (1, 4), (2, 4)):  # the default's, and one and two rows a program
+            got = pn.post_norm_triton(y, P, x0, gain, 1e-6, nxt, launch=launch)
+            out[f"{name} {launch or ''}"] = [_rel(a, b) for a, b in zip(got, ref)]
     r = pn.post_norm_torch(y, P, x0, gain, 1e-6)[1]
     got, ref = pn.post_norm_bwd_triton(dx1, y, r, gain), pn.post_norm_bwd_torch(dx1, y, r, gain)
     out["P2"] = [_rel(a, b) for a, b in zip(got, ref)]
@@ -230,7 +233,9 @@ def test_hf_weights_and_bad_arguments():
 
 # -- level 2 -----------------------------------------------------------------------------------
 @pytest.mark.compile
-@pytest.mark.parametrize("d,t,gain", [(1152, 5, "fp32"), (2304, 9, "fp32"), (2048, 8, "bf16")])
+@pytest.mark.parametrize(
+    "d,t,gain", [(1152, 5, "fp32"), (2304, 9, "fp32"), (2048, 8, "bf16"), (16384, 64, "bf16")]
+)
 def test_post_norm_kernels_compile_for_sm90(d, t, gain):
     assert all(size > 0 for size in pn.compile_post_norm(d, t, gain))
 
@@ -244,7 +249,7 @@ def test_output_sumsq_gemm_compiles_for_sm90():
 
 # -- level 3 -----------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,d", [(16384, 1152), (16384, 2304), (4099, 2048)])
+@pytest.mark.parametrize("M,d", [(16384, 1152), (16384, 2304), (4099, 2048), (1000, 9000)])
 def test_gpu_post_norm_kernels_equal_torch_forms(M, d):
     """The compiled P1 / P2 on the GPU against their torch forms at Gemma 3's and Gemma 2's
     widths (fp32 gains, one partial per 128 columns): every output within one bf16 step of

@@ -67,6 +67,16 @@ def _output(x0, rows: tuple):
 
 
 # -- the kernels --------------------------------------------------------------------------------
+def _p1_launch(d: int) -> tuple[int, int]:
+    """P1's (rows per program, warps): ``norm_rows``' launch shape, with two rows a program
+    where that one has one and d <= 8192. One row's [1, T] partials reduced as a block ran 15x
+    slower than the pass at bandwidth, growing with the warps (an H100 at d = 4096: 2.12 ms
+    against 0.14 with two rows; session 73). Wider rows keep one row a program (two would
+    spill) and reduce its partials as a vector (the kernel's ``BM == 1`` branch)."""
+    bm, warps = _rows_launch(d)
+    return (2, warps) if bm == 1 and d <= 8192 else (bm, warps)
+
+
 def _post_norm_kernel(
     y, P, x0, g, g1, x1, r_out, a1, r1_out, M, D, T, eps,
     NEXT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
@@ -76,8 +86,12 @@ def _post_norm_kernel(
     live = rows < M
     r64 = rows.to(tl.int64)[:, None]
     ts = tl.arange(0, BT)
-    p = tl.load(P + r64 * T + ts[None, :], mask=live[:, None] & (ts < T)[None, :], other=0.0)
-    r = 1.0 / tl.sqrt(tl.sum(p.to(ACC), 1) / D + eps)
+    if BM == 1:  # the row's partials as a vector (see ``_p1_launch``)
+        p = tl.load(P + rows.to(tl.int64) * T + ts, mask=(ts < T) & (rows < M), other=0.0)
+        r = tl.zeros([BM], dtype=ACC) + 1.0 / tl.sqrt(tl.sum(p.to(ACC), 0) / D + eps)
+    else:
+        p = tl.load(P + r64 * T + ts[None, :], mask=live[:, None] & (ts < T)[None, :], other=0.0)
+        r = 1.0 / tl.sqrt(tl.sum(p.to(ACC), 1) / D + eps)
     tl.store(r_out + rows, r, mask=live)
     cols = tl.arange(0, BD)
     cmask = cols < D
@@ -118,8 +132,11 @@ def _post_norm_bwd_kernel(
     tl.store(Q + tl.program_id(0).to(tl.int64) * D + cols, q, mask=cmask)
 
 
-def post_norm_triton(y, sumsq, x0, gain, eps: float, next_gain=None, rows: tuple = ()):
-    """P1 in one launch: y, x0 (M, d) contiguous, sumsq (M, T) contiguous, gains (d,)."""
+def post_norm_triton(
+    y, sumsq, x0, gain, eps: float, next_gain=None, rows: tuple = (), launch: tuple = None
+):
+    """P1 in one launch: y, x0 (M, d) contiguous, sumsq (M, T) contiguous, gains (d,).
+    ``launch``: (rows per program, warps), default ``_p1_launch``'s (a probe's sweep)."""
     M, d = y.shape
     T = sumsq.shape[1]
     acc = acc_dtype(y)
@@ -129,7 +146,7 @@ def post_norm_triton(y, sumsq, x0, gain, eps: float, next_gain=None, rows: tuple
     a1 = torch.empty_like(x0) if nxt else x0
     r1 = y.new_empty(M, dtype=acc) if nxt else r
     if M:
-        bm, warps = _rows_launch(d)
+        bm, warps = launch or _p1_launch(d)
         kernel(_post_norm_kernel)[(cdiv(M, bm),)](
             y, sumsq, x0, gain, next_gain if nxt else gain, x1, r, a1, r1, M, d, T, eps,
             NEXT=nxt, BM=bm, BD=next_power_of_2(d), BT=next_power_of_2(max(T, 1)),
@@ -138,13 +155,14 @@ def post_norm_triton(y, sumsq, x0, gain, eps: float, next_gain=None, rows: tuple
     return (x1, r, a1, r1) if nxt else (x1, r)
 
 
-def post_norm_bwd_triton(dx1, y, r, gain):
-    """P2 in two launches (the pass, then its dg partials' column sums)."""
+def post_norm_bwd_triton(dx1, y, r, gain, launch: tuple = None):
+    """P2 in two launches (the pass, then its dg partials' column sums). ``launch``: (rows
+    a block, warps), default ``norm_rows``' launch shape."""
     M, d = y.shape
     dy = torch.empty_like(y)
     q = y.new_empty(cdiv(M, ROWS), d, dtype=acc_dtype(y))
     if M:
-        bm, warps = _rows_launch(d)
+        bm, warps = launch or _rows_launch(d)
         kernel(_post_norm_bwd_kernel)[(cdiv(M, ROWS),)](
             dx1, y, r, gain, dy, q, M, d,
             ROWS=ROWS, BM=bm, BD=next_power_of_2(d), ACC=acc_type(y), num_warps=warps,
@@ -190,7 +208,7 @@ def compile_post_norm(d: int, t: int, gain: str = "bf16", arch: int = 90) -> lis
     """P1 (with and without the next norm) and P2 for bf16 rows of ``d`` entries and ``t``
     partials a row, compiled for ``sm_{arch}`` on the CPU: cubin sizes. ``gain``: the gains'
     Triton type ("fp32": Gemma's 1 + w)."""
-    bm, warps = _rows_launch(d)
+    bm, warps = _p1_launch(d)
     bd = next_power_of_2(d)
     rows = {"y": "*bf16", "x0": "*bf16", "x1": "*bf16", "a1": "*bf16", "eps": "fp32"}
     pointers = {**rows, "P": "*fp32", "g": f"*{gain}", "g1": f"*{gain}"}
@@ -207,6 +225,7 @@ def compile_post_norm(d: int, t: int, gain: str = "bf16", arch: int = 90) -> lis
     ]
     pointers = {"dx1": "*bf16", "y": "*bf16", "r": "*fp32", "g": f"*{gain}", "dy": "*bf16"}
     pointers["Q"] = "*fp32"
+    bm, warps = _rows_launch(d)
     consts = {"ROWS": ROWS, "BM": bm, "BD": bd, "ACC": tl.float32}
     sizes.append(compile_sm90(_post_norm_bwd_kernel, pointers, consts, warps, arch))
     return sizes
