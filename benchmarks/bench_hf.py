@@ -202,8 +202,9 @@ def batch_of(shape_name: str) -> tuple[int, int]:
     return TOKENS.get(shape_name, (BATCH, SEQ))
 
 
+ON_REQUEST_PEERS = ("hf_coda_flex", "hf_liger_flex")  # (run only when CODA_HF_PEERS names them)
 # the variants whose per-kernel tables pass 1 takes
-PROFILED = ("hf_coda", "hf_coda_compiled", "hf_liger", "hf_liger_no_cache")
+PROFILED = ("hf_coda", "hf_coda_compiled", "hf_liger", "hf_liger_no_cache", *ON_REQUEST_PEERS)
 
 
 # the vision-language families: (config class, multimodal RoPE sections as parts of
@@ -331,6 +332,10 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
         m.model = torch.compile(m.model)
         return m
 
+    def flex(m):  # HF's flex attention (Gemma 3's sliding windows as block-sparse masks)
+        m.set_attn_implementation("flex_attention")
+        return m
+
     def checkpointed():  # HF's activation checkpointing over the patched layers
         m = coda_patch(copy.deepcopy(base)).train()
         enable = getattr(m, "activation_checkpointing_enable", None)  # (5.24's name)
@@ -357,8 +362,13 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
         # the same, called with ``use_cache=False`` (README's tip), as coda's training call
         # runs by default: the like-for-like row
         out.append(("hf_liger_no_cache", lambda: liger.patch(copy.deepcopy(base))))
+    # on request (named in CODA_HF_PEERS): the model switched to flex attention, then patched
+    out.append(("hf_coda_flex", lambda: coda_patch(flex(copy.deepcopy(base)))))
+    if liger is not None:
+        out.append(("hf_liger_flex", lambda: liger.patch(flex(copy.deepcopy(base)))))
     chosen = selected("CODA_HF_PEERS", [name for name, _ in out])
-    return [(name, make) for name, make in out if not chosen or name in chosen]
+    default = [name for name, _ in out if name not in ON_REQUEST_PEERS]
+    return [(name, make) for name, make in out if name in (chosen or default)]
 
 
 def _step(model, ids, amp=False, **call):
@@ -489,7 +499,7 @@ def run() -> list[dict]:
         peers = [
             t
             for k, t in times.items()
-            if k in ("hf_torch_compile", "hf_liger", "hf_liger_no_cache")
+            if k in ("hf_torch_compile", "hf_liger", "hf_liger_no_cache", "hf_liger_flex")
         ]
         for r in rows:
             if peers and r["name"].startswith(f"hf/{name}/") and "ms" in r:

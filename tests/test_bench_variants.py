@@ -360,3 +360,24 @@ def test_the_compiled_coda_variant_steps_as_the_uncompiled_one():
     torch.testing.assert_close(got, want, rtol=1e-8, atol=0)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         assert (q.grad - p.grad).abs().max() <= 2e-6 * p.grad.abs().max(), name
+
+
+def test_the_hf_flex_variants_run_only_when_named(monkeypatch):
+    """``bench_hf.variants``: the flex-attention rows (``ON_REQUEST_PEERS``) stay out of a
+    default run and, named in ``CODA_HF_PEERS``, build the model switched to flex attention
+    and then patched by coda (its layers' attention is the model's configured function)."""
+    pytest.importorskip("transformers")
+    from hf_tiny import TINY
+
+    from benchmarks import bench_hf
+
+    shape = {k: v for k, v in TINY.items() if k != "max_position_embeddings"}
+    base = bench_hf.build("llama", shape, "cpu", torch.float32)
+    monkeypatch.delenv("CODA_HF_PEERS", raising=False)
+    default = [name for name, _ in bench_hf.variants("llama", base, None)]
+    assert "hf_coda" in default and not set(default) & set(bench_hf.ON_REQUEST_PEERS)
+    monkeypatch.setenv("CODA_HF_PEERS", "hf_coda_flex")
+    [(name, make)] = bench_hf.variants("llama", base, None)
+    model = make()
+    assert name == "hf_coda_flex" and model.config._attn_implementation == "flex_attention"
+    assert type(model.model.layers[0]).__module__.startswith("coda")

@@ -101,3 +101,32 @@ def test_the_attention_function_gets_what_hfs_layer_gives_it(family, kernel, pro
             for name, value in w.items():
                 same = torch.equal if isinstance(value, torch.Tensor) else lambda a, b: a == b
                 assert same(g[name], value * c2 if name == "scaling" else value), name
+
+
+def test_a_patched_model_runs_hfs_flex_attention():
+    """With ``attn_implementation="flex_attention"`` the model builds a BlockMask before the
+    layers and each layer hands it to flex attention: the patched model's logits equal the
+    unpatched model's, padded and packed, on both paths (fp32 forward: flex attention on the
+    CPU runs neither float64 nor a backward). Gemma 3: a sliding layer and a full one, QK-norm,
+    norms after each sublayer (one family, ~25 s: flex attention compiles on the CPU)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    types = ["sliding_attention", "full_attention"]
+    extra = dict(sliding_window=4, layer_types=types, query_pre_attn_scalar=12)
+    cfg = tiny_config("gemma3", vocab_size=128, attn_implementation="flex_attention", **extra)
+    torch.manual_seed(0)
+    ref = model_class(cfg)(cfg).eval()
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]]).repeat(2, 1)
+    batches = (dict(input_ids=ids, attention_mask=mask), dict(input_ids=ids, position_ids=packed))
+    with torch.no_grad():
+        want = [ref(**b, use_cache=False).logits for b in batches]
+        for kernel in (False, True):
+            with pytest.MonkeyPatch.context() as mp:
+                if kernel:
+                    mp.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+                patched = ct.apply_coda(copy.deepcopy(ref))
+                for b, w in zip(batches, want):
+                    got = patched(**b, use_cache=False).logits
+                    assert (got - w).abs().max() <= 1e-5 * w.abs().max(), (kernel, sorted(b))
