@@ -103,16 +103,22 @@ def test_the_attention_function_gets_what_hfs_layer_gives_it(family, kernel, pro
                 assert same(g[name], value * c2 if name == "scaling" else value), name
 
 
-def test_a_patched_model_runs_hfs_flex_attention():
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_a_patched_model_runs_hfs_flex_attention(family):
     """With ``attn_implementation="flex_attention"`` the model builds a BlockMask before the
     layers and each layer hands it to flex attention: the patched model's logits equal the
     unpatched model's, padded and packed, on both paths (fp32 forward: flex attention on the
-    CPU runs neither float64 nor a backward). Gemma 3: a sliding layer and a full one, QK-norm,
-    norms after each sublayer (one family, ~25 s: flex attention compiles on the CPU)."""
+    CPU runs neither float64 nor a backward). Gemma 3 and Gemma 2: a sliding layer and a full
+    one, norms after each sublayer; Gemma 3's QK-norm, Gemma 2's attention soft-cap (which
+    flex attention applies where sdpa cannot; ~25 s each: flex attention compiles on the
+    CPU)."""
     pytest.importorskip("torch.nn.attention.flex_attention")
     types = ["sliding_attention", "full_attention"]
     extra = dict(sliding_window=4, layer_types=types, query_pre_attn_scalar=12)
-    cfg = tiny_config("gemma3", vocab_size=128, attn_implementation="flex_attention", **extra)
+    if family == "gemma2":  # (a cap that binds on the tiny model's scores)
+        extra["attn_logit_softcapping"] = 0.05
+    cfg = tiny_config(family, vocab_size=128, **extra)
+    cfg._attn_implementation = "flex_attention"
     torch.manual_seed(0)
     ref = model_class(cfg)(cfg).eval()
     ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))
