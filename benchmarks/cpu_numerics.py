@@ -11,6 +11,8 @@ fp32 on the CPU's own order.
                                                    #   the GPU fuzz's short-sequence cases
     python benchmarks/cpu_numerics.py hf [--families F ...] [--seeds N]  # patched HF models,
                                                    #   loss + grads (default Llama, Qwen3)
+    python benchmarks/cpu_numerics.py hf-pooled [--families F ...] [--seeds N]  # the same,
+                                                   #   each gradient pooled over the seeds
     python benchmarks/cpu_numerics.py vlm [--kinds K ...] [--seeds N]  # patched VLMs with an
                                                    #   image (default Qwen2.5-VL, Qwen3-VL)
     python benchmarks/cpu_numerics.py dw-neff      # effective samples of an LM head's dW
@@ -106,7 +108,10 @@ def qk_short(limit=25):
 
 
 def hf(seeds=4, families=("llama", "qwen3")):
-    from conftest import fro_err
+    """``test_gpu_patched_model_protocol``'s step on the CPU: each seed's worst gradient ratio
+    (coda's error over the bf16 model's, against float64) and its tie band, and how many
+    gradients are over their bands (what the GPU test fails on)."""
+    from conftest import fro_err, tie_band
     from test_transformers_gpu import protocol_run
 
     import coda
@@ -116,15 +121,39 @@ def hf(seeds=4, families=("llama", "qwen3")):
         for seed in range(seeds):
             (l64, l16, lc), (g64, g16, gc), floor = protocol_run(family, "cpu", seed)
             assert coda.last_path("LMHeadLoss")[0] == "kernel", coda.last_path("LMHeadLoss")
-            worst = max(
-                ((n, fro_err(gc[n], g) / fro_err(g16[n], g)) for n, g in g64.items()),
-                key=lambda kv: kv[1],
-            )
+            ratios = {
+                n: (fro_err(gc[n], g) / fro_err(g16[n], g), tie_band(g)) for n, g in g64.items()
+            }
+            name, (worst, band) = max(ratios.items(), key=lambda kv: kv[1][0])
+            over = sum(r > 1 + b for r, b in ratios.values())
             print(
                 f"hf {family} seed {seed}: loss err coda {fro_err(lc, l64):.3g} "
                 f"torch {fro_err(l16, l64):.3g} (scalar floor {floor:.3g}); "
-                f"worst gradient ratio {worst[1]:.3f} ({worst[0]})"
+                f"worst gradient ratio {worst:.3f} (band 1 + {band:.3f}: {name}), over its "
+                f"band {over}"
             )
+
+
+def hf_pooled(seeds=16, families=("glm4",)):
+    """``test_gpu_patched_biased_protocol_pooled``'s check on the CPU (k biases of standard
+    deviation 1): each gradient's error pooled over ``seeds`` seeds (``conftest.pooled_ratio``,
+    Bonferroni over the gradients); the largest pooled ratios and how many are over their
+    bands."""
+    from conftest import family_z, fro_err, pooled_ratio
+    from test_transformers_gpu import protocol_run
+
+    _kernel_path_on_cpu()
+    for family in families:
+        errors: dict = {}
+        for seed in range(seeds):
+            _, (g64, g16, gc), _ = protocol_run(family, "cpu", seed)
+            for n, g in g64.items():
+                errors.setdefault(n, []).append((fro_err(gc[n], g), fro_err(g16[n], g)))
+        z = family_z(len(errors))
+        pooled = sorted(((*pooled_ratio(e, z), n) for n, e in errors.items()), reverse=True)
+        over = [n for r, b, n in pooled if r > 1 + b]
+        top = "; ".join(f"{n} {r:.3f} (band 1 + {b:.3f})" for r, b, n in pooled[:4])
+        print(f"hf {family} pooled over {seeds} seeds: largest {top}; over its band {len(over)}")
 
 
 def vlm(seeds=2, kinds=("qwen2_5_vl", "qwen3_vl")):
@@ -186,7 +215,8 @@ def dw_neff():
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("lm-head", "qk-short", "hf", "vlm", "vlm-pooled", "dw-neff"))
+    choices = ("lm-head", "qk-short", "hf", "hf-pooled", "vlm", "vlm-pooled", "dw-neff")
+    ap.add_argument("what", choices=choices)
     ap.add_argument("--g", type=float, default=1.0, help="lm-head: the upstream gradient")
     ap.add_argument("--confident", action="store_true", help="lm-head: p_y near 1")
     ap.add_argument("--seeds", type=int, default=4, help="hf, vlm: seeds per family")
@@ -201,6 +231,8 @@ if __name__ == "__main__":
         lm_head(g=args.g, confident=args.confident)
     elif args.what == "hf":
         hf(args.seeds, args.families)
+    elif args.what == "hf-pooled":
+        hf_pooled(args.seeds, args.families)
     elif args.what == "vlm":
         vlm(args.seeds, args.kinds)
     elif args.what == "vlm-pooled":

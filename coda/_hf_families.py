@@ -10,6 +10,7 @@ family is a change to these tables and their tests."""
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
@@ -51,6 +52,13 @@ SUPPORTED = (
     "Gemma2Model",
     "Gemma3ForCausalLM",
     "Gemma3TextModel",
+    # Llama's layer rotating adjacent pairs of part of each head (``rope_pairs``, its other
+    # dimensions passed through: frequency 0), q, k, v biases and a fused gate_up_proj: GLM's;
+    # with Gemma 2's four norms under other names (``_hf_fused.GLM4_NORMS``): GLM-4's
+    "GlmForCausalLM",
+    "GlmModel",
+    "Glm4ForCausalLM",
+    "Glm4Model",
 )
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
@@ -73,8 +81,8 @@ LOSS_ONLY = {
     "GraniteMoeForCausalLM": _MOE,
     "GraniteMoeSharedForCausalLM": _MOE,
     # OLMo's final norm rounds once, after its weight (``_hf_forward.FP32_SCALED_NORMS``)
-    "Olmo2ForCausalLM": "norms after each sublayer and a QK-norm over whole q and k",
-    "Olmo3ForCausalLM": "norms after each sublayer and a QK-norm over whole q and k",
+    "Olmo2ForCausalLM": "no norm before each sublayer and a QK-norm over whole q and k",
+    "Olmo3ForCausalLM": "no norm before each sublayer and a QK-norm over whole q and k",
     # later families (session 69): GPT-OSS's final norm rounds as OLMo's; Qwen3-Next's and
     # Qwen3.5's scale by 1 + w in fp32 as Gemma's (``_hf_forward.check_final_norm`` holds
     # each form against the norm itself)
@@ -87,10 +95,9 @@ LOSS_ONLY = {
     "DeepseekV3ForCausalLM": _MOE + " and multi-head latent attention",
     "Glm4MoeForCausalLM": _MOE,
     "Llama4ForCausalLM": _MOE,
-    "Glm4ForCausalLM": "norms after each sublayer",
     "ApertusForCausalLM": "a gateless xIELU MLP and a QK-norm",
     "ArceeForCausalLM": "a gateless ReLU^2 MLP",
-    "Exaone4ForCausalLM": "norms after each sublayer and a QK-norm",
+    "Exaone4ForCausalLM": "no norm before each sublayer",
     "Qwen3_5ForCausalLM": "linear-attention layers",
     "Ernie4_5ForCausalLM": "RoPE on adjacent pairs (GLM's order), which the patch does not map",
     "HunYuanDenseV1ForCausalLM": "a QK-norm after RoPE",
@@ -125,7 +132,7 @@ VISION_LANGUAGE = (
 TEXT_LOSS_ONLY = {
     "MllamaTextModel": "cross-attention layers to the image",
     "Qwen3VLMoeTextModel": _MOE,
-    "Glm4vTextModel": "norms after each sublayer, multimodal RoPE on part of each head",
+    "Glm4vTextModel": "multimodal RoPE on adjacent pairs of part of each head",
     "Glm4vMoeTextModel": _MOE,
     "Qwen3_5TextModel": LOSS_ONLY["Qwen3_5ForCausalLM"],
     "Qwen3_5MoeTextModel": LOSS_ONLY["Qwen3_5MoeForCausalLM"],
@@ -149,8 +156,11 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # passes no cap
 SOFTCAP_ATTENTION = ("Gemma2Attention",)
 # the norms of a layer with a norm after each sublayer (Gemma 2's and 3's): its pre-MLP norm is
-# ``pre_feedforward_layernorm``, and ``post_attention_layernorm`` norms the attention's output
+# ``pre_feedforward_layernorm``, and ``post_attention_layernorm`` norms the attention's output;
+# GLM-4's, in that order: ``post_self_attn_layernorm``, ``post_attention_layernorm`` (before
+# the MLP), ``post_mlp_layernorm`` (``_hf_fused.GLM4_NORMS``)
 POST_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+GLM4_POST_NORMS = ("post_self_attn_layernorm", "post_mlp_layernorm")
 
 
 def activation_name(config) -> str:
@@ -162,11 +172,13 @@ def activation_name(config) -> str:
 def layer_options(hf_layer, config) -> dict:
     """``DecoderLayer``'s options for an HF layer: its MLP's ``activation``, its norms'
     ``norm_offset`` (1 for norms scaling by 1 + w in fp32, Gemma's; 0 for Llama's) and whether
-    it norms each sublayer's output (``post_norms``: Gemma 2's and 3's four norms), each norm's
-    rounding (QK-norm's too) held against coda's form of it bitwise
+    it norms each sublayer's output (``post_norms``: Gemma 2's, 3's and GLM-4's four norms),
+    each norm's rounding (QK-norm's too) held against coda's form of it bitwise
     (``_hf_forward.check_final_norm``), every one with the config's epsilon."""
-    post = all(hasattr(hf_layer, n) for n in POST_NORMS)
-    names = ["input_layernorm", "post_attention_layernorm", *(POST_NORMS if post else ())]
+    glm4 = all(hasattr(hf_layer, n) for n in GLM4_POST_NORMS)
+    post = glm4 or all(hasattr(hf_layer, n) for n in POST_NORMS)
+    names = ["input_layernorm", "post_attention_layernorm"]
+    names += list(GLM4_POST_NORMS if glm4 else POST_NORMS if post else ())
     norms = [getattr(hf_layer, n) for n in names]
     norms += [getattr(hf_layer.self_attn, n, None) for n in ("q_norm", "k_norm")]
     forms = set()
@@ -269,6 +281,40 @@ def inverse_frequencies(rotary, config) -> tuple:
     return short, (long.to(torch.float64), after)
 
 
+def rope_arguments(rotary, config, pairs: str = "half") -> tuple:
+    """(inverse frequencies, LongRoPE's (long set, context) or (None, None), YaRN's or
+    LongRoPE's constant c on cos and sin, else 1) of a rotary module, after the config's
+    checks. A RoPE of adjacent pairs (``pairs``, GLM's) on part of each head: the other pairs
+    at frequency 0 (angle 0, the identity exactly), as coda's epilogue rotates whole heads."""
+    check_config(config, rotary)
+    inv_freq, long_rope = inverse_frequencies(rotary, config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    half = head_dim // 2
+    if inv_freq.numel() < half and pairs == "adjacent":
+        pad = (0, half - inv_freq.numel())
+        inv_freq = torch.nn.functional.pad(inv_freq, pad)
+        if long_rope[0] is not None:
+            long_rope = (torch.nn.functional.pad(long_rope[0], pad), long_rope[1])
+    if 2 * inv_freq.numel() != head_dim:  # (HF's rotate-half pairs: no zero frequency fits)
+        raise v.CodaInputError(
+            f"apply_coda: a partial rotary embedding ({2 * inv_freq.numel()} of head_dim "
+            f"{head_dim}: partial_rotary_factor < 1) of rotate-half pairs is not supported"
+        )
+    return inv_freq, long_rope, float(rotary.attention_scaling)
+
+
+def whole_head_rope(cos_sin, head_dim: int) -> tuple:
+    """HF's (cos, sin) of a RoPE rotating part of each head (GLM's: its first entries the
+    rotated pairs' angles' cos and sin, one per pair) as the whole-head tables coda's reference
+    path reads (each pair's in the first half): the other pairs at angle 0, cos 1 and sin 0,
+    which the kernel path's zero frequencies give them too (``rope_arguments``)."""
+    cos, sin = cos_sin
+    rot, pad = cos.shape[-1] // 2, (0, head_dim // 2 - cos.shape[-1] // 2)
+    c = torch.nn.functional.pad(cos[..., :rot], pad, value=1.0)
+    s = torch.nn.functional.pad(sin[..., :rot], pad, value=0.0)
+    return torch.cat([c, c], -1), torch.cat([s, s], -1)
+
+
 def check_linears(hf_layer, where: str) -> None:
     """Every projection (``*_proj``) of an HF layer is a plain ``nn.Linear`` (what coda
     fuses)."""
@@ -284,20 +330,39 @@ def check_linears(hf_layer, where: str) -> None:
             )
 
 
-def fused_projections(hf_layer, where: str) -> bool:
-    """Whether the layer's projections are Phi-3's fused ``qkv_proj`` and ``gate_up_proj``
-    (both, or neither: Llama's separate ones), without biases."""
-    fused = [hasattr(hf_layer.self_attn, "qkv_proj"), hasattr(hf_layer.mlp, "gate_up_proj")]
-    if len(set(fused)) > 1:
-        raise v.CodaInputError(
-            f"apply_coda: {where}: one of qkv_proj and gate_up_proj fused, not both"
-        )
-    biased = fused[0] and any(
-        m.bias is not None for m in (hf_layer.self_attn.qkv_proj, hf_layer.mlp.gate_up_proj)
+def fused_projections(hf_layer, where: str) -> tuple:
+    """The layer's fused projections, as their state-dict keys (``_hf_fused.FUSED``): Phi-3's
+    ``qkv_proj`` and ``gate_up_proj``, GLM's ``gate_up_proj`` alone, none (Llama's), each
+    without a bias."""
+    fused = []
+    for owner, name in ((hf_layer.self_attn, "qkv_proj"), (hf_layer.mlp, "gate_up_proj")):
+        module = getattr(owner, name, None)
+        if module is None:
+            continue
+        if module.bias is not None:
+            raise v.CodaInputError(
+                f"apply_coda: {where}: biases on fused projections ({name} has one)"
+            )
+        fused.append(f"{'self_attn' if owner is hf_layer.self_attn else 'mlp'}.{name}.weight")
+    return tuple(fused)
+
+
+def rope_pairs(hf_layer) -> str:
+    """Which dimensions of a head the model's RoPE rotates together, read from its modeling
+    module's own ``rotate_half``: "half" (i, i + hd / 2), Llama's and most families', or
+    "adjacent" (2i, 2i + 1), GLM's."""
+    rotate = getattr(sys.modules[type(hf_layer.self_attn).__module__], "rotate_half", None)
+    if rotate is None:
+        return "half"
+    got = rotate(torch.arange(1.0, 5.0)).tolist()
+    if got == [-3.0, -4.0, 1.0, 2.0]:
+        return "half"
+    if got == [-2.0, 1.0, -4.0, 3.0]:
+        return "adjacent"
+    raise v.CodaInputError(
+        f"apply_coda: {type(hf_layer.self_attn).__module__}.rotate_half takes (1, 2, 3, 4) to "
+        f"{got}: neither Llama's rotation of halves nor GLM's of adjacent pairs"
     )
-    if biased:
-        raise v.CodaInputError(f"apply_coda: {where}: biases on fused projections")
-    return fused[0]
 
 
 def attention_biases(attention, where: str) -> tuple[bool, bool]:

@@ -100,12 +100,14 @@ def post_norm_decoder_layer(
     freq=None,
     qk_norm=None,
     sect=None,
+    qkv_bias=None,
 ):
     """``coda.autograd.decoder_layer`` with a norm after each sublayer: ``out_gains`` =
-    (g_attn_out, g_ffn_out), the gains of the norms of the attention's and the MLP's outputs.
-    Returns x2 (batch, seq, d), a tensor of its own."""
+    (g_attn_out, g_ffn_out), the gains of the norms of the attention's and the MLP's outputs;
+    ``qkv_bias``: q, k, v biases (GLM-4's), in F1's epilogue as the layer's. Returns x2
+    (batch, seq, d), a tensor of its own."""
     o, x0_residual = attention_block(
-        x0, g1, w_qkv, positions, dims, attention, freq, qk_norm, None, sect
+        x0, g1, w_qkv, positions, dims, attention, freq, qk_norm, qkv_bias, sect
     )
     g_attn, g_ffn = out_gains
     x1, a1, r1 = AttentionOutputPostNorm.apply(o, w_o, x0_residual, g_attn, g2, dims.eps)

@@ -38,7 +38,9 @@ Mistral, Qwen2, Qwen3, Phi3, Ministral, Cwm, SeedOss (its residual dropout 0), G
 norms scaling by 1 + w in fp32: ``_hf_families.layer_options``), Gemma 2 and Gemma 3 text
 (also a norm after each sublayer, ``DecoderLayer(post_norms=True)``; Gemma 2's soft-capped
 attention logits by its own eager attention, Gemma 3's QK-norm and RoPE per layer type,
-``_hf_families.typed_rotary``) and SmolLM3 (its NoPE
+``_hf_families.typed_rotary``), GLM and GLM-4 (RoPE on adjacent pairs of half of each head,
+``_hf_families.rope_pairs``: its other pairs at frequency 0; a fused ``gate_up_proj``; GLM-4's
+four norms under its own names, ``_hf_fused.GLM4_NORMS``) and SmolLM3 (its NoPE
 layers rotate by zero frequencies, the identity; silu or GeGLU MLP, no biases but Qwen2's on q,
 k and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
 "llama3", "yarn" or "longrope" on whole heads: a fixed set of inverse frequencies, taken from
@@ -98,15 +100,16 @@ from coda._hf_families import (
     TEXT_LOSS_ONLY,
     VISION_LANGUAGE,
     attention_biases,
-    check_config,
     check_linears,
     fused_projections,
-    inverse_frequencies,
     layer_options,
     layer_type,
     mrope_sections,
+    rope_arguments,
+    rope_pairs,
     sliding_window,
     typed_rotary,
+    whole_head_rope,
 )
 from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_forward
 from coda.autograd import LM_HEAD_METHODS
@@ -123,8 +126,9 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     checkpoints it as it would the layer it replaced, before or after the patch."""
 
     hf_keys = True  # ``state_dict()`` in HF's keys and layouts (``coda_keys`` turns it off)
-    # set per layer when made; these defaults serve layers pickled before sessions 64 and 65
-    fused, use_rope, rope_scale = False, True, 1.0
+    # set per layer when made; these defaults serve layers pickled before sessions 64, 65
+    # and 73 (``fused`` True then: Phi-3's two fused projections, before ``hf_form``)
+    fused, use_rope, rope_scale, hf_form = False, True, 1.0, None
 
     def __init__(
         self, hf_layer, config, inv_freq, mask_hint, rope_scale=1.0, long_rope=(None,) * 2,
@@ -164,14 +168,23 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             mrope_sections=mrope,
             **layer_options(hf_layer, config),  # (GeGLU, Gemma's 1 + w norms)
         )
-        self.fused = fused  # Phi-3's qkv_proj and gate_up_proj (``coda._hf_fused``)
+        # its state dict's form beyond Llama's keys (``coda._hf_fused``): Phi-3's and GLM's
+        # fused projections, GLM-4's norm names, GLM's q and k rows in adjacent-pair order
+        self.fused = fused  # (its fused projections' keys: Phi-3's two, GLM's gate_up_proj)
+        heads = (config.num_attention_heads, config.num_key_value_heads, attn.head_dim)
+        self.hf_form = _hf_fused.Form(
+            fused,
+            _hf_fused.GLM4_NORMS if hasattr(hf_layer, "post_mlp_layernorm") else {},
+            heads if rope_pairs(hf_layer) == "adjacent" else None,
+        )
         self.use_rope = use_rope
         # YaRN's constant factor on cos and sin, folded into the attention's scale (a NoPE
         # layer rotates nothing, so scales nothing)
         self.rope_scale = float(rope_scale) if use_rope else 1.0
         self.load_hf_state_dict(hf_layer.state_dict())
         self._keep_frozen(hf_layer, where)
-        names = (("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj")) + ("o_proj",)
+        qkv = ("qkv_proj",) if "self_attn.qkv_proj.weight" in fused else ("q_proj", "k_proj")
+        names = qkv + (() if len(qkv) == 1 else ("v_proj",)) + ("o_proj",)
         for name in names + (("q_norm", "k_norm") if qk_norm else ()):
             delattr(attn, name)  # the weights live in w_qkv / w_o / q_norm / k_norm now
         self.self_attn = attn
@@ -185,19 +198,25 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     def extra_repr(self) -> str:  # (printed under HF's class name: say whose layer it is)
         return f"coda, {super().extra_repr()}"
 
-    # HF's keys are Llama's but for fused projections (Phi-3's), converted by rows
+    # HF's keys are Llama's but for the layer's form (``hf_form``), converted exactly
+    def _form(self) -> _hf_fused.Form:
+        if self.hf_form is not None:
+            return self.hf_form
+        return _hf_fused.Form(tuple(_hf_fused.FUSED) if self.fused else ())  # (pickled)
+
     def hf_state_dict(self, prefix: str = "", grad: bool = False) -> dict:
-        out = super().hf_state_dict(prefix, grad)
-        return _hf_fused.fuse(out, prefix) if self.fused else out
+        out, form = super().hf_state_dict(prefix, grad), self._form()
+        return _hf_fused.to_model(out, prefix, form) if form else out
 
     def hf_shapes(self, prefix: str = "") -> dict:
-        shapes = self._llama_shapes(prefix)
-        return _hf_fused.fuse_shapes(shapes, prefix) if self.fused else shapes
+        shapes, form = self._llama_shapes(prefix), self._form()
+        return _hf_fused.shapes_to_model(shapes, prefix, form) if form else shapes
 
     def params_from_hf(self, sd: dict, prefix: str = "") -> dict:
-        if self.fused:  # (checked in HF's keys first: an error names the key given)
+        form = self._form()
+        if form:  # (checked in HF's keys first: an error names the key given)
             v.check_state_dict(sd, self.hf_shapes(prefix))
-            sd = _hf_fused.split(sd, self._llama_shapes(prefix), prefix)
+            sd = _hf_fused.from_model(sd, self._llama_shapes(prefix), prefix, form)
         return super().params_from_hf(sd, prefix)
 
     def _keep_frozen(self, hf_layer, where: str) -> None:
@@ -207,7 +226,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         hf = dict(hf_layer.named_parameters())
         for name in self._hf_weights():
             keys = self._hf_keys()[name]
-            keys = _hf_fused.fused_keys(keys) if self.fused else keys
+            keys = _hf_fused.model_keys(keys, self._form())
             flags = {hf[k].requires_grad for k in keys}
             if len(flags) > 1:
                 raise v.CodaInputError(
@@ -294,6 +313,8 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         if not self.use_rope or self.rope_scale != 1.0:  # both paths then rotate by the
             # layer's own frequencies (zero in a NoPE layer), unscaled (YaRN's c: above)
             position_embeddings = None
+        elif position_embeddings is not None and position_embeddings[0].shape[-1] < self.head_dim:
+            position_embeddings = whole_head_rope(position_embeddings, self.head_dim)
         return super().forward(hidden_states, positions, position_embeddings, attention)
 
 
@@ -508,7 +529,10 @@ def _patch_layers(base, config) -> None:
     per_type = isinstance(base.rotary_emb.rope_type, dict)  # (Gemma 3's RoPE per layer type)
     kinds = set(config.layer_types) if per_type else {None}
     # layer type (None: the model's one RoPE) -> its RoPE's arguments, checked before any change
-    ropes = {k: _rope_arguments(typed_rotary(base.rotary_emb, config, k), config) for k in kinds}
+    pairs = rope_pairs(base.layers[0]) if len(base.layers) else "half"
+    ropes = {
+        k: rope_arguments(typed_rotary(base.rotary_emb, config, k), config, pairs) for k in kinds
+    }
     if getattr(base, "coda_mask_hint", None) is None:  # (not patched before)
         base.coda_mask_hint = MaskHint()
         wrap_forward(base, base_forward)
@@ -530,21 +554,6 @@ def _patch_layers(base, config) -> None:
     if replaced:  # transformers hooks the layers for ``output_hidden_states`` once, at the
         # first call asking for them: the patched layers are new modules, to be hooked anew
         base.__dict__.pop("_output_capturing_hooks_installed", None)
-
-
-def _rope_arguments(rotary, config) -> tuple:
-    """(inverse frequencies, LongRoPE's (long set, context) or (None, None), YaRN's or
-    LongRoPE's constant c on cos and sin, else 1) of a rotary module, after the config's
-    checks."""
-    check_config(config, rotary)
-    inv_freq, long_rope = inverse_frequencies(rotary, config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if 2 * inv_freq.numel() != head_dim:  # (coda's RoPE epilogue rotates whole heads)
-        raise v.CodaInputError(
-            f"apply_coda: a partial rotary embedding ({2 * inv_freq.numel()} of head_dim "
-            f"{head_dim}: partial_rotary_factor < 1) is not supported"
-        )
-    return inv_freq, long_rope, float(rotary.attention_scaling)
 
 
 def _tag_mrope_rows(rotary, args, kwargs, output) -> None:

@@ -147,6 +147,13 @@ def tiny_config(family: str = "llama", **kw):
 
         ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         return Phi3Config(**_longrope_filled({**base, **ids, **kw}))
+    if family in ("glm", "glm4"):  # (a fused gate_up_proj, q, k, v biases, RoPE on half of
+        # each head's adjacent pairs: head_dim 12 rotates three pairs, passes three through)
+        import transformers
+
+        config = transformers.GlmConfig if family == "glm" else transformers.Glm4Config
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        return config(**{**base, **ids, "head_dim": 12, **kw})
     if family in MOE or family in LOSS_ALONE:
         import transformers
 
@@ -238,7 +245,7 @@ def model_class(config):
     for name in ("Olmo2", "Olmo3"):
         if type(config) is getattr(transformers, f"{name}Config"):
             return getattr(transformers, f"{name}ForCausalLM")
-    for name in ("Ministral", "Cwm", "SeedOss"):
+    for name in ("Ministral", "Cwm", "SeedOss", "Glm"):
         if type(config) is getattr(transformers, f"{name}Config"):
             return getattr(transformers, f"{name}ForCausalLM")
     for name in GEMMA.values():

@@ -121,6 +121,7 @@ LAYERS = {  # (d, H, Hkv, ffn, head_dim, B, S), options
     "plain": ((128, 2, 1, 96, 64, 2, 7), {}),
     "gemma2": ((96, 3, 1, 80, 32, 3, 5), {"norm_offset": 1.0, "activation": "gelu_tanh"}),
     "gemma3": ((128, 2, 1, 96, 64, 1, 9), {"norm_offset": 1.0, "qk_norm": True, "eps": 1e-6}),
+    "glm4": ((96, 3, 1, 80, 32, 2, 5), {"qkv_bias": True}),  # (q, k, v biases: GLM-4's)
 }
 
 
@@ -154,7 +155,8 @@ def test_kernel_path_equals_reference_path_float64(kernel_forced, kind):
     torch.manual_seed(1)
     layer = cnn.DecoderLayer(d, H, Hkv, f, head_dim=hd, dtype=F64, post_norms=True, **options)
     with torch.no_grad():
-        for p in (*layer._norm_gains(), *([layer.q_norm, layer.k_norm] if layer.qk_norm else [])):
+        qk = [layer.q_norm, layer.k_norm] if layer.qk_norm else []
+        for p in (*layer._norm_gains(), *qk, *([layer.bias_qkv] if layer.qkv_bias else [])):
             p.add_(0.3 * torch.randn_like(p))
     x = torch.randn(B, S, d, dtype=F64, requires_grad=True)
     (out_r, g_r), (out_k, g_k) = _both_paths(layer, x)
@@ -177,6 +179,7 @@ def test_kernel_path_equals_reference_path_at_random_shapes(kernel_forced, case)
     H, d, f = Hkv * rng.choice([1, 2, 3]), 8 * rng.randrange(3, 25), 8 * rng.randrange(2, 20)
     options = dict(norm_offset=rng.choice([0.0, 1.0]), activation=rng.choice(["silu", "gelu_tanh"]))
     options.update(qk_norm=rng.random() < 0.5, eps=rng.choice([1e-6, 1e-5, 1e-2]))
+    options["qkv_bias"] = not options["qk_norm"] and rng.random() < 0.5
     B, S = rng.choice([1, 2, 3]), rng.choice([1, 3, 7, 17])
     torch.manual_seed(case)
     layer = cnn.DecoderLayer(d, H, Hkv, f, head_dim=hd, dtype=F64, post_norms=True, **options)
@@ -226,9 +229,9 @@ def test_hf_weights_and_bad_arguments():
     for (name, p), q in zip(layer.named_parameters(), other.parameters()):
         assert torch.equal(p, q), name
     assert "post_norms=True" in repr(layer)
-    for bad in ({"qkv_bias": True}, {"o_bias": True}):
-        with pytest.raises(v.CodaInputError, match="post_norms"):
-            cnn.DecoderLayer(32, 2, 1, 40, post_norms=True, **bad)
+    with pytest.raises(v.CodaInputError, match="post_norms with o_bias"):
+        cnn.DecoderLayer(32, 2, 1, 40, post_norms=True, o_bias=True)
+    assert cnn.DecoderLayer(32, 2, 1, 40, post_norms=True, qkv_bias=True).qkv_bias  # GLM-4's
 
 
 # -- level 2 -----------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ WINDOWS = {
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen3", "qwen2", "mistral", "phi3", "smollm3", *WINDOWS]
+    "family", ["llama", "qwen3", "qwen2", "mistral", "phi3", "smollm3", "glm4", *WINDOWS]
 )
 def test_the_attention_function_gets_what_hfs_layer_gives_it(family, kernel, probe, monkeypatch):
     if kernel:

@@ -99,3 +99,24 @@ def test_gemma2_and_gemma3_layers_behave_as_unpatched_float64(family, coda_path)
         assert layers[0]._inv_freq[1] != layers[1]._inv_freq[1]
     ids = torch.randint(0, cfg.vocab_size, (2, 13))
     assert_behaves_as_unpatched(ref, patched, ids, right_padding=family == "gemma2")
+
+
+@pytest.mark.parametrize("family", ["glm", "glm4"])
+def test_glm_layers_behave_as_unpatched_float64(family, coda_path):
+    """GLM and GLM-4: Llama's layer rotating adjacent pairs (2i, 2i + 1) of the first half of
+    each head (head_dim 12: three pairs rotated, three passed through at frequency 0), with
+    q, k, v biases and a fused gate_up_proj; GLM-4's with four norms under its own names
+    (``post_self_attn_layernorm`` after the attention, ``post_attention_layernorm`` before the
+    MLP). Their q and k rows are already in coda's adjacent-pair order: no permutation."""
+    cfg = tiny_config(family, **coda_path)
+    ref, patched = pair(cfg)
+    layers = patched.model.layers
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+    assert {(la.qkv_bias, la.post_norms) for la in layers} == {(True, family == "glm4")}
+    hf = ref.model.layers[0].self_attn
+    q_rows = hf.q_proj.weight.shape[0]
+    assert torch.equal(layers[0].w_qkv[:, :q_rows], hf.q_proj.weight.t())
+    assert layers[0]._inv_freq[:3].min() > 0 and not layers[0]._inv_freq[3:].any()
+    if family == "glm4":
+        assert torch.equal(layers[0].ffn_norm, ref.model.layers[0].post_attention_layernorm.weight)
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))

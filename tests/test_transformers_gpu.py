@@ -52,6 +52,7 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     extra["llama-bias"] = {"attention_bias": True}  # biases on q, k, v and o
     # the loss alone of GPT-OSS (its final norm rounding once, in fp32) and Qwen3-Next (a
     # gain 1 + w; four layers, the fourth full attention, the others linear attention)
+    extra["glm4"] = extra["glm"] = {"head_dim": 64}  # (half of each head rotated)
     extra["gpt_oss"] = {"head_dim": 64}
     extra["qwen3_next"] = {"head_dim": 64, "num_hidden_layers": 4}
     base = "llama" if family in SCALED_ROPES or family == "llama-bias" else family
@@ -152,7 +153,8 @@ POOLED_SEEDS = 128
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "family,k_bias",
-    [("qwen2", 1.0), ("qwen2", 4.0), ("llama-bias", 1.0), ("seed_oss", 1.0), ("gemma2-capped", 0)],
+    [("qwen2", 1.0), ("qwen2", 4.0), ("llama-bias", 1.0), ("seed_oss", 1.0), ("gemma2-capped", 0)]
+    + [("glm4", 1.0)],
 )
 def test_gpu_patched_biased_protocol_pooled(family, k_bias):
     """H200: CODA's protocol for a patched bf16 Qwen2 (q and v biases of standard deviation 1,
@@ -160,7 +162,10 @@ def test_gpu_patched_biased_protocol_pooled(family, k_bias):
     Seed-OSS (q, k, v biases, head_dim 128) and, without biases, a Gemma 2 with its logits
     soft-capped (CE-S's capped program; its layers HF's up to session 71, when its
     gradients differed only through the loss's dX, which one seed could not decide either:
-    benchmarks/NOTES.md, session 68; coda's since session 72: norms after each sublayer), each
+    benchmarks/NOTES.md, session 68; coda's since session 72: norms after each sublayer) and a
+    GLM-4 (q, k, v biases, half of each head rotated, norms after each sublayer: the q
+    gradient's unrotated half is near 0 under the biases, bf16 noise on either path; the CPU
+    model pooled over 16 seeds reads every gradient at most 0.997, session 73), each
     gradient's error pooled over ``POOLED_SEEDS`` seeds
     (``conftest.pooled_ratio``): no gradient's pooled error measurably above the unpatched
     bf16 model's (above 1 + its band, Bonferroni over the gradients). One seed cannot decide

@@ -117,8 +117,8 @@ class DecoderLayer(FormerNames, nn.Module):
     bf16 1 + w would round w to 2^-8); the gains then start at 1 - norm_offset.
     ``post_norms``: Gemma 2's and 3's RMSNorm of the attention's and the MLP's outputs
     before each residual add (gains ``post_attention_norm``, ``post_ffn_norm``, with
-    ``norm_offset`` as the others; kernel path: ``coda.autograd_post_norm``); not with
-    ``qkv_bias``, ``o_bias`` or ``mrope_sections``.
+    ``norm_offset`` as the others; kernel path: ``coda.autograd_post_norm``); with
+    ``qkv_bias`` (GLM-4's), not with ``o_bias`` or ``mrope_sections``.
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -161,9 +161,9 @@ class DecoderLayer(FormerNames, nn.Module):
         self.norm_offset = v.check_finite_number("norm_offset", norm_offset)
         if qk_norm and qkv_bias:
             raise v.CodaInputError("DecoderLayer: qk_norm and qkv_bias together are not supported")
-        if post_norms and (qkv_bias or o_bias or mrope_sections is not None):
+        if post_norms and (o_bias or mrope_sections is not None):
             raise v.CodaInputError(
-                "DecoderLayer: post_norms with qkv_bias, o_bias or mrope_sections is not supported"
+                "DecoderLayer: post_norms with o_bias or mrope_sections is not supported"
             )
         hd = v.check_heads(d, n_heads, n_kv_heads, head_dim)
         v.check_positive_number("rope_base", rope_base)
@@ -483,7 +483,8 @@ class DecoderLayer(FormerNames, nn.Module):
         rope = (pos, dims, attention or self.attention, self._freq_table(x.device, pos))
         with autocast_off(x.device):
             if self.post_norms:
-                return post_norm_decoder_layer(*rows, self._gains(dtype, which="post"), *rope, qk)
+                post = self._gains(dtype, which="post")
+                return post_norm_decoder_layer(*rows, post, *rope, qk, qkv_bias=bias)
             mrope = None if self._mrope is None else self._mrope_table(x.device)
             return decoder_layer(*rows, *rope, qk, bias, o_bias, mrope)
 
