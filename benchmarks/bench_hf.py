@@ -156,6 +156,22 @@ SHAPES = {
             tie_word_embeddings=True,
         ),
     ),
+    # GLM-4-9B's layer shape (``Glm4ForCausalLM``: RoPE on half of each head, q, k, v biases,
+    # four norms) at 12 of its 40 layers, so that every variant fits one card at 4 x 4096
+    # tokens: coda's layers since session 73
+    "glm-4-9B-12L": (
+        "glm4",
+        dict(
+            vocab_size=151552,
+            hidden_size=4096,
+            intermediate_size=13696,
+            num_hidden_layers=12,
+            num_attention_heads=32,
+            num_key_value_heads=2,
+            head_dim=128,
+            pad_token_id=151329,
+        ),
+    ),
     # Qwen2.5-VL-3B's text model (``Qwen2_5_VLForConditionalGeneration``, a 1-block vision
     # encoder that text-only batches leave idle): coda's layers (multimodal RoPE in the QKV
     # epilogue) and loss through the vision-language forward, V = 151936
@@ -189,7 +205,7 @@ SHAPES = {
 }
 # (not in a default run: named in CODA_HF_SHAPES)
 ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B", "qwen2.5-vl-3B")
-ON_REQUEST += ("qwen3-vl-2B", "gemma-2B")
+ON_REQUEST += ("qwen3-vl-2B", "gemma-2B", "glm-4-9B-12L")
 BATCH, SEQ = 4, 4096
 # shapes stepped at fewer tokens: Gemma 2's eager attention keeps (B, H, S, S) scores, capped
 # scores and probabilities for 26 layers, which at 4 x 4096 ran every variant out of an 80 GB
@@ -252,6 +268,7 @@ def build(family: str, shape: dict, device, dtype):
         "phi3": "Phi3",
         "gemma": "Gemma",
         "gemma2": "Gemma2",
+        "glm4": "Glm4",
     }
     name = {**names, "gemma3": "Gemma3Text"}[family]
     cfg_cls = getattr(transformers, f"{name}Config")
