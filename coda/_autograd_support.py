@@ -49,7 +49,7 @@ def backward_can_follow(*inputs) -> bool:
     ``LEAN_FORWARD`` off)."""
     if not LEAN_FORWARD:
         return True
-    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    recorded = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     return recorded and not checkpoint_first_pass()
 
 

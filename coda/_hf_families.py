@@ -59,6 +59,10 @@ SUPPORTED = (
     "GlmModel",
     "Glm4ForCausalLM",
     "Glm4Model",
+    # norms after each sublayer only (``DecoderLayer(pre_norms=False)``), Qwen3's QK-norm, its
+    # global layers without RoPE where it has sliding ones (``GLOBAL_NOPE_ATTENTION``): EXAONE 4's
+    "Exaone4ForCausalLM",
+    "Exaone4Model",
 )
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
@@ -97,7 +101,6 @@ LOSS_ONLY = {
     "Llama4ForCausalLM": _MOE,
     "ApertusForCausalLM": "a gateless xIELU MLP and a QK-norm",
     "ArceeForCausalLM": "a gateless ReLU^2 MLP",
-    "Exaone4ForCausalLM": "no norm before each sublayer",
     "Qwen3_5ForCausalLM": "linear-attention layers",
     "Ernie4_5ForCausalLM": "RoPE on adjacent pairs (GLM's order), which the patch does not map",
     "HunYuanDenseV1ForCausalLM": "a QK-norm after RoPE",
@@ -155,6 +158,9 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # attention logits' soft cap (``attn_logit_softcapping``); Gemma 3's has the attribute but
 # passes no cap
 SOFTCAP_ATTENTION = ("Gemma2Attention",)
+# HF attention modules whose full-attention layers rotate nothing where the model has sliding
+# ones (EXAONE 4's "global NoPE": its forward skips RoPE there), as SmolLM3's NoPE layers
+GLOBAL_NOPE_ATTENTION = ("Exaone4Attention",)
 # the norms of a layer with a norm after each sublayer (Gemma 2's and 3's): its pre-MLP norm is
 # ``pre_feedforward_layernorm``, and ``post_attention_layernorm`` norms the attention's output;
 # GLM-4's, in that order: ``post_self_attn_layernorm``, ``post_attention_layernorm`` (before
@@ -172,13 +178,16 @@ def activation_name(config) -> str:
 def layer_options(hf_layer, config) -> dict:
     """``DecoderLayer``'s options for an HF layer: its MLP's ``activation``, its norms'
     ``norm_offset`` (1 for norms scaling by 1 + w in fp32, Gemma's; 0 for Llama's) and whether
-    it norms each sublayer's output (``post_norms``: Gemma 2's, 3's and GLM-4's four norms),
-    each norm's rounding (QK-norm's too) held against coda's form of it bitwise
+    it norms each sublayer's output (``post_norms``: Gemma 2's, 3's and GLM-4's four norms;
+    EXAONE 4's two, without norms before the sublayers: ``pre_norms`` False), each norm's
+    rounding (QK-norm's too) held against coda's form of it bitwise
     (``_hf_forward.check_final_norm``), every one with the config's epsilon."""
     glm4 = all(hasattr(hf_layer, n) for n in GLM4_POST_NORMS)
-    post = glm4 or all(hasattr(hf_layer, n) for n in POST_NORMS)
-    names = ["input_layernorm", "post_attention_layernorm"]
+    pre = hasattr(hf_layer, "input_layernorm")  # (EXAONE 4's: none before either sublayer)
+    post = glm4 or hasattr(hf_layer, "post_feedforward_layernorm")
+    names = ["input_layernorm", "post_attention_layernorm"] if pre else []
     names += list(GLM4_POST_NORMS if glm4 else POST_NORMS if post else ())
+    names = names if pre else ["post_attention_layernorm", "post_feedforward_layernorm"]
     norms = [getattr(hf_layer, n) for n in names]
     norms += [getattr(hf_layer.self_attn, n, None) for n in ("q_norm", "k_norm")]
     forms = set()
@@ -196,6 +205,7 @@ def layer_options(hf_layer, config) -> dict:
         "activation": ACTIVATIONS[activation_name(config)],
         "norm_offset": 1.0 if "gemma" in forms else 0.0,
         "post_norms": post,
+        "pre_norms": pre,
     }
 
 
@@ -379,10 +389,23 @@ def attention_biases(attention, where: str) -> tuple[bool, bool]:
     return has[0], attention.o_proj.bias is not None
 
 
+def global_nope(attention) -> bool:
+    """Whether an HF attention module's layer rotates nothing: a full-attention layer of a
+    model with sliding ones, in a family whose forward skips RoPE there
+    (``GLOBAL_NOPE_ATTENTION``, EXAONE 4's)."""
+    return (
+        type(attention).__name__ in GLOBAL_NOPE_ATTENTION
+        and attention.sliding_window is not None
+        and not attention.is_sliding
+    )
+
+
 def sliding_window(attention) -> dict:
     """The ``sliding_window`` argument an HF attention module passes its attention function:
-    its own (Qwen2, Qwen3: per layer, None on full-attention layers), the model's (Mistral), or none
-    (Llama)."""
+    its own (Qwen2, Qwen3: per layer, None on full-attention layers; EXAONE 4's the model's on
+    its sliding layers, ``is_sliding``), the model's (Mistral), or none (Llama)."""
+    if getattr(attention, "is_sliding", True) is False:
+        return {"sliding_window": None}
     if hasattr(attention, "sliding_window"):
         return {"sliding_window": attention.sliding_window}
     if hasattr(attention.config, "sliding_window"):

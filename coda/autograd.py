@@ -57,7 +57,7 @@ from coda._autograd_support import (  # noqa: F401 (checkpoint_first_pass: coda.
 )
 from coda._validate import check_attention_output
 from coda.kernels import library as lib
-from coda.kernels._launch import fused, unit_rows
+from coda.kernels._launch import acc_dtype, fused, unit_rows
 from coda.kernels.ce_scaled_exp import chunk_rows_scaled
 from coda.kernels.drope import cached_head_rotation
 from coda.kernels.drope import cached_rotation as _rotation
@@ -110,19 +110,37 @@ def split_heads(qkv, dims: LayerDims):
     return t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :]
 
 
+def _pre_norm(x, g, eps: float):
+    """F0 (or A1's next norm): (x * g, rstd) by a row pass; without a norm before the
+    sublayer (``g`` None: EXAONE 4's and OLMo's layers) (x, 1): the GEMM's row scale 1."""
+    if g is None:
+        return x, x.new_ones(x.shape[0], dtype=acc_dtype(x))
+    return lib.norm_rows(x, g, eps, False)
+
+
+def _unnormed(x, g, corr):
+    """The norm backward's operands for a sublayer without a pre-norm (``g`` None): gain 1 and
+    statistic 0, so that B6's / B12's epilogue forms dx = dA + dres; else as given."""
+    if g is not None:
+        return g, corr
+    return x.new_ones(x.shape[1]), torch.zeros_like(corr)
+
+
 def _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres, want_dw: bool = True):
     """B12 + A9 and B13, shared by both attention-input Functions: dx0 = the norm-backward
     dgrad of dz~0 through W_qkv (with the residual gradient ``dres`` added in its epilogue),
     dgamma1, and dW_qkv = gamma1 (rows) * (x0^T dz~0), or None without ``want_dw`` (W_qkv
-    frozen: its GEMM skipped). Returns (dx0, dg1, dW_qkv)."""
+    frozen: its GEMM skipped). Returns (dx0, dg1, dW_qkv); dg1 None without an entry norm
+    (``g1`` None)."""
     M, d = x0.shape
     dres = None if dres is None else dres.contiguous()
+    g, corr = _unnormed(x0, g1, corr0)
     dx0, dg1 = lib.norm_bwd(
-        dz0, w_qkv, x0, g1, corr0, dres, config_for("norm_bwd", M, w_qkv.shape[1], d)
+        dz0, w_qkv, x0, g, corr, dres, config_for("norm_bwd", M, w_qkv.shape[1], d)
     )
     # B13 (its tile, keyed by d and N, chosen inside ``wgrad``)
-    dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g1) if want_dw else None
-    return dx0, dg1, dw_qkv
+    dw_qkv = lib.wgrad_gamma_rows(x0, dz0, g) if want_dw else None
+    return dx0, None if g1 is None else dg1, dw_qkv
 
 
 class AttentionInput(torch.autograd.Function):
@@ -139,7 +157,7 @@ class AttentionInput(torch.autograd.Function):
     def forward(ctx, x0, g1, w_qkv, positions, freq, dims: LayerDims):
         M, d = x0.shape
         pos = positions.float()
-        a0, r0 = lib.norm_rows(x0, g1, dims.eps, False)  # F0
+        a0, r0 = _pre_norm(x0, g1, dims.eps)  # F0
         qkv = lib.gemm_rope(
             a0, w_qkv, r0, pos, freq, config_for("rope", M, d, w_qkv.shape[1])
         )  # F1
@@ -174,7 +192,7 @@ class AttentionInputBias(torch.autograd.Function):
     def forward(ctx, x0, g1, w_qkv, bias_qkv, positions, freq, dims: LayerDims, train, sect=None):
         M, d = x0.shape
         pos = positions.float()
-        a0, r0 = lib.norm_rows(x0, g1, dims.eps, False)  # F0
+        a0, r0 = _pre_norm(x0, g1, dims.eps)  # F0
         N = w_qkv.shape[1]
         z_cols = N if train else lean_z_cols(N)  # (no backward: z's store clipped to one row)
         row, mrope = f1_rows(pos, sect)
@@ -218,7 +236,7 @@ class AttentionInputQKNorm(torch.autograd.Function):
         hd, n_q, n_k = dims.head_dim, dims.heads, dims.kv_heads
         pos = positions.float()
         row, mrope = f1_rows(pos, sect)
-        a0, r0 = lib.norm_rows(x0, g1, dims.eps, False)  # F0
+        a0, r0 = _pre_norm(x0, g1, dims.eps)  # F0
         cfg = qk_norm_config(hd)
         n_rot = (n_q + n_k) * hd
         if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue
@@ -350,17 +368,18 @@ def gated_up(a1, r1, w_il, train: bool, activation: str):
 def mlp_grads(x1, r1, u, g2, w_il, w_d, d_down, dres, activation: str, want=(True, True)):
     """B4-B7 from the down projection's output gradient ``d_down`` and the residual's ``dres``
     (both dx2, unless a norm follows the projection): (dx1, dgamma2, dW_il, dW_d), a weight's
-    gradient None where ``want`` (W_il's, W_d's) says it is frozen."""
+    gradient None where ``want`` (W_il's, W_d's) says it is frozen; ``g2`` None: no norm
+    before the MLP (``r1`` ones), dgamma2 None."""
     M, d = x1.shape
     f = w_d.shape[0]
     dz1, s, stat1 = lib.dswiglu(d_down, w_d, u, r1, config_for("dswiglu", M, d, f), activation)
     dw_d = wgrad(s, d_down) if want[1] else None  # B5
-    corr1 = norm_corr(r1, stat1, d)  # A6
+    g, corr1 = _unnormed(x1, g2, norm_corr(r1, stat1, d))  # A6
     dx1, dg2 = lib.norm_bwd(
-        dz1, w_il, x1, g2, corr1, dres, config_for("norm_bwd", M, 2 * f, d)
+        dz1, w_il, x1, g, corr1, dres, config_for("norm_bwd", M, 2 * f, d)
     )  # B6 + A7
-    dw_il = lib.wgrad_gamma_rows(x1, dz1, g2) if want[0] else None  # B7
-    return dx1, dg2, dw_il, dw_d
+    dw_il = lib.wgrad_gamma_rows(x1, dz1, g) if want[0] else None  # B7
+    return dx1, None if g2 is None else dg2, dw_il, dw_d
 
 
 def decoder_layer(

@@ -32,14 +32,17 @@ from coda.kernels.wgrad import wgrad
 class AttentionOutputPostNorm(torch.autograd.Function):
     """F3' + P1 / P2 + B8 + B9: the O projection storing y and its sum-of-squares partials,
     then one row pass forming x1 = x0 + rmsnorm(y) * g_out and the next (pre-)norm's r1 and
-    a1 = x1 * gamma2. Returns (x1, a1, r1), as ``coda.autograd.AttentionOutput``; a1 and r1
-    carry no gradient of their own (the MLP's backward takes that norm's whole)."""
+    a1 = x1 * gamma2 (``g2`` None: no norm before the MLP, a1 = x1 and r1 = 1). Returns (x1,
+    a1, r1), as ``coda.autograd.AttentionOutput``; a1 and r1 carry no gradient of their own
+    (the MLP's backward takes that norm's whole)."""
 
     @staticmethod
     def forward(ctx, o, w_o, x0, g_out, g2, eps: float):
         M, K = o.shape
         y, sumsq = lib.gemm_output_sumsq(o, w_o, config_for("residual", M, K, w_o.shape[1]))
-        x1, r_y, a1, r1 = lib.post_norm_next_rows(y, sumsq, x0, g_out, eps, g2)
+        gain = x0.new_ones(x0.shape[1]) if g2 is None else g2  # (no pre-norm: a1 = x1, r1 1)
+        x1, r_y, a1, r1 = lib.post_norm_next_rows(y, sumsq, x0, g_out, eps, gain)
+        r1 = torch.ones_like(r1) if g2 is None else r1
         ctx.mark_non_differentiable(a1, r1)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(o, w_o, y, r_y, g_out)
@@ -104,8 +107,9 @@ def post_norm_decoder_layer(
 ):
     """``coda.autograd.decoder_layer`` with a norm after each sublayer: ``out_gains`` =
     (g_attn_out, g_ffn_out), the gains of the norms of the attention's and the MLP's outputs;
-    ``qkv_bias``: q, k, v biases (GLM-4's), in F1's epilogue as the layer's. Returns x2
-    (batch, seq, d), a tensor of its own."""
+    ``qkv_bias``: q, k, v biases (GLM-4's), in F1's epilogue as the layer's; ``g1`` and ``g2``
+    None: no norms before the sublayers (EXAONE 4's). Returns x2 (batch, seq, d), a tensor of
+    its own."""
     o, x0_residual = attention_block(
         x0, g1, w_qkv, positions, dims, attention, freq, qk_norm, qkv_bias, sect
     )

@@ -40,7 +40,9 @@ norms scaling by 1 + w in fp32: ``_hf_families.layer_options``), Gemma 2 and Gem
 attention logits by its own eager attention, Gemma 3's QK-norm and RoPE per layer type,
 ``_hf_families.typed_rotary``), GLM and GLM-4 (RoPE on adjacent pairs of half of each head,
 ``_hf_families.rope_pairs``: its other pairs at frequency 0; a fused ``gate_up_proj``; GLM-4's
-four norms under its own names, ``_hf_fused.GLM4_NORMS``) and SmolLM3 (its NoPE
+four norms under its own names, ``_hf_fused.GLM4_NORMS``), EXAONE 4 (norms after each
+sublayer and none before, ``DecoderLayer(pre_norms=False)``; QK-norm; no RoPE on its full
+layers, ``_hf_families.global_nope``) and SmolLM3 (its NoPE
 layers rotate by zero frequencies, the identity; silu or GeGLU MLP, no biases but Qwen2's on q,
 k and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
 "llama3", "yarn" or "longrope" on whole heads: a fixed set of inverse frequencies, taken from
@@ -102,6 +104,7 @@ from coda._hf_families import (
     attention_biases,
     check_linears,
     fused_projections,
+    global_nope,
     layer_options,
     layer_type,
     mrope_sections,
@@ -146,8 +149,9 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
                 " are not supported (qk_norm and qkv_bias together)"
             )
         p = next(hf_layer.parameters())
-        # SmolLM3's NoPE layers (``use_rope`` 0): RoPE at angle 0, the identity, exactly
-        use_rope = bool(getattr(attn, "use_rope", True))
+        # SmolLM3's NoPE layers (``use_rope`` 0) and EXAONE 4's global ones: RoPE at angle 0,
+        # the identity, exactly
+        use_rope = bool(getattr(attn, "use_rope", True)) and not global_nope(attn)
         inv_freq = inv_freq if use_rope else torch.zeros_like(inv_freq)
         long_inv_freq, long_after = long_rope if use_rope else (None, None)
         super().__init__(

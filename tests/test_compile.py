@@ -72,6 +72,7 @@ def test_compiled_step_equals_eager_and_does_not_recompile():
         "gemma2",
         "gemma3",
         "glm4",
+        "exaone4",
         "llama-loss-alone",
         "gemma3-loss-alone",
         "gemma2-capped-loss-alone",
@@ -82,6 +83,7 @@ def test_patched_hf_model_traces_without_graph_breaks(family):
     ``gemma2``, ``gemma3``: theirs (the norms after each sublayer: the post-norm row passes'
     ops; Gemma 2's soft-capped eager attention, Gemma 3's QK-norm and RoPE per layer type);
     ``glm4``: GLM-4's (partial RoPE of adjacent pairs: HF's tables widened in the trace);
+    ``exaone4``: EXAONE 4's (no norms before the sublayers: gains of 1 formed in the trace);
     ``*-loss-alone``: ``apply_coda(layers=False)``, HF's layers around coda's loss (Gemma 3's
     final-norm gain 1 + w formed in the traced call; Gemma 2's soft-capped logits);
     ``phi3-longrope``: LongRoPE's choice of

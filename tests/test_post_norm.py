@@ -122,6 +122,9 @@ LAYERS = {  # (d, H, Hkv, ffn, head_dim, B, S), options
     "gemma2": ((96, 3, 1, 80, 32, 3, 5), {"norm_offset": 1.0, "activation": "gelu_tanh"}),
     "gemma3": ((128, 2, 1, 96, 64, 1, 9), {"norm_offset": 1.0, "qk_norm": True, "eps": 1e-6}),
     "glm4": ((96, 3, 1, 80, 32, 2, 5), {"qkv_bias": True}),  # (q, k, v biases: GLM-4's)
+    # no norms before the sublayers (EXAONE 4's), with and without its QK-norm
+    "exaone4": ((128, 2, 1, 96, 64, 2, 7), {"qk_norm": True, "pre_norms": False}),
+    "no_pre_norms": ((96, 3, 1, 80, 32, 3, 5), {"pre_norms": False}),
 }
 
 
@@ -180,6 +183,7 @@ def test_kernel_path_equals_reference_path_at_random_shapes(kernel_forced, case)
     options = dict(norm_offset=rng.choice([0.0, 1.0]), activation=rng.choice(["silu", "gelu_tanh"]))
     options.update(qk_norm=rng.random() < 0.5, eps=rng.choice([1e-6, 1e-5, 1e-2]))
     options["qkv_bias"] = not options["qk_norm"] and rng.random() < 0.5
+    options["pre_norms"] = rng.random() < 0.7
     B, S = rng.choice([1, 2, 3]), rng.choice([1, 3, 7, 17])
     torch.manual_seed(case)
     layer = cnn.DecoderLayer(d, H, Hkv, f, head_dim=hd, dtype=F64, post_norms=True, **options)

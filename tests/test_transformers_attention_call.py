@@ -59,6 +59,11 @@ WINDOWS = {
         ),
     ),
     "phi3-window": ("phi3", dict(sliding_window=5)),
+    # EXAONE 4's on its sliding layers only (its attention keeps the model's window on both)
+    "exaone4-window": (
+        "exaone4",
+        dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
+    ),
     # YaRN: HF scales cos and sin by c, a patched layer the attention's scale by c^2 instead
     "llama-yarn": (
         "llama",

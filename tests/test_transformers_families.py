@@ -120,3 +120,18 @@ def test_glm_layers_behave_as_unpatched_float64(family, coda_path):
     if family == "glm4":
         assert torch.equal(layers[0].ffn_norm, ref.model.layers[0].post_attention_layernorm.weight)
     assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+
+
+def test_exaone4_layers_behave_as_unpatched_float64(coda_path):
+    """EXAONE 4: norms after each sublayer and none before (``DecoderLayer(pre_norms=False)``),
+    Qwen3's per-head QK-norm, a 4-token window on its sliding layer and no RoPE on its full
+    one (its "global NoPE": coda's layer rotates by zero frequencies there, as SmolLM3's)."""
+    types = ["sliding_attention", "full_attention"]
+    cfg = tiny_config("exaone4", sliding_window=4, layer_types=types, **coda_path)
+    ref, patched = pair(cfg)
+    layers = patched.model.layers
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+    assert {(la.pre_norms, la.post_norms, la.qk_norm) for la in layers} == {(False, True, True)}
+    assert [la.use_rope for la in layers] == [True, False]
+    assert [la.self_attn.sliding_window for la in layers] == [4, 4]  # (HF's own attribute)
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))

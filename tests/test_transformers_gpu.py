@@ -53,6 +53,9 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     # the loss alone of GPT-OSS (its final norm rounding once, in fp32) and Qwen3-Next (a
     # gain 1 + w; four layers, the fourth full attention, the others linear attention)
     extra["glm4"] = extra["glm"] = {"head_dim": 64}  # (half of each head rotated)
+    # EXAONE 4: a sliding layer, then a full one without RoPE
+    types = ["sliding_attention", "full_attention"]
+    extra["exaone4"] = {"head_dim": 64, "sliding_window": 128, "layer_types": types}
     extra["gpt_oss"] = {"head_dim": 64}
     extra["qwen3_next"] = {"head_dim": 64, "num_hidden_layers": 4}
     base = "llama" if family in SCALED_ROPES or family == "llama-bias" else family
@@ -122,13 +125,14 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
 @pytest.mark.parametrize(
     "family",
     ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
-    + ["cwm", "gpt_oss", "qwen3_next", "gemma"]
+    + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):
     """H200: a patched bf16 Llama / Qwen3 / Mistral / Phi-3 / SmolLM3 (its NoPE layers: RoPE
     at angle 0 in the epilogue) / Gemma (GeGLU, 1 + w norms in fp32) / Gemma 3 (norms after
-    each sublayer, QK-norm with 1 + w gains, RoPE per layer type), Granite,
+    each sublayer, QK-norm with 1 + w gains, RoPE per layer type) / EXAONE 4 (norms after
+    each sublayer only, QK-norm, a full layer without RoPE), Granite,
     OLMo 2, GPT-OSS and Qwen3-Next (the loss alone: the final norm's fp32 gain, Granite's
     logits_scaling in it), and Llama with Llama 3's, linear, YaRN and LongRoPE scaling (coda's
     kernels, HF's sdpa) against the unpatched bf16 model, both against a float64 copy: loss

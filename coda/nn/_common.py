@@ -8,8 +8,9 @@ import torch
 
 def in_dtype(dtype, *tensors):
     """``tensors`` cast to ``dtype`` (autocast's per-call casts, differentiable), each left as
-    it is when already in it: a no-op ``.to`` still costs ~1 us of host time per tensor."""
-    return tuple(t if t.dtype == dtype else t.to(dtype) for t in tensors)
+    it is when already in it: a no-op ``.to`` still costs ~1 us of host time per tensor (None,
+    an absent weight, stays None)."""
+    return tuple(t if t is None or t.dtype == dtype else t.to(dtype) for t in tensors)
 
 
 def tma_rule(**dims) -> str | None:

@@ -118,7 +118,9 @@ class DecoderLayer(FormerNames, nn.Module):
     ``post_norms``: Gemma 2's and 3's RMSNorm of the attention's and the MLP's outputs
     before each residual add (gains ``post_attention_norm``, ``post_ffn_norm``, with
     ``norm_offset`` as the others; kernel path: ``coda.autograd_post_norm``); with
-    ``qkv_bias`` (GLM-4's), not with ``o_bias`` or ``mrope_sections``.
+    ``qkv_bias`` (GLM-4's), not with ``o_bias`` or ``mrope_sections``. ``pre_norms`` False
+    (with ``post_norms``): no norms before the sublayers (EXAONE 4's layer; no
+    ``attention_norm``, ``ffn_norm``).
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -155,12 +157,18 @@ class DecoderLayer(FormerNames, nn.Module):
         activation: str = "silu",
         norm_offset: float = 0.0,
         post_norms: bool = False,
+        pre_norms: bool = True,
     ):
         super().__init__()
         self.activation = v.check_choice("activation", activation, GLU_ACTIVATIONS)
         self.norm_offset = v.check_finite_number("norm_offset", norm_offset)
         if qk_norm and qkv_bias:
             raise v.CodaInputError("DecoderLayer: qk_norm and qkv_bias together are not supported")
+        if not (pre_norms or post_norms):
+            raise v.CodaInputError(
+                "DecoderLayer: pre_norms=False (no norm before each sublayer) needs its norms "
+                "after them: post_norms=True"
+            )
         if post_norms and (o_bias or mrope_sections is not None):
             raise v.CodaInputError(
                 "DecoderLayer: post_norms with o_bias or mrope_sections is not supported"
@@ -209,10 +217,11 @@ class DecoderLayer(FormerNames, nn.Module):
         self.eps, self.rope_base, self.backend = eps, rope_base, backend
         nqkv = (n_heads + 2 * n_kv_heads) * hd
         kw = {"device": device, "dtype": dtype}
-        self.attention_norm = nn.Parameter(torch.ones(d, **kw))
+        # the norms before each sublayer (none in EXAONE 4's and OLMo's layers: ``pre_norms``)
+        self.attention_norm = nn.Parameter(torch.ones(d, **kw)) if pre_norms else None
         self.w_qkv = nn.Parameter(torch.empty(d, nqkv, **kw))
         self.w_o = nn.Parameter(torch.empty(n_heads * hd, d, **kw))
-        self.ffn_norm = nn.Parameter(torch.ones(d, **kw))
+        self.ffn_norm = nn.Parameter(torch.ones(d, **kw)) if pre_norms else None
         self.w_il = nn.Parameter(torch.empty(d, 2 * ffn, **kw))
         self.w_d = nn.Parameter(torch.empty(ffn, d, **kw))
         # Qwen3's per-head QK-norm weights (hd,), in the adjacent-pair order of w_qkv's heads
@@ -234,7 +243,7 @@ class DecoderLayer(FormerNames, nn.Module):
         torch.compile trace would change what the trace's guards saw, and recompile the next
         call. A call on another device still builds its own on first use."""
         self._rope_tables.clear()
-        device = self.attention_norm.device
+        device = self.w_qkv.device
         self._inverse_frequencies(device)
         self._freq_table(device)
         if self._mrope is not None:
@@ -252,6 +261,7 @@ class DecoderLayer(FormerNames, nn.Module):
         qk += f", activation={self.activation!r}" if self.activation != "silu" else ""
         qk += f", norm_offset={self.norm_offset}" if self.norm_offset else ""
         qk += ", post_norms=True" if self.post_norms else ""
+        qk += ", pre_norms=False" if not self.pre_norms else ""
         return (
             f"d={self.d}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, ffn={self.ffn}{qk}"
@@ -272,6 +282,12 @@ class DecoderLayer(FormerNames, nn.Module):
         """Whether the attention's and the MLP's outputs are normed before their residual adds
         (Gemma 2's and 3's ``post_attention_norm``, ``post_ffn_norm``)."""
         return getattr(self, "post_attention_norm", None) is not None  # (pickled before: none)
+
+    @property
+    def pre_norms(self) -> bool:
+        """Whether the attention and the MLP read their input through a norm (``attention_norm``,
+        ``ffn_norm``; not EXAONE 4's layer, which norms after each sublayer only)."""
+        return self.attention_norm is not None
 
     @property
     def o_bias(self) -> bool:
@@ -363,9 +379,9 @@ class DecoderLayer(FormerNames, nn.Module):
         )
 
     def _norm_gains(self) -> tuple:
-        """Every norm's gain: the two pre-norms', then the post-norms' where there are."""
+        """Every norm's gain: the two pre-norms', then the post-norms', those the layer has."""
         post = (self.post_attention_norm, self.post_ffn_norm) if self.post_norms else ()
-        return (self.attention_norm, self.ffn_norm, *post)
+        return tuple(g for g in (self.attention_norm, self.ffn_norm, *post) if g is not None)
 
     def _gains(self, dtype, cast: bool = True, which: str = "pre"):
         """The gains of the two pre-norms (``which`` "pre"), the two post-norms ("post") or the
@@ -375,13 +391,13 @@ class DecoderLayer(FormerNames, nn.Module):
         gain's gradient is the sum's)."""
         gains = {
             "pre": (self.attention_norm, self.ffn_norm),
-            "post": self._norm_gains()[2:],
+            "post": (self.post_attention_norm, self.post_ffn_norm),
             "qk": (self.q_norm, self.k_norm),
         }[which]
         if not self.norm_offset:
             return in_dtype(dtype, *gains) if cast else gains
         acc = torch.float64 if dtype == torch.float64 else torch.float32
-        return tuple(g.to(acc) + self.norm_offset for g in gains)
+        return tuple(None if g is None else g.to(acc) + self.norm_offset for g in gains)
 
     def _positions(self, positions, B, S, device):
         if self._mrope is not None:

@@ -128,7 +128,8 @@ def decoder_layer_ref(
     """The layer in coda's weight layout (w: g1, wqkv, wo, g2, w_il, wd; with Qwen3's QK-norm
     also q_norm, k_norm (hd,) in adjacent order; with Qwen2's QKV bias bqkv (Nqkv,) in wqkv's
     column order; with Llama's O-projection bias bo (d,); with Gemma 2's and 3's norms after
-    each sublayer their gains g_attn_out, g_ffn_out (d,)), differentiable by autograd: the
+    each sublayer their gains g_attn_out, g_ffn_out (d,); g1, g2 None: no norm before the
+    sublayers, EXAONE 4's), differentiable by autograd: the
     reference path of ``coda.nn.DecoderLayer``. Same math as ``llama_layer_ref`` on the
     converted weights ([I3.4-I3.7]); ``attention`` as in
     ``attention_ref``; ``cs`` (M, hd), the RoPE table of every row (default from positions).
@@ -139,7 +140,7 @@ def decoder_layer_ref(
         pos = positions_of(s) if positions is None else positions
         cs = rope_table(pos, hd, s.rope_base)
     cs = cs.to(device=x0.device, dtype=x0.dtype)
-    z = final_norm_ref(x0, w["g1"], s.eps) @ w["wqkv"]  # (an fp32 gain: Gemma's rounding)
+    z = _pre_norm_ref(x0, w["g1"], s.eps) @ w["wqkv"]  # (an fp32 gain: Gemma's rounding)
     if "bqkv" in w:  # Qwen2's q, k, v biases (W_qkv's column order), added before RoPE in
         z = z + w["bqkv"].to(z.dtype)  # the product's dtype (a Linear's under autocast)
     q, k = z[:, :nq].reshape(M, s.heads, hd), z[:, nq : nq + nkv].reshape(M, s.kv_heads, hd)
@@ -152,13 +153,18 @@ def decoder_layer_ref(
     if "g_attn_out" in w:  # Gemma 2's and 3's norm of the sublayer's output, before the add
         o = final_norm_ref(o, w["g_attn_out"], s.eps)
     x1 = x0 + o
-    gu = final_norm_ref(x1, w["g2"], s.eps) @ w["w_il"]
+    gu = _pre_norm_ref(x1, w["g2"], s.eps) @ w["w_il"]
     y = GLU_REFS[s.activation](gu[:, 0::2], gu[:, 1::2]) @ w["wd"]
     if "g_ffn_out" in w:
         y = final_norm_ref(y, w["g_ffn_out"], s.eps)
     if rows:
         x1, y = x1.view(*rows, x1.shape[1]), y.view(*rows, y.shape[1])
     return x1 + y
+
+
+def _pre_norm_ref(x, g, eps: float):
+    """A sublayer's input: normed by ``g``, or as it is without a pre-norm (``g`` None)."""
+    return x if g is None else final_norm_ref(x, g, eps)
 
 
 def llama_layer_ref(x0, w: dict, s: LayerShape):
