@@ -187,8 +187,8 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         self.rope_scale = float(rope_scale) if use_rope else 1.0
         self.load_hf_state_dict(hf_layer.state_dict())
         self._keep_frozen(hf_layer, where)
-        qkv = ("qkv_proj",) if "self_attn.qkv_proj.weight" in fused else ("q_proj", "k_proj")
-        names = qkv + (() if len(qkv) == 1 else ("v_proj",)) + ("o_proj",)
+        split = ("q_proj", "k_proj", "v_proj")
+        names = (("qkv_proj",) if "self_attn.qkv_proj.weight" in fused else split) + ("o_proj",)
         for name in names + (("q_norm", "k_norm") if qk_norm else ()):
             delattr(attn, name)  # the weights live in w_qkv / w_o / q_norm / k_norm now
         self.self_attn = attn
