@@ -313,18 +313,6 @@ def rope_arguments(rotary, config, pairs: str = "half") -> tuple:
     return inv_freq, long_rope, float(rotary.attention_scaling)
 
 
-def whole_head_rope(cos_sin, head_dim: int) -> tuple:
-    """HF's (cos, sin) of a RoPE rotating part of each head (GLM's: its first entries the
-    rotated pairs' angles' cos and sin, one per pair) as the whole-head tables coda's reference
-    path reads (each pair's in the first half): the other pairs at angle 0, cos 1 and sin 0,
-    which the kernel path's zero frequencies give them too (``rope_arguments``)."""
-    cos, sin = cos_sin
-    rot, pad = cos.shape[-1] // 2, (0, head_dim // 2 - cos.shape[-1] // 2)
-    c = torch.nn.functional.pad(cos[..., :rot], pad, value=1.0)
-    s = torch.nn.functional.pad(sin[..., :rot], pad, value=0.0)
-    return torch.cat([c, c], -1), torch.cat([s, s], -1)
-
-
 def check_linears(hf_layer, where: str) -> None:
     """Every projection (``*_proj``) of an HF layer is a plain ``nn.Linear`` (what coda
     fuses)."""

@@ -112,7 +112,6 @@ from coda._hf_families import (
     rope_pairs,
     sliding_window,
     typed_rotary,
-    whole_head_rope,
 )
 from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_forward
 from coda.autograd import LM_HEAD_METHODS
@@ -314,11 +313,13 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
                     "apply_coda: a multimodal-RoPE layer called without its model's position "
                     "embeddings (the text model's rotary module tags them with their positions)"
                 )
-        if not self.use_rope or self.rope_scale != 1.0:  # both paths then rotate by the
-            # layer's own frequencies (zero in a NoPE layer), unscaled (YaRN's c: above)
+        partial = (
+            position_embeddings is not None and position_embeddings[0].shape[-1] < self.head_dim
+        )
+        if not self.use_rope or self.rope_scale != 1.0 or partial:  # both paths then rotate by
+            # the layer's own frequencies (zero in a NoPE layer and past a partial RoPE's pairs,
+            # GLM's), unscaled (YaRN's c: above)
             position_embeddings = None
-        elif position_embeddings is not None and position_embeddings[0].shape[-1] < self.head_dim:
-            position_embeddings = whole_head_rope(position_embeddings, self.head_dim)
         return super().forward(hidden_states, positions, position_embeddings, attention)
 
 

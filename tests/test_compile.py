@@ -82,7 +82,7 @@ def test_patched_hf_model_traces_without_graph_breaks(family):
     """``gemma``: Gemma's layers (GeGLU, the 1 + w gains formed in the traced call);
     ``gemma2``, ``gemma3``: theirs (the norms after each sublayer: the post-norm row passes'
     ops; Gemma 2's soft-capped eager attention, Gemma 3's QK-norm and RoPE per layer type);
-    ``glm4``: GLM-4's (partial RoPE of adjacent pairs: HF's tables widened in the trace);
+    ``glm4``: GLM-4's (partial RoPE of adjacent pairs: zero frequencies past them);
     ``exaone4``: EXAONE 4's (no norms before the sublayers: gains of 1 formed in the trace);
     ``*-loss-alone``: ``apply_coda(layers=False)``, HF's layers around coda's loss (Gemma 3's
     final-norm gain 1 + w formed in the traced call; Gemma 2's soft-capped logits);
