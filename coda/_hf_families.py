@@ -63,6 +63,9 @@ SUPPORTED = (
     # global layers without RoPE where it has sliding ones (``GLOBAL_NOPE_ATTENTION``): EXAONE 4's
     "Exaone4ForCausalLM",
     "Exaone4Model",
+    # Llama's layer rotating adjacent pairs of whole heads (GLM's order): ERNIE 4.5's (dense)
+    "Ernie4_5ForCausalLM",
+    "Ernie4_5Model",
 )
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
@@ -102,7 +105,6 @@ LOSS_ONLY = {
     "ApertusForCausalLM": "a gateless xIELU MLP and a QK-norm",
     "ArceeForCausalLM": "a gateless ReLU^2 MLP",
     "Qwen3_5ForCausalLM": "linear-attention layers",
-    "Ernie4_5ForCausalLM": "RoPE on adjacent pairs (GLM's order), which the patch does not map",
     "HunYuanDenseV1ForCausalLM": "a QK-norm after RoPE",
     "HunYuanMoEV1ForCausalLM": _MOE + " and a QK-norm after RoPE",
 }
@@ -343,6 +345,17 @@ def fused_projections(hf_layer, where: str) -> tuple:
             )
         fused.append(f"{'self_attn' if owner is hf_layer.self_attn else 'mlp'}.{name}.weight")
     return tuple(fused)
+
+
+def check_mlp_biases(hf_layer, where: str) -> None:
+    """The MLP's projections have no biases, whatever the config calls them (ERNIE 4.5's
+    ``use_bias``; Llama's ``mlp_bias`` is refused with the config)."""
+    biased = [n for n, m in hf_layer.mlp.named_children() if getattr(m, "bias", None) is not None]
+    if biased:
+        raise v.CodaInputError(
+            f"apply_coda: {where}: biases on the MLP's projections ({', '.join(biased)}) are "
+            "not supported"
+        )
 
 
 def rope_pairs(hf_layer) -> str:

@@ -42,7 +42,8 @@ attention logits by its own eager attention, Gemma 3's QK-norm and RoPE per laye
 ``_hf_families.rope_pairs``: its other pairs at frequency 0; a fused ``gate_up_proj``; GLM-4's
 four norms under its own names, ``_hf_fused.GLM4_NORMS``), EXAONE 4 (norms after each
 sublayer and none before, ``DecoderLayer(pre_norms=False)``; QK-norm; no RoPE on its full
-layers, ``_hf_families.global_nope``) and SmolLM3 (its NoPE
+layers, ``_hf_families.global_nope``), ERNIE 4.5 (RoPE on adjacent pairs of whole heads)
+and SmolLM3 (its NoPE
 layers rotate by zero frequencies, the identity; silu or GeGLU MLP, no biases but Qwen2's on q,
 k and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
 "llama3", "yarn" or "longrope" on whole heads: a fixed set of inverse frequencies, taken from
@@ -103,6 +104,7 @@ from coda._hf_families import (
     VISION_LANGUAGE,
     attention_biases,
     check_linears,
+    check_mlp_biases,
     fused_projections,
     global_nope,
     layer_options,
@@ -141,6 +143,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         check_linears(hf_layer, where)
         qk_norm = hasattr(attn, "q_norm")
         fused = fused_projections(hf_layer, where)
+        check_mlp_biases(hf_layer, where)
         qkv_bias, o_bias = attention_biases(attn, where)
         if qk_norm and qkv_bias:
             raise v.CodaInputError(

@@ -135,3 +135,20 @@ def test_exaone4_layers_behave_as_unpatched_float64(coda_path):
     assert [la.use_rope for la in layers] == [True, False]
     assert [la.self_attn.sliding_window for la in layers] == [4, 4]  # (HF's own attribute)
     assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+
+
+def test_ernie4_5_layers_behave_as_unpatched_float64(coda_path):
+    """ERNIE 4.5 (dense): Llama's layer rotating adjacent pairs (2i, 2i + 1) of whole heads
+    (GLM's order, read from its ``rotate_half``: its q and k rows kept as they are), tied
+    embeddings; its ``use_bias=True`` puts biases on the MLP's projections too, which coda's
+    layer lacks: refused, named (no config flag ``mlp_bias`` says so)."""
+    cfg = tiny_config("ernie4_5", head_dim=12, **coda_path)
+    ref, patched = pair(cfg)
+    layers = patched.model.layers
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+    hf = ref.model.layers[0].self_attn
+    assert torch.equal(layers[0].w_qkv[:, : hf.q_proj.weight.shape[0]], hf.q_proj.weight.t())
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+    biased = tiny_config("ernie4_5", head_dim=12, use_bias=True)
+    with pytest.raises(v.CodaInputError, match=r"biases on the MLP's projections \(gate_proj"):
+        ct.apply_coda(model_class(biased)(biased))

@@ -125,14 +125,15 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
 @pytest.mark.parametrize(
     "family",
     ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
-    + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4"]
+    + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4", "ernie4_5"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):
     """H200: a patched bf16 Llama / Qwen3 / Mistral / Phi-3 / SmolLM3 (its NoPE layers: RoPE
     at angle 0 in the epilogue) / Gemma (GeGLU, 1 + w norms in fp32) / Gemma 3 (norms after
     each sublayer, QK-norm with 1 + w gains, RoPE per layer type) / EXAONE 4 (norms after
-    each sublayer only, QK-norm, a full layer without RoPE), Granite,
+    each sublayer only, QK-norm, a full layer without RoPE) / ERNIE 4.5 (RoPE on adjacent
+    pairs), Granite,
     OLMo 2, GPT-OSS and Qwen3-Next (the loss alone: the final norm's fp32 gain, Granite's
     logits_scaling in it), and Llama with Llama 3's, linear, YaRN and LongRoPE scaling (coda's
     kernels, HF's sdpa) against the unpatched bf16 model, both against a float64 copy: loss
