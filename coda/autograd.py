@@ -111,8 +111,8 @@ def split_heads(qkv, dims: LayerDims):
 
 
 def _pre_norm(x, g, eps: float):
-    """F0 (or A1's next norm): (x * g, rstd) by a row pass; without a norm before the
-    sublayer (``g`` None: EXAONE 4's and OLMo's layers) (x, 1): the GEMM's row scale 1."""
+    """F0: (x * g, rstd) by a row pass; without a norm before the attention (``g`` None:
+    EXAONE 4's layers) (x, 1), the QKV GEMM's row scale 1."""
     if g is None:
         return x, x.new_ones(x.shape[0], dtype=acc_dtype(x))
     return lib.norm_rows(x, g, eps, False)
