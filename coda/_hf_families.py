@@ -169,6 +169,7 @@ GLOBAL_NOPE_ATTENTION = ("Exaone4Attention",)
 # the MLP), ``post_mlp_layernorm`` (``_hf_fused.GLM4_NORMS``)
 POST_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 GLM4_POST_NORMS = ("post_self_attn_layernorm", "post_mlp_layernorm")
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", *POST_NORMS, *GLM4_POST_NORMS)
 
 
 def activation_name(config) -> str:
@@ -184,13 +185,9 @@ def layer_options(hf_layer, config) -> dict:
     EXAONE 4's two, without norms before the sublayers: ``pre_norms`` False), each norm's
     rounding (QK-norm's too) held against coda's form of it bitwise
     (``_hf_forward.check_final_norm``), every one with the config's epsilon."""
-    glm4 = all(hasattr(hf_layer, n) for n in GLM4_POST_NORMS)
     pre = hasattr(hf_layer, "input_layernorm")  # (EXAONE 4's: none before either sublayer)
-    post = glm4 or hasattr(hf_layer, "post_feedforward_layernorm")
-    names = ["input_layernorm", "post_attention_layernorm"] if pre else []
-    names += list(GLM4_POST_NORMS if glm4 else POST_NORMS if post else ())
-    names = names if pre else ["post_attention_layernorm", "post_feedforward_layernorm"]
-    norms = [getattr(hf_layer, n) for n in names]
+    post = any(hasattr(hf_layer, n) for n in ("post_feedforward_layernorm", "post_mlp_layernorm"))
+    norms = [getattr(hf_layer, n, None) for n in LAYER_NORMS]  # (every one the layer has)
     norms += [getattr(hf_layer.self_attn, n, None) for n in ("q_norm", "k_norm")]
     forms = set()
     for norm in filter(None, norms):

@@ -110,9 +110,9 @@ def split_heads(qkv, dims: LayerDims):
     return t[:, :H], t[:, H : H + Hkv], t[:, H + Hkv :]
 
 
-def _pre_norm(x, g, eps: float):
-    """F0: (x * g, rstd) by a row pass; without a norm before the attention (``g`` None:
-    EXAONE 4's layers) (x, 1), the QKV GEMM's row scale 1."""
+def pre_norm(x, g, eps: float):
+    """F0: (x * g, rstd) by a row pass; without a norm before the sublayer (``g`` None:
+    EXAONE 4's layers) (x, 1), its GEMM's row scale 1."""
     if g is None:
         return x, x.new_ones(x.shape[0], dtype=acc_dtype(x))
     return lib.norm_rows(x, g, eps, False)
@@ -157,7 +157,7 @@ class AttentionInput(torch.autograd.Function):
     def forward(ctx, x0, g1, w_qkv, positions, freq, dims: LayerDims):
         M, d = x0.shape
         pos = positions.float()
-        a0, r0 = _pre_norm(x0, g1, dims.eps)  # F0
+        a0, r0 = pre_norm(x0, g1, dims.eps)  # F0
         qkv = lib.gemm_rope(
             a0, w_qkv, r0, pos, freq, config_for("rope", M, d, w_qkv.shape[1])
         )  # F1
@@ -192,7 +192,7 @@ class AttentionInputBias(torch.autograd.Function):
     def forward(ctx, x0, g1, w_qkv, bias_qkv, positions, freq, dims: LayerDims, train, sect=None):
         M, d = x0.shape
         pos = positions.float()
-        a0, r0 = _pre_norm(x0, g1, dims.eps)  # F0
+        a0, r0 = pre_norm(x0, g1, dims.eps)  # F0
         N = w_qkv.shape[1]
         z_cols = N if train else lean_z_cols(N)  # (no backward: z's store clipped to one row)
         row, mrope = f1_rows(pos, sect)
@@ -236,7 +236,7 @@ class AttentionInputQKNorm(torch.autograd.Function):
         hd, n_q, n_k = dims.head_dim, dims.heads, dims.kv_heads
         pos = positions.float()
         row, mrope = f1_rows(pos, sect)
-        a0, r0 = _pre_norm(x0, g1, dims.eps)  # F0
+        a0, r0 = pre_norm(x0, g1, dims.eps)  # F0
         cfg = qk_norm_config(hd)
         n_rot = (n_q + n_k) * hd
         if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue

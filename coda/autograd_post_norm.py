@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from coda._autograd_support import backward_can_follow, differentiable_once
-from coda.autograd import LayerDims, attention_block, gated_up, mlp_grads
+from coda.autograd import LayerDims, attention_block, gated_up, mlp_grads, pre_norm
 from coda.kernels import library as lib
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad
@@ -32,18 +32,19 @@ from coda.kernels.wgrad import wgrad
 class AttentionOutputPostNorm(torch.autograd.Function):
     """F3' + P1 / P2 + B8 + B9: the O projection storing y and its sum-of-squares partials,
     then one row pass forming x1 = x0 + rmsnorm(y) * g_out and the next (pre-)norm's r1 and
-    a1 = x1 * gamma2 (``g2`` None: no norm before the MLP, a1 = x1 and r1 = 1). Returns (x1,
-    a1, r1), as ``coda.autograd.AttentionOutput``; a1 and r1 carry no gradient of their own
-    (the MLP's backward takes that norm's whole)."""
+    a1 = x1 * gamma2. Returns (x1, a1, r1), as ``coda.autograd.AttentionOutput``; a1 and r1
+    carry no gradient of their own (the MLP's backward takes that norm's whole); without a
+    norm before the MLP (``g2`` None) the pass forms x1 alone, and a1, r1 are None."""
 
     @staticmethod
     def forward(ctx, o, w_o, x0, g_out, g2, eps: float):
         M, K = o.shape
         y, sumsq = lib.gemm_output_sumsq(o, w_o, config_for("residual", M, K, w_o.shape[1]))
-        gain = x0.new_ones(x0.shape[1]) if g2 is None else g2  # (no pre-norm: a1 = x1, r1 1)
-        x1, r_y, a1, r1 = lib.post_norm_next_rows(y, sumsq, x0, g_out, eps, gain)
-        r1 = torch.ones_like(r1) if g2 is None else r1
-        ctx.mark_non_differentiable(a1, r1)
+        if g2 is None:
+            (x1, r_y), a1, r1 = lib.post_norm_rows(y, sumsq, x0, g_out, eps), None, None
+        else:
+            x1, r_y, a1, r1 = lib.post_norm_next_rows(y, sumsq, x0, g_out, eps, g2)
+            ctx.mark_non_differentiable(a1, r1)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(o, w_o, y, r_y, g_out)
         return x1, a1, r1
@@ -115,6 +116,8 @@ def post_norm_decoder_layer(
     )
     g_attn, g_ffn = out_gains
     x1, a1, r1 = AttentionOutputPostNorm.apply(o, w_o, x0_residual, g_attn, g2, dims.eps)
+    if g2 is None:  # no norm before the MLP: F4 reads x1 itself, at row scale 1
+        a1, r1 = pre_norm(x1, None, dims.eps)
     train = backward_can_follow(x1, a1, r1, g2, w_il, w_d, g_ffn)
     rows = (dims.batch, dims.seq)
     return MLPPostNorm.apply(

@@ -176,7 +176,6 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         )
         # its state dict's form beyond Llama's keys (``coda._hf_fused``): Phi-3's and GLM's
         # fused projections, GLM-4's norm names, GLM's q and k rows in adjacent-pair order
-        self.fused = fused  # (its fused projections' keys: Phi-3's two, GLM's gate_up_proj)
         heads = (config.num_attention_heads, config.num_key_value_heads, attn.head_dim)
         self.hf_form = _hf_fused.Form(
             fused,

@@ -33,7 +33,7 @@ from coda import _hf_fused  # noqa: E402
 def test_patched_phi3_matches_unpatched_float64(coda_path):
     cfg = tiny_config("phi3", **coda_path)
     ref, patched = pair(cfg)
-    assert all(layer.fused for layer in patched.model.layers)
+    assert all(layer.hf_form.fused == tuple(_hf_fused.FUSED) for layer in patched.model.layers)
     assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
     grads = ct.hf_gradients(patched)  # in HF's fused keys and shapes
     want = {n: p.shape for n, p in ref.named_parameters()}
