@@ -3,9 +3,9 @@
 ``LlamaForCausalLM``, a Qwen3-0.6B-shaped ``Qwen3ForCausalLM`` and a Qwen2.5-0.5B-shaped
 ``Qwen2ForCausalLM`` (random init, bf16, sdpa; on request, ``ON_REQUEST``, Llama-1B with
 attention biases, a Phi-3-mini-shaped ``Phi3ForCausalLM``, a Gemma-3-1B-shaped
-``Gemma3ForCausalLM`` and a Gemma-2-2B-shaped ``Gemma2ForCausalLM`` (its logits soft-capped),
-whose loss alone coda patches, and Qwen2.5-VL-3B's and Qwen3-VL-2B's text models in their
-vision-language classes, text-only batches),
+``Gemma3ForCausalLM`` and a Gemma-2-2B-shaped ``Gemma2ForCausalLM`` (its logits soft-capped;
+their layers coda's since sessions 71-72), Qwen2.5-VL-3B's and Qwen3-VL-2B's text models in their
+vision-language classes, text-only batches, and an OLMo-2-1B-shaped ``Olmo2ForCausalLM``),
 in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and loss stay
 eager, as users compile it), with Liger's instance patch (called as the others, and with
 ``use_cache=False``, which a patched model's training call implies), and patched by
@@ -172,6 +172,22 @@ SHAPES = {
             pad_token_id=151329,
         ),
     ),
+    # OLMo-2-0425-1B's shape (``Olmo2ForCausalLM``: norms after each sublayer only, a QK-norm
+    # over the whole q and k projections, every gain in fp32): coda's layers since session 74
+    "olmo-2-1B": (
+        "olmo2",
+        dict(
+            vocab_size=100352,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            pad_token_id=100277,
+        ),
+    ),
     # Qwen2.5-VL-3B's text model (``Qwen2_5_VLForConditionalGeneration``, a 1-block vision
     # encoder that text-only batches leave idle): coda's layers (multimodal RoPE in the QKV
     # epilogue) and loss through the vision-language forward, V = 151936
@@ -205,7 +221,7 @@ SHAPES = {
 }
 # (not in a default run: named in CODA_HF_SHAPES)
 ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B", "qwen2.5-vl-3B")
-ON_REQUEST += ("qwen3-vl-2B", "gemma-2B", "glm-4-9B-12L")
+ON_REQUEST += ("qwen3-vl-2B", "gemma-2B", "glm-4-9B-12L", "olmo-2-1B")
 BATCH, SEQ = 4, 4096
 # shapes stepped at fewer tokens: Gemma 2's eager attention keeps (B, H, S, S) scores, capped
 # scores and probabilities for 26 layers, which at 4 x 4096 ran every variant out of an 80 GB
@@ -269,6 +285,7 @@ def build(family: str, shape: dict, device, dtype):
         "gemma": "Gemma",
         "gemma2": "Gemma2",
         "glm4": "Glm4",
+        "olmo2": "Olmo2",
     }
     name = {**names, "gemma3": "Gemma3Text"}[family]
     cfg_cls = getattr(transformers, f"{name}Config")

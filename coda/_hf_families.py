@@ -66,6 +66,13 @@ SUPPORTED = (
     # Llama's layer rotating adjacent pairs of whole heads (GLM's order): ERNIE 4.5's (dense)
     "Ernie4_5ForCausalLM",
     "Ernie4_5Model",
+    # EXAONE 4's norms, a QK-norm over the whole q and k projections (``qk_norm="whole"``) and
+    # every norm's gain applied in fp32 before its one rounding (``fp32_gains``): OLMo 2's and
+    # OLMo 3's (its sliding-window layers, RoPE per layer type as Gemma 3's)
+    "Olmo2ForCausalLM",
+    "Olmo2Model",
+    "Olmo3ForCausalLM",
+    "Olmo3Model",
 )
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
@@ -87,10 +94,9 @@ LOSS_ONLY = {
     "GraniteForCausalLM": "residual multipliers on both branches",
     "GraniteMoeForCausalLM": _MOE,
     "GraniteMoeSharedForCausalLM": _MOE,
-    # OLMo's final norm rounds once, after its weight (``_hf_forward.FP32_SCALED_NORMS``)
-    "Olmo2ForCausalLM": "no norm before each sublayer and a QK-norm over whole q and k",
-    "Olmo3ForCausalLM": "no norm before each sublayer and a QK-norm over whole q and k",
-    # later families (session 69): GPT-OSS's final norm rounds as OLMo's; Qwen3-Next's and
+    # (OLMo 2's and 3's layers are coda's since session 74)
+    # later families (session 69): GPT-OSS's final norm rounds as OLMo's (its weight in fp32,
+    # rounded once, ``_hf_forward.FP32_SCALED_NORMS``); Qwen3-Next's and
     # Qwen3.5's scale by 1 + w in fp32 as Gemma's (``_hf_forward.check_final_norm`` holds
     # each form against the norm itself)
     "OlmoeForCausalLM": _MOE,
@@ -180,7 +186,9 @@ def activation_name(config) -> str:
 
 def layer_options(hf_layer, config) -> dict:
     """``DecoderLayer``'s options for an HF layer: its MLP's ``activation``, its norms'
-    ``norm_offset`` (1 for norms scaling by 1 + w in fp32, Gemma's; 0 for Llama's) and whether
+    ``norm_offset`` (1 for norms scaling by 1 + w in fp32, Gemma's; 0 for Llama's and OLMo's,
+    whose weight scales in fp32 too: ``fp32_gains``), its QK-norm's span (``qk_norm``: per
+    head, or OLMo's over the whole projections, by its weight's length) and whether
     it norms each sublayer's output (``post_norms``: Gemma 2's, 3's and GLM-4's four norms;
     EXAONE 4's two, without norms before the sublayers: ``pre_norms`` False), each norm's
     rounding (QK-norm's too) held against coda's form of it bitwise
@@ -198,14 +206,34 @@ def layer_options(hf_layer, config) -> dict:
                 f"apply_coda: a layer norm's eps {norm_epsilon(norm)} other than the config's "
                 f"rms_norm_eps {config.rms_norm_eps}"
             )
-    if forms - {"llama", "gemma"} or len(forms) > 1:
+    if forms - {"llama", "gemma", "fp32"} or len(forms) > 1:
         raise v.CodaInputError(f"apply_coda: layer norms of the forms {sorted(forms)}")
     return {
         "activation": ACTIVATIONS[activation_name(config)],
         "norm_offset": 1.0 if "gemma" in forms else 0.0,
+        "fp32_gains": "fp32" in forms,
+        "qk_norm": qk_norm_span(hf_layer.self_attn),
         "post_norms": post,
         "pre_norms": pre,
     }
+
+
+def qk_norm_span(attn):
+    """An HF attention module's QK-norm as ``DecoderLayer(qk_norm=)`` takes it: False (none),
+    "head" (a weight of head_dim: Qwen3's, one per head) or "whole" (a weight of all the
+    heads': OLMo's, over the whole q and k projections)."""
+    if not hasattr(attn, "q_norm"):
+        return False
+    hd = attn.head_dim
+    q, k = (getattr(attn, n).weight.shape[0] for n in ("q_norm", "k_norm"))
+    if (q, k) == (hd, hd):
+        return "head"
+    if q % hd or k % hd:  # (whole heads: the exact lengths are checked as the weights load)
+        raise v.CodaInputError(
+            f"apply_coda: a QK-norm of weights ({q},), ({k},) at head_dim {hd}: neither per "
+            "head nor over the whole q and k projections"
+        )
+    return "whole"
 
 
 def typed_rotary(rotary, config, layer_type):

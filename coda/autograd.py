@@ -218,14 +218,16 @@ class AttentionInputBias(torch.autograd.Function):
 
 
 class AttentionInputQKNorm(torch.autograd.Function):
-    """``AttentionInput`` for Qwen3's per-head QK-norm (``coda.kernels.qk_norm``).
+    """``AttentionInput`` for QK-norm (``coda.kernels.qk_norm``): Qwen3's per head, or
+    OLMo's over the whole q and k projections (weights of n_q hd, n_k hd).
 
     Forward: F1 with the head norms and RoPE in its epilogue (the head statistic in a
     prepass), also storing z = rstd0 * acc on the q and k columns (as its even and odd
     columns; on v columns z is v) and the statistic s for the backward when ``train`` (a
-    backward can run); when head_dim divides no tile width (``qk_norm_config``), F1 without
-    rotation and one row pass instead. Backward: the head norms' backward and dRoPE in one
-    row pass (with the entry norm's statistic), then B12 and B13 as in ``AttentionInput``.
+    backward can run); when head_dim divides no tile width (``qk_norm_config``), and for
+    OLMo's norm, F1 without rotation and one row pass instead. Backward: the norms' backward
+    and dRoPE in one row pass (with the entry norm's statistic), then B12 and B13 as in
+    ``AttentionInput``.
     ``sect``: multimodal RoPE (Qwen3-VL's), as ``AttentionInputBias``'s."""
 
     @staticmethod
@@ -237,7 +239,8 @@ class AttentionInputQKNorm(torch.autograd.Function):
         pos = positions.float()
         row, mrope = f1_rows(pos, sect)
         a0, r0 = pre_norm(x0, g1, dims.eps)  # F0
-        cfg = qk_norm_config(hd)
+        per_head = q_norm.shape[0] == k_norm.shape[0] == hd  # (else OLMo's: a row pass)
+        cfg = qk_norm_config(hd) if per_head else None
         n_rot = (n_q + n_k) * hd
         if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue
             head_w, plain = column_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype)

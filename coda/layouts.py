@@ -14,7 +14,12 @@ from __future__ import annotations
 import torch
 
 from coda import _validate as v
-from coda.reference.rope import adjacent_to_hf_linear, head_perm, hf_to_adjacent_linear
+from coda.reference.rope import (
+    adjacent_to_hf_columns,
+    adjacent_to_hf_linear,
+    hf_to_adjacent_columns,
+    hf_to_adjacent_linear,
+)
 from coda.reference.swiglu import interleave_gate_up_linear, split_gate_up_linear
 
 
@@ -93,23 +98,27 @@ def gate_up_weight_to_hf(w_il: torch.Tensor):
     return g.contiguous(), u.contiguous()
 
 
-def _check_head_weight(weight: torch.Tensor) -> None:
+def _check_head_weight(weight: torch.Tensor, head_dim) -> int:
+    """The QK-norm weight's head_dim (``head_dim``, or its whole length), checked."""
     v.check_tensor("weight", weight)
-    if weight.dim() != 1 or weight.shape[0] % 2:
+    hd = weight.shape[0] if head_dim is None or weight.dim() != 1 else head_dim
+    if weight.dim() != 1 or hd % 2 or weight.shape[0] % hd:
         raise v.CodaInputError(
-            f"weight: expected a 1-D head norm weight of even length, got {tuple(weight.shape)}"
+            "weight: expected a 1-D QK-norm weight of whole heads of even length "
+            f"(head_dim {hd}), got {tuple(weight.shape)}"
         )
+    return hd
 
 
-def head_weight_from_hf(weight: torch.Tensor) -> torch.Tensor:
-    """A per-head norm weight (Qwen3's q_norm / k_norm, (hd,)) in HF order -> the
-    adjacent-pair order of coda's q and k heads (the same permutation as their columns)."""
-    _check_head_weight(weight)
-    return weight[head_perm(weight.shape[0]).to(weight.device)]
+def head_weight_from_hf(weight: torch.Tensor, head_dim: int = None) -> torch.Tensor:
+    """A QK-norm weight in HF order -> the adjacent-pair order of coda's q and k heads (the
+    same permutation as their columns): Qwen3's per-head one (hd,), or with ``head_dim`` the
+    whole projection's (OLMo's, (heads hd,)), each head permuted."""
+    hd = _check_head_weight(weight, head_dim)
+    return hf_to_adjacent_columns(weight, weight.shape[0] // hd, hd)
 
 
-def head_weight_to_hf(weight: torch.Tensor) -> torch.Tensor:
+def head_weight_to_hf(weight: torch.Tensor, head_dim: int = None) -> torch.Tensor:
     """Inverse of ``head_weight_from_hf`` (exact)."""
-    _check_head_weight(weight)
-    inv = torch.argsort(head_perm(weight.shape[0])).to(weight.device)
-    return weight[inv].clone()
+    hd = _check_head_weight(weight, head_dim)
+    return adjacent_to_hf_columns(weight, weight.shape[0] // hd, hd).clone()

@@ -42,8 +42,9 @@ attention logits by its own eager attention, Gemma 3's QK-norm and RoPE per laye
 ``_hf_families.rope_pairs``: its other pairs at frequency 0; a fused ``gate_up_proj``; GLM-4's
 four norms under its own names, ``_hf_fused.GLM4_NORMS``), EXAONE 4 (norms after each
 sublayer and none before, ``DecoderLayer(pre_norms=False)``; QK-norm; no RoPE on its full
-layers, ``_hf_families.global_nope``), ERNIE 4.5 (RoPE on adjacent pairs of whole heads)
-and SmolLM3 (its NoPE
+layers, ``_hf_families.global_nope``), ERNIE 4.5 (RoPE on adjacent pairs of whole heads),
+OLMo 2 and OLMo 3 (EXAONE 4's norms, a QK-norm over the whole q and k projections and every
+gain applied in fp32: ``qk_norm="whole"``, ``fp32_gains``) and SmolLM3 (its NoPE
 layers rotate by zero frequencies, the identity; silu or GeGLU MLP, no biases but Qwen2's on q,
 k and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
 "llama3", "yarn" or "longrope" on whole heads: a fixed set of inverse frequencies, taken from
@@ -62,8 +63,8 @@ only the training call's loss coda's: for layers with adapters, and for the mode
 ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE, whose router term it adds as their forward
 does (Gemma's final norm's gain 1 + w it keeps in fp32, Gemma 2's logit soft-capping in coda's
 loss too, with or without the layers); Granite, Granite-MoE and
-Granite-MoE-Shared, whose ``logits_scaling`` divides that gain; OLMo 2 and OLMo 3, whose
-final norm rounds once; OLMoE, GPT-OSS (its final norm rounding as OLMo's), MiniMax-M2, ERNIE
+Granite-MoE-Shared, whose ``logits_scaling`` divides that gain; OLMoE, GPT-OSS (its final
+norm rounding as OLMo's, once, after its weight in fp32), MiniMax-M2, ERNIE
 4.5 MoE, Qwen3-Next and Qwen3.5 MoE (their router terms as Mixtral's; Qwen3-Next's and
 Qwen3.5's final norm scaling by 1 + w in fp32 as Gemma's), DeepSeek-V3, GLM-4.5, Llama 4
 (text), GLM-4, Apertus, Arcee, EXAONE 4, Qwen3.5, ERNIE 4.5 and Hunyuan (dense, MoE). Each
@@ -166,13 +167,12 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             device=p.device,
             dtype=p.dtype,
             inv_freq=inv_freq,
-            qk_norm=qk_norm,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             long_inv_freq=long_inv_freq,
             long_after=long_after,
             mrope_sections=mrope,
-            **layer_options(hf_layer, config),  # (GeGLU, Gemma's 1 + w norms)
+            **layer_options(hf_layer, config),  # (GeGLU, the norms' forms, QK-norm's span)
         )
         # its state dict's form beyond Llama's keys (``coda._hf_fused``): Phi-3's and GLM's
         # fused projections, GLM-4's norm names, GLM's q and k rows in adjacent-pair order

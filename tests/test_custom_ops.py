@@ -166,6 +166,22 @@ def test_lm_head_bwd_forms_dw_in_the_weights_storage():
     )
 
 
+def test_opcheck_qk_norm_over_the_whole_projections():
+    """B11 with OLMo's QK-norm (weights of H hd and Hkv hd; z kept whole by F1's row-pass
+    form, its statistic one column for q and one for k): the fake's weight gradients take the
+    weights' shapes."""
+    dq, dk, dv, _, _, z_v, _, *rot, _, _, d = op_samples()["dqk_norm_rows"]
+    H, Hkv, hd = dq.shape[1], dk.shape[1], dq.shape[-1]
+    rows = rot[0].shape[0]
+    z = _r(rows, (H + Hkv) * hd)
+    args = (dq, dk, dv, z, None, z_v, torch.rand(rows, 2) + 0.5, *rot, _r(H * hd), _r(Hkv * hd))
+    out = library.OPS["dqk_norm_rows"](*args, d)
+    assert [t.shape for t in out[2:]] == [(H * hd,), (Hkv * hd,)]
+    torch.library.opcheck(
+        library.OPS["dqk_norm_rows"], (*args, d), test_utils=("test_schema", "test_faketensor")
+    )
+
+
 @pytest.mark.parametrize("name", ["lm_head_stats", "lm_head_bwd"])
 def test_opcheck_with_a_logit_softcap(name):
     """The LM-head ops with a soft-cap (Gemma 2's): the capped programs."""

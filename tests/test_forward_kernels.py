@@ -362,8 +362,11 @@ def test_forward_ops_bad_input():
     with pytest.raises(NotImplementedError, match="forward-only"):
         coda.gemm_swiglu(x, w.requires_grad_(True))
     for convert in (layouts.head_weight_from_hf, layouts.head_weight_to_hf):  # one rule both ways
-        with pytest.raises(coda.CodaInputError, match="1-D head norm weight of even length"):
+        rule = r"1-D QK-norm weight of whole heads of even length \(head_dim {}\)"
+        with pytest.raises(coda.CodaInputError, match=rule.format(7)):
             convert(torch.ones(7))
+        with pytest.raises(coda.CodaInputError, match=rule.format(8)):  # (OLMo's: whole heads)
+            convert(torch.ones(12), head_dim=8)
 
 
 # -- level 2: every kernel configuration compiles for sm_90a ------------------------------------

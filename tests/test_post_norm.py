@@ -125,6 +125,11 @@ LAYERS = {  # (d, H, Hkv, ffn, head_dim, B, S), options
     # no norms before the sublayers (EXAONE 4's), with and without its QK-norm
     "exaone4": ((128, 2, 1, 96, 64, 2, 7), {"qk_norm": True, "pre_norms": False}),
     "no_pre_norms": ((96, 3, 1, 80, 32, 3, 5), {"pre_norms": False}),
+    # OLMo 2's and 3's: no pre-norms, QK-norm over the whole q and k, gains applied in fp32
+    "olmo2": (
+        (128, 4, 2, 96, 32, 2, 7),
+        {"qk_norm": "whole", "pre_norms": False, "fp32_gains": True},
+    ),
 }
 
 
@@ -181,7 +186,10 @@ def test_kernel_path_equals_reference_path_at_random_shapes(kernel_forced, case)
     hd, Hkv = rng.choice([16, 32, 64]), rng.choice([1, 2, 4])
     H, d, f = Hkv * rng.choice([1, 2, 3]), 8 * rng.randrange(3, 25), 8 * rng.randrange(2, 20)
     options = dict(norm_offset=rng.choice([0.0, 1.0]), activation=rng.choice(["silu", "gelu_tanh"]))
-    options.update(qk_norm=rng.random() < 0.5, eps=rng.choice([1e-6, 1e-5, 1e-2]))
+    options.update(
+        qk_norm=rng.choice([False, False, "head", "whole"]), eps=rng.choice([1e-6, 1e-5, 1e-2])
+    )
+    options["fp32_gains"] = rng.random() < 0.3
     options["qkv_bias"] = not options["qk_norm"] and rng.random() < 0.5
     options["pre_norms"] = rng.random() < 0.7
     B, S = rng.choice([1, 2, 3]), rng.choice([1, 3, 7, 17])

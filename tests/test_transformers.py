@@ -401,13 +401,18 @@ def test_patched_mistral_matches_unpatched_float64(window, coda_path):
     assert_same_step(ref, patched, input_ids=ids, attention_mask=mask, labels=ids)
 
 
-@pytest.mark.parametrize("head_dim", [32, 12, 16], ids=["epilogue", "row-pass", "narrow-heads"])
-def test_qwen3_kernel_sequence_equals_reference_float64(head_dim):
+@pytest.mark.parametrize(
+    "head_dim, span",
+    [(32, "head"), (12, "head"), (16, "head"), (32, "whole"), (12, "whole")],
+    ids=["epilogue", "row-pass", "narrow-heads", "whole", "whole-narrow-heads"],
+)
+def test_qwen3_kernel_sequence_equals_reference_float64(head_dim, span):
     """The kernel path's QK-norm Function on the CPU through the tile interpreter equals the
     reference path, both ways it runs: F1 with the head norms and RoPE in its epilogue
     (head_dim 32: whole heads in a 128-column tile) and F1 without rotation plus a row pass
     (head_dim 12: no tile width holds whole heads; 16: a head narrower than the epilogue's
-    32-column subtile, whose statistic the GPU would fold with its neighbour's); the backward
+    32-column subtile, whose statistic the GPU would fold with its neighbour's; OLMo's norm
+    over the whole q and k projections, ``span`` "whole", at any head_dim); the backward
     of each."""
     import coda.nn as cnn
     from coda.kernels.qk_norm import qk_norm_config
@@ -415,8 +420,9 @@ def test_qwen3_kernel_sequence_equals_reference_float64(head_dim):
     assert (qk_norm_config(head_dim) is None) == (head_dim != 32)
     torch.manual_seed(5)
     layer = cnn.DecoderLayer(
-        48, 4, 2, 40, head_dim=head_dim, eps=1e-2, dtype=torch.float64, qk_norm=True
+        48, 4, 2, 40, head_dim=head_dim, eps=1e-2, dtype=torch.float64, qk_norm=span
     )
+    assert layer.q_norm.shape == ((4 if span == "whole" else 1) * head_dim,)
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(0.1 * torch.randn_like(p))

@@ -1,9 +1,9 @@
 """``apply_coda`` on the families whose decoder layer is Llama's with a per-layer sliding window
 (``layer_types``): Ministral (Ministral-8B) and CWM (Meta's Code World Model, Llama 3's RoPE
-scaling), or with q, k, v biases: Seed-OSS, or with GeGLU and 1 + w norms: Gemma, tiny and
-random, on the CPU in float64 on coda's reference path and its kernel path (the tile
-interpreter): logits, a training step with padding and with packed documents, greedy
-generation and the state dict as the unpatched model's; the
+scaling), or with q, k, v biases: Seed-OSS, or with GeGLU and 1 + w norms: Gemma, or GLM's,
+EXAONE 4's, ERNIE 4.5's and OLMo's layers, tiny and random, on the CPU in float64 on coda's
+reference path and its kernel path (the tile interpreter): logits, a training step with padding
+and with packed documents, greedy generation and the state dict as the unpatched model's; the
 window matters (the first layer's is 4 tokens against 13). Ministral 3 (a Llama 4 attention
 temperature that grows with the position, applied inside its attention module) is not taken, and
 says so."""
@@ -134,6 +134,27 @@ def test_exaone4_layers_behave_as_unpatched_float64(coda_path):
     assert {(la.pre_norms, la.post_norms, la.qk_norm) for la in layers} == {(False, True, True)}
     assert [la.use_rope for la in layers] == [True, False]
     assert [la.self_attn.sliding_window for la in layers] == [4, 4]  # (HF's own attribute)
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+
+
+@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
+def test_olmo_layers_behave_as_unpatched_float64(family, coda_path):
+    """OLMo 2 and OLMo 3: EXAONE 4's norms (after each sublayer, none before), a QK-norm over
+    the whole q and k projections (weights of n_heads and n_kv_heads head_dim, each head's part
+    in coda's adjacent-pair order: ``qk_norm="whole"``), every norm's weight applied in fp32
+    before its one rounding (``fp32_gains``); OLMo 3's sliding layers (a 4-token window) and its
+    RoPE per layer type."""
+    types = {"layer_types": ["sliding_attention", "full_attention"]} if family == "olmo3" else {}
+    cfg = tiny_config(family, **types, **coda_path)
+    ref, patched = pair(cfg)
+    layers = patched.model.layers
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+    forms = {(la.pre_norms, la.post_norms, la.qk_norm_span, la.fp32_gains) for la in layers}
+    assert forms == {(False, True, "whole", True)}
+    hf = ref.model.layers[0].self_attn
+    assert layers[0].q_norm.shape == hf.q_norm.weight.shape == (cfg.num_attention_heads * 12,)
+    if family == "olmo3":
+        assert [la.self_attn.sliding_window for la in layers] == [4, None]
     assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
 
 

@@ -56,6 +56,7 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     # EXAONE 4: a sliding layer, then a full one without RoPE
     types = ["sliding_attention", "full_attention"]
     extra["exaone4"] = {"head_dim": 64, "sliding_window": 128, "layer_types": types}
+    extra["olmo3"] = extra["exaone4"]  # (OLMo 3: a sliding layer, then a full one with RoPE)
     extra["gpt_oss"] = {"head_dim": 64}
     extra["qwen3_next"] = {"head_dim": 64, "num_hidden_layers": 4}
     base = "llama" if family in SCALED_ROPES or family == "llama-bias" else family
@@ -125,20 +126,20 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
 @pytest.mark.parametrize(
     "family",
     ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
-    + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4", "ernie4_5"]
+    + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4", "ernie4_5", "olmo3"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):
-    """H200: a patched bf16 Llama / Qwen3 / Mistral / Phi-3 / SmolLM3 (its NoPE layers: RoPE
-    at angle 0 in the epilogue) / Gemma (GeGLU, 1 + w norms in fp32) / Gemma 3 (norms after
-    each sublayer, QK-norm with 1 + w gains, RoPE per layer type) / EXAONE 4 (norms after
-    each sublayer only, QK-norm, a full layer without RoPE) / ERNIE 4.5 (RoPE on adjacent
-    pairs), Granite,
-    OLMo 2, GPT-OSS and Qwen3-Next (the loss alone: the final norm's fp32 gain, Granite's
-    logits_scaling in it), and Llama with Llama 3's, linear, YaRN and LongRoPE scaling (coda's
-    kernels, HF's sdpa) against the unpatched bf16 model, both against a float64 copy: loss
-    and every gradient no worse than the unpatched bf16 model's (CODA's protocol, ties within
-    ``tie_band``), with a padding mask.
+    """H200: a patched bf16 Llama / Qwen3 / Mistral / Phi-3 / SmolLM3 (its NoPE layers: RoPE at
+    angle 0 in the epilogue) / Gemma (GeGLU, 1 + w norms in fp32) / Gemma 3 (norms after each
+    sublayer, QK-norm with 1 + w gains, RoPE per layer type) / EXAONE 4 (norms after each
+    sublayer only, QK-norm, a full layer without RoPE) / ERNIE 4.5 (RoPE on adjacent pairs) /
+    OLMo 2 and OLMo 3 (EXAONE 4's norms, QK-norm over the whole q and k, every gain in fp32:
+    coda's layers since session 74, the loss alone before), Granite, GPT-OSS and Qwen3-Next (the
+    loss alone: the final norm's fp32 gain, Granite's logits_scaling in it), and Llama with
+    Llama 3's, linear, YaRN and LongRoPE scaling (coda's kernels, HF's sdpa) against the
+    unpatched bf16 model, both against a float64 copy: loss and every gradient no worse than the
+    unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask.
     The scalar loss is compared as an RMS over 64 batches (``loss_error_rms``), with the same
     bound as before (no worse than PyTorch's, above the scalar floor), instead of on the one
     step's single sample of each error."""

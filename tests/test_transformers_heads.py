@@ -22,7 +22,7 @@ import coda.env  # noqa: E402
 import coda.transformers as ct  # noqa: E402
 from coda.nn import DecoderLayer  # noqa: E402
 
-FAMILIES = ["llama", "qwen3", "qwen2", "mistral", "phi3", "smollm3", "gemma"]
+FAMILIES = ["llama", "qwen3", "qwen2", "mistral", "phi3", "smollm3", "gemma", "olmo2"]
 B, S, V, LABELS = 2, 11, 128, 3
 
 
@@ -61,7 +61,8 @@ def test_a_task_model_trains_as_unpatched(family, head, kernel, monkeypatch):
     import transformers
 
     cls = type(tiny_config(family)).__name__.removesuffix("Config") + head
-    if not hasattr(transformers, cls):  # (Phi-3 has no question-answering model)
+    if not hasattr(transformers, cls):  # (Phi-3 has no question-answering model, OLMo 2 a
+        # sequence classifier alone: its reward models)
         pytest.skip(f"transformers has no {cls}")
     if kernel:
         monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
@@ -88,14 +89,14 @@ def test_a_task_model_trains_as_unpatched(family, head, kernel, monkeypatch):
 
 
 def test_a_task_model_of_an_unsupported_family_is_named():
-    from transformers import Olmo2Config, Olmo2ForSequenceClassification
+    from transformers import MixtralConfig, MixtralForSequenceClassification
 
-    cfg = Olmo2Config(
+    cfg = MixtralConfig(
         vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
+        num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, num_local_experts=2,
     )  # fmt: skip
-    with pytest.raises(coda.CodaInputError, match="Olmo2ForSequenceClassification"):
-        ct.apply_coda(Olmo2ForSequenceClassification(cfg))
+    with pytest.raises(coda.CodaInputError, match="MixtralForSequenceClassification"):
+        ct.apply_coda(MixtralForSequenceClassification(cfg))
 
 
 def test_a_gemma2_reward_model_takes_codas_layers():

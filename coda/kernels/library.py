@@ -433,12 +433,11 @@ def _(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d):
     M, hd = z_even.shape[0], dq.shape[-1]
     n_heads = dq.shape[1] + 2 * dk.shape[1]
     acc = acc_dtype(z_even)
-    stat = _empty(hd, like=z_even, dtype=acc)
     return (
         _empty(M, n_heads * hd, like=z_even),
         _empty(M, like=z_even, dtype=acc),
-        stat,
-        torch.empty_like(stat),
+        _empty(q_norm.shape[0], like=z_even, dtype=acc),  # (hd, or OLMo's n_q hd)
+        _empty(k_norm.shape[0], like=z_even, dtype=acc),
     )
 
 

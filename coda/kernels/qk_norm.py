@@ -1,4 +1,5 @@
-"""Qwen3's per-head QK-norm with RoPE on the kernel path, and its backward.
+"""QK-norm with RoPE on the kernel path, and its backward: Qwen3's per-head norm, and OLMo's
+over the whole q and k projections.
 
 Forward, with z = rstd0 * acc (the QKV GEMM's output, the entry norm's deferred row scale
 applied):
@@ -14,7 +15,10 @@ then RoPE(z * s * w) is stored. For training (``keep_z=True``) the epilogue also
 the q and k columns, as its even and odd columns (two half-width tiles beside the rotated
 pairs, clipped by the TMA store past the k heads: on v columns z is the stored v), and s.
 Where no tile width holds whole heads (or a head is narrower than a subtile), F1 runs
-without rotation (``scale_rows``) and ``qk_norm_rope_rows`` does the rest as a row pass.
+without rotation (``scale_rows``) and ``qk_norm_rope_rows`` does the rest as a row pass; so
+does OLMo's norm, whose group (all of q's columns, all of k's: a weight of n_q hd, n_k hd)
+spans many tiles: there s is one statistic for q and one for k a row, and each mean over j
+runs over the group.
 
 Backward, from dout (attention's dq, dk, dv), per q/k head with q_hat = z * s:
 
@@ -25,7 +29,8 @@ Backward, from dout (attention's dq, dk, dv), per q/k head with q_hat = z * s:
     S0     = sum_n [g | dv] * z / rstd0                         the entry norm's statistic
 
 one row pass: these torch functions on the CPU (and as the oracle), one Triton kernel on the
-GPU (``row_passes.dqk_norm_rope_heads_triton``). Oracles:
+GPU (``row_passes.dqk_norm_rope_heads_triton``; OLMo's: the torch function compiled,
+``_launch.fused``). Oracles:
 ``coda.reference.rope.gemm_qk_norm_rope_ref`` (the epilogue) and ``decoder_layer_ref`` in
 ``coda.reference.layer`` with q_norm / k_norm (the float64 layer tests).
 """
@@ -55,47 +60,60 @@ from coda.primitives.aux import norm_correction
 from coda.primitives.math import rotation
 
 
-def _head_weights(q_norm, k_norm, n_q, n_k, dtype):
-    """(n_q + n_k, hd): each rotated head's norm weight."""
-    return torch.cat([q_norm.to(dtype).expand(n_q, -1), k_norm.to(dtype).expand(n_k, -1)])
+def _groups(t, q_norm, k_norm, n_q: int, n_k: int, head_dim: int):
+    """t (M, (n_q + n_k) hd), q's columns then k's, as its QK-norm groups: q's columns in
+    groups of q_norm's length (hd: Qwen3's per-head norm; n_q hd: OLMo's whole projection),
+    then k's in groups of k_norm's: [(M, n_q hd / gq, gq), (M, n_k hd / gk, gk)]."""
+    M, nq = t.shape[0], n_q * head_dim
+    return [t[:, :nq].view(M, -1, q_norm.shape[0]), t[:, nq:].view(M, -1, k_norm.shape[0])]
 
 
 def qk_norm_rope_rows(z, q_norm, k_norm, cos, sin, n_q: int, n_k: int, head_dim: int, eps):
-    """Returns (qkv bf16 (M, Nqkv): normed and rotated q, k; v = z's, s fp32 (M, n_q + n_k)).
-    cos, sin: (M, hd / 2) RoPE tables of every row (adjacent pairs)."""
+    """Returns (qkv bf16 (M, Nqkv): normed and rotated q, k; v = z's, s fp32 (M, groups): each
+    QK-norm group's statistic, q's then k's (``_groups``: one a head for Qwen3's norm, one
+    for q and one for k for OLMo's)). cos, sin: (M, hd / 2) RoPE tables of every row
+    (adjacent pairs)."""
     M = z.shape[0]
     acc = acc_dtype(z)
     n_rot = (n_q + n_k) * head_dim
-    zr = z[:, :n_rot].to(acc).view(M, n_q + n_k, head_dim)
-    s = torch.rsqrt(zr.pow(2).mean(-1) + eps)
-    qn = zr * s[..., None] * _head_weights(q_norm, k_norm, n_q, n_k, acc)
+    parts = _groups(z[:, :n_rot].to(acc), q_norm, k_norm, n_q, n_k, head_dim)
+    s = [torch.rsqrt(p.pow(2).mean(-1) + eps) for p in parts]
+    qn = [(p * r[..., None] * w.to(acc)).flatten(1) for p, r, w in zip(parts, s, (q_norm, k_norm))]
+    qn = torch.cat(qn, 1).view(M, n_q + n_k, head_dim)
     x1, x2 = qn[..., 0::2], qn[..., 1::2]
     y1, y2 = rotate_pairs(x1, x2, cos[:, None, :], sin[:, None, :])
     out = torch.empty_like(z)
     out[:, :n_rot] = torch.stack([y1, y2], -1).view(M, n_rot)
     out[:, n_rot:] = z[:, n_rot:]
-    return out, s
+    return out, torch.cat(s, 1)
 
 
 def dqk_norm_rope_rows(
     dout, z, s, rstd, cos, sin, q_norm, k_norm, n_q: int, n_k: int, head_dim: int, d: int
 ):
-    """Returns (dz~0 (M, Nqkv) in z's dtype, corr0 (M,), dq_norm (hd,), dk_norm (hd,))."""
+    """Returns (dz~0 (M, Nqkv) in z's dtype, corr0 (M,), dq_norm, dk_norm (their weights'
+    shapes)). s: ``qk_norm_rope_rows``'s statistic (M, groups)."""
     M = z.shape[0]
     acc = acc_dtype(z)
     n_rot = (n_q + n_k) * head_dim
     dr = dout[:, :n_rot].to(acc).view(M, n_q + n_k, head_dim)
     dqn = torch.stack(
         rotate_pairs(dr[..., 0::2], dr[..., 1::2], cos[:, None, :], sin[:, None, :], True), -1
-    ).view_as(dr)  # RoPE^T
-    q_hat = z[:, :n_rot].to(acc).view_as(dr) * s[..., None]
-    dq_hat = dqn * _head_weights(q_norm, k_norm, n_q, n_k, acc)
-    g = s[..., None] * (dq_hat - q_hat * (dq_hat * q_hat).mean(-1, keepdim=True))
-    dw = (dqn * q_hat).sum(0)  # (n_q + n_k, hd)
-    gz = torch.cat([g.view(M, n_rot), dout[:, n_rot:].to(acc)], dim=1)
+    ).view(M, n_rot)  # RoPE^T
+    groups = (q_norm, k_norm, n_q, n_k, head_dim)
+    z_parts, dqn_parts = _groups(z[:, :n_rot].to(acc), *groups), _groups(dqn, *groups)
+    n_gq = z_parts[0].shape[1]
+    g, dw = [], []
+    for zp, dp, sp, w in zip(z_parts, dqn_parts, (s[:, :n_gq], s[:, n_gq:]), (q_norm, k_norm)):
+        sp = sp[..., None].to(acc)
+        q_hat = zp * sp
+        dq_hat = dp * w.to(acc)
+        g.append((sp * (dq_hat - q_hat * (dq_hat * q_hat).mean(-1, keepdim=True))).flatten(1))
+        dw.append((dp * q_hat).sum((0, 1)))  # (summed over rows and groups)
+    gz = torch.cat([*g, dout[:, n_rot:].to(acc)], dim=1)
     S0 = (gz * z.to(acc)).sum(-1) / rstd
     dz0 = (gz * rstd[:, None]).to(z.dtype)
-    return dz0, norm_correction(rstd, S0, d), dw[:n_q].sum(0), dw[n_q:].sum(0)
+    return dz0, norm_correction(rstd, S0, d), *dw
 
 
 def dqk_norm_rope_heads(dq, dk, dv, z, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, hd, d):

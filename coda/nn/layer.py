@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from coda import _validate as v
-from coda import layouts
 from coda.autograd import (
     LayerDims,
     decoder_layer,
@@ -36,28 +35,8 @@ from coda.kernels.gemm_rope import (
 )
 from coda.kernels.gemm_swiglu import ACTIVATIONS as GLU_ACTIVATIONS
 from coda.nn._common import FormerNames, in_dtype, tma_aligned, tma_rule
+from coda.nn._hf_weights import HFWeights
 from coda.reference.layer import LayerShape, decoder_layer_ref
-
-HF_KEYS = {  # each weight of a layer: the HF ``LlamaDecoderLayer`` weights it is made from
-    "attention_norm": ("input_layernorm.weight",),
-    "w_qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "w_o": ("self_attn.o_proj.weight",),
-    "ffn_norm": ("post_attention_layernorm.weight",),
-    "w_il": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "w_d": ("mlp.down_proj.weight",),
-    "q_norm": ("self_attn.q_norm.weight",),
-    "k_norm": ("self_attn.k_norm.weight",),
-    "bias_qkv": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "bias_o": ("self_attn.o_proj.bias",),
-}
-# a layer with a norm after each sublayer (Gemma 2's and 3's): HF's pre-MLP norm is
-# ``pre_feedforward_layernorm``, and ``post_attention_layernorm`` norms the attention's output
-POST_NORM_KEYS = {
-    **HF_KEYS,
-    "ffn_norm": ("pre_feedforward_layernorm.weight",),
-    "post_attention_norm": ("post_attention_layernorm.weight",),
-    "post_ffn_norm": ("post_feedforward_layernorm.weight",),
-}
 
 
 def _long_rope(long_inv_freq, long_after, head_dim: int):
@@ -95,12 +74,14 @@ def _mrope(sections, head_dim: int, with_bias: bool, long_inv_freq):  # (bias: o
     return s
 
 
-class DecoderLayer(FormerNames, nn.Module):
+class DecoderLayer(FormerNames, HFWeights, nn.Module):
     """Pre-norm Llama decoder layer. ``attention``: a callable (q, k, v) -> o on
     (batch, heads, seq, head_dim) tensors (k, v with n_kv_heads heads; causal), used by both
     paths in place of the default causal GQA SDPA (e.g. a flash-attention or HF attention
-    function); it is differentiated by autograd. ``qk_norm``: Qwen3's per-head RMSNorm of q
-    and k before RoPE (weights ``q_norm``, ``k_norm`` of head_dim, eps = ``eps``).
+    function); it is differentiated by autograd. ``qk_norm``: an RMSNorm of q and k before
+    RoPE (eps = ``eps``), True or "head" Qwen3's per head (weights ``q_norm``, ``k_norm`` of
+    head_dim), "whole" OLMo's over the whole projections (of n_heads and n_kv_heads
+    head_dim).
     ``qkv_bias``: Qwen2's biases of the q, k and v projections (``bias_qkv``, (Nqkv,) in
     ``w_qkv``'s column order, added before RoPE; not with ``qk_norm``). ``o_bias``: the O
     projection's bias (``bias_o``, (d,), added in F3's epilogue); with ``qkv_bias``, Llama's
@@ -120,7 +101,9 @@ class DecoderLayer(FormerNames, nn.Module):
     ``norm_offset`` as the others; kernel path: ``coda.autograd_post_norm``); with
     ``qkv_bias`` (GLM-4's), not with ``o_bias`` or ``mrope_sections``. ``pre_norms`` False
     (with ``post_norms``): no norms before the sublayers (EXAONE 4's layer; no
-    ``attention_norm``, ``ffn_norm``).
+    ``attention_norm``, ``ffn_norm``). ``fp32_gains``: every norm (QK-norm's too) scales
+    by its gain in fp32 before the one rounding (OLMo's norms: ``norm_offset`` 0 in
+    that form).
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -132,7 +115,7 @@ class DecoderLayer(FormerNames, nn.Module):
     RENAMED = {"g1": "attention_norm", "g2": "ffn_norm", "b_qkv": "bias_qkv", "b_o": "bias_o"}
     # (the defaults of layers pickled before LongRoPE, multimodal RoPE and GeGLU)
     _long_inv_freq = long_after = _mrope = None
-    activation, norm_offset = "silu", 0.0
+    activation, norm_offset, qk_norm_span, fp32_gains = "silu", 0.0, "head", False
 
     def __init__(
         self,
@@ -148,7 +131,7 @@ class DecoderLayer(FormerNames, nn.Module):
         backend: str = "auto",
         attention=None,
         inv_freq=None,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
         qkv_bias: bool = False,
         o_bias: bool = False,
         long_inv_freq=None,
@@ -158,10 +141,15 @@ class DecoderLayer(FormerNames, nn.Module):
         norm_offset: float = 0.0,
         post_norms: bool = False,
         pre_norms: bool = True,
+        fp32_gains: bool = False,
     ):
         super().__init__()
         self.activation = v.check_choice("activation", activation, GLU_ACTIVATIONS)
         self.norm_offset = v.check_finite_number("norm_offset", norm_offset)
+        self.fp32_gains = bool(fp32_gains)
+        qk_norm = "head" if qk_norm is True else qk_norm or False  # (True: Qwen3's)
+        v.check_choice("qk_norm", qk_norm, (False, True, "head", "whole"))
+        self.qk_norm_span = qk_norm or "head"
         if qk_norm and qkv_bias:
             raise v.CodaInputError("DecoderLayer: qk_norm and qkv_bias together are not supported")
         if not (pre_norms or post_norms):
@@ -224,9 +212,12 @@ class DecoderLayer(FormerNames, nn.Module):
         self.ffn_norm = nn.Parameter(torch.ones(d, **kw)) if pre_norms else None
         self.w_il = nn.Parameter(torch.empty(d, 2 * ffn, **kw))
         self.w_d = nn.Parameter(torch.empty(ffn, d, **kw))
-        # Qwen3's per-head QK-norm weights (hd,), in the adjacent-pair order of w_qkv's heads
-        self.q_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
-        self.k_norm = nn.Parameter(torch.ones(hd, **kw)) if qk_norm else None
+        # QK-norm weights, in the adjacent-pair order of w_qkv's heads: Qwen3's per head (hd,),
+        # OLMo's over the whole q and k projections (n_heads hd,), (n_kv_heads hd,)
+        whole = qk_norm == "whole"
+        q_len, k_len = (n_heads * hd, n_kv_heads * hd) if whole else (hd, hd)
+        self.q_norm = nn.Parameter(torch.ones(q_len, **kw)) if qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(k_len, **kw)) if qk_norm else None
         # Qwen2's q, k, v biases (Nqkv,), in w_qkv's column order
         self.bias_qkv = nn.Parameter(torch.zeros(nqkv, **kw)) if qkv_bias else None
         # the O projection's bias (d,) (Llama's attention_bias=True)
@@ -255,13 +246,15 @@ class DecoderLayer(FormerNames, nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        qk = ", qk_norm=True" if self.qk_norm else ", qkv_bias=True" if self.qkv_bias else ""
+        qk = f", qk_norm={self.qk_norm_span!r}" if self.qk_norm else ""
+        qk += ", qkv_bias=True" if self.qkv_bias else ""
         qk += ", o_bias=True" if self.o_bias else ""
         qk += f", long_after={self.long_after}" if self.long_after else ""
         qk += f", activation={self.activation!r}" if self.activation != "silu" else ""
         qk += f", norm_offset={self.norm_offset}" if self.norm_offset else ""
         qk += ", post_norms=True" if self.post_norms else ""
         qk += ", pre_norms=False" if not self.pre_norms else ""
+        qk += ", fp32_gains=True" if self.fp32_gains else ""
         return (
             f"d={self.d}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, ffn={self.ffn}{qk}"
@@ -269,7 +262,8 @@ class DecoderLayer(FormerNames, nn.Module):
 
     @property
     def qk_norm(self) -> bool:
-        """Whether the layer has Qwen3's QK-norm (its q_norm / k_norm weights)."""
+        """Whether the layer has a QK-norm (its q_norm / k_norm weights; ``qk_norm_span``
+        says which: "head", Qwen3's, or "whole", OLMo's)."""
         return self.q_norm is not None
 
     @property
@@ -386,15 +380,15 @@ class DecoderLayer(FormerNames, nn.Module):
     def _gains(self, dtype, cast: bool = True, which: str = "pre"):
         """The gains of the two pre-norms (``which`` "pre"), the two post-norms ("post") or the
         QK-norm ("qk") as the kernels (``cast``: in the compute dtype) and the reference (as
-        they are, as HF's norms take their weights) apply them, or with ``norm_offset`` the
-        fp32 (float64 for float64 compute) sum ``norm_offset + gain`` (differentiable: the
-        gain's gradient is the sum's)."""
+        they are, as HF's norms take their weights) apply them, or with ``norm_offset`` (or
+        ``fp32_gains``) the fp32 (float64 for float64 compute) sum ``norm_offset + gain``
+        (differentiable: the gain's gradient is the sum's)."""
         gains = {
             "pre": (self.attention_norm, self.ffn_norm),
             "post": (self.post_attention_norm, self.post_ffn_norm),
             "qk": (self.q_norm, self.k_norm),
         }[which]
-        if not self.norm_offset:
+        if not (self.norm_offset or self.fp32_gains):
             return in_dtype(dtype, *gains) if cast else gains
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         return tuple(None if g is None else g.to(acc) + self.norm_offset for g in gains)
@@ -503,91 +497,3 @@ class DecoderLayer(FormerNames, nn.Module):
                 return post_norm_decoder_layer(*rows, post, *rope, qk, qkv_bias=bias)
             mrope = None if self._mrope is None else self._mrope_table(x.device)
             return decoder_layer(*rows, *rope, qk, bias, o_bias, mrope)
-
-    # -- Hugging Face weights ------------------------------------------------------------------
-    def _hf_keys(self) -> dict:
-        """{coda weight: its HF keys}: ``HF_KEYS``, or ``POST_NORM_KEYS`` with post-norms."""
-        return POST_NORM_KEYS if self.post_norms else HF_KEYS
-
-    def _hf_weights(self) -> list[str]:
-        """This layer's weights that HF has (``HF_KEYS``; q_norm / k_norm with QK-norm only,
-        bias_qkv and bias_o with those biases only, the post-norms' with them only)."""
-        return [name for name in self._hf_keys() if getattr(self, name) is not None]
-
-    def hf_state_dict(self, prefix: str = "", grad: bool = False) -> dict:
-        """This layer's weights (or, with ``grad``, their gradients) as HF
-        ``LlamaDecoderLayer`` tensors (exact permutations), keyed as ``HF_KEYS`` says. With
-        ``grad`` a weight without a gradient (frozen, or no backward yet) is left out."""
-        heads = {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
-        to_hf = {
-            "w_qkv": lambda x: layouts.qkv_weight_to_hf(x, **heads, head_dim=self.head_dim),
-            "w_il": layouts.gate_up_weight_to_hf,
-            "w_o": lambda x: (x.t().contiguous(),),
-            "w_d": lambda x: (x.t().contiguous(),),
-            "q_norm": lambda x: (layouts.head_weight_to_hf(x),),
-            "k_norm": lambda x: (layouts.head_weight_to_hf(x),),
-            "bias_qkv": lambda x: layouts.qkv_bias_to_hf(x, **heads, head_dim=self.head_dim),
-        }
-        out = {}
-        for name in self._hf_weights():
-            t = getattr(self, name)
-            t = t.grad if grad else t
-            if t is None:  # (no gradient)
-                continue
-            hf = to_hf.get(name, lambda x: (x.clone(),))(t.detach())
-            out.update({prefix + k: x for k, x in zip(self._hf_keys()[name], hf)})
-        return out
-
-    def hf_shapes(self, prefix: str = "") -> dict:
-        """{HF key: shape} of this layer's weights in a ``LlamaDecoderLayer`` state dict."""
-        return self._llama_shapes(prefix)
-
-    def _llama_shapes(self, prefix: str = "") -> dict:
-        d, f, hd = self.d, self.ffn, self.head_dim
-        nq, nkv = self.n_heads * hd, self.n_kv_heads * hd
-        shapes = {
-            "attention_norm": [(d,)],
-            "w_qkv": [(nq, d), (nkv, d), (nkv, d)],
-            "w_o": [(d, nq)],
-            "ffn_norm": [(d,)],
-            "w_il": [(f, d), (f, d)],
-            "w_d": [(d, f)],
-            "q_norm": [(hd,)],
-            "k_norm": [(hd,)],
-            "bias_qkv": [(nq,), (nkv,), (nkv,)],
-            "bias_o": [(d,)],
-            "post_attention_norm": [(d,)],
-            "post_ffn_norm": [(d,)],
-        }
-        return {
-            prefix + key: shape
-            for name in self._hf_weights()
-            for key, shape in zip(self._hf_keys()[name], shapes[name])
-        }
-
-    @torch.no_grad()
-    def load_hf_state_dict(self, sd: dict, prefix: str = "") -> None:
-        """Load HF ``LlamaDecoderLayer`` weights (keys under ``prefix``); a missing key or a
-        wrong shape raises ``CodaInputError`` naming the key."""
-        for name, t in self.params_from_hf(sd, prefix).items():
-            getattr(self, name).copy_(t)
-
-    def params_from_hf(self, sd: dict, prefix: str = "") -> dict:
-        """{parameter name: tensor in coda's layout} from HF ``LlamaDecoderLayer`` (or
-        ``Qwen3DecoderLayer``) weights under ``prefix``, validated (exact permutations)."""
-        v.check_state_dict(sd, self._llama_shapes(prefix))
-        heads = {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
-        keys = self._hf_keys()
-        from_hf = {
-            "w_qkv": lambda q, k, v_: layouts.qkv_weight_from_hf(q, k, v_, **heads),
-            "w_il": layouts.gate_up_weight_from_hf,
-            "w_o": lambda w: w.t(),
-            "w_d": lambda w: w.t(),
-            "q_norm": layouts.head_weight_from_hf,
-            "k_norm": layouts.head_weight_from_hf,
-            "bias_qkv": lambda q, k, v_: layouts.qkv_bias_from_hf(q, k, v_, **heads),
-        }
-        return {
-            name: from_hf.get(name, lambda x: x)(*(sd[prefix + k] for k in keys[name]))
-            for name in self._hf_weights()
-        }

@@ -135,7 +135,10 @@ def wgrad_gamma_rows_ref(h, dz_tilde, gamma):
 
 
 def head_rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-head RMSNorm (Qwen3's QK-norm): x (M, heads, hd), one weight (hd,) shared by the
-    heads; each (row, head) is normalized over its hd values. An fp32 weight with half x
-    (Gemma 3's 1 + w) scales in fp32 and rounds once, as ``final_norm_ref``."""
-    return final_norm_ref(x, weight, eps)
+    """QK-norm: x (M, heads, hd) normalized in groups of the weight's length: hd (Qwen3's
+    per-head norm, one weight shared by the heads: each (row, head) over its hd values) or
+    heads * hd (OLMo's, over the whole projection: each row over all its heads' values). An
+    fp32 weight with half x (Gemma 3's 1 + w; OLMo's) scales in fp32 and rounds once, as
+    ``final_norm_ref``."""
+    M, group = x.shape[0], weight.shape[0]
+    return final_norm_ref(x.reshape(M, -1, group), weight, eps).view_as(x)
