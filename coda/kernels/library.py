@@ -25,6 +25,7 @@ from coda.kernels import gemm_swiglu as _sw
 from coda.kernels import norm_rows as _nr
 from coda.kernels import post_norm as _pn
 from coda.kernels import qk_norm as _qkn
+from coda.kernels import qk_norm_passes as _qkp
 from coda.kernels import rmsnorm_bwd as _nb
 from coda.kernels import row_passes as _rp
 from coda.kernels import wgrad as _wg
@@ -425,7 +426,7 @@ def _dqk_norm_rows(
     k_norm: torch.Tensor,
     d: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _rp.dqk_norm_pass(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d)
+    return _qkp.dqk_norm_pass(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d)
 
 
 @_fake(_dqk_norm_rows)
@@ -545,7 +546,7 @@ post_norm_bwd_rows = _either(_post_norm_bwd_rows, _pn.post_norm_bwd)
 drope_rows = _either(_drope_rows, _rp.drope_pass)
 drope_bias_rows = _either(_drope_bias_rows, _rp.drope_bias_pass)
 embedding_backward = _either(_embedding_backward, _emb.embedding_backward)
-dqk_norm_rows = _either(_dqk_norm_rows, _rp.dqk_norm_pass)
+dqk_norm_rows = _either(_dqk_norm_rows, _qkp.dqk_norm_pass)
 
 
 # every op, for tests (opcheck) and reports

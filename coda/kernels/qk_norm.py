@@ -29,8 +29,8 @@ Backward, from dout (attention's dq, dk, dv), per q/k head with q_hat = z * s:
     S0     = sum_n [g | dv] * z / rstd0                         the entry norm's statistic
 
 one row pass: these torch functions on the CPU (and as the oracle), one Triton kernel on the
-GPU (``row_passes.dqk_norm_rope_heads_triton``; OLMo's: the torch function compiled,
-``_launch.fused``). Oracles:
+GPU (``row_passes.dqk_norm_rope_heads_triton``; OLMo's, and its forward row pass:
+``qk_norm_passes``). Oracles:
 ``coda.reference.rope.gemm_qk_norm_rope_ref`` (the epilogue) and ``decoder_layer_ref`` in
 ``coda.reference.layer`` with q_norm / k_norm (the float64 layer tests).
 """

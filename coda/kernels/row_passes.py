@@ -30,11 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from coda.kernels._launch import acc_dtype, fused
+from coda.kernels._launch import acc_dtype
 from coda.kernels._triton import acc_type, cdiv, compile_sm90, kernel, next_power_of_2, on_triton
 from coda.kernels.drope import drope_bias_heads, drope_heads
 from coda.kernels.norm_rows import CORR_SCALED, row_stat
-from coda.kernels.qk_norm import dqk_norm_rope_heads_split_z
 
 BLOCK_ROWS = 64  # token rows per program by default: a 64 x hd tile
 # (kernel, head_dim) -> (token rows per program, warps), where an H200 measurement found better
@@ -361,22 +360,6 @@ def drope_bias_pass(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d: int):
     if on_triton(z_even):
         return drope_bias_heads_triton(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d)
     return drope_bias_heads(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d)
-
-
-def dqk_norm_pass(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d: int):
-    """B11 with QK-norm (Qwen3's per head, OLMo's whole projections: the weights' lengths
-    say which): (dz~0, corr0, dq_norm, dk_norm) from attention's dq, dk,
-    dv, the forward's z on the q and k columns (as its even and odd columns, or whole:
-    ``z_odd`` None), the stored v ``z_v`` (z on the v columns) and the head statistic s: the
-    Triton kernel on the GPU, the torch oracle on the CPU."""
-    _rows_contiguous(rstd, cos, sin, q_norm, k_norm)
-    rest = (s, rstd, cos, sin, q_norm, k_norm, dq.shape[1], dk.shape[1], dq.shape[-1], d)
-    per_head = q_norm.shape[0] == k_norm.shape[0] == dq.shape[-1]
-    if on_triton(z_even) and per_head:
-        return dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, z_v, *rest)
-    if on_triton(z_even):  # OLMo's whole-projection groups: no Triton kernel of ours
-        return fused(dqk_norm_rope_heads_split_z)(dq, dk, dv, z_even, z_odd, z_v, *rest)
-    return dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, z_v, *rest)
 
 
 # pointer arguments: bf16 tensors, fp32 statistics and tables (every other argument an i32)
