@@ -5,7 +5,8 @@
 attention biases, a Phi-3-mini-shaped ``Phi3ForCausalLM``, a Gemma-3-1B-shaped
 ``Gemma3ForCausalLM`` and a Gemma-2-2B-shaped ``Gemma2ForCausalLM`` (its logits soft-capped;
 their layers coda's since sessions 71-72), Qwen2.5-VL-3B's and Qwen3-VL-2B's text models in their
-vision-language classes, text-only batches, and an OLMo-2-1B-shaped ``Olmo2ForCausalLM``),
+vision-language classes, text-only batches, an OLMo-2-1B-shaped ``Olmo2ForCausalLM`` and a
+Phi-4-mini-shaped ``Phi3ForCausalLM``),
 in one run: unpatched, under ``torch.compile`` (``model.model``; the logits and loss stay
 eager, as users compile it), with Liger's instance patch (called as the others, and with
 ``use_cache=False``, which a patched model's training call implies), and patched by
@@ -188,6 +189,28 @@ SHAPES = {
             pad_token_id=100277,
         ),
     ),
+    # Phi-4-mini-instruct's shape (``Phi3ForCausalLM``: RoPE on 3/4 of each head under
+    # LongRoPE, whose per-frequency factors ``build`` sets to 1: a step's time does not
+    # depend on them; its scale c on cos and sin kept, from the two context lengths)
+    "phi-4-mini": (
+        "phi3",
+        dict(
+            vocab_size=200064,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 4096,
+                "partial_rotary_factor": 0.75,
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
     # Qwen2.5-VL-3B's text model (``Qwen2_5_VLForConditionalGeneration``, a 1-block vision
     # encoder that text-only batches leave idle): coda's layers (multimodal RoPE in the QKV
     # epilogue) and loss through the vision-language forward, V = 151936
@@ -221,7 +244,7 @@ SHAPES = {
 }
 # (not in a default run: named in CODA_HF_SHAPES)
 ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B", "qwen2.5-vl-3B")
-ON_REQUEST += ("qwen3-vl-2B", "gemma-2B", "glm-4-9B-12L", "olmo-2-1B")
+ON_REQUEST += ("qwen3-vl-2B", "gemma-2B", "glm-4-9B-12L", "olmo-2-1B", "phi-4-mini")
 BATCH, SEQ = 4, 4096
 # shapes stepped at fewer tokens: Gemma 2's eager attention keeps (B, H, S, S) scores, capped
 # scores and probabilities for 26 layers, which at 4 x 4096 ran every variant out of an 80 GB
@@ -291,9 +314,22 @@ def build(family: str, shape: dict, device, dtype):
     cfg_cls = getattr(transformers, f"{name}Config")
     model_cls = getattr(transformers, f"{name.removesuffix('Text')}ForCausalLM")
     attention = "eager" if family == "gemma2" else "sdpa"  # (Gemma 2's: ``SHAPES``)
-    config = cfg_cls(**shape, max_position_embeddings=SEQ, attn_implementation=attention)
+    shape = {"max_position_embeddings": SEQ, **_longrope_factors(shape)}
+    config = cfg_cls(**shape, attn_implementation=attention)
     torch.manual_seed(0)
     return model_cls(config).to(device, dtype)
+
+
+def _longrope_factors(shape: dict) -> dict:
+    """``shape`` with LongRoPE's per-frequency factors where its RoPE names none: 1 for each
+    rotated pair (``SHAPES``' Phi-4-mini)."""
+    rope = shape.get("rope_parameters", {})
+    if rope.get("rope_type") != "longrope" or "long_factor" in rope:
+        return shape
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+    pairs = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
+    ones = [1.0] * pairs
+    return {**shape, "rope_parameters": {**rope, "short_factor": ones, "long_factor": ones}}
 
 
 def _module_state(module) -> dict:

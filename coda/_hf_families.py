@@ -318,26 +318,27 @@ def inverse_frequencies(rotary, config) -> tuple:
     return short, (long.to(torch.float64), after)
 
 
-def rope_arguments(rotary, config, pairs: str = "half") -> tuple:
+def rope_arguments(rotary, config) -> tuple:
     """(inverse frequencies, LongRoPE's (long set, context) or (None, None), YaRN's or
-    LongRoPE's constant c on cos and sin, else 1) of a rotary module, after the config's
-    checks. A RoPE of adjacent pairs (``pairs``, GLM's) on part of each head: the other pairs
-    at frequency 0 (angle 0, the identity exactly), as coda's epilogue rotates whole heads."""
+    LongRoPE's constant c on cos and sin, else 1, the rotated dimensions of a head) of a
+    rotary module, after the config's checks. A RoPE on part of each head
+    (``partial_rotary_factor`` < 1: GLM's adjacent pairs, Phi-4-mini's rotate-half ones):
+    its other pairs at frequency 0 (angle 0, the identity exactly), as coda's epilogue
+    rotates whole heads (the layer's column order puts the rotated pairs first: ``coda.
+    _hf_fused.Form``)."""
     check_config(config, rotary)
     inv_freq, long_rope = inverse_frequencies(rotary, config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    half = head_dim // 2
-    if inv_freq.numel() < half and pairs == "adjacent":
-        pad = (0, half - inv_freq.numel())
-        inv_freq = torch.nn.functional.pad(inv_freq, pad)
-        if long_rope[0] is not None:
-            long_rope = (torch.nn.functional.pad(long_rope[0], pad), long_rope[1])
-    if 2 * inv_freq.numel() != head_dim:  # (HF's rotate-half pairs: no zero frequency fits)
+    rotated = 2 * inv_freq.numel()
+    if rotated > head_dim:
         raise v.CodaInputError(
-            f"apply_coda: a partial rotary embedding ({2 * inv_freq.numel()} of head_dim "
-            f"{head_dim}: partial_rotary_factor < 1) of rotate-half pairs is not supported"
+            f"apply_coda: a rotary embedding of {rotated} dimensions in heads of {head_dim}"
         )
-    return inv_freq, long_rope, float(rotary.attention_scaling)
+    pad = (0, head_dim // 2 - inv_freq.numel())
+    inv_freq = torch.nn.functional.pad(inv_freq, pad)
+    if long_rope[0] is not None:
+        long_rope = (torch.nn.functional.pad(long_rope[0], pad), long_rope[1])
+    return inv_freq, long_rope, float(rotary.attention_scaling), rotated
 
 
 def check_linears(hf_layer, where: str) -> None:

@@ -8,7 +8,10 @@ GLM's and GLM-4's layers fuse ``gate_up_proj`` alone. GLM-4 names its four norms
 than Gemma 2 (``GLM4_NORMS``). GLM rotates adjacent pairs (2i, 2i+1) of each head, the order
 coda's q and k columns take, where Llama rotates (i, i + hd / 2): its q and k rows (weights
 and biases) map to Llama's by the inverse of ``coda.layouts``' permutation, so that
-permutation then leaves them as they are. So each form converts to and from Llama's keys
+permutation then leaves them as they are. Phi-4-mini rotates (i, i + r / 2) of the first r of
+each head's dimensions only (``partial_rotary_factor`` r / hd), passing the others: its rows
+map to Llama's so that coda's order puts those pairs first, then the unrotated dimensions
+(the layer rotates them at frequency 0). So each form converts to and from Llama's keys
 exactly (splitting or concatenating rows, renaming, permuting rows), and
 ``coda.nn.DecoderLayer``'s Llama conversions (``coda.layouts``) do the rest. Used by
 ``coda.transformers`` for the layers of those forms (``Form``).
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from coda.reference.rope import adjacent_to_hf_linear, hf_to_adjacent_linear
+from coda.reference.rope import head_perm
 
 # each fused HF key: the Llama keys whose rows it concatenates, in order
 FUSED = {
@@ -43,27 +46,44 @@ _PAIRED = ("self_attn.q_proj", "self_attn.k_proj")  # (with n_heads, n_kv_heads 
 @dataclass(frozen=True)
 class Form:
     """A layer's HF form: its fused keys (of ``FUSED``), its renamed keys (Llama's -> its
-    own), and, for q / k rows in adjacent-pair order, its (n_heads, n_kv_heads, head_dim)."""
+    own), and, for q / k rows in another order than Llama's, its (n_heads, n_kv_heads,
+    head_dim) (``adjacent``): GLM's adjacent pairs, or with ``rotated`` (r > 0) the rotate-half
+    pairs of a head's first r dimensions (Phi-4-mini's)."""
 
     fused: tuple = ()
     renames: dict = field(default_factory=dict)
     adjacent: tuple | None = None
+    rotated: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.fused or self.renames or self.adjacent)
 
 
-def _paired_rows(out: dict, prefix: str, heads: tuple, convert) -> None:
-    """q's and k's weights and biases under ``prefix`` converted by rows in place."""
-    n_heads, n_kv_heads, hd = heads
+def pair_order(head_dim: int, rotated: int = 0) -> torch.Tensor:
+    """The model's column for each of coda's columns of a head (coda's position p takes the
+    model's ``pair_order[p]``): the identity for GLM's adjacent pairs (``rotated`` 0); for a
+    rotate-half RoPE on the first r = ``rotated`` dimensions, its pairs (i, i + r / 2) first,
+    then the r-th dimension on, unrotated."""
+    if not rotated:
+        return torch.arange(head_dim)
+    return torch.cat([head_perm(rotated), torch.arange(rotated, head_dim)])
+
+
+def _paired_rows(out: dict, prefix: str, form: "Form", to_model: bool) -> None:
+    """q's and k's weights and biases under ``prefix`` reordered by rows in place, Llama's
+    order to the model's (``to_model``) or back: coda's position p reads Llama's row
+    ``head_perm[p]`` and the model's row ``pair_order[p]``."""
+    n_heads, n_kv_heads, hd = form.adjacent
+    llama, model = head_perm(hd), pair_order(hd, form.rotated)
+    src, dst = (llama, model) if to_model else (model, llama)
+    within = torch.empty_like(src)
+    within[dst] = src  # the destination's row j reads the source's row within[j]
     for module, n in zip(_PAIRED, (n_heads, n_kv_heads)):
+        idx = (torch.arange(n)[:, None] * hd + within[None, :]).flatten()
         for kind in ("weight", "bias"):
             key = f"{prefix}{module}.{kind}"
             if key in out:
-                t = out[key]
-                rows = t if t.dim() == 2 else t[:, None]
-                rows = convert(rows, n, hd)
-                out[key] = (rows if t.dim() == 2 else rows[:, 0]).contiguous()
+                out[key] = out[key][idx.to(out[key].device)].contiguous()
 
 
 def to_model(tensors: dict, prefix: str, form: Form) -> dict:
@@ -71,7 +91,7 @@ def to_model(tensors: dict, prefix: str, form: Form) -> dict:
     then ``fuse``, then renamed."""
     out = dict(tensors)
     if form.adjacent:
-        _paired_rows(out, prefix, form.adjacent, hf_to_adjacent_linear)
+        _paired_rows(out, prefix, form, to_model=True)
     out = fuse(out, prefix, form.fused)
     return {_renamed(k, prefix, form.renames): t for k, t in out.items()}
 
@@ -88,7 +108,7 @@ def from_model(tensors: dict, shapes: dict, prefix: str, form: Form) -> dict:
     out = {_renamed(k, prefix, back): t for k, t in tensors.items()}
     out = split(out, shapes, prefix, form.fused)
     if form.adjacent:
-        _paired_rows(out, prefix, form.adjacent, adjacent_to_hf_linear)
+        _paired_rows(out, prefix, form, to_model=False)
     return out
 
 

@@ -47,10 +47,12 @@ OLMo 2 and OLMo 3 (EXAONE 4's norms, a QK-norm over the whole q and k projection
 gain applied in fp32: ``qk_norm="whole"``, ``fp32_gains``) and SmolLM3 (its NoPE
 layers rotate by zero frequencies, the identity; silu or GeGLU MLP, no biases but Qwen2's on q,
 k and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
-"llama3", "yarn" or "longrope" on whole heads: a fixed set of inverse frequencies, taken from
-the model (LongRoPE's two, the long one for a call whose largest position reaches the original
-context, as HF's rotary module picks), YaRN's and LongRoPE's constant factor on cos and sin
-folded into the attention's scale; Qwen3's
+"llama3", "yarn" or "longrope" on whole heads or part of each (GLM's adjacent pairs,
+Phi-4-mini's rotate-half ones: the others at frequency 0): a fixed set of inverse frequencies,
+taken from the model (LongRoPE's two, the long one for a call whose largest position reaches
+the original context, as HF's rotary module picks), YaRN's and LongRoPE's constant factor on
+cos and sin folded into the attention's scale (and taken back off a partial RoPE's unrotated
+dimensions); Qwen3's
 per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's epilogue,
 ``coda.kernels.qk_norm`` and ``coda.kernels.gemm_rope``; Phi-3's fused ``qkv_proj`` and
 ``gate_up_proj`` are Llama's projections concatenated by rows, converted exactly
@@ -133,11 +135,11 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     hf_keys = True  # ``state_dict()`` in HF's keys and layouts (``coda_keys`` turns it off)
     # set per layer when made; these defaults serve layers pickled before sessions 64, 65
     # and 73 (``fused`` True then: Phi-3's two fused projections, before ``hf_form``)
-    fused, use_rope, rope_scale, hf_form = False, True, 1.0, None
+    fused, use_rope, rope_scale, hf_form, rotated_dims = False, True, 1.0, None, None
 
     def __init__(
         self, hf_layer, config, inv_freq, mask_hint, rope_scale=1.0, long_rope=(None,) * 2,
-        mrope=None,
+        mrope=None, rotated=None,
     ):  # fmt: skip
         attn = hf_layer.self_attn
         where = f"layers.{attn.layer_idx}"
@@ -175,17 +177,22 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             **layer_options(hf_layer, config),  # (GeGLU, the norms' forms, QK-norm's span)
         )
         # its state dict's form beyond Llama's keys (``coda._hf_fused``): Phi-3's and GLM's
-        # fused projections, GLM-4's norm names, GLM's q and k rows in adjacent-pair order
+        # fused projections, GLM-4's norm names, GLM's q and k rows in adjacent-pair order,
+        # Phi-4-mini's rotate-half pairs of part of each head
         heads = (config.num_attention_heads, config.num_key_value_heads, attn.head_dim)
+        adjacent = rope_pairs(hf_layer) == "adjacent"
+        partial = 0 if adjacent or rotated in (None, attn.head_dim) else rotated
         self.hf_form = _hf_fused.Form(
             fused,
             _hf_fused.GLM4_NORMS if hasattr(hf_layer, "post_mlp_layernorm") else {},
-            heads if rope_pairs(hf_layer) == "adjacent" else None,
+            heads if adjacent or partial else None,
+            partial,
         )
         self.use_rope = use_rope
         # YaRN's constant factor on cos and sin, folded into the attention's scale (a NoPE
         # layer rotates nothing, so scales nothing)
         self.rope_scale = float(rope_scale) if use_rope else 1.0
+        self.rotated_dims = rotated  # (a partial RoPE's: fewer than head_dim)
         self.load_hf_state_dict(hf_layer.state_dict())
         self._keep_frozen(hf_layer, where)
         split = ("q_proj", "k_proj", "v_proj")
@@ -272,7 +279,14 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         ):
             attention_mask = None  # the plain causal mask: SDPA's is_causal, as eagerly
 
+        # c^2 folds into the scale (below) for every dimension of q . k, but c scales only the
+        # rotated ones: a partial RoPE's others (last in coda's order) take 1 / c^2 back on q
+        rotated = self.rotated_dims or module.head_dim
+        unscaled = self.rope_scale != 1.0 and rotated < module.head_dim
+
         def attention(q, k, v):
+            if unscaled:
+                q = torch.cat([q[..., :rotated], q[..., rotated:] / self.rope_scale**2], dim=-1)
             if cache is not None:
                 k, v = cache.update(k, v, module.layer_idx, kwargs=kwargs)  # as LlamaAttention
             out, _ = iface(
@@ -536,10 +550,7 @@ def _patch_layers(base, config) -> None:
     per_type = isinstance(base.rotary_emb.rope_type, dict)  # (Gemma 3's RoPE per layer type)
     kinds = set(config.layer_types) if per_type else {None}
     # layer type (None: the model's one RoPE) -> its RoPE's arguments, checked before any change
-    pairs = rope_pairs(base.layers[0]) if len(base.layers) else "half"
-    ropes = {
-        k: rope_arguments(typed_rotary(base.rotary_emb, config, k), config, pairs) for k in kinds
-    }
+    ropes = {k: rope_arguments(typed_rotary(base.rotary_emb, config, k), config) for k in kinds}
     if getattr(base, "coda_mask_hint", None) is None:  # (not patched before)
         base.coda_mask_hint = MaskHint()
         wrap_forward(base, base_forward)
@@ -551,9 +562,9 @@ def _patch_layers(base, config) -> None:
     for i, layer in enumerate(base.layers):
         if not isinstance(layer, CodaLlamaDecoderLayer):
             kind = layer_type(layer, config) if per_type else None
-            inv_freq, long_rope, rope_scale = ropes[kind]
+            inv_freq, long_rope, rope_scale, rotated = ropes[kind]
             ours = CodaLlamaDecoderLayer(
-                layer, config, inv_freq, base.coda_mask_hint, rope_scale, long_rope, mrope
+                layer, config, inv_freq, base.coda_mask_hint, rope_scale, long_rope, mrope, rotated
             )
             ours.__class__ = patched_class(type(layer))  # (made first: HF's __init__ not run)
             base.layers[i] = ours

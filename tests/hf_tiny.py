@@ -121,14 +121,14 @@ def tiny_config(family: str = "llama", **kw):
     """A tiny random config: ``family`` "llama" (LlamaConfig), "llama-bias" (Llama with
     ``attention_bias=True``: q, k, v and o biases), "qwen3" (Qwen3Config, with its per-head
     QK-norm), "qwen2" (Qwen2Config: q, k, v biases), "mistral", "phi3" (Phi3Config: fused
-    qkv_proj and gate_up_proj), "smollm3" (SmolLM3Config: every second layer without RoPE here),
-    "ministral" and "cwm" (Llama's layer, a 4-token window on the first of two), "seed_oss"
-    (q, k, v biases, its dropouts off), the
-    mixture-of-experts "mixtral", "qwen2_moe", "qwen3_moe" (``MOE``: four experts, two a token,
-    the router term on at a visible weight) or "gemma", "gemma2", "gemma3" (``GEMMA``; Gemma 2's
-    logit soft-capping off unless given), "granite" (``GRANITE_KW``: its multipliers, logits /
-    4), the Granite MoE families "granitemoe", "granitemoeshared", and "olmo2", "olmo3" (OLMo 3
-    with a 4-token window on its sliding layers)."""
+    qkv_proj and gate_up_proj; "phi4-mini": with RoPE on 3/4 of each head and LongRoPE),
+    "smollm3" (SmolLM3Config: every second layer without RoPE here), "ministral" and "cwm"
+    (Llama's layer, a 4-token window on the first of two), "seed_oss" (q, k, v biases, its
+    dropouts off), the mixture-of-experts "mixtral", "qwen2_moe", "qwen3_moe" (``MOE``: four
+    experts, two a token, the router term on at a visible weight) or "gemma", "gemma2", "gemma3"
+    (``GEMMA``; Gemma 2's logit soft-capping off unless given), "granite" (``GRANITE_KW``: its
+    multipliers, logits / 4), the Granite MoE families "granitemoe", "granitemoeshared", and
+    "olmo2", "olmo3" (OLMo 3 with a 4-token window on its sliding layers)."""
     from transformers import Qwen3Config
 
     base = {**TINY, "attn_implementation": "sdpa"}
@@ -142,10 +142,13 @@ def tiny_config(family: str = "llama", **kw):
         from transformers import MistralConfig
 
         return MistralConfig(**{**base, "head_dim": 12, "sliding_window": None, **kw})
-    if family == "phi3":  # (its default token ids lie outside the tiny vocabulary)
+    if family in ("phi3", "phi4-mini"):  # (its default token ids lie outside the tiny vocabulary)
         from transformers import Phi3Config
 
         ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        if family == "phi4-mini":  # (Phi-4-mini's RoPE: on 3/4 of each head, LongRoPE)
+            rope = dict(SCALED_ROPES["longrope-rope"])
+            kw = {"hidden_size": 64, "partial_rotary_factor": 0.75, "rope_parameters": rope, **kw}
         return Phi3Config(**_longrope_filled({**base, **ids, **kw}))
     if family in ("glm", "glm4"):  # (a fused gate_up_proj, q, k, v biases, RoPE on half of
         # each head's adjacent pairs: head_dim 12 rotates three pairs, passes three through)
@@ -205,9 +208,10 @@ def tiny_config(family: str = "llama", **kw):
 
 
 def _longrope_filled(kw: dict) -> dict:
-    if "rope_parameters" in kw:
+    if "rope_parameters" in kw:  # (factors for the rotated dimensions: Phi-4-mini rotates 3/4)
         head_dim = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
-        kw["rope_parameters"] = with_longrope_factors(kw["rope_parameters"], head_dim)
+        rotated = int(head_dim * kw.get("partial_rotary_factor", 1.0))
+        kw["rope_parameters"] = with_longrope_factors(kw["rope_parameters"], rotated)
     return kw
 
 

@@ -14,7 +14,14 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
-from test_transformers import assert_behaves_as_unpatched, model_class, pair, tiny_config  # noqa: E402
+from hf_tiny import SCALED_ROPES  # noqa: E402
+from test_transformers import (  # noqa: E402
+    assert_behaves_as_unpatched,
+    assert_same_step,
+    model_class,
+    pair,
+    tiny_config,
+)
 
 import coda.transformers as ct  # noqa: E402
 from coda import _validate as v  # noqa: E402
@@ -120,6 +127,18 @@ def test_glm_layers_behave_as_unpatched_float64(family, coda_path):
     if family == "glm4":
         assert torch.equal(layers[0].ffn_norm, ref.model.layers[0].post_attention_layernorm.weight)
     assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+
+
+def test_glm_partial_rope_with_yarn_scaling_trains_as_unpatched(coda_path):
+    """GLM's RoPE on half of each head under YaRN, whose constant c scales cos and sin: coda
+    folds c^2 into the attention's scale, which must not reach the unrotated dimensions (q
+    takes 1 / c^2 back on them; before session 74 they took c^2 too)."""
+    rope = dict(SCALED_ROPES["yarn-rope"], partial_rotary_factor=0.5)
+    cfg = tiny_config("glm", rope_parameters=rope, max_position_embeddings=256, **coda_path)
+    ref, patched = pair(cfg)
+    assert patched.model.layers[0].rope_scale > 1 and patched.model.layers[0].rotated_dims == 6
+    ids = torch.randint(0, cfg.vocab_size, (2, 13))
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
 
 
 def test_exaone4_layers_behave_as_unpatched_float64(coda_path):

@@ -126,7 +126,7 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
 @pytest.mark.parametrize(
     "family",
     ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
-    + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4", "ernie4_5", "olmo3"]
+    + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4", "ernie4_5", "olmo3", "phi4-mini"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):
@@ -135,7 +135,8 @@ def test_gpu_patched_model_protocol(family):
     sublayer, QK-norm with 1 + w gains, RoPE per layer type) / EXAONE 4 (norms after each
     sublayer only, QK-norm, a full layer without RoPE) / ERNIE 4.5 (RoPE on adjacent pairs) /
     OLMo 2 and OLMo 3 (EXAONE 4's norms, QK-norm over the whole q and k, every gain in fp32:
-    coda's layers since session 74, the loss alone before), Granite, GPT-OSS and Qwen3-Next (the
+    coda's layers since session 74, the loss alone before) / Phi-4-mini (RoPE on 3/4 of each
+    head, LongRoPE), Granite, GPT-OSS and Qwen3-Next (the
     loss alone: the final norm's fp32 gain, Granite's logits_scaling in it), and Llama with
     Llama 3's, linear, YaRN and LongRoPE scaling (coda's kernels, HF's sdpa) against the
     unpatched bf16 model, both against a float64 copy: loss and every gradient no worse than the

@@ -3,9 +3,9 @@ projections fused into one ``qkv_proj`` and gate and up into one ``gate_up_proj`
 in float64 (coda's reference path, and with ``coda_path`` the kernel path through the tile
 interpreter): logits, loss, every gradient in HF's fused layout, padding and packed sequences,
 generation, a sliding window, the state dict both ways (``coda._hf_fused``), frozen fused
-weights; and what is refused (a partial rotary embedding, residual dropout, an adapter on a
-fused projection). The same kernels run as for Llama: only the weights' layout conversion
-is Phi-3's."""
+weights, Phi-4-mini's partial rotary embedding (rotate-half pairs on 3/4 of each head, with
+LongRoPE); and what is refused (residual dropout, an adapter on a fused projection). The same
+kernels run as for Llama: only the weights' layout conversion is Phi-3's."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
 from conftest import rel_err  # noqa: E402
+from hf_tiny import SCALED_ROPES  # noqa: E402
 from test_transformers import (  # noqa: E402
     TOL,
     assert_behaves_as_unpatched,
@@ -86,10 +87,51 @@ def test_a_frozen_fused_weight_stays_frozen(coda_path):
     assert_same_step(ref, patched, input_ids=ids, labels=ids)
 
 
+@pytest.mark.parametrize("rope", ["default", "longrope"])
+def test_phi4_mini_partial_rotary_matches_unpatched_float64(rope, coda_path):
+    """Phi-4-mini's RoPE: rotate-half pairs on the first 3/4 of each head
+    (``partial_rotary_factor`` 0.75 at head_dim 16: 6 pairs rotated, 2 passed through), alone
+    and with LongRoPE as Phi-4-mini configures it (a call past position 64 takes its long
+    set): coda's q and k columns put the rotated pairs first (``_hf_fused.pair_order``), the
+    others rotated at frequency 0, the identity."""
+    rp = dict(rope_type="default", rope_theta=1e4)
+    rp = rp if rope == "default" else dict(SCALED_ROPES["longrope-rope"])
+    kw = dict(hidden_size=64, partial_rotary_factor=0.75, rope_parameters=rp)
+    cfg = tiny_config("phi3", **kw, **coda_path)
+    ref, patched = pair(cfg)
+    layer = patched.model.layers[0]
+    assert layer.hf_form.rotated == 12 and layer.hf_form.adjacent == (4, 2, 16)
+    assert layer._inv_freq[:6].min() > 0 and not layer._inv_freq[6:].any()
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+    if rope == "longrope":  # a call past the original context: the long set
+        ids = torch.randint(0, cfg.vocab_size, (1, 70))
+        assert_same_step(ref, patched, input_ids=ids, labels=ids)
+
+
+def test_pair_order_maps_each_form_exactly():
+    """``_hf_fused.pair_order``: GLM's adjacent pairs as they are; a partial rotate-half RoPE's
+    pairs (i, i + r / 2) first, then its unrotated dimensions; the row conversions both ways
+    are each other's inverse, and coda's order reads each pair's two dimensions."""
+    assert _hf_fused.pair_order(8).tolist() == list(range(8))
+    assert _hf_fused.pair_order(8, 4).tolist() == [0, 2, 1, 3, 4, 5, 6, 7]
+    form = _hf_fused.Form(adjacent=(2, 1, 8), rotated=4)
+    w = {"self_attn.q_proj.weight": torch.randn(16, 3), "self_attn.k_proj.bias": torch.randn(8)}
+    there = _hf_fused.to_model(w, "", form)
+    back = _hf_fused.from_model(there, {}, "", form)
+    assert all(torch.equal(back[k], w[k]) for k in w)
+    # coda's order is Llama's rows by ``head_perm`` and the model's by ``pair_order``: equal
+    from coda.reference.rope import head_perm
+
+    q = w["self_attn.q_proj.weight"].view(2, 8, 3)
+    coda_q = q[:, head_perm(8)]
+    assert torch.equal(there["self_attn.q_proj.weight"].view(2, 8, 3)[:, form_order(form)], coda_q)
+
+
+def form_order(form):
+    return _hf_fused.pair_order(form.adjacent[2], form.rotated)
+
+
 def test_what_phi3_configs_coda_refuses_are_named():
-    partial = tiny_config("phi3", partial_rotary_factor=0.75)  # (Phi-4-mini's)
-    with pytest.raises(coda.CodaInputError, match="partial rotary.*partial_rotary_factor < 1"):
-        ct.apply_coda(model_class(partial)(partial))
     dropout = tiny_config("phi3", resid_pdrop=0.1)
     with pytest.raises(coda.CodaInputError, match="resid_pdrop=0.1 is not supported"):
         ct.apply_coda(model_class(dropout)(dropout))
