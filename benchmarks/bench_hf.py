@@ -209,6 +209,7 @@ SHAPES = {
                 "partial_rotary_factor": 0.75,
             },
             tie_word_embeddings=True,
+            pad_token_id=199999,
         ),
     ),
     # Qwen2.5-VL-3B's text model (``Qwen2_5_VLForConditionalGeneration``, a 1-block vision
