@@ -53,6 +53,25 @@ def _whole_weights(q_norm, k_norm, h, n_q, i, HD: tl.constexpr, ACC: tl.constexp
     return w1, w2
 
 
+@triton.jit
+def _row_block(
+    blk, M, cos, sin, HD: tl.constexpr, HP: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr
+):
+    """Block ``blk``'s BM token rows: (rows, int64 rows as a column, a head tile's column
+    index j and pair index i, the tile's mask, the rows' RoPE cos and sin for each pair)."""
+    rows = blk * BM + tl.arange(0, BM)
+    live = rows < M
+    r64 = rows.to(tl.int64)[:, None]
+    j = tl.arange(0, HP)
+    i = tl.arange(0, HP // 2)
+    mask = live[:, None] & (j < HD)[None, :]
+    half_mask = live[:, None] & (i < HD // 2)[None, :]
+    half = r64 * (HD // 2) + i[None, :]
+    c = tl.load(cos + half, mask=half_mask, other=1.0).to(ACC)
+    sn = tl.load(sin + half, mask=half_mask, other=0.0).to(ACC)
+    return rows, r64, j, i, mask, c, sn
+
+
 def _qk_norm_whole_kernel(
     z, cos, sin, q_norm, k_norm, out, s_head, M, n_q, n_k, eps,
     HD: tl.constexpr, HP: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
@@ -61,13 +80,8 @@ def _qk_norm_whole_kernel(
     and k projections) on BM token rows of z (M, Nqkv): the rows' q and k head tiles walked
     twice, first for the two sums of squares (q's, k's), then for the normed, rotated output;
     v copied; the statistics stored as s (M, 2)."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rows, r64, j, i, mask, c, sn = _row_block(tl.program_id(0), M, cos, sin, HD, HP, BM, ACC)
     live = rows < M
-    r64 = rows.to(tl.int64)[:, None]
-    j = tl.arange(0, HP)
-    i = tl.arange(0, HP // 2)
-    mask = live[:, None] & (j < HD)[None, :]
-    half_mask = live[:, None] & (i < HD // 2)[None, :]
     n_cols = (n_q + 2 * n_k) * HD
     ssq = tl.zeros((BM,), dtype=ACC)
     ssk = tl.zeros((BM,), dtype=ACC)
@@ -80,9 +94,6 @@ def _qk_norm_whole_kernel(
     sk = 1.0 / tl.sqrt(ssk / (n_k * HD) + eps)
     tl.store(s_head + rows.to(tl.int64) * 2, sq, mask=live)
     tl.store(s_head + rows.to(tl.int64) * 2 + 1, sk, mask=live)
-    half = r64 * (HD // 2) + i[None, :]
-    c = tl.load(cos + half, mask=half_mask, other=1.0).to(ACC)
-    sn = tl.load(sin + half, mask=half_mask, other=0.0).to(ACC)
     for h in range(0, n_q + n_k):
         at = r64 * n_cols + h * HD + j[None, :]
         x = tl.load(z + at, mask=mask, other=0.0).to(ACC)
@@ -132,16 +143,8 @@ def _dqk_norm_whole_kernel(
     dq_hat * q_hat, then for the norm's backward (each head's dw partial stored per row
     block), dz~0 and the entry norm's statistic (one partial a row, the v heads' included)."""
     blk = tl.program_id(0)
-    rows = blk * BM + tl.arange(0, BM)
+    rows, r64, j, i, mask, c, sn = _row_block(blk, M, cos, sin, HD, HP, BM, ACC)
     live = rows < M
-    r64 = rows.to(tl.int64)[:, None]
-    j = tl.arange(0, HP)
-    i = tl.arange(0, HP // 2)
-    mask = live[:, None] & (j < HD)[None, :]
-    half_mask = live[:, None] & (i < HD // 2)[None, :]
-    half = r64 * (HD // 2) + i[None, :]
-    c = tl.load(cos + half, mask=half_mask, other=1.0).to(ACC)
-    sn = tl.load(sin + half, mask=half_mask, other=0.0).to(ACC)
     sq = tl.load(s_head + rows.to(tl.int64) * 2, mask=live, other=0.0).to(ACC)
     sk = tl.load(s_head + rows.to(tl.int64) * 2 + 1, mask=live, other=0.0).to(ACC)
     r = tl.load(rstd + rows, mask=live, other=1.0).to(ACC)[:, None]
