@@ -133,8 +133,8 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     checkpoints it as it would the layer it replaced, before or after the patch."""
 
     hf_keys = True  # ``state_dict()`` in HF's keys and layouts (``coda_keys`` turns it off)
-    # set per layer when made; these defaults serve layers pickled before sessions 64, 65
-    # and 73 (``fused`` True then: Phi-3's two fused projections, before ``hf_form``)
+    # set per layer when made; these defaults serve layers pickled before sessions 64, 65,
+    # 73 and 74 (``fused`` True then: Phi-3's two fused projections, before ``hf_form``)
     fused, use_rope, rope_scale, hf_form, rotated_dims = False, True, 1.0, None, None
 
     def __init__(
