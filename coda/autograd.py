@@ -73,7 +73,6 @@ from coda.kernels.linear_cross_entropy_bwd import (
 from coda.kernels.linear_cross_entropy_chunked import chunk_rows
 from coda.kernels.loss_rows import ce_loss_from_stats, ce_row_weights
 from coda.kernels.qk_norm import column_rows, qk_norm_config
-from coda.kernels.qk_norm_passes import qk_norm_pass
 from coda.kernels.rmsnorm_bwd import norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad
@@ -258,7 +257,7 @@ class AttentionInputQKNorm(torch.autograd.Function):
         else:  # F1 without rotation, then the head norms and RoPE as a row pass
             z = lib.gemm_scale_rows(a0, w_qkv, r0, config_for("scale_rows", M, d, w_qkv.shape[1]))
             cos, sin = _rotation(pos, freq, hd, r0.dtype, sect)
-            qkv, s = qk_norm_pass(z, q_norm, k_norm, cos, sin, n_q, n_k, hd, dims.eps)
+            qkv, s = lib.qk_norm_rows(z, q_norm, k_norm, cos, sin, n_q, n_k, hd, dims.eps)
             z_even, z_odd = z[:, :n_rot], None  # z's q and k columns whole
         # qkv (the attention input, whose v columns are z there) shares storage with the q, k,
         # v views attention saves: keeping it costs no memory

@@ -128,6 +128,9 @@ def op_samples():
         _r(hd),
         d,
     )
+    # F1's QK-norm row pass: Qwen3's per-head weights here (OLMo's: the test below)
+    qk_rows = (_r(rows, n_qkv), _r(hd), _r(hd), rot[1], rot[2], H, Hkv, hd, 1e-6)
+    samples["qk_norm_rows"] = qk_rows
     # a column-major x: the rows the Triton kernel does not take, whose torch form would keep
     # x's strides (the fake's row-major output must hold for them too)
     samples["norm_rows"] = (_r(d, M).t(), _r(d), 1e-5, True)
@@ -167,9 +170,9 @@ def test_lm_head_bwd_forms_dw_in_the_weights_storage():
 
 
 def test_opcheck_qk_norm_over_the_whole_projections():
-    """B11 with OLMo's QK-norm (weights of H hd and Hkv hd; z kept whole by F1's row-pass
-    form, its statistic one column for q and one for k): the fake's weight gradients take the
-    weights' shapes."""
+    """F1's row pass and B11 with OLMo's QK-norm (weights of H hd and Hkv hd; z kept whole by
+    F1's row-pass form, its statistic one column for q and one for k): the fakes' statistic
+    and weight gradients take those shapes."""
     dq, dk, dv, _, _, z_v, _, *rot, _, _, d = op_samples()["dqk_norm_rows"]
     H, Hkv, hd = dq.shape[1], dk.shape[1], dq.shape[-1]
     rows = rot[0].shape[0]
@@ -179,6 +182,12 @@ def test_opcheck_qk_norm_over_the_whole_projections():
     assert [t.shape for t in out[2:]] == [(H * hd,), (Hkv * hd,)]
     torch.library.opcheck(
         library.OPS["dqk_norm_rows"], (*args, d), test_utils=("test_schema", "test_faketensor")
+    )
+    fwd = (_r(rows, (H + 2 * Hkv) * hd), args[-2], args[-1], *rot[1:], H, Hkv, hd, 1e-6)
+    qkv, s = library.OPS["qk_norm_rows"](*fwd)
+    assert qkv.shape == (rows, (H + 2 * Hkv) * hd) and s.shape == (rows, 2)
+    torch.library.opcheck(
+        library.OPS["qk_norm_rows"], fwd, test_utils=("test_schema", "test_faketensor")
     )
 
 

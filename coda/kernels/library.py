@@ -442,6 +442,27 @@ def _(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d):
     )
 
 
+@torch.library.custom_op("coda::qk_norm_rows", mutates_args=())
+def _qk_norm_rows(
+    z: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_q: int,
+    n_k: int,
+    head_dim: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _qkp.qk_norm_pass(z, q_norm, k_norm, cos, sin, n_q, n_k, head_dim, eps)
+
+
+@_fake(_qk_norm_rows)
+def _(z, q_norm, k_norm, cos, sin, n_q, n_k, head_dim, eps):
+    groups = n_q * head_dim // q_norm.shape[0] + n_k * head_dim // k_norm.shape[0]
+    return _empty(*z.shape, like=z), _empty(z.shape[0], groups, like=z, dtype=acc_dtype(z))
+
+
 @torch.library.custom_op("coda::embedding_backward", mutates_args=())
 def _embedding_backward(
     tokens: torch.Tensor, grad: torch.Tensor, vocab: int, padding_idx: int
@@ -547,6 +568,9 @@ drope_rows = _either(_drope_rows, _rp.drope_pass)
 drope_bias_rows = _either(_drope_bias_rows, _rp.drope_bias_pass)
 embedding_backward = _either(_embedding_backward, _emb.embedding_backward)
 dqk_norm_rows = _either(_dqk_norm_rows, _qkp.dqk_norm_pass)
+# F1's QK-norm row pass (heads no tile holds, OLMo's norm): under torch.compile too the Triton
+# pass (OLMo's), not a torch form for Inductor to regenerate (ten kernels a layer, run 313)
+qk_norm_rows = _either(_qk_norm_rows, _qkp.qk_norm_pass)
 
 
 # every op, for tests (opcheck) and reports
@@ -576,5 +600,6 @@ OPS = {
     "drope_rows": _drope_rows,
     "drope_bias_rows": _drope_bias_rows,
     "dqk_norm_rows": _dqk_norm_rows,
+    "qk_norm_rows": _qk_norm_rows,
     "embedding_backward": _embedding_backward,
 }

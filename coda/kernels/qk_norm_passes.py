@@ -244,8 +244,8 @@ def dqk_norm_whole_triton(
 def qk_norm_pass(z, q_norm, k_norm, cos, sin, n_q: int, n_k: int, head_dim: int, eps: float):
     """F1's QK-norm and RoPE as a row pass, where the epilogue cannot take them (heads no tile
     holds, OLMo's norm): (qkv, s) of ``qk_norm.qk_norm_rope_rows``. OLMo's by its Triton
-    kernel (on the GPU, outside a torch.compile trace), Qwen3's per-head one by its torch form
-    (compiled on the GPU: ``fused``)."""
+    kernel (on the GPU; a torch.compile trace reaches it through ``library.qk_norm_rows``),
+    Qwen3's per-head one by its torch form (compiled on the GPU: ``fused``)."""
     whole = not q_norm.shape[0] == k_norm.shape[0] == head_dim
     if whole and contiguous_pass(z, cos, sin, q_norm, k_norm):
         return qk_norm_whole_triton(z, q_norm, k_norm, cos, sin, n_q, n_k, head_dim, eps)
