@@ -65,12 +65,16 @@ class AttentionOutputPostNorm(torch.autograd.Function):
 class MLPPostNorm(torch.autograd.Function):
     """F4 + F5' + P1 / P2 + B4-B7: ``coda.autograd.MLP`` with the down projection's output
     normed before the residual add (x2 = x1 + rmsnorm(m) * g_out). ``rows``: x2's leading
-    dimensions, (batch, seq) (a tensor of its own, not a view)."""
+    dimensions, (batch, seq) (a tensor of its own, not a view). Without a norm before the MLP
+    (``g2``, ``a1`` and ``r1`` None) F4 reads x1 itself at row scale 1 (formed here: x1
+    passed twice would break a torch.compile trace, whose Functions take distinct tensors)."""
 
     @staticmethod
     def forward(ctx, x1, a1, r1, g2, w_il, w_d, g_out, eps, rows: tuple, train: bool, act):
         M, d = x1.shape
         f = w_d.shape[0]
+        if g2 is None:
+            a1, r1 = pre_norm(x1, None, eps)
         s, u = gated_up(a1, r1, w_il, train, act)  # F4
         m, sumsq = lib.gemm_output_sumsq(s, w_d, config_for("residual", M, f, d))  # F5'
         x2, r_m = lib.post_norm_rows(m, sumsq, x1, g_out, eps, rows)  # P1
@@ -116,8 +120,6 @@ def post_norm_decoder_layer(
     )
     g_attn, g_ffn = out_gains
     x1, a1, r1 = AttentionOutputPostNorm.apply(o, w_o, x0_residual, g_attn, g2, dims.eps)
-    if g2 is None:  # no norm before the MLP: F4 reads x1 itself, at row scale 1
-        a1, r1 = pre_norm(x1, None, dims.eps)
     train = backward_can_follow(x1, a1, r1, g2, w_il, w_d, g_ffn)
     rows = (dims.batch, dims.seq)
     return MLPPostNorm.apply(

@@ -240,6 +240,7 @@ def test_every_op_is_sampled():
         ("recompute", "qk_norm"),
         ("scaled_exp", "biases"),  # q, k, v and o biases (Llama's attention_bias=True)
         ("scaled_exp", "gemma3"),  # norms after each sublayer, QK-norm, 1 + w gains, GeGLU
+        ("scaled_exp", "olmo"),  # norms after each sublayer only, QK-norm over all of q, k
     ],
 )
 def test_compiled_kernel_path_equals_eager_float64(method, kind):
@@ -249,8 +250,10 @@ def test_compiled_kernel_path_equals_eager_float64(method, kind):
     flags = dict(qk_norm=kind == "qk_norm", qkv_bias=kind == "biases", o_bias=kind == "biases")
     if kind == "gemma3":
         flags = dict(qk_norm=True, post_norms=True, norm_offset=1.0, activation="gelu_tanh")
+    if kind == "olmo":
+        flags = dict(qk_norm="whole", post_norms=True, pre_norms=False, fp32_gains=True)
     layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64, **flags)
-    if kind == "gemma3":  # (gains away from their start, so that a lost gain would show)
+    if kind in ("gemma3", "olmo"):  # (gains away from their start: a lost gain would show)
         with torch.no_grad():
             for p in (*layer._norm_gains(), layer.q_norm, layer.k_norm):
                 p.normal_(0.0, 0.3)
@@ -305,6 +308,12 @@ def test_compiled_step_runs_the_norms_as_coda_ops():
     with no_cache_warnings_from_dynamo():
         torch.compile(step, backend=recording, fullgraph=True)(x).backward()
     assert targets.count(torch.ops.coda.norm_rows.default) == 2  # F0, the final norm
+    # OLMo's QK-norm row pass (F1's, forward) likewise: ``coda::qk_norm_rows``
+    layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64, qk_norm="whole")
+    targets.clear()
+    with no_cache_warnings_from_dynamo():
+        torch.compile(step, backend=recording, fullgraph=True)(x).backward()
+    assert targets.count(torch.ops.coda.qk_norm_rows.default) == 1
 
 
 def test_config_round_trip():
