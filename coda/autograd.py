@@ -72,7 +72,7 @@ from coda.kernels.linear_cross_entropy_bwd import (
 )
 from coda.kernels.linear_cross_entropy_chunked import chunk_rows
 from coda.kernels.loss_rows import ce_loss_from_stats, ce_row_weights
-from coda.kernels.qk_norm import column_rows, qk_norm_config
+from coda.kernels.qk_norm import column_rows, is_per_head, qk_norm_config
 from coda.kernels.rmsnorm_bwd import norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad
@@ -235,8 +235,8 @@ class AttentionInputQKNorm(torch.autograd.Function):
         pos = positions.float()
         row, mrope = f1_rows(pos, sect)
         a0, r0 = pre_norm(x0, g1, dims.eps)  # F0
-        per_head = q_norm.shape[0] == k_norm.shape[0] == hd  # (else OLMo's: a row pass)
-        cfg = qk_norm_config(hd) if per_head else None
+        # (OLMo's norm spans the tiles: a row pass)
+        cfg = qk_norm_config(hd) if is_per_head(q_norm, k_norm, hd) else None
         n_rot = (n_q + n_k) * hd
         if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue
             head_w, plain = column_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype)

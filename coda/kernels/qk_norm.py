@@ -60,6 +60,12 @@ from coda.primitives.aux import norm_correction
 from coda.primitives.math import rotation
 
 
+def is_per_head(q_norm, k_norm, head_dim: int) -> bool:
+    """Whether QK-norm weights are Qwen3's, one head_dim weight for every head (else OLMo's,
+    over the whole q and k projections)."""
+    return q_norm.shape[0] == k_norm.shape[0] == head_dim
+
+
 def _groups(t, q_norm, k_norm, n_q: int, n_k: int, head_dim: int):
     """t (M, (n_q + n_k) hd), q's columns then k's, as its QK-norm groups: q's columns in
     groups of q_norm's length (hd: Qwen3's per-head norm; n_q hd: OLMo's whole projection),

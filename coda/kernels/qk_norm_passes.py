@@ -28,7 +28,7 @@ from coda.kernels._triton import (
     next_power_of_2,
     on_triton,
 )
-from coda.kernels.qk_norm import dqk_norm_rope_heads_split_z, qk_norm_rope_rows
+from coda.kernels.qk_norm import dqk_norm_rope_heads_split_z, is_per_head, qk_norm_rope_rows
 from coda.kernels.row_passes import (
     POINTERS,
     _head_gradient_tile,
@@ -217,7 +217,7 @@ def dqk_norm_whole_triton(
     k columns whole (``z``, at least (n_q + n_k) hd wide; unit column stride), in one pass.
     Returns (dz~0 (M, Nqkv) in z's dtype, corr0 (M,), dq_norm (n_q hd,), dk_norm (n_k hd,)),
     the last two fp32 (float64 for float64 inputs)."""
-    B, _, S, hd = dq.shape
+    _, _, S, hd = dq.shape
     assert hd == head_dim and dq.shape[1] == n_q and dk.shape[1] == n_k
     M = z.shape[0]
     assert z.stride(1) == 1 and z.shape[1] >= (n_q + n_k) * hd
@@ -246,7 +246,7 @@ def qk_norm_pass(z, q_norm, k_norm, cos, sin, n_q: int, n_k: int, head_dim: int,
     holds, OLMo's norm): (qkv, s) of ``qk_norm.qk_norm_rope_rows``. OLMo's by its Triton
     kernel (on the GPU; a torch.compile trace reaches it through ``library.qk_norm_rows``),
     Qwen3's per-head one by its torch form (compiled on the GPU: ``fused``)."""
-    whole = not q_norm.shape[0] == k_norm.shape[0] == head_dim
+    whole = not is_per_head(q_norm, k_norm, head_dim)
     if whole and contiguous_pass(z, cos, sin, q_norm, k_norm):
         return qk_norm_whole_triton(z, q_norm, k_norm, cos, sin, n_q, n_k, head_dim, eps)
     return fused(qk_norm_rope_rows)(z, q_norm, k_norm, cos, sin, n_q, n_k, head_dim, eps)
@@ -262,7 +262,7 @@ def dqk_norm_pass(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_n
     rest = (s, rstd, cos, sin, q_norm, k_norm, dq.shape[1], dk.shape[1], dq.shape[-1], d)
     if not on_triton(z_even):
         return dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, z_v, *rest)
-    if q_norm.shape[0] == k_norm.shape[0] == dq.shape[-1]:  # Qwen3's, per head
+    if is_per_head(q_norm, k_norm, dq.shape[-1]):  # Qwen3's
         return dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, z_v, *rest)
     assert z_odd is None  # (OLMo's: F1's row-pass form keeps z whole)
     return dqk_norm_whole_triton(dq, dk, dv, z_even, z_v, *rest)

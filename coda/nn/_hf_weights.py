@@ -34,7 +34,7 @@ POST_NORM_KEYS = {
 
 class HFWeights:
     """``DecoderLayer``'s HF state-dict methods (the layer's dimensions, weights and
-    ``post_norms`` / ``qk_norm_span`` are the layer's own)."""
+    ``post_norms`` are the layer's own)."""
 
     def _hf_keys(self) -> dict:
         """{coda weight: its HF keys}: ``HF_KEYS``, or ``POST_NORM_KEYS`` with post-norms."""
@@ -76,7 +76,7 @@ class HFWeights:
     def _llama_shapes(self, prefix: str = "") -> dict:
         d, f, hd = self.d, self.ffn, self.head_dim
         nq, nkv = self.n_heads * hd, self.n_kv_heads * hd
-        qk = (hd, hd) if self.qk_norm_span == "head" else (nq, nkv)  # (OLMo's: "whole")
+        qk = (hd, hd) if self.q_norm is None else (self.q_norm.shape[0], self.k_norm.shape[0])
         shapes = {
             "attention_norm": [(d,)],
             "w_qkv": [(nq, d), (nkv, d), (nkv, d)],

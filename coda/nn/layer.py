@@ -34,6 +34,7 @@ from coda.kernels.gemm_rope import (
     text_rows,
 )
 from coda.kernels.gemm_swiglu import ACTIVATIONS as GLU_ACTIVATIONS
+from coda.kernels.qk_norm import is_per_head
 from coda.nn._common import FormerNames, in_dtype, tma_aligned, tma_rule
 from coda.nn._hf_weights import HFWeights
 from coda.reference.layer import LayerShape, decoder_layer_ref
@@ -115,7 +116,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
     RENAMED = {"g1": "attention_norm", "g2": "ffn_norm", "b_qkv": "bias_qkv", "b_o": "bias_o"}
     # (the defaults of layers pickled before LongRoPE, multimodal RoPE and GeGLU)
     _long_inv_freq = long_after = _mrope = None
-    activation, norm_offset, qk_norm_span, fp32_gains = "silu", 0.0, "head", False
+    activation, norm_offset, fp32_gains = "silu", 0.0, False
 
     def __init__(
         self,
@@ -147,9 +148,8 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         self.activation = v.check_choice("activation", activation, GLU_ACTIVATIONS)
         self.norm_offset = v.check_finite_number("norm_offset", norm_offset)
         self.fp32_gains = bool(fp32_gains)
+        v.check_choice("qk_norm", qk_norm, (None, False, True, "head", "whole"))
         qk_norm = "head" if qk_norm is True else qk_norm or False  # (True: Qwen3's)
-        v.check_choice("qk_norm", qk_norm, (False, True, "head", "whole"))
-        self.qk_norm_span = qk_norm or "head"
         if qk_norm and qkv_bias:
             raise v.CodaInputError("DecoderLayer: qk_norm and qkv_bias together are not supported")
         if not (pre_norms or post_norms):
@@ -265,6 +265,14 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         """Whether the layer has a QK-norm (its q_norm / k_norm weights; ``qk_norm_span``
         says which: "head", Qwen3's, or "whole", OLMo's)."""
         return self.q_norm is not None
+
+    @property
+    def qk_norm_span(self) -> str | None:
+        """The QK-norm's groups, read from its weights: "head" (head_dim long: Qwen3's), "whole"
+        (OLMo's: n_heads and n_kv_heads head_dim), None without a QK-norm."""
+        if self.q_norm is None:
+            return None
+        return "head" if is_per_head(self.q_norm, self.k_norm, self.head_dim) else "whole"
 
     @property
     def qkv_bias(self) -> bool:
