@@ -212,6 +212,29 @@ SHAPES = {
             pad_token_id=199999,
         ),
     ),
+    # Granite-3.3-2B's shape (``GraniteForCausalLM``: Llama's layer with each sublayer's output
+    # times ``residual_multiplier`` before its add, coda's F3 / F5 epilogues since session 75;
+    # the attention's scale ``attention_multiplier``, the embedding's multiplier, the logits
+    # divided by ``logits_scaling``), its 49155-token vocabulary padded to 49152 + 128 (as
+    # ``resize_token_embeddings(..., pad_to_multiple_of=128)`` would: the kernels' TMA rows)
+    "granite-3-2B": (
+        "granite",
+        dict(
+            vocab_size=49280,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=40,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
+            attention_multiplier=0.015625,
+            residual_multiplier=0.22,
+            embedding_multiplier=12.0,
+            logits_scaling=8.0,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+        ),
+    ),
     # Qwen2.5-VL-3B's text model (``Qwen2_5_VLForConditionalGeneration``, a 1-block vision
     # encoder that text-only batches leave idle): coda's layers (multimodal RoPE in the QKV
     # epilogue) and loss through the vision-language forward, V = 151936
@@ -246,6 +269,7 @@ SHAPES = {
 # (not in a default run: named in CODA_HF_SHAPES)
 ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B", "qwen2.5-vl-3B")
 ON_REQUEST += ("qwen3-vl-2B", "gemma-2B", "glm-4-9B-12L", "olmo-2-1B", "phi-4-mini")
+ON_REQUEST += ("granite-3-2B",)
 BATCH, SEQ = 4, 4096
 # shapes stepped at fewer tokens: Gemma 2's eager attention keeps (B, H, S, S) scores, capped
 # scores and probabilities for 26 layers, which at 4 x 4096 ran every variant out of an 80 GB
@@ -310,6 +334,7 @@ def build(family: str, shape: dict, device, dtype):
         "gemma2": "Gemma2",
         "glm4": "Glm4",
         "olmo2": "Olmo2",
+        "granite": "Granite",
     }
     name = {**names, "gemma3": "Gemma3Text"}[family]
     cfg_cls = getattr(transformers, f"{name}Config")

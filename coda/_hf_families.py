@@ -73,6 +73,12 @@ SUPPORTED = (
     "Olmo2Model",
     "Olmo3ForCausalLM",
     "Olmo3Model",
+    # Llama's layer with each sublayer's output scaled before its residual add
+    # (``residual_multiplier``: ``DecoderLayer(residual_scale=)``, in F3's and F5's epilogues)
+    # and the attention's scale from ``attention_multiplier`` (the HF module's ``scaling``);
+    # its embedding multiplier stays the model's, its ``logits_scaling`` is the loss's
+    "GraniteForCausalLM",
+    "GraniteModel",
 )
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
@@ -90,8 +96,8 @@ LOSS_ONLY = {
     "MixtralForCausalLM": _MOE,
     "Qwen2MoeForCausalLM": _MOE,
     "Qwen3MoeForCausalLM": _MOE,
-    # Granite's logits are divided by ``logits_scaling``, folded into the final norm's gain
-    "GraniteForCausalLM": "residual multipliers on both branches",
+    # Granite-MoE's logits are divided by ``logits_scaling``, folded into the final norm's
+    # gain (Granite's dense layers are coda's since session 75)
     "GraniteMoeForCausalLM": _MOE,
     "GraniteMoeSharedForCausalLM": _MOE,
     # (OLMo 2's and 3's layers are coda's since session 74)
@@ -190,7 +196,8 @@ def layer_options(hf_layer, config) -> dict:
     whose weight scales in fp32 too: ``fp32_gains``), its QK-norm's span (``qk_norm``: per
     head, or OLMo's over the whole projections, by its weight's length) and whether
     it norms each sublayer's output (``post_norms``: Gemma 2's, 3's and GLM-4's four norms;
-    EXAONE 4's two, without norms before the sublayers: ``pre_norms`` False), each norm's
+    EXAONE 4's two, without norms before the sublayers: ``pre_norms`` False), each sublayer
+    output's multiplier before its residual add (``residual_scale``: Granite's), each norm's
     rounding (QK-norm's too) held against coda's form of it bitwise
     (``_hf_forward.check_final_norm``), every one with the config's epsilon."""
     pre = hasattr(hf_layer, "input_layernorm")  # (EXAONE 4's: none before either sublayer)
@@ -215,6 +222,7 @@ def layer_options(hf_layer, config) -> dict:
         "qk_norm": qk_norm_span(hf_layer.self_attn),
         "post_norms": post,
         "pre_norms": pre,
+        "residual_scale": float(getattr(hf_layer, "residual_multiplier", 1.0)),  # (Granite's)
     }
 
 

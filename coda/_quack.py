@@ -114,6 +114,7 @@ def op_classes():
     """The quack EpiOp classes a primitive lowers onto, by coda primitive family."""
     ops = _modules()["ops"]
     return {
+        "Scalar": ops.Scalar,
         "RowLoad": ops.RowVecLoad,
         "ColLoad": ops.ColVecLoad,
         "TileLoad": ops.TileLoad,

@@ -13,6 +13,7 @@ reduction. Per layer (x0 in, x2 out; "epi" = in the GEMM's epilogue):
     A1   r1 from F3's partials                    row kernel
     F4   s = SwiGLU(r1 * (a1 @ W_il)), u kept     epi: row scale, SwiGLU (or GeGLU), u
     F5   x2 = x1 + s @ W_d                        epi: residual (the next layer's F0 is its norm)
+                                                  [F3, F5: a branch multiplier c, x + c acc]
     B4   dz1, s = dSwiGLU(dx2 @ W_d^T)            epi: dSwiGLU, s again, the norm statistic
     B5   dW_d = s^T dx2                           cuBLAS
     A6   corr1 from B4's partials                 row kernel
@@ -89,6 +90,7 @@ class LayerDims:
     eps: float
     rope_base: float
     activation: str = "silu"  # the MLP's gated activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU)
+    residual_scale: float = 1.0  # each branch's multiplier before its residual add (Granite's)
 
 
 def sdpa_causal(q, k, v):
@@ -293,32 +295,35 @@ class AttentionOutput(torch.autograd.Function):
     """F3 + A1 / B8 + B9: O projection + residual, with the next norm's statistics and
     x1 * gamma2 in its epilogue. Returns (x1, a1, r1); a1 and r1 feed the MLP's GEMM and carry
     no gradient of their own (the MLP's backward takes the norm's backward whole, B6).
-    ``bias_o``: the O projection's bias (d,) (Llama's ``attention_bias=True``), or None."""
+    ``bias_o``: the O projection's bias (d,) (Llama's ``attention_bias=True``), or None.
+    ``scale``: the branch's multiplier c, x1 = x0 + c (o @ W_o) (Granite's; not with a bias);
+    the backward scales dx1 by c once, rounded as HF's layer rounds it, for both GEMMs."""
 
     @staticmethod
-    def forward(ctx, o, w_o, x0, g2, eps: float, bias_o=None):
+    def forward(ctx, o, w_o, x0, g2, eps: float, bias_o=None, scale: float = 1.0):
         M, K = o.shape
-        x1, a1, r1 = lib.gemm_residual_rms(
-            o, w_o, x0, g2, eps, config_for("residual", M, K, w_o.shape[1]), bias_o
-        )
+        cfg = config_for("residual", M, K, w_o.shape[1])
+        x1, a1, r1 = lib.gemm_residual_rms(o, w_o, x0, g2, eps, cfg, bias_o, scale)
         ctx.mark_non_differentiable(a1, r1)
         # no zero gradients for a1 and r1: autograd would otherwise fill an (M, d) and an (M,)
         # tensor of zeros for them at every backward (0.36 ms of a Llama-1B step, run 116)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(o, w_o)
+        ctx.scale = scale
         return x1, a1, r1
 
     @staticmethod
     def backward(ctx, dx1, _da1, _dr1):
         differentiable_once("AttentionOutput")
         if dx1 is None:  # x1 did not reach the loss
-            return None, None, None, None, None, None
+            return (None,) * 7
         o, w_o = ctx.saved_tensors
         dx1 = dx1.contiguous()
-        do = dx1 @ w_o.t()  # B8
-        dw_o = wgrad(o, dx1) if ctx.needs_input_grad[1] else None  # B9 (W_o frozen: none)
-        db_o = dx1.sum(0) if ctx.needs_input_grad[5] else None  # (fp32 accumulation)
-        return do, dw_o, dx1, None, None, db_o  # dx1 is also the residual's gradient (to x0)
+        dy = dx1 if ctx.scale == 1.0 else dx1 * ctx.scale  # the projection's output gradient
+        do = dy @ w_o.t()  # B8
+        dw_o = wgrad(o, dy) if ctx.needs_input_grad[1] else None  # B9 (W_o frozen: none)
+        db_o = dy.sum(0) if ctx.needs_input_grad[5] else None  # (fp32 accumulation)
+        return do, dw_o, dx1, None, None, db_o, None  # dx1: the residual's gradient (to x0)
 
 
 class MLP(torch.autograd.Function):
@@ -330,18 +335,21 @@ class MLP(torch.autograd.Function):
     and the two weight gradients.
     ``rows``: the output's leading dimensions, (batch, seq): the layer's output is a tensor of
     its own, not a view (FSDP2 warns of a module output that is a view: an in-place op on it
-    would skip the pre-backward hook)."""
+    would skip the pre-backward hook). ``scale``: the branch's multiplier, as
+    ``AttentionOutput``'s."""
 
     @staticmethod
-    def forward(ctx, x1, a1, r1, g2, w_il, w_d, rows: tuple, train: bool, activation="silu"):
+    def forward(
+        ctx, x1, a1, r1, g2, w_il, w_d, rows: tuple, train: bool, activation="silu", scale=1.0
+    ):
         M, d = x1.shape
         f = w_d.shape[0]
         s, u = gated_up(a1, r1, w_il, train, activation)
         # F5: the residual add alone (no statistic): this boundary's norm is the next
         # layer's F0, which computes its own
-        x2 = lib.gemm_residual_add(s, w_d, x1, config_for("residual", M, f, d), rows)
+        x2 = lib.gemm_residual_add(s, w_d, x1, config_for("residual", M, f, d), rows, scale)
         ctx.save_for_backward(x1, r1, u, g2, w_il, w_d)
-        ctx.activation = activation
+        ctx.activation, ctx.scale = activation, scale
         return x2
 
     @staticmethod
@@ -350,8 +358,11 @@ class MLP(torch.autograd.Function):
         x1, r1, u, g2, w_il, w_d = ctx.saved_tensors
         dx2 = dx2.reshape(x1.shape).contiguous()
         want = ctx.needs_input_grad[4:6]
-        dx1, dg2, dw_il, dw_d = mlp_grads(x1, r1, u, g2, w_il, w_d, dx2, dx2, ctx.activation, want)
-        return dx1, None, None, dg2, dw_il, dw_d, None, None, None
+        d_down = dx2 if ctx.scale == 1.0 else dx2 * ctx.scale
+        dx1, dg2, dw_il, dw_d = mlp_grads(
+            x1, r1, u, g2, w_il, w_d, d_down, dx2, ctx.activation, want
+        )
+        return dx1, None, None, dg2, dw_il, dw_d, None, None, None, None
 
 
 def gated_up(a1, r1, w_il, train: bool, activation: str):
@@ -414,9 +425,11 @@ def decoder_layer(
     o, x0_residual = attention_block(
         x0, g1, w_qkv, positions, dims, attention, freq, qk_norm, qkv_bias, sect
     )
-    x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps, o_bias)
+    c = dims.residual_scale
+    x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps, o_bias, c)
     train = backward_can_follow(x1, a1, r1, g2, w_il, w_d)  # (attention may own weights)
-    return MLP.apply(x1, a1, r1, g2, w_il, w_d, (dims.batch, dims.seq), train, dims.activation)
+    rows = (dims.batch, dims.seq)
+    return MLP.apply(x1, a1, r1, g2, w_il, w_d, rows, train, dims.activation, c)
 
 
 def attention_block(

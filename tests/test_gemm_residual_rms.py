@@ -63,6 +63,27 @@ def test_statistic_free_program_is_the_residual_gemm(seed, config):
     assert rel_err(h, gemm_residual_rms_ref(x, w, res, None, 1e-5)[0]) < 1e-14
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("stats", [True, False], ids=["normed", "plain"])
+def test_scaled_branch_programs_are_the_residual_plus_the_scaled_product(seed, stats):
+    """``scale`` c (Granite's residual multiplier): h = residual + c (x @ w), with the
+    normed output and its statistic (F3) or alone (F5), through the interpreter on a ragged
+    tile grid; c = 1 runs the unscaled programs."""
+    d = random_dims(seed, M=(1, 300), K=(1, 40), N=(1, 420))
+    x, w, res, gamma = inputs(d["M"], d["K"], d["N"], seed=seed)
+    gamma = gamma if stats else None
+    c = 0.22
+    h, a, parts = kern.epilogue_gemm(x, w, res, gamma, SMALL, stats=stats, scale=c)
+    h_ref, a_ref, r_ref = gemm_residual_rms_ref(c * x, w, res, gamma, 1e-5)
+    assert rel_err(h, h_ref) < 1e-14
+    assert rel_err(h, gemm_residual_rms_ref(x, w, res, gamma, 1e-5)[0]) > 0.05  # (c applied)
+    if stats:
+        assert rel_err(a, a_ref) < 1e-14
+        assert rel_err(parts, sumsq_partials_ref(h_ref, SMALL.tile_n)) < 1e-13
+    plain = kern.program_for(gamma, stats)
+    assert kern.program_for(gamma, stats, scaled=True) is not plain
+
+
 def test_public_op_reference_path_on_cpu():
     x, w, res, gamma = inputs(37, 24, 56, dtype=torch.bfloat16)
     out = coda.gemm_residual_rms(x, w, res, gamma, eps=1e-6)
@@ -129,6 +150,16 @@ def test_an_fp32_gain_compiles_for_sm90():
 def test_statistic_free_program_compiles_for_sm90():
     assert kern.compile_gemm_residual_rms(256, 520, gamma=False, stats=False) in (0, 1)
     assert kern.compile_gemm_residual_rms(512, 1032, gamma=False, stats=False, m=1000) == 0
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("stats", [True, False], ids=["normed", "plain"])
+def test_scaled_branch_programs_compile_for_sm90(stats):
+    """The scaled-branch programs (F3 with the gain and statistic, F5 without): c is a launch
+    argument, so another value (and another size) reuses the compiled kernel."""
+    kw = dict(gamma=stats, stats=stats)
+    assert kern.compile_gemm_residual_rms(256, 520, scale=0.22, **kw) in (0, 1)
+    assert kern.compile_gemm_residual_rms(512, 1032, m=1000, scale=0.5, **kw) == 0
 
 
 # -- bad input ------------------------------------------------------------------------------

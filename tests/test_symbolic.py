@@ -228,6 +228,18 @@ def test_residual_norm_epilogue_defers_rmsnorm_to_a_row_scale():
         assert same(col["D"], hb[j]) and same(rstd * col["normed"], hb[j] / rms * gamma[j])
     plain = evaluate(grr.residual_bias_sumsq, acc=acc[0], c=c[0], bias=b[0])
     assert same(plain["sumsq"], hb[0] ** 2) and same(plain["D"], hb[0])
+    # with a residual multiplier s (Granite's): h = s acc + c, the same norm of h
+    s = sp.Symbol("s", real=True)
+    hs = [s * acc[j] + c[j] for j in range(3)]
+    cols = [
+        evaluate(grr.scaled_residual_norm_sumsq, acc=acc[j], c=c[j], gamma=gamma[j], scale=s)
+        for j in range(3)
+    ]
+    rstd = (sum(col["sumsq"] for col in cols) / 3 + eps) ** sp.Rational(-1, 2)
+    rms = sp.sqrt(sum(x**2 for x in hs) / 3 + eps)
+    for j, col in enumerate(cols):
+        assert same(col["D"], hs[j]) and same(rstd * col["normed"], hs[j] / rms * gamma[j])
+    assert same(evaluate(grr.scaled_residual_add, acc=acc[0], c=c[0], scale=s)["D"], hs[0])
 
 
 def test_norm_backward_epilogue_is_rmsnorm_backward_with_its_residual():
@@ -399,7 +411,8 @@ PROVEN = {
     "scaled_grad_dw", "rope_scaled_bias", "residual_bias_sumsq", "residual_bias_norm_sumsq",
     "capped_logits_lse_target", "capped_softmax_grad_logits", "mrope_scaled_bias",
     "_qk_norm_mrope", "_qk_norm_mrope_keep_z", "capped_scaled_exp_logits", "geglu_keep_preact",
-    "geglu_only", "dgeglu_rescaled", "output_sumsq",
+    "geglu_only", "dgeglu_rescaled", "output_sumsq", "scaled_residual_norm_sumsq",
+    "scaled_residual_add",
 }  # fmt: skip
 
 

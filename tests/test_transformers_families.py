@@ -1,12 +1,12 @@
 """``apply_coda`` on the families whose decoder layer is Llama's with a per-layer sliding window
 (``layer_types``): Ministral (Ministral-8B) and CWM (Meta's Code World Model, Llama 3's RoPE
 scaling), or with q, k, v biases: Seed-OSS, or with GeGLU and 1 + w norms: Gemma, or GLM's,
-EXAONE 4's, ERNIE 4.5's and OLMo's layers, tiny and random, on the CPU in float64 on coda's
-reference path and its kernel path (the tile interpreter): logits, a training step with padding
-and with packed documents, greedy generation and the state dict as the unpatched model's; the
-window matters (the first layer's is 4 tokens against 13). Ministral 3 (a Llama 4 attention
-temperature that grows with the position, applied inside its attention module) is not taken, and
-says so."""
+EXAONE 4's, ERNIE 4.5's, OLMo's and Granite's layers, tiny and random, on the CPU in float64
+on coda's reference path and its kernel path (the tile interpreter): logits, a training step
+with padding and with packed documents, greedy generation and the state dict as the unpatched
+model's; the window matters (the first layer's is 4 tokens against 13). Ministral 3 (a Llama 4
+attention temperature that grows with the position, applied inside its attention module) is not
+taken, and says so."""
 
 from __future__ import annotations
 
@@ -174,6 +174,21 @@ def test_olmo_layers_behave_as_unpatched_float64(family, coda_path):
     assert layers[0].q_norm.shape == hf.q_norm.weight.shape == (cfg.num_attention_heads * 12,)
     if family == "olmo3":
         assert [la.self_attn.sliding_window for la in layers] == [4, None]
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+
+
+def test_granite_layers_behave_as_unpatched_float64(coda_path):
+    """Granite (dense): Llama's layer with each sublayer's output times ``residual_multiplier``
+    before its residual add (``DecoderLayer(residual_scale=)``: F3's and F5's epilogues on the
+    kernel path) and the attention's scale ``attention_multiplier``; its embedding multiplier
+    and its ``logits_scaling`` (the loss's) as the model has them. Multipliers not powers of
+    two (Granite 3's 0.22 among them), so a lost or doubled one shows."""
+    cfg = tiny_config("granite", residual_multiplier=0.22, attention_multiplier=0.3, **coda_path)
+    ref, patched = pair(cfg)
+    layers = patched.model.layers
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+    assert {la.residual_scale for la in layers} == {0.22}
+    assert {la.self_attn.scaling for la in layers} == {0.3}
     assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
 
 

@@ -168,12 +168,13 @@ def _gemm_residual_rms(
     eps: float,
     cfg: list[int],
     bias: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _grr.gemm_residual_rms_kernel(x, w, res, gamma, eps, _gc(cfg), bias)
+    return _grr.gemm_residual_rms_kernel(x, w, res, gamma, eps, _gc(cfg), bias, scale)
 
 
 @_fake(_gemm_residual_rms)
-def _(x, w, res, gamma, eps, cfg, bias=None):
+def _(x, w, res, gamma, eps, cfg, bias=None, scale=1.0):
     M, N = x.shape[0], w.shape[1]
     return _empty(M, N, like=x), _empty(M, N, like=x), _empty(M, like=x, dtype=acc_dtype(x))
 
@@ -198,13 +199,19 @@ def _(x, w, res, cfg, bias=None):
 
 @torch.library.custom_op("coda::gemm_residual_add", mutates_args=())
 def _gemm_residual_add(
-    x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, cfg: list[int], rows: list[int]
+    x: torch.Tensor,
+    w: torch.Tensor,
+    res: torch.Tensor,
+    cfg: list[int],
+    rows: list[int],
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    return _grr.epilogue_gemm(x, w, res, None, _gc(cfg), stats=False, rows=tuple(rows))[0]
+    c = _gc(cfg)
+    return _grr.epilogue_gemm(x, w, res, None, c, stats=False, rows=tuple(rows), scale=scale)[0]
 
 
 @_fake(_gemm_residual_add)
-def _(x, w, res, cfg, rows):
+def _(x, w, res, cfg, rows, scale=1.0):
     return _empty(*(rows or [x.shape[0]]), w.shape[1], like=x)
 
 
@@ -517,8 +524,10 @@ gemm_qk_norm_rope_keep_z = _either(
         )
     ),  # fmt: skip
 )
-gemm_residual_rms = _either(  # bias: the projection's (N,), or None
-    lambda x, w, res, g, eps, c, bias=None: _gemm_residual_rms(x, w, res, g, eps, _cfg(c), bias),
+gemm_residual_rms = _either(  # bias: the projection's (N,), or None; scale: the branch's
+    lambda x, w, res, g, eps, c, bias=None, scale=1.0: _gemm_residual_rms(
+        x, w, res, g, eps, _cfg(c), bias, scale
+    ),
     _grr.gemm_residual_rms_kernel,
 )
 gemm_residual = _either(  # (h, sum-of-squares partials)
@@ -526,8 +535,12 @@ gemm_residual = _either(  # (h, sum-of-squares partials)
     lambda x, w, res, c, bias=None: _grr.epilogue_gemm(x, w, res, None, c, bias=bias)[::2],
 )
 gemm_residual_add = _either(  # h alone (no statistic), its leading dimensions ``rows``
-    lambda x, w, res, c, rows=(): _gemm_residual_add(x, w, res, _cfg(c), list(rows)),
-    lambda x, w, res, c, rows=(): _grr.epilogue_gemm(x, w, res, None, c, stats=False, rows=rows)[0],
+    lambda x, w, res, c, rows=(), scale=1.0: _gemm_residual_add(
+        x, w, res, _cfg(c), list(rows), scale
+    ),
+    lambda x, w, res, c, rows=(), scale=1.0: _grr.epilogue_gemm(
+        x, w, res, None, c, stats=False, rows=rows, scale=scale
+    )[0],
 )
 gemm_output_sumsq = _either(  # (y, its sum-of-squares partials): no residual
     lambda x, w, c: _gemm_output_sumsq(x, w, _cfg(c)),

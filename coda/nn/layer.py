@@ -104,7 +104,9 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
     (with ``post_norms``): no norms before the sublayers (EXAONE 4's layer; no
     ``attention_norm``, ``ffn_norm``). ``fp32_gains``: every norm (QK-norm's too) scales
     by its gain in fp32 before the one rounding (OLMo's norms: ``norm_offset`` 0 in
-    that form).
+    that form). ``residual_scale``: each sublayer's output times this multiplier before its
+    residual add (Granite's ``residual_multiplier``; in F3's and F5's epilogues, in fp32; with
+    the pre-norms alone, not with ``o_bias``).
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -116,7 +118,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
     RENAMED = {"g1": "attention_norm", "g2": "ffn_norm", "b_qkv": "bias_qkv", "b_o": "bias_o"}
     # (the defaults of layers pickled before LongRoPE, multimodal RoPE and GeGLU)
     _long_inv_freq = long_after = _mrope = None
-    activation, norm_offset, fp32_gains = "silu", 0.0, False
+    activation, norm_offset, fp32_gains, residual_scale = "silu", 0.0, False, 1.0
 
     def __init__(
         self,
@@ -143,9 +145,15 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         post_norms: bool = False,
         pre_norms: bool = True,
         fp32_gains: bool = False,
+        residual_scale: float = 1.0,
     ):
         super().__init__()
         self.activation = v.check_choice("activation", activation, GLU_ACTIVATIONS)
+        self.residual_scale = v.check_finite_number("residual_scale", residual_scale)
+        if residual_scale != 1.0 and (post_norms or o_bias):
+            raise v.CodaInputError(
+                "DecoderLayer: residual_scale with post_norms or o_bias is not supported"
+            )
         self.norm_offset = v.check_finite_number("norm_offset", norm_offset)
         self.fp32_gains = bool(fp32_gains)
         v.check_choice("qk_norm", qk_norm, (None, False, True, "head", "whole"))
@@ -255,6 +263,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         qk += ", post_norms=True" if self.post_norms else ""
         qk += ", pre_norms=False" if not self.pre_norms else ""
         qk += ", fp32_gains=True" if self.fp32_gains else ""
+        qk += f", residual_scale={self.residual_scale}" if self.residual_scale != 1.0 else ""
         return (
             f"d={self.d}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, ffn={self.ffn}{qk}"
@@ -321,6 +330,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
             self.eps,
             self.rope_base,
             self.activation,
+            self.residual_scale,
         )
 
     def forward(
@@ -490,6 +500,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
             self.eps,
             self.rope_base,
             self.activation,
+            self.residual_scale,
         )
         dtype = compute_dtype(x)
         x, w_qkv, w_o, w_il, w_d = in_dtype(dtype, x, self.w_qkv, self.w_o, self.w_il, self.w_d)

@@ -28,6 +28,7 @@ from coda.primitives.vocabulary import (  # noqa: F401
     OnlineLSE,
     RowLoad,
     RowPartials,
+    Scalar,
     ScaleA,
     TileC,
     TileLoad,

@@ -10,7 +10,9 @@ EW     ``mode``                 "element": ``acc`` is one accumulator value. "pa
                                 the pair of adjacent output columns (2j, 2j+1) (RoPE, SwiGLU);
                                 "widen": one ``acc`` value becomes a stored pair (dSwiGLU).
                                 The map itself is the body of ``fn`` (see ``primitives.math``).
-VEC    ``RowLoad(name)``        one value per output column, broadcast over rows (gamma)
+VEC    ``Scalar(name)``         one number for the whole GEMM, a host value passed at launch
+                                (a branch's residual multiplier: Granite's)
+       ``RowLoad(name)``        one value per output column, broadcast over rows (gamma)
        ``ColLoad(name)``        one value per output row, broadcast over columns (rstd, corr)
        ``ColSelect(name, idx)`` VEC-ST COL: out[m] = value at column idx[m] (target logit)
 TILE   ``TileC()``              the residual / saved tile as the GEMM's C operand (``c``)
@@ -98,7 +100,21 @@ class Primitive:
         buf.copy_(value)
 
 
-# -- VEC: rank-1 loads and stores ----------------------------------------------------------------
+# -- VEC: rank-0 and rank-1 loads and stores -----------------------------------------------------
+@dataclass(frozen=True)
+class Scalar(Primitive):
+    """VEC-LD of rank 0: one fp32 number for every element, given at launch as a Python
+    number (quack passes it as a kernel argument: a new value is no new compile)."""
+
+    family = "VEC"
+
+    def view(self, v, rows, cols, mode):
+        return float(v)
+
+    def host_args(self, operands, outputs):
+        return {self.name: float(operands[self.name])}
+
+
 @dataclass(frozen=True)
 class RowLoad(Primitive):
     """VEC-LD ROW: a length-N vector broadcast down the rows of every tile."""
@@ -448,7 +464,7 @@ class ScaleA:
         return full[:m, :k]
 
 
-INPUTS = (RowLoad, ColLoad, TileC, TileLoad, GroupRstd, TileMaxLog2)
+INPUTS = (Scalar, RowLoad, ColLoad, TileC, TileLoad, GroupRstd, TileMaxLog2)
 SINKS = (RowPartials, ColPartials, OnlineLSE, ColSelect)
 
 

@@ -67,6 +67,7 @@ class LayerShape:
     eps: float = 1e-5
     rope_base: float = 10000.0
     activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    residual_scale: float = 1.0  # each sublayer's output times it before its add (Granite's)
 
     @property
     def tokens(self) -> int:
@@ -131,7 +132,8 @@ def decoder_layer_ref(
     each sublayer their gains g_attn_out, g_ffn_out (d,); g1, g2 None: no norm before the
     sublayers, EXAONE 4's), differentiable by autograd: the
     reference path of ``coda.nn.DecoderLayer``. Same math as ``llama_layer_ref`` on the
-    converted weights ([I3.4-I3.7]); ``attention`` as in
+    converted weights ([I3.4-I3.7]); each sublayer's output times ``s.residual_scale``
+    before its add; ``attention`` as in
     ``attention_ref``; ``cs`` (M, hd), the RoPE table of every row (default from positions).
     Returns x2 (M, d), or (*rows, d) with ``rows`` (a tensor of its own, not a view)."""
     M, hd = x0.shape[0], s.head_dim
@@ -152,11 +154,15 @@ def decoder_layer_ref(
         o = o + w["bo"].to(o.dtype)
     if "g_attn_out" in w:  # Gemma 2's and 3's norm of the sublayer's output, before the add
         o = final_norm_ref(o, w["g_attn_out"], s.eps)
+    if s.residual_scale != 1.0:  # Granite's residual multiplier, rounded as HF's layer rounds
+        o = o * s.residual_scale
     x1 = x0 + o
     gu = _pre_norm_ref(x1, w["g2"], s.eps) @ w["w_il"]
     y = GLU_REFS[s.activation](gu[:, 0::2], gu[:, 1::2]) @ w["wd"]
     if "g_ffn_out" in w:
         y = final_norm_ref(y, w["g_ffn_out"], s.eps)
+    if s.residual_scale != 1.0:
+        y = y * s.residual_scale
     if rows:
         x1, y = x1.view(*rows, x1.shape[1]), y.view(*rows, y.shape[1])
     return x1 + y
