@@ -289,6 +289,24 @@ def test_kernel_error_protocol(M, K, N, with_gamma, with_bias):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", [(4096, 2048, 2048), (1000, 512, 1032)])
+@pytest.mark.parametrize("stats", [True, False], ids=["normed", "plain"])
+def test_scaled_branch_kernel_error_protocol(M, K, N, stats):
+    """The scaled-branch programs (Granite's residual multiplier c = 0.22) on the GPU: h and
+    the normed output no worse vs the fp32 reference than HF's bf16 form (the product
+    rounded, times c rounded, then the add)."""
+    x, w, res, gamma = inputs(M, K, N, dtype=torch.bfloat16, device="cuda", seed=M + 1)
+    gamma, c = (gamma if stats else None), 0.22
+    h, a, _ = kern.epilogue_gemm(x, w, res, gamma, DEFAULT, stats=stats, scale=c)
+    torch.cuda.synchronize()
+    ref = gemm_residual_rms_ref(c * x.float(), w.float(), res.float(), gamma)
+    peer_h = res + (x @ w) * c
+    assert_no_worse("h", h, ref[0], peer_h)
+    if stats:
+        assert_no_worse("normed", a, ref[1], peer_h * gamma)
+
+
+@pytest.mark.gpu
 def test_kernel_serves_any_m_without_recompiling():
     from coda import _quack
 
