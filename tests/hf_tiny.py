@@ -57,9 +57,10 @@ MOE_KW = {
     ),
     "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, head_dim=12, **_ROUTER),
 }
-# Granite's multipliers away from 1 (its released models' are): logits / 4 among them
+# Granite's multipliers away from 1 (its released models' are; the residual one Granite 3's 0.22,
+# not a power of two): logits / 4 among them
 GRANITE_KW = dict(
-    logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2
+    logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.22, attention_multiplier=0.2
 )
 MOE_KW["granitemoe"] = dict(num_local_experts=4, **_ROUTER, **GRANITE_KW)
 MOE_KW["granitemoeshared"] = dict(shared_intermediate_size=40, **MOE_KW["granitemoe"])
