@@ -64,7 +64,7 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     cfg = tiny_config(base, **{**shape, **extra.get(family, {})})
     torch.manual_seed(seed)
     ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
-    loss_only = type(ref).__name__ in ct.LOSS_ONLY  # (coda's loss, HF's layers: Granite's...)
+    loss_only = type(ref).__name__ in ct.LOSS_ONLY  # (coda's loss, HF's layers: GPT-OSS's...)
     gemma = type(ref.model.norm).__name__ in GEMMA_NORMS
     with torch.no_grad():  # Qwen2's biases (HF makes them 0), Gemma's norm weights w (HF's 0:
         for n, p in ref.named_parameters():  # a gain 1 + w of 1 would hide a rounded w)
@@ -136,8 +136,9 @@ def test_gpu_patched_model_protocol(family):
     sublayer only, QK-norm, a full layer without RoPE) / ERNIE 4.5 (RoPE on adjacent pairs) /
     OLMo 2 and OLMo 3 (EXAONE 4's norms, QK-norm over the whole q and k, every gain in fp32:
     coda's layers since session 74, the loss alone before) / Phi-4-mini (RoPE on 3/4 of each
-    head, LongRoPE), Granite, GPT-OSS and Qwen3-Next (the
-    loss alone: the final norm's fp32 gain, Granite's logits_scaling in it), and Llama with
+    head, LongRoPE) / Granite (residual multipliers in F3's and F5's epilogues: coda's layers
+    since session 75; its logits_scaling in the loss's final-norm gain), GPT-OSS and Qwen3-Next
+    (the loss alone: the final norm's fp32 gain), and Llama with
     Llama 3's, linear, YaRN and LongRoPE scaling (coda's kernels, HF's sdpa) against the
     unpatched bf16 model, both against a float64 copy: loss and every gradient no worse than the
     unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask.
