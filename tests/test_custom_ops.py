@@ -191,6 +191,16 @@ def test_opcheck_qk_norm_over_the_whole_projections():
     )
 
 
+def test_opcheck_with_a_residual_scale():
+    """F3 and F5 with a branch multiplier (Granite's): the scaled programs, a float argument."""
+    rms = (*op_samples()["gemm_residual_rms"][:-1], None, 0.22)
+    add = (*op_samples()["gemm_residual_add"], 0.22)
+    for name, args in (("gemm_residual_rms", rms), ("gemm_residual_add", add)):
+        torch.library.opcheck(
+            library.OPS[name], args, test_utils=("test_schema", "test_faketensor")
+        )
+
+
 @pytest.mark.parametrize("name", ["lm_head_stats", "lm_head_bwd"])
 def test_opcheck_with_a_logit_softcap(name):
     """The LM-head ops with a soft-cap (Gemma 2's): the capped programs."""
@@ -241,6 +251,7 @@ def test_every_op_is_sampled():
         ("scaled_exp", "biases"),  # q, k, v and o biases (Llama's attention_bias=True)
         ("scaled_exp", "gemma3"),  # norms after each sublayer, QK-norm, 1 + w gains, GeGLU
         ("scaled_exp", "olmo"),  # norms after each sublayer only, QK-norm over all of q, k
+        ("chunked", "granite"),  # each sublayer's output times 0.22 before its residual add
     ],
 )
 def test_compiled_kernel_path_equals_eager_float64(method, kind):
@@ -252,6 +263,8 @@ def test_compiled_kernel_path_equals_eager_float64(method, kind):
         flags = dict(qk_norm=True, post_norms=True, norm_offset=1.0, activation="gelu_tanh")
     if kind == "olmo":
         flags = dict(qk_norm="whole", post_norms=True, pre_norms=False, fp32_gains=True)
+    if kind == "granite":
+        flags = dict(residual_scale=0.22)
     layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64, **flags)
     if kind in ("gemma3", "olmo"):  # (gains away from their start: a lost gain would show)
         with torch.no_grad():

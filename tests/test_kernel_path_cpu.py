@@ -40,9 +40,12 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
     o_bias = seed in (0, 5, 8)
     activation = "gelu_tanh" if seed in (2, 3, 4, 7) else "silu"  # GeGLU's MLP, and SwiGLU's
     norm_offset = 1.0 if seed in (3, 6, 7) else 0.0  # Gemma's 1 + w gains
+    # seeds 1, 2, 6: a branch multiplier (Granite's residual_multiplier; not with an o bias)
+    residual_scale = {1: 0.22, 2: 3.0, 6: 0.7}.get(seed, 1.0)
     layer = cnn.DecoderLayer(
         d, H, Hkv, f, head_dim=hd, eps=eps, dtype=F64, qk_norm=qk_norm, qkv_bias=qkv_bias,
         o_bias=o_bias, activation=activation, norm_offset=norm_offset,
+        residual_scale=residual_scale,
     )  # fmt: skip
     with torch.no_grad():
         for gam in (layer.attention_norm, layer.ffn_norm, layer.q_norm, layer.k_norm):
@@ -61,6 +64,17 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
     names = ["x"] + [n for n, _ in layer.named_parameters()]
     for name, a, b in zip(names, g_k, g_r):
         assert rel_err(a, b, floor=floor) < 1e-11, name
+
+
+def test_a_residual_scale_coda_cannot_run_is_refused_named():
+    """A branch multiplier runs in the pre-norm layer's F3 / F5 epilogues: with norms after
+    the sublayers or an O-projection bias it is refused, as is a value that is no number."""
+    for bad in (dict(post_norms=True), dict(o_bias=True)):
+        with pytest.raises(coda.CodaInputError, match="residual_scale with post_norms or o_bias"):
+            cnn.DecoderLayer(16, 2, 1, 8, residual_scale=0.5, **bad)
+    with pytest.raises(coda.CodaInputError, match="residual_scale"):
+        cnn.DecoderLayer(16, 2, 1, 8, residual_scale=float("nan"))
+    assert "residual_scale=0.5" in repr(cnn.DecoderLayer(16, 2, 1, 8, residual_scale=0.5))
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

@@ -586,33 +586,13 @@ dqk_norm_rows = _either(_dqk_norm_rows, _qkp.dqk_norm_pass)
 qk_norm_rows = _either(_qk_norm_rows, _qkp.qk_norm_pass)
 
 
-# every op, for tests (opcheck) and reports
-OPS = {
-    "gemm_rope": _gemm_rope,
-    "gemm_rope_bias": _gemm_rope_bias,
-    "gemm_qk_norm_rope": _gemm_qk_norm_rope,
-    "gemm_qk_norm_rope_keep_z": _gemm_qk_norm_rope_keep_z,
-    "gemm_residual_rms": _gemm_residual_rms,
-    "gemm_residual": _gemm_residual,
-    "gemm_residual_add": _gemm_residual_add,
-    "gemm_output_sumsq": _gemm_output_sumsq,
-    "gemm_swiglu": _gemm_swiglu,
-    "gemm_scale_rows": _gemm_scale_rows,
-    "gemm_swiglu_only": _gemm_swiglu_only,
-    "lm_head_stats": _lm_head_stats,
-    "dswiglu": _dswiglu,
-    "norm_bwd": _norm_bwd,
-    "wgrad_gamma_rows": _wgrad_gamma_rows,
-    "lm_head_bwd": _lm_head_bwd,
-    "lm_head_chunked": _lm_head_chunked,
-    "lm_head_scaled": _lm_head_scaled,
-    "norm_rows": _norm_rows,
-    "post_norm_rows": _post_norm_rows,
-    "post_norm_next_rows": _post_norm_next_rows,
-    "post_norm_bwd_rows": _post_norm_bwd_rows,
-    "drope_rows": _drope_rows,
-    "drope_bias_rows": _drope_bias_rows,
-    "dqk_norm_rows": _dqk_norm_rows,
-    "qk_norm_rows": _qk_norm_rows,
-    "embedding_backward": _embedding_backward,
-}
+# every op, for tests (opcheck) and reports: each under its name, the function ``_<name>``
+_NAMES = (
+    "gemm_rope", "gemm_rope_bias", "gemm_qk_norm_rope", "gemm_qk_norm_rope_keep_z",
+    "gemm_residual_rms", "gemm_residual", "gemm_residual_add", "gemm_output_sumsq",
+    "gemm_swiglu", "gemm_scale_rows", "gemm_swiglu_only", "lm_head_stats", "dswiglu",
+    "norm_bwd", "wgrad_gamma_rows", "lm_head_bwd", "lm_head_chunked", "lm_head_scaled",
+    "norm_rows", "post_norm_rows", "post_norm_next_rows", "post_norm_bwd_rows", "drope_rows",
+    "drope_bias_rows", "dqk_norm_rows", "qk_norm_rows", "embedding_backward"
+)  # fmt: skip
+OPS = {name: globals()[f"_{name}"] for name in _NAMES}
