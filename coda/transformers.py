@@ -44,7 +44,8 @@ four norms under its own names, ``_hf_fused.GLM4_NORMS``), EXAONE 4 (norms after
 sublayer and none before, ``DecoderLayer(pre_norms=False)``; QK-norm; no RoPE on its full
 layers, ``_hf_families.global_nope``), ERNIE 4.5 (RoPE on adjacent pairs of whole heads),
 OLMo 2 and OLMo 3 (EXAONE 4's norms, a QK-norm over the whole q and k projections and every
-gain applied in fp32: ``qk_norm="whole"``, ``fp32_gains``) and SmolLM3 (its NoPE
+gain applied in fp32: ``qk_norm="whole"``, ``fp32_gains``), Granite (each sublayer's output
+times ``residual_multiplier`` in its residual epilogue: ``residual_scale``) and SmolLM3 (its NoPE
 layers rotate by zero frequencies, the identity; silu or GeGLU MLP, no biases but Qwen2's on q,
 k and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
 "llama3", "yarn" or "longrope" on whole heads or part of each (GLM's adjacent pairs,
@@ -52,9 +53,8 @@ Phi-4-mini's rotate-half ones: the others at frequency 0): a fixed set of invers
 taken from the model (LongRoPE's two, the long one for a call whose largest position reaches
 the original context, as HF's rotary module picks), YaRN's and LongRoPE's constant factor on
 cos and sin folded into the attention's scale (and taken back off a partial RoPE's unrotated
-dimensions); Qwen3's
-per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's epilogue,
-``coda.kernels.qk_norm`` and ``coda.kernels.gemm_rope``; Phi-3's fused ``qkv_proj`` and
+dimensions); Qwen3's per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's
+epilogue, ``coda.kernels.qk_norm`` and ``coda.kernels.gemm_rope``; Phi-3's fused ``qkv_proj`` and
 ``gate_up_proj`` are Llama's projections concatenated by rows, converted exactly
 (``coda._hf_fused``), its residual dropout 0 as in its released configs; Mistral's, Qwen2's,
 Qwen3's, Phi-3's and SmolLM3's sliding windows, when configured, keep the model's own masks and
@@ -64,9 +64,9 @@ stack patched, the task head and its loss HF's). ``apply_coda(model, layers=Fals
 only the training call's loss coda's: for layers with adapters, and for the models of
 ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE, whose router term it adds as their forward
 does (Gemma's final norm's gain 1 + w it keeps in fp32, Gemma 2's logit soft-capping in coda's
-loss too, with or without the layers); Granite, Granite-MoE and
-Granite-MoE-Shared, whose ``logits_scaling`` divides that gain; OLMoE, GPT-OSS (its final
-norm rounding as OLMo's, once, after its weight in fp32), MiniMax-M2, ERNIE
+loss too, with or without the layers); Granite-MoE and Granite-MoE-Shared, whose
+``logits_scaling`` divides that gain (Granite's too, with or without its layers); OLMoE,
+GPT-OSS (its final norm rounding as OLMo's, once, after its weight in fp32), MiniMax-M2, ERNIE
 4.5 MoE, Qwen3-Next and Qwen3.5 MoE (their router terms as Mixtral's; Qwen3-Next's and
 Qwen3.5's final norm scaling by 1 + w in fp32 as Gemma's), DeepSeek-V3, GLM-4.5, Llama 4
 (text), GLM-4, Apertus, Arcee, EXAONE 4, Qwen3.5, ERNIE 4.5 and Hunyuan (dense, MoE). Each
