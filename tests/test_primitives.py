@@ -13,6 +13,7 @@ from coda.primitives import (
     OnlineLSE,
     RowLoad,
     RowPartials,
+    Scalar,
     TileC,
     TileLoad,
     TileStore,
@@ -30,7 +31,7 @@ F64 = torch.float64
 
 
 @epilogue_program(
-    inputs=[TileC(), RowLoad("g"), ColLoad("s"), TileLoad("t")],
+    inputs=[TileC(), RowLoad("g"), ColLoad("s"), TileLoad("t"), Scalar("k")],
     stores=[TileStore("aux")],
     sinks=[
         RowPartials("rsum", scaled=True),
@@ -39,8 +40,8 @@ F64 = torch.float64
         ColSelect("picked", index="idx"),
     ],
 )
-def every_family(acc, c, g, s, t):
-    v = (acc + c) * g * s
+def every_family(acc, c, g, s, t, k):
+    v = (acc + c) * g * s * k
     return {"D": v, "aux": v * t, "rsum": (v, v), "csum": v * t, "lse": v, "picked": v + 1}
 
 
@@ -55,11 +56,11 @@ def test_interpreter_every_family(seed):
     out = interpret(
         every_family,
         acc,
-        {"c": c, "g": g, "s": s, "t": t, "idx": idx},
+        {"c": c, "g": g, "s": s, "t": t, "idx": idx, "k": -0.3},
         tile_m=dims["tm"],
         tile_n=dims["tn"],
     )
-    v = (acc + c) * g * s[:, None]
+    v = (acc + c) * g * s[:, None] * -0.3
     T_M = -(-M // dims["tm"])
     assert rel_err(out["D"], v) < 1e-14 and rel_err(out["aux"], v * t) < 1e-14
     assert out["rsum"].shape == (M, -(-N // dims["tn"]))
@@ -173,6 +174,7 @@ def test_every_family_lowers_and_compiles_for_sm90():
         "s": torch.empty(m, dtype=torch.float32),
         "t": torch.empty(m, n, dtype=bf),
         "idx": torch.zeros(m, dtype=torch.int64),
+        "k": 0.22,  # (a Python number: a launch argument)
     }
     t_m, t_n = DEFAULT.grid(m, n)
     outputs = {
