@@ -215,6 +215,12 @@ def layer_options(hf_layer, config) -> dict:
             )
     if forms - {"llama", "gemma", "fp32"} or len(forms) > 1:
         raise v.CodaInputError(f"apply_coda: layer norms of the forms {sorted(forms)}")
+    residual = float(getattr(hf_layer, "residual_multiplier", 1.0))  # (Granite's)
+    if residual != 1.0 and getattr(hf_layer.self_attn.o_proj, "bias", None) is not None:
+        raise v.CodaInputError(
+            f"apply_coda: layers.{hf_layer.self_attn.layer_idx}: residual_multiplier "
+            f"{residual} with an O-projection bias (attention_bias=True) is not supported"
+        )
     return {
         "activation": ACTIVATIONS[activation_name(config)],
         "norm_offset": 1.0 if "gemma" in forms else 0.0,
@@ -222,7 +228,7 @@ def layer_options(hf_layer, config) -> dict:
         "qk_norm": qk_norm_span(hf_layer.self_attn),
         "post_norms": post,
         "pre_norms": pre,
-        "residual_scale": float(getattr(hf_layer, "residual_multiplier", 1.0)),  # (Granite's)
+        "residual_scale": residual,
     }
 
 

@@ -190,6 +190,13 @@ def test_granite_layers_behave_as_unpatched_float64(coda_path):
     assert {la.residual_scale for la in layers} == {0.22}
     assert {la.self_attn.scaling for la in layers} == {0.3}
     assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+    # its attention_bias=True (biases on q, k, v and o): the O projection's bias with the
+    # multiplier is refused, named, nothing patched
+    biased = tiny_config("granite", attention_bias=True)
+    model = model_class(biased)(biased)
+    with pytest.raises(v.CodaInputError, match=r"layers.0: residual_multiplier 0.22 with an O-"):
+        ct.apply_coda(model)
+    assert type(model.model.layers[0]).__module__.startswith("transformers.")
 
 
 def test_ernie4_5_layers_behave_as_unpatched_float64(coda_path):
