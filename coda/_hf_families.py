@@ -17,6 +17,7 @@ import torch
 
 from coda import _validate as v
 from coda._hf_forward import check_final_norm, norm_epsilon, norm_form
+from coda._hf_fused import GLM4_NORMS
 
 SUPPORTED = (
     "LlamaForCausalLM",
@@ -79,6 +80,11 @@ SUPPORTED = (
     # its embedding multiplier stays the model's, its ``logits_scaling`` is the loss's
     "GraniteForCausalLM",
     "GraniteModel",
+    # Llama's layer with Qwen3's per-head QK-norm of the rotated q and k (under other names,
+    # ``QK_NORMS``: ``DecoderLayer(qk_norm_after_rope=True)``) and its RoPE's fixed NTK-alpha
+    # frequencies: Hunyuan's (dense)
+    "HunYuanDenseV1ForCausalLM",
+    "HunYuanDenseV1Model",
 )
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
@@ -117,8 +123,7 @@ LOSS_ONLY = {
     "ApertusForCausalLM": "a gateless xIELU MLP and a QK-norm",
     "ArceeForCausalLM": "a gateless ReLU^2 MLP",
     "Qwen3_5ForCausalLM": "linear-attention layers",
-    "HunYuanDenseV1ForCausalLM": "a QK-norm after RoPE",
-    "HunYuanMoEV1ForCausalLM": _MOE + " and a QK-norm after RoPE",
+    "HunYuanMoEV1ForCausalLM": _MOE,  # (Hunyuan's dense layers are coda's since session 75)
 }
 # vision-language models (a vision encoder feeding a text model's token embeddings) whose
 # training loss coda takes (``_hf_forward.vision_language_forward``), and whose text model's
@@ -163,7 +168,14 @@ MROPE_TEXT = ("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel")
 # (c R q) . (c R k) = c^2 (R q) . (R k); "longrope" (Phi-3.5's) has two such sets, the long one
 # for a call whose largest position reaches the original context (HF's rule), and YaRN's kind
 # of constant; "dynamic" recomputes its frequencies from the sequence length
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "ntk_alpha")
+# Hunyuan's NTK-alpha RoPE: a base stretched by a fixed ``alpha``, so fixed frequencies, which
+# its checkpoints label "dynamic" (transformers 5.2x's rotary module names it "ntk_alpha"; before
+# that, 5.17's kept "dynamic" and recomputed them past ``max_position_embeddings``, which coda
+# does not: it keeps them fixed, as the later module does)
+NTK_ALPHA = "ntk_alpha"
+# an HF attention module's QK-norm modules (q's, k's): Qwen3's (before RoPE); Hunyuan's (after)
+QK_NORMS = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"))
 
 
 # the MLP activations a patched layer takes (HF's ``hidden_act`` -> coda's ``activation``)
@@ -203,7 +215,7 @@ def layer_options(hf_layer, config) -> dict:
     pre = hasattr(hf_layer, "input_layernorm")  # (EXAONE 4's: none before either sublayer)
     post = any(hasattr(hf_layer, n) for n in ("post_feedforward_layernorm", "post_mlp_layernorm"))
     norms = [getattr(hf_layer, n, None) for n in LAYER_NORMS]  # (every one the layer has)
-    norms += [getattr(hf_layer.self_attn, n, None) for n in ("q_norm", "k_norm")]
+    norms += [getattr(hf_layer.self_attn, n) for n in qk_norm_names(hf_layer.self_attn)]
     forms = set()
     for norm in filter(None, norms):
         check_final_norm(norm)
@@ -229,17 +241,34 @@ def layer_options(hf_layer, config) -> dict:
         "post_norms": post,
         "pre_norms": pre,
         "residual_scale": residual,
+        "qk_norm_after_rope": qk_norm_names(hf_layer.self_attn) == QK_NORMS[1],  # (Hunyuan's)
     }
+
+
+def qk_norm_names(attn) -> tuple:
+    """The (q's, k's) QK-norm module names of an HF attention module (``QK_NORMS``), or ()."""
+    return next((names for names in QK_NORMS if hasattr(attn, names[0])), ())
+
+
+def hf_renames(hf_layer) -> dict:
+    """An HF layer's state-dict keys other than Llama's (Qwen3's, Gemma 2's) for the same
+    weights: GLM-4's norms (``_hf_fused.GLM4_NORMS``), Hunyuan's QK-norm."""
+    out = dict(GLM4_NORMS) if hasattr(hf_layer, "post_mlp_layernorm") else {}
+    names = qk_norm_names(hf_layer.self_attn)
+    if names and names != QK_NORMS[0]:
+        out.update({f"self_attn.{a}.weight": f"self_attn.{b}.weight" for a, b in zip(*QK_NORMS)})
+    return out
 
 
 def qk_norm_span(attn):
     """An HF attention module's QK-norm as ``DecoderLayer(qk_norm=)`` takes it: False (none),
     "head" (a weight of head_dim: Qwen3's, one per head) or "whole" (a weight of all the
     heads': OLMo's, over the whole q and k projections)."""
-    if not hasattr(attn, "q_norm"):
+    names = qk_norm_names(attn)
+    if not names:
         return False
     hd = attn.head_dim
-    q, k = (getattr(attn, n).weight.shape[0] for n in ("q_norm", "k_norm"))
+    q, k = (getattr(attn, n).weight.shape[0] for n in names)
     if (q, k) == (hd, hd):
         return "head"
     if q % hd or k % hd:  # (whole heads: the exact lengths are checked as the weights load)
@@ -281,7 +310,7 @@ def check_config(config, rotary) -> None:
         (act in ACTIVATIONS, f"{key}={act!r}"),
         (not getattr(config, "mlp_bias", False), "mlp_bias=True"),
         (getattr(config, "pretraining_tp", 1) == 1, "pretraining_tp != 1"),
-        (rotary.rope_type in ROPE_TYPES, f"rope_type={rotary.rope_type!r}"),
+        (rope_type(rotary, config) in ROPE_TYPES, f"rope_type={rotary.rope_type!r}"),
         # Phi-3's and Seed-OSS's dropout on each residual branch (0 in Phi-3's released
         # configs; Seed-OSS's 0.1: set it to 0 to patch)
         (
@@ -296,6 +325,13 @@ def check_config(config, rotary) -> None:
     for ok, what in rules:
         if not ok:
             raise v.CodaInputError(f"apply_coda: {what} is not supported")
+
+
+def rope_type(rotary, config) -> str:
+    """A rotary module's RoPE type, "ntk_alpha" for Hunyuan's "dynamic" one with a fixed
+    ``alpha`` (``NTK_ALPHA``)."""
+    alpha = (getattr(config, "rope_parameters", None) or {}).get("alpha")
+    return NTK_ALPHA if rotary.rope_type == "dynamic" and alpha else rotary.rope_type
 
 
 def mrope_sections(rotary) -> list | None:

@@ -91,6 +91,7 @@ class LayerDims:
     rope_base: float
     activation: str = "silu"  # the MLP's gated activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU)
     residual_scale: float = 1.0  # each branch's multiplier before its residual add (Granite's)
+    qk_norm_after_rope: bool = False  # the QK-norm of the rotated q and k (Hunyuan's)
 
 
 def sdpa_causal(q, k, v):
@@ -442,10 +443,18 @@ def attention_block(
     if freq is None:
         freq = cached_freq_table(hd, H + Hkv, Hkv, dims.rope_base, x0.device)
     if qk_norm is not None:
-        train = backward_can_follow(x0, g1, w_qkv, *qk_norm)
+        gains = qk_norm
+        if dims.qk_norm_after_rope:  # (Hunyuan's: the gains after RoPE, below)
+            ones = unit_rows(2 * hd, gains[0].dtype, x0.device)  # (two tensors: a trace
+            qk_norm = ones[:hd], ones[hd:]  # takes no Function input twice)
+        train = backward_can_follow(x0, g1, w_qkv, *gains)
         q, k, v, x0_residual = AttentionInputQKNorm.apply(
             x0, g1, w_qkv, *qk_norm, positions, freq, dims, train, sect
         )
+        if dims.qk_norm_after_rope:  # the norm of the rotated heads: a rotation keeps each
+            # head's sum of squares, so that is F1's norm at unit gains (before its RoPE),
+            # then the gains, each product rounded once (an fp32 gain's too)
+            q, k = (q * gains[0]).to(q.dtype), (k * gains[1]).to(k.dtype)
     elif qkv_bias is not None:
         train = backward_can_follow(x0, g1, w_qkv, qkv_bias)
         q, k, v, x0_residual = AttentionInputBias.apply(

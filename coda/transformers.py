@@ -33,33 +33,28 @@ Where that mask is provably the plain causal one (the caller gave no attention m
 positions, cache or cache positions; the layer has no sliding window), the patched model's
 sdpa layers pass no mask, as the eager step does.
 
-Supported (``SUPPORTED``): transformers 5.x ``...ForCausalLM`` / ``...Model`` of Llama,
-Mistral, Qwen2, Qwen3, Phi3, Ministral, Cwm, SeedOss (its residual dropout 0), Gemma (GeGLU,
-norms scaling by 1 + w in fp32: ``_hf_families.layer_options``), Gemma 2 and Gemma 3 text
-(also a norm after each sublayer, ``DecoderLayer(post_norms=True)``; Gemma 2's soft-capped
-attention logits by its own eager attention, Gemma 3's QK-norm and RoPE per layer type,
-``_hf_families.typed_rotary``), GLM and GLM-4 (RoPE on adjacent pairs of half of each head,
-``_hf_families.rope_pairs``: its other pairs at frequency 0; a fused ``gate_up_proj``; GLM-4's
-four norms under its own names, ``_hf_fused.GLM4_NORMS``), EXAONE 4 (norms after each
-sublayer and none before, ``DecoderLayer(pre_norms=False)``; QK-norm; no RoPE on its full
-layers, ``_hf_families.global_nope``), ERNIE 4.5 (RoPE on adjacent pairs of whole heads),
-OLMo 2 and OLMo 3 (EXAONE 4's norms, a QK-norm over the whole q and k projections and every
-gain applied in fp32: ``qk_norm="whole"``, ``fp32_gains``), Granite (each sublayer's output
-times ``residual_multiplier`` in its residual epilogue: ``residual_scale``) and SmolLM3 (its NoPE
-layers rotate by zero frequencies, the identity; silu or GeGLU MLP, no biases but Qwen2's on q,
-k and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear" or
-"llama3", "yarn" or "longrope" on whole heads or part of each (GLM's adjacent pairs,
-Phi-4-mini's rotate-half ones: the others at frequency 0): a fixed set of inverse frequencies,
-taken from the model (LongRoPE's two, the long one for a call whose largest position reaches
-the original context, as HF's rotary module picks), YaRN's and LongRoPE's constant factor on
-cos and sin folded into the attention's scale (and taken back off a partial RoPE's unrotated
-dimensions); Qwen3's per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's
-epilogue, ``coda.kernels.qk_norm`` and ``coda.kernels.gemm_rope``; Phi-3's fused ``qkv_proj`` and
-``gate_up_proj`` are Llama's projections concatenated by rows, converted exactly
-(``coda._hf_fused``), its residual dropout 0 as in its released configs; Mistral's, Qwen2's,
-Qwen3's, Phi-3's and SmolLM3's sliding windows, when configured, keep the model's own masks and
-window); and those families' ``...ForSequenceClassification`` (reward models),
-``...ForTokenClassification`` and ``...ForQuestionAnswering`` (``TASK_HEADS``: the decoder
+Supported (``SUPPORTED``; each family's form beside its name there, and in
+docs/HUGGINGFACE.md): transformers 5.x ``...ForCausalLM`` / ``...Model`` of Llama, Mistral,
+Qwen2, Qwen3, Phi3, SmolLM3, Ministral, Cwm, SeedOss, Gemma, Gemma 2 and Gemma 3 text, GLM
+and GLM-4, EXAONE 4, ERNIE 4.5, OLMo 2 and OLMo 3, Granite and Hunyuan (dense): Llama's
+layer with the options ``_hf_families.layer_options`` reads from the HF layer (GeGLU, norms
+scaling by 1 + w in fp32 or by w in fp32, norms after each sublayer with or without norms
+before, a QK-norm per head before or after RoPE or over the whole q and k, branch
+multipliers), no biases but Qwen2's on q, k and v and Llama's ``attention_bias=True`` ones on
+q, k, v and o, RoPE "default", "linear", "llama3", "yarn", "longrope" or Hunyuan's fixed
+NTK-alpha on whole heads or part of each (GLM's adjacent pairs, Phi-4-mini's rotate-half
+ones: the others at frequency 0; SmolLM3's NoPE layers and EXAONE 4's full ones at frequency
+0 throughout): a fixed set of inverse frequencies taken from the model (LongRoPE's two, the
+long one for a call whose largest position reaches the original context, as HF's rotary
+module picks), YaRN's and LongRoPE's constant factor on cos and sin folded into the
+attention's scale (and taken back off a partial RoPE's unrotated dimensions); Qwen3's
+per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's epilogue
+(``coda.kernels.qk_norm``, ``coda.kernels.gemm_rope``); fused projections (Phi-3's, GLM's)
+and other weight names (GLM-4's norms, Hunyuan's QK-norm) convert exactly
+(``coda._hf_fused``); residual dropout must be 0 (Phi-3's and Seed-OSS's); sliding
+windows keep the model's own masks and window; and those families'
+``...ForSequenceClassification`` (reward models), ``...ForTokenClassification`` and
+``...ForQuestionAnswering`` (``TASK_HEADS``: the decoder
 stack patched, the task head and its loss HF's). ``apply_coda(model, layers=False)`` makes
 only the training call's loss coda's: for layers with adapters, and for the models of
 ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE, whose router term it adds as their forward
@@ -110,9 +105,11 @@ from coda._hf_families import (
     check_mlp_biases,
     fused_projections,
     global_nope,
+    hf_renames,
     layer_options,
     layer_type,
     mrope_sections,
+    qk_norm_names,
     rope_arguments,
     rope_pairs,
     sliding_window,
@@ -144,7 +141,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         attn = hf_layer.self_attn
         where = f"layers.{attn.layer_idx}"
         check_linears(hf_layer, where)
-        qk_norm = hasattr(attn, "q_norm")
+        qk_norm = qk_norm_names(attn)  # (Qwen3's names, or Hunyuan's)
         fused = fused_projections(hf_layer, where)
         check_mlp_biases(hf_layer, where)
         qkv_bias, o_bias = attention_biases(attn, where)
@@ -184,7 +181,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         partial = 0 if adjacent or rotated in (None, attn.head_dim) else rotated
         self.hf_form = _hf_fused.Form(
             fused,
-            _hf_fused.GLM4_NORMS if hasattr(hf_layer, "post_mlp_layernorm") else {},
+            hf_renames(hf_layer),  # (GLM-4's norms, Hunyuan's QK-norm)
             heads if adjacent or partial else None,
             partial,
         )
@@ -197,7 +194,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         self._keep_frozen(hf_layer, where)
         split = ("q_proj", "k_proj", "v_proj")
         names = (("qkv_proj",) if "self_attn.qkv_proj.weight" in fused else split) + ("o_proj",)
-        for name in names + (("q_norm", "k_norm") if qk_norm else ()):
+        for name in names + qk_norm:
             delattr(attn, name)  # the weights live in w_qkv / w_o / q_norm / k_norm now
         self.self_attn = attn
         self.mask_hint = mask_hint  # the model's one ``MaskHint``, shared by its layers

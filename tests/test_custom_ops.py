@@ -252,6 +252,7 @@ def test_every_op_is_sampled():
         ("scaled_exp", "gemma3"),  # norms after each sublayer, QK-norm, 1 + w gains, GeGLU
         ("scaled_exp", "olmo"),  # norms after each sublayer only, QK-norm over all of q, k
         ("chunked", "granite"),  # each sublayer's output times 0.22 before its residual add
+        ("recompute", "hunyuan"),  # the QK-norm of the rotated q and k
     ],
 )
 def test_compiled_kernel_path_equals_eager_float64(method, kind):
@@ -265,8 +266,10 @@ def test_compiled_kernel_path_equals_eager_float64(method, kind):
         flags = dict(qk_norm="whole", post_norms=True, pre_norms=False, fp32_gains=True)
     if kind == "granite":
         flags = dict(residual_scale=0.22)
+    if kind == "hunyuan":
+        flags = dict(qk_norm=True, qk_norm_after_rope=True)
     layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64, **flags)
-    if kind in ("gemma3", "olmo"):  # (gains away from their start: a lost gain would show)
+    if kind in ("gemma3", "olmo", "hunyuan"):  # (gains away from their start: a lost one shows)
         with torch.no_grad():
             for p in (*layer._norm_gains(), layer.q_norm, layer.k_norm):
                 p.normal_(0.0, 0.3)

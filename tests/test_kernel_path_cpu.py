@@ -42,10 +42,11 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
     norm_offset = 1.0 if seed in (3, 6, 7) else 0.0  # Gemma's 1 + w gains
     # seeds 1, 2, 6: a branch multiplier (Granite's residual_multiplier; not with an o bias)
     residual_scale = {1: 0.22, 2: 3.0, 6: 0.7}.get(seed, 1.0)
+    after_rope = seed in (4, 7)  # the QK-norm of the rotated heads (Hunyuan's)
     layer = cnn.DecoderLayer(
         d, H, Hkv, f, head_dim=hd, eps=eps, dtype=F64, qk_norm=qk_norm, qkv_bias=qkv_bias,
         o_bias=o_bias, activation=activation, norm_offset=norm_offset,
-        residual_scale=residual_scale,
+        residual_scale=residual_scale, qk_norm_after_rope=after_rope,
     )  # fmt: skip
     with torch.no_grad():
         for gam in (layer.attention_norm, layer.ffn_norm, layer.q_norm, layer.k_norm):
@@ -75,6 +76,8 @@ def test_a_residual_scale_coda_cannot_run_is_refused_named():
     with pytest.raises(coda.CodaInputError, match="residual_scale"):
         cnn.DecoderLayer(16, 2, 1, 8, residual_scale=float("nan"))
     assert "residual_scale=0.5" in repr(cnn.DecoderLayer(16, 2, 1, 8, residual_scale=0.5))
+    with pytest.raises(coda.CodaInputError, match="qk_norm_after_rope needs qk_norm='head'"):
+        cnn.DecoderLayer(16, 2, 1, 8, qk_norm="whole", qk_norm_after_rope=True)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

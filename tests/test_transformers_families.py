@@ -199,6 +199,29 @@ def test_granite_layers_behave_as_unpatched_float64(coda_path):
     assert type(model.model.layers[0]).__module__.startswith("transformers.")
 
 
+@pytest.mark.parametrize("rope", ["default", "ntk_alpha"])
+def test_hunyuan_dense_layers_behave_as_unpatched_float64(rope, coda_path):
+    """Hunyuan (dense): Llama's layer with a per-head QK-norm of the rotated q and k
+    (``query_layernorm`` / ``key_layernorm``: ``DecoderLayer(qk_norm_after_rope=True)``: F1's
+    norm at unit gains, then the gains, as a rotation keeps each head's sum of squares),
+    with the default RoPE and with its checkpoints' "dynamic" RoPE of a fixed ``alpha``
+    (fixed NTK-alpha frequencies); head_dim 12 runs F1's row pass, 32 its epilogue."""
+    ntk = {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0}
+    for hd in (12, 32):
+        kw = {"rope_parameters": ntk} if rope == "ntk_alpha" else {}
+        cfg = tiny_config("hunyuan_dense", head_dim=hd, **kw, **coda_path)
+        ref, patched = pair(cfg)  # (every norm's gain away from 1: ``pair``)
+        layers = patched.model.layers
+        assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+        assert {(la.qk_norm_span, la.qk_norm_after_rope) for la in layers} == {("head", True)}
+        hf = ref.model.layers[0].self_attn
+        want = ref.model.rotary_emb.inv_freq.double()
+        assert torch.allclose(layers[0]._inv_freq[: want.numel()], want, rtol=1e-6)
+        assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+        assert set(patched.model.layers[0].state_dict()) >= {"self_attn.query_layernorm.weight"}
+        assert hf.query_layernorm.weight.shape == (hd,)
+
+
 def test_ernie4_5_layers_behave_as_unpatched_float64(coda_path):
     """ERNIE 4.5 (dense): Llama's layer rotating adjacent pairs (2i, 2i + 1) of whole heads
     (GLM's order, read from its ``rotate_half``: its q and k rows kept as they are), tied

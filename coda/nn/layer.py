@@ -106,7 +106,8 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
     by its gain in fp32 before the one rounding (OLMo's norms: ``norm_offset`` 0 in
     that form). ``residual_scale``: each sublayer's output times this multiplier before its
     residual add (Granite's ``residual_multiplier``; in F3's and F5's epilogues, in fp32; with
-    the pre-norms alone, not with ``o_bias``).
+    the pre-norms alone, not with ``o_bias``). ``qk_norm_after_rope``: the per-head QK-norm
+    norms the rotated q and k (Hunyuan's; with ``qk_norm`` "head").
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -119,6 +120,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
     # (the defaults of layers pickled before LongRoPE, multimodal RoPE and GeGLU)
     _long_inv_freq = long_after = _mrope = None
     activation, norm_offset, fp32_gains, residual_scale = "silu", 0.0, False, 1.0
+    qk_norm_after_rope = False
 
     def __init__(
         self,
@@ -146,6 +148,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         pre_norms: bool = True,
         fp32_gains: bool = False,
         residual_scale: float = 1.0,
+        qk_norm_after_rope: bool = False,
     ):
         super().__init__()
         self.activation = v.check_choice("activation", activation, GLU_ACTIVATIONS)
@@ -158,6 +161,9 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         self.fp32_gains = bool(fp32_gains)
         v.check_choice("qk_norm", qk_norm, (None, False, True, "head", "whole"))
         qk_norm = "head" if qk_norm is True else qk_norm or False  # (True: Qwen3's)
+        self.qk_norm_after_rope = bool(qk_norm_after_rope)
+        if qk_norm_after_rope and qk_norm != "head":
+            raise v.CodaInputError("DecoderLayer: qk_norm_after_rope needs qk_norm='head'")
         if qk_norm and qkv_bias:
             raise v.CodaInputError("DecoderLayer: qk_norm and qkv_bias together are not supported")
         if not (pre_norms or post_norms):
@@ -264,6 +270,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         qk += ", pre_norms=False" if not self.pre_norms else ""
         qk += ", fp32_gains=True" if self.fp32_gains else ""
         qk += f", residual_scale={self.residual_scale}" if self.residual_scale != 1.0 else ""
+        qk += ", qk_norm_after_rope=True" if self.qk_norm_after_rope else ""
         return (
             f"d={self.d}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, ffn={self.ffn}{qk}"
@@ -331,6 +338,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
             self.rope_base,
             self.activation,
             self.residual_scale,
+            self.qk_norm_after_rope,
         )
 
     def forward(
@@ -501,6 +509,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
             self.rope_base,
             self.activation,
             self.residual_scale,
+            self.qk_norm_after_rope,
         )
         dtype = compute_dtype(x)
         x, w_qkv, w_o, w_il, w_d = in_dtype(dtype, x, self.w_qkv, self.w_o, self.w_il, self.w_d)

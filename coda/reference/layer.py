@@ -68,6 +68,7 @@ class LayerShape:
     rope_base: float = 10000.0
     activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     residual_scale: float = 1.0  # each sublayer's output times it before its add (Granite's)
+    qk_norm_after_rope: bool = False  # the QK-norm of the rotated q and k (Hunyuan's)
 
     @property
     def tokens(self) -> int:
@@ -146,9 +147,13 @@ def decoder_layer_ref(
     if "bqkv" in w:  # Qwen2's q, k, v biases (W_qkv's column order), added before RoPE in
         z = z + w["bqkv"].to(z.dtype)  # the product's dtype (a Linear's under autocast)
     q, k = z[:, :nq].reshape(M, s.heads, hd), z[:, nq : nq + nkv].reshape(M, s.kv_heads, hd)
-    if "q_norm" in w:  # Qwen3's per-head QK-norm, before RoPE (weights in adjacent order)
+    norm = "q_norm" in w  # Qwen3's per-head QK-norm (weights in adjacent order), before RoPE
+    if norm and not s.qk_norm_after_rope:
         q, k = head_rmsnorm_ref(q, w["q_norm"], s.eps), head_rmsnorm_ref(k, w["k_norm"], s.eps)
-    q, k = rope_adjacent_ref(q, cs).flatten(1), rope_adjacent_ref(k, cs).flatten(1)
+    q, k = rope_adjacent_ref(q, cs), rope_adjacent_ref(k, cs)
+    if norm and s.qk_norm_after_rope:  # Hunyuan's, of the rotated heads
+        q, k = head_rmsnorm_ref(q, w["q_norm"], s.eps), head_rmsnorm_ref(k, w["k_norm"], s.eps)
+    q, k = q.flatten(1), k.flatten(1)
     o = attention_ref(q, k, z[:, nq + nkv :], s, attention) @ w["wo"]
     if "bo" in w:  # the O projection's bias (Llama's attention_bias=True), a Linear's
         o = o + w["bo"].to(o.dtype)
