@@ -235,6 +235,29 @@ SHAPES = {
             pad_token_id=0,
         ),
     ),
+    # a Hunyuan-7B-like shape at 12 layers (``HunYuanDenseV1ForCausalLM``: Llama's layer with a
+    # per-head QK-norm of the rotated q and k, coda's since session 75; the NTK-alpha RoPE its
+    # checkpoints label "dynamic"), the vocabulary a multiple of 128
+    "hunyuan-7B-12L": (
+        "hunyuan_dense",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=12,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            rope_parameters={
+                "rope_type": "dynamic",
+                "rope_theta": 10000.0,
+                "alpha": 1000.0,
+                "factor": 1.0,
+            },
+            tie_word_embeddings=False,
+            pad_token_id=0,
+        ),
+    ),
     # Qwen2.5-VL-3B's text model (``Qwen2_5_VLForConditionalGeneration``, a 1-block vision
     # encoder that text-only batches leave idle): coda's layers (multimodal RoPE in the QKV
     # epilogue) and loss through the vision-language forward, V = 151936
@@ -269,7 +292,7 @@ SHAPES = {
 # (not in a default run: named in CODA_HF_SHAPES)
 ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B", "qwen2.5-vl-3B")
 ON_REQUEST += ("qwen3-vl-2B", "gemma-2B", "glm-4-9B-12L", "olmo-2-1B", "phi-4-mini")
-ON_REQUEST += ("granite-3-2B",)
+ON_REQUEST += ("granite-3-2B", "hunyuan-7B-12L")
 BATCH, SEQ = 4, 4096
 # shapes stepped at fewer tokens: Gemma 2's eager attention keeps (B, H, S, S) scores, capped
 # scores and probabilities for 26 layers, which at 4 x 4096 ran every variant out of an 80 GB
@@ -335,6 +358,7 @@ def build(family: str, shape: dict, device, dtype):
         "glm4": "Glm4",
         "olmo2": "Olmo2",
         "granite": "Granite",
+        "hunyuan_dense": "HunYuanDenseV1",
     }
     name = {**names, "gemma3": "Gemma3Text"}[family]
     cfg_cls = getattr(transformers, f"{name}Config")
