@@ -427,6 +427,7 @@ def decoder_layer(
         x0, g1, w_qkv, positions, dims, attention, freq, qk_norm, qkv_bias, sect
     )
     c = dims.residual_scale
+    root_float_use(c)  # (a float the Functions below read: see ``root_float_use``)
     x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps, o_bias, c)
     train = backward_can_follow(x1, a1, r1, g2, w_il, w_d)  # (attention may own weights)
     rows = (dims.batch, dims.seq)

@@ -152,7 +152,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
     ):
         super().__init__()
         self.activation = v.check_choice("activation", activation, GLU_ACTIVATIONS)
-        self.residual_scale = v.check_finite_number("residual_scale", residual_scale)
+        self.residual_scale = float(v.check_positive_number("residual_scale", residual_scale))
         if residual_scale != 1.0 and (post_norms or o_bias):
             raise v.CodaInputError(
                 "DecoderLayer: residual_scale with post_norms or o_bias is not supported"
