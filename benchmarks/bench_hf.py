@@ -239,7 +239,7 @@ SHAPES = {
     # per-head QK-norm of the rotated q and k, coda's since session 75; the NTK-alpha RoPE its
     # checkpoints label "dynamic"), the vocabulary a multiple of 128
     "hunyuan-7B-12L": (
-        "hunyuan_dense",
+        "hunyuan_v1_dense",
         dict(
             vocab_size=128256,
             hidden_size=4096,
@@ -358,7 +358,7 @@ def build(family: str, shape: dict, device, dtype):
         "glm4": "Glm4",
         "olmo2": "Olmo2",
         "granite": "Granite",
-        "hunyuan_dense": "HunYuanDenseV1",
+        "hunyuan_v1_dense": "HunYuanDenseV1",
     }
     name = {**names, "gemma3": "Gemma3Text"}[family]
     cfg_cls = getattr(transformers, f"{name}Config")
