@@ -85,6 +85,10 @@ SUPPORTED = (
     # frequencies: Hunyuan's (dense)
     "HunYuanDenseV1ForCausalLM",
     "HunYuanDenseV1Model",
+    # Llama's layer with an MLP without a gate, relu(x)^2 (``DecoderLayer(activation="relu2")``:
+    # W_il is ``up_proj`` alone): Arcee's (AFM)
+    "ArceeForCausalLM",
+    "ArceeModel",
 )
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
@@ -121,7 +125,6 @@ LOSS_ONLY = {
     "Glm4MoeForCausalLM": _MOE,
     "Llama4ForCausalLM": _MOE,
     "ApertusForCausalLM": "a gateless xIELU MLP and a QK-norm",
-    "ArceeForCausalLM": "a gateless ReLU^2 MLP",
     "Qwen3_5ForCausalLM": "linear-attention layers",
     "HunYuanMoEV1ForCausalLM": _MOE,  # (Hunyuan's dense layers are coda's since session 75)
 }
@@ -179,7 +182,7 @@ QK_NORMS = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"))
 
 
 # the MLP activations a patched layer takes (HF's ``hidden_act`` -> coda's ``activation``)
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2"}
 # HF attention modules whose forward hands their attention function ``softcap``, the
 # attention logits' soft cap (``attn_logit_softcapping``); Gemma 3's has the attribute but
 # passes no cap

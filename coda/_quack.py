@@ -103,6 +103,10 @@ def sigmoid(value):
     return _modules()["activation"].sigmoid(value)
 
 
+def relu(value):
+    return _modules()["activation"].relu(value)
+
+
 def sincos_turns(pos, freq):
     """(sin, cos) of pos * freq turns, freq a float-float pair (quack's RoPE angle math)."""
     rotary = _modules()["rotary"]

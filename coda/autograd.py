@@ -387,8 +387,8 @@ def mlp_grads(x1, r1, u, g2, w_il, w_d, d_down, dres, activation: str, want=(Tru
     dw_d = wgrad(s, d_down) if want[1] else None  # B5
     g, corr1 = _unnormed(x1, g2, norm_corr(r1, stat1, d))  # A6
     dx1, dg2 = lib.norm_bwd(
-        dz1, w_il, x1, g, corr1, dres, config_for("norm_bwd", M, 2 * f, d)
-    )  # B6 + A7
+        dz1, w_il, x1, g, corr1, dres, config_for("norm_bwd", M, w_il.shape[1], d)
+    )  # B6 + A7 (K: 2f, f without a gate)
     dw_il = lib.wgrad_gamma_rows(x1, dz1, g) if want[0] else None  # B7
     return dx1, None if g2 is None else dg2, dw_il, dw_d
 

@@ -191,6 +191,26 @@ def test_opcheck_qk_norm_over_the_whole_projections():
     )
 
 
+def test_opcheck_without_a_gate():
+    """F4's and B4's ops for an MLP without a gate (relu2): s as wide as W_il, u (M, f)."""
+    a, w, r, cfg, _ = op_samples()["gemm_swiglu"]
+    for name in ("gemm_swiglu", "gemm_swiglu_only"):
+        out = library.OPS[name](a, w, r, cfg, "relu2")
+        s = out[0] if isinstance(out, tuple) else out
+        assert s.shape == (a.shape[0], w.shape[1])
+        torch.library.opcheck(
+            library.OPS[name],
+            (a, w, r, cfg, "relu2"),
+            test_utils=("test_schema", "test_faketensor"),
+        )
+    dx, w_d, u, rstd, cfg, _ = op_samples()["dswiglu"]
+    u = u[:, : w_d.shape[0]].contiguous()  # (one column of u per column of s)
+    torch.library.opcheck(
+        library.OPS["dswiglu"], (dx, w_d, u, rstd, cfg, "relu2"),
+        test_utils=("test_schema", "test_faketensor"),
+    )  # fmt: skip
+
+
 def test_opcheck_with_a_residual_scale():
     """F3 and F5 with a branch multiplier (Granite's): the scaled programs, a float argument."""
     rms = (*op_samples()["gemm_residual_rms"][:-1], None, 0.22)
@@ -253,6 +273,7 @@ def test_every_op_is_sampled():
         ("scaled_exp", "olmo"),  # norms after each sublayer only, QK-norm over all of q, k
         ("chunked", "granite"),  # each sublayer's output times 0.22 before its residual add
         ("recompute", "hunyuan"),  # the QK-norm of the rotated q and k
+        ("scaled_exp", "arcee"),  # an MLP without a gate, relu(x)^2
     ],
 )
 def test_compiled_kernel_path_equals_eager_float64(method, kind):
@@ -268,6 +289,8 @@ def test_compiled_kernel_path_equals_eager_float64(method, kind):
         flags = dict(residual_scale=0.22)
     if kind == "hunyuan":
         flags = dict(qk_norm=True, qk_norm_after_rope=True)
+    if kind == "arcee":
+        flags = dict(activation="relu2")
     layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64, **flags)
     if kind in ("gemma3", "olmo", "hunyuan"):  # (gains away from their start: a lost one shows)
         with torch.no_grad():

@@ -68,6 +68,34 @@ def test_dswiglu_proof_fails_on_a_wrong_formula():
     assert not same(out["D"][0], ds * sp.diff(s, u_u))
 
 
+def test_relu2_stores_the_preactivation_and_the_square_of_relu_of_the_scaled_column():
+    """F4 without a gate (Arcee's relu2): s = relu(r acc)^2, u = acc, in both regimes of the
+    sign (r > 0: a norm's rstd; acc = +p or -p with p > 0, where relu is p or 0)."""
+    p, r = sp.symbols("p r", positive=True)
+    for acc, relu_z in ((p, r * p), (-p, 0)):
+        for program in (sw.relu2_keep_preact, sw.relu2_only):
+            assert same(evaluate(program, acc=acc, rstd=r)["s"], relu_z**2)
+        assert evaluate(sw.relu2_keep_preact, acc=acc, rstd=r)["D"] == acc
+
+
+def test_drelu2_is_the_gradient_of_the_forward_and_its_statistic_the_rstd_gradient():
+    """B4 without a gate: with s = relu(r u)^2 the forward (written per regime, u = +p or
+    -p) and ds the upstream gradient: D = ds ds/du, the recomputed s, and the row statistic
+    ds ds/dr, as for SwiGLU; and the proof fails on a wrong slope."""
+    ds = sp.Symbol("ds", real=True)
+    p, r = sp.symbols("p r", positive=True)
+    u = sp.Symbol("u", real=True)
+    for sign in (1, -1):
+        s = (r * u) ** 2 if sign > 0 else sp.Integer(0)  # relu(r u)^2 where u has this sign
+        out = evaluate(dsw.drelu2_rescaled, acc=ds, c=sign * p, rstd=r)
+        at = {u: sign * p}
+        assert same(out["D"], (ds * sp.diff(s, u)).subs(at))
+        assert same(out["s"], s.subs(at))
+        assert same(out["stat"], (ds * sp.diff(s, r)).subs(at))
+    out = evaluate(dsw.drelu2_rescaled, acc=ds, c=p, rstd=r)
+    assert not same(out["D"], ds * r * p)  # (the slope's factor 2 matters)
+
+
 @pytest.fixture
 def gelu_constants(monkeypatch):
     """GELU's tanh-form constants as symbols (K2 = 2 k, a), so that the GeGLU proofs are
@@ -412,7 +440,7 @@ PROVEN = {
     "capped_logits_lse_target", "capped_softmax_grad_logits", "mrope_scaled_bias",
     "_qk_norm_mrope", "_qk_norm_mrope_keep_z", "capped_scaled_exp_logits", "geglu_keep_preact",
     "geglu_only", "dgeglu_rescaled", "output_sumsq", "scaled_residual_norm_sumsq",
-    "scaled_residual_add",
+    "scaled_residual_add", "relu2_keep_preact", "relu2_only", "drelu2_rescaled",
 }  # fmt: skip
 
 

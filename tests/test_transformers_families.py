@@ -1,12 +1,12 @@
 """``apply_coda`` on the families whose decoder layer is Llama's with a per-layer sliding window
 (``layer_types``): Ministral (Ministral-8B) and CWM (Meta's Code World Model, Llama 3's RoPE
 scaling), or with q, k, v biases: Seed-OSS, or with GeGLU and 1 + w norms: Gemma, or GLM's,
-EXAONE 4's, ERNIE 4.5's, OLMo's and Granite's layers, tiny and random, on the CPU in float64
-on coda's reference path and its kernel path (the tile interpreter): logits, a training step
-with padding and with packed documents, greedy generation and the state dict as the unpatched
-model's; the window matters (the first layer's is 4 tokens against 13). Ministral 3 (a Llama 4
-attention temperature that grows with the position, applied inside its attention module) is not
-taken, and says so."""
+EXAONE 4's, ERNIE 4.5's, OLMo's, Granite's, Hunyuan's and Arcee's layers, tiny and random,
+on the CPU in float64 on coda's reference path and its kernel path (the tile interpreter):
+logits, a training step with padding and with packed documents, greedy generation and the
+state dict as the unpatched model's; the window matters (the first layer's is 4 tokens
+against 13). Ministral 3 (a Llama 4 attention temperature that grows with the position,
+applied inside its attention module) is not taken, and says so."""
 
 from __future__ import annotations
 
@@ -220,6 +220,20 @@ def test_hunyuan_dense_layers_behave_as_unpatched_float64(rope, coda_path):
         assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
         assert set(patched.model.layers[0].state_dict()) >= {"self_attn.query_layernorm.weight"}
         assert hf.query_layernorm.weight.shape == (hd,)
+
+
+def test_arcee_layers_behave_as_unpatched_float64(coda_path):
+    """Arcee (AFM): Llama's layer with an MLP without a gate, down(relu(up(x))^2)
+    (``DecoderLayer(activation="relu2")``, W_il = ``up_proj`` alone: relu^2 in F4's
+    epilogue, its slope in B4's)."""
+    cfg = tiny_config("arcee", **coda_path)
+    assert cfg.hidden_act == "relu2"
+    ref, patched = pair(cfg)
+    layers = patched.model.layers
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+    assert {la.activation for la in layers} == {"relu2"}
+    assert layers[0].w_il.shape == (cfg.hidden_size, cfg.intermediate_size)
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
 
 
 def test_ernie4_5_layers_behave_as_unpatched_float64(coda_path):

@@ -127,7 +127,7 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
     "family",
     ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
     + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4", "ernie4_5", "olmo3", "phi4-mini"]
-    + ["hunyuan_dense"]
+    + ["hunyuan_dense", "arcee"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):
@@ -137,7 +137,8 @@ def test_gpu_patched_model_protocol(family):
     sublayer only, QK-norm, a full layer without RoPE) / ERNIE 4.5 (RoPE on adjacent pairs) /
     OLMo 2 and OLMo 3 (EXAONE 4's norms, QK-norm over the whole q and k, every gain in fp32:
     coda's layers since session 74, the loss alone before) / Phi-4-mini (RoPE on 3/4 of each
-    head, LongRoPE) / Hunyuan (dense: its QK-norm of the rotated heads) / Granite (residual
+    head, LongRoPE) / Hunyuan (dense: its QK-norm of the rotated heads) / Arcee (its MLP
+    without a gate, relu^2) / Granite (residual
     multipliers in F3's and F5's epilogues: coda's layers
     since session 75; its logits_scaling in the loss's final-norm gain), GPT-OSS and Qwen3-Next
     (the loss alone: the final norm's fp32 gain), and Llama with

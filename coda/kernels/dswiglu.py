@@ -13,6 +13,9 @@
     S[m, t] = sum (dz_g u_g + dz_u u_u)   RED_m: the norm-backward statistic, one GEMM early
 AUX:  corr = -(rstd^3 / d) * sum_t S       (``coda.kernels.rmsnorm_bwd.norm_corr``)
 
+Without a gate (``gemm_swiglu.UNGATED``: relu(z)^2), u is M x f and, per column (element mode):
+    dz = acc 2 relu(z);  D = rstd dz;  s = relu(z)^2;  S[m, t] = sum dz u
+
 Supported: bf16; f a multiple of 8. Tests: tests/test_backward_kernels.py, tests/test_geglu.py.
 """
 
@@ -31,6 +34,7 @@ from coda.primitives import (
     gelu_tanh_gate,
     gelu_tanh_slope,
     pack,
+    relu,
     sigmoid,
     unpack,
 )
@@ -68,7 +72,16 @@ def dgeglu_rescaled(acc, c, rstd):
     return {"D": pack(dzg * rstd, dzu * rstd), "s": gelu_g * zu, "stat": dzg * ug + dzu * uu}
 
 
-_PROGRAMS = {"silu": dswiglu_rescaled, "gelu_tanh": dgeglu_rescaled}
+@epilogue_program(
+    inputs=[TileC(), ColLoad("rstd")], stores=[TileStore("s")], sinks=[RowPartials("stat")]
+)
+def drelu2_rescaled(acc, c, rstd):  # (no gate: u is one column per output column)
+    r = relu(c * rstd)
+    dz = acc * 2.0 * r
+    return {"D": dz * rstd, "s": r * r, "stat": dz * c}
+
+
+_PROGRAMS = {"silu": dswiglu_rescaled, "gelu_tanh": dgeglu_rescaled, "relu2": drelu2_rescaled}
 
 
 def program_for(activation: str = "silu"):
@@ -108,5 +121,5 @@ def dswiglu_interpreted(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, activati
 
 def compile_dswiglu(d, f, *, config=DEFAULT, m=256, activation="silu") -> int:
     dx, w_dt = example_operands(m, d, f, "k")  # w_d^T of a row-major (f, d) weight: k-major
-    u = torch.empty(m, 2 * f, dtype=torch.bfloat16)
+    u = torch.empty(m, f if activation == "relu2" else 2 * f, dtype=torch.bfloat16)
     return dswiglu_kernel(dx, w_dt.t(), u, torch.empty(m), config, dry=True, activation=activation)

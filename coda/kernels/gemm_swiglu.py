@@ -7,6 +7,9 @@
     s_j = act(z_2j) z_2j+1    EW pairwise (gate at even, up at odd columns); TILE-ST s (M x f)
                               act = silu, or gelu_tanh(x) = x sigmoid(2 k (x + a x^3))
 
+Without a gate (``UNGATED``: Arcee's MLP, relu(x)^2), W_il = W_up (d x f) and, per column,
+    s = relu(rstd acc)^2       EW (element mode); TILE-ST s (M x f), u = acc (M x f)
+
 Supported: bf16, K and 2f multiples of 8, tile_n a multiple of 32 (quack's SM90 rule for a
 half-width pair store); any M. Compile key: program, dtypes, majors, GemmConfig.
 Tests: tests/test_forward_kernels.py, tests/test_geglu.py.
@@ -18,7 +21,7 @@ import torch
 
 from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
-from coda.primitives import ColLoad, TileStore, epilogue_program, gelu_tanh, silu, unpack
+from coda.primitives import ColLoad, TileStore, epilogue_program, gelu_tanh, relu, silu, unpack
 from coda.reference.swiglu import gemm_swiglu_ref  # noqa: F401  (the op's reference)
 
 # one declaration for every gated program: rstd in, s out, a (gate, up) pair per column.
@@ -52,14 +55,42 @@ def geglu_only(acc, rstd):
     return {"s": gelu_tanh(g) * u}
 
 
+# an MLP without a gate: one column in, one out (``"relu2"``: Arcee's squared ReLU)
+_ACT = {"inputs": [ColLoad("rstd")], "stores": [TileStore("s")]}
+
+
+@epilogue_program(**_ACT)
+def relu2_keep_preact(acc, rstd):
+    r = relu(acc * rstd)
+    return {"D": acc, "s": r * r}
+
+
+@epilogue_program(**_ACT, writes_d=False)
+def relu2_only(acc, rstd):
+    r = relu(acc * rstd)
+    return {"s": r * r}
+
+
 # the gated activations (``activation=`` of the ops, the MLP Function and ``DecoderLayer``)
 ACTIVATIONS = ("silu", "gelu_tanh")
+# the MLP activations without a gate (the MLP Function's and ``DecoderLayer``'s, whose W_il is
+# then W_up, d x f)
+UNGATED = ("relu2",)
+MLP_ACTIVATIONS = ACTIVATIONS + UNGATED
 _PROGRAMS = {
     ("silu", True): swiglu_keep_preact,
     ("silu", False): swiglu_only,
     ("gelu_tanh", True): geglu_keep_preact,
     ("gelu_tanh", False): geglu_only,
+    ("relu2", True): relu2_keep_preact,
+    ("relu2", False): relu2_only,
 }
+
+
+def act_width(n: int, activation: str) -> int:
+    """s's width for an input projection of ``n`` columns: n / 2 gated (a pair a column of
+    s), n without a gate."""
+    return n if activation in UNGATED else n // 2
 
 
 def program_for(save_preact: bool, activation: str = "silu"):
@@ -72,7 +103,7 @@ def gemm_swiglu_kernel(
 ):
     """Returns (s (M x f), u (M x 2f) or None); with ``dry`` only compiles."""
     M, n2 = a.shape[0], w_il.shape[1]
-    s = a.new_empty(M, n2 // 2)
+    s = a.new_empty(M, act_width(n2, activation))
     u = a.new_empty(M, n2) if save_preact else None
     compiled = launch(
         program_for(save_preact, activation),

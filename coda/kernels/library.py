@@ -239,7 +239,7 @@ def _gemm_swiglu(
 @_fake(_gemm_swiglu)
 def _(a, w, rstd, cfg, act):
     M, N = a.shape[0], w.shape[1]
-    return _empty(M, N // 2, like=a), _empty(M, N, like=a)
+    return _empty(M, _sw.act_width(N, act), like=a), _empty(M, N, like=a)
 
 
 @torch.library.custom_op("coda::gemm_scale_rows", mutates_args=())
@@ -263,7 +263,7 @@ def _gemm_swiglu_only(
 
 @_fake(_gemm_swiglu_only)
 def _(a, w, rstd, cfg, act):
-    return _empty(a.shape[0], w.shape[1] // 2, like=a)
+    return _empty(a.shape[0], _sw.act_width(w.shape[1], act), like=a)
 
 
 # -- backward -----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 
 from coda import _validate as v
 from coda import layouts
+from coda.kernels.gemm_swiglu import UNGATED
 
 HF_KEYS = {  # each weight of a layer: the HF ``LlamaDecoderLayer`` weights it is made from
     "attention_norm": ("input_layernorm.weight",),
@@ -37,8 +38,14 @@ class HFWeights:
     ``post_norms`` are the layer's own)."""
 
     def _hf_keys(self) -> dict:
-        """{coda weight: its HF keys}: ``HF_KEYS``, or ``POST_NORM_KEYS`` with post-norms."""
-        return POST_NORM_KEYS if self.post_norms else HF_KEYS
+        """{coda weight: its HF keys}: ``HF_KEYS``, or ``POST_NORM_KEYS`` with post-norms;
+        without a gate (Arcee's MLP) W_il is ``up_proj`` alone."""
+        keys = POST_NORM_KEYS if self.post_norms else HF_KEYS
+        return {**keys, "w_il": ("mlp.up_proj.weight",)} if self._ungated() else keys
+
+    def _ungated(self) -> bool:
+        """Whether the MLP has no gate (W_il is W_up alone: ``gemm_swiglu.UNGATED``)."""
+        return self.activation in UNGATED
 
     def _hf_weights(self) -> list[str]:
         """This layer's weights that HF has (``HF_KEYS``; q_norm / k_norm with QK-norm only,
@@ -52,7 +59,9 @@ class HFWeights:
         heads = {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
         to_hf = {
             "w_qkv": lambda x: layouts.qkv_weight_to_hf(x, **heads, head_dim=self.head_dim),
-            "w_il": layouts.gate_up_weight_to_hf,
+            "w_il": (lambda x: (x.t().contiguous(),))
+            if self._ungated()
+            else layouts.gate_up_weight_to_hf,
             "w_o": lambda x: (x.t().contiguous(),),
             "w_d": lambda x: (x.t().contiguous(),),
             "q_norm": lambda x: (layouts.head_weight_to_hf(x, self.head_dim),),
@@ -82,7 +91,7 @@ class HFWeights:
             "w_qkv": [(nq, d), (nkv, d), (nkv, d)],
             "w_o": [(d, nq)],
             "ffn_norm": [(d,)],
-            "w_il": [(f, d), (f, d)],
+            "w_il": [(f, d)] if self._ungated() else [(f, d), (f, d)],
             "w_d": [(d, f)],
             "q_norm": [(qk[0],)],
             "k_norm": [(qk[1],)],
@@ -112,7 +121,7 @@ class HFWeights:
         keys = self._hf_keys()
         from_hf = {
             "w_qkv": lambda q, k, v_: layouts.qkv_weight_from_hf(q, k, v_, **heads),
-            "w_il": layouts.gate_up_weight_from_hf,
+            "w_il": (lambda w: w.t()) if self._ungated() else layouts.gate_up_weight_from_hf,
             "w_o": lambda w: w.t(),
             "w_d": lambda w: w.t(),
             "q_norm": lambda w: layouts.head_weight_from_hf(w, self.head_dim),

@@ -33,7 +33,7 @@ from coda.kernels.gemm_rope import (
     shared_freq_table,
     text_rows,
 )
-from coda.kernels.gemm_swiglu import ACTIVATIONS as GLU_ACTIVATIONS
+from coda.kernels.gemm_swiglu import MLP_ACTIVATIONS, UNGATED
 from coda.kernels.qk_norm import is_per_head
 from coda.nn._common import FormerNames, in_dtype, tma_aligned, tma_rule
 from coda.nn._hf_weights import HFWeights
@@ -93,7 +93,8 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
     LongRoPE (Phi-3.5's): a second set of inverse frequencies, used by every call whose
     largest position is at least ``long_after`` (the original context length), chosen on the
     device (``gemm_rope.context_freq_table``). ``activation``: the MLP's gate, "silu"
-    (SwiGLU) or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's MLP), in the same epilogues.
+    (SwiGLU) or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's MLP), in the same epilogues, or
+    "relu2" (relu(x)^2 without a gate, Arcee's MLP: ``w_il`` is then W_up alone, (d, ffn)).
     ``norm_offset``: the two norms scale by ``norm_offset + gain`` (Gemma's 1 + w), that sum
     formed in fp32 and applied before the one rounding, as HF's ``GemmaRMSNorm`` does (a
     bf16 1 + w would round w to 2^-8); the gains then start at 1 - norm_offset.
@@ -151,7 +152,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         qk_norm_after_rope: bool = False,
     ):
         super().__init__()
-        self.activation = v.check_choice("activation", activation, GLU_ACTIVATIONS)
+        self.activation = v.check_choice("activation", activation, MLP_ACTIVATIONS)
         self.residual_scale = float(v.check_positive_number("residual_scale", residual_scale))
         if residual_scale != 1.0 and (post_norms or o_bias):
             raise v.CodaInputError(
@@ -224,7 +225,10 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         self.w_qkv = nn.Parameter(torch.empty(d, nqkv, **kw))
         self.w_o = nn.Parameter(torch.empty(n_heads * hd, d, **kw))
         self.ffn_norm = nn.Parameter(torch.ones(d, **kw)) if pre_norms else None
-        self.w_il = nn.Parameter(torch.empty(d, 2 * ffn, **kw))
+        # the MLP's input projection: gate and up interleaved (d, 2 ffn), or up alone (d, ffn)
+        # for an activation without a gate (Arcee's relu2)
+        n_il = ffn if activation in UNGATED else 2 * ffn
+        self.w_il = nn.Parameter(torch.empty(d, n_il, **kw))
         self.w_d = nn.Parameter(torch.empty(ffn, d, **kw))
         # QK-norm weights, in the adjacent-pair order of w_qkv's heads: Qwen3's per head (hd,),
         # OLMo's over the whole q and k projections (n_heads hd,), (n_kv_heads hd,)

@@ -15,6 +15,7 @@ from coda.primitives.math import (  # noqa: F401
     gelu_tanh_gate,
     gelu_tanh_slope,
     pack,
+    relu,
     sigmoid,
     silu,
     unpack,

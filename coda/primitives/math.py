@@ -110,6 +110,13 @@ def silu(x):
     return x * sigmoid(x)
 
 
+def relu(x):
+    """max(x, 0) (on the GPU one max instruction, quack's)."""
+    if _is_interpreted(x):
+        return torch.relu(x)
+    return _sympy().Max(x, 0) if _is_symbolic(x) else _quack.relu(x)
+
+
 # GELU's tanh form, 0.5 x (1 + tanh(k (x + a x^3))) with k = sqrt(2 / pi), a = 0.044715, is
 # x * sigmoid(2 k (x + a x^3)) exactly (tanh(y) = 2 sigmoid(2 y) - 1): one sigmoid, as silu
 GELU_TANH_A = 0.044715

@@ -50,6 +50,7 @@ from coda.reference.swiglu import (
     dswiglu_ref,
     gemm_swiglu_ref,
     interleave_gate_up,
+    mlp_activation_ref,
     split_gate_up,
 )
 
@@ -163,7 +164,7 @@ def decoder_layer_ref(
         o = o * s.residual_scale
     x1 = x0 + o
     gu = _pre_norm_ref(x1, w["g2"], s.eps) @ w["w_il"]
-    y = GLU_REFS[s.activation](gu[:, 0::2], gu[:, 1::2]) @ w["wd"]
+    y = mlp_activation_ref(gu, s.activation) @ w["wd"]
     if "g_ffn_out" in w:
         y = final_norm_ref(y, w["g_ffn_out"], s.eps)
     if s.residual_scale != 1.0:

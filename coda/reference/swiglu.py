@@ -14,6 +14,9 @@ gate/up pair is two adjacent output columns of one GEMM tile.
 ``act`` is silu (``activation="silu"``) or GELU's tanh form (``"gelu_tanh"``); the references
 take each in its textbook form (torch's ``gelu(approximate="tanh")`` and the derivative of
 0.5 x (1 + tanh(k (x + a x^3)))), not the kernels' sigmoid form of it.
+
+An MLP without a gate (``UNGATED``: Arcee's ``"relu2"``, relu(x)^2) has W_il = W_up (d x f):
+s = act(r u) per column, and in B4 dz = ds act'(z), dz~ = r dz, S1 = sum dz u.
 """
 
 from __future__ import annotations
@@ -38,8 +41,26 @@ def geglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 GLU_REFS = {"silu": swiglu_ref, "gelu_tanh": geglu_ref}
 
 
+def relu2_ref(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU, relu(x)^2 (HF's "relu2": Arcee's MLP, without a gate)."""
+    return torch.relu(x).square()
+
+
+UNGATED_REFS = {"relu2": relu2_ref}
+
+
+def mlp_activation_ref(gu: torch.Tensor, activation: str) -> torch.Tensor:
+    """The MLP's activation of its input projection's output: gated (``GLU_REFS``, on
+    interleaved gate/up columns) or not (``UNGATED_REFS``, column by column)."""
+    if activation in UNGATED_REFS:
+        return UNGATED_REFS[activation](gu)
+    return GLU_REFS[activation](gu[..., 0::2], gu[..., 1::2])
+
+
 def _activation_and_slope(x, activation: str):
     """(act(x), act'(x)) in their textbook forms."""
+    if activation == "relu2":
+        return torch.relu(x).square(), 2 * torch.relu(x)
     if activation == "silu":
         sig = torch.sigmoid(x)
         return x * sig, sig * (1 + x * (1 - sig))
@@ -75,12 +96,17 @@ def gemm_swiglu_ref(a, w_il, r, activation: str = "silu"):
     dt = ref_dtype(a, w_il)
     u = a.to(dt) @ w_il.to(dt)
     z = r.to(dt)[:, None] * u
-    return GLU_REFS[activation](z[:, 0::2], z[:, 1::2]), u
+    return mlp_activation_ref(z, activation), u
 
 
 def dswiglu_ref(ds, u, r, activation: str = "silu"):
-    """B4: returns (s, dz_tilde, S) given ds (M x f), saved u (M x 2f), r (M,)."""
+    """B4: returns (s, dz_tilde, S) given ds (M x f), saved u (M x 2f; M x f without a
+    gate), r (M,)."""
     r = r[:, None]
+    if activation in UNGATED_REFS:
+        act, slope = _activation_and_slope(r * u, activation)
+        dz = ds * slope
+        return act, r * dz, (dz * u).sum(-1)
     ug, uu = u[:, 0::2], u[:, 1::2]
     zg, zu = r * ug, r * uu
     act, slope = _activation_and_slope(zg, activation)
@@ -95,5 +121,4 @@ def gemm_swiglu_torch(a, w_il, r, activation: str = "silu"):
     """The plain PyTorch path in the inputs' dtype: normalize, project, activate, each
     rounded."""
     y = (a.float() * r[:, None]).to(a.dtype)
-    gu = y @ w_il
-    return GLU_REFS[activation](gu[:, 0::2], gu[:, 1::2])
+    return mlp_activation_ref(y @ w_il, activation)
