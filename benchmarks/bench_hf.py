@@ -258,6 +258,21 @@ SHAPES = {
             pad_token_id=0,
         ),
     ),
+    # Llama-3.2-1B's dimensions with Arcee's layer (``ArceeForCausalLM``: an MLP without a
+    # gate, relu(x)^2, coda's since session 75), not a released Arcee model's shape
+    "arcee-1B-shape": (
+        "arcee",
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+        ),
+    ),
     # Qwen2.5-VL-3B's text model (``Qwen2_5_VLForConditionalGeneration``, a 1-block vision
     # encoder that text-only batches leave idle): coda's layers (multimodal RoPE in the QKV
     # epilogue) and loss through the vision-language forward, V = 151936
@@ -292,7 +307,7 @@ SHAPES = {
 # (not in a default run: named in CODA_HF_SHAPES)
 ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B", "qwen2.5-vl-3B")
 ON_REQUEST += ("qwen3-vl-2B", "gemma-2B", "glm-4-9B-12L", "olmo-2-1B", "phi-4-mini")
-ON_REQUEST += ("granite-3-2B", "hunyuan-7B-12L")
+ON_REQUEST += ("granite-3-2B", "hunyuan-7B-12L", "arcee-1B-shape")
 BATCH, SEQ = 4, 4096
 # shapes stepped at fewer tokens: Gemma 2's eager attention keeps (B, H, S, S) scores, capped
 # scores and probabilities for 26 layers, which at 4 x 4096 ran every variant out of an 80 GB
@@ -359,6 +374,7 @@ def build(family: str, shape: dict, device, dtype):
         "olmo2": "Olmo2",
         "granite": "Granite",
         "hunyuan_v1_dense": "HunYuanDenseV1",
+        "arcee": "Arcee",
     }
     name = {**names, "gemma3": "Gemma3Text"}[family]
     cfg_cls = getattr(transformers, f"{name}Config")
@@ -562,8 +578,9 @@ def run() -> list[dict]:
         steps, peaks, profiles, held = {}, {}, {}, {}
         try:
             liger = LigerSwitch.of(family)
-        except ImportError:  # no liger-kernel here: the other variants still run
-            liger = None
+        except (ImportError, AttributeError) as e:  # no liger-kernel here, or no patch of
+            liger = None  # this family (Arcee's): the other variants still run, the row says
+            rows.append({"name": f"hf/{name}/hf_liger", "error": repr(e)[:300]})
         for label, make in variants(family, base, liger):
             if out_of_time():
                 rows.append({"name": f"hf/{name}/{label}", **SKIPPED})

@@ -36,8 +36,9 @@ sdpa layers pass no mask, as the eager step does.
 Supported (``SUPPORTED``; each family's form beside its name there, and in
 docs/HUGGINGFACE.md): transformers 5.x ``...ForCausalLM`` / ``...Model`` of Llama, Mistral,
 Qwen2, Qwen3, Phi3, SmolLM3, Ministral, Cwm, SeedOss, Gemma, Gemma 2 and Gemma 3 text, GLM
-and GLM-4, EXAONE 4, ERNIE 4.5, OLMo 2 and OLMo 3, Granite and Hunyuan (dense): Llama's
-layer with the options ``_hf_families.layer_options`` reads from the HF layer (GeGLU, norms
+and GLM-4, EXAONE 4, ERNIE 4.5, OLMo 2 and OLMo 3, Granite, Hunyuan (dense) and Arcee: Llama's
+layer with the options ``_hf_families.layer_options`` reads from the HF layer (GeGLU or relu^2
+without a gate, norms
 scaling by 1 + w in fp32 or by w in fp32, norms after each sublayer with or without norms
 before, a QK-norm per head before or after RoPE or over the whole q and k, branch
 multipliers), no biases but Qwen2's on q, k and v and Llama's ``attention_bias=True`` ones on
@@ -64,7 +65,7 @@ loss too, with or without the layers); Granite-MoE and Granite-MoE-Shared, whose
 GPT-OSS (its final norm rounding as OLMo's, once, after its weight in fp32), MiniMax-M2, ERNIE
 4.5 MoE, Qwen3-Next and Qwen3.5 MoE (their router terms as Mixtral's; Qwen3-Next's and
 Qwen3.5's final norm scaling by 1 + w in fp32 as Gemma's), DeepSeek-V3, GLM-4.5, Llama 4
-(text), GLM-4, Apertus, Arcee, EXAONE 4, Qwen3.5, ERNIE 4.5 and Hunyuan (dense, MoE). Each
+(text), GLM-4, Apertus, EXAONE 4, Qwen3.5, ERNIE 4.5 and Hunyuan (dense, MoE). Each
 final norm's form is held against the norm itself before patching
 (``_hf_forward.check_final_norm``).
 Vision-language models (``VISION_LANGUAGE``: Llava, Llava-NeXT, Llava-OneVision, Mistral 3,
