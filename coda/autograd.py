@@ -6,12 +6,14 @@ reduction. Per layer (x0 in, x2 out; "epi" = in the GEMM's epilogue):
 
     F0   a0 = x0 * gamma1, r0                    row kernel (``norm_rows.norm_rows``)
     F1   q, k, v = RoPE(r0 * (a0 @ W_qkv))        epi: row scale, RoPE [, Qwen3's QK-norm
-                                                  or Qwen2's bias]
+                                                  or Qwen2's bias; Hunyuan's QK-norm after
+                                                  RoPE: unit gains, then q, k times theirs]
     F2   o = attention(q, k, v)                   pluggable (SDPA by default)
     F3   x1 = x0 + o @ W_o; a1 = x1 * gamma2      epi: residual, norm input, sum of squares
                                                   [, Llama's O-projection bias]
     A1   r1 from F3's partials                    row kernel
-    F4   s = SwiGLU(r1 * (a1 @ W_il)), u kept     epi: row scale, SwiGLU (or GeGLU), u
+    F4   s = SwiGLU(r1 * (a1 @ W_il)), u kept     epi: row scale, SwiGLU (GeGLU; relu^2 without
+                                                  a gate: W_il = W_up), u
     F5   x2 = x1 + s @ W_d                        epi: residual (the next layer's F0 is its norm)
                                                   [F3, F5: a branch multiplier c, x + c acc]
     B4   dz1, s = dSwiGLU(dx2 @ W_d^T)            epi: dSwiGLU, s again, the norm statistic
@@ -89,7 +91,7 @@ class LayerDims:
     head_dim: int
     eps: float
     rope_base: float
-    activation: str = "silu"  # the MLP's gated activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU)
+    activation: str = "silu"  # the MLP's: "silu" (SwiGLU), "gelu_tanh" (GeGLU), "relu2" (no gate)
     residual_scale: float = 1.0  # each branch's multiplier before its residual add (Granite's)
     qk_norm_after_rope: bool = False  # the QK-norm of the rotated q and k (Hunyuan's)
 
