@@ -206,14 +206,15 @@ def activation_name(config) -> str:
 
 
 def layer_options(hf_layer, config) -> dict:
-    """``DecoderLayer``'s options for an HF layer: its MLP's ``activation``, its norms'
-    ``norm_offset`` (1 for norms scaling by 1 + w in fp32, Gemma's; 0 for Llama's and OLMo's,
-    whose weight scales in fp32 too: ``fp32_gains``), its QK-norm's span (``qk_norm``: per
-    head, or OLMo's over the whole projections, by its weight's length) and whether
-    it norms each sublayer's output (``post_norms``: Gemma 2's, 3's and GLM-4's four norms;
-    EXAONE 4's two, without norms before the sublayers: ``pre_norms`` False), each sublayer
-    output's multiplier before its residual add (``residual_scale``: Granite's), each norm's
-    rounding (QK-norm's too) held against coda's form of it bitwise
+    """``DecoderLayer``'s options for an HF layer: its MLP's ``activation`` (relu2: no gate),
+    its norms' ``norm_offset`` (1 for norms scaling by 1 + w in fp32, Gemma's; 0 for Llama's
+    and OLMo's, whose weight scales in fp32 too: ``fp32_gains``), its QK-norm's span
+    (``qk_norm``: per head, or OLMo's over the whole projections, by its weight's length) and
+    place (before RoPE, or Hunyuan's after: ``qk_norm_after_rope``, by its modules' names),
+    whether it norms each sublayer's output (``post_norms``: Gemma 2's, 3's and GLM-4's four
+    norms; EXAONE 4's two, without norms before the sublayers: ``pre_norms`` False), each
+    sublayer output's multiplier before its residual add (``residual_scale``: Granite's), each
+    norm's rounding (QK-norm's too) held against coda's form of it bitwise
     (``_hf_forward.check_final_norm``), every one with the config's epsilon."""
     pre = hasattr(hf_layer, "input_layernorm")  # (EXAONE 4's: none before either sublayer)
     post = any(hasattr(hf_layer, n) for n in ("post_feedforward_layernorm", "post_mlp_layernorm"))
