@@ -44,29 +44,39 @@ def test_gelu_helpers_are_torch_gelu_and_its_derivative():
 CONFIGS = [GemmConfig(), GemmConfig(64, 32, 1, 1, False), GemmConfig(128, 96, 1, 1, False)]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_geglu_programs_equal_the_reference_float64(seed):
-    """F4's and B4's GeGLU programs through the tile interpreter (ragged M, K and f; tiles
-    that do not divide them) equal ``gemm_swiglu_ref`` / ``dswiglu_ref`` in float64."""
+def programs_equal_the_reference(seed: int, activation: str):
+    """F4's and B4's programs for ``activation`` through the tile interpreter (ragged M, K and
+    f; tiles that do not divide them) equal ``gemm_swiglu_ref`` / ``dswiglu_ref`` in float64
+    (W_il as wide as the activation takes: 2f gated, f without a gate). Returns (u, r,
+    dx @ W_d^T, dz~) for further checks."""
     g = torch.Generator().manual_seed(seed)
     M, K, f = (
         int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 150), (1, 70), (1, 90))
     )
     a = torch.randn(M, K, dtype=F64, generator=g)
-    w_il = torch.randn(K, 2 * f, dtype=F64, generator=g) / K**0.5
+    n_il = f if activation in sw.UNGATED else 2 * f
+    w_il = torch.randn(K, n_il, dtype=F64, generator=g) / K**0.5
     r = 0.5 + torch.rand(M, dtype=F64, generator=g)
     config = CONFIGS[seed % len(CONFIGS)]
-    s, u = sw.gemm_swiglu_interpreted(a, w_il, r, config, activation=GELU)
-    s_ref, u_ref = sw_ref.gemm_swiglu_ref(a, w_il, r, GELU)
-    assert rel_err(s, s_ref) < 1e-13 and rel_err(u, u_ref) < 1e-13
+    s, u = sw.gemm_swiglu_interpreted(a, w_il, r, config, activation=activation)
+    s_ref, u_ref = sw_ref.gemm_swiglu_ref(a, w_il, r, activation)
+    assert s.shape == (M, f) and rel_err(s, s_ref) < 1e-13 and rel_err(u, u_ref) < 1e-13
     d = int(torch.randint(1, 60, (1,), generator=g))
     dx = torch.randn(M, d, dtype=F64, generator=g)
     w_d = torch.randn(f, d, dtype=F64, generator=g) / f**0.5
-    dz, s2, stat = dsw.dswiglu_interpreted(dx, w_d, u, r, config, activation=GELU)
-    s_re, dz_ref, S_ref = sw_ref.dswiglu_ref(dx @ w_d.t(), u, r, GELU)
+    dz, s2, stat = dsw.dswiglu_interpreted(dx, w_d, u, r, config, activation=activation)
+    s_re, dz_ref, S_ref = sw_ref.dswiglu_ref(dx @ w_d.t(), u, r, activation)
     assert rel_err(dz, dz_ref) < 1e-12 and rel_err(s2, s_re) < 1e-12
     assert rel_err(stat.sum(1), S_ref) < 1e-12
+    return a, w_il, u, r, dx @ w_d.t(), dz
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_geglu_programs_equal_the_reference_float64(seed):
+    a, w_il, _, r, _, _ = programs_equal_the_reference(seed, GELU)
     # the SwiGLU programs give another answer: the activation reached the epilogue
+    config = CONFIGS[seed % len(CONFIGS)]
+    s_ref = sw_ref.gemm_swiglu_ref(a, w_il, r, GELU)[0]
     assert rel_err(sw.gemm_swiglu_interpreted(a, w_il, r, config)[0], s_ref) > 1e-3
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import assert_no_worse, rel_err
 from test_backward_kernels import assert_layer_and_head_protocol
+from test_geglu import programs_equal_the_reference
 
 import coda.nn as cnn
 from coda.kernels import dswiglu as dsw
@@ -25,7 +26,6 @@ from coda.reference import swiglu as sw_ref
 
 F64 = torch.float64
 RELU2 = "relu2"
-CONFIGS = [GemmConfig(), GemmConfig(64, 32, 1, 1, False), GemmConfig(128, 96, 1, 1, False)]
 
 
 def test_relu_is_torchs_and_relu2_hfs():
@@ -38,31 +38,14 @@ def test_relu_is_torchs_and_relu2_hfs():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_relu2_programs_equal_the_reference_float64(seed):
-    """F4's and B4's relu2 programs through the tile interpreter (ragged M, K and f; tiles
-    that do not divide them) equal ``gemm_swiglu_ref`` / ``dswiglu_ref`` in float64: s, the
-    kept u, dz~ = r dz, the recomputed s and the norm statistic."""
-    g = torch.Generator().manual_seed(seed)
-    M, K, f = (
-        int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 150), (1, 70), (1, 90))
-    )
-    a = torch.randn(M, K, dtype=F64, generator=g)
-    w_up = torch.randn(K, f, dtype=F64, generator=g) / K**0.5
-    r = 0.5 + torch.rand(M, dtype=F64, generator=g)
-    config = CONFIGS[seed % len(CONFIGS)]
-    s, u = sw.gemm_swiglu_interpreted(a, w_up, r, config, activation=RELU2)
-    s_ref, u_ref = sw_ref.gemm_swiglu_ref(a, w_up, r, RELU2)
-    assert s.shape == (M, f) and rel_err(s, s_ref) < 1e-13 and rel_err(u, u_ref) < 1e-13
+    """F4's and B4's relu2 programs through the tile interpreter equal the references in
+    float64 (``test_geglu``'s check); s is relu(r a W_up)^2, and dz~ is r times autograd's
+    gradient of relu^2 at z = r u."""
+    a, w_up, u, r, ds, dz = programs_equal_the_reference(seed, RELU2)
+    s_ref = sw_ref.gemm_swiglu_ref(a, w_up, r, RELU2)[0]
     assert rel_err(s_ref, torch.relu((a @ w_up) * r[:, None]) ** 2) < 1e-13
-    d = int(torch.randint(1, 60, (1,), generator=g))
-    dx = torch.randn(M, d, dtype=F64, generator=g)
-    w_d = torch.randn(f, d, dtype=F64, generator=g) / f**0.5
-    dz, s2, stat = dsw.dswiglu_interpreted(dx, w_d, u, r, config, activation=RELU2)
-    s_re, dz_ref, S_ref = sw_ref.dswiglu_ref(dx @ w_d.t(), u, r, RELU2)
-    assert rel_err(dz, dz_ref) < 1e-12 and rel_err(s2, s_re) < 1e-12
-    assert rel_err(stat.sum(1), S_ref) < 1e-12
-    # dz~ is r times the gradient of s with respect to z = r u, by autograd
     z = (r[:, None] * u).requires_grad_(True)
-    (grad,) = torch.autograd.grad(sw_ref.relu2_ref(z), z, dx @ w_d.t())
+    (grad,) = torch.autograd.grad(sw_ref.relu2_ref(z), z, ds)
     assert rel_err(dz, r[:, None] * grad) < 1e-12
 
 
