@@ -13,7 +13,7 @@
     S[m, t] = sum (dz_g u_g + dz_u u_u)   RED_m: the norm-backward statistic, one GEMM early
 AUX:  corr = -(rstd^3 / d) * sum_t S       (``coda.kernels.rmsnorm_bwd.norm_corr``)
 
-Without a gate (``gemm_swiglu.UNGATED``: relu(z)^2), u is M x f and, per column (element mode):
+Without a gate (``UNGATED``: relu(z)^2), u is M x f and, per column (element mode):
     dz = acc 2 relu(z);  D = rstd dz;  s = relu(z)^2;  S[m, t] = sum dz u
 
 Supported: bf16; f a multiple of 8. Tests: tests/test_backward_kernels.py, tests/test_geglu.py.
@@ -25,6 +25,7 @@ import torch
 
 from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
+from coda.kernels.gemm_swiglu import UNGATED
 from coda.primitives import (
     ColLoad,
     RowPartials,
@@ -121,5 +122,5 @@ def dswiglu_interpreted(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, activati
 
 def compile_dswiglu(d, f, *, config=DEFAULT, m=256, activation="silu") -> int:
     dx, w_dt = example_operands(m, d, f, "k")  # w_d^T of a row-major (f, d) weight: k-major
-    u = torch.empty(m, f if activation == "relu2" else 2 * f, dtype=torch.bfloat16)
+    u = torch.empty(m, f if activation in UNGATED else 2 * f, dtype=torch.bfloat16)
     return dswiglu_kernel(dx, w_dt.t(), u, torch.empty(m), config, dry=True, activation=activation)
