@@ -89,6 +89,10 @@ SUPPORTED = (
     # W_il is ``up_proj`` alone): Arcee's (AFM)
     "ArceeForCausalLM",
     "ArceeModel",
+    # Llama's layer (YaRN RoPE) with q times Llama 4's attention temperature after RoPE, a
+    # factor per position (``TEMPERED_ATTENTION``, in the attention call): Ministral 3's
+    "Ministral3ForCausalLM",
+    "Ministral3Model",
 )
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
@@ -187,6 +191,9 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2
 # attention logits' soft cap (``attn_logit_softcapping``); Gemma 3's has the attribute but
 # passes no cap
 SOFTCAP_ATTENTION = ("Gemma2Attention",)
+# HF attention modules that multiply q after RoPE by Llama 4's attention temperature,
+# 1 + beta log(1 + floor(position / context)) (``attention_temperature``): Ministral 3's
+TEMPERED_ATTENTION = ("Ministral3Attention",)
 # HF attention modules whose full-attention layers rotate nothing where the model has sliding
 # ones (EXAONE 4's "global NoPE": its forward skips RoPE there), as SmolLM3's NoPE layers
 GLOBAL_NOPE_ATTENTION = ("Exaone4Attention",)
@@ -247,6 +254,25 @@ def layer_options(hf_layer, config) -> dict:
         "residual_scale": residual,
         "qk_norm_after_rope": qk_norm_names(hf_layer.self_attn) == QK_NORMS[1],  # (Hunyuan's)
     }
+
+
+def attention_temperature(attn):
+    """A function of (position_ids, q) giving q times Llama 4's attention temperature as the
+    HF attention module ``attn`` applies it after RoPE (its config's ``llama_4_scaling_beta``
+    and ``original_max_position_embeddings``; the same ops, so the same roundings), or None
+    for a module without one (``TEMPERED_ATTENTION``)."""
+    if type(attn).__name__ not in TEMPERED_ATTENTION:
+        return None
+    rope = attn.config.rope_parameters
+    beta, context = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+
+    def tempered(position_ids, q):
+        if position_ids is None:  # (HF's model always hands its layers positions)
+            position_ids = torch.arange(q.shape[2], device=q.device)[None]
+        scale = 1 + beta * torch.log(1 + torch.floor(position_ids / context))
+        return q * scale[:, None, :, None].to(q.dtype)
+
+    return tempered
 
 
 def qk_norm_names(attn) -> tuple:

@@ -124,7 +124,8 @@ def tiny_config(family: str = "llama", **kw):
     QK-norm), "qwen2" (Qwen2Config: q, k, v biases), "mistral", "phi3" (Phi3Config: fused
     qkv_proj and gate_up_proj; "phi4-mini": with RoPE on 3/4 of each head and LongRoPE),
     "smollm3" (SmolLM3Config: every second layer without RoPE here), "ministral" and "cwm"
-    (Llama's layer, a 4-token window on the first of two), "seed_oss" (q, k, v biases, its
+    (Llama's layer, a 4-token window on the first of two), "ministral3" (YaRN and Llama 4's
+    attention temperature), "seed_oss" (q, k, v biases, its
     dropouts off), the mixture-of-experts "mixtral", "qwen2_moe", "qwen3_moe" (``MOE``: four
     experts, two a token, the router term on at a visible weight) or "gemma", "gemma2", "gemma3"
     (``GEMMA``; Gemma 2's logit soft-capping off unless given), "granite" (``GRANITE_KW``: its
@@ -191,6 +192,13 @@ def tiny_config(family: str = "llama", **kw):
         ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         drop = dict(residual_dropout=0.0, attention_dropout=0.0)
         return SeedOssConfig(**{**base, **ids, **drop, **kw})
+    if family == "ministral3":  # (YaRN, and Llama 4's attention temperature past 4 tokens)
+        from transformers import Ministral3Config
+
+        rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0)
+        rope.update(beta_slow=1.0, original_max_position_embeddings=4, llama_4_scaling_beta=0.1)
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, head_dim=12)
+        return Ministral3Config(**{**base, **ids, "rope_parameters": rope, **kw})
     if family in ("ministral", "cwm"):  # (a 4-token window on the first layer only)
         import transformers
 
@@ -250,7 +258,7 @@ def model_class(config):
     for name in ("Olmo2", "Olmo3"):
         if type(config) is getattr(transformers, f"{name}Config"):
             return getattr(transformers, f"{name}ForCausalLM")
-    for name in ("Ministral", "Cwm", "SeedOss", "Glm"):
+    for name in ("Ministral", "Ministral3", "Cwm", "SeedOss", "Glm"):
         if type(config) is getattr(transformers, f"{name}Config"):
             return getattr(transformers, f"{name}ForCausalLM")
     for name in GEMMA.values():

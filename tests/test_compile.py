@@ -78,6 +78,7 @@ def test_compiled_step_equals_eager_and_does_not_recompile():
         "granite",
         "hunyuan_dense",
         "arcee",
+        "ministral3",
         "llama-loss-alone",
         "gemma3-loss-alone",
         "gemma2-capped-loss-alone",
@@ -93,7 +94,8 @@ def test_patched_hf_model_traces_without_graph_breaks(family):
     ``phi4-mini``: Phi-4-mini's RoPE on 3/4 of each head (LongRoPE's c kept off the others);
     ``granite``: Granite's residual multipliers (and its embedding's and logits' scales);
     ``hunyuan_dense``: Hunyuan's QK-norm after RoPE (the gains after F1's unit-gain norm);
-    ``arcee``: Arcee's MLP without a gate (relu^2);
+    ``arcee``: Arcee's MLP without a gate (relu^2); ``ministral3``: Llama 4's attention
+    temperature on q (from the positions, in the traced attention call);
     ``*-loss-alone``: ``apply_coda(layers=False)``, HF's layers around coda's loss (Gemma 3's
     final-norm gain 1 + w formed in the traced call; Gemma 2's soft-capped logits);
     ``phi3-longrope``: LongRoPE's choice of

@@ -5,8 +5,7 @@ EXAONE 4's, ERNIE 4.5's, OLMo's, Granite's, Hunyuan's and Arcee's layers, tiny a
 on the CPU in float64 on coda's reference path and its kernel path (the tile interpreter):
 logits, a training step with padding and with packed documents, greedy generation and the
 state dict as the unpatched model's; the window matters (the first layer's is 4 tokens
-against 13). Ministral 3 (a Llama 4 attention temperature that grows with the position,
-applied inside its attention module) is not taken, and says so."""
+against 13), and Ministral 3's (q times Llama 4's attention temperature after RoPE)."""
 
 from __future__ import annotations
 
@@ -56,15 +55,17 @@ def test_an_mlp_activation_coda_lacks_is_refused_named():
         ct.apply_coda(model_class(cfg)(cfg))
 
 
-def test_ministral3_is_refused_named():
-    import transformers
-
-    cfg = transformers.Ministral3Config(
-        vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-    )  # fmt: skip
-    with pytest.raises(v.CodaInputError, match="Ministral3ForCausalLM is not supported"):
-        ct.apply_coda(transformers.Ministral3ForCausalLM(cfg))
+def test_ministral3_layers_behave_as_unpatched_float64(coda_path):
+    """Ministral 3: Llama's layer under YaRN whose attention multiplies q after RoPE by Llama
+    4's temperature 1 + beta log(1 + floor(position / context)) (here a context of 4 tokens,
+    so 13 positions take four values), in coda's attention call
+    (``_hf_families.attention_temperature``): as the unpatched model, padded and packed (the
+    temperature follows each document's own positions) and in generation."""
+    cfg = tiny_config("ministral3", **coda_path)
+    ref, patched = pair(cfg)
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in patched.model.layers)
+    assert patched.model.layers[0].rope_scale != 1.0  # (YaRN's c: in the attention's scale)
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
 
 
 @pytest.mark.parametrize("out_bias", [False, True], ids=["qkv_bias", "qkv_and_o_bias"])

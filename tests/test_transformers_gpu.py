@@ -57,7 +57,7 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     types = ["sliding_attention", "full_attention"]
     extra["exaone4"] = {"head_dim": 64, "sliding_window": 128, "layer_types": types}
     extra["olmo3"] = extra["exaone4"]  # (OLMo 3: a sliding layer, then a full one with RoPE)
-    extra["gpt_oss"] = extra["hunyuan_dense"] = {"head_dim": 64}
+    extra["gpt_oss"] = extra["hunyuan_dense"] = extra["ministral3"] = {"head_dim": 64}
     extra["qwen3_next"] = {"head_dim": 64, "num_hidden_layers": 4}
     base = "llama" if family in SCALED_ROPES or family == "llama-bias" else family
     base = "gemma2" if family == "gemma2-capped" else base
@@ -127,7 +127,7 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
     "family",
     ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
     + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4", "ernie4_5", "olmo3", "phi4-mini"]
-    + ["hunyuan_dense", "arcee"]
+    + ["hunyuan_dense", "arcee", "ministral3"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):
@@ -138,7 +138,7 @@ def test_gpu_patched_model_protocol(family):
     OLMo 2 and OLMo 3 (EXAONE 4's norms, QK-norm over the whole q and k, every gain in fp32:
     coda's layers since session 74, the loss alone before) / Phi-4-mini (RoPE on 3/4 of each
     head, LongRoPE) / Hunyuan (dense: its QK-norm of the rotated heads) / Arcee (its MLP
-    without a gate, relu^2) / Granite (residual
+    without a gate, relu^2) / Ministral 3 (Llama 4's attention temperature) / Granite (residual
     multipliers in F3's and F5's epilogues: coda's layers
     since session 75; its logits_scaling in the loss's final-norm gain), GPT-OSS and Qwen3-Next
     (the loss alone: the final norm's fp32 gain), and Llama with
