@@ -2,7 +2,8 @@
 encoder of two layers on 16 x 16 images (patches of 4), a 2-layer text model of width 48, a
 vocabulary of 128 with its image tokens at 120-122, and a training batch with an image:
 ``tiny_vlm(kind)`` -> (model in float64, batch). ``KINDS``: kind -> whether its text model's
-layers are coda's (a Llama, Mistral, Qwen2, Gemma, Gemma 2 (PaliGemma 2's) or Gemma 3; the
+layers are coda's (a Llama, Mistral, Ministral 3, Qwen2, Gemma, Gemma 2 (PaliGemma 2's) or
+Gemma 3; the
 Qwen-VL models' Qwen2 and
 Qwen3 layers with multimodal RoPE) or its loss alone is (``layers=False``: Mllama's
 cross-attention, the MoE and linear-attention text models).
@@ -19,6 +20,7 @@ KINDS = {
     "llava_next": True,
     "llava_onevision": True,
     "mistral3": True,
+    "mistral3_ministral3": True,
     "internvl": True,
     "idefics3": True,
     "smolvlm": True,
@@ -90,9 +92,14 @@ def _config(kind: str):
             vision_feature_layer=-1,
             vision_feature_select_strategy="default",
         )
-    if kind == "mistral3":
+    if kind.startswith("mistral3"):  # (Ministral 3's text model: YaRN, a 4-token temperature)
+        text = dict(model_type="mistral", **_TEXT, head_dim=12, sliding_window=None)
+        if kind == "mistral3_ministral3":
+            rope = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, beta_fast=32.0, beta_slow=1.0)
+            rope.update(original_max_position_embeddings=4, llama_4_scaling_beta=0.1)
+            text.update(model_type="ministral3", rope_parameters=rope)
         return tf.Mistral3Config(
-            text_config=dict(model_type="mistral", **_TEXT, head_dim=12, sliding_window=None),
+            text_config=text,
             vision_config=dict(
                 model_type="pixtral", **_VISION, num_attention_heads=2, patch_size=4, head_dim=16
             ),
@@ -152,7 +159,7 @@ def _model_class(kind: str):
     names.update(llava_next="LlavaNext", llava_onevision="LlavaOnevision", internvl="InternVL")
     names.update(smolvlm="SmolVLM", paligemma="PaliGemma", paligemma2="PaliGemma")
     names.update(qwen3_5="Qwen3_5")
-    names.update(qwen3_5_moe="Qwen3_5Moe")
+    names.update(qwen3_5_moe="Qwen3_5Moe", mistral3_ministral3="Mistral3")
     name = names.get(kind, kind.capitalize())
     return getattr(tf, f"{name}ForConditionalGeneration")
 
@@ -187,7 +194,7 @@ def tiny_vlm(kind: str, seed: int = 0):
             image_grid_thw=torch.tensor([[1, 4, 4]]),
             mm_token_type_ids=(ids == IMAGE).long(),
         )
-    elif kind == "mistral3":
+    elif kind.startswith("mistral3"):
         batch.update(pixel_values=pixels[:1], image_sizes=torch.tensor([[16, 16]]))
         batch["input_ids"][1, image] = 5  # (one image: the second row's text only)
         batch["labels"][1, image] = 5
