@@ -161,14 +161,13 @@ VISION_LANGUAGE = (
 TEXT_LOSS_ONLY = {
     "MllamaTextModel": "cross-attention layers to the image",
     "Qwen3VLMoeTextModel": _MOE,
-    "Glm4vTextModel": "multimodal RoPE on adjacent pairs of part of each head",
     "Glm4vMoeTextModel": _MOE,
     "Qwen3_5TextModel": LOSS_ONLY["Qwen3_5ForCausalLM"],
     "Qwen3_5MoeTextModel": LOSS_ONLY["Qwen3_5MoeForCausalLM"],
 }
 # text models whose layers are Qwen2's (Qwen2-VL, Qwen2.5-VL) or Qwen3's (Qwen3-VL) with
 # multimodal RoPE: coda's layer with ``mrope_sections``
-MROPE_TEXT = ("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel")
+MROPE_TEXT = ("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel", "Glm4vTextModel")
 # RoPE types whose angles are positions times fixed inverse frequencies (the rotary module's
 # ``inv_freq``): "yarn" also scales cos and sin by a constant c (the module's
 # ``attention_scaling``), which a patched layer folds into the attention's scale, as
@@ -369,13 +368,20 @@ def mrope_sections(rotary) -> list | None:
     module, or None for another: read from the module's own ``recomposition_frequencies``
     (which merges three rows' angles into one table) applied to rows of 0, 1 and 2, so
     Qwen2-VL's chunks (chunk k of ``mrope_section`` takes row k % 3) and Qwen3-VL's
-    interleaved order come out as the model computes them."""
+    interleaved order come out as the model computes them; GLM-4V's, whose table repeats each
+    frequency for the two dimensions of its adjacent pair, read at one of the two. A RoPE on
+    part of each head (GLM-4V's half) gives its unrotated pairs row 0 (frequency 0 there)."""
     recompose = getattr(rotary, "recomposition_frequencies", None)
     if recompose is None or getattr(rotary, "mrope_section", None) is None:
         return None
     half = rotary.inv_freq.numel()
     probe = torch.arange(3.0).view(3, 1, 1).repeat(1, 1, half)  # (a copy: Qwen3-VL's writes)
-    return [int(x) for x in recompose(probe)[0, :half]]
+    rows = recompose(probe).reshape(-1)  # (2 half entries: a row for each dimension)
+    halves = bool((rows[:half] == rows[half:]).all())  # (Qwen's: [freqs, freqs]; else
+    rows = rows[:half] if halves else rows[0::2]  # GLM-4V's, each frequency twice in a row)
+    config = rotary.config
+    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return [int(x) for x in rows] + [0] * (hd // 2 - half)
 
 
 def inverse_frequencies(rotary, config) -> tuple:
@@ -468,7 +474,8 @@ def rope_pairs(hf_layer) -> str:
     """Which dimensions of a head the model's RoPE rotates together, read from its modeling
     module's own ``rotate_half``: "half" (i, i + hd / 2), Llama's and most families', or
     "adjacent" (2i, 2i + 1), GLM's."""
-    rotate = getattr(sys.modules[type(hf_layer.self_attn).__module__], "rotate_half", None)
+    module = sys.modules[type(hf_layer.self_attn).__module__]  # (GLM-4V's text one: ``_llm``)
+    rotate = getattr(module, "rotate_half_llm", None) or getattr(module, "rotate_half", None)
     if rotate is None:
         return "half"
     got = rotate(torch.arange(1.0, 5.0)).tolist()

@@ -71,10 +71,10 @@ GLM-4V, GLM-4.5V, Mllama, Qwen3.5, Qwen3.5 MoE): the
 training call's loss through coda's (the model's own forward runs, its images, masks and
 multimodal positions its own, with its final norm and LM head skipped and its loss function
 coda's: ``_hf_forward.vision_language_forward``), and the text model's decoder layers where
-that text model is a supported family's (Llama, Mistral, Qwen2, Gemma) or a Qwen-VL model's
-(Qwen2's or Qwen3's layer with multimodal RoPE: ``mrope_sections``, the position rows tagged
-on the rotary module's output, ``_tag_mrope_rows``); the others take ``layers=False``; the
-vision encoder stays HF's.
+that text model is a supported family's (Llama, Mistral, Ministral 3, Qwen2, Gemma) or a
+Qwen-VL model's or GLM-4V's (Qwen2's, Qwen3's or GLM-4's layer with multimodal RoPE:
+``mrope_sections``, the position rows tagged on the rotary module's output,
+``_tag_mrope_rows``); the others take ``layers=False``; the vision encoder stays HF's.
 """
 
 from __future__ import annotations
@@ -440,7 +440,7 @@ def apply_coda(model, *, method: str = "auto", embedding: bool = True, layers: b
     added as their forward adds it; Granite's, their ``logits_scaling`` folded into the final
     norm's gain; OLMo's), which take only ``layers=False``; and for the vision-language
     models of ``VISION_LANGUAGE`` whose text model is not a supported family's (Mllama's,
-    GLM-4V's, the MoE ones). (Gemma's final norm's gain 1 + w stays in fp32 either way.) A PEFT
+    the MoE ones). (Gemma's final norm's gain 1 + w stays in fp32 either way.) A PEFT
     model (one with ``get_base_model()``) has the transformers model it wraps patched, and
     is returned."""
     name = type(model).__name__

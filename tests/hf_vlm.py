@@ -32,7 +32,7 @@ KINDS = {
     "qwen3_vl": True,
     "mllama": False,
     "qwen3_vl_moe": False,
-    "glm4v": False,
+    "glm4v": True,
     "glm4v_moe": False,
     "qwen3_5": False,
     "qwen3_5_moe": False,

@@ -175,16 +175,18 @@ VLM_POOLED_SEEDS = 16
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["gemma3"])
+@pytest.mark.parametrize("kind", ["gemma3", "glm4v", "mistral3_ministral3"])
 def test_gpu_vlm_protocol_pooled(kind):
-    """``test_gpu_vlm_protocol`` for Gemma 3 (coda's layers since session 72: the norms
-    after each sublayer, QK-norm), each gradient's error pooled over ``VLM_POOLED_SEEDS``
-    seeds (``conftest.pooled_ratio``, Bonferroni over the text side's gradients): one seed of
-    this 48-wide model over 56 tokens cannot decide a tie. Run 306 read seed 5 alone: three
-    weights at 1.11-1.17x, over bands of ~0.1; the CPU model of the GPU's roundings
-    (``cpu_numerics.py vlm``) flags the same seed (1.096 against 1.095) and, pooled over 16
-    seeds, every text-side gradient at or below 1.11, inside its band (0.92-0.93 for those
-    three; benchmarks/NOTES.md, session 72). The loss's error as an RMS over the seeds."""
+    """``test_gpu_vlm_protocol`` for Gemma 3 (coda's layers since session 72: the norms after each
+    sublayer, QK-norm), GLM-4V (since session 75: GLM-4's norms after each sublayer, multimodal
+    RoPE on adjacent pairs of half of each head) and Mistral 3 with Ministral 3's text model
+    (its attention temperature), each gradient's error pooled over ``VLM_POOLED_SEEDS`` seeds
+    (``conftest.pooled_ratio``, Bonferroni over the text side's gradients): one seed of this
+    48-wide model over 56 tokens cannot decide a tie. Run 306 read seed 5 alone: three weights
+    at 1.11-1.17x, over bands of ~0.1; the CPU model of the GPU's roundings (``cpu_numerics.py
+    vlm``) flags the same seed (1.096 against 1.095) and, pooled over 16 seeds, every text-side
+    gradient at or below 1.11, inside its band (0.92-0.93 for those three; benchmarks/NOTES.md,
+    session 72). The loss's error as an RMS over the seeds."""
     from conftest import family_z, pooled_ratio
 
     errors: dict = {}

@@ -172,10 +172,8 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
                 "DecoderLayer: pre_norms=False (no norm before each sublayer) needs its norms "
                 "after them: post_norms=True"
             )
-        if post_norms and (o_bias or mrope_sections is not None):
-            raise v.CodaInputError(
-                "DecoderLayer: post_norms with o_bias or mrope_sections is not supported"
-            )
+        if post_norms and o_bias:
+            raise v.CodaInputError("DecoderLayer: post_norms with o_bias is not supported")
         hd = v.check_heads(d, n_heads, n_kv_heads, head_dim)
         v.check_positive_number("rope_base", rope_base)
         v.check_param_dtype(dtype)
@@ -524,8 +522,8 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         rows = (tma_aligned(x.reshape(B * S, d).contiguous()), g1, w_qkv, w_o, g2, w_il, w_d)
         rope = (pos, dims, attention or self.attention, self._freq_table(x.device, pos))
         with autocast_off(x.device):
+            mrope = None if self._mrope is None else self._mrope_table(x.device)
             if self.post_norms:
                 post = self._gains(dtype, which="post")
-                return post_norm_decoder_layer(*rows, post, *rope, qk, qkv_bias=bias)
-            mrope = None if self._mrope is None else self._mrope_table(x.device)
+                return post_norm_decoder_layer(*rows, post, *rope, qk, mrope, qkv_bias=bias)
             return decoder_layer(*rows, *rope, qk, bias, o_bias, mrope)
