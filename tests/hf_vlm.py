@@ -3,10 +3,9 @@ encoder of two layers on 16 x 16 images (patches of 4), a 2-layer text model of 
 vocabulary of 128 with its image tokens at 120-122, and a training batch with an image:
 ``tiny_vlm(kind)`` -> (model in float64, batch). ``KINDS``: kind -> whether its text model's
 layers are coda's (a Llama, Mistral, Ministral 3, Qwen2, Gemma, Gemma 2 (PaliGemma 2's) or
-Gemma 3; the
-Qwen-VL models' Qwen2 and
-Qwen3 layers with multimodal RoPE) or its loss alone is (``layers=False``: Mllama's
-cross-attention, the MoE and linear-attention text models).
+Gemma 3; the Qwen-VL models' Qwen2 and Qwen3 layers and GLM-4V's GLM-4 layers with
+multimodal RoPE) or its loss alone is (``layers=False``: Mllama's cross-attention, the MoE
+and linear-attention text models).
 ``TEXT_ONLY``: the kinds whose image inputs are not built here (Llava-NeXT's and -OneVision's
 tiled images, Mllama's tiles and cross-attention masks): their batch has no image."""
 
