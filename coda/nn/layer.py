@@ -33,7 +33,7 @@ from coda.kernels.gemm_rope import (
     shared_freq_table,
     text_rows,
 )
-from coda.kernels.gemm_swiglu import MLP_ACTIVATIONS, UNGATED
+from coda.kernels.gemm_swiglu import MLP_ACTIVATIONS
 from coda.kernels.qk_norm import is_per_head
 from coda.nn._common import FormerNames, in_dtype, tma_aligned, tma_rule
 from coda.nn._hf_weights import HFWeights
@@ -153,7 +153,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
     ):
         super().__init__()
         self.activation = v.check_choice("activation", activation, MLP_ACTIVATIONS)
-        self.residual_scale = float(v.check_positive_number("residual_scale", residual_scale))
+        self.residual_scale = v.check_positive_number("residual_scale", residual_scale)
         if residual_scale != 1.0 and (post_norms or o_bias):
             raise v.CodaInputError(
                 "DecoderLayer: residual_scale with post_norms or o_bias is not supported"
@@ -225,7 +225,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         self.ffn_norm = nn.Parameter(torch.ones(d, **kw)) if pre_norms else None
         # the MLP's input projection: gate and up interleaved (d, 2 ffn), or up alone (d, ffn)
         # for an activation without a gate (Arcee's relu2)
-        n_il = ffn if activation in UNGATED else 2 * ffn
+        n_il = ffn if self._ungated() else 2 * ffn
         self.w_il = nn.Parameter(torch.empty(d, n_il, **kw))
         self.w_d = nn.Parameter(torch.empty(ffn, d, **kw))
         # QK-norm weights, in the adjacent-pair order of w_qkv's heads: Qwen3's per head (hd,),
