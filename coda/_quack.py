@@ -107,6 +107,13 @@ def relu(value):
     return _modules()["activation"].relu(value)
 
 
+def select(cond, a, b):
+    """``a`` where the traced comparison ``cond`` holds, else ``b`` (one select; Float32)."""
+    import cutlass
+
+    return cutlass.Float32(cutlass.select_(cond, cutlass.Float32(a), cutlass.Float32(b)))
+
+
 def sincos_turns(pos, freq):
     """(sin, cos) of pos * freq turns, freq a float-float pair (quack's RoPE angle math)."""
     rotary = _modules()["rotary"]
@@ -119,6 +126,7 @@ def op_classes():
     ops = _modules()["ops"]
     return {
         "Scalar": ops.Scalar,
+        "DeviceScalar": _device_scalar(),
         "RowLoad": ops.RowVecLoad,
         "ColLoad": ops.ColVecLoad,
         "TileLoad": ops.TileLoad,
@@ -130,6 +138,20 @@ def op_classes():
         "GroupRstd": _modules()["head_rmsnorm"].HeadRstd,  # a grouped prepass statistic
         "TileMaxLog2": _modules()["scaled_exp"].MaxLog2,  # a whole-tile max prepass statistic
     }
+
+
+@functools.lru_cache(maxsize=1)
+def _device_scalar():
+    """quack's ``Scalar`` op always in its device-pointer mode (coda's ``DeviceScalar``): its
+    compile is keyed as a pointer whatever a launch passes, so it compiles on a machine with
+    no GPU from a CPU example tensor; a launch still checks the tensor (CUDA, fp32, one
+    element) as quack's own pointer mode does."""
+
+    class DeviceScalar(_modules()["ops"].Scalar):
+        def host_arg_key(self, value):
+            return self.host_key_for_mode(2)
+
+    return DeviceScalar
 
 
 def make_epi_mod(fn, **declarations):

@@ -343,56 +343,65 @@ class MLP(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x1, a1, r1, g2, w_il, w_d, rows: tuple, train: bool, activation="silu", scale=1.0
-    ):
+        ctx, x1, a1, r1, g2, w_il, w_d, rows: tuple, train: bool, activation="silu", scale=1.0,
+        act=None,
+    ):  # fmt: skip
         M, d = x1.shape
         f = w_d.shape[0]
-        s, u = gated_up(a1, r1, w_il, train, activation)
+        s, u = gated_up(a1, r1, w_il, train, activation, act)
         # F5: the residual add alone (no statistic): this boundary's norm is the next
         # layer's F0, which computes its own
         x2 = lib.gemm_residual_add(s, w_d, x1, config_for("residual", M, f, d), rows, scale)
-        ctx.save_for_backward(x1, r1, u, g2, w_il, w_d)
+        ctx.save_for_backward(x1, r1, u, g2, w_il, w_d, act)
         ctx.activation, ctx.scale = activation, scale
         return x2
 
     @staticmethod
     def backward(ctx, dx2):
         differentiable_once("MLP")
-        x1, r1, u, g2, w_il, w_d = ctx.saved_tensors
+        x1, r1, u, g2, w_il, w_d, act = ctx.saved_tensors
         dx2 = dx2.reshape(x1.shape).contiguous()
         want = ctx.needs_input_grad[4:6]
         d_down = dx2 if ctx.scale == 1.0 else dx2 * ctx.scale
-        dx1, dg2, dw_il, dw_d = mlp_grads(
-            x1, r1, u, g2, w_il, w_d, d_down, dx2, ctx.activation, want
+        dx1, dg2, dw_il, dw_d, d_act = mlp_grads(
+            x1, r1, u, g2, w_il, w_d, d_down, dx2, ctx.activation, want, act
         )
-        return dx1, None, None, dg2, dw_il, dw_d, None, None, None, None
+        return dx1, None, None, dg2, dw_il, dw_d, None, None, None, None, d_act
 
 
-def gated_up(a1, r1, w_il, train: bool, activation: str):
+def gated_up(a1, r1, w_il, train: bool, activation: str, act=None):
     """F4: s = GLU(r1 * (a1 @ W_il)) and, when ``train`` (a backward can run), the unscaled
-    pre-activation u dSwiGLU reads (B4); else a stand-in for u (no 2f-wide store)."""
+    pre-activation u dSwiGLU reads (B4); else a stand-in for u (no 2f-wide store). ``act``:
+    the activation's numbers (xIELU's (4,) tensor, ``reference.swiglu.xielu_act``) or None."""
     M, d = a1.shape
     cfg = config_for("swiglu", M, d, w_il.shape[1])
     if train:
-        return lib.gemm_swiglu(a1, w_il, r1, cfg, activation)
-    return lib.gemm_swiglu_only(a1, w_il, r1, cfg, activation), stand_in((M, w_il.shape[1]), a1)
+        return lib.gemm_swiglu(a1, w_il, r1, cfg, activation, act)
+    s = lib.gemm_swiglu_only(a1, w_il, r1, cfg, activation, act)
+    return s, stand_in((M, w_il.shape[1]), a1)
 
 
-def mlp_grads(x1, r1, u, g2, w_il, w_d, d_down, dres, activation: str, want=(True, True)):
+def mlp_grads(x1, r1, u, g2, w_il, w_d, d_down, dres, activation: str, want=(1, 1), act=None):
     """B4-B7 from the down projection's output gradient ``d_down`` and the residual's ``dres``
-    (both dx2, unless a norm follows the projection): (dx1, dgamma2, dW_il, dW_d), a weight's
-    gradient None where ``want`` (W_il's, W_d's) says it is frozen; ``g2`` None: no norm
-    before the MLP (``r1`` ones), dgamma2 None."""
+    (both dx2, unless a norm follows the projection): (dx1, dgamma2, dW_il, dW_d, d_act), a
+    weight's gradient None where ``want`` (W_il's, W_d's) says it is frozen; ``g2`` None: no
+    norm before the MLP (``r1`` ones), dgamma2 None; d_act the gradient of xIELU's numbers
+    ``act`` (a_p's and a_n's; beta and eps are constants: 0), else None."""
     M, d = x1.shape
     f = w_d.shape[0]
-    dz1, s, stat1 = lib.dswiglu(d_down, w_d, u, r1, config_for("dswiglu", M, d, f), activation)
+    cfg, d_act = config_for("dswiglu", M, d, f), None
+    if act is None:
+        dz1, s, stat1 = lib.dswiglu(d_down, w_d, u, r1, cfg, activation)
+    else:
+        dz1, s, stat1, coef = lib.dxielu(d_down, w_d, u, r1, act, cfg)
+        d_act = torch.cat([coef.sum((1, 2)), act.new_zeros(2)])
     dw_d = wgrad(s, d_down) if want[1] else None  # B5
     g, corr1 = _unnormed(x1, g2, norm_corr(r1, stat1, d))  # A6
     dx1, dg2 = lib.norm_bwd(
         dz1, w_il, x1, g, corr1, dres, config_for("norm_bwd", M, w_il.shape[1], d)
     )  # B6 + A7 (K: 2f, f without a gate)
     dw_il = lib.wgrad_gamma_rows(x1, dz1, g) if want[0] else None  # B7
-    return dx1, None if g2 is None else dg2, dw_il, dw_d
+    return dx1, None if g2 is None else dg2, dw_il, dw_d, d_act
 
 
 def decoder_layer(
@@ -411,6 +420,7 @@ def decoder_layer(
     qkv_bias=None,
     o_bias=None,
     sect=None,
+    act=None,
 ):
     """One decoder layer on token rows x0 (M, d) as the composition of the kernel-path
     Functions, with ``attention`` (default ``sdpa_causal``) between them, differentiated by
@@ -419,7 +429,7 @@ def decoder_layer(
     ``qkv_bias``: Qwen2's QKV bias (Nqkv,) in W_qkv's column order, or None (not both);
     ``o_bias``: the O projection's bias (d,) (Llama's ``attention_bias=True``), or None;
     ``sect``: multimodal RoPE's section flags, ``positions`` then (3, M) (with ``qkv_bias`` or
-    ``qk_norm``)
+    ``qk_norm``); ``act``: the MLP activation's numbers (xIELU's: ``gated_up``), or None.
     Returns x2 (batch, seq, d), a tensor of its own (not a view of an (M, d) one). Where no
     backward reads this run's tensors (``torch.no_grad``, inference mode, nothing requiring a
     gradient, either kind of activation checkpointing's first pass: ``backward_can_follow``),
@@ -433,7 +443,7 @@ def decoder_layer(
     x1, a1, r1 = AttentionOutput.apply(o, w_o, x0_residual, g2, dims.eps, o_bias, c)
     train = backward_can_follow(x1, a1, r1, g2, w_il, w_d)  # (attention may own weights)
     rows = (dims.batch, dims.seq)
-    return MLP.apply(x1, a1, r1, g2, w_il, w_d, rows, train, dims.activation, c)
+    return MLP.apply(x1, a1, r1, g2, w_il, w_d, rows, train, dims.activation, c, act)
 
 
 def attention_block(
@@ -580,19 +590,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         p_scale, hot, shift = ce_grad_weights(scale, lse, w.shape[1], smooth, z_loss)
         want_dw = ctx.needs_input_grad[2]  # (a frozen LM head: no B3)
         G, S, dw = lib.lm_head_bwd(
-            y,
-            w,
-            ones,
-            lse,
-            tl,
-            target,
-            p_scale,
-            chunk,
-            cfg,
-            hot=hot,
-            shift=shift,
-            want_dw=want_dw,
-            softcap=softcap,
-        )  # B1 + B3 + B2
+            y, w, ones, lse, tl, target, p_scale, chunk, cfg,
+            hot=hot, shift=shift, want_dw=want_dw, softcap=softcap,
+        )  # B1 + B3 + B2  # fmt: skip
         dx2, dgf = fused(final_norm_bwd_normed)(G, S, x2, gf, r)  # A4 + A5
         return dx2, dgf.to(gf.dtype), dw.to(ctx.w_dtype) if want_dw else None, *nones

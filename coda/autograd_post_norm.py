@@ -89,7 +89,9 @@ class MLPPostNorm(torch.autograd.Function):
         dx2 = dx2.reshape(x1.shape).contiguous()
         dm, dg_out = lib.post_norm_bwd_rows(dx2, m, r_m, g_out)  # P2
         want = ctx.needs_input_grad[4:6]
-        dx1, dg2, dw_il, dw_d = mlp_grads(x1, r1, u, g2, w_il, w_d, dm, dx2, ctx.activation, want)
+        dx1, dg2, dw_il, dw_d, _ = mlp_grads(
+            x1, r1, u, g2, w_il, w_d, dm, dx2, ctx.activation, want
+        )
         return dx1, None, None, dg2, dw_il, dw_d, dg_out, None, None, None, None
 
 

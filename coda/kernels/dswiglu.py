@@ -13,8 +13,11 @@
     S[m, t] = sum (dz_g u_g + dz_u u_u)   RED_m: the norm-backward statistic, one GEMM early
 AUX:  corr = -(rstd^3 / d) * sum_t S       (``coda.kernels.rmsnorm_bwd.norm_corr``)
 
-Without a gate (``UNGATED``: relu(z)^2), u is M x f and, per column (element mode):
-    dz = acc 2 relu(z);  D = rstd dz;  s = relu(z)^2;  S[m, t] = sum dz u
+Without a gate (``UNGATED``: relu(z)^2, xIELU), u is M x f and, per column (element mode):
+    dz = acc act'(z);  D = rstd dz;  s = act(z);  S[m, t] = sum dz u
+xIELU's learned coefficients take their gradients as two more row partials:
+    P[m, t] = sum acc z^2 [z > 0]                   (d loss / d a_p)
+    N[m, t] = sum acc (expm1(min(z, eps)) - z) [z <= 0]   (d loss / d a_n)
 
 Supported: bf16; f a multiple of 8. Tests: tests/test_backward_kernels.py, tests/test_geglu.py.
 """
@@ -25,17 +28,21 @@ import torch
 
 from coda.kernels._launch import acc_dtype, example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
-from coda.kernels.gemm_swiglu import UNGATED
+from coda.kernels.gemm_swiglu import PARAMETRIZED, UNGATED, XIELU_OPERANDS, act_operands
 from coda.primitives import (
     ColLoad,
+    DeviceScalar,
     RowPartials,
     TileC,
     TileStore,
     epilogue_program,
+    exp,
+    expm1,
     gelu_tanh_gate,
     gelu_tanh_slope,
     pack,
     relu,
+    select,
     sigmoid,
     unpack,
 )
@@ -82,7 +89,34 @@ def drelu2_rescaled(acc, c, rstd):  # (no gate: u is one column per output colum
     return {"D": dz * rstd, "s": r * r, "stat": dz * c}
 
 
-_PROGRAMS = {"silu": dswiglu_rescaled, "gelu_tanh": dgeglu_rescaled, "relu2": drelu2_rescaled}
+@epilogue_program(
+    inputs=[TileC(), ColLoad("rstd"), *map(DeviceScalar, XIELU_OPERANDS)],
+    stores=[TileStore("s")],
+    sinks=[RowPartials("stat"), RowPartials("d_ap"), RowPartials("d_an")],
+)
+def dxielu_rescaled(acc, c, rstd, a_p, a_n, beta, eps):  # (``primitives.math.xielu``, inlined:
+    z = c * rstd  # its branches' terms are the coefficients' gradients)
+    pos = z > 0.0
+    low = z < eps
+    neg = expm1(select(low, z, eps)) - z
+    s = select(pos, a_p * z * z + beta * z, a_n * neg + beta * z)
+    slope = select(pos, 2.0 * a_p * z + beta, a_n * (select(low, exp(z), 0.0) - 1.0) + beta)
+    dz = acc * slope
+    return {
+        "D": dz * rstd,
+        "s": s,
+        "stat": dz * c,
+        "d_ap": select(pos, acc * z * z, 0.0),
+        "d_an": select(pos, 0.0, acc * neg),
+    }
+
+
+_PROGRAMS = {
+    "silu": dswiglu_rescaled,
+    "gelu_tanh": dgeglu_rescaled,
+    "relu2": drelu2_rescaled,
+    "xielu": dxielu_rescaled,
+}
 
 
 def program_for(activation: str = "silu"):
@@ -90,15 +124,20 @@ def program_for(activation: str = "silu"):
     return _PROGRAMS[activation]
 
 
-def dswiglu_kernel(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False, activation="silu"):
-    """acc = dx @ w_d^T; returns (dz_tilde M x 2f, s M x f, stat partials M x T_N).
-    ``w_d`` is the (f, d) down-projection weight; its transpose is a view."""
+def dswiglu_kernel(
+    dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False, activation="silu", act=None
+):
+    """acc = dx @ w_d^T; returns (dz_tilde M x 2f, s M x f, stat partials M x T_N), and for a
+    parametrized activation (``act``: xIELU's numbers) its coefficients' gradient partials
+    (2, M, T_N) last. ``w_d`` is the (f, d) down-projection weight; its transpose is a view."""
     M, f = dx.shape[0], w_d.shape[0]
     dz = torch.empty_like(u)
-    outputs = {
-        "s": dx.new_empty(M, f),
-        "stat": dx.new_empty(M, config.grid(M, f)[1], dtype=acc_dtype(dx)),
-    }
+    partials = (M, config.grid(M, f)[1])
+    outputs = {"s": dx.new_empty(M, f), "stat": dx.new_empty(partials, dtype=acc_dtype(dx))}
+    coef = None
+    if activation in PARAMETRIZED:
+        coef = dx.new_empty((2, *partials), dtype=acc_dtype(dx))
+        outputs.update(d_ap=coef[0], d_an=coef[1])
     compiled = launch(
         program_for(activation),
         dx,
@@ -106,21 +145,27 @@ def dswiglu_kernel(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, dry=False, ac
         config=config,
         d=dz,
         c=u,
-        operands={"rstd": rstd},
+        operands={"rstd": rstd, **act_operands(activation, act)},
         outputs=outputs,
         dry=dry,
     )
-    return compiled if dry else (dz, outputs["s"], outputs["stat"])
+    if dry:
+        return compiled
+    out = (dz, outputs["s"], outputs["stat"])
+    return out if coef is None else (*out, coef)
 
 
-def dswiglu_interpreted(dx, w_d, u, rstd, config: GemmConfig = DEFAULT, activation="silu"):
-    out = interpret_gemm(
-        program_for(activation), dx, w_d.t(), config=config, operands={"c": u, "rstd": rstd}
-    )
-    return out["D"], out["s"], out["stat"]
+def dswiglu_interpreted(
+    dx, w_d, u, rstd, config: GemmConfig = DEFAULT, activation="silu", act=None
+):
+    operands = {"c": u, "rstd": rstd, **act_operands(activation, act)}
+    out = interpret_gemm(program_for(activation), dx, w_d.t(), config=config, operands=operands)
+    res = (out["D"], out["s"], out["stat"])
+    return (*res, torch.stack([out["d_ap"], out["d_an"]])) if activation in PARAMETRIZED else res
 
 
 def compile_dswiglu(d, f, *, config=DEFAULT, m=256, activation="silu") -> int:
     dx, w_dt = example_operands(m, d, f, "k")  # w_d^T of a row-major (f, d) weight: k-major
     u = torch.empty(m, f if activation in UNGATED else 2 * f, dtype=torch.bfloat16)
-    return dswiglu_kernel(dx, w_dt.t(), u, torch.empty(m), config, dry=True, activation=activation)
+    act = torch.empty(4) if activation in PARAMETRIZED else None
+    return dswiglu_kernel(dx, w_dt.t(), u, torch.empty(m), config, True, activation, act)

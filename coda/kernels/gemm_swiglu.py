@@ -7,8 +7,11 @@
     s_j = act(z_2j) z_2j+1    EW pairwise (gate at even, up at odd columns); TILE-ST s (M x f)
                               act = silu, or gelu_tanh(x) = x sigmoid(2 k (x + a x^3))
 
-Without a gate (``UNGATED``: Arcee's MLP, relu(x)^2), W_il = W_up (d x f) and, per column,
+Without a gate (``UNGATED``: Arcee's MLP, relu(x)^2; Apertus's, xIELU), W_il = W_up (d x f)
+and, per column,
     s = relu(rstd acc)^2       EW (element mode); TILE-ST s (M x f), u = acc (M x f)
+    s = xielu(rstd acc)        xIELU's four numbers (a_p, a_n, beta, eps) as DeviceScalars:
+                               a_p, a_n are learned, formed on the GPU (``XIELU_OPERANDS``)
 
 Supported: bf16, K and 2f multiples of 8, tile_n a multiple of 32 (quack's SM90 rule for a
 half-width pair store); any M. Compile key: program, dtypes, majors, GemmConfig.
@@ -21,7 +24,17 @@ import torch
 
 from coda.kernels._launch import example_operands, interpret_gemm, launch
 from coda.kernels.config import DEFAULT, GemmConfig
-from coda.primitives import ColLoad, TileStore, epilogue_program, gelu_tanh, relu, silu, unpack
+from coda.primitives import (
+    ColLoad,
+    DeviceScalar,
+    TileStore,
+    epilogue_program,
+    gelu_tanh,
+    relu,
+    silu,
+    unpack,
+    xielu,
+)
 from coda.reference.swiglu import gemm_swiglu_ref  # noqa: F401  (the op's reference)
 
 # one declaration for every gated program: rstd in, s out, a (gate, up) pair per column.
@@ -71,11 +84,33 @@ def relu2_only(acc, rstd):
     return {"s": r * r}
 
 
+# xIELU (Apertus's): its coefficients a_p = softplus(alpha_p), a_n = beta + softplus(alpha_n)
+# and constants beta, eps, each read by the kernel from one fp32 element (``act_operands``)
+XIELU_OPERANDS = ("a_p", "a_n", "beta", "eps")
+_XIELU = {
+    "inputs": [ColLoad("rstd"), *map(DeviceScalar, XIELU_OPERANDS)],
+    "stores": [TileStore("s")],
+}
+
+
+@epilogue_program(**_XIELU)
+def xielu_keep_preact(acc, rstd, a_p, a_n, beta, eps):
+    return {"D": acc, "s": xielu(acc * rstd, a_p, a_n, beta, eps)}
+
+
+@epilogue_program(**_XIELU, writes_d=False)
+def xielu_only(acc, rstd, a_p, a_n, beta, eps):
+    return {"s": xielu(acc * rstd, a_p, a_n, beta, eps)}
+
+
 # the gated activations (``activation=`` of the ops, the MLP Function and ``DecoderLayer``)
 ACTIVATIONS = ("silu", "gelu_tanh")
 # the MLP activations without a gate (the MLP Function's and ``DecoderLayer``'s, whose W_il is
 # then W_up, d x f)
-UNGATED = ("relu2",)
+UNGATED = ("relu2", "xielu")
+# the activations with parameters: their kernels take ``act``, a (4,) fp32 tensor of
+# (a_p, a_n, beta, eps) (``act_operands``)
+PARAMETRIZED = ("xielu",)
 MLP_ACTIVATIONS = ACTIVATIONS + UNGATED
 _PROGRAMS = {
     ("silu", True): swiglu_keep_preact,
@@ -84,6 +119,8 @@ _PROGRAMS = {
     ("gelu_tanh", False): geglu_only,
     ("relu2", True): relu2_keep_preact,
     ("relu2", False): relu2_only,
+    ("xielu", True): xielu_keep_preact,
+    ("xielu", False): xielu_only,
 }
 
 
@@ -93,15 +130,31 @@ def act_width(n: int, activation: str) -> int:
     return n if activation in UNGATED else n // 2
 
 
+def act_operands(activation: str, act) -> dict:
+    """The kernel operands of a parametrized activation's numbers ``act`` (xIELU's: a
+    contiguous (4,) fp32 tensor, one one-element view each; none for the others)."""
+    if activation not in PARAMETRIZED:
+        return {}
+    return {name: act[i : i + 1] for i, name in enumerate(XIELU_OPERANDS)}
+
+
 def program_for(save_preact: bool, activation: str = "silu"):
     """F4's program for ``activation``, storing the pre-activations (``save_preact``) or not."""
     return _PROGRAMS[activation, save_preact]
 
 
 def gemm_swiglu_kernel(
-    a, w_il, rstd, save_preact=True, config: GemmConfig = DEFAULT, dry=False, activation="silu"
+    a,
+    w_il,
+    rstd,
+    save_preact=True,
+    config: GemmConfig = DEFAULT,
+    dry=False,
+    activation="silu",
+    act=None,
 ):
-    """Returns (s (M x f), u (M x 2f) or None); with ``dry`` only compiles."""
+    """Returns (s (M x f), u (M x 2f) or None); with ``dry`` only compiles. ``act``: a
+    parametrized activation's numbers (``act_operands``)."""
     M, n2 = a.shape[0], w_il.shape[1]
     s = a.new_empty(M, act_width(n2, activation))
     u = a.new_empty(M, n2) if save_preact else None
@@ -111,16 +164,19 @@ def gemm_swiglu_kernel(
         w_il,
         config=config,
         d=u,
-        operands={"rstd": rstd},
+        operands={"rstd": rstd, **act_operands(activation, act)},
         outputs={"s": s},
         dry=dry,
     )
     return compiled if dry else (s, u)
 
 
-def gemm_swiglu_interpreted(a, w_il, rstd, config: GemmConfig = DEFAULT, activation="silu"):
+def gemm_swiglu_interpreted(
+    a, w_il, rstd, config: GemmConfig = DEFAULT, activation="silu", act=None
+):
     program = program_for(True, activation)
-    out = interpret_gemm(program, a, w_il, config=config, operands={"rstd": rstd})
+    operands = {"rstd": rstd, **act_operands(activation, act)}
+    out = interpret_gemm(program, a, w_il, config=config, operands=operands)
     return out["s"], out["D"]
 
 
@@ -128,4 +184,5 @@ def compile_gemm_swiglu(
     k, n2, *, save_preact, w_major="n", config=DEFAULT, m=256, activation="silu"
 ) -> int:
     a, w = example_operands(m, k, n2, w_major)
-    return gemm_swiglu_kernel(a, w, torch.empty(m), save_preact, config, True, activation)
+    act = torch.empty(4) if activation in PARAMETRIZED else None
+    return gemm_swiglu_kernel(a, w, torch.empty(m), save_preact, config, True, activation, act)

@@ -9,19 +9,18 @@ cross the op boundary as seven ints (``GemmConfig`` fields).
 
 Inductor lowers every op to a call of it (a fallback kernel), registered by coda the first
 time an op is traced (``op_support.inductor_fallbacks``: why, there). The LM head's ops live
-in ``library_head`` and are re-exported here.
+in ``library_head``, the MLP boundary's (F4, B4) in ``library_mlp``; both are re-exported
+here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from coda.kernels import dswiglu as _dsw
 from coda.kernels import embedding as _emb
 from coda.kernels import gemm_residual_rms as _grr
 from coda.kernels import gemm_rmsnorm_gemm as _rg
 from coda.kernels import gemm_rope as _rope
-from coda.kernels import gemm_swiglu as _sw
 from coda.kernels import norm_rows as _nr
 from coda.kernels import post_norm as _pn
 from coda.kernels import qk_norm as _qkn
@@ -40,6 +39,16 @@ from coda.kernels.library_head import (  # noqa: F401 (the LM head's ops, re-exp
     lm_head_chunked,
     lm_head_scaled,
     lm_head_stats,
+)
+from coda.kernels.library_mlp import (  # noqa: F401 (the MLP boundary's ops, re-exported)
+    _dswiglu,
+    _dxielu,
+    _gemm_swiglu,
+    _gemm_swiglu_only,
+    dswiglu,
+    dxielu,
+    gemm_swiglu,
+    gemm_swiglu_only,
 )
 from coda.kernels.op_support import config_ints as _cfg
 from coda.kernels.op_support import config_of as _gc
@@ -229,19 +238,6 @@ def _(x, w, cfg):
     return _empty(M, N, like=x), _empty(M, cdiv(N, cfg[1]), like=x, dtype=acc_dtype(x))
 
 
-@torch.library.custom_op("coda::gemm_swiglu", mutates_args=())
-def _gemm_swiglu(
-    a: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, cfg: list[int], act: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _sw.gemm_swiglu_kernel(a, w, rstd, True, _gc(cfg), activation=act)
-
-
-@_fake(_gemm_swiglu)
-def _(a, w, rstd, cfg, act):
-    M, N = a.shape[0], w.shape[1]
-    return _empty(M, _sw.act_width(N, act), like=a), _empty(M, N, like=a)
-
-
 @torch.library.custom_op("coda::gemm_scale_rows", mutates_args=())
 def _gemm_scale_rows(
     a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, cfg: list[int]
@@ -254,38 +250,7 @@ def _(a, w, scale, cfg):
     return _empty(a.shape[0], w.shape[1], like=a)
 
 
-@torch.library.custom_op("coda::gemm_swiglu_only", mutates_args=())
-def _gemm_swiglu_only(
-    a: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, cfg: list[int], act: str
-) -> torch.Tensor:
-    return _sw.gemm_swiglu_kernel(a, w, rstd, False, _gc(cfg), activation=act)[0]
-
-
-@_fake(_gemm_swiglu_only)
-def _(a, w, rstd, cfg, act):
-    return _empty(a.shape[0], _sw.act_width(w.shape[1], act), like=a)
-
-
 # -- backward -----------------------------------------------------------------------------------
-@torch.library.custom_op("coda::dswiglu", mutates_args=())
-def _dswiglu(
-    dx: torch.Tensor,
-    w_d: torch.Tensor,
-    u: torch.Tensor,
-    rstd: torch.Tensor,
-    cfg: list[int],
-    act: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _dsw.dswiglu_kernel(dx, w_d, u, rstd, _gc(cfg), activation=act)
-
-
-@_fake(_dswiglu)
-def _(dx, w_d, u, rstd, cfg, act):
-    M, f = dx.shape[0], w_d.shape[0]
-    stat = _empty(M, cdiv(f, cfg[1]), like=dx, dtype=acc_dtype(dx))
-    return torch.empty_like(u), _empty(M, f, like=dx), stat
-
-
 @torch.library.custom_op("coda::norm_bwd", mutates_args=())
 def _norm_bwd(
     dz: torch.Tensor,
@@ -546,20 +511,8 @@ gemm_output_sumsq = _either(  # (y, its sum-of-squares partials): no residual
     lambda x, w, c: _gemm_output_sumsq(x, w, _cfg(c)),
     lambda x, w, c: _grr.epilogue_gemm(x, w, None, None, c)[::2],
 )
-gemm_swiglu = _either(  # act: the gated activation, "silu" or "gelu_tanh"
-    lambda a, w, r, c, act="silu": _gemm_swiglu(a, w, r, _cfg(c), act),
-    lambda a, w, r, c, act="silu": _sw.gemm_swiglu_kernel(a, w, r, True, c, activation=act),
-)
 gemm_scale_rows = _either(
     lambda a, w, s, c: _gemm_scale_rows(a, w, s, _cfg(c)), _rg.gemm_scale_rows_kernel
-)
-gemm_swiglu_only = _either(
-    lambda a, w, r, c, act="silu": _gemm_swiglu_only(a, w, r, _cfg(c), act),
-    lambda a, w, r, c, act="silu": _sw.gemm_swiglu_kernel(a, w, r, False, c, activation=act)[0],
-)
-dswiglu = _either(
-    lambda dx, w, u, r, c, act="silu": _dswiglu(dx, w, u, r, _cfg(c), act),
-    lambda dx, w, u, r, c, act="silu": _dsw.dswiglu_kernel(dx, w, u, r, c, activation=act),
 )
 norm_bwd = _either(
     lambda dz, w2, h, g, corr, dres, c: _norm_bwd(dz, w2, h, g, corr, dres, _cfg(c)),
@@ -591,6 +544,7 @@ _NAMES = (
     "gemm_rope", "gemm_rope_bias", "gemm_qk_norm_rope", "gemm_qk_norm_rope_keep_z",
     "gemm_residual_rms", "gemm_residual", "gemm_residual_add", "gemm_output_sumsq",
     "gemm_swiglu", "gemm_scale_rows", "gemm_swiglu_only", "lm_head_stats", "dswiglu",
+    "dxielu",
     "norm_bwd", "wgrad_gamma_rows", "lm_head_bwd", "lm_head_chunked", "lm_head_scaled",
     "norm_rows", "post_norm_rows", "post_norm_next_rows", "post_norm_bwd_rows", "drope_rows",
     "drope_bias_rows", "dqk_norm_rows", "qk_norm_rows", "embedding_backward"

@@ -37,6 +37,7 @@ from coda.kernels.gemm_swiglu import MLP_ACTIVATIONS
 from coda.kernels.qk_norm import is_per_head
 from coda.nn._common import FormerNames, in_dtype, tma_aligned, tma_rule
 from coda.nn._hf_weights import HFWeights
+from coda.nn.activation import XIELU
 from coda.reference.layer import LayerShape, decoder_layer_ref
 
 
@@ -94,7 +95,9 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
     largest position is at least ``long_after`` (the original context length), chosen on the
     device (``gemm_rope.context_freq_table``). ``activation``: the MLP's gate, "silu"
     (SwiGLU) or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's MLP), in the same epilogues, or
-    "relu2" (relu(x)^2 without a gate, Arcee's MLP: ``w_il`` is then W_up alone, (d, ffn)).
+    "relu2" (relu(x)^2 without a gate, Arcee's MLP: ``w_il`` is then W_up alone, (d, ffn)),
+    or "xielu" (xIELU without a gate, Apertus's MLP, its learned numbers in ``mlp.act_fn``, a
+    ``coda.nn.activation.XIELU``: HF's keys; not with ``post_norms``).
     ``norm_offset``: the two norms scale by ``norm_offset + gain`` (Gemma's 1 + w), that sum
     formed in fp32 and applied before the one rounding, as HF's ``GemmaRMSNorm`` does (a
     bf16 1 + w would round w to 2^-8); the gains then start at 1 - norm_offset.
@@ -154,6 +157,10 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         super().__init__()
         self.activation = v.check_choice("activation", activation, MLP_ACTIVATIONS)
         self.residual_scale = v.check_positive_number("residual_scale", residual_scale)
+        if activation == "xielu" and post_norms:
+            raise v.CodaInputError(
+                "DecoderLayer: activation 'xielu' with post_norms is not supported"
+            )
         if residual_scale != 1.0 and (post_norms or o_bias):
             raise v.CodaInputError(
                 "DecoderLayer: residual_scale with post_norms or o_bias is not supported"
@@ -241,6 +248,8 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         # Gemma 2's and 3's norms of the attention's and the MLP's outputs (d,)
         self.post_attention_norm = nn.Parameter(torch.ones(d, **kw)) if post_norms else None
         self.post_ffn_norm = nn.Parameter(torch.ones(d, **kw)) if post_norms else None
+        if activation == "xielu":  # its numbers, where HF's layer keeps them
+            self.mlp = nn.ModuleDict({"act_fn": XIELU(**kw)})
         self.reset_parameters()
         self._build_rope_tables()
 
@@ -325,6 +334,8 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         for b in (self.bias_qkv, self.bias_o):
             if b is not None:
                 nn.init.zeros_(b)
+        if self.activation == "xielu":
+            self.mlp.act_fn.reset_parameters()
 
     def _shape(self, batch, seq) -> LayerShape:
         return LayerShape(
@@ -382,6 +393,8 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
             w["bo"] = self.bias_o
         if self.post_norms:
             w["g_attn_out"], w["g_ffn_out"] = self._gains(compute_dtype(x), False, "post")
+        if self.activation == "xielu":
+            w["act"] = self.mlp.act_fn.numbers()
         if rope_cos_sin is not None:  # HF's halves -> coda's adjacent (cos, sin) pairs
             v.check_rope_cos_sin(rope_cos_sin, B, S, self.head_dim)
             half = self.head_dim // 2
@@ -526,4 +539,5 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
             if self.post_norms:
                 post = self._gains(dtype, which="post")
                 return post_norm_decoder_layer(*rows, post, *rope, qk, mrope, qkv_bias=bias)
-            return decoder_layer(*rows, *rope, qk, bias, o_bias, mrope)
+            act = self.mlp.act_fn.numbers() if self.activation == "xielu" else None
+            return decoder_layer(*rows, *rope, qk, bias, o_bias, mrope, act)

@@ -99,6 +99,25 @@ def exp2(x):
     return 2**x if _is_symbolic(x) else _quack.exp2(x)
 
 
+def expm1(x):
+    """exp(x) - 1. The interpreter's is torch's (exact near 0); on the GPU it is exp(x) - 1 in
+    fp32, within ~1e-7 of it absolutely (the one use, xIELU's negative branch, adds it to
+    terms of the size of x, so that bound is what reaches the result)."""
+    if _is_interpreted(x):
+        return torch.expm1(x)
+    return _sympy().exp(x) - 1 if _is_symbolic(x) else _quack.exp(x) - 1.0
+
+
+def select(cond, a, b):
+    """``a`` where ``cond`` holds, else ``b`` (a comparison of values: ``x > 0``); one select
+    instruction on the GPU, both sides computed."""
+    if isinstance(cond, torch.Tensor):
+        return torch.where(cond, a, b)
+    if _is_symbolic(cond):
+        return _sympy().Piecewise((a, cond), (b, True))
+    return _quack.select(cond, a, b)
+
+
 def sigmoid(x):
     if _is_interpreted(x):
         return torch.sigmoid(x)
@@ -137,6 +156,23 @@ def gelu_tanh_slope(x, gate):
     """d gelu_tanh / dx given ``gate = gelu_tanh_gate(x)``:
     gate + x gate (1 - gate) 2 k (1 + 3 a x^2)."""
     return gate + x * gate * (1.0 - gate) * GELU_TANH_K2 * (1.0 + 3.0 * GELU_TANH_A * x * x)
+
+
+# xIELU (Apertus's MLP activation, without a gate; arXiv:2411.13010), with its coefficients
+# a_p = softplus(alpha_p), a_n = beta + softplus(alpha_n) already formed:
+#   x > 0:  a_p x^2 + beta x
+#   x <= 0: a_n (expm1(min(x, eps)) - x) + beta x      (eps < 0: HF's -1e-6)
+def xielu(x, a_p, a_n, beta, eps):
+    """xIELU of ``x`` in HF's order of operations (``XIELUActivation``'s Python form)."""
+    neg = a_n * (expm1(select(x < eps, x, eps)) - x) + beta * x
+    return select(x > 0.0, a_p * x * x + beta * x, neg)
+
+
+def xielu_slope(x, a_p, a_n, beta, eps):
+    """d xielu / dx: 2 a_p x + beta for x > 0; a_n (exp(x) - 1) + beta below eps, beta - a_n
+    between eps and 0 (where min(x, eps) is the constant)."""
+    neg = a_n * (select(x < eps, exp(x), 0.0) - 1.0) + beta
+    return select(x > 0.0, 2.0 * a_p * x + beta, neg)
 
 
 def turns_to_angle(pos, freq_hi, freq_lo):

@@ -12,6 +12,8 @@ EW     ``mode``                 "element": ``acc`` is one accumulator value. "pa
                                 The map itself is the body of ``fn`` (see ``primitives.math``).
 VEC    ``Scalar(name)``         one number for the whole GEMM, a host value passed at launch
                                 (a branch's residual multiplier: Granite's)
+       ``DeviceScalar(name)``   one number for the whole GEMM, read by the kernel from a
+                                one-element fp32 tensor (a learned scalar: xIELU's)
        ``RowLoad(name)``        one value per output column, broadcast over rows (gamma)
        ``ColLoad(name)``        one value per output row, broadcast over columns (rstd, corr)
        ``ColSelect(name, idx)`` VEC-ST COL: out[m] = value at column idx[m] (target logit)
@@ -113,6 +115,22 @@ class Scalar(Primitive):
 
     def host_args(self, operands, outputs):
         return {self.name: float(operands[self.name])}
+
+
+@dataclass(frozen=True)
+class DeviceScalar(Primitive):
+    """VEC-LD of rank 0 from device memory: one fp32 number for every element, which the
+    kernel reads from a one-element tensor (quack's ``Scalar`` in pointer mode). For a value
+    computed on the GPU in the step itself (a learned parameter, xIELU's alpha): passing it as
+    a host number would cost a host sync per launch."""
+
+    family = "VEC"
+
+    def view(self, v, rows, cols, mode):
+        return v.reshape(())
+
+    def host_args(self, operands, outputs):
+        return {self.name: operands[self.name]}
 
 
 @dataclass(frozen=True)
@@ -464,7 +482,7 @@ class ScaleA:
         return full[:m, :k]
 
 
-INPUTS = (Scalar, RowLoad, ColLoad, TileC, TileLoad, GroupRstd, TileMaxLog2)
+INPUTS = (Scalar, DeviceScalar, RowLoad, ColLoad, TileC, TileLoad, GroupRstd, TileMaxLog2)
 SINKS = (RowPartials, ColPartials, OnlineLSE, ColSelect)
 
 

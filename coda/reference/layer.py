@@ -67,7 +67,7 @@ class LayerShape:
     vocab: int
     eps: float = 1e-5
     rope_base: float = 10000.0
-    activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    activation: str = "silu"  # the MLP's: "silu", "gelu_tanh", "relu2", "xielu" (w["act"])
     residual_scale: float = 1.0  # each sublayer's output times it before its add (Granite's)
     qk_norm_after_rope: bool = False  # the QK-norm of the rotated q and k (Hunyuan's)
 
@@ -132,11 +132,11 @@ def decoder_layer_ref(
     also q_norm, k_norm (hd,) in adjacent order; with Qwen2's QKV bias bqkv (Nqkv,) in wqkv's
     column order; with Llama's O-projection bias bo (d,); with Gemma 2's and 3's norms after
     each sublayer their gains g_attn_out, g_ffn_out (d,); g1, g2 None: no norm before the
-    sublayers, EXAONE 4's), differentiable by autograd: the
-    reference path of ``coda.nn.DecoderLayer``. Same math as ``llama_layer_ref`` on the
-    converted weights ([I3.4-I3.7]); each sublayer's output times ``s.residual_scale``
-    before its add; ``attention`` as in
-    ``attention_ref``; ``cs`` (M, hd), the RoPE table of every row (default from positions).
+    sublayers, EXAONE 4's; with xIELU its numbers act (4,), ``swiglu.xielu_act``),
+    differentiable by autograd: the reference path of ``coda.nn.DecoderLayer``. Same math as
+    ``llama_layer_ref`` on the converted weights ([I3.4-I3.7]); each sublayer's output times
+    ``s.residual_scale`` before its add; ``attention`` as in ``attention_ref``; ``cs``
+    (M, hd), the RoPE table of every row (default from positions).
     Returns x2 (M, d), or (*rows, d) with ``rows`` (a tensor of its own, not a view)."""
     M, hd = x0.shape[0], s.head_dim
     nq, nkv = s.heads * hd, s.kv_heads * hd
@@ -164,7 +164,8 @@ def decoder_layer_ref(
         o = o * s.residual_scale
     x1 = x0 + o
     gu = _pre_norm_ref(x1, w["g2"], s.eps) @ w["w_il"]
-    y = mlp_activation_ref(gu, s.activation) @ w["wd"]
+    act = w["act"].to(gu.dtype) if "act" in w else None  # (xIELU's, in the MLP's dtype as HF's)
+    y = mlp_activation_ref(gu, s.activation, act) @ w["wd"]
     if "g_ffn_out" in w:
         y = final_norm_ref(y, w["g_ffn_out"], s.eps)
     if s.residual_scale != 1.0:
@@ -236,7 +237,7 @@ def coda_layer_sequence_ref(x0, w: dict, target, s: LayerShape, tile_n: int = 12
     qkv = z.detach().requires_grad_(True)
     o = attention_ref(qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :], s)  # F2
     x1, a1, r1 = gemm_residual_rms_ref(o.detach(), w["wo"], x0, w["g2"], s.eps)  # F3 + A1
-    sw, u1 = gemm_swiglu_ref(a1, w["w_il"], r1, s.activation)  # F4
+    sw, u1 = gemm_swiglu_ref(a1, w["w_il"], r1, s.activation, w.get("act"))  # F4
     x2, a2, r2 = gemm_residual_rms_ref(sw, w["wd"], x1, w["gf"], s.eps)  # F5 + A2
     acc_lm = a2 @ w["w_lm"]  # F6 (never stored by the kernel)
     logits = r2[:, None] * acc_lm
@@ -251,7 +252,8 @@ def coda_layer_sequence_ref(x0, w: dict, target, s: LayerShape, tile_n: int = 12
     dx2, g["gf"] = norm_bwd_apply_ref(dz_lm @ w["w_lm"].T, x2, w["gf"], corr2)  # B2 + A5
     g["w_lm"] = a2.T @ dz_lm  # B3
     ds = dx2 @ w["wd"].T  # B4
-    s_re, dz1, S1 = dswiglu_ref(ds, u1, r1, s.activation)
+    s_re, dz1, S1, *d_act = dswiglu_ref(ds, u1, r1, s.activation, w.get("act"))
+    g.update({"act": d_act[0]} if d_act else {})  # (xIELU's a_p and a_n)
     g["wd"] = s_re.T @ dx2  # B5
     corr1 = norm_corr_ref(r1, S1, d)  # A6
     dx1, g["g2"] = norm_bwd_apply_ref(dz1 @ w["w_il"].T, x1, w["g2"], corr1, dres=dx2)  # B6, A7

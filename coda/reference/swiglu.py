@@ -15,8 +15,10 @@ gate/up pair is two adjacent output columns of one GEMM tile.
 take each in its textbook form (torch's ``gelu(approximate="tanh")`` and the derivative of
 0.5 x (1 + tanh(k (x + a x^3)))), not the kernels' sigmoid form of it.
 
-An MLP without a gate (``UNGATED``: Arcee's ``"relu2"``, relu(x)^2) has W_il = W_up (d x f):
-s = act(r u) per column, and in B4 dz = ds act'(z), dz~ = r dz, S1 = sum dz u.
+An MLP without a gate (``UNGATED``: Arcee's ``"relu2"``, relu(x)^2; Apertus's ``"xielu"``) has
+W_il = W_up (d x f): s = act(r u) per column, and in B4 dz = ds act'(z), dz~ = r dz,
+S1 = sum dz u. xIELU has numbers of its own, ``act`` = (a_p, a_n, beta, eps) (``xielu_act``
+forms them from HF's parameters), a_p and a_n learned: B4 also gives their gradients.
 """
 
 from __future__ import annotations
@@ -46,21 +48,53 @@ def relu2_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x).square()
 
 
-UNGATED_REFS = {"relu2": relu2_ref}
+def xielu_act(alpha_p, alpha_n, beta, eps) -> torch.Tensor:
+    """xIELU's numbers (a_p, a_n, beta, eps) as one (4,) tensor, from HF's
+    ``XIELUActivation`` parameters ``alpha_p``, ``alpha_n`` ((1,) each) and buffers ``beta``,
+    ``eps`` (0-dim): a_p = softplus(alpha_p), a_n = beta + softplus(alpha_n), as its forward
+    forms them, in fp32 (float64 for float64 parameters); differentiable in alpha_p and
+    alpha_n, beta and eps held constant (HF's buffers)."""
+    dt = torch.float64 if alpha_p.dtype == torch.float64 else torch.float32
+    beta, eps = beta.detach().to(dt).reshape(1), eps.detach().to(dt).reshape(1)
+    sp = torch.nn.functional.softplus
+    a_p, a_n = sp(alpha_p.to(dt)).reshape(1), beta + sp(alpha_n.to(dt)).reshape(1)
+    return torch.cat([a_p, a_n, beta, eps])
 
 
-def mlp_activation_ref(gu: torch.Tensor, activation: str) -> torch.Tensor:
+def xielu_ref(x: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    """xIELU (Apertus's MLP activation, without a gate) as HF's ``XIELUActivation`` computes
+    it: a_p x^2 + beta x for x > 0, else a_n (expm1(min(x, eps)) - x) + beta x; ``act`` =
+    (a_p, a_n, beta, eps) (``xielu_act``)."""
+    a_p, a_n, beta, eps = act.unbind()
+    neg = (torch.expm1(torch.minimum(x, eps)) - x) * a_n + beta * x
+    return torch.where(x > 0, a_p * x * x + beta * x, neg)
+
+
+UNGATED_REFS = {"relu2": relu2_ref, "xielu": xielu_ref}
+# the activations with numbers of their own (``act``)
+PARAMETRIZED_REFS = ("xielu",)
+
+
+def mlp_activation_ref(gu: torch.Tensor, activation: str, act=None) -> torch.Tensor:
     """The MLP's activation of its input projection's output: gated (``GLU_REFS``, on
-    interleaved gate/up columns) or not (``UNGATED_REFS``, column by column)."""
+    interleaved gate/up columns) or not (``UNGATED_REFS``, column by column); ``act``: the
+    numbers of an activation that has them (xIELU's)."""
+    if activation in PARAMETRIZED_REFS:
+        return UNGATED_REFS[activation](gu, act)
     if activation in UNGATED_REFS:
         return UNGATED_REFS[activation](gu)
     return GLU_REFS[activation](gu[..., 0::2], gu[..., 1::2])
 
 
-def _activation_and_slope(x, activation: str):
+def _activation_and_slope(x, activation: str, act=None):
     """(act(x), act'(x)) in their textbook forms."""
     if activation == "relu2":
         return torch.relu(x).square(), 2 * torch.relu(x)
+    if activation == "xielu":
+        a_p, a_n, beta, eps = act.unbind()
+        below = torch.where(x < eps, torch.exp(x), torch.zeros_like(x))
+        slope = torch.where(x > 0, 2 * a_p * x + beta, a_n * (below - 1) + beta)
+        return xielu_ref(x, act), slope
     if activation == "silu":
         sig = torch.sigmoid(x)
         return x * sig, sig * (1 + x * (1 - sig))
@@ -90,23 +124,31 @@ def split_gate_up_linear(w_il_lin: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return g, u
 
 
-def gemm_swiglu_ref(a, w_il, r, activation: str = "silu"):
+def gemm_swiglu_ref(a, w_il, r, activation: str = "silu", act=None):
     """F4: returns (s, u) with u = a @ w_il (unscaled), s = the gated activation of r * u's
     pairs."""
     dt = ref_dtype(a, w_il)
     u = a.to(dt) @ w_il.to(dt)
     z = r.to(dt)[:, None] * u
-    return mlp_activation_ref(z, activation), u
+    return mlp_activation_ref(z, activation, None if act is None else act.to(dt)), u
 
 
-def dswiglu_ref(ds, u, r, activation: str = "silu"):
+def dswiglu_ref(ds, u, r, activation: str = "silu", act=None):
     """B4: returns (s, dz_tilde, S) given ds (M x f), saved u (M x 2f; M x f without a
-    gate), r (M,)."""
+    gate), r (M,); with xIELU's numbers ``act``, also the gradients of a_p and a_n (2,)."""
     r = r[:, None]
     if activation in UNGATED_REFS:
-        act, slope = _activation_and_slope(r * u, activation)
+        z = r * u
+        s, slope = _activation_and_slope(z, activation, act)
         dz = ds * slope
-        return act, r * dz, (dz * u).sum(-1)
+        out = (s, r * dz, (dz * u).sum(-1))
+        if activation not in PARAMETRIZED_REFS:
+            return out
+        a_p, a_n, beta, eps = act.unbind()
+        d_ap = (ds * torch.where(z > 0, z * z, torch.zeros_like(z))).sum()
+        neg = torch.expm1(torch.minimum(z, eps)) - z
+        d_an = (ds * torch.where(z > 0, torch.zeros_like(z), neg)).sum()
+        return (*out, torch.stack([d_ap, d_an]))
     ug, uu = u[:, 0::2], u[:, 1::2]
     zg, zu = r * ug, r * uu
     act, slope = _activation_and_slope(zg, activation)
@@ -117,8 +159,9 @@ def dswiglu_ref(ds, u, r, activation: str = "silu"):
     return act * zu, dz_tilde, S
 
 
-def gemm_swiglu_torch(a, w_il, r, activation: str = "silu"):
+def gemm_swiglu_torch(a, w_il, r, activation: str = "silu", act=None):
     """The plain PyTorch path in the inputs' dtype: normalize, project, activate, each
     rounded."""
     y = (a.float() * r[:, None]).to(a.dtype)
-    return mlp_activation_ref(y @ w_il, activation)
+    act = None if act is None else act.to(a.dtype)
+    return mlp_activation_ref(y @ w_il, activation, act)
