@@ -89,6 +89,11 @@ SUPPORTED = (
     # W_il is ``up_proj`` alone): Arcee's (AFM)
     "ArceeForCausalLM",
     "ArceeModel",
+    # Llama's layer (Llama 3's RoPE) with Qwen3's QK-norm, its norms under other names
+    # (``APERTUS_NORMS``) and an MLP without a gate, down(xielu(up(x))), whose two learned
+    # scalars are the layer's ``mlp.act_fn`` (``DecoderLayer(activation="xielu")``): Apertus's
+    "ApertusForCausalLM",
+    "ApertusModel",
     # Llama's layer (YaRN RoPE) with q times Llama 4's attention temperature after RoPE, a
     # factor per position (``TEMPERED_ATTENTION``, in the attention call): Ministral 3's
     "Ministral3ForCausalLM",
@@ -128,7 +133,6 @@ LOSS_ONLY = {
     "DeepseekV3ForCausalLM": _MOE + " and multi-head latent attention",
     "Glm4MoeForCausalLM": _MOE,
     "Llama4ForCausalLM": _MOE,
-    "ApertusForCausalLM": "a gateless xIELU MLP and a QK-norm",
     "Qwen3_5ForCausalLM": "linear-attention layers",
     "HunYuanMoEV1ForCausalLM": _MOE,  # (Hunyuan's dense layers are coda's since session 75)
 }
@@ -185,7 +189,12 @@ QK_NORMS = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"))
 
 
 # the MLP activations a patched layer takes (HF's ``hidden_act`` -> coda's ``activation``)
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2", "xielu": "xielu"}
+# Apertus's names of Llama's two norms (HF's keys: ``hf_renames``)
+APERTUS_NORMS = {
+    "input_layernorm.weight": "attention_layernorm.weight",
+    "post_attention_layernorm.weight": "feedforward_layernorm.weight",
+}
 # HF attention modules whose forward hands their attention function ``softcap``, the
 # attention logits' soft cap (``attn_logit_softcapping``); Gemma 3's has the attribute but
 # passes no cap
@@ -203,6 +212,7 @@ GLOBAL_NOPE_ATTENTION = ("Exaone4Attention",)
 POST_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 GLM4_POST_NORMS = ("post_self_attn_layernorm", "post_mlp_layernorm")
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", *POST_NORMS, *GLM4_POST_NORMS)
+LAYER_NORMS += tuple(k.split(".")[0] for k in APERTUS_NORMS.values())
 
 
 def activation_name(config) -> str:
@@ -222,7 +232,8 @@ def layer_options(hf_layer, config) -> dict:
     sublayer output's multiplier before its residual add (``residual_scale``: Granite's), each
     norm's rounding (QK-norm's too) held against coda's form of it bitwise
     (``_hf_forward.check_final_norm``), every one with the config's epsilon."""
-    pre = hasattr(hf_layer, "input_layernorm")  # (EXAONE 4's: none before either sublayer)
+    # (EXAONE 4's: none before either sublayer; Apertus's under its own name)
+    pre = hasattr(hf_layer, "input_layernorm") or hasattr(hf_layer, "attention_layernorm")
     post = any(hasattr(hf_layer, n) for n in ("post_feedforward_layernorm", "post_mlp_layernorm"))
     norms = [getattr(hf_layer, n, None) for n in LAYER_NORMS]  # (every one the layer has)
     norms += [getattr(hf_layer.self_attn, n) for n in qk_norm_names(hf_layer.self_attn)]
@@ -281,8 +292,10 @@ def qk_norm_names(attn) -> tuple:
 
 def hf_renames(hf_layer) -> dict:
     """An HF layer's state-dict keys other than Llama's (Qwen3's, Gemma 2's) for the same
-    weights: GLM-4's norms (``_hf_fused.GLM4_NORMS``), Hunyuan's QK-norm."""
+    weights: GLM-4's norms (``_hf_fused.GLM4_NORMS``), Apertus's (``APERTUS_NORMS``),
+    Hunyuan's QK-norm."""
     out = dict(GLM4_NORMS) if hasattr(hf_layer, "post_mlp_layernorm") else {}
+    out.update(APERTUS_NORMS if hasattr(hf_layer, "attention_layernorm") else {})
     names = qk_norm_names(hf_layer.self_attn)
     if names and names != QK_NORMS[0]:
         out.update({f"self_attn.{a}.weight": f"self_attn.{b}.weight" for a, b in zip(*QK_NORMS)})

@@ -1,11 +1,10 @@
-"""Hugging Face models in one call: ``apply_coda(model)`` patches a transformers Llama,
-Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Ministral, CWM or Seed-OSS model in place so its decoder
-layers run coda's kernels and, in a training step (labels given, autograd recording),
-``model(input_ids, labels=...)`` returns the loss through coda's LM-head loss, logits never
-stored (honoring the loss arguments HF's own loss reads from the call:
-``num_items_in_batch``, ``shift_labels``, ``ignore_index``); under ``torch.no_grad`` (an
-evaluation loop reading logits for its metrics) it returns HF's logits and loss, and
-``skip_logits=`` picks either for a call.
+"""Hugging Face models in one call: ``apply_coda(model)`` patches a transformers model of a
+supported family (below) in place so its decoder layers run coda's kernels and, in a training
+step (labels given, autograd recording), ``model(input_ids, labels=...)`` returns the loss
+through coda's LM-head loss, logits never stored (honoring the loss arguments HF's own loss reads
+from the call: ``num_items_in_batch``, ``shift_labels``, ``ignore_index``); under
+``torch.no_grad`` (an evaluation loop reading logits for its metrics) it returns HF's logits and
+loss, and ``skip_logits=`` picks either for a call.
 
 The token embedding stays the model's module and parameter (tied to the LM head where the
 model ties them); only its backward becomes coda's deterministic sorted scatter
@@ -34,48 +33,45 @@ positions, cache or cache positions; the layer has no sliding window), the patch
 sdpa layers pass no mask, as the eager step does.
 
 Supported (``SUPPORTED``; each family's form beside its name there, and in docs/HUGGINGFACE.md):
-transformers 5.x ``...ForCausalLM`` / ``...Model`` of Llama, Mistral, Qwen2, Qwen3, Phi3,
-SmolLM3, Ministral, Ministral 3, Cwm, SeedOss, Gemma, Gemma 2 and Gemma 3 text, GLM and GLM-4,
-EXAONE 4, ERNIE 4.5, OLMo 2 and OLMo 3, Granite, Hunyuan (dense) and Arcee: Llama's layer with
-the options ``_hf_families.layer_options`` reads from the HF layer (GeGLU or relu^2 without a
-gate, norms scaling by 1 + w or by w in fp32, norms after each sublayer with or without norms
-before, a QK-norm per head before or after RoPE or over the whole q and k, branch multipliers;
-Ministral 3's attention temperature), no biases but Qwen2's on q, k and v and Llama's
+transformers 5.x ``...ForCausalLM`` / ``...Model`` of Llama, Mistral, Qwen2, Qwen3, Phi3, SmolLM3,
+Ministral, Ministral 3, Cwm, SeedOss, Gemma, Gemma 2 and Gemma 3 text, GLM and GLM-4, EXAONE 4,
+ERNIE 4.5, OLMo 2 and OLMo 3, Granite, Hunyuan (dense), Arcee and Apertus: Llama's layer with the
+options ``_hf_families.layer_options`` reads from the HF layer (GeGLU; relu^2 or xIELU, its learned
+scalars, without a gate; norms scaling by 1 + w or by w in fp32, norms after each sublayer with or
+without norms before, a QK-norm per head before or after RoPE or over the whole q and k, branch
+multipliers; Ministral 3's attention temperature), no biases but Qwen2's on q, k and v and Llama's
 ``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear", "llama3", "yarn",
 "longrope" or Hunyuan's fixed NTK-alpha on whole heads or part of each (GLM's adjacent pairs,
-Phi-4-mini's rotate-half ones: the others at frequency 0; SmolLM3's NoPE layers and EXAONE 4's
-full ones at frequency 0 throughout): a fixed set of inverse frequencies taken from the model
-(LongRoPE's two, the long one for a call whose largest position reaches the original context, as
-HF's rotary module picks), YaRN's and LongRoPE's constant factor on cos and sin folded into the
-attention's scale (and taken back off a partial RoPE's unrotated dimensions); Qwen3's per-head
-QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's epilogue (``coda.kernels.qk_norm``,
-``coda.kernels.gemm_rope``); fused projections (Phi-3's, GLM's) and other weight names (GLM-4's
-norms, Hunyuan's QK-norm) convert exactly (``coda._hf_fused``); residual dropout must be 0
-(Phi-3's and Seed-OSS's); sliding windows keep the model's own masks and window; and those
-families' ``...ForSequenceClassification`` (reward models), ``...ForTokenClassification`` and
-``...ForQuestionAnswering`` (``TASK_HEADS``: the decoder stack patched, the task head and its
-loss HF's). ``apply_coda(model, layers=False)`` makes only the training call's loss coda's: for
-layers with adapters, and for the models of ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE,
-whose router term it adds as their forward does (Gemma's final norm's gain 1 + w it keeps in
-fp32, Gemma 2's logit soft-capping in coda's loss too, with or without the layers); Granite-MoE
-and Granite-MoE-Shared, whose ``logits_scaling`` divides that gain (Granite's too, with or
-without its layers); OLMoE, GPT-OSS (its final norm rounding as OLMo's, once, after its weight
-in fp32), MiniMax-M2, ERNIE 4.5 MoE, Qwen3-Next and Qwen3.5 MoE (their router terms as
-Mixtral's; Qwen3-Next's and Qwen3.5's final norm scaling by 1 + w in fp32 as Gemma's),
-DeepSeek-V3, GLM-4.5, Llama 4 (text), GLM-4, Apertus, EXAONE 4, Qwen3.5, ERNIE 4.5 and Hunyuan
-(dense, MoE). Each final norm's form is held against the norm itself before patching
-(``_hf_forward.check_final_norm``).
-Vision-language models (``VISION_LANGUAGE``: Llava, Llava-NeXT, Llava-OneVision, Mistral 3,
-InternVL, Idefics3, SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE,
-GLM-4V, GLM-4.5V, Mllama, Qwen3.5, Qwen3.5 MoE): the
-training call's loss through coda's (the model's own forward runs, its images, masks and
-multimodal positions its own, with its final norm and LM head skipped and its loss function
-coda's: ``_hf_forward.vision_language_forward``), and the text model's decoder layers where
-that text model is a supported family's (Llama, Mistral, Ministral 3, Qwen2, Gemma) or a
-Qwen-VL model's or GLM-4V's (Qwen2's, Qwen3's or GLM-4's layer with multimodal RoPE:
-``mrope_sections``, the position rows tagged on the rotary module's output,
-``_tag_mrope_rows``); the others take ``layers=False``; the vision encoder stays HF's.
-"""
+Phi-4-mini's rotate-half ones: the others at frequency 0; SmolLM3's NoPE layers and EXAONE 4's full
+ones at frequency 0 throughout): a fixed set of inverse frequencies taken from the model (LongRoPE's
+two, the long one for a call whose largest position reaches the original context, as HF's rotary
+module picks), YaRN's and LongRoPE's constant factor on cos and sin folded into the attention's
+scale (and taken back off a partial RoPE's unrotated dimensions); Qwen3's per-head QK-norm and
+Qwen2's q, k, v biases run in the QKV GEMM's epilogue (``coda.kernels.qk_norm``,
+``coda.kernels.gemm_rope``); fused projections (Phi-3's, GLM's) and other weight names (GLM-4's and
+Apertus's norms, Hunyuan's QK-norm) convert exactly (``coda._hf_fused``); residual dropout must be 0
+(Phi-3's and Seed-OSS's); sliding windows keep the model's own masks and window; and those families'
+``...ForSequenceClassification`` (reward models), ``...ForTokenClassification`` and
+``...ForQuestionAnswering`` (``TASK_HEADS``: the decoder stack patched, the task head and its loss
+HF's). ``apply_coda(model, layers=False)`` makes only the training call's loss coda's: for layers
+with adapters, and for the models of ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE, whose router
+term it adds as their forward does (Gemma's final norm's gain 1 + w it keeps in fp32, Gemma 2's
+logit soft-capping in coda's loss too, with or without the layers); Granite-MoE and
+Granite-MoE-Shared, whose ``logits_scaling`` divides that gain (Granite's too, with or without its
+layers); OLMoE, GPT-OSS (its final norm rounding as OLMo's, once, after its weight in fp32),
+MiniMax-M2, ERNIE 4.5 MoE, Qwen3-Next and Qwen3.5 MoE (their router terms as Mixtral's; Qwen3-Next's
+and Qwen3.5's final norm scaling by 1 + w in fp32 as Gemma's), DeepSeek-V3, GLM-4.5, Llama 4 (text),
+GLM-4, Apertus, EXAONE 4, Qwen3.5, ERNIE 4.5 and Hunyuan (dense, MoE). Each final norm's form is
+held against the norm itself before patching (``_hf_forward.check_final_norm``). Vision-language
+models (``VISION_LANGUAGE``: Llava, Llava-NeXT, Llava-OneVision, Mistral 3, InternVL, Idefics3,
+SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4.5V, Mllama,
+Qwen3.5, Qwen3.5 MoE): the training call's loss through coda's (the model's own forward runs, its
+images, masks and multimodal positions its own, with its final norm and LM head skipped and its loss
+function coda's: ``_hf_forward.vision_language_forward``), and the text model's decoder layers where
+that text model is a supported family's (Llama, Mistral, Ministral 3, Qwen2, Gemma) or a Qwen-VL
+model's or GLM-4V's (Qwen2's, Qwen3's or GLM-4's layer with multimodal RoPE: ``mrope_sections``, the
+position rows tagged on the rotary module's output, ``_tag_mrope_rows``); the others take
+``layers=False``; the vision encoder stays HF's."""
 
 from __future__ import annotations
 
@@ -118,6 +114,7 @@ from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_for
 from coda.autograd import LM_HEAD_METHODS
 from coda.env import host_cache
 from coda.nn import DecoderLayer, Embedding
+from coda.nn.activation import XIELU
 
 
 class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
@@ -191,6 +188,8 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         self.rotated_dims = rotated  # (a partial RoPE's: fewer than head_dim)
         self.load_hf_state_dict(hf_layer.state_dict())
         self._keep_frozen(hf_layer, where)
+        if self.activation == "xielu":  # (Apertus's learned numbers: HF's module's, copied)
+            self.mlp["act_fn"] = XIELU.adopt(hf_layer.mlp.act_fn)
         split = ("q_proj", "k_proj", "v_proj")
         names = (("qkv_proj",) if "self_attn.qkv_proj.weight" in fused else split) + ("o_proj",)
         for name in names + qk_norm:
@@ -389,14 +388,13 @@ def coda_keys(model):
     maps every state-dict key to a module attribute path and so cannot take HF's keys for
     fused weights; save and load such checkpoints inside it, and export with
     ``save_pretrained`` outside it."""
-    layers = [m for m in model.modules() if isinstance(m, CodaLlamaDecoderLayer)]
-    before = [m.hf_keys for m in layers]
-    for m in layers:
+    before = {m: m.hf_keys for m in model.modules() if isinstance(m, CodaLlamaDecoderLayer)}
+    for m in before:
         m.hf_keys = False
     try:
         yield model
     finally:
-        for m, flag in zip(layers, before):
+        for m, flag in before.items():
             m.hf_keys = flag
 
 

@@ -30,9 +30,10 @@ import coda.transformers as ct  # noqa: E402
 TOL = 1e-5
 
 
-def pair(config, seed=0):
+def pair(config, seed=0, model=None):
+    """(an unpatched float64 model, a patched copy); ``model``: that model, made already."""
     torch.manual_seed(seed)
-    ref = model_class(config)(config).double()
+    ref = model_class(config)(config).double() if model is None else model
     with torch.no_grad():  # norms (QK-norms included) away from 1, so a lost gamma would show
         for n, p in ref.named_parameters():
             if n.endswith("norm.weight"):

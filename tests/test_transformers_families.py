@@ -237,6 +237,30 @@ def test_arcee_layers_behave_as_unpatched_float64(coda_path):
     assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
 
 
+def test_apertus_layers_behave_as_unpatched_float64(coda_path):
+    """Apertus: Llama's layer (Llama 3's RoPE) with Qwen3's QK-norm, its two norms under their
+    own names, and an MLP without a gate, down(xielu(up(x))), whose two learned scalars per
+    layer (``mlp.act_fn.alpha_p``, ``alpha_n``: set apart here, so that a swap would show)
+    become the layer's own ``mlp.act_fn`` (``DecoderLayer(activation="xielu")``: xIELU in F4's
+    epilogue, its slope and the scalars' gradients in B4's); their gradients are HF's too."""
+    cfg = tiny_config("apertus", head_dim=12, **coda_path)
+    assert cfg.hidden_act == "xielu"
+    torch.manual_seed(1)
+    ref = model_class(cfg)(cfg).double()
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            layer.mlp.act_fn.alpha_p.fill_(0.3 + 0.2 * i)
+            layer.mlp.act_fn.alpha_n.fill_(-0.9 + 0.5 * i)
+    ref, patched = pair(cfg, model=ref)
+    layers = patched.model.layers
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+    assert {(la.activation, la.qk_norm_span) for la in layers} == {("xielu", "head")}
+    assert layers[0].w_il.shape == (cfg.hidden_size, cfg.intermediate_size)
+    keys = set(layers[1].state_dict())
+    assert {"mlp.act_fn.alpha_n", "mlp.act_fn.eps", "feedforward_layernorm.weight"} <= keys
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+
+
 def test_ernie4_5_layers_behave_as_unpatched_float64(coda_path):
     """ERNIE 4.5 (dense): Llama's layer rotating adjacent pairs (2i, 2i + 1) of whole heads
     (GLM's order, read from its ``rotate_half``: its q and k rows kept as they are), tied
