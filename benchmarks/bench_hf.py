@@ -273,6 +273,21 @@ SHAPES = {
             pad_token_id=0,
         ),
     ),
+    # Apertus-8B's dimensions (``ApertusForCausalLM``: Qwen3's QK-norm, an MLP without a gate,
+    # xIELU with two learned scalars per layer, coda's since session 76) at 12 of its 32 layers
+    "apertus-8B-12L": (
+        "apertus",
+        dict(
+            vocab_size=131072,
+            hidden_size=4096,
+            intermediate_size=21504,
+            num_hidden_layers=12,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+        ),
+    ),
     # Qwen2.5-VL-3B's text model (``Qwen2_5_VLForConditionalGeneration``, a 1-block vision
     # encoder that text-only batches leave idle): coda's layers (multimodal RoPE in the QKV
     # epilogue) and loss through the vision-language forward, V = 151936
@@ -307,7 +322,7 @@ SHAPES = {
 # (not in a default run: named in CODA_HF_SHAPES)
 ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B", "qwen2.5-vl-3B")
 ON_REQUEST += ("qwen3-vl-2B", "gemma-2B", "glm-4-9B-12L", "olmo-2-1B", "phi-4-mini")
-ON_REQUEST += ("granite-3-2B", "hunyuan-7B-12L", "arcee-1B-shape")
+ON_REQUEST += ("granite-3-2B", "hunyuan-7B-12L", "arcee-1B-shape", "apertus-8B-12L")
 BATCH, SEQ = 4, 4096
 # shapes stepped at fewer tokens: Gemma 2's eager attention keeps (B, H, S, S) scores, capped
 # scores and probabilities for 26 layers, which at 4 x 4096 ran every variant out of an 80 GB
@@ -375,6 +390,7 @@ def build(family: str, shape: dict, device, dtype):
         "granite": "Granite",
         "hunyuan_v1_dense": "HunYuanDenseV1",
         "arcee": "Arcee",
+        "apertus": "Apertus",
     }
     name = {**names, "gemma3": "Gemma3Text"}[family]
     cfg_cls = getattr(transformers, f"{name}Config")

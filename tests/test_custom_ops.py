@@ -64,6 +64,8 @@ def op_samples():
         "gemm_scale_rows": (_r(M, K), _r(K, N), rstd, CFG),
         "lm_head_stats": (_r(M, d), _r(d, V), rstd, t, CFG, None),
         "dswiglu": (_r(M, d), _r(f, d), _r(M, 2 * f), rstd, CFG, "gelu_tanh"),
+        # xIELU's B4: u one column per column of s, its (a_p, a_n, beta, eps)
+        "dxielu": (_r(M, d), _r(f, d), _r(M, f), rstd, torch.tensor([0.8, 0.9, 0.5, -1e-6]), CFG),
         "norm_bwd": (_r(M, N), _r(d, N), _r(M, d), _r(d), torch.randn(M), _r(M, d), CFG),
         "wgrad_gamma_rows": (_r(M, d), _r(M, N), _r(d)),
         "lm_head_bwd": (
@@ -211,6 +213,20 @@ def test_opcheck_without_a_gate():
     )  # fmt: skip
 
 
+def test_opcheck_with_xielu():
+    """F4's ops with xIELU's numbers (a (4,) fp32 tensor) and its own B4 op, ``dxielu``
+    (the coefficients' gradient partials a fourth output, (2, M, T_N))."""
+    a, w, r, cfg, _ = op_samples()["gemm_swiglu"]
+    act = torch.tensor([0.8, 0.9, 0.5, -1e-6])
+    for name in ("gemm_swiglu", "gemm_swiglu_only"):
+        args = (a, w, r, cfg, "xielu", act)
+        torch.library.opcheck(
+            library.OPS[name], args, test_utils=("test_schema", "test_faketensor")
+        )
+    out = library.OPS["dxielu"](*op_samples()["dxielu"])
+    assert out[3].shape == (2, *out[2].shape)  # (opcheck: ``test_opcheck``)
+
+
 def test_opcheck_with_a_residual_scale():
     """F3 and F5 with a branch multiplier (Granite's): the scaled programs, a float argument."""
     rms = (*op_samples()["gemm_residual_rms"][:-1], None, 0.22)
@@ -274,6 +290,7 @@ def test_every_op_is_sampled():
         ("chunked", "granite"),  # each sublayer's output times 0.22 before its residual add
         ("recompute", "hunyuan"),  # the QK-norm of the rotated q and k
         ("scaled_exp", "arcee"),  # an MLP without a gate, relu(x)^2
+        ("chunked", "apertus"),  # an MLP without a gate, xIELU (two learned scalars), QK-norm
     ],
 )
 def test_compiled_kernel_path_equals_eager_float64(method, kind):
@@ -291,6 +308,8 @@ def test_compiled_kernel_path_equals_eager_float64(method, kind):
         flags = dict(qk_norm=True, qk_norm_after_rope=True)
     if kind == "arcee":
         flags = dict(activation="relu2")
+    if kind == "apertus":
+        flags = dict(activation="xielu", qk_norm=True)
     layer = cnn.DecoderLayer(40, 4, 2, 56, head_dim=10, dtype=F64, **flags)
     if kind in ("gemma3", "olmo", "hunyuan"):  # (gains away from their start: a lost one shows)
         with torch.no_grad():

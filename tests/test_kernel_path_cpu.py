@@ -38,8 +38,9 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
     # 0, 5, 8: an O-projection bias (5, 8: Llama's attention_bias=True, biases on all four)
     eps, qk_norm, qkv_bias = rng.choice([1e-5, 1e-2]), seed % 3 == 1, seed % 3 == 2
     o_bias = seed in (0, 5, 8)
-    # GeGLU's MLP, Arcee's ungated relu(x)^2 (seeds 0, 8), SwiGLU's
+    # GeGLU's MLP, Arcee's ungated relu(x)^2 (seeds 0, 8), Apertus's ungated xIELU (6), SwiGLU's
     activation = "gelu_tanh" if seed in (2, 3, 4, 7) else "relu2" if seed in (0, 8) else "silu"
+    activation = "xielu" if seed == 6 else activation
     norm_offset = 1.0 if seed in (3, 6, 7) else 0.0  # Gemma's 1 + w gains
     # seeds 1, 2, 6: a branch multiplier (Granite's residual_multiplier; not with an o bias)
     residual_scale = {1: 0.22, 2: 3.0, 6: 0.7}.get(seed, 1.0)
@@ -57,6 +58,9 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
             layer.bias_qkv.copy_(10 * torch.randn_like(layer.bias_qkv))
         if o_bias:
             layer.bias_o.copy_(torch.randn_like(layer.bias_o))
+        if activation == "xielu":  # (apart, so that a swap shows)
+            layer.mlp.act_fn.alpha_p.fill_(0.4)
+            layer.mlp.act_fn.alpha_n.fill_(-1.1)
     x = torch.randn(B, S, d, dtype=F64, requires_grad=True)
     dy = torch.randn(B, S, d, dtype=F64)
     out_k, g_k = _grads(layer, x, lambda: layer._kernel_forward(x), dy)

@@ -96,6 +96,44 @@ def test_drelu2_is_the_gradient_of_the_forward_and_its_statistic_the_rstd_gradie
     assert not same(out["D"], ds * r * p)  # (the slope's factor 2 matters)
 
 
+# xIELU's three regimes, each at a point z = r u of it (u = z / r: r stays a symbol): above 0,
+# between eps and 0 (where min(z, eps) is eps), below eps; eps HF's -1e-6
+XIELU_EPS = sp.Rational(-1, 10**6)
+XIELU_REGIMES = (sp.Rational(3, 2), sp.Rational(-1, 10**7), sp.Rational(-1, 2))
+
+
+def _xielu_regime(z, a_p, a_n, beta):
+    """xIELU at z, written for the regime the point ``at`` lies in (no select)."""
+    return lambda at: (
+        a_p * z**2 + beta * z if at > 0
+        else a_n * ((sp.exp(XIELU_EPS) - 1) if at >= XIELU_EPS else (sp.exp(z) - 1)) - a_n * z
+        + beta * z
+    )  # fmt: skip
+
+
+def test_xielu_forward_and_backward_are_the_math_and_its_gradients():
+    """F4's xIELU programs store u = acc and s = xielu(r acc); B4's D is ds ds/du, s again,
+    the statistic ds ds/dr, and the two coefficient partials ds ds/da_p, ds ds/da_n, in each
+    of the three regimes (the forward written per regime, differentiated by sympy)."""
+    ds, a_p, a_n, beta, r = sp.symbols("ds a_p a_n beta r", positive=True)
+    u = sp.Symbol("u", real=True)
+    nums = dict(a_p=a_p, a_n=a_n, beta=beta, eps=XIELU_EPS)
+    for at in XIELU_REGIMES:
+        s = _xielu_regime(r * u, a_p, a_n, beta)(at)
+        point = {u: at / r}
+        for program in (sw.xielu_keep_preact, sw.xielu_only):
+            assert same(evaluate(program, acc=at / r, rstd=r, **nums)["s"], s.subs(point))
+        assert evaluate(sw.xielu_keep_preact, acc=at / r, rstd=r, **nums)["D"] == at / r
+        out = evaluate(dsw.dxielu_rescaled, acc=ds, c=at / r, rstd=r, **nums)
+        assert same(out["D"], (ds * sp.diff(s, u)).subs(point)), at
+        assert same(out["s"], s.subs(point))
+        assert same(out["stat"], (ds * sp.diff(s, r)).subs(point))
+        assert same(out["d_ap"], (ds * sp.diff(s, a_p)).subs(point))
+        assert same(out["d_an"], (ds * sp.diff(s, a_n)).subs(point))
+    out = evaluate(dsw.dxielu_rescaled, acc=ds, c=XIELU_REGIMES[0] / r, rstd=r, **nums)
+    assert not same(out["D"], ds * r * (a_p * XIELU_REGIMES[0] + beta))  # (the slope's 2)
+
+
 @pytest.fixture
 def gelu_constants(monkeypatch):
     """GELU's tanh-form constants as symbols (K2 = 2 k, a), so that the GeGLU proofs are
@@ -441,6 +479,7 @@ PROVEN = {
     "_qk_norm_mrope", "_qk_norm_mrope_keep_z", "capped_scaled_exp_logits", "geglu_keep_preact",
     "geglu_only", "dgeglu_rescaled", "output_sumsq", "scaled_residual_norm_sumsq",
     "scaled_residual_add", "relu2_keep_preact", "relu2_only", "drelu2_rescaled",
+    "xielu_keep_preact", "xielu_only", "dxielu_rescaled",
 }  # fmt: skip
 
 
