@@ -127,7 +127,7 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
     "family",
     ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
     + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4", "ernie4_5", "olmo3", "phi4-mini"]
-    + ["hunyuan_dense", "arcee", "ministral3", "apertus"]
+    + ["hunyuan_dense", "arcee", "ministral3"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):
@@ -165,7 +165,7 @@ POOLED_SEEDS = 128
 @pytest.mark.parametrize(
     "family,k_bias",
     [("qwen2", 1.0), ("qwen2", 4.0), ("llama-bias", 1.0), ("seed_oss", 1.0), ("gemma2-capped", 0)]
-    + [("glm4", 1.0)],
+    + [("glm4", 1.0), ("apertus", 0)],
 )
 def test_gpu_patched_biased_protocol_pooled(family, k_bias):
     """H200: CODA's protocol for a patched bf16 Qwen2 (q and v biases of standard deviation 1,
@@ -176,7 +176,11 @@ def test_gpu_patched_biased_protocol_pooled(family, k_bias):
     benchmarks/NOTES.md, session 68; coda's since session 72: norms after each sublayer) and a
     GLM-4 (q, k, v biases, half of each head rotated, norms after each sublayer: the q
     gradient's unrotated half is near 0 under the biases, bf16 noise on either path; the CPU
-    model pooled over 16 seeds reads every gradient at most 0.997, session 73), each
+    model pooled over 16 seeds reads every gradient at most 0.997, session 73) and an
+    Apertus (xIELU's two learned scalars per layer: a one-element gradient's error is one
+    sample, of the size of its own bf16 rounding on either path, so one seed is a coin flip:
+    the CPU model read 3.41 and 1.25 on two of four seeds, and 0.822 for the worst scalar
+    pooled over 16, band 1 + 0.416, session 76), each
     gradient's error pooled over ``POOLED_SEEDS`` seeds
     (``conftest.pooled_ratio``): no gradient's pooled error measurably above the unpatched
     bf16 model's (above 1 + its band, Bonferroni over the gradients). One seed cannot decide
