@@ -45,12 +45,8 @@ class XIELU(nn.Module):
     def adopt(cls, hf_act) -> XIELU:
         """A copy of HF's ``XIELUActivation`` ``hf_act`` (its values and dtypes, its
         parameters' ``requires_grad``)."""
-        p = hf_act.alpha_p
-        out = cls(device=p.device, dtype=p.dtype)
-        with torch.no_grad():
-            for name, t in hf_act.state_dict().items():
-                if name in ("alpha_p", "alpha_n", "beta", "eps"):
-                    getattr(out, name).data = t.detach().clone()
+        out = cls(device=hf_act.alpha_p.device, dtype=hf_act.alpha_p.dtype)
+        out.load_state_dict(hf_act.state_dict())  # (HF's keys are these four)
         out.alpha_p.requires_grad_(hf_act.alpha_p.requires_grad)
         out.alpha_n.requires_grad_(hf_act.alpha_n.requires_grad)
         return out
