@@ -53,6 +53,10 @@ SUPPORTED = (
     "Gemma2Model",
     "Gemma3ForCausalLM",
     "Gemma3TextModel",
+    # Gemma 2's without the norms after the sublayers, its pre-MLP norm under Gemma 2's name
+    # (``VAULTGEMMA_NORMS``): VaultGemma's
+    "VaultGemmaForCausalLM",
+    "VaultGemmaModel",
     # Llama's layer rotating adjacent pairs of part of each head (``rope_pairs``, its other
     # dimensions passed through: frequency 0), q, k, v biases and a fused gate_up_proj: GLM's;
     # with Gemma 2's four norms under other names (``_hf_fused.GLM4_NORMS``): GLM-4's
@@ -94,6 +98,14 @@ SUPPORTED = (
     # scalars are the layer's ``mlp.act_fn`` (``DecoderLayer(activation="xielu")``): Apertus's
     "ApertusForCausalLM",
     "ApertusModel",
+    # Llama's layer rotating adjacent pairs (GLM's order), its norms' gains applied in fp32
+    # (OLMo's rounding, ``fp32_gains``): Helium's
+    "HeliumForCausalLM",
+    "HeliumModel",
+    # Granite's layer (its multipliers) with, by default (``use_post_norm``), Gemma 2's four
+    # norms under other names (``HYPERCLOVAX_NORMS``; "Peri-LN"): HyperCLOVAX's
+    "HyperCLOVAXForCausalLM",
+    "HyperCLOVAXModel",
     # Llama's layer (YaRN RoPE) with q times Llama 4's attention temperature after RoPE, a
     # factor per position (``TEMPERED_ATTENTION``, in the attention call): Ministral 3's
     "Ministral3ForCausalLM",
@@ -198,7 +210,7 @@ APERTUS_NORMS = {
 # HF attention modules whose forward hands their attention function ``softcap``, the
 # attention logits' soft cap (``attn_logit_softcapping``); Gemma 3's has the attribute but
 # passes no cap
-SOFTCAP_ATTENTION = ("Gemma2Attention",)
+SOFTCAP_ATTENTION = ("Gemma2Attention", "VaultGemmaAttention")
 # HF attention modules that multiply q after RoPE by Llama 4's attention temperature,
 # 1 + beta log(1 + floor(position / context)) (``attention_temperature``): Ministral 3's
 TEMPERED_ATTENTION = ("Ministral3Attention",)
@@ -213,6 +225,22 @@ POST_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 GLM4_POST_NORMS = ("post_self_attn_layernorm", "post_mlp_layernorm")
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", *POST_NORMS, *GLM4_POST_NORMS)
 LAYER_NORMS += tuple(k.split(".")[0] for k in APERTUS_NORMS.values())
+# HyperCLOVAX's names of Gemma 2's four norms (``hf_renames``): without ``use_post_norm`` the
+# two after the sublayers are identities, and the layer is Granite's
+HYPERCLOVAX_NORMS = {
+    "post_attention_layernorm.weight": "post_norm1.weight",
+    "pre_feedforward_layernorm.weight": "post_attention_layernorm.weight",
+    "post_feedforward_layernorm.weight": "post_norm2.weight",
+}
+LAYER_NORMS += ("post_norm1", "post_norm2")
+# VaultGemma's pre-MLP norm, under Gemma 2's name in a layer without Gemma 2's post-norms
+VAULTGEMMA_NORMS = {"post_attention_layernorm.weight": "pre_feedforward_layernorm.weight"}
+
+
+def has_norm(hf_layer, name: str) -> bool:
+    """Whether the HF layer has a norm (a module with a weight: not an identity in its place)
+    under ``name``."""
+    return getattr(getattr(hf_layer, name, None), "weight", None) is not None
 
 
 def activation_name(config) -> str:
@@ -234,11 +262,12 @@ def layer_options(hf_layer, config) -> dict:
     (``_hf_forward.check_final_norm``), every one with the config's epsilon."""
     # (EXAONE 4's: none before either sublayer; Apertus's under its own name)
     pre = hasattr(hf_layer, "input_layernorm") or hasattr(hf_layer, "attention_layernorm")
-    post = any(hasattr(hf_layer, n) for n in ("post_feedforward_layernorm", "post_mlp_layernorm"))
-    norms = [getattr(hf_layer, n, None) for n in LAYER_NORMS]  # (every one the layer has)
+    post = any(has_norm(hf_layer, n) for n in ("post_feedforward_layernorm", "post_mlp_layernorm"))
+    post = post or has_norm(hf_layer, "post_norm2")  # (HyperCLOVAX's, with ``use_post_norm``)
+    norms = [getattr(hf_layer, n) for n in LAYER_NORMS if has_norm(hf_layer, n)]
     norms += [getattr(hf_layer.self_attn, n) for n in qk_norm_names(hf_layer.self_attn)]
     forms = set()
-    for norm in filter(None, norms):
+    for norm in norms:
         check_final_norm(norm)
         forms.add(norm_form(norm))
         if norm_epsilon(norm) != config.rms_norm_eps:
@@ -249,10 +278,14 @@ def layer_options(hf_layer, config) -> dict:
     if forms - {"llama", "gemma", "fp32"} or len(forms) > 1:
         raise v.CodaInputError(f"apply_coda: layer norms of the forms {sorted(forms)}")
     residual = float(getattr(hf_layer, "residual_multiplier", 1.0))  # (Granite's)
-    if residual != 1.0 and getattr(hf_layer.self_attn.o_proj, "bias", None) is not None:
+    o_bias = getattr(hf_layer.self_attn.o_proj, "bias", None) is not None
+    if residual != 1.0 and (o_bias or post):
+        what = (
+            "an O-projection bias (attention_bias=True)" if o_bias else "norms after the sublayers"
+        )
         raise v.CodaInputError(
             f"apply_coda: layers.{hf_layer.self_attn.layer_idx}: residual_multiplier "
-            f"{residual} with an O-projection bias (attention_bias=True) is not supported"
+            f"{residual} with {what} is not supported"
         )
     return {
         "activation": ACTIVATIONS[activation_name(config)],
@@ -293,9 +326,15 @@ def qk_norm_names(attn) -> tuple:
 def hf_renames(hf_layer) -> dict:
     """An HF layer's state-dict keys other than Llama's (Qwen3's, Gemma 2's) for the same
     weights: GLM-4's norms (``_hf_fused.GLM4_NORMS``), Apertus's (``APERTUS_NORMS``),
-    Hunyuan's QK-norm."""
+    HyperCLOVAX's (``HYPERCLOVAX_NORMS``), VaultGemma's (``VAULTGEMMA_NORMS``), Hunyuan's
+    QK-norm."""
     out = dict(GLM4_NORMS) if hasattr(hf_layer, "post_mlp_layernorm") else {}
     out.update(APERTUS_NORMS if hasattr(hf_layer, "attention_layernorm") else {})
+    out.update(HYPERCLOVAX_NORMS if has_norm(hf_layer, "post_norm2") else {})
+    vault = has_norm(hf_layer, "pre_feedforward_layernorm") and not has_norm(
+        hf_layer, "post_feedforward_layernorm"
+    )
+    out.update(VAULTGEMMA_NORMS if vault else {})
     names = qk_norm_names(hf_layer.self_attn)
     if names and names != QK_NORMS[0]:
         out.update({f"self_attn.{a}.weight": f"self_attn.{b}.weight" for a, b in zip(*QK_NORMS)})

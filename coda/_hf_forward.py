@@ -177,7 +177,7 @@ def causal_lm_forward(original):
         if hidden and hidden[-1] is out.last_hidden_state:  # HF's last one is after the norm
             hidden = (*hidden[:-1], norm(out.last_hidden_state))
         name = type(self).__name__  # (another family's config may carry these)
-        scaling = self.config.logits_scaling if name in LOGITS_SCALED else 1.0
+        scaling = logits_divisor(self.config, name)
         cap = self.config.final_logit_softcapping if name in LOGITS_SOFTCAPPED else None
         rows = out.last_hidden_state
         loss = _coda_loss(
@@ -309,15 +309,29 @@ def vision_language_forward(original):
 # and applied before the one rounding of the output: Gemma's, Gemma 2's and Gemma 3's, and
 # Qwen3-Next's and Qwen3.5's
 GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3NextRMSNorm")
-GEMMA_NORMS += ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
+GEMMA_NORMS += ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "VaultGemmaRMSNorm")
 # final norms that scale by their weight in fp32, rounding the output once (Llama's rounds the
-# normed rows, then the product): OLMo 2's and OLMo 3's, GPT-OSS's; their gain is given in fp32
-FP32_SCALED_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm", "GptOssRMSNorm")
-# causal LMs whose forward divides the logits by their config's ``logits_scaling``: Granite's
+# normed rows, then the product): OLMo 2's and OLMo 3's, GPT-OSS's, Helium's; their gain is
+# given in fp32
+FP32_SCALED_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm", "GptOssRMSNorm", "HeliumRMSNorm")
+# causal LMs whose forward divides the logits by their config's ``logits_scaling``: Granite's;
+# and those whose forward multiplies them by it (muP's other convention): HyperCLOVAX's
 LOGITS_SCALED = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
+LOGITS_MULTIPLIED = ("HyperCLOVAXForCausalLM",)
+
+
+def logits_divisor(config, name: str) -> float:
+    """What the causal LM ``name`` divides its logits by (``final_norm``'s
+    ``logits_scaling``): its config's ``logits_scaling`` (``LOGITS_SCALED``), its reciprocal
+    (``LOGITS_MULTIPLIED``), or 1."""
+    if name in LOGITS_SCALED:
+        return float(config.logits_scaling)
+    return 1.0 / float(config.logits_scaling) if name in LOGITS_MULTIPLIED else 1.0
+
+
 # causal LMs whose forward soft-caps the logits by their config's ``final_logit_softcapping``
 # (c tanh(l / c), where it is set): Gemma 2's and Gemma 3's
-LOGITS_SOFTCAPPED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+LOGITS_SOFTCAPPED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM")
 
 
 def norm_form(norm) -> str:

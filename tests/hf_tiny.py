@@ -102,6 +102,21 @@ LOSS_ALONE_KW = dict(
 )  # fmt: skip
 
 
+# later dense families whose layers are coda's (session 76), by config class as ``MOE``:
+# Helium (adjacent RoPE pairs, fp32 gains), HyperCLOVAX (Granite's multipliers and, with
+# ``use_post_norm``, Gemma 2's four norms), VaultGemma (Gemma 2's without its post-norms; its
+# attention eager: soft-capped logits, and its final logits soft-capped at 3, binding here)
+DENSE = dict(helium="Helium", hyperclovax="HyperCLOVAX", vaultgemma="VaultGemma")
+DENSE_KW = dict(
+    helium=dict(head_dim=12),  # (its o_proj is hidden x hidden: n_heads head_dim = hidden)
+    hyperclovax=dict(head_dim=12, logits_scaling=0.3, embedding_multiplier=2.0,
+                     attention_multiplier=0.2),
+    vaultgemma=dict(head_dim=12, attn_implementation="eager", attn_logit_softcapping=0.02,
+                    final_logit_softcapping=3.0, query_pre_attn_scalar=20, sliding_window=6,
+                    layer_types=["sliding_attention", "full_attention"]),
+)  # fmt: skip
+
+
 # the Gemma families (their layers stay HF's: ``apply_coda(layers=False)``), by config class
 GEMMA = {"gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3Text"}
 
@@ -130,7 +145,8 @@ def tiny_config(family: str = "llama", **kw):
     experts, two a token, the router term on at a visible weight) or "gemma", "gemma2", "gemma3"
     (``GEMMA``; Gemma 2's logit soft-capping off unless given), "granite" (``GRANITE_KW``: its
     multipliers, logits / 4), the Granite MoE families "granitemoe", "granitemoeshared", and
-    "olmo2", "olmo3" (OLMo 3 with a 4-token window on its sliding layers)."""
+    "olmo2", "olmo3" (OLMo 3 with a 4-token window on its sliding layers), and ``DENSE``'s
+    "helium", "hyperclovax", "vaultgemma"."""
     from transformers import Qwen3Config
 
     base = {**TINY, "attn_implementation": "sdpa"}
@@ -159,10 +175,11 @@ def tiny_config(family: str = "llama", **kw):
         config = transformers.GlmConfig if family == "glm" else transformers.Glm4Config
         ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         return config(**{**base, **ids, "head_dim": 12, **kw})
-    if family in MOE or family in LOSS_ALONE:
+    if family in MOE or family in LOSS_ALONE or family in DENSE:
         import transformers
 
         name, extra = (MOE, MOE_KW) if family in MOE else (LOSS_ALONE, LOSS_ALONE_KW)
+        name, extra = (DENSE, DENSE_KW) if family in DENSE else (name, extra)
         config = getattr(transformers, f"{name[family]}Config")
         ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         return config(**{**base, **ids, **extra.get(family, {}), **kw})
@@ -250,7 +267,7 @@ def model_class(config):
         SmolLM3ForCausalLM,
     )
 
-    for name in (*MOE.values(), *LOSS_ALONE.values()):
+    for name in (*MOE.values(), *LOSS_ALONE.values(), *DENSE.values()):
         if type(config) is getattr(transformers, f"{name}Config"):
             return getattr(transformers, f"{name.removesuffix('Text')}ForCausalLM")
     if type(config) is transformers.GraniteConfig:

@@ -261,6 +261,47 @@ def test_apertus_layers_behave_as_unpatched_float64(coda_path):
     assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
 
 
+@pytest.mark.parametrize("post_norm", [True, False], ids=["peri_ln", "granite"])
+def test_hyperclovax_layers_behave_as_unpatched_float64(post_norm, coda_path):
+    """HyperCLOVAX: Granite's layer (embedding and attention multipliers; its logits
+    multiplied by ``logits_scaling``, where Granite divides: 0.3 here, in the loss's final-norm
+    gain) with, by default (``use_post_norm``, "Peri-LN"), Gemma 2's four norms under other
+    names (``_hf_families.HYPERCLOVAX_NORMS``; without it the two after the sublayers are
+    identities and a residual multiplier applies, 0.22 here); both together are refused,
+    named."""
+    kw = {"use_post_norm": post_norm, "residual_multiplier": 1.0 if post_norm else 0.22}
+    cfg = tiny_config("hyperclovax", **kw, **coda_path)
+    ref, patched = pair(cfg)
+    layers = patched.model.layers
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+    assert {(la.post_norms, la.residual_scale) for la in layers} == {
+        (post_norm, kw["residual_multiplier"])
+    }
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+    both = tiny_config("hyperclovax", use_post_norm=True, residual_multiplier=0.5)
+    with pytest.raises(v.CodaInputError, match="0.5 with norms after the sublayers"):
+        ct.apply_coda(model_class(both)(both))
+
+
+def test_helium_and_vaultgemma_layers_behave_as_unpatched_float64(coda_path):
+    """Helium: Llama's layer rotating adjacent pairs (GLM's order), its norms' gains in fp32
+    (``fp32_gains``, its final norm ``_hf_forward.FP32_SCALED_NORMS``). VaultGemma: Gemma 2's
+    layer without its two post-norms, its pre-MLP norm under Gemma 2's name
+    (``VAULTGEMMA_NORMS``), the attention logits soft-capped (0.02: binding), a 6-token
+    window on its first layer, its final logits soft-capped (3: binding) in coda's loss."""
+    for family in ("helium", "vaultgemma"):
+        cfg = tiny_config(family, **coda_path)
+        ref, patched = pair(cfg)
+        layers = patched.model.layers
+        assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+        forms = {(la.fp32_gains, la.activation, la.post_norms) for la in layers}
+        assert forms == {
+            (True, "silu", False) if family == "helium" else (False, "gelu_tanh", False)
+        }
+        ids = torch.randint(0, cfg.vocab_size, (2, 13))
+        assert_behaves_as_unpatched(ref, patched, ids, right_padding=family == "vaultgemma")
+
+
 def test_ernie4_5_layers_behave_as_unpatched_float64(coda_path):
     """ERNIE 4.5 (dense): Llama's layer rotating adjacent pairs (2i, 2i + 1) of whole heads
     (GLM's order, read from its ``rotate_half``: its q and k rows kept as they are), tied

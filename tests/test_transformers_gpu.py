@@ -59,6 +59,11 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     extra["olmo3"] = extra["exaone4"]  # (OLMo 3: a sliding layer, then a full one with RoPE)
     extra["gpt_oss"] = extra["hunyuan_dense"] = extra["ministral3"] = {"head_dim": 64}
     extra["qwen3_next"] = {"head_dim": 64, "num_hidden_layers": 4}
+    extra["helium"] = extra["hyperclovax"] = {"head_dim": 64}  # (HyperCLOVAX's "Peri-LN")
+    # VaultGemma at its attention's and logits' caps of 50 and 30 (not binding: the capped
+    # loss's protocol is Gemma 2's, pooled), a sliding layer then a full one
+    extra["vaultgemma"] = {"head_dim": 64, "sliding_window": 128, "query_pre_attn_scalar": 64}
+    extra["vaultgemma"] |= {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
     base = "llama" if family in SCALED_ROPES or family == "llama-bias" else family
     base = "gemma2" if family == "gemma2-capped" else base
     cfg = tiny_config(base, **{**shape, **extra.get(family, {})})
@@ -97,11 +102,12 @@ def loss_error_rms(family: str, device: str, batches: int = 64):
 
 def protocol_batch(cfg, device: str) -> dict:
     """The protocol's batch: 4 x 256 random tokens, the second sequence left-padded by 37
-    (right-padded for Gemma 2, whose eager attention gives a query row with nothing to
-    attend to NaN in float64)."""
+    (right-padded for Gemma 2 and VaultGemma, whose eager attention gives a query row with
+    nothing to attend to NaN in float64)."""
     ids = torch.randint(0, cfg.vocab_size, (4, 256), device=device)
     mask = torch.ones_like(ids)
-    mask[1, slice(-37, None) if cfg.model_type == "gemma2" else slice(0, 37)] = 0
+    right = cfg.model_type in ("gemma2", "vaultgemma")
+    mask[1, slice(-37, None) if right else slice(0, 37)] = 0
     return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
 
 
@@ -127,7 +133,7 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
     "family",
     ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
     + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4", "ernie4_5", "olmo3", "phi4-mini"]
-    + ["hunyuan_dense", "arcee", "ministral3"]
+    + ["hunyuan_dense", "arcee", "ministral3", "helium", "hyperclovax", "vaultgemma"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):
