@@ -34,44 +34,45 @@ sdpa layers pass no mask, as the eager step does.
 
 Supported (``SUPPORTED``; each family's form beside its name there, and in docs/HUGGINGFACE.md):
 transformers 5.x ``...ForCausalLM`` / ``...Model`` of Llama, Mistral, Qwen2, Qwen3, Phi3, SmolLM3,
-Ministral, Ministral 3, Cwm, SeedOss, Gemma, Gemma 2 and Gemma 3 text, GLM and GLM-4, EXAONE 4,
-ERNIE 4.5, OLMo 2 and OLMo 3, Granite, Hunyuan (dense), Arcee and Apertus: Llama's layer with the
-options ``_hf_families.layer_options`` reads from the HF layer (GeGLU; relu^2 or xIELU, its learned
-scalars, without a gate; norms scaling by 1 + w or by w in fp32, norms after each sublayer with or
-without norms before, a QK-norm per head before or after RoPE or over the whole q and k, branch
-multipliers; Ministral 3's attention temperature), no biases but Qwen2's on q, k and v and Llama's
-``attention_bias=True`` ones on q, k, v and o, RoPE "default", "linear", "llama3", "yarn",
-"longrope" or Hunyuan's fixed NTK-alpha on whole heads or part of each (GLM's adjacent pairs,
-Phi-4-mini's rotate-half ones: the others at frequency 0; SmolLM3's NoPE layers and EXAONE 4's full
-ones at frequency 0 throughout): a fixed set of inverse frequencies taken from the model (LongRoPE's
-two, the long one for a call whose largest position reaches the original context, as HF's rotary
-module picks), YaRN's and LongRoPE's constant factor on cos and sin folded into the attention's
-scale (and taken back off a partial RoPE's unrotated dimensions); Qwen3's per-head QK-norm and
-Qwen2's q, k, v biases run in the QKV GEMM's epilogue (``coda.kernels.qk_norm``,
-``coda.kernels.gemm_rope``); fused projections (Phi-3's, GLM's) and other weight names (GLM-4's and
-Apertus's norms, Hunyuan's QK-norm) convert exactly (``coda._hf_fused``); residual dropout must be 0
-(Phi-3's and Seed-OSS's); sliding windows keep the model's own masks and window; and those families'
-``...ForSequenceClassification`` (reward models), ``...ForTokenClassification`` and
-``...ForQuestionAnswering`` (``TASK_HEADS``: the decoder stack patched, the task head and its loss
-HF's). ``apply_coda(model, layers=False)`` makes only the training call's loss coda's: for layers
-with adapters, and for the models of ``LOSS_ONLY``: Mixtral, Qwen2-MoE and Qwen3-MoE, whose router
-term it adds as their forward does (Gemma's final norm's gain 1 + w it keeps in fp32, Gemma 2's
-logit soft-capping in coda's loss too, with or without the layers); Granite-MoE and
-Granite-MoE-Shared, whose ``logits_scaling`` divides that gain (Granite's too, with or without its
-layers); OLMoE, GPT-OSS (its final norm rounding as OLMo's, once, after its weight in fp32),
-MiniMax-M2, ERNIE 4.5 MoE, Qwen3-Next and Qwen3.5 MoE (their router terms as Mixtral's; Qwen3-Next's
-and Qwen3.5's final norm scaling by 1 + w in fp32 as Gemma's), DeepSeek-V3, GLM-4.5, Llama 4 (text),
-GLM-4, Apertus, EXAONE 4, Qwen3.5, ERNIE 4.5 and Hunyuan (dense, MoE). Each final norm's form is
-held against the norm itself before patching (``_hf_forward.check_final_norm``). Vision-language
-models (``VISION_LANGUAGE``: Llava, Llava-NeXT, Llava-OneVision, Mistral 3, InternVL, Idefics3,
-SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4.5V, Mllama,
-Qwen3.5, Qwen3.5 MoE): the training call's loss through coda's (the model's own forward runs, its
-images, masks and multimodal positions its own, with its final norm and LM head skipped and its loss
-function coda's: ``_hf_forward.vision_language_forward``), and the text model's decoder layers where
-that text model is a supported family's (Llama, Mistral, Ministral 3, Qwen2, Gemma) or a Qwen-VL
-model's or GLM-4V's (Qwen2's, Qwen3's or GLM-4's layer with multimodal RoPE: ``mrope_sections``, the
-position rows tagged on the rotary module's output, ``_tag_mrope_rows``); the others take
-``layers=False``; the vision encoder stays HF's."""
+Ministral, Ministral 3, Cwm, SeedOss, Gemma, Gemma 2 and Gemma 3 text, VaultGemma, GLM and GLM-4,
+EXAONE 4, ERNIE 4.5, OLMo 2 and OLMo 3, Granite, Hunyuan (dense), Arcee, Apertus, Helium and
+HyperCLOVAX: Llama's layer with the options ``_hf_families.layer_options`` reads from the HF layer
+(GeGLU; relu^2 or xIELU, its learned scalars, without a gate; norms scaling by 1 + w or by w in
+fp32, norms after each sublayer with or without norms before, a QK-norm per head before or after
+RoPE or over the whole q and k, branch multipliers; Ministral 3's attention temperature), no biases
+but Qwen2's on q, k and v and Llama's ``attention_bias=True`` ones on q, k, v and o, RoPE "default",
+"linear", "llama3", "yarn", "longrope" or Hunyuan's fixed NTK-alpha on whole heads or part of each
+(GLM's adjacent pairs, Phi-4-mini's rotate-half ones: the others at frequency 0; SmolLM3's NoPE
+layers and EXAONE 4's full ones at frequency 0 throughout): a fixed set of inverse frequencies taken
+from the model (LongRoPE's two, the long one for a call whose largest position reaches the original
+context, as HF's rotary module picks), YaRN's and LongRoPE's constant factor on cos and sin folded
+into the attention's scale (and taken back off a partial RoPE's unrotated dimensions); Qwen3's
+per-head QK-norm and Qwen2's q, k, v biases run in the QKV GEMM's epilogue
+(``coda.kernels.qk_norm``, ``coda.kernels.gemm_rope``); fused projections (Phi-3's, GLM's) and other
+weight names (GLM-4's, Apertus's, HyperCLOVAX's and VaultGemma's norms, Hunyuan's QK-norm) convert
+exactly (``coda._hf_fused``); residual dropout must be 0 (Phi-3's and Seed-OSS's); sliding windows
+keep the model's own masks and window; and those families' ``...ForSequenceClassification`` (reward
+models), ``...ForTokenClassification`` and ``...ForQuestionAnswering`` (``TASK_HEADS``: the decoder
+stack patched, the task head and its loss HF's). ``apply_coda(model, layers=False)`` makes only the
+training call's loss coda's: for layers with adapters, and for the models of ``LOSS_ONLY``: Mixtral,
+Qwen2-MoE and Qwen3-MoE, whose router term it adds as their forward does (Gemma's final norm's gain
+1 + w it keeps in fp32, Gemma 2's logit soft-capping in coda's loss too, with or without the
+layers); Granite-MoE and Granite-MoE-Shared, whose ``logits_scaling`` divides that gain (Granite's
+too, with or without its layers); OLMoE, GPT-OSS (its final norm rounding as OLMo's, once, after its
+weight in fp32), MiniMax-M2, ERNIE 4.5 MoE, Qwen3-Next and Qwen3.5 MoE (their router terms as
+Mixtral's; Qwen3-Next's and Qwen3.5's final norm scaling by 1 + w in fp32 as Gemma's), DeepSeek-V3,
+GLM-4.5, Llama 4 (text), GLM-4, Apertus, EXAONE 4, Qwen3.5, ERNIE 4.5 and Hunyuan (dense, MoE). Each
+final norm's form is held against the norm itself before patching
+(``_hf_forward.check_final_norm``). Vision-language models (``VISION_LANGUAGE``: Llava, Llava-NeXT,
+Llava-OneVision, Mistral 3, InternVL, Idefics3, SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4.5V, Mllama, Qwen3.5, Qwen3.5 MoE): the training call's loss
+through coda's (the model's own forward runs, its images, masks and multimodal positions its own,
+with its final norm and LM head skipped and its loss function coda's:
+``_hf_forward.vision_language_forward``), and the text model's decoder layers where that text model
+is a supported family's (Llama, Mistral, Ministral 3, Qwen2, Gemma) or a Qwen-VL model's or GLM-4V's
+(Qwen2's, Qwen3's or GLM-4's layer with multimodal RoPE: ``mrope_sections``, the position rows
+tagged on the rotary module's output, ``_tag_mrope_rows``); the others take ``layers=False``; the
+vision encoder stays HF's."""
 
 from __future__ import annotations
 
