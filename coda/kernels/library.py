@@ -53,14 +53,8 @@ from coda.kernels.library_mlp import (  # noqa: F401 (the MLP boundary's ops, re
 from coda.kernels.op_support import config_ints as _cfg
 from coda.kernels.op_support import config_of as _gc
 from coda.kernels.op_support import either as _either
+from coda.kernels.op_support import library_fake as _fake
 from coda.kernels.op_support import new_empty as _empty
-from coda.kernels.op_support import registered_fake
-
-
-def _fake(op):
-    """``op``'s fake implementation, registered behind the Inductor fallbacks of every op
-    (``op_support.registered_fake``)."""
-    return registered_fake(op, lambda: OPS)
 
 
 # -- forward ------------------------------------------------------------------------------------

@@ -18,18 +18,8 @@ from coda.kernels._triton import cdiv
 from coda.kernels.op_support import config_ints as _cfg
 from coda.kernels.op_support import config_of as _gc
 from coda.kernels.op_support import either as _either
+from coda.kernels.op_support import library_fake as _fake
 from coda.kernels.op_support import new_empty as _empty
-from coda.kernels.op_support import registered_fake
-
-
-def _all_ops():
-    from coda.kernels.library import OPS
-
-    return OPS
-
-
-def _fake(op):
-    return registered_fake(op, _all_ops)
 
 
 @torch.library.custom_op("coda::gemm_swiglu", mutates_args=())

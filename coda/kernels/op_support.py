@@ -65,6 +65,18 @@ def registered_fake(op, all_ops):
     return register
 
 
+def library_fake(op):
+    """``registered_fake`` behind every op of ``coda.kernels.library`` (whose ``OPS`` also
+    lists the ops of ``library_head`` and ``library_mlp``, each module's ``_fake``)."""
+
+    def all_ops():
+        from coda.kernels.library import OPS
+
+        return OPS
+
+    return registered_fake(op, all_ops)
+
+
 _FALLBACKS = {"made": False}
 
 
