@@ -68,11 +68,18 @@ def test_a_relu2_layer_has_no_gate_and_differs_from_a_gated_one():
 @pytest.mark.compile
 @pytest.mark.parametrize("save_preact", [True, False])
 def test_relu2_programs_compile_for_sm90(save_preact):
-    assert sw.compile_gemm_swiglu(256, 520, save_preact=save_preact, activation=RELU2) in (0, 1)
-    assert sw.compile_gemm_swiglu(512, 1032, save_preact=save_preact, m=1000, activation=RELU2) == 0
+    assert_ungated_programs_compile(RELU2, save_preact)
+
+
+def assert_ungated_programs_compile(activation: str, save_preact: bool):
+    """F4's program for an MLP ``activation`` without a gate (and, storing the pre-activation,
+    B4's) compiles for sm_90a, and a second shape reuses it (0 compiles)."""
+    kw = dict(save_preact=save_preact, activation=activation)
+    assert sw.compile_gemm_swiglu(256, 520, **kw) in (0, 1)
+    assert sw.compile_gemm_swiglu(512, 1032, m=1000, **kw) == 0
     if save_preact:
-        assert dsw.compile_dswiglu(256, 520, activation=RELU2) in (0, 1)
-        assert dsw.compile_dswiglu(512, 1032, m=1000, activation=RELU2) == 0
+        assert dsw.compile_dswiglu(256, 520, activation=activation) in (0, 1)
+        assert dsw.compile_dswiglu(512, 1032, m=1000, activation=activation) == 0
 
 
 # -- level 3: on an SM90 GPU ----------------------------------------------------------------------

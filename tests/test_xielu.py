@@ -18,6 +18,7 @@ import torch
 from conftest import assert_no_worse, rel_err
 from test_backward_kernels import assert_layer_and_head_protocol
 from test_geglu import CONFIGS
+from test_relu2 import assert_ungated_programs_compile
 
 import coda
 import coda.nn as cnn
@@ -136,11 +137,7 @@ def test_an_xielu_layer_holds_hfs_parameters_and_is_refused_with_post_norms():
 @pytest.mark.compile
 @pytest.mark.parametrize("save_preact", [True, False])
 def test_xielu_programs_compile_for_sm90(save_preact):
-    assert sw.compile_gemm_swiglu(256, 520, save_preact=save_preact, activation=XI) in (0, 1)
-    assert sw.compile_gemm_swiglu(512, 1032, save_preact=save_preact, m=1000, activation=XI) == 0
-    if save_preact:
-        assert dsw.compile_dswiglu(256, 520, activation=XI) in (0, 1)
-        assert dsw.compile_dswiglu(512, 1032, m=1000, activation=XI) == 0
+    assert_ungated_programs_compile(XI, save_preact)
 
 
 # -- level 3: on an SM90 GPU ----------------------------------------------------------------------
