@@ -9,7 +9,8 @@ bf16 tensors they run ``coda.autograd``'s kernel sequences; elsewhere the same m
 the differentiable pure-torch reference (``coda.env`` reports the choice). ``GraphedStep``
 (``coda.nn.graph``): a training step of any of them, captured once as a CUDA graph.
 ``Embedding`` (``coda.nn.embedding``): ``nn.Embedding`` with coda's deterministic backward
-on the GPU.
+on the GPU. ``XIELU`` (``coda.nn.activation``): the learned numbers of a layer's xIELU MLP
+activation (``DecoderLayer(activation="xielu")``, Apertus's), kept as HF keeps them.
 
 Parameter layout (documented departure from HF): a layer's weights are (in, out) matrices in
 coda's paired layouts, the ones the epilogues need: ``w_qkv`` = [q | k | v] with q and k in

@@ -26,8 +26,8 @@ class CausalLM(nn.Module):
     uses, and a loaded state dict's ``lm_head.weight`` must then equal its embedding.
     ``checkpoint``: activation checkpointing per layer
     (``torch.utils.checkpoint``, non-reentrant): each layer keeps only its input and reruns
-    its forward in the backward. ``activation``: the layers' MLP gate, "silu" (SwiGLU) or
-    "gelu_tanh" (GeGLU)."""
+    its forward in the backward. ``activation``: the layers' MLP activation, "silu" (SwiGLU),
+    "gelu_tanh" (GeGLU), or without a gate "relu2" or "xielu" (``DecoderLayer``'s)."""
 
     def __init__(
         self,
