@@ -36,7 +36,6 @@ from coda.primitives import (
     TileC,
     TileStore,
     epilogue_program,
-    exp,
     expm1,
     gelu_tanh_gate,
     gelu_tanh_slope,
@@ -45,6 +44,8 @@ from coda.primitives import (
     select,
     sigmoid,
     unpack,
+    xielu,
+    xielu_slope,
 )
 from coda.reference.swiglu import dswiglu_ref  # noqa: F401  (the kernel's reference)
 
@@ -94,17 +95,14 @@ def drelu2_rescaled(acc, c, rstd):  # (no gate: u is one column per output colum
     stores=[TileStore("s")],
     sinks=[RowPartials("stat"), RowPartials("d_ap"), RowPartials("d_an")],
 )
-def dxielu_rescaled(acc, c, rstd, a_p, a_n, beta, eps):  # (``primitives.math.xielu``, inlined:
-    z = c * rstd  # its branches' terms are the coefficients' gradients)
-    pos = z > 0.0
-    low = z < eps
-    neg = expm1(select(low, z, eps)) - z
-    s = select(pos, a_p * z * z + beta * z, a_n * neg + beta * z)
-    slope = select(pos, 2.0 * a_p * z + beta, a_n * (select(low, exp(z), 0.0) - 1.0) + beta)
-    dz = acc * slope
+def dxielu_rescaled(acc, c, rstd, a_p, a_n, beta, eps):
+    z = c * rstd
+    dz = acc * xielu_slope(z, a_p, a_n, beta, eps)
+    pos = z > 0.0  # (the coefficients' terms: z^2 above 0, expm1(min(z, eps)) - z below)
+    neg = expm1(select(z < eps, z, eps)) - z  # (shared with xielu's by the compiler's CSE)
     return {
         "D": dz * rstd,
-        "s": s,
+        "s": xielu(z, a_p, a_n, beta, eps),
         "stat": dz * c,
         "d_ap": select(pos, acc * z * z, 0.0),
         "d_an": select(pos, 0.0, acc * neg),
