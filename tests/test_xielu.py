@@ -133,6 +133,17 @@ def test_an_xielu_layer_holds_hfs_parameters_and_is_refused_with_post_norms():
         cnn.DecoderLayer(32, 2, 1, 24, activation=XI, post_norms=True)
 
 
+def test_an_xielu_kernel_without_its_numbers_is_refused_named():
+    a, w, r = (
+        torch.randn(8, 16, dtype=F64),
+        torch.randn(16, 24, dtype=F64),
+        torch.ones(8, dtype=F64),
+    )
+    for act in (None, torch.ones(3)):
+        with pytest.raises(ValueError, match="act must be its \\(4,\\) numbers"):
+            sw.gemm_swiglu_interpreted(a, w, r, GemmConfig(), XI, act)
+
+
 # -- level 2: the kernels compile for sm_90a ------------------------------------------------------
 @pytest.mark.compile
 @pytest.mark.parametrize("save_preact", [True, False])

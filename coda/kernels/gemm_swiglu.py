@@ -135,6 +135,9 @@ def act_operands(activation: str, act) -> dict:
     contiguous (4,) fp32 tensor, one one-element view each; none for the others)."""
     if activation not in PARAMETRIZED:
         return {}
+    if act is None or act.shape != (len(XIELU_OPERANDS),):
+        got = None if act is None else tuple(act.shape)
+        raise ValueError(f"activation {activation!r}: act must be its (4,) numbers, got {got}")
     return {name: act[i : i + 1] for i, name in enumerate(XIELU_OPERANDS)}
 
 
