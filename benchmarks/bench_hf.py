@@ -274,14 +274,14 @@ SHAPES = {
         ),
     ),
     # Apertus-8B's dimensions (``ApertusForCausalLM``: Qwen3's QK-norm, an MLP without a gate,
-    # xIELU with two learned scalars per layer, coda's since session 76) at 12 of its 32 layers
-    "apertus-8B-12L": (
+    # xIELU with two learned scalars per layer, coda's since session 76) at 8 of its 32 layers
+    "apertus-8B-8L": (
         "apertus",
         dict(
             vocab_size=131072,
             hidden_size=4096,
             intermediate_size=21504,
-            num_hidden_layers=12,
+            num_hidden_layers=8,
             num_attention_heads=32,
             num_key_value_heads=8,
             tie_word_embeddings=False,
@@ -322,7 +322,7 @@ SHAPES = {
 # (not in a default run: named in CODA_HF_SHAPES)
 ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B", "qwen2.5-vl-3B")
 ON_REQUEST += ("qwen3-vl-2B", "gemma-2B", "glm-4-9B-12L", "olmo-2-1B", "phi-4-mini")
-ON_REQUEST += ("granite-3-2B", "hunyuan-7B-12L", "arcee-1B-shape", "apertus-8B-12L")
+ON_REQUEST += ("granite-3-2B", "hunyuan-7B-12L", "arcee-1B-shape", "apertus-8B-8L")
 BATCH, SEQ = 4, 4096
 # shapes stepped at fewer tokens: Gemma 2's eager attention keeps (B, H, S, S) scores, capped
 # scores and probabilities for 26 layers, which at 4 x 4096 ran every variant out of an 80 GB
