@@ -103,7 +103,8 @@ SUPPORTED = (
     "HeliumForCausalLM",
     "HeliumModel",
     # Granite's layer (its multipliers) with, by default (``use_post_norm``), Gemma 2's four
-    # norms under other names (``HYPERCLOVAX_NORMS``; "Peri-LN"): HyperCLOVAX's
+    # norms under other names (``HYPERCLOVAX_NORMS``; "Peri-LN"), the residual multiplier then
+    # folded into the post-norms' gains: HyperCLOVAX's
     "HyperCLOVAXForCausalLM",
     "HyperCLOVAXModel",
     # Llama's layer (YaRN RoPE) with q times Llama 4's attention temperature after RoPE, a
@@ -278,14 +279,10 @@ def layer_options(hf_layer, config) -> dict:
     if forms - {"llama", "gemma", "fp32"} or len(forms) > 1:
         raise v.CodaInputError(f"apply_coda: layer norms of the forms {sorted(forms)}")
     residual = float(getattr(hf_layer, "residual_multiplier", 1.0))  # (Granite's)
-    o_bias = getattr(hf_layer.self_attn.o_proj, "bias", None) is not None
-    if residual != 1.0 and (o_bias or post):
-        what = (
-            "an O-projection bias (attention_bias=True)" if o_bias else "norms after the sublayers"
-        )
+    if residual != 1.0 and getattr(hf_layer.self_attn.o_proj, "bias", None) is not None:
         raise v.CodaInputError(
             f"apply_coda: layers.{hf_layer.self_attn.layer_idx}: residual_multiplier "
-            f"{residual} with {what} is not supported"
+            f"{residual} with an O-projection bias (attention_bias=True) is not supported"
         )
     return {
         "activation": ACTIVATIONS[activation_name(config)],

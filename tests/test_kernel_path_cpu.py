@@ -73,11 +73,11 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
 
 
 def test_a_residual_scale_coda_cannot_run_is_refused_named():
-    """A branch multiplier runs in the pre-norm layer's F3 / F5 epilogues: with norms after
-    the sublayers or an O-projection bias it is refused, as is a value that is no number."""
-    for bad in (dict(post_norms=True), dict(o_bias=True)):
-        with pytest.raises(coda.CodaInputError, match="residual_scale with post_norms or o_bias"):
-            cnn.DecoderLayer(16, 2, 1, 8, residual_scale=0.5, **bad)
+    """A branch multiplier runs in the pre-norm layer's F3 / F5 epilogues (in a post-norm
+    layer's post-norm gains: ``test_post_norm``): with an O-projection bias it is refused, as
+    is a value that is no number."""
+    with pytest.raises(coda.CodaInputError, match="residual_scale with o_bias"):
+        cnn.DecoderLayer(16, 2, 1, 8, residual_scale=0.5, o_bias=True)
     with pytest.raises(coda.CodaInputError, match="residual_scale"):
         cnn.DecoderLayer(16, 2, 1, 8, residual_scale=float("nan"))
     assert "residual_scale=0.5" in repr(cnn.DecoderLayer(16, 2, 1, 8, residual_scale=0.5))

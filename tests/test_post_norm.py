@@ -192,6 +192,9 @@ def test_kernel_path_equals_reference_path_at_random_shapes(kernel_forced, case)
     options["fp32_gains"] = rng.random() < 0.3
     options["qkv_bias"] = not options["qk_norm"] and rng.random() < 0.5
     options["pre_norms"] = rng.random() < 0.7
+    # a branch multiplier (HyperCLOVAX's residual_multiplier under its post-norms: on the kernel
+    # path folded into the post-norms' gains)
+    options["residual_scale"] = rng.choice([1.0, 0.22, 3.0])
     B, S = rng.choice([1, 2, 3]), rng.choice([1, 3, 7, 17])
     torch.manual_seed(case)
     layer = cnn.DecoderLayer(d, H, Hkv, f, head_dim=hd, dtype=F64, post_norms=True, **options)

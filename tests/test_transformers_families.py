@@ -267,20 +267,15 @@ def test_hyperclovax_layers_behave_as_unpatched_float64(post_norm, coda_path):
     multiplied by ``logits_scaling``, where Granite divides: 0.3 here, in the loss's final-norm
     gain) with, by default (``use_post_norm``, "Peri-LN"), Gemma 2's four norms under other
     names (``_hf_families.HYPERCLOVAX_NORMS``; without it the two after the sublayers are
-    identities and a residual multiplier applies, 0.22 here); both together are refused,
-    named."""
-    kw = {"use_post_norm": post_norm, "residual_multiplier": 1.0 if post_norm else 0.22}
+    identities); its residual multiplier (0.22 here, as muP's) in F3's and F5's epilogues
+    without the post-norms, folded into the post-norms' gains with them."""
+    kw = {"use_post_norm": post_norm, "residual_multiplier": 0.22}
     cfg = tiny_config("hyperclovax", **kw, **coda_path)
     ref, patched = pair(cfg)
     layers = patched.model.layers
     assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
-    assert {(la.post_norms, la.residual_scale) for la in layers} == {
-        (post_norm, kw["residual_multiplier"])
-    }
+    assert {(la.post_norms, la.residual_scale) for la in layers} == {(post_norm, 0.22)}
     assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
-    both = tiny_config("hyperclovax", use_post_norm=True, residual_multiplier=0.5)
-    with pytest.raises(v.CodaInputError, match="0.5 with norms after the sublayers"):
-        ct.apply_coda(model_class(both)(both))
 
 
 def test_helium_and_vaultgemma_layers_behave_as_unpatched_float64(coda_path):

@@ -59,7 +59,9 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     extra["olmo3"] = extra["exaone4"]  # (OLMo 3: a sliding layer, then a full one with RoPE)
     extra["gpt_oss"] = extra["hunyuan_dense"] = extra["ministral3"] = {"head_dim": 64}
     extra["qwen3_next"] = {"head_dim": 64, "num_hidden_layers": 4}
-    extra["helium"] = extra["hyperclovax"] = {"head_dim": 64}  # (HyperCLOVAX's "Peri-LN")
+    extra["helium"] = {"head_dim": 64}
+    # HyperCLOVAX's "Peri-LN" with a residual multiplier (muP's; folded into the post-norms)
+    extra["hyperclovax"] = {"head_dim": 64, "residual_multiplier": 0.22}
     # VaultGemma at its attention's and logits' caps of 50 and 30 (not binding: the capped
     # loss's protocol is Gemma 2's, pooled), a sliding layer then a full one
     extra["vaultgemma"] = {"head_dim": 64, "sliding_window": 128, "query_pre_attn_scalar": 64}

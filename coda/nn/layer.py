@@ -110,7 +110,8 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
     by its gain in fp32 before the one rounding (OLMo's norms: ``norm_offset`` 0 in
     that form). ``residual_scale``: each sublayer's output times this multiplier before its
     residual add (Granite's ``residual_multiplier``; in F3's and F5's epilogues, in fp32; with
-    the pre-norms alone, not with ``o_bias``). ``qk_norm_after_rope``: the per-head QK-norm
+    ``post_norms`` folded into their gains, c PN(y) = norm(y) (c g), HyperCLOVAX's; not with
+    ``o_bias``). ``qk_norm_after_rope``: the per-head QK-norm
     norms the rotated q and k (Hunyuan's; with ``qk_norm`` "head").
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
@@ -161,10 +162,8 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
             raise v.CodaInputError(
                 "DecoderLayer: activation 'xielu' with post_norms is not supported"
             )
-        if residual_scale != 1.0 and (post_norms or o_bias):
-            raise v.CodaInputError(
-                "DecoderLayer: residual_scale with post_norms or o_bias is not supported"
-            )
+        if residual_scale != 1.0 and o_bias:
+            raise v.CodaInputError("DecoderLayer: residual_scale with o_bias is not supported")
         self.norm_offset = v.check_finite_number("norm_offset", norm_offset)
         self.fp32_gains = bool(fp32_gains)
         v.check_choice("qk_norm", qk_norm, (None, False, True, "head", "whole"))
@@ -538,6 +537,9 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
             mrope = None if self._mrope is None else self._mrope_table(x.device)
             if self.post_norms:
                 post = self._gains(dtype, which="post")
+                if self.residual_scale != 1.0:  # c norm(y) g = norm(y) (c g): c into the gains
+                    acc = torch.float64 if dtype == torch.float64 else torch.float32
+                    post = tuple(g.to(acc) * self.residual_scale for g in post)
                 return post_norm_decoder_layer(*rows, post, *rope, qk, mrope, qkv_bias=bias)
             act = self.mlp.act_fn.numbers() if self.activation == "xielu" else None
             return decoder_layer(*rows, *rope, qk, bias, o_bias, mrope, act)
