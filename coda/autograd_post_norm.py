@@ -115,11 +115,15 @@ def post_norm_decoder_layer(
     """``coda.autograd.decoder_layer`` with a norm after each sublayer: ``out_gains`` =
     (g_attn_out, g_ffn_out), the gains of the norms of the attention's and the MLP's outputs;
     ``qkv_bias``: q, k, v biases (GLM-4's), in F1's epilogue as the layer's; ``g1`` and ``g2``
-    None: no norms before the sublayers (EXAONE 4's). Returns x2 (batch, seq, d), a tensor of
-    its own."""
+    None: no norms before the sublayers (EXAONE 4's); ``dims.residual_scale`` c (HyperCLOVAX's
+    multiplier) folded into the two gains, c norm(y) g = norm(y) (c g), in fp32 (float64 for
+    float64 rows). Returns x2 (batch, seq, d), a tensor of its own."""
     o, x0_residual = attention_block(
         x0, g1, w_qkv, positions, dims, attention, freq, qk_norm, qkv_bias, sect
     )
+    if dims.residual_scale != 1.0:
+        acc = torch.float64 if x0.dtype == torch.float64 else torch.float32
+        out_gains = tuple(g.to(acc) * dims.residual_scale for g in out_gains)
     g_attn, g_ffn = out_gains
     x1, a1, r1 = AttentionOutputPostNorm.apply(o, w_o, x0_residual, g_attn, g2, dims.eps)
     train = backward_can_follow(x1, a1, r1, g2, w_il, w_d, g_ffn)

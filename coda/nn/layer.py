@@ -536,10 +536,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         with autocast_off(x.device):
             mrope = None if self._mrope is None else self._mrope_table(x.device)
             if self.post_norms:
-                post = self._gains(dtype, which="post")
-                if self.residual_scale != 1.0:  # c norm(y) g = norm(y) (c g): c into the gains
-                    acc = torch.float64 if dtype == torch.float64 else torch.float32
-                    post = tuple(g.to(acc) * self.residual_scale for g in post)
+                post = self._gains(dtype, which="post")  # (c: into them, ``dims``)
                 return post_norm_decoder_layer(*rows, post, *rope, qk, mrope, qkv_bias=bias)
             act = self.mlp.act_fn.numbers() if self.activation == "xielu" else None
             return decoder_layer(*rows, *rope, qk, bias, o_bias, mrope, act)
