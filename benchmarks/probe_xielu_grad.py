@@ -1,0 +1,66 @@
+"""Probe: xIELU's learned scalars' gradients in CODA's protocol model (a 2-layer bf16 Apertus,
+``tests/test_transformers_gpu.protocol_run``), seed by seed: the float64 model's d(alpha),
+the unpatched bf16 model's and coda's, and coda's fp32 sum before its rounding to the
+parameter's bf16 (``coda.autograd.mlp_grads``' d_act, recorded), to tell a rounding tie from
+a bias. Run 314 (an H100) failed the pooled protocol on layer 0's alpha_n (1.781 against a
+band of 1.141) where the CPU model read 0.822 at worst.
+
+    python benchmarks/probe_xielu_grad.py [--seeds N] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def main():
+    from test_transformers_gpu import protocol_run
+
+    import coda.autograd as ca
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--seeds", type=int, default=24)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    if args.device == "cpu":  # (the CPU model of the same run: the kernel path, interpreted)
+        from benchmarks.cpu_numerics import _kernel_path_on_cpu
+
+        _kernel_path_on_cpu()
+    recorded = []
+    real = ca.mlp_grads
+
+    def recording(*a, **k):
+        out = real(*a, **k)
+        if out[-1] is not None:
+            recorded.append(out[-1].detach().double().cpu())
+        return out
+
+    ca.mlp_grads = recording
+    sq = {"coda": 0.0, "torch": 0.0, "coda_fp32": 0.0}
+    for seed in range(args.seeds):
+        recorded.clear()
+        _, (g64, g16, gc), _ = protocol_run("apertus", args.device, seed, 0.0)
+        # the backward runs the last layer first: recorded[-1] is layer 0's (a_p, a_n, 0, 0)
+        d_an32 = float(recorded[-1][1])
+        for layer in (0, 1):
+            n = f"model.layers.{layer}.mlp.act_fn.alpha_n"
+            t, h, c = (float(g[n].double().sum()) for g in (g64, g16, gc))
+            line = f"seed {seed} layer {layer} alpha_n: f64 {t:+.6e} bf16 {h:+.6e} coda {c:+.6e}"
+            if layer == 0:
+                line += f"  coda d(a_n) fp32 {d_an32:+.6e}"
+                sq["coda"] += ((c - t) / t) ** 2
+                sq["torch"] += ((h - t) / t) ** 2
+            print(line, flush=True)
+    s = args.seeds
+    print(
+        f"layer 0 alpha_n rms rel err: coda {(sq['coda'] / s) ** 0.5:.3e} "
+        f"torch {(sq['torch'] / s) ** 0.5:.3e}"
+    )
+
+
+if __name__ == "__main__":
+    main()
