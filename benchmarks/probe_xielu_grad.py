@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def main():
+    import torch
     from test_transformers_gpu import protocol_run
 
     import coda.autograd as ca
@@ -35,8 +36,15 @@ def main():
 
     def recording(*a, **k):
         out = real(*a, **k)
-        if out[-1] is not None:
-            recorded.append(out[-1].detach().double().cpu())
+        if out[-1] is not None:  # (and B4's d(a_n) formed by torch in float64 from its inputs)
+            _, r1, u, _, _, w_d, d_down = a[:7]
+            act = a[10] if len(a) > 10 else k["act"]
+            z = r1.double()[:, None] * u.double()
+            ds = d_down.double() @ w_d.double().t()
+            eps = act[3].double()
+            neg = torch.expm1(torch.minimum(z, eps)) - z
+            d_an = (ds * torch.where(z > 0, torch.zeros_like(z), neg)).sum()
+            recorded.append((out[-1].detach().double().cpu(), float(d_an)))
         return out
 
     ca.mlp_grads = recording
@@ -45,13 +53,15 @@ def main():
         recorded.clear()
         _, (g64, g16, gc), _ = protocol_run("apertus", args.device, seed, 0.0)
         # the backward runs the last layer first: recorded[-1] is layer 0's (a_p, a_n, 0, 0)
-        d_an32 = float(recorded[-1][1])
+        d_an32, d_an_torch = float(recorded[-1][0][1]), recorded[-1][1]
         for layer in (0, 1):
             n = f"model.layers.{layer}.mlp.act_fn.alpha_n"
             t, h, c = (float(g[n].double().sum()) for g in (g64, g16, gc))
             line = f"seed {seed} layer {layer} alpha_n: f64 {t:+.6e} bf16 {h:+.6e} coda {c:+.6e}"
             if layer == 0:
-                line += f"  coda d(a_n) fp32 {d_an32:+.6e}"
+                line += (
+                    f"  coda d(a_n) fp32 {d_an32:+.6e} (its inputs in float64: {d_an_torch:+.6e})"
+                )
                 sq["coda"] += ((c - t) / t) ** 2
                 sq["torch"] += ((h - t) / t) ** 2
             print(line, flush=True)
