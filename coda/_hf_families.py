@@ -203,11 +203,6 @@ QK_NORMS = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"))
 
 # the MLP activations a patched layer takes (HF's ``hidden_act`` -> coda's ``activation``)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2", "xielu": "xielu"}
-# Apertus's names of Llama's two norms (HF's keys: ``hf_renames``)
-APERTUS_NORMS = {
-    "input_layernorm.weight": "attention_layernorm.weight",
-    "post_attention_layernorm.weight": "feedforward_layernorm.weight",
-}
 # HF attention modules whose forward hands their attention function ``softcap``, the
 # attention logits' soft cap (``attn_logit_softcapping``); Gemma 3's has the attribute but
 # passes no cap
@@ -219,23 +214,30 @@ TEMPERED_ATTENTION = ("Ministral3Attention",)
 # ones (EXAONE 4's "global NoPE": its forward skips RoPE there), as SmolLM3's NoPE layers
 GLOBAL_NOPE_ATTENTION = ("Exaone4Attention",)
 # the norms of a layer with a norm after each sublayer (Gemma 2's and 3's): its pre-MLP norm is
-# ``pre_feedforward_layernorm``, and ``post_attention_layernorm`` norms the attention's output;
-# GLM-4's, in that order: ``post_self_attn_layernorm``, ``post_attention_layernorm`` (before
-# the MLP), ``post_mlp_layernorm`` (``_hf_fused.GLM4_NORMS``)
+# ``pre_feedforward_layernorm``, and ``post_attention_layernorm`` norms the attention's output
 POST_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-GLM4_POST_NORMS = ("post_self_attn_layernorm", "post_mlp_layernorm")
-LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", *POST_NORMS, *GLM4_POST_NORMS)
-LAYER_NORMS += tuple(k.split(".")[0] for k in APERTUS_NORMS.values())
-# HyperCLOVAX's names of Gemma 2's four norms (``hf_renames``): without ``use_post_norm`` the
-# two after the sublayers are identities, and the layer is Granite's
+# other families' names for those norms ({Llama's or Gemma 2's key: the family's}: HF's keys,
+# ``hf_renames``): Apertus's two; HyperCLOVAX's four (without ``use_post_norm`` the two after
+# the sublayers are identities, and the layer is Granite's); VaultGemma's pre-MLP norm, under
+# Gemma 2's name in a layer without Gemma 2's post-norms (GLM-4's four: ``_hf_fused.GLM4_NORMS``)
+APERTUS_NORMS = {
+    "input_layernorm.weight": "attention_layernorm.weight",
+    "post_attention_layernorm.weight": "feedforward_layernorm.weight",
+}
 HYPERCLOVAX_NORMS = {
     "post_attention_layernorm.weight": "post_norm1.weight",
     "pre_feedforward_layernorm.weight": "post_attention_layernorm.weight",
     "post_feedforward_layernorm.weight": "post_norm2.weight",
 }
-LAYER_NORMS += ("post_norm1", "post_norm2")
-# VaultGemma's pre-MLP norm, under Gemma 2's name in a layer without Gemma 2's post-norms
 VAULTGEMMA_NORMS = {"post_attention_layernorm.weight": "pre_feedforward_layernorm.weight"}
+# every module name a supported layer's norm goes by (``layer_options`` checks each it has)
+_RENAMED = (GLM4_NORMS, APERTUS_NORMS, HYPERCLOVAX_NORMS, VAULTGEMMA_NORMS)
+LAYER_NORMS = tuple(
+    dict.fromkeys(
+        ("input_layernorm", "post_attention_layernorm", *POST_NORMS)
+        + tuple(key.split(".")[0] for table in _RENAMED for key in table.values())
+    )
+)
 
 
 def has_norm(hf_layer, name: str) -> bool:
