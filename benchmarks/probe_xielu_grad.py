@@ -14,7 +14,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+_ROOT = os.path.join(os.path.dirname(__file__), "..")
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]  # (coda, benchmarks, the tests' helpers)
 
 
 def main():
