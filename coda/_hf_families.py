@@ -111,6 +111,13 @@ SUPPORTED = (
     # factor per position (``TEMPERED_ATTENTION``, in the attention call): Ministral 3's
     "Ministral3ForCausalLM",
     "Ministral3Model",
+    # Arcee's MLP (relu^2, no gate) under CLIP's names (``FC_MLP``), weightless norms
+    # (``DecoderLayer(norm_gains=False)``), Hunyuan's QK-norm of the rotated q and k, RoPE by
+    # -theta (``rope_pairs`` "half_negative") and Gemma 2's soft-capped logits; its token
+    # embeddings normed by its final norm's module (``_hf_forward.EMBEDDINGS_NORMED``):
+    # NanoChat's
+    "NanoChatForCausalLM",
+    "NanoChatModel",
 )
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
@@ -199,6 +206,10 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "ntk_alpha")
 NTK_ALPHA = "ntk_alpha"
 # an HF attention module's QK-norm modules (q's, k's): Qwen3's (before RoPE); Hunyuan's (after)
 QK_NORMS = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"))
+# HF attention modules that norm the rotated q and k under Qwen3's names: NanoChat's
+ROTATED_QK_NORM_ATTENTION = ("NanoChatAttention",)
+# the MLP's keys of a model naming its projections as CLIP does (fc1 up, fc2 down: NanoChat's)
+FC_MLP = {"mlp.up_proj.weight": "mlp.fc1.weight", "mlp.down_proj.weight": "mlp.fc2.weight"}
 
 
 # the MLP activations a patched layer takes (HF's ``hidden_act`` -> coda's ``activation``)
@@ -241,9 +252,9 @@ LAYER_NORMS = tuple(
 
 
 def has_norm(hf_layer, name: str) -> bool:
-    """Whether the HF layer has a norm (a module with a weight: not an identity in its place)
-    under ``name``."""
-    return getattr(getattr(hf_layer, name, None), "weight", None) is not None
+    """Whether the HF layer has a norm (a module with an epsilon, with or without a weight:
+    not an identity in its place) under ``name``."""
+    return norm_epsilon(getattr(hf_layer, name, None)) is not None
 
 
 def activation_name(config) -> str:
@@ -269,6 +280,9 @@ def layer_options(hf_layer, config) -> dict:
     post = post or has_norm(hf_layer, "post_norm2")  # (HyperCLOVAX's, with ``use_post_norm``)
     norms = [getattr(hf_layer, n) for n in LAYER_NORMS if has_norm(hf_layer, n)]
     norms += [getattr(hf_layer.self_attn, n) for n in qk_norm_names(hf_layer.self_attn)]
+    weightless = {getattr(norm, "weight", None) is None for norm in norms}
+    if len(weightless) > 1:
+        raise v.CodaInputError("apply_coda: a layer with some norms weighted and some weightless")
     forms = set()
     for norm in norms:
         check_final_norm(norm)
@@ -294,8 +308,16 @@ def layer_options(hf_layer, config) -> dict:
         "post_norms": post,
         "pre_norms": pre,
         "residual_scale": residual,
-        "qk_norm_after_rope": qk_norm_names(hf_layer.self_attn) == QK_NORMS[1],  # (Hunyuan's)
+        "qk_norm_after_rope": qk_norm_after_rope(hf_layer.self_attn),
+        "norm_gains": weightless != {True},  # (NanoChat's weightless norms)
     }
+
+
+def qk_norm_after_rope(attn) -> bool:
+    """Whether an HF attention module norms q and k after RoPE: Hunyuan's (by its QK-norm's
+    names, ``QK_NORMS``), NanoChat's (``ROTATED_QK_NORM_ATTENTION``)."""
+    names = qk_norm_names(attn)
+    return names == QK_NORMS[1] or bool(names) and type(attn).__name__ in ROTATED_QK_NORM_ATTENTION
 
 
 def attention_temperature(attn):
@@ -325,8 +347,8 @@ def qk_norm_names(attn) -> tuple:
 def hf_renames(hf_layer) -> dict:
     """An HF layer's state-dict keys other than Llama's (Qwen3's, Gemma 2's) for the same
     weights: GLM-4's norms (``_hf_fused.GLM4_NORMS``), Apertus's (``APERTUS_NORMS``),
-    HyperCLOVAX's (``HYPERCLOVAX_NORMS``), VaultGemma's (``VAULTGEMMA_NORMS``), Hunyuan's
-    QK-norm."""
+    HyperCLOVAX's (``HYPERCLOVAX_NORMS``), VaultGemma's (``VAULTGEMMA_NORMS``), NanoChat's
+    MLP (``FC_MLP``), Hunyuan's QK-norm."""
     out = dict(GLM4_NORMS) if hasattr(hf_layer, "post_mlp_layernorm") else {}
     out.update(APERTUS_NORMS if hasattr(hf_layer, "attention_layernorm") else {})
     out.update(HYPERCLOVAX_NORMS if has_norm(hf_layer, "post_norm2") else {})
@@ -334,6 +356,7 @@ def hf_renames(hf_layer) -> dict:
         hf_layer, "post_feedforward_layernorm"
     )
     out.update(VAULTGEMMA_NORMS if vault else {})
+    out.update(FC_MLP if hasattr(hf_layer.mlp, "fc1") else {})
     names = qk_norm_names(hf_layer.self_attn)
     if names and names != QK_NORMS[0]:
         out.update({f"self_attn.{a}.weight": f"self_attn.{b}.weight" for a, b in zip(*QK_NORMS)})
@@ -347,6 +370,8 @@ def qk_norm_span(attn):
     names = qk_norm_names(attn)
     if not names:
         return False
+    if getattr(getattr(attn, names[0]), "weight", None) is None:  # weightless (NanoChat's):
+        return "head"  # applied to q and k as heads, (batch, heads, seq, head_dim)
     hd = attn.head_dim
     q, k = (getattr(attn, n).weight.shape[0] for n in names)
     if (q, k) == (hd, hd):
@@ -482,7 +507,8 @@ def check_linears(hf_layer, where: str) -> None:
     """Every projection (``*_proj``) of an HF layer is a plain ``nn.Linear`` (what coda
     fuses)."""
     for name, module in hf_layer.named_modules():
-        if name.endswith("_proj") and type(module) is not torch.nn.Linear:
+        projection = name.endswith("_proj") or name in ("mlp.fc1", "mlp.fc2")  # (``FC_MLP``)
+        if projection and type(module) is not torch.nn.Linear:
             cls = type(module)  # (PEFT's LoRA linear is also called Linear: say whose)
             what = cls.__name__ if cls.__name__ != "Linear" else f"{cls.__module__}.Linear"
             raise v.CodaInputError(
@@ -523,8 +549,9 @@ def check_mlp_biases(hf_layer, where: str) -> None:
 
 def rope_pairs(hf_layer) -> str:
     """Which dimensions of a head the model's RoPE rotates together, read from its modeling
-    module's own ``rotate_half``: "half" (i, i + hd / 2), Llama's and most families', or
-    "adjacent" (2i, 2i + 1), GLM's."""
+    module's own ``rotate_half``: "half" (i, i + hd / 2), Llama's and most families',
+    "adjacent" (2i, 2i + 1), GLM's, or "half_negative", Llama's pairs turned by -theta
+    (NanoChat's)."""
     module = sys.modules[type(hf_layer.self_attn).__module__]  # (GLM-4V's text one: ``_llm``)
     rotate = getattr(module, "rotate_half_llm", None) or getattr(module, "rotate_half", None)
     if rotate is None:
@@ -534,6 +561,8 @@ def rope_pairs(hf_layer) -> str:
         return "half"
     if got == [-2.0, 1.0, -4.0, 3.0]:
         return "adjacent"
+    if got == [3.0, 4.0, -1.0, -2.0]:  # (minus Llama's: q cos - rot(q) sin, a turn by -theta)
+        return "half_negative"
     raise v.CodaInputError(
         f"apply_coda: {type(hf_layer.self_attn).__module__}.rotate_half takes (1, 2, 3, 4) to "
         f"{got}: neither Llama's rotation of halves nor GLM's of adjacent pairs"

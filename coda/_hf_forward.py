@@ -168,7 +168,10 @@ def causal_lm_forward(original):
             )
         _check_head(self.lm_head)
         norm = self.model.norm
-        self.model.norm = torch.nn.Identity()  # the final norm runs inside coda's loss
+        # the final norm runs inside coda's loss (a stack that norms its embeddings with the
+        # same module keeps that first call)
+        normed = type(self.model).__name__ in EMBEDDINGS_NORMED
+        self.model.norm = _EmbeddingsNormed(norm) if normed else torch.nn.Identity()
         try:
             out = self.model(*args, return_dict=True, **kwargs)
         finally:
@@ -223,7 +226,7 @@ def _coda_loss(
     inside it, by ``model.coda_method``; the logits soft-capped by ``softcap`` where it is
     given), reduced as HF's ForCausalLMLoss reduces it: the mean over the counted targets,
     or the sum over ``n_items`` (``num_items_in_batch``) where that is given."""
-    gain, eps = final_norm(norm, scaling)
+    gain, eps = final_norm(norm, rows, scaling)
     loss = lm_head_loss(
         rows,
         gain,
@@ -236,6 +239,20 @@ def _coda_loss(
         softcap=softcap,
     )
     return loss if n_items is None else loss / n_items
+
+
+class _EmbeddingsNormed(torch.nn.Module):
+    """Stands in for the final norm of an ``EMBEDDINGS_NORMED`` stack in a training call: its
+    first call, the token embeddings', is the norm's; the next, the layers' output, passes
+    through (the final norm then inside coda's loss)."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.norm, self.calls = norm, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.norm(x) if self.calls == 1 else x
 
 
 class _Rows(torch.nn.Module):
@@ -332,6 +349,10 @@ def logits_divisor(config, name: str) -> float:
 # causal LMs whose forward soft-caps the logits by their config's ``final_logit_softcapping``
 # (c tanh(l / c), where it is set): Gemma 2's and Gemma 3's
 LOGITS_SOFTCAPPED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM")
+LOGITS_SOFTCAPPED += ("NanoChatForCausalLM",)
+# decoder stacks that norm their token embeddings with their final norm's module, one module
+# called twice a forward, before the layers and after them: NanoChat's (``_EmbeddingsNormed``)
+EMBEDDINGS_NORMED = ("NanoChatModel",)
 
 
 def norm_form(norm) -> str:
@@ -363,17 +384,20 @@ def check_final_norm(norm) -> None:
     where they round, which no float64 test sees: this is what keeps a family whose norm
     rounds as another's (GPT-OSS's as OLMo's, with a Llama-like ``variance_epsilon``) from
     training on the wrong rounding. A norm on the meta device (a model to be loaded) is
-    taken by its class alone."""
+    taken by its class alone; a weightless one (NanoChat's) is held to a gain of 1."""
     form = norm_form(norm)
-    if norm.weight.is_meta:
+    weight = getattr(norm, "weight", None)
+    if weight is not None and weight.is_meta:
         return
-    d, device = norm.weight.shape[0], norm.weight.device
+    d = 64 if weight is None else weight.shape[0]
+    device = "cpu" if weight is None else weight.device
     steps = torch.arange(3 * d, dtype=torch.float32, device=device)
     with torch.no_grad():
         probe = copy.deepcopy(norm).to(torch.bfloat16)
-        probe.weight.copy_(0.5 + 0.37 * torch.sin(steps[:d] * 0.7))
+        if weight is not None:
+            probe.weight.copy_(0.5 + 0.37 * torch.sin(steps[:d] * 0.7))
         x = (3.0 * torch.sin(steps * 1.3)).view(3, d).to(torch.bfloat16)
-        gain, eps = final_norm(probe)
+        gain, eps = final_norm(probe, x)
         same = torch.equal(probe(x), final_norm_ref(x, gain, eps))
     if not same:
         raise v.CodaInputError(
@@ -382,17 +406,21 @@ def check_final_norm(norm) -> None:
         )
 
 
-def final_norm(norm, logits_scaling: float = 1.0) -> tuple:
-    """The model's final RMSNorm as coda's loss takes it: (gain, eps), by ``norm_form``: the
-    weight (Llama's), 1 + weight in fp32 (Gemma's, which coda's loss keeps in fp32:
+def final_norm(norm, rows, logits_scaling: float = 1.0) -> tuple:
+    """The model's final RMSNorm of ``rows`` as coda's loss takes it: (gain, eps), by
+    ``norm_form``: the weight (Llama's; for a weightless norm, NanoChat's, 1 in the rows'
+    dtype), 1 + weight in fp32 (Gemma's, which coda's loss keeps in fp32:
     ``coda.reference.final_norm_ref``, HF's rounding) or the weight in fp32 (OLMo's, the same
     rounding). ``logits_scaling`` (Granite's: its logits are divided by it) divides the gain,
     in fp32: (r h g / s) W = (r h g) W / s."""
     form = norm_form(norm)
+    weight = getattr(norm, "weight", None)
+    if weight is None:
+        weight = torch.ones(rows.shape[-1], dtype=rows.dtype, device=rows.device)
     if form == "gemma":
-        gain, eps = 1.0 + norm.weight.float(), norm.eps
+        gain, eps = 1.0 + weight.float(), norm.eps
     else:
-        gain = norm.weight.float() if form == "fp32" else norm.weight
+        gain = weight.float() if form == "fp32" else weight
         eps = norm_epsilon(norm)
     return (gain if logits_scaling == 1.0 else gain.float() / logits_scaling), eps
 

@@ -130,6 +130,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     # set per layer when made; these defaults serve layers pickled before sessions 64, 65,
     # 73 and 74 (``fused`` True then: Phi-3's two fused projections, before ``hf_form``)
     fused, use_rope, rope_scale, hf_form, rotated_dims = False, True, 1.0, None, None
+    turns_back = False  # (NanoChat's RoPE, by -theta: ``rope_pairs`` "half_negative")
 
     def __init__(
         self, hf_layer, config, inv_freq, mask_hint, rope_scale=1.0, long_rope=(None,) * 2,
@@ -153,6 +154,10 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         use_rope = bool(getattr(attn, "use_rope", True)) and not global_nope(attn)
         inv_freq = inv_freq if use_rope else torch.zeros_like(inv_freq)
         long_inv_freq, long_after = long_rope if use_rope else (None, None)
+        pairs = rope_pairs(hf_layer)
+        if pairs == "half_negative":  # (NanoChat's turn by -theta: the frequencies negated)
+            inv_freq = -inv_freq
+            long_inv_freq = None if long_inv_freq is None else -long_inv_freq
         super().__init__(
             config.hidden_size,
             config.num_attention_heads,
@@ -174,7 +179,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         # fused projections, GLM-4's norm names, GLM's q and k rows in adjacent-pair order,
         # Phi-4-mini's rotate-half pairs of part of each head
         heads = (config.num_attention_heads, config.num_key_value_heads, attn.head_dim)
-        adjacent = rope_pairs(hf_layer) == "adjacent"
+        adjacent = pairs == "adjacent"
         partial = 0 if adjacent or rotated in (None, attn.head_dim) else rotated
         self.hf_form = _hf_fused.Form(
             fused,
@@ -182,7 +187,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             heads if adjacent or partial else None,
             partial,
         )
-        self.use_rope = use_rope
+        self.use_rope, self.turns_back = use_rope, pairs == "half_negative"
         # YaRN's constant factor on cos and sin, folded into the attention's scale (a NoPE
         # layer rotates nothing, so scales nothing)
         self.rope_scale = float(rope_scale) if use_rope else 1.0
@@ -330,6 +335,9 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         partial = (
             position_embeddings is not None and position_embeddings[0].shape[-1] < self.head_dim
         )
+        if self.turns_back and position_embeddings is not None:  # HF's tables turn by theta,
+            cos, sin = position_embeddings  # its rotate_half by -theta: sin(-theta) = -sin
+            position_embeddings = (cos, -sin)
         if not self.use_rope or self.rope_scale != 1.0 or partial:  # both paths then rotate by
             # the layer's own frequencies (zero in a NoPE layer and past a partial RoPE's pairs,
             # GLM's), unscaled (YaRN's c: above)

@@ -107,6 +107,7 @@ LOSS_ALONE_KW = dict(
 # ``use_post_norm``, Gemma 2's four norms), VaultGemma (Gemma 2's without its post-norms; its
 # attention eager: soft-capped logits, and its final logits soft-capped at 3, binding here)
 DENSE = dict(helium="Helium", hyperclovax="HyperCLOVAX", vaultgemma="VaultGemma")
+DENSE.update(nanochat="NanoChat")  # (session 77: weightless norms, RoPE by -theta)
 DENSE_KW = dict(
     helium=dict(head_dim=12),  # (its o_proj is hidden x hidden: n_heads head_dim = hidden)
     hyperclovax=dict(head_dim=12, logits_scaling=0.3, embedding_multiplier=2.0,
@@ -114,6 +115,7 @@ DENSE_KW = dict(
     vaultgemma=dict(head_dim=12, attn_implementation="eager", attn_logit_softcapping=0.02,
                     final_logit_softcapping=3.0, query_pre_attn_scalar=20, sliding_window=6,
                     layer_types=["sliding_attention", "full_attention"]),
+    nanochat=dict(head_dim=12, final_logit_softcapping=3.0),
 )  # fmt: skip
 
 
@@ -146,7 +148,7 @@ def tiny_config(family: str = "llama", **kw):
     (``GEMMA``; Gemma 2's logit soft-capping off unless given), "granite" (``GRANITE_KW``: its
     multipliers, logits / 4), the Granite MoE families "granitemoe", "granitemoeshared", and
     "olmo2", "olmo3" (OLMo 3 with a 4-token window on its sliding layers), and ``DENSE``'s
-    "helium", "hyperclovax", "vaultgemma"."""
+    "helium", "hyperclovax", "vaultgemma", "nanochat"."""
     from transformers import Qwen3Config
 
     base = {**TINY, "attn_implementation": "sdpa"}

@@ -297,6 +297,28 @@ def test_helium_and_vaultgemma_layers_behave_as_unpatched_float64(coda_path):
         assert_behaves_as_unpatched(ref, patched, ids, right_padding=family == "vaultgemma")
 
 
+def test_nanochat_layers_behave_as_unpatched_float64(coda_path):
+    """NanoChat: Arcee's MLP (relu^2, no gate) under CLIP's names (``fc1``, ``fc2``), every
+    norm weightless (``DecoderLayer(norm_gains=False)``: gains a constant 1, no parameter, no
+    key), QK-norm of the rotated q and k under Qwen3's names, RoPE by -theta (its rotate_half
+    is minus Llama's: the layer's frequencies negated, HF's sin tables too), the token
+    embeddings normed by the final norm's module before the layers (kept in coda's training
+    call, the final norm inside coda's loss), the logits soft-capped (3: binding); head_dim 12
+    runs F1's row pass, 32 its epilogue. HF's weightless norm computes in fp32 whatever the
+    model's dtype (``x.float()``): the float64 models agree to its rounding, inside ``TOL``."""
+    for hd in (12, 32):
+        cfg = tiny_config("nanochat", head_dim=hd, **coda_path)
+        ref, patched = pair(cfg)
+        layers = patched.model.layers
+        assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+        forms = {(la.activation, la.qk_norm_span, la.qk_norm_after_rope) for la in layers}
+        assert forms == {("relu2", "head", True)}
+        assert {(la.norm_gains, la.turns_back) for la in layers} == {(False, True)}
+        assert all((la._inv_freq < 0).all() for la in layers)
+        assert not any("norm" in n for n, _ in patched.named_parameters())
+        assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+
+
 def test_ernie4_5_layers_behave_as_unpatched_float64(coda_path):
     """ERNIE 4.5 (dense): Llama's layer rotating adjacent pairs (2i, 2i + 1) of whole heads
     (GLM's order, read from its ``rotate_half``: its q and k rows kept as they are), tied

@@ -135,7 +135,7 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
     "family",
     ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
     + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4", "ernie4_5", "olmo3", "phi4-mini"]
-    + ["hunyuan_dense", "arcee", "ministral3", "helium", "hyperclovax", "vaultgemma"]
+    + ["hunyuan_dense", "arcee", "ministral3", "helium", "hyperclovax", "vaultgemma", "nanochat"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):

@@ -23,6 +23,9 @@ HF_KEYS = {  # each weight of a layer: the HF ``LlamaDecoderLayer`` weights it i
     "bias_qkv": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "bias_o": ("self_attn.o_proj.bias",),
 }
+# every norm gain a layer may have: weightless norms (``DecoderLayer(norm_gains=False)``,
+# NanoChat's) keep them as constant buffers, which HF's layer has no key for
+GAINS = ("attention_norm", "ffn_norm", "q_norm", "k_norm", "post_attention_norm", "post_ffn_norm")
 # a layer with a norm after each sublayer (Gemma 2's and 3's): HF's pre-MLP norm is
 # ``pre_feedforward_layernorm``, and ``post_attention_layernorm`` norms the attention's output
 POST_NORM_KEYS = {
@@ -49,8 +52,13 @@ class HFWeights:
 
     def _hf_weights(self) -> list[str]:
         """This layer's weights that HF has (``HF_KEYS``; q_norm / k_norm with QK-norm only,
-        bias_qkv and bias_o with those biases only, the post-norms' with them only)."""
-        return [name for name in self._hf_keys() if getattr(self, name) is not None]
+        bias_qkv and bias_o with those biases only, the post-norms' with them only; no gains
+        for weightless norms)."""
+        return [
+            name
+            for name in self._hf_keys()
+            if getattr(self, name) is not None and (self.norm_gains or name not in GAINS)
+        ]
 
     def hf_state_dict(self, prefix: str = "", grad: bool = False) -> dict:
         """This layer's weights (or, with ``grad``, their gradients) as HF

@@ -36,7 +36,7 @@ from coda.kernels.gemm_rope import (
 from coda.kernels.gemm_swiglu import MLP_ACTIVATIONS
 from coda.kernels.qk_norm import is_per_head
 from coda.nn._common import FormerNames, in_dtype, tma_aligned, tma_rule
-from coda.nn._hf_weights import HFWeights
+from coda.nn._hf_weights import GAINS, HFWeights
 from coda.nn.activation import XIELU
 from coda.reference.layer import LayerShape, decoder_layer_ref
 
@@ -112,7 +112,9 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
     residual add (Granite's ``residual_multiplier``; in F3's and F5's epilogues, in fp32; with
     ``post_norms`` folded into their gains, c PN(y) = norm(y) (c g), HyperCLOVAX's; not with
     ``o_bias``). ``qk_norm_after_rope``: the per-head QK-norm
-    norms the rotated q and k (Hunyuan's; with ``qk_norm`` "head").
+    norms the rotated q and k (Hunyuan's; with ``qk_norm`` "head"). ``norm_gains`` False:
+    weightless norms (NanoChat's), every norm's gain (QK-norm's too) a constant 1, kept as a
+    buffer (``GAINS``: no parameter, no gradient, not in the state dict).
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -125,7 +127,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
     # (the defaults of layers pickled before LongRoPE, multimodal RoPE and GeGLU)
     _long_inv_freq = long_after = _mrope = None
     activation, norm_offset, fp32_gains, residual_scale = "silu", 0.0, False, 1.0
-    qk_norm_after_rope = False
+    qk_norm_after_rope, norm_gains = False, True
 
     def __init__(
         self,
@@ -154,6 +156,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         fp32_gains: bool = False,
         residual_scale: float = 1.0,
         qk_norm_after_rope: bool = False,
+        norm_gains: bool = True,
     ):
         super().__init__()
         self.activation = v.check_choice("activation", activation, MLP_ACTIVATIONS)
@@ -250,6 +253,13 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         if activation == "xielu":  # its numbers, where HF's layer keeps them
             self.mlp = nn.ModuleDict({"act_fn": XIELU(**kw)})
         self.reset_parameters()
+        self.norm_gains = bool(norm_gains)
+        if not norm_gains:  # weightless norms: each gain a constant 1 (1 - norm_offset + offset)
+            for name in GAINS:
+                gain = getattr(self, name)
+                if gain is not None:
+                    delattr(self, name)
+                    self.register_buffer(name, gain.detach(), persistent=False)
         self._build_rope_tables()
 
     def _build_rope_tables(self):
