@@ -89,7 +89,6 @@ from coda import _validate as v
 from coda._hf_families import (
     LOSS_ONLY,
     MROPE_TEXT,
-    ROPE_TYPES,  # noqa: F401 (coda.transformers.ROPE_TYPES, as before)
     SOFTCAP_ATTENTION,
     SUPPORTED,
     TASK_HEADS,
@@ -104,14 +103,11 @@ from coda._hf_families import (
     hf_renames,
     layer_options,
     layer_type,
-    mrope_sections,
     qk_norm_names,
-    rope_arguments,
-    rope_pairs,
     sliding_window,
-    typed_rotary,
 )
 from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_forward
+from coda._hf_rope import mrope_sections, rope_arguments, rope_pairs, typed_rotary
 from coda.autograd import LM_HEAD_METHODS
 from coda.env import host_cache
 from coda.nn import DecoderLayer, Embedding

@@ -3,7 +3,7 @@ memos (``functools.cache`` / ``lru_cache``) are the listed host-only ones.
 
     reference, primitives  ->  kernels  ->  ops, layouts, autograd  ->  nn  ->  transformers
                         (_autograd_support, autograd_post_norm)   (_hf_families, _hf_forward,
-                                                                   _hf_fused)
+                                                                   _hf_fused, _hf_rope)
 (``env``, ``_validate`` and ``_metadata`` are leaves any layer may use; ``_quack`` is the only
 module that imports quack.)"""
 
@@ -23,10 +23,12 @@ RANK = {
     "autograd_post_norm": 2,
     "nn": 3,
     "transformers": 4,
-    # (the HF patch's parts: the families it takes, its wrapped forwards, Phi-3's fused keys)
+    # (the HF patch's parts: the families it takes, its wrapped forwards, Phi-3's fused keys,
+    # the config's and RoPE's rules)
     "_hf_families": 4,
     "_hf_forward": 4,
     "_hf_fused": 4,
+    "_hf_rope": 4,
 }
 LEAVES = {"env", "_validate", "_quack", "_metadata", "__init__"}
 # What each leaf may import from coda (``__init__`` is the package face: it re-exports).
