@@ -151,6 +151,9 @@ LOSS_ONLY = {
     "Llama4ForCausalLM": _MOE,
     "Qwen3_5ForCausalLM": "linear-attention layers",
     "HunYuanMoEV1ForCausalLM": _MOE,  # (Hunyuan's dense layers are coda's since session 75)
+    "MellumForCausalLM": _MOE,  # (session 77)
+    "LagunaForCausalLM": _MOE,
+    "SolarOpenForCausalLM": _MOE,
 }
 # vision-language models (a vision encoder feeding a text model's token embeddings) whose
 # training loss coda takes (``_hf_forward.vision_language_forward``), and whose text model's

@@ -79,6 +79,12 @@ MOE_KW.update(
     qwen3_next=dict(num_experts=4, moe_intermediate_size=32, **_HYBRID, **_ROUTER),
     qwen3_5_moe=dict(num_experts=4, moe_intermediate_size=32, **_HYBRID, **_ROUTER),
 )
+# later still (session 77): Mellum (Qwen3-MoE's), Laguna
+MOE.update(mellum="Mellum", laguna="Laguna")
+MOE_KW.update(
+    mellum=dict(num_experts=4, moe_intermediate_size=32, head_dim=12, **_ROUTER),
+    laguna=dict(num_experts=4, moe_intermediate_size=32, head_dim=12, **_ROUTER),
+)
 # families whose loss alone coda takes with no router term in HF's forward (session 69), by
 # config class as ``MOE``: DeepSeek-V3 (latent attention), GLM-4.5 (MoE), Llama 4 (text),
 # GLM-4, Apertus, Arcee, EXAONE 4, Qwen3.5 (linear-attention layers), ERNIE 4.5 and
@@ -87,6 +93,7 @@ LOSS_ALONE = dict(deepseek_v3="DeepseekV3", glm4_moe="Glm4Moe", llama4="Llama4Te
 LOSS_ALONE.update(glm4="Glm4", apertus="Apertus", arcee="Arcee", exaone4="Exaone4")
 LOSS_ALONE.update(qwen3_5="Qwen3_5Text", ernie4_5="Ernie4_5")
 LOSS_ALONE.update(hunyuan_dense="HunYuanDenseV1", hunyuan_moe="HunYuanMoEV1")
+LOSS_ALONE.update(solar_open="SolarOpen")  # (session 77: GLM-4.5's MoE layers)
 _GROUPED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1)
 _GROUPED.update(topk_group=1, first_k_dense_replace=1, experts_implementation="eager")
 LOSS_ALONE_KW = dict(
@@ -95,6 +102,7 @@ LOSS_ALONE_KW = dict(
         qk_nope_head_dim=8, v_head_dim=12, **_GROUPED,
     ),
     glm4_moe=dict(head_dim=12, **_GROUPED),
+    solar_open=dict(head_dim=12, **_GROUPED),
     llama4=dict(experts_implementation="eager"),
     qwen3_5=dict(num_hidden_layers=4, head_dim=12),
     hunyuan_dense=dict(head_dim=12),
