@@ -154,6 +154,9 @@ LOSS_ONLY = {
     "MellumForCausalLM": _MOE,  # (session 77)
     "LagunaForCausalLM": _MOE,
     "SolarOpenForCausalLM": _MOE,
+    # Gemma 4's text model: its layers take per-layer inputs (a second embedding), share KV
+    # across layers and norm v; its final norm rounds as OLMo's, its logits soft-capped
+    "Gemma4ForCausalLM": "per-layer inputs, KV shared across layers and a value norm",
 }
 # vision-language models (a vision encoder feeding a text model's token embeddings) whose
 # training loss coda takes (``_hf_forward.vision_language_forward``), and whose text model's

@@ -328,9 +328,10 @@ def vision_language_forward(original):
 GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3NextRMSNorm")
 GEMMA_NORMS += ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "VaultGemmaRMSNorm")
 # final norms that scale by their weight in fp32, rounding the output once (Llama's rounds the
-# normed rows, then the product): OLMo 2's and OLMo 3's, GPT-OSS's, Helium's; their gain is
-# given in fp32
+# normed rows, then the product): OLMo 2's and OLMo 3's, GPT-OSS's, Helium's, Gemma 4's; their
+# gain is given in fp32
 FP32_SCALED_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm", "GptOssRMSNorm", "HeliumRMSNorm")
+FP32_SCALED_NORMS += ("Gemma4RMSNorm",)
 # causal LMs whose forward divides the logits by their config's ``logits_scaling``: Granite's;
 # and those whose forward multiplies them by it (muP's other convention): HyperCLOVAX's
 LOGITS_SCALED = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
@@ -349,7 +350,7 @@ def logits_divisor(config, name: str) -> float:
 # causal LMs whose forward soft-caps the logits by their config's ``final_logit_softcapping``
 # (c tanh(l / c), where it is set): Gemma 2's and Gemma 3's
 LOGITS_SOFTCAPPED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM")
-LOGITS_SOFTCAPPED += ("NanoChatForCausalLM",)
+LOGITS_SOFTCAPPED += ("NanoChatForCausalLM", "Gemma4ForCausalLM")
 # decoder stacks that norm their token embeddings with their final norm's module, one module
 # called twice a forward, before the layers and after them: NanoChat's (``_EmbeddingsNormed``)
 EMBEDDINGS_NORMED = ("NanoChatModel",)

@@ -93,7 +93,7 @@ LOSS_ALONE = dict(deepseek_v3="DeepseekV3", glm4_moe="Glm4Moe", llama4="Llama4Te
 LOSS_ALONE.update(glm4="Glm4", apertus="Apertus", arcee="Arcee", exaone4="Exaone4")
 LOSS_ALONE.update(qwen3_5="Qwen3_5Text", ernie4_5="Ernie4_5")
 LOSS_ALONE.update(hunyuan_dense="HunYuanDenseV1", hunyuan_moe="HunYuanMoEV1")
-LOSS_ALONE.update(solar_open="SolarOpen")  # (session 77: GLM-4.5's MoE layers)
+LOSS_ALONE.update(solar_open="SolarOpen", gemma4="Gemma4Text")  # (session 77)
 _GROUPED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1)
 _GROUPED.update(topk_group=1, first_k_dense_replace=1, experts_implementation="eager")
 LOSS_ALONE_KW = dict(
@@ -103,6 +103,7 @@ LOSS_ALONE_KW = dict(
     ),
     glm4_moe=dict(head_dim=12, **_GROUPED),
     solar_open=dict(head_dim=12, **_GROUPED),
+    gemma4=dict(head_dim=12, final_logit_softcapping=3.0),  # (the cap binding)
     llama4=dict(experts_implementation="eager"),
     qwen3_5=dict(num_hidden_layers=4, head_dim=12),
     hunyuan_dense=dict(head_dim=12),
