@@ -50,9 +50,9 @@ def test_the_loss_alone_equals_unpatched(family, kernel, monkeypatch):
 @pytest.mark.parametrize("family", ["olmo2", "gpt_oss", "gemma4", "qwen3_next"])
 def test_bf16_loss_rounds_its_final_norm_as_the_model_does(family):
     """OLMo's, GPT-OSS's and Gemma 4's final norm in bf16 (the product with its weight in fp32,
-    rounded once; Gemma 4's logits not capped here), Qwen3-Next's (1 + w in fp32, rounded once): coda's reference path computes the same
-    loss as HF's bitwise, which Llama's rounding (the normed rows rounded, then the product)
-    would not."""
+    rounded once; Gemma 4's logits not capped here), Qwen3-Next's (1 + w in fp32, rounded
+    once): coda's reference path computes the same loss as HF's bitwise, which Llama's
+    rounding (the normed rows rounded, then the product) would not."""
     cap = {"final_logit_softcapping": None} if family == "gemma4" else {}
     ref = tiny(family, vocab_size=128, **cap).to(torch.bfloat16)
     patched = ct.apply_coda(copy.deepcopy(ref), layers=False)
