@@ -201,14 +201,15 @@ def test_capture_keeps_sdpa_causal_where_the_mask_is_plain(family, monkeypatch):
     assert calls == [(False, False)] * 2  # no capture: transformers' mask, as it made it
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "nanochat"])
 def test_a_compiled_patched_model_keeps_sdpa_causal(family, monkeypatch):
     """Under torch.compile, transformers before torch 2.14 builds SDPA a tensor causal mask
     (``_ignore_causal_mask_sdpa`` declines the skip while tracing), which cost a compiled
     patched Llama 2.9x its attention time on the H100 (run 298). The patched sdpa layers drop
     that mask where nothing the caller gave shapes it, as under a capture: SDPA traced with no
     mask and ``is_causal`` (dynamo's eager backend, whole graph), the same loss as the
-    uncompiled call; a caller's attention mask is kept."""
+    uncompiled call; a caller's attention mask is kept. (NanoChat's: its embeddings' norm,
+    a stand-in module made in the call, traced too.)"""
     _, model = pair(tiny_config(family))
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     want = model(input_ids=ids, labels=ids).loss
