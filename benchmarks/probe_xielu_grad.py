@@ -3,7 +3,9 @@
 the unpatched bf16 model's and coda's, and coda's fp32 sum before its rounding to the
 parameter's bf16 (``coda.autograd.mlp_grads``' d_act, recorded), to tell a rounding tie from
 a bias. Run 314 (an H100) failed the pooled protocol on layer 0's alpha_n (1.781 against a
-band of 1.141) where the CPU model read 0.822 at worst.
+band of 1.141) where the CPU model read 0.822 at worst; run 315's probe (after the GPU's expm1
+fix, 16 seeds) read coda's fp32 sum equal to its inputs' float64 one to 1e-6, and both paths
+~11 % off float64's, alike (benchmarks/NOTES.md, session 77).
 
     python benchmarks/probe_xielu_grad.py [--seeds N] [--device cuda]
 """
