@@ -348,7 +348,7 @@ def logits_divisor(config, name: str) -> float:
 
 
 # causal LMs whose forward soft-caps the logits by their config's ``final_logit_softcapping``
-# (c tanh(l / c), where it is set): Gemma 2's and Gemma 3's
+# (c tanh(l / c), where it is set): Gemma 2's, Gemma 3's, VaultGemma's, NanoChat's, Gemma 4's
 LOGITS_SOFTCAPPED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM")
 LOGITS_SOFTCAPPED += ("NanoChatForCausalLM", "Gemma4ForCausalLM")
 # decoder stacks that norm their token embeddings with their final norm's module, one module

@@ -254,7 +254,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
             self.mlp = nn.ModuleDict({"act_fn": XIELU(**kw)})
         self.reset_parameters()
         self.norm_gains = bool(norm_gains)
-        if not norm_gains:  # weightless norms: each gain a constant 1 (1 - norm_offset + offset)
+        if not norm_gains:  # weightless norms: every gain a constant, an effective gain of 1
             for name in GAINS:
                 gain = getattr(self, name)
                 if gain is not None:

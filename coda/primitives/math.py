@@ -120,8 +120,9 @@ def expm1_by_series(x, exp_, select_):
     |x| < 1/2, within a few ulp of the value; exp(x) - 1 above, where the subtraction loses
     under 2 bits. exp(x) - 1 alone near 0 is the difference of two numbers near 1: an
     absolute error of ~1e-7 (quack's fast exp: more) on a value of the size of x, which xIELU's
-    coefficient gradient, a sum of expm1(z) - z ~ z^2 / 2 over small z, turns into a bias
-    (run 314's Apertus protocol: alpha_n's gradient 1.78x the bf16 path's error)."""
+    coefficient gradient, a sum of expm1(z) - z ~ z^2 / 2 over small z, turns into a bias (in
+    the CPU model of Apertus's protocol it tripled alpha_n's gradient error: NOTES.md, session
+    77)."""
     series = _EXPM1_TAYLOR[-1]
     for c in reversed(_EXPM1_TAYLOR[:-1]):
         series = series * x + c
