@@ -45,14 +45,22 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
     # seeds 1, 2, 6: a branch multiplier (Granite's residual_multiplier; not with an o bias)
     residual_scale = {1: 0.22, 2: 3.0, 6: 0.7}.get(seed, 1.0)
     after_rope = seed in (4, 7)  # the QK-norm of the rotated heads (Hunyuan's)
+    # seeds 0, 4: weightless norms (NanoChat's; 4: with its RoPE by -theta, and relu^2 at 0)
+    norm_gains = seed not in (0, 4)
+    inv_freq = None
+    if seed == 4:
+        inv_freq = -(10000.0 ** (-torch.arange(0, hd, 2, dtype=F64) / hd))
     layer = cnn.DecoderLayer(
         d, H, Hkv, f, head_dim=hd, eps=eps, dtype=F64, qk_norm=qk_norm, qkv_bias=qkv_bias,
         o_bias=o_bias, activation=activation, norm_offset=norm_offset,
-        residual_scale=residual_scale, qk_norm_after_rope=after_rope,
+        residual_scale=residual_scale, qk_norm_after_rope=after_rope, norm_gains=norm_gains,
+        inv_freq=inv_freq,
     )  # fmt: skip
+    weighted = any(n.endswith("norm") for n in layer.state_dict())  # (gains: parameters)
+    assert weighted == norm_gains
     with torch.no_grad():
         for gam in (layer.attention_norm, layer.ffn_norm, layer.q_norm, layer.k_norm):
-            if gam is not None:
+            if gam is not None and norm_gains:
                 gam.add_(0.1 * torch.randn_like(gam))
         if qkv_bias:
             layer.bias_qkv.copy_(10 * torch.randn_like(layer.bias_qkv))
