@@ -9,6 +9,8 @@ against 13), and Ministral 3's (q times Llama 4's attention temperature after Ro
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -22,6 +24,8 @@ from test_transformers import (  # noqa: E402
     tiny_config,
 )
 
+import coda  # noqa: E402
+import coda.env  # noqa: E402
 import coda.transformers as ct  # noqa: E402
 from coda import _validate as v  # noqa: E402
 
@@ -317,6 +321,25 @@ def test_nanochat_layers_behave_as_unpatched_float64(coda_path):
         assert all((la._inv_freq < 0).all() for la in layers)
         assert not any("norm" in n for n, _ in patched.named_parameters())
         assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
+def test_nanochat_loss_alone_behaves_as_unpatched_float64(kernel, monkeypatch):
+    """NanoChat with ``layers=False`` (its layers HF's, as with adapters in them): coda's loss
+    with its weightless final norm (a gain of 1) and its soft cap, the embeddings' norm, the
+    same module, kept before the layers: the loss and every gradient, padded, as unpatched."""
+    if kernel:
+        monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    cfg = tiny_config("nanochat", vocab_size=128)
+    ref, _ = pair(cfg)
+    patched = ct.apply_coda(copy.deepcopy(ref), layers=False)
+    assert type(patched.model.layers[0]).__module__.startswith("transformers.")
+    ids = torch.randint(0, cfg.vocab_size, (2, 13))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    assert_same_step(ref, patched, input_ids=ids, attention_mask=mask, labels=labels)
+    assert coda.last_path("LMHeadLoss")[0] == ("kernel" if kernel else "reference")
 
 
 def test_ernie4_5_layers_behave_as_unpatched_float64(coda_path):
