@@ -307,7 +307,8 @@ def qk_norm_after_rope(attn) -> bool:
     """Whether an HF attention module norms q and k after RoPE: Hunyuan's (by its QK-norm's
     names, ``QK_NORMS``), NanoChat's (``ROTATED_QK_NORM_ATTENTION``)."""
     names = qk_norm_names(attn)
-    return names == QK_NORMS[1] or bool(names) and type(attn).__name__ in ROTATED_QK_NORM_ATTENTION
+    rotated = type(attn).__name__ in ROTATED_QK_NORM_ATTENTION
+    return names == QK_NORMS[1] or (bool(names) and rotated)
 
 
 def attention_temperature(attn):

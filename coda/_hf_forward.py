@@ -390,7 +390,7 @@ def check_final_norm(norm) -> None:
     weight = getattr(norm, "weight", None)
     if weight is not None and weight.is_meta:
         return
-    d = 64 if weight is None else weight.shape[0]
+    d = 64 if weight is None else weight.shape[0]  # (a weightless norm takes any width)
     device = "cpu" if weight is None else weight.device
     steps = torch.arange(3 * d, dtype=torch.float32, device=device)
     with torch.no_grad():

@@ -99,6 +99,13 @@ def exp2(value):
     return _modules()["math"].pexp2(value)
 
 
+def expm1(value):
+    """exp(value) - 1, accurate near 0 (CUDA's expm1f, within an ulp; not fast math)."""
+    import cutlass.cute as cute
+
+    return cute.math.expm1(value, fastmath=False)
+
+
 def sigmoid(value):
     return _modules()["activation"].sigmoid(value)
 

@@ -113,22 +113,6 @@ def fro_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).norm() / ref.norm().clamp(min=1e-300))
 
 
-def run_errors(got: torch.Tensor, peer: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """One run's (coda's error, PyTorch's) against ``ref``, for ``pooled_ratio``: relative
-    Frobenius errors (``fro_err``), but absolute ones for a one-element gradient (a learned
-    scalar's: xIELU's alpha_p, alpha_n). Such a gradient is one sum over every token and
-    feature whose terms cancel by a seed-dependent amount, and its error is set by the size
-    of the terms, not of the sum: divided by the sum, each seed is weighted by 1 / sum^2 and
-    the pooled ratio follows the few seeds where the sum nearly cancels (run 315: layer 0's
-    alpha_n 1.98 relative). A run's own ratio is the same either way."""
-    if ref.numel() == 1:
-        g = float(ref.detach().double().sum())
-        return abs(float(got.detach().double().sum()) - g), abs(
-            float(peer.detach().double().sum()) - g
-        )
-    return fro_err(got, ref), fro_err(peer, ref)
-
-
 def assert_no_worse(name: str, got, ref, peer) -> None:
     """CODA's protocol for one output: finite, and its error vs ``ref`` (fp32 or float64) no
     worse than ``peer``'s (the plain PyTorch bf16 path's)."""

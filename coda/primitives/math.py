@@ -100,34 +100,14 @@ def exp2(x):
 
 
 def expm1(x):
-    """exp(x) - 1, accurate near 0 on every lowering: the interpreter's is torch's; the GPU's
-    ``expm1_by_series`` (a Taylor series below |x| = 1/2, exp(x) - 1 above)."""
+    """exp(x) - 1, accurate near 0 on every lowering: the interpreter's is torch's, the GPU's
+    CUDA's expm1f (within an ulp). exp(x) - 1 near 0 is the difference of two numbers near 1:
+    an absolute error of ~1e-7 on a value of the size of x, which xIELU's coefficient
+    gradient, a sum of expm1(z) - z ~ z^2 / 2 over small z, turns into a bias (in the CPU model
+    of Apertus's protocol it tripled alpha_n's gradient error: NOTES.md, session 77)."""
     if _is_interpreted(x):
         return torch.expm1(x)
-    if _is_symbolic(x):
-        return _sympy().exp(x) - 1
-    return expm1_by_series(x, _quack.exp, _quack.select)
-
-
-# expm1's Taylor coefficients 1/k!, k = 2..8: below |x| = 1/2 the first term left out,
-# x^9 / 9!, is under 2^-26 of the value
-_EXPM1_TAYLOR = tuple(1.0 / math.factorial(k) for k in range(2, 9))
-
-
-def expm1_by_series(x, exp_, select_):
-    """exp(x) - 1 in fp32 as the GPU forms it, over its ``exp_`` and ``select_`` (so a test
-    runs the same formula on torch tensors): x (1 + x (1/2! + x (... + x / 8!))) by Horner for
-    |x| < 1/2, within a few ulp of the value; exp(x) - 1 above, where the subtraction loses
-    under 2 bits. exp(x) - 1 alone near 0 is the difference of two numbers near 1: an
-    absolute error of ~1e-7 (quack's fast exp: more) on a value of the size of x, which xIELU's
-    coefficient gradient, a sum of expm1(z) - z ~ z^2 / 2 over small z, turns into a bias (in
-    the CPU model of Apertus's protocol it tripled alpha_n's gradient error: NOTES.md, session
-    77)."""
-    series = _EXPM1_TAYLOR[-1]
-    for c in reversed(_EXPM1_TAYLOR[:-1]):
-        series = series * x + c
-    series = (series * x + 1.0) * x
-    return select_(x * x < 0.25, series, exp_(x) - 1.0)
+    return _sympy().exp(x) - 1 if _is_symbolic(x) else _quack.expm1(x)
 
 
 def select(cond, a, b):
