@@ -381,3 +381,21 @@ def test_the_hf_flex_variants_run_only_when_named(monkeypatch):
     model = make()
     assert name == "hf_coda_flex" and model.config._attn_implementation == "flex_attention"
     assert type(model.model.layers[0]).__module__.startswith("coda")
+
+
+def test_the_hf_liger_peers_may_be_named_for_a_family_liger_lacks(monkeypatch):
+    """``bench_hf.variants`` without a Liger patch of the family (``liger`` None, as for
+    Arcee's or Apertus's): a ``CODA_HF_PEERS`` naming ``hf_liger`` runs the other named peers
+    (run 316 lost a whole suite to the ValueError), and a name no peer has still raises."""
+    pytest.importorskip("transformers")
+    from hf_tiny import TINY
+
+    from benchmarks import bench_hf
+
+    shape = {k: v for k, v in TINY.items() if k != "max_position_embeddings"}
+    base = bench_hf.build("llama", shape, "cpu", torch.float32)
+    monkeypatch.setenv("CODA_HF_PEERS", "hf,hf_coda,hf_liger")
+    assert [name for name, _ in bench_hf.variants("llama", base, None)] == ["hf", "hf_coda"]
+    monkeypatch.setenv("CODA_HF_PEERS", "hf,hf_ligr")
+    with pytest.raises(ValueError, match="hf_ligr"):
+        bench_hf.variants("llama", base, None)
