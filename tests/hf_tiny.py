@@ -70,7 +70,13 @@ MOE_KW["granitemoeshared"] = dict(shared_intermediate_size=40, **MOE_KW["granite
 # layers, the fourth full attention)
 MOE.update(olmoe="Olmoe", gpt_oss="GptOss", minimax_m2="MiniMaxM2", ernie4_5_moe="Ernie4_5_Moe")
 MOE.update(qwen3_next="Qwen3Next", qwen3_5_moe="Qwen3_5MoeText")
+# the linear-attention layers' heads small (their defaults, 16 / 32 heads of 128, made a
+# float64 step of the tiny model take 7 s, most of it in the depthwise convolution)
+LINEAR_ATTENTION = dict(
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8
+)
 _HYBRID = dict(num_hidden_layers=4, head_dim=12, shared_expert_intermediate_size=40)
+_HYBRID.update(LINEAR_ATTENTION)
 MOE_KW.update(
     olmoe=dict(num_experts=4, **_ROUTER),
     gpt_oss=dict(num_local_experts=4, head_dim=12, attn_implementation="eager", **_ROUTER),
@@ -103,9 +109,12 @@ LOSS_ALONE_KW = dict(
     ),
     glm4_moe=dict(head_dim=12, **_GROUPED),
     solar_open=dict(head_dim=12, **_GROUPED),
-    gemma4=dict(head_dim=12, final_logit_softcapping=3.0),  # (the cap binding)
+    # (the cap binding; the per-layer input embeddings small: at Gemma 4's default 262144
+    # rows they took 10 s a build in float64)
+    gemma4=dict(head_dim=12, final_logit_softcapping=3.0, vocab_size_per_layer_input=128,
+                hidden_size_per_layer_input=8),
     llama4=dict(experts_implementation="eager"),
-    qwen3_5=dict(num_hidden_layers=4, head_dim=12),
+    qwen3_5=dict(num_hidden_layers=4, head_dim=12, **LINEAR_ATTENTION),
     hunyuan_dense=dict(head_dim=12),
     hunyuan_moe=dict(num_experts=4, moe_topk=2, head_dim=12, experts_implementation="eager"),
 )  # fmt: skip

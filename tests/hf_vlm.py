@@ -12,7 +12,7 @@ tiled images, Mllama's tiles and cross-attention masks): their batch has no imag
 from __future__ import annotations
 
 import torch
-from hf_tiny import TINY
+from hf_tiny import LINEAR_ATTENTION, TINY
 
 KINDS = {
     "llava": True,
@@ -138,7 +138,7 @@ def _config(kind: str):
     vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
     text = dict(_TEXT, head_dim=12, rope_parameters=dict(_MROPE, mrope_interleaved=True))
     if kind.startswith("qwen3_5"):  # (linear-attention layers: four, the fourth full attention)
-        text.update(num_hidden_layers=4)
+        text.update(num_hidden_layers=4, **LINEAR_ATTENTION)
         if kind == "qwen3_5":
             return tf.Qwen3_5Config(text_config=text, vision_config=vision, **ids)
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
