@@ -600,7 +600,7 @@ def run() -> list[dict]:
             liger = LigerSwitch.of(family)
         except (ImportError, AttributeError) as e:  # no liger-kernel here, or no patch of
             liger = None  # this family (Arcee's): the other variants still run, the row says
-            rows.append({"name": f"hf/{name}/hf_liger", "error": repr(e)[:300]})
+            rows.append(progress({"name": f"hf/{name}/hf_liger", "error": repr(e)[:300]}))
         for label, make in variants(family, base, liger):
             if out_of_time():
                 rows.append({"name": f"hf/{name}/{label}", **SKIPPED})
@@ -621,8 +621,8 @@ def run() -> list[dict]:
                 steps[label], held[step] = step, model
                 alone = {"peak_gib": peaks[label], **profiles.get(label, {})}
                 progress({"name": f"hf/{name}/{label}/alone", **alone})  # kept if the call is cut
-            except Exception as e:  # recorded, never hidden
-                rows.append({"name": f"hf/{name}/{label}", "error": repr(e)[:300]})
+            except Exception as e:  # recorded, never hidden (and kept if the suite raises)
+                rows.append(progress({"name": f"hf/{name}/{label}", "error": repr(e)[:300]}))
             model = None
             torch.cuda.empty_cache()
         timed = {}
@@ -632,7 +632,8 @@ def run() -> list[dict]:
             except Exception as e:  # recorded, with each variant's peak alone; the next
                 for label in steps:  # shape still runs
                     alone = {"peak_gib": peaks[label], **profiles.get(label, {})}
-                    rows.append({"name": f"hf/{name}/{label}", **alone, "error": repr(e)[:300]})
+                    row = {"name": f"hf/{name}/{label}", **alone, "error": repr(e)[:300]}
+                    rows.append(progress(row))
                 steps = {}
         if steps and not timed:  # measured alone, then out of time before the rounds (run 153)
             for label in steps:

@@ -5,9 +5,11 @@ parameter's bf16 (``coda.autograd.mlp_grads``' d_act, recorded), to tell a round
 a bias. Run 314 (an H100) failed the pooled protocol on layer 0's alpha_n (1.781 against a
 band of 1.141) where the CPU model read 0.822 at worst; run 315's probe (after the GPU's expm1
 fix, 16 seeds) read coda's fp32 sum equal to its inputs' float64 one to 1e-6, and both paths
-~11 % off float64's, alike (benchmarks/NOTES.md, session 77).
+~11 % off float64's, alike (benchmarks/NOTES.md, session 77). ``--sdpa math`` runs both bf16
+models' attention on SDPA's math backend instead of flash (the float64 model's is math on
+any device): whether the error both paths share comes from flash attention's backward.
 
-    python benchmarks/probe_xielu_grad.py [--seeds N] [--device cuda]
+    python benchmarks/probe_xielu_grad.py [--seeds N] [--device cuda] [--sdpa default|math]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seeds", type=int, default=24)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--sdpa", choices=("default", "math"), default="default")
     args = p.parse_args()
     if args.device == "cpu":  # (the CPU model of the same run: the kernel path, interpreted)
         from benchmarks.cpu_numerics import _kernel_path_on_cpu
@@ -54,7 +57,8 @@ def main():
     sq = {"coda": 0.0, "torch": 0.0, "coda_fp32": 0.0}
     for seed in range(args.seeds):
         recorded.clear()
-        _, (g64, g16, gc), _ = protocol_run("apertus", args.device, seed, 0.0)
+        with sdpa_backend(args.sdpa):
+            _, (g64, g16, gc), _ = protocol_run("apertus", args.device, seed, 0.0)
         # the backward runs the last layer first: recorded[-1] is layer 0's (a_p, a_n, 0, 0)
         d_an32, d_an_torch = float(recorded[-1][0][1]), recorded[-1][1]
         for layer in (0, 1):
@@ -70,9 +74,18 @@ def main():
             print(line, flush=True)
     s = args.seeds
     print(
-        f"layer 0 alpha_n rms rel err: coda {(sq['coda'] / s) ** 0.5:.3e} "
+        f"layer 0 alpha_n rms rel err (sdpa {args.sdpa}): coda {(sq['coda'] / s) ** 0.5:.3e} "
         f"torch {(sq['torch'] / s) ** 0.5:.3e}"
     )
+
+
+def sdpa_backend(name: str):
+    """SDPA restricted to its math backend (``"math"``), or left to choose (``"default"``)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH) if name == "math" else contextlib.nullcontext()
 
 
 if __name__ == "__main__":
