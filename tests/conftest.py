@@ -42,10 +42,29 @@ LONGEST_FIRST = (
 )
 
 
+# the same for the CPU suite (``-n 2``): its longest tests, 14-53 s each (session 78, a cold
+# Triton and Inductor cache), started first instead of where collection puts them, so that
+# neither worker ends the run alone on one of them
+CPU_LONGEST_FIRST = (
+    "test_row_passes_in_triton_interpreter_equal_oracles",
+    "test_inductor_never_takes_its_implicit_fallback_for_a_coda_op",
+    "test_post_norm_kernels_in_triton_interpreter_equal_torch_forms",
+    "test_qk_norm_whole_passes_in_triton_interpreter_equal_torch_forms",
+    "test_fsdp2_two_gloo_ranks_match_one_process",
+    "test_fsdp2_over_compiled_coda_layers_matches_one_process",
+    "test_kernel_path_runs_the_triton_kernels_in_the_interpreter",
+    "test_fsdp2_a_model_made_on_meta_and_loaded_matches_one_process",
+    "test_compiled_step_equals_eager_and_does_not_recompile",
+    "test_fsdp2_shards_a_patched_hf_model",
+    "test_train_demo_compile_flag_runs_the_same_steps",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    first = LONGEST_FIRST if sm90_available() else CPU_LONGEST_FIRST
+    rank = {name: i for i, name in enumerate(first)}
+    items.sort(key=lambda item: rank.get(item.originalname, len(rank)))  # stable
     if sm90_available():
-        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-        items.sort(key=lambda item: rank.get(item.originalname, len(rank)))  # stable
         return
     skip = pytest.mark.skip(reason="needs an SM90 CUDA GPU")
     for item in items:

@@ -331,17 +331,21 @@ def test_every_hf_shape_builds_and_each_coda_variant_patches_it():
             assert model.lm_head.weight.grad is not None, (name, label)
 
 
-def test_the_compiled_coda_variant_steps_as_the_uncompiled_one():
+def test_the_compiled_coda_variant_steps_as_the_uncompiled_one(monkeypatch):
     """``hf_coda_compiled``: the patched model with its decoder stack under ``torch.compile``
-    (Inductor, on the CPU here); for Gemma 3, whose loss alone coda takes, its loss and every
-    gradient are the uncompiled patched model's in float64, to the fp32 roundings of HF's own
-    layers (Gemma's norms compute in fp32 whatever the model's dtype), which Inductor fuses in
-    another order: the compiled variant's gradients differ by 3e-7 of their largest, while
-    with the final norm run twice, as it would be were coda's swap of it to land on the
-    compiled wrapper, they differ by 1.8 and the loss by 7e-4 (the final norm's gain moved off
-    1, so that the loss tells it too)."""
+    (Inductor on the GPU; here ``aot_eager``: the trace is what this checks, and Inductor's
+    CPU compile took 30 s with a cold cache, session 78); for Gemma 3, whose loss alone coda
+    takes, its loss and every gradient are the uncompiled patched model's in float64, to the
+    fp32 roundings of HF's own layers (Gemma's norms compute in fp32 whatever the model's
+    dtype; Inductor fused them in another order: 3e-7 of the largest gradient), while with the
+    final norm run twice, as it would be were coda's swap of it to land on the compiled
+    wrapper, they differ by 1.8 and the loss by 7e-4 (the final norm's gain moved off 1, so
+    that the loss tells it too)."""
     pytest.importorskip("transformers")
     from benchmarks import bench_hf
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: compile_(m, backend="aot_eager", **kw))
 
     family, base = _tiny_hf_base("gemma-3-1B", torch.float64)
     with torch.no_grad():
