@@ -28,7 +28,8 @@ from benchmarks._common import (
     restored,
     selected,
 )
-from benchmarks.bench_hf import BATCH, SEQ, training_step
+from benchmarks.bench_hf import training_step
+from benchmarks.hf_models import BATCH, SEQ
 from coda.kernels.config import GemmConfig
 
 SUITE = "gemm_in_step"

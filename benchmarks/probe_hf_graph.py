@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import coda.transformers as ct
-from benchmarks.bench_hf import build
+from benchmarks.hf_models import build
 
 TINY = dict(
     hidden_size=256,

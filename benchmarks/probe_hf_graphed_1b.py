@@ -23,7 +23,7 @@ import torch
 import coda.nn as cnn
 import coda.transformers as ct
 from benchmarks._common import _profiled_kernels, bench_long, interleaved
-from benchmarks.bench_hf import BATCH, SEQ, SHAPES, build
+from benchmarks.hf_models import BATCH, SEQ, SHAPES, build
 
 
 def _adamw(model):

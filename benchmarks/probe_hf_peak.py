@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks._common import Diagnostic, bf16_autocast, own_bytes, progress, selected
-from benchmarks.bench_hf import SHAPES, _step, batch_of, build
+from benchmarks.bench_hf import _step
+from benchmarks.hf_models import SHAPES, batch_of, build
 
 SUITE = "hf_peak"
 STEPS = 4

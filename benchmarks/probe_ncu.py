@@ -177,7 +177,8 @@ def profile(suite: str, timeout_s: float = 240) -> list[dict]:
 
 def child(argv) -> None:
     """Build the model, warm two steps, profile the third (``cudaProfilerStart/Stop``)."""
-    from benchmarks.bench_hf import SHAPES, LigerSwitch, training_step
+    from benchmarks.bench_hf import LigerSwitch, training_step
+    from benchmarks.hf_models import SHAPES
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", required=True)

@@ -30,7 +30,7 @@ from benchmarks._common import (
 )
 from benchmarks.bench_hf import training_step
 
-# suite -> (the step: an HF shape of ``bench_hf.SHAPES`` patched by ``apply_coda``, or
+# suite -> (the step: an HF shape of ``hf_models.SHAPES`` patched by ``apply_coda``, or
 # "layer-d<d>", the layer benchmark's ``DecoderLayer`` fwd+bwd at width d; the pass's function
 # in row_passes, its TUNED name, its kernel's name in a profile)
 PASSES = {
