@@ -165,7 +165,7 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
     if liger is not None:
         out.append(("hf_liger_flex", lambda: liger.patch(flex(copy.deepcopy(base)))))
     # checked against every peer's name, Liger's too where it has no patch of this family (its
-    # row already says so): a selection naming it still runs the others (run 316 lost a whole
+    # row already says so): a selection naming it still runs the others (run 317 lost a whole
     # suite to a family without one)
     liger_names = ("hf_liger", "hf_liger_no_cache", "hf_liger_flex")
     chosen = selected("CODA_HF_PEERS", {name for name, _ in out} | set(liger_names))

@@ -390,7 +390,7 @@ def test_the_hf_flex_variants_run_only_when_named(monkeypatch):
 def test_the_hf_liger_peers_may_be_named_for_a_family_liger_lacks(monkeypatch):
     """``bench_hf.variants`` without a Liger patch of the family (``liger`` None, as for
     Arcee's or Apertus's): a ``CODA_HF_PEERS`` naming ``hf_liger`` runs the other named peers
-    (run 316 lost a whole suite to the ValueError), and a name no peer has still raises."""
+    (run 317 lost a whole suite to the ValueError), and a name no peer has still raises."""
     pytest.importorskip("transformers")
     from hf_tiny import TINY
 
