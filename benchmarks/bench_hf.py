@@ -56,6 +56,7 @@ from benchmarks.hf_models import (
 )
 
 ON_REQUEST_PEERS = ("hf_coda_flex", "hf_liger_flex")  # (run only when CODA_HF_PEERS names them)
+LIGER_PEERS = ("hf_liger", "hf_liger_no_cache", "hf_liger_flex")  # (Liger's patch, three ways)
 # the variants whose per-kernel tables pass 1 takes
 PROFILED = ("hf_coda", "hf_coda_compiled", "hf_liger", "hf_liger_no_cache", *ON_REQUEST_PEERS)
 
@@ -167,8 +168,7 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
     # checked against every peer's name, Liger's too where it has no patch of this family (its
     # row already says so): a selection naming it still runs the others (run 317 lost a whole
     # suite to a family without one)
-    liger_names = ("hf_liger", "hf_liger_no_cache", "hf_liger_flex")
-    chosen = selected("CODA_HF_PEERS", {name for name, _ in out} | set(liger_names))
+    chosen = selected("CODA_HF_PEERS", {name for name, _ in out} | set(LIGER_PEERS))
     default = [name for name, _ in out if name not in ON_REQUEST_PEERS]
     return [(name, make) for name, make in out if name in (chosen or default)]
 
@@ -300,11 +300,7 @@ def run() -> list[dict]:
                 )
             )
         steps = timed = held = None
-        peers = [
-            t
-            for k, t in times.items()
-            if k in ("hf_torch_compile", "hf_liger", "hf_liger_no_cache", "hf_liger_flex")
-        ]
+        peers = [t for k, t in times.items() if k in ("hf_torch_compile", *LIGER_PEERS)]
         for r in rows:
             if peers and r["name"].startswith(f"hf/{name}/") and "ms" in r:
                 r["speedup_vs_best_peer"] = min(peers) / (r["ms"] * 1e-3)
