@@ -58,10 +58,14 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     extra["exaone4"] = {"head_dim": 64, "sliding_window": 128, "layer_types": types}
     extra["olmo3"] = extra["exaone4"]  # (OLMo 3: a sliding layer, then a full one with RoPE)
     extra["gpt_oss"] = extra["hunyuan_dense"] = extra["ministral3"] = {"head_dim": 64}
-    extra["qwen3_next"] = {"head_dim": 64, "num_hidden_layers": 4}  # (and its linear attention
-    # at the config's defaults, as run 316 ran it: the CPU tests' tiny one is smaller)
-    extra["qwen3_next"] |= dict(linear_num_key_heads=16, linear_num_value_heads=32)
-    extra["qwen3_next"] |= dict(linear_key_head_dim=128, linear_value_head_dim=128)
+    # (and its linear attention at the config's defaults, as run 316 ran it: the CPU tests'
+    # tiny one, ``hf_tiny.LINEAR_ATTENTION``, is smaller)
+    import transformers
+    from hf_tiny import LINEAR_ATTENTION
+
+    defaults = transformers.Qwen3NextConfig()
+    linear = {k: getattr(defaults, k) for k in LINEAR_ATTENTION}
+    extra["qwen3_next"] = {"head_dim": 64, "num_hidden_layers": 4, **linear}
     extra["helium"] = {"head_dim": 64}
     # HyperCLOVAX's "Peri-LN" with a residual multiplier (muP's; folded into the post-norms)
     extra["hyperclovax"] = {"head_dim": 64, "residual_multiplier": 0.22}
