@@ -139,7 +139,7 @@ def hf_pooled(seeds=16, families=("glm4",)):
     deviation 1): each gradient's error pooled over ``seeds`` seeds (``conftest.pooled_ratio``,
     Bonferroni over the gradients); the largest pooled ratios and how many are over their
     bands."""
-    from conftest import family_z, fro_err, pooled_ratio
+    from conftest import family_z, pooled_ratio, seed_errors
     from test_transformers_gpu import protocol_run
 
     _kernel_path_on_cpu()
@@ -148,7 +148,7 @@ def hf_pooled(seeds=16, families=("glm4",)):
         for seed in range(seeds):
             _, (g64, g16, gc), _ = protocol_run(family, "cpu", seed)
             for n, g in g64.items():
-                errors.setdefault(n, []).append((fro_err(gc[n], g), fro_err(g16[n], g)))
+                errors.setdefault(n, []).append(seed_errors(gc[n], g16[n], g))
         z = family_z(len(errors))
         pooled = sorted(((*pooled_ratio(e, z), n) for n, e in errors.items()), reverse=True)
         over = [n for r, b, n in pooled if r > 1 + b]

@@ -240,6 +240,20 @@ def pooled_ratio(errors: list[tuple[float, float]], z: float = 2.0) -> tuple[flo
     return (ma / mb) ** 0.5, math.expm1(z * 0.5 * var_log**0.5)
 
 
+def seed_errors(got: torch.Tensor, peer: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """One seed's (coda's error, PyTorch's) for ``pooled_ratio``: the absolute Frobenius errors
+    ||got - ref|| and ||peer - ref||. Their pooled RMS ratio is the ratio of the two paths'
+    relative Frobenius errors of the gradient stacked over the seeds: the protocol's tensor
+    metric itself, each seed's entries weighted alike, as a tensor's entries are. Each seed's
+    own relative error (``fro_err``) would weight seed s by 1 / ||ref_s||^2: harmless for a
+    tensor, whose norm barely moves from seed to seed, but a one-element gradient (xIELU's
+    learned scalars) changes sign from seed to seed, and the few seeds whose reference lands
+    near 0 then decide the pooled ratio alone, beyond what the band estimated from the runs
+    can see: two tied paths fail it ~20 % of the time (``test_protocol``; session 79)."""
+    got, peer, ref = (t.detach().double() for t in (got, peer, ref))
+    return float((got - ref).norm()), float((peer - ref).norm())
+
+
 def family_z(checks: int, alpha: float = 0.05) -> float:
     """The band's z for a family of ``checks`` comparisons (a fuzz test's cases x outputs):
     one-sided, Bonferroni, so that a path that merely ties fails the whole family with

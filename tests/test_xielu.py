@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_no_worse, rel_err
-from test_backward_kernels import assert_layer_and_head_protocol
+from conftest import assert_no_worse, family_z, pooled_ratio, rel_err, seed_errors
+from test_backward_kernels import assert_layer_and_head_protocol, layer_and_head_step
 from test_geglu import CONFIGS
 from test_relu2 import assert_ungated_programs_compile
 
@@ -182,8 +182,27 @@ def test_gpu_xielu(M, K, f):
     assert_no_worse("d(a_p, a_n)", coef.sum((1, 2)), ref[3], peer[1][:2].float())
 
 
+XIELU_SEEDS = 64
+
+
 @pytest.mark.gpu
 def test_gpu_xielu_layer_and_head_every_gradient():
-    """An xIELU layer + LM head step: every gradient's error (alpha_p's and alpha_n's among
-    them) no worse than the PyTorch bf16 path's (``test_gpu_layer_and_head_every_gradient``'s)."""
-    assert_layer_and_head_protocol(2, 1024, 1024, 8, 4, 2816, 32768, "auto", activation=XI)
+    """An xIELU layer + LM head step: the loss's and every tensor gradient's error no worse
+    than the PyTorch bf16 path's (``test_gpu_layer_and_head_every_gradient``'s), and the two
+    learned scalars' gradients pooled over ``XIELU_SEEDS`` seeds (``conftest.seed_errors``,
+    Bonferroni over the two): a one-element gradient's error on one seed is one sample, of
+    the size of the bf16 roundings both paths share upstream (attention's bf16 backward),
+    so one seed is a coin flip (run 316: alpha_p 1.513 at seed 0; benchmarks/NOTES.md,
+    sessions 78-79)."""
+    shape = (2, 1024, 1024, 8, 4, 2816, 32768, "auto")
+    scalars = ("mlp.act_fn.alpha_p", "mlp.act_fn.alpha_n")
+    assert_layer_and_head_protocol(*shape, skip=scalars, activation=XI)
+    errors: dict = {}
+    for seed in range(XIELU_SEEDS):
+        _, grads = layer_and_head_step(*shape, seed, activation=XI)
+        for n in scalars:
+            errors.setdefault(n, []).append(seed_errors(*grads[n]))
+    pooled = {n: pooled_ratio(e, family_z(len(scalars))) for n, e in errors.items()}
+    print({n: (round(r, 4), round(1 + b, 4)) for n, (r, b) in pooled.items()})
+    worse = {n: (round(r, 4), round(1 + b, 4)) for n, (r, b) in pooled.items() if r > 1 + b}
+    assert not worse, worse
