@@ -148,7 +148,7 @@ def hf_pooled(seeds=16, families=("glm4",)):
         for seed in range(seeds):
             _, (g64, g16, gc), _ = protocol_run(family, "cpu", seed)
             for n, g in g64.items():
-                errors.setdefault(n, []).append(seed_errors(gc[n], g16[n], g))
+                errors.setdefault(n, []).append(seed_errors(gc[n], g, g16[n]))
         z = family_z(len(errors))
         pooled = sorted(((*pooled_ratio(e, z), n) for n, e in errors.items()), reverse=True)
         over = [n for r, b, n in pooled if r > 1 + b]

@@ -286,8 +286,9 @@ ON_REQUEST += ("granite-3-2B", "hunyuan-7B-12L", "arcee-1B-shape", "apertus-8B-8
 BATCH, SEQ = 4, 4096
 # shapes stepped at fewer tokens: Gemma 2's eager attention keeps (B, H, S, S) scores, capped
 # scores and probabilities for 26 layers, which at 4 x 4096 ran every variant out of an 80 GB
-# card's memory (session 73)
-TOKENS = {"gemma-2-2B": (2, 2048)}
+# card's memory (session 73); and the unpatched Apertus-8B and Hunyuan-7B shapes, whose fp32
+# logits over 131072 / 128256 columns at 4 x 4096 tokens ran out of it (run 319)
+TOKENS = {"gemma-2-2B": (2, 2048), "apertus-8B-8L": (2, 4096), "hunyuan-7B-12L": (2, 4096)}
 
 
 def batch_of(shape_name: str) -> tuple[int, int]:

@@ -240,9 +240,10 @@ def pooled_ratio(errors: list[tuple[float, float]], z: float = 2.0) -> tuple[flo
     return (ma / mb) ** 0.5, math.expm1(z * 0.5 * var_log**0.5)
 
 
-def seed_errors(got: torch.Tensor, peer: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """One seed's (coda's error, PyTorch's) for ``pooled_ratio``: the absolute Frobenius errors
-    ||got - ref|| and ||peer - ref||. Their pooled RMS ratio is the ratio of the two paths'
+def seed_errors(got: torch.Tensor, ref: torch.Tensor, peer: torch.Tensor) -> tuple[float, float]:
+    """One seed's (coda's error, PyTorch's) for ``pooled_ratio`` (arguments in
+    ``assert_no_worse``'s order): the absolute Frobenius errors ||got - ref|| and
+    ||peer - ref||. Their pooled RMS ratio is the ratio of the two paths'
     relative Frobenius errors of the gradient stacked over the seeds: the protocol's tensor
     metric itself, each seed's entries weighted alike, as a tensor's entries are. Each seed's
     own relative error (``fro_err``) would weight seed s by 1 / ||ref_s||^2: harmless for a

@@ -336,26 +336,27 @@ def assert_layer_and_head_protocol(B, S, d, H, Hkv, f, V, method, skip=(), **lay
     assert not worse, "normalized error > 1: " + ", ".join(worse)
 
 
-def layer_and_head_step(B, S, d, H, Hkv, f, V, method, seed, **layer_options):
+def layer_and_head_step(B, S, d, H, Hkv, f, V, method, seed, device="cuda", **layer_options):
     """One layer + LM head step at ``seed`` on the kernel path (bf16), and the same modules'
     reference path in fp32 and in bf16 (the plain PyTorch path): ((loss, fp32's, bf16's),
-    {gradient name: (kernel path's, fp32's, bf16's)})."""
+    {gradient name: (kernel path's, fp32's, bf16's)}). On the CPU (``cpu_numerics.py``) the
+    kernel path is the interpreter's model of the GPU's roundings."""
     torch.manual_seed(seed)
-    kw = {"device": "cuda", **layer_options}
+    kw = {"device": device, **layer_options}
     layer = cnn.DecoderLayer(d, H, Hkv, f, backend="kernel", **kw)
-    head = cnn.LMHeadLoss(d, V, device="cuda", backend="kernel", method=method)
+    head = cnn.LMHeadLoss(d, V, device=device, backend="kernel", method=method)
     with torch.no_grad():
         for p in (*layer._norm_gains(), head.final_norm):  # (a post-norm layer's four)
             p.add_(0.1 * torch.randn_like(p))
-    x = torch.randn(B, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    t = torch.randint(0, V, (B, S), device="cuda")
+    x = torch.randn(B, S, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, V, (B, S), device=device)
     t[:, ::5] = -100
     params = [*layer.parameters(), *head.parameters()]
     loss, grads = _grads(lambda: head(layer(x), t), params, x)
 
     def variant(dtype, backend):
         lay = cnn.DecoderLayer(d, H, Hkv, f, dtype=dtype, backend=backend, **kw)
-        hd = cnn.LMHeadLoss(d, V, device="cuda", dtype=dtype, backend=backend)
+        hd = cnn.LMHeadLoss(d, V, device=device, dtype=dtype, backend=backend)
         with torch.no_grad():
             for a, b in zip((*lay.parameters(), *hd.parameters()), params):
                 a.copy_(b)

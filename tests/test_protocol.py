@@ -183,7 +183,7 @@ def test_pooled_one_element_gradients_are_ties_as_seed_errors():
         shared = 0.1 * torch.randn(128, 1, generator=g, dtype=torch.float64)
         paths = [ref + shared + 0.03 * torch.randn(128, 1, generator=g, dtype=torch.float64)]
         paths.append(ref + shared + 0.03 * torch.randn(128, 1, generator=g, dtype=torch.float64))
-        errors = [seed_errors(c, t, r) for c, t, r in zip(*paths, ref)]
+        errors = [seed_errors(c, r, t) for c, t, r in zip(*paths, ref)]
         ratio, band = pooled_ratio(errors, z)
         stacked += ratio > 1 + band
         own = [(fro_err(c, r), fro_err(t, r)) for c, t, r in zip(*paths, ref)]
@@ -191,6 +191,6 @@ def test_pooled_one_element_gradients_are_ties_as_seed_errors():
         relative += ratio > 1 + band
     assert stacked <= 4, stacked
     assert relative >= 20, relative
-    worse = [(seed_errors(1.5 * c - 0.5 * r, t, r)) for c, t, r in zip(*paths, ref)]
+    worse = [seed_errors(1.5 * c - 0.5 * r, r, t) for c, t, r in zip(*paths, ref)]
     ratio, band = pooled_ratio(worse, z)  # (and a path with 1.5x the errors is not a tie)
     assert ratio > 1 + band, (ratio, band)

@@ -212,7 +212,7 @@ def test_gpu_patched_biased_protocol_pooled(family, k_bias):
     for seed in range(POOLED_SEEDS):
         _, (g64, g16, gc), _ = protocol_run(family, "cuda", seed, k_bias)
         for n, g in g64.items():
-            errors.setdefault(n, []).append(seed_errors(gc[n], g16[n], g))
+            errors.setdefault(n, []).append(seed_errors(gc[n], g, g16[n]))
     z = family_z(len(errors))
     pooled = {n: pooled_ratio(e, z) for n, e in errors.items()}
     worse = {n: (round(r, 4), round(1 + b, 4)) for n, (r, b) in pooled.items() if r > 1 + b}

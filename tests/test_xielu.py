@@ -201,7 +201,8 @@ def test_gpu_xielu_layer_and_head_every_gradient():
     for seed in range(XIELU_SEEDS):
         _, grads = layer_and_head_step(*shape, seed, activation=XI)
         for n in scalars:
-            errors.setdefault(n, []).append(seed_errors(*grads[n]))
+            got, ref, peer = grads[n]  # (the kernel path's, fp32's, the bf16 reference's)
+            errors.setdefault(n, []).append(seed_errors(got, ref, peer))
     pooled = {n: pooled_ratio(e, family_z(len(scalars))) for n, e in errors.items()}
     print({n: (round(r, 4), round(1 + b, 4)) for n, (r, b) in pooled.items()})
     worse = {n: (round(r, 4), round(1 + b, 4)) for n, (r, b) in pooled.items() if r > 1 + b}
