@@ -15,6 +15,8 @@ fp32 on the CPU's own order.
                                                    #   each gradient pooled over the seeds
     python benchmarks/cpu_numerics.py vlm [--kinds K ...] [--seeds N]  # patched VLMs with an
                                                    #   image (default Qwen2.5-VL, Qwen3-VL)
+    python benchmarks/cpu_numerics.py xielu-layer-head [--seeds N]  # xIELU's two scalar
+                                                   #   gradients in a layer + head step, pooled
     python benchmarks/cpu_numerics.py dw-neff      # effective samples of an LM head's dW
 """
 
@@ -200,6 +202,29 @@ def vlm_pooled(seeds=16, kinds=("gemma3",)):
         print(f"vlm {kind} pooled over {seeds} seeds: largest {top}; over its band {len(over)}")
 
 
+def xielu_layer_head(seeds=64):
+    """``test_gpu_xielu_layer_and_head_every_gradient``'s pooled check on the CPU, at a smaller
+    shape (1 x 256 tokens, d=256, f=704, V=4096): xIELU's two scalar gradients pooled over
+    ``seeds`` seeds as the stacked gradient's error (``conftest.seed_errors``, Bonferroni over
+    the two), coda's kernel path against the fp32 reference, beside the bf16 reference path."""
+    from conftest import family_z, pooled_ratio, seed_errors
+    from test_backward_kernels import layer_and_head_step
+
+    _kernel_path_on_cpu()
+    scalars = ("mlp.act_fn.alpha_p", "mlp.act_fn.alpha_n")
+    errors: dict = {}
+    for seed in range(seeds):
+        _, grads = layer_and_head_step(
+            1, 256, 256, 4, 2, 704, 4096, "auto", seed, device="cpu", activation="xielu"
+        )
+        for n in scalars:
+            got, ref, peer = grads[n]
+            errors.setdefault(n, []).append(seed_errors(got, ref, peer))
+    for n, e in errors.items():
+        r, b = pooled_ratio(e, family_z(len(scalars)))
+        print(f"xielu layer + head {n} pooled over {seeds} seeds: {r:.3f} (band 1 + {b:.3f})")
+
+
 def dw_neff():
     torch.manual_seed(0)
     M, d, V = 3917, 1880, 8192
@@ -216,6 +241,7 @@ def dw_neff():
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     choices = ("lm-head", "qk-short", "hf", "hf-pooled", "vlm", "vlm-pooled", "dw-neff")
+    choices += ("xielu-layer-head",)
     ap.add_argument("what", choices=choices)
     ap.add_argument("--g", type=float, default=1.0, help="lm-head: the upstream gradient")
     ap.add_argument("--confident", action="store_true", help="lm-head: p_y near 1")
@@ -237,5 +263,7 @@ if __name__ == "__main__":
         vlm(args.seeds, args.kinds)
     elif args.what == "vlm-pooled":
         vlm_pooled(args.seeds, args.kinds)
+    elif args.what == "xielu-layer-head":
+        xielu_layer_head(args.seeds)
     else:
         {"qk-short": qk_short, "hf": hf, "dw-neff": dw_neff}[args.what]()
