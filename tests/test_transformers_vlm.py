@@ -132,8 +132,9 @@ def vlm_protocol(kind: str, device: str, seed: int = 5):
 
 def vlm_errors(kind: str, device: str, seed: int):
     """``vlm_protocol``'s step: ((loss errors coda, PyTorch), floor, {gradient: (coda's
-    relative error, the unpatched bf16 model's)}, the float64 gradients)."""
-    from conftest import fro_err
+    error, the unpatched bf16 model's), as ``conftest.seed_errors`` forms them for pooling
+    over seeds}, the float64 gradients)."""
+    from conftest import seed_errors
 
     ref64, batch = tiny_vlm(kind, seed=seed)
     ref64 = ref64.to(device)
@@ -152,7 +153,7 @@ def vlm_errors(kind: str, device: str, seed: int):
     gc = ct.hf_gradients(patched)
     top = max(float(g.norm()) for g in g64.values())
     kept = [n for n, g in g64.items() if float(g.norm()) > 1e-8 * top]
-    errors = {n: (fro_err(gc[n], g64[n]), fro_err(g16[n], g64[n])) for n in kept}
+    errors = {n: seed_errors(gc[n], g64[n], g16[n]) for n in kept}
     return (e_c, e_t), floor, errors, g64
 
 
@@ -181,7 +182,9 @@ def test_gpu_vlm_protocol_pooled(kind):
     sublayer, QK-norm), GLM-4V (since session 75: GLM-4's norms after each sublayer, multimodal
     RoPE on adjacent pairs of half of each head) and Mistral 3 with Ministral 3's text model
     (its attention temperature), each gradient's error pooled over ``VLM_POOLED_SEEDS`` seeds
-    (``conftest.pooled_ratio``, Bonferroni over the text side's gradients): one seed of this
+    as the gradient stacked over them (``conftest.seed_errors``, since session 79, as the HF
+    models' pooled protocol; ``conftest.pooled_ratio``, Bonferroni over the text side's
+    gradients): one seed of this
     48-wide model over 56 tokens cannot decide a tie. Run 306 read seed 5 alone: three weights
     at 1.11-1.17x, over bands of ~0.1; the CPU model of the GPU's roundings (``cpu_numerics.py
     vlm``) flags the same seed (1.096 against 1.095) and, pooled over 16 seeds, every text-side
