@@ -195,7 +195,8 @@ def test_gpu_patched_biased_protocol_pooled(family, k_bias):
     Apertus (xIELU's two learned scalars per layer: a one-element gradient's error is one
     sample, of the size of its own bf16 rounding on either path, so one seed is a coin flip:
     the CPU model read 3.41 and 1.25 on two of four seeds, and 0.822 for the worst scalar
-    pooled over 16, band 1 + 0.416, session 76), each
+    pooled over 16, band 1 + 0.416, session 76; 0.981, band 1 + 0.888, stacked as below,
+    session 79), each
     gradient's error pooled over ``POOLED_SEEDS`` seeds as the relative error of the gradient
     stacked over the seeds (``conftest.seed_errors``: since session 79; each seed's own
     relative error before, which a scalar's reference near 0 on a few seeds decides alone)
