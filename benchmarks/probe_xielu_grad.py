@@ -8,10 +8,11 @@ fix, 16 seeds) read coda's fp32 sum equal to its inputs' float64 one to 1e-6, an
 ~11 % off float64's, alike (benchmarks/NOTES.md, session 77). ``--sdpa math`` runs both bf16
 models' attention on SDPA's math backend instead of flash (the float64 model's is math on
 any device): whether the error both paths share comes from flash attention's backward
-(run 318: mostly, but both GPU figures still fit one shared error of 2.2e-2 added to each
-path's CPU-model error; session 79). ``--sdpa f64`` computes both bf16 models' attention in
-float64, forward and backward (q, k, v and a float mask cast up, the output cast back to
-bf16): whether that remaining shared error is attention's at all.
+(run 318: most of it). ``--sdpa f64`` computes both bf16 models' attention in float64,
+forward and backward (q, k, v and a float mask cast up, the output cast back to bf16): what
+is left without attention's roundings. The summary prints the per-seed relative RMS (runs
+315-318's figure, which a seed whose reference nears 0 dominates) and the stacked form
+(``conftest.seed_errors``: session 79).
 
     python benchmarks/probe_xielu_grad.py [--seeds N] [--device cuda] [--sdpa default|math|f64]
 """
