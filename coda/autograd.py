@@ -75,7 +75,7 @@ from coda.kernels.linear_cross_entropy_bwd import (
 )
 from coda.kernels.linear_cross_entropy_chunked import chunk_rows
 from coda.kernels.loss_rows import ce_loss_from_stats, ce_row_weights
-from coda.kernels.qk_norm import column_rows, is_per_head, qk_norm_config
+from coda.kernels.qk_norm import column_rows, is_per_head, post_rows, qk_norm_config
 from coda.kernels.rmsnorm_bwd import norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad
@@ -228,7 +228,9 @@ class AttentionInputQKNorm(torch.autograd.Function):
     backward can run); when head_dim divides no tile width (``qk_norm_config``), and for
     OLMo's norm, F1 without rotation and one row pass instead. Backward: the norms' backward
     and dRoPE in one row pass (with the entry norm's statistic), then B12 and B13 as in
-    ``AttentionInput``.
+    ``AttentionInput``. With ``dims.qk_norm_after_rope`` (Hunyuan's norm of the rotated
+    heads) the gains follow the rotation in the same epilogue and row pass: a rotation keeps
+    each head's sum of squares, so the statistic is F1's, and each product is rounded once.
     ``sect``: multimodal RoPE (Qwen3-VL's), as ``AttentionInputBias``'s."""
 
     @staticmethod
@@ -243,26 +245,32 @@ class AttentionInputQKNorm(torch.autograd.Function):
         # (OLMo's norm spans the tiles: a row pass)
         cfg = qk_norm_config(hd) if is_per_head(q_norm, k_norm, hd) else None
         n_rot = (n_q + n_k) * hd
+        post = dims.qk_norm_after_rope  # (Hunyuan's: the gains after RoPE)
         if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue
-            head_w, plain = column_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype)
+            if post:
+                head_w, plain, post_w = post_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype)
+            else:
+                (head_w, plain), post_w = column_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype), None
             # z kept on the q and k columns only (on v columns it is the stored v, which
             # attention keeps anyway), unless that width breaks the TMA store's 16-byte rows
             z_cols = n_rot if n_rot % 16 == 0 else w_qkv.shape[1]
             if train:
                 qkv, z_even, z_odd, s = lib.gemm_qk_norm_rope_keep_z(
-                    a0, w_qkv, r0, row, freq, head_w, plain, hd, dims.eps, cfg, z_cols, *mrope
-                )
+                    a0, w_qkv, r0, row, freq, head_w, plain, hd, dims.eps, cfg, z_cols, *mrope,
+                    post_w=post_w,
+                )  # fmt: skip
                 s = s[:, : n_q + n_k]  # the v heads' statistic is computed and unused
             else:  # no backward reads this run's z and s: not stored
                 qkv = lib.gemm_qk_norm_rope(
-                    a0, w_qkv, r0, row, freq, head_w, plain, hd, dims.eps, cfg, *mrope
-                )
+                    a0, w_qkv, r0, row, freq, head_w, plain, hd, dims.eps, cfg, *mrope,
+                    post_w=post_w,
+                )  # fmt: skip
                 z_even, z_odd = (stand_in((M, z_cols // 2), qkv) for _ in range(2))
                 s = stand_in((M, n_q + n_k), r0)
         else:  # F1 without rotation, then the head norms and RoPE as a row pass
             z = lib.gemm_scale_rows(a0, w_qkv, r0, config_for("scale_rows", M, d, w_qkv.shape[1]))
             cos, sin = _rotation(pos, freq, hd, r0.dtype, sect)
-            qkv, s = lib.qk_norm_rows(z, q_norm, k_norm, cos, sin, n_q, n_k, hd, dims.eps)
+            qkv, s = lib.qk_norm_rows(z, q_norm, k_norm, cos, sin, n_q, n_k, hd, dims.eps, post)
             z_even, z_odd = z[:, :n_rot], None  # z's q and k columns whole
         # qkv (the attention input, whose v columns are z there) shares storage with the q, k,
         # v views attention saves: keeping it costs no memory
@@ -280,8 +288,9 @@ class AttentionInputQKNorm(torch.autograd.Function):
         z_v = qkv[:, (dims.heads + dims.kv_heads) * dims.head_dim :]  # z on the v columns
         # B11 with the head norms' backward (z_odd None: z saved whole, the row-pass forward)
         dz0, corr0, dqn, dkn = lib.dqk_norm_rows(
-            dq, dk, dv, z_even, z_odd, z_v, s, r0, cos, sin, q_norm, k_norm, d
-        )
+            dq, dk, dv, z_even, z_odd, z_v, s, r0, cos, sin, q_norm, k_norm, d,
+            dims.qk_norm_after_rope,
+        )  # fmt: skip
         want_dw = ctx.needs_input_grad[2]
         dx0, dg1, dw_qkv = _entry_norm_backward(x0, g1, w_qkv, dz0, corr0, dres, want_dw)
         return (
@@ -455,19 +464,11 @@ def attention_block(
     root_float_use(dims.eps)
     if freq is None:
         freq = cached_freq_table(hd, H + Hkv, Hkv, dims.rope_base, x0.device)
-    if qk_norm is not None:
-        gains = qk_norm
-        if dims.qk_norm_after_rope:  # (Hunyuan's: the gains after RoPE, below)
-            ones = unit_rows(2 * hd, gains[0].dtype, x0.device)  # (two tensors: a trace
-            qk_norm = ones[:hd], ones[hd:]  # takes no Function input twice)
-        train = backward_can_follow(x0, g1, w_qkv, *gains)
+    if qk_norm is not None:  # (Hunyuan's after RoPE: ``dims.qk_norm_after_rope``)
+        train = backward_can_follow(x0, g1, w_qkv, *qk_norm)
         q, k, v, x0_residual = AttentionInputQKNorm.apply(
             x0, g1, w_qkv, *qk_norm, positions, freq, dims, train, sect
         )
-        if dims.qk_norm_after_rope:  # the norm of the rotated heads: a rotation keeps each
-            # head's sum of squares, so that is F1's norm at unit gains (before its RoPE),
-            # then the gains, each product rounded once (an fp32 gain's too)
-            q, k = (q * gains[0]).to(q.dtype), (k * gains[1]).to(k.dtype)
     elif qkv_bias is not None:
         train = backward_can_follow(x0, g1, w_qkv, qkv_bias)
         q, k, v, x0_residual = AttentionInputBias.apply(

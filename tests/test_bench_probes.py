@@ -350,6 +350,23 @@ def test_a_wide_sweep_times_every_tile_the_table_serves():
     assert {k[0] for k, _ in served} >= kernels  # the table was read
 
 
+def test_a_narrow_sweep_times_the_tables_entry_too():
+    """``tune_configs.candidates``: without ``CODA_TUNE_WIDE`` the entry the table serves is
+    timed beside the candidates (first, once) when it is not one of them, so a default sweep's
+    verdict is never "unswept" (run 324, an H100: four of eleven d = 2048 GEMMs were)."""
+    from benchmarks import tune_configs as tc
+    from coda.kernels import tuned
+
+    outside = tuned.TUNED[("residual", 5632, 2048)]  # the d=2048 down projection's 128 x 256
+    assert outside not in tc.CANDIDATES
+    got = tc.candidates("down_proj_d2048", outside)
+    assert got == [outside, *tc.CANDIDATES]
+    inside = tc.CANDIDATES[1]
+    assert tc.candidates("o_proj_d2048", inside) == tc.CANDIDATES
+    assert tc.candidates("wgrad_qkv_d2048", inside) == tc.CANDIDATES + tc.SPLIT_K
+    assert tc.candidates("o_proj_d2048", tc.WIDE[0], wide=True) == tc.CANDIDATES + tc.WIDE
+
+
 def test_a_swept_kernels_row_keeps_its_rounds_spread_and_clock():
     """``tune_configs.kernel_timing``: a tile's row carries the median of its round-robin
     rounds, the rounds, their spread and the clock (None where nvidia-smi gave none)."""

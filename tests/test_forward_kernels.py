@@ -100,6 +100,45 @@ def test_qk_norm_rope_program(seed):
     assert rel_err(s, s_want) < 1e-12
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_qk_norm_rope_program_gains_after_rope(seed):
+    """Hunyuan's QK-norm of the rotated heads in F1's epilogue (``post_rows``: unit gains
+    before the rotation, the gains after it): the interpreted program equals the canonical
+    math, RoPE(z s) times each head's gain per column, v untouched; the training variant
+    keeps the same z and statistic."""
+    d = random_dims(seed, M=(1, 150), K=(1, 40), H=(1, 4), Hkv=(1, 2))
+    g, hd = gen(seed + 10), [32, 64, 64, 32][seed]
+    H, Hkv = d["H"] * d["Hkv"], d["Hkv"]
+    a, w = randn(g, d["M"], d["K"]), randn(g, d["K"], (H + 2 * Hkv) * hd)
+    r = 0.5 + torch.rand(d["M"], dtype=F64, generator=g)
+    qn, kn = 1 + 0.5 * randn(g, hd), 1 + 0.5 * randn(g, hd)
+    pos = torch.randint(0, 4096, (d["M"],), generator=g)
+    freq = rp.rope_freq_table(hd, H + Hkv, Hkv)
+    head_w, plain, post_w = qkn.post_rows(qn, kn, H, Hkv, Hkv, F64)
+    eps = [1e-6, 1e-2][seed % 2]
+    config = GemmConfig(tile_m=64, tile_n=hd * [1, 2, 4][seed % 3])
+    args = (a, w, r, pos.double(), freq, head_w, plain, hd, eps, config)
+    got = qkn.gemm_qk_norm_rope_kernel(*args, post_w=post_w)
+    one = torch.ones(hd, dtype=F64)
+    unit = rope_ref.gemm_qk_norm_rope_ref(
+        a, w, r, rope_ref.rope_table(pos, hd), H, Hkv, hd, one, one, eps
+    )
+    gains = torch.cat([qn.repeat(H), kn.repeat(Hkv), one.repeat(Hkv)])
+    want = unit * gains
+    assert rel_err(got, want) < 1e-10
+    assert rel_err(got, unit) > 1e-2  # (the gains are not near 1: a lost one shows)
+    n_rot = (H + Hkv) * hd
+    qkv, z_even, z_odd, s = qkn.gemm_qk_norm_rope_kernel(
+        *args, keep_z=True, z_cols=n_rot, post_w=post_w
+    )
+    z = r[:, None] * (a @ w)
+    assert rel_err(qkv, want) < 1e-10
+    assert rel_err(torch.stack([z_even, z_odd], -1).flatten(1), z[:, :n_rot]) < 1e-12
+    assert rel_err(s, torch.rsqrt(z.view(d["M"], -1, hd).pow(2).mean(-1) + eps)) < 1e-12
+    with pytest.raises(ValueError, match="multimodal RoPE"):
+        qkn.qk_norm_rope_program(eps, False, True, True)
+
+
 @pytest.mark.parametrize("hd", [8, 16])
 def test_heads_narrower_than_an_epilogue_subtile_are_refused(hd, monkeypatch):
     """The GPU lowering of a per-head statistic folds each thread's run of a 32-column
@@ -398,8 +437,9 @@ def test_qk_norm_rope_compiles_for_sm90(head_dim):
     k, n = QK_NORM_COMPILES[head_dim]
     assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim) in (0, 1)
     assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim, keep_z=True) in (0, 1)  # training F1
-    for keep_z in (False, True):  # Qwen3-VL's multimodal RoPE
+    for keep_z in (False, True):  # Qwen3-VL's multimodal RoPE; Hunyuan's gains after RoPE
         assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim, keep_z=keep_z, mrope=True) in (0, 1)
+        assert qkn.compile_gemm_qk_norm_rope(k, n, head_dim, keep_z=keep_z, post=True) in (0, 1)
 
 
 @pytest.mark.compile
@@ -463,6 +503,35 @@ def test_gpu_qk_norm_rope(M, K, H, Hkv, hd):
     qk = torch.cat([normed(z[:, :nq], H, qn), normed(z[:, nq : nq + nk], Hkv, kn)], 1)
     peer = torch.cat([rope_ref.rope_adjacent_ref(qk, cs.bfloat16()).flatten(1), z[:, nq + nk :]], 1)
     assert_no_worse("qkv", got, want, peer)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,H,Hkv,hd", [(4096, 1024, 16, 8, 128), (777, 512, 4, 2, 64)])
+def test_gpu_qk_norm_rope_gains_after_rope(M, K, H, Hkv, hd):
+    """Hunyuan's QK-norm of the rotated heads in the QKV GEMM's epilogue (the gains after
+    RoPE: ``post_rows``), training and inference forms, vs the fp32 reference, no worse than
+    HF's bf16 path (project, RoPE, per-head F.rms_norm with the gains, each rounded)."""
+    g, x, w, r = _gpu_inputs(M, K, (H + 2 * Hkv) * hd, M + 2 * hd)
+    qn, kn = (1 + 0.3 * torch.randn(2, hd, device="cuda", generator=g)).bfloat16()
+    pos = (torch.arange(M, device="cuda") % 2048).float()
+    freq = rp.rope_freq_table(hd, H + Hkv, Hkv).cuda()
+    head_w, plain, post_w = qkn.post_rows(qn, kn, H, Hkv, Hkv)
+    args = (x, w, r, pos, freq, head_w, plain, hd, 1e-6, qkn.qk_norm_config(hd))
+    got = qkn.gemm_qk_norm_rope_kernel(*args, post_w=post_w)
+    trained = qkn.gemm_qk_norm_rope_kernel(*args, keep_z=True, post_w=post_w)[0]
+    cs = rope_ref.rope_table(pos.long().cpu(), hd).cuda()
+    one = torch.ones(hd, device="cuda")
+    unit = rope_ref.gemm_qk_norm_rope_ref(x, w, r, cs, H, Hkv, hd, one, one, 1e-6)
+    want = unit * torch.cat([qn.float().repeat(H), kn.float().repeat(Hkv), one.repeat(Hkv)])
+    z = (x.float() * r[:, None]).bfloat16() @ w
+    nq, nk = H * hd, Hkv * hd
+    rot = rope_ref.rope_adjacent_ref(z[:, : nq + nk].view(M, H + Hkv, hd), cs.bfloat16())
+    rot = rot.bfloat16()
+    F_ = torch.nn.functional
+    q, k = F_.rms_norm(rot[:, :H], (hd,), qn, 1e-6), F_.rms_norm(rot[:, H:], (hd,), kn, 1e-6)
+    peer = torch.cat([q.flatten(1), k.flatten(1), z[:, nq + nk :]], 1)
+    assert_no_worse("qkv", got, want, peer)
+    assert torch.equal(trained, got)
 
 
 @pytest.mark.gpu

@@ -80,6 +80,33 @@ def test_layer_kernel_sequence_equals_reference_float64(seed):
         assert rel_err(a, b, floor=floor) < 1e-11, name
 
 
+@pytest.mark.parametrize("kv", [1, 2])
+def test_layer_kernel_sequence_gains_after_rope_in_the_epilogue(kv):
+    """Hunyuan's QK-norm of the rotated heads at a head_dim F1's epilogue takes (32: the
+    seeds above run the row pass), float64 against the reference path: the forward's gains
+    after RoPE in the epilogue (``qk_norm.post_rows``), their gradients in B11's pass."""
+    from coda.kernels.qk_norm import qk_norm_config
+
+    hd = 32
+    assert qk_norm_config(hd) is not None  # (the epilogue path, not the row pass)
+    torch.manual_seed(kv)
+    layer = cnn.DecoderLayer(
+        40, 2 * kv, kv, 24, head_dim=hd, dtype=F64, qk_norm=True, qk_norm_after_rope=True
+    )
+    with torch.no_grad():
+        for gam in (layer.attention_norm, layer.ffn_norm, layer.q_norm, layer.k_norm):
+            gam.add_(0.5 * torch.randn_like(gam))
+    x = torch.randn(2, 7, 40, dtype=F64, requires_grad=True)
+    dy = torch.randn(2, 7, 40, dtype=F64)
+    out_k, g_k = _grads(layer, x, lambda: layer._kernel_forward(x), dy)
+    out_r, g_r = _grads(layer, x, lambda: layer(x), dy)
+    assert rel_err(out_k, out_r) < 1e-12
+    floor = max(float(g.abs().max()) for g in g_r)
+    names = ["x"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, g_k, g_r):
+        assert rel_err(a, b, floor=floor) < 1e-11, name
+
+
 def test_a_residual_scale_coda_cannot_run_is_refused_named():
     """A branch multiplier runs in the pre-norm layer's F3 / F5 epilogues (in a post-norm
     layer's post-norm gains: ``test_post_norm``): with an O-projection bias it is refused, as

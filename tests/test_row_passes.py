@@ -81,6 +81,12 @@ def row_pass_case(B, S, H, Hkv, hd, dtype, device="cpu", contiguous_q=False, see
         z_even, z_odd = z[:, 0:cols:2].contiguous(), z[:, 1:cols:2].contiguous()
         split = dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, z_v, s_q, *rest, shape=shape)
         out[name] = errs(split, ref)
+    # Hunyuan's gains after the rotation (z split as the training F1 keeps it)
+    ref_post = dqk_norm_rope_heads(dq, dk, dv, z, s, *rest, post=True)
+    post = dqk_norm_rope_heads_triton(
+        dq, dk, dv, z_even, z_odd, z_v, s_q, *rest, shape=shape, post=True
+    )
+    out["qk_post"] = errs(post, ref_post)
     # with a QKV bias (Qwen2): the statistic on F1's stored z, the bias's gradient
     z_even, z_odd = z[:, 0::2].contiguous(), z[:, 1::2].contiguous()
     args = (dq, dk, dv, z_even, z_odd, rstd, cos, sin, d)
@@ -238,7 +244,7 @@ def test_kernel_path_runs_the_triton_kernels_in_the_interpreter():
     cmd += ["layer_kernel_sequence or lm_head_kernel_sequence", "tests/test_kernel_path_cpu.py"]
     proc = triton_child.run(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "25 passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]
+    assert "27 passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]
 
 
 def test_row_passes_detect_a_wrong_rotation():
@@ -269,6 +275,14 @@ def test_row_passes_compile_for_sm90(head_dim):
     from coda.kernels.row_passes import compile_row_passes
 
     assert all(n > 0 for n in compile_row_passes(head_dim))
+
+
+@pytest.mark.compile
+def test_row_passes_compile_with_gains_after_rope():
+    """Hunyuan's QK-norm pass (``POST``: the gains after the rotation), at head_dim 128."""
+    from coda.kernels.row_passes import compile_row_passes
+
+    assert all(n > 0 for n in compile_row_passes(128, post=True))
 
 
 @pytest.mark.compile

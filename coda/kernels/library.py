@@ -112,10 +112,12 @@ def _gemm_qk_norm_rope(
     cfg: list[int],
     pos_hw: torch.Tensor | None,
     sect: torch.Tensor | None,
+    post_w: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return _qkn.gemm_qk_norm_rope_kernel(
-        a, w, rstd, pos, freq, head_w, plain, head_dim, eps, _gc(cfg), mrope=_mrope(pos_hw, sect)
-    )
+        a, w, rstd, pos, freq, head_w, plain, head_dim, eps, _gc(cfg), mrope=_mrope(pos_hw, sect),
+        post_w=post_w,
+    )  # fmt: skip
 
 
 def _mrope(pos_hw, sect):
@@ -124,7 +126,7 @@ def _mrope(pos_hw, sect):
 
 
 @_fake(_gemm_qk_norm_rope)
-def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg, pos_hw, sect):
+def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg, pos_hw, sect, post_w=None):
     return _empty(a.shape[0], w.shape[1], like=a)
 
 
@@ -143,15 +145,16 @@ def _gemm_qk_norm_rope_keep_z(
     z_cols: int,
     pos_hw: torch.Tensor | None,
     sect: torch.Tensor | None,
+    post_w: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _qkn.gemm_qk_norm_rope_kernel(
         a, w, rstd, pos, freq, head_w, plain, head_dim, eps, _gc(cfg), keep_z=True, z_cols=z_cols,
-        mrope=_mrope(pos_hw, sect),
+        mrope=_mrope(pos_hw, sect), post_w=post_w,
     )  # fmt: skip
 
 
 @_fake(_gemm_qk_norm_rope_keep_z)
-def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg, z_cols, pos_hw, sect):
+def _(a, w, rstd, pos, freq, head_w, plain, head_dim, eps, cfg, z_cols, pos_hw, sect, post_w=None):
     M, N = a.shape[0], w.shape[1]
     half = _empty(M, z_cols // 2, like=a)
     return (
@@ -391,12 +394,15 @@ def _dqk_norm_rows(
     q_norm: torch.Tensor,
     k_norm: torch.Tensor,
     d: int,
+    post: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _qkp.dqk_norm_pass(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d)
+    return _qkp.dqk_norm_pass(
+        dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d, post
+    )
 
 
 @_fake(_dqk_norm_rows)
-def _(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d):
+def _(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d, post=False):
     M, hd = z_even.shape[0], dq.shape[-1]
     n_heads = dq.shape[1] + 2 * dk.shape[1]
     acc = acc_dtype(z_even)
@@ -419,12 +425,13 @@ def _qk_norm_rows(
     n_k: int,
     head_dim: int,
     eps: float,
+    post: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _qkp.qk_norm_pass(z, q_norm, k_norm, cos, sin, n_q, n_k, head_dim, eps)
+    return _qkp.qk_norm_pass(z, q_norm, k_norm, cos, sin, n_q, n_k, head_dim, eps, post)
 
 
 @_fake(_qk_norm_rows)
-def _(z, q_norm, k_norm, cos, sin, n_q, n_k, head_dim, eps):
+def _(z, q_norm, k_norm, cos, sin, n_q, n_k, head_dim, eps, post=False):
     groups = n_q * head_dim // q_norm.shape[0] + n_k * head_dim // k_norm.shape[0]
     return _empty(*z.shape, like=z), _empty(z.shape[0], groups, like=z, dtype=acc_dtype(z))
 
@@ -453,19 +460,21 @@ gemm_rope_bias = _either(  # (qkv, z_even, z_odd); pos_hw, sect: multimodal RoPE
         a, w, r, p, f, b, c, z_cols, mrope=None if sect is None else (pos_hw[0], pos_hw[1], sect)
     ),
 )
-gemm_qk_norm_rope = _either(  # pos_hw, sect: multimodal RoPE's, or None
-    lambda a, w, r, p, f, hw, pl, hd, eps, c, pos_hw=None, sect=None: _gemm_qk_norm_rope(
-        a, w, r, p, f, hw, pl, hd, eps, _cfg(c), pos_hw, sect
+gemm_qk_norm_rope = _either(  # pos_hw, sect: multimodal RoPE's, or None; post_w: Hunyuan's
+    lambda a, w, r, p, f, hw, pl, hd, eps, c, pos_hw=None, sect=None, post_w=None: (
+        _gemm_qk_norm_rope(a, w, r, p, f, hw, pl, hd, eps, _cfg(c), pos_hw, sect, post_w)
     ),
-    lambda *args, pos_hw=None, sect=None: _qkn.gemm_qk_norm_rope_kernel(
-        *args, mrope=_mrope(pos_hw, sect)
+    lambda *args, pos_hw=None, sect=None, post_w=None: _qkn.gemm_qk_norm_rope_kernel(
+        *args, mrope=_mrope(pos_hw, sect), post_w=post_w
     ),
 )
 gemm_qk_norm_rope_keep_z = _either(
-    lambda a, w, r, p, f, hw, pl, hd, eps, c, z_cols, pos_hw=None, sect=None: (
-        _gemm_qk_norm_rope_keep_z(a, w, r, p, f, hw, pl, hd, eps, _cfg(c), z_cols, pos_hw, sect)
+    lambda a, w, r, p, f, hw, pl, hd, eps, c, z_cols, pos_hw=None, sect=None, post_w=None: (
+        _gemm_qk_norm_rope_keep_z(
+            a, w, r, p, f, hw, pl, hd, eps, _cfg(c), z_cols, pos_hw, sect, post_w
+        )
     ),
-    lambda a, w, r, p, f, hw, pl, hd, eps, c, z_cols, pos_hw=None, sect=None: (
+    lambda a, w, r, p, f, hw, pl, hd, eps, c, z_cols, pos_hw=None, sect=None, post_w=None: (
         _qkn.gemm_qk_norm_rope_kernel(
             a,
             w,
@@ -480,6 +489,7 @@ gemm_qk_norm_rope_keep_z = _either(
             keep_z=True,
             z_cols=z_cols,
             mrope=_mrope(pos_hw, sect),
+            post_w=post_w,
         )
     ),  # fmt: skip
 )

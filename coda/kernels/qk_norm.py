@@ -20,6 +20,14 @@ does OLMo's norm, whose group (all of q's columns, all of k's: a weight of n_q h
 spans many tiles: there s is one statistic for q and one for k a row, and each mean over j
 runs over the group.
 
+Hunyuan's QK-norm norms the rotated heads instead (``post``): a rotation keeps each head's
+sum of squares, so s is the same statistic and only the gains move past RoPE,
+
+    out       = RoPE(z * s) * w_h                               (each product rounded once)
+
+one more per-column row (``post_w``) in the same epilogue; in the backward, dout * w_h
+takes dout's place below (w_h = 1 there) and dw_h = sum_m dout * RoPE(q_hat).
+
 Backward, from dout (attention's dq, dk, dv), per q/k head with q_hat = z * s:
 
     dq_n   = RoPE^T(dout)
@@ -74,58 +82,85 @@ def _groups(t, q_norm, k_norm, n_q: int, n_k: int, head_dim: int):
     return [t[:, :nq].view(M, -1, q_norm.shape[0]), t[:, nq:].view(M, -1, k_norm.shape[0])]
 
 
-def qk_norm_rope_rows(z, q_norm, k_norm, cos, sin, n_q: int, n_k: int, head_dim: int, eps):
+def qk_norm_rope_rows(
+    z, q_norm, k_norm, cos, sin, n_q: int, n_k: int, head_dim: int, eps, post: bool = False
+):
     """Returns (qkv bf16 (M, Nqkv): normed and rotated q, k; v = z's, s fp32 (M, groups): each
     QK-norm group's statistic, q's then k's (``_groups``: one a head for Qwen3's norm, one
     for q and one for k for OLMo's)). cos, sin: (M, hd / 2) RoPE tables of every row
-    (adjacent pairs)."""
-    M = z.shape[0]
+    (adjacent pairs). ``post``: the gains after the rotation (Hunyuan's)."""
     acc = acc_dtype(z)
     n_rot = (n_q + n_k) * head_dim
     parts = _groups(z[:, :n_rot].to(acc), q_norm, k_norm, n_q, n_k, head_dim)
     s = [torch.rsqrt(p.pow(2).mean(-1) + eps) for p in parts]
-    qn = [(p * r[..., None] * w.to(acc)).flatten(1) for p, r, w in zip(parts, s, (q_norm, k_norm))]
-    qn = torch.cat(qn, 1).view(M, n_q + n_k, head_dim)
-    x1, x2 = qn[..., 0::2], qn[..., 1::2]
-    y1, y2 = rotate_pairs(x1, x2, cos[:, None, :], sin[:, None, :])
+    gains = [w.to(acc) for w in (q_norm, k_norm)]
+    pre = [g.new_ones(()) for g in gains] if post else gains
+    qn = [(p * r[..., None] * w).flatten(1) for p, r, w in zip(parts, s, pre)]
+    y = _rotate(torch.cat(qn, 1), cos, sin, n_q + n_k, head_dim)
+    if post:
+        y = _scaled_groups(y, gains, n_q, n_k, head_dim)
     out = torch.empty_like(z)
-    out[:, :n_rot] = torch.stack([y1, y2], -1).view(M, n_rot)
+    out[:, :n_rot] = y
     out[:, n_rot:] = z[:, n_rot:]
     return out, torch.cat(s, 1)
 
 
+def _scaled_groups(t, gains, n_q: int, n_k: int, head_dim: int):
+    """t (M, (n_q + n_k) hd) with each QK-norm group's columns times its gain (q's, k's)."""
+    parts = _groups(t, *gains, n_q, n_k, head_dim)
+    return torch.cat([(p * w).flatten(1) for p, w in zip(parts, gains)], 1)
+
+
+def _rotate(t, cos, sin, heads: int, head_dim: int, inverse: bool = False):
+    """RoPE (or its transpose) of t (M, heads hd)'s adjacent pairs, per head."""
+    M = t.shape[0]
+    t = t.view(M, heads, head_dim)
+    pairs = rotate_pairs(t[..., 0::2], t[..., 1::2], cos[:, None, :], sin[:, None, :], inverse)
+    return torch.stack(pairs, -1).view(M, heads * head_dim)
+
+
 def dqk_norm_rope_rows(
-    dout, z, s, rstd, cos, sin, q_norm, k_norm, n_q: int, n_k: int, head_dim: int, d: int
-):
+    dout, z, s, rstd, cos, sin, q_norm, k_norm, n_q: int, n_k: int, head_dim: int, d: int,
+    post: bool = False,
+):  # fmt: skip
     """Returns (dz~0 (M, Nqkv) in z's dtype, corr0 (M,), dq_norm, dk_norm (their weights'
-    shapes)). s: ``qk_norm_rope_rows``'s statistic (M, groups)."""
-    M = z.shape[0]
+    shapes)). s: ``qk_norm_rope_rows``'s statistic (M, groups). ``post``: the gains after
+    the rotation (Hunyuan's)."""
     acc = acc_dtype(z)
     n_rot = (n_q + n_k) * head_dim
-    dr = dout[:, :n_rot].to(acc).view(M, n_q + n_k, head_dim)
-    dqn = torch.stack(
-        rotate_pairs(dr[..., 0::2], dr[..., 1::2], cos[:, None, :], sin[:, None, :], True), -1
-    ).view(M, n_rot)  # RoPE^T
     groups = (q_norm, k_norm, n_q, n_k, head_dim)
+    dr = dout[:, :n_rot].to(acc)
+    if post:  # the gradient of the rotated heads before their gains
+        dr = _scaled_groups(dr, [w.to(acc) for w in (q_norm, k_norm)], n_q, n_k, head_dim)
+    dqn = _rotate(dr, cos, sin, n_q + n_k, head_dim, inverse=True)  # RoPE^T
     z_parts, dqn_parts = _groups(z[:, :n_rot].to(acc), *groups), _groups(dqn, *groups)
     n_gq = z_parts[0].shape[1]
     g, dw = [], []
-    for zp, dp, sp, w in zip(z_parts, dqn_parts, (s[:, :n_gq], s[:, n_gq:]), (q_norm, k_norm)):
+    s_parts = (s[:, :n_gq], s[:, n_gq:])
+    for zp, dp, sp, w in zip(z_parts, dqn_parts, s_parts, (q_norm, k_norm)):
         sp = sp[..., None].to(acc)
         q_hat = zp * sp
-        dq_hat = dp * w.to(acc)
+        dq_hat = dp if post else dp * w.to(acc)
         g.append((sp * (dq_hat - q_hat * (dq_hat * q_hat).mean(-1, keepdim=True))).flatten(1))
-        dw.append((dp * q_hat).sum((0, 1)))  # (summed over rows and groups)
+        if not post:
+            dw.append((dp * q_hat).sum((0, 1)))  # (summed over rows and groups)
+    if post:  # dw_h = sum_m dout * RoPE(q_hat)
+        q_hat = [(zp * sp[..., None].to(acc)).flatten(1) for zp, sp in zip(z_parts, s_parts)]
+        u = _groups(_rotate(torch.cat(q_hat, 1), cos, sin, n_q + n_k, head_dim), *groups)
+        d_parts = _groups(dout[:, :n_rot].to(acc), *groups)
+        dw = [(dp * up).sum((0, 1)) for dp, up in zip(d_parts, u)]
     gz = torch.cat([*g, dout[:, n_rot:].to(acc)], dim=1)
     S0 = (gz * z.to(acc)).sum(-1) / rstd
     dz0 = (gz * rstd[:, None]).to(z.dtype)
     return dz0, norm_correction(rstd, S0, d), *dw
 
 
-def dqk_norm_rope_heads(dq, dk, dv, z, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, hd, d):
+def dqk_norm_rope_heads(
+    dq, dk, dv, z, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, hd, d, post=False
+):
     """``dqk_norm_rope_rows`` on the head gradients as attention returns them."""
     dout = pack_heads(dq, dk, dv)
-    return dqk_norm_rope_rows(dout, z, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, hd, d)
+    return dqk_norm_rope_rows(dout, z, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, hd, d, post)
 
 
 # -- the forward as one GEMM: the head statistic in F1's epilogue ------------------------------
@@ -152,6 +187,19 @@ def _qk_norm_rope_keep_z(acc, rstd, pos, freq, head_w, plain, head_rstd):
     return {"D": out, "z_even": z_even, "z_odd": z_odd}
 
 
+# Hunyuan's: the gains after the rotation (``post_w``: the q or k gain, 1 on v columns; head_w
+# is 1 on q and k columns there)
+def _qk_norm_rope_post(acc, rstd, pos, freq, head_w, plain, post_w, head_rstd):
+    return {"D": _normed_rotated(acc * rstd, pos, freq, head_w, plain, head_rstd) * post_w}
+
+
+def _qk_norm_rope_post_keep_z(acc, rstd, pos, freq, head_w, plain, post_w, head_rstd):
+    z = acc * rstd
+    z_even, z_odd = unpack(z)
+    out = _normed_rotated(z, pos, freq, head_w, plain, head_rstd) * post_w
+    return {"D": out, "z_even": z_even, "z_odd": z_odd}
+
+
 # with multimodal RoPE (Qwen3-VL's): each pair's position by its section (``mrope_position``)
 def _qk_norm_mrope(acc, rstd, pos, pos_h, pos_w, freq, sect, head_w, plain, head_rstd):
     at = mrope_position(pos, pos_h, pos_w, sect)
@@ -164,14 +212,17 @@ def _qk_norm_mrope_keep_z(acc, rstd, pos, pos_h, pos_w, freq, sect, head_w, plai
 
 
 @functools.lru_cache(maxsize=None)
-def qk_norm_rope_program(eps: float, keep_z: bool = False, mrope: bool = False):
+def qk_norm_rope_program(eps: float, keep_z: bool = False, mrope: bool = False, post=False):
     """F1 with QK-norm (one program per eps: it is a compile-time constant of the statistic).
     ``mrope``: multimodal RoPE's height and width rows and section flags too.
     Per output column: ``head_w`` = the q or k norm weight (0 on v columns), ``plain`` = 1 on
     v columns (0 elsewhere), so v is stored as z; freq is 0 on v columns (no rotation).
     ``keep_z`` (training): also stores z = rstd * acc, what the backward needs, as its even
     and odd columns (two half-width tiles beside the rotated output), and the head statistic
-    s (M x Nqkv / hd, fp32)."""
+    s (M x Nqkv / hd, fp32). ``post`` (Hunyuan's, not with ``mrope``): the rotated output
+    times the row ``post_w`` (``post_rows``)."""
+    if post and mrope:
+        raise ValueError("QK-norm after RoPE (post) with multimodal RoPE: no such model")
     rows = [ColLoad("pos_h"), ColLoad("pos_w")] if mrope else []
     inputs = [
         ColLoad("rstd"),
@@ -181,17 +232,20 @@ def qk_norm_rope_program(eps: float, keep_z: bool = False, mrope: bool = False):
         *([RowLoad("sect")] if mrope else []),
         RowLoad("head_w"),
         RowLoad("plain"),
+        *([RowLoad("post_w")] if post else []),
         GroupRstd("head_rstd", eps=float(eps), out="head_s" if keep_z else None),
     ]
     fns = {
-        (False, False): _qk_norm_rope,
-        (True, False): _qk_norm_rope_keep_z,
-        (False, True): _qk_norm_mrope,
-        (True, True): _qk_norm_mrope_keep_z,
+        (False, False, False): _qk_norm_rope,
+        (True, False, False): _qk_norm_rope_keep_z,
+        (False, True, False): _qk_norm_mrope,
+        (True, True, False): _qk_norm_mrope_keep_z,
+        (False, False, True): _qk_norm_rope_post,
+        (True, False, True): _qk_norm_rope_post_keep_z,
     }
     stores = [TileStore("z_even"), TileStore("z_odd")] if keep_z else []
     return epilogue_program(inputs=inputs, stores=stores, mode="pair", prepass=_z_squared)(
-        fns[keep_z, mrope]
+        fns[keep_z, mrope, bool(post)]
     )
 
 
@@ -209,6 +263,14 @@ def column_rows(q_norm, k_norm, n_q: int, n_k: int, n_v: int, dtype=torch.float3
     return head_w, _plain_row((n_q + n_k) * hd, n_v * hd, dtype, q_norm.device)
 
 
+def post_rows(q_norm, k_norm, n_q: int, n_k: int, n_v: int, dtype=torch.float32):
+    """(head_w, plain, post_w): ``qk_norm_rope_program``'s rows for the gains after RoPE
+    (``post``): head_w 1 on the q and k columns (0 on v), post_w the gains there (1 on v)."""
+    gains, plain = column_rows(q_norm, k_norm, n_q, n_k, n_v, dtype)
+    unit = torch.ones_like(q_norm, dtype=dtype)
+    return column_rows(unit, unit, n_q, n_k, n_v, dtype)[0], plain, gains + plain
+
+
 @host_cache(maxsize=16, device_tensors=True)  # (a device tensor: kept beyond no capture)
 def _plain_row(n_rot_cols: int, n_v_cols: int, dtype, device):
     return torch.cat(
@@ -221,7 +283,7 @@ def _plain_row(n_rot_cols: int, n_v_cols: int, dtype, device):
 
 def gemm_qk_norm_rope_kernel(
     a, w_qkv, rstd, pos, freq, head_w, plain, head_dim, eps, config, keep_z=False, dry=False,
-    z_cols=None, mrope=None,
+    z_cols=None, mrope=None, post_w=None,
 ):  # fmt: skip
     """Returns qkv (M x Nqkv: normed and rotated q, k; plain v). ``config.tile_n`` must be a
     multiple of ``head_dim`` (a head inside one tile). ``keep_z`` (the training F1): returns
@@ -230,7 +292,8 @@ def gemm_qk_norm_rope_kernel(
     TMA's 16-byte rows; the store clips the tiles past it) and the head statistic s
     (M x Nqkv / hd, fp32; its v-head columns are computed and unused). The training F1 keeps
     z for the q and k heads only: on v columns z is the stored v itself. ``mrope``: (pos_h,
-    pos_w, sect), multimodal RoPE's (``gemm_rope.mrope_scaled_bias``'s)."""
+    pos_w, sect), multimodal RoPE's (``gemm_rope.mrope_scaled_bias``'s). ``post_w``: the
+    gains after RoPE (Hunyuan's; ``post_rows``), or None."""
     M, N = a.shape[0], w_qkv.shape[1]
     qkv = a.new_empty(M, N)
     operands = {"rstd": rstd, "pos": pos, "freq": freq, "head_w": head_w, "plain": plain}
@@ -246,7 +309,9 @@ def gemm_qk_norm_rope_kernel(
         }
     if mrope is not None:
         operands.update(zip(("pos_h", "pos_w", "sect"), mrope))
-    program = qk_norm_rope_program(eps, keep_z, mrope is not None)
+    if post_w is not None:
+        operands["post_w"] = post_w
+    program = qk_norm_rope_program(eps, keep_z, mrope is not None, post_w is not None)
     compiled = launch(
         program, a, w_qkv, config=config, d=qkv, operands=operands, outputs=outputs, dry=dry
     )
@@ -255,7 +320,7 @@ def gemm_qk_norm_rope_kernel(
     return (qkv, *outputs.values()) if keep_z else qkv
 
 
-def dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, z_v, s, *args):
+def dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, z_v, s, *args, post=False):
     """``dqk_norm_rope_heads`` with z's q and k columns given as their even and odd columns
     (the training F1's stores, which may run past them) and its v columns as ``z_v`` (the
     stored v: equal to z there). ``z_odd`` None: ``z_even`` is z's leading columns whole."""
@@ -264,7 +329,7 @@ def dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, z_v, s, *args):
         z_rot = z_even[:, : 2 * half]
     else:
         z_rot = torch.stack([z_even[:, :half], z_odd[:, :half]], dim=-1).flatten(1)
-    return dqk_norm_rope_heads(dq, dk, dv, torch.cat([z_rot, z_v], dim=1), s, *args)
+    return dqk_norm_rope_heads(dq, dk, dv, torch.cat([z_rot, z_v], dim=1), s, *args, post=post)
 
 
 def epilogue_head_rule(head_dim: int, config: GemmConfig | None) -> str:
@@ -287,13 +352,15 @@ def qk_norm_config(head_dim: int) -> GemmConfig | None:
 
 
 def compile_gemm_qk_norm_rope(
-    k, n, head_dim, *, keep_z=False, eps=1e-6, m=256, pos_dtype=torch.float32, mrope=False
-) -> int:
+    k, n, head_dim, *, keep_z=False, eps=1e-6, m=256, pos_dtype=torch.float32, mrope=False,
+    post=False,
+) -> int:  # fmt: skip
     a, w = example_operands(m, k, n)
     f, r, pos = torch.empty(n), torch.empty(m), torch.zeros(m, dtype=pos_dtype)
     cfg = qk_norm_config(head_dim)
     z_cols = n - head_dim if keep_z else None  # z kept short of the last head: clipped tiles
     rows = (torch.zeros(m), torch.zeros(m), torch.zeros(n)) if mrope else None
     return gemm_qk_norm_rope_kernel(
-        a, w, r, pos, f, f, f, head_dim, eps, cfg, keep_z, dry=True, z_cols=z_cols, mrope=rows
-    )
+        a, w, r, pos, f, f, f, head_dim, eps, cfg, keep_z, dry=True, z_cols=z_cols, mrope=rows,
+        post_w=f if post else None,
+    )  # fmt: skip

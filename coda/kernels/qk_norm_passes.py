@@ -241,29 +241,38 @@ def dqk_norm_whole_triton(
     return out, _row_statistic(s_part, rstd, d), dw[:n_q].flatten(), dw[n_q:].flatten()
 
 
-def qk_norm_pass(z, q_norm, k_norm, cos, sin, n_q: int, n_k: int, head_dim: int, eps: float):
+def qk_norm_pass(
+    z, q_norm, k_norm, cos, sin, n_q: int, n_k: int, head_dim: int, eps: float, post=False
+):
     """F1's QK-norm and RoPE as a row pass, where the epilogue cannot take them (heads no tile
     holds, OLMo's norm): (qkv, s) of ``qk_norm.qk_norm_rope_rows``. OLMo's by its Triton
     kernel (on the GPU; a torch.compile trace reaches it through ``library.qk_norm_rows``),
-    Qwen3's per-head one by its torch form (compiled on the GPU: ``fused``)."""
+    Qwen3's per-head one by its torch form (compiled on the GPU: ``fused``), as is a norm
+    whose gains follow the rotation (``post``: Hunyuan's, per head)."""
     whole = not is_per_head(q_norm, k_norm, head_dim)
-    if whole and contiguous_pass(z, cos, sin, q_norm, k_norm):
+    if whole and not post and contiguous_pass(z, cos, sin, q_norm, k_norm):
         return qk_norm_whole_triton(z, q_norm, k_norm, cos, sin, n_q, n_k, head_dim, eps)
-    return fused(qk_norm_rope_rows)(z, q_norm, k_norm, cos, sin, n_q, n_k, head_dim, eps)
+    return fused(qk_norm_rope_rows)(z, q_norm, k_norm, cos, sin, n_q, n_k, head_dim, eps, post)
 
 
-def dqk_norm_pass(dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d: int):
+def dqk_norm_pass(
+    dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, d: int, post=False
+):
     """B11 with QK-norm (Qwen3's per head, OLMo's over the whole projections: the weights'
     lengths say which): (dz~0, corr0, dq_norm, dk_norm) from attention's dq, dk, dv, the
     forward's z on the q and k columns (as its even and odd columns, or whole: ``z_odd``
     None), the stored v ``z_v`` (z on the v columns) and the statistic s: each form's Triton
-    kernel on the GPU, the torch oracle on the CPU."""
+    kernel on the GPU, the torch oracle on the CPU. ``post``: the gains after the rotation
+    (Hunyuan's, per head)."""
     _rows_contiguous(rstd, cos, sin, q_norm, k_norm)
     rest = (s, rstd, cos, sin, q_norm, k_norm, dq.shape[1], dk.shape[1], dq.shape[-1], d)
+    per_head = is_per_head(q_norm, k_norm, dq.shape[-1])
+    if post and not per_head:
+        raise ValueError("QK-norm gains after RoPE (post) are per head (hd,), not OLMo's")
     if not on_triton(z_even):
-        return dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, z_v, *rest)
-    if is_per_head(q_norm, k_norm, dq.shape[-1]):  # Qwen3's
-        return dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, z_v, *rest)
+        return dqk_norm_rope_heads_split_z(dq, dk, dv, z_even, z_odd, z_v, *rest, post=post)
+    if per_head:  # Qwen3's (Hunyuan's with ``post``)
+        return dqk_norm_rope_heads_triton(dq, dk, dv, z_even, z_odd, z_v, *rest, post=post)
     assert z_odd is None  # (OLMo's: F1's row-pass form keeps z whole)
     return dqk_norm_whole_triton(dq, dk, dv, z_even, z_v, *rest)
 

@@ -179,7 +179,9 @@ def _dqk_norm_kernel(
     dw_part, M, S, n_q, n_k, z_row, z_col, v_row, s_row,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
     HD: tl.constexpr, HP: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
+    POST: tl.constexpr = False,
 ):  # fmt: skip
+    """``qk_norm.dqk_norm_rope_rows``; ``POST``: the gains after the rotation (Hunyuan's)."""
     h = tl.program_id(0)
     blk = tl.program_id(1)
     rows = blk * BM + tl.arange(0, BM)
@@ -205,7 +207,6 @@ def _dqk_norm_kernel(
         half = r64 * (HD // 2) + i[None, :]
         c = tl.load(cos + half, mask=half_mask, other=1.0).to(ACC)
         sn = tl.load(sin + half, mask=half_mask, other=0.0).to(ACC)
-        n1, n2 = d1 * c + d2 * sn, d2 * c - d1 * sn  # dq_n = RoPE^T(dout)
         sh = tl.load(s_head + rows.to(tl.int64) * s_row + h, mask=live, other=0.0).to(ACC)[:, None]
         wm = i < HD // 2
         if h < n_q:
@@ -215,10 +216,17 @@ def _dqk_norm_kernel(
             w1 = tl.load(k_norm + 2 * i, mask=wm, other=0.0).to(ACC)[None, :]
             w2 = tl.load(k_norm + 2 * i + 1, mask=wm, other=0.0).to(ACC)[None, :]
         q1, q2 = z1 * sh, z2 * sh  # q_hat
-        e1, e2 = n1 * w1, n2 * w2  # dq_hat
+        if POST:  # out = RoPE(q_hat) * w: dw_h = sum dout RoPE(q_hat), dq_hat = RoPE^T(dout w)
+            u1, u2 = q1 * c - q2 * sn, q1 * sn + q2 * c
+            dw = tl.join(tl.sum(d1 * u1, 0), tl.sum(d2 * u2, 0))  # (hd/2, 2): this block's
+            b1, b2 = d1 * w1, d2 * w2
+            e1, e2 = b1 * c + b2 * sn, b2 * c - b1 * sn
+        else:  # out = RoPE(q_hat w): dq_n = RoPE^T(dout), dq_hat = dq_n w, dw_h = sum dq_n q_hat
+            n1, n2 = d1 * c + d2 * sn, d2 * c - d1 * sn
+            dw = tl.join(tl.sum(n1 * q1, 0), tl.sum(n2 * q2, 0))
+            e1, e2 = n1 * w1, n2 * w2
         mean = tl.sum(e1 * q1 + e2 * q2, 1)[:, None] / HD
         g1, g2 = sh * (e1 - q1 * mean), sh * (e2 - q2 * mean)
-        dw = tl.join(tl.sum(n1 * q1, 0), tl.sum(n2 * q2, 0))  # (hd/2, 2): this block's dw_h
         tl.store(dw_part + (blk * (n_q + n_k) + h) * HD + j, tl.reshape(dw, (HP,)), mask=j < HD)
     else:  # a v head passes through; its z is the stored v
         vc = r64 * v_row + (h - n_q - n_k) * HD + 2 * i[None, :]
@@ -305,13 +313,14 @@ def drope_bias_heads_triton(dq, dk, dv, z_even, z_odd, rstd, cos, sin, d, shape=
 
 def dqk_norm_rope_heads_triton(
     dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, n_q, n_k, head_dim, d,
-    shape=None,
+    shape=None, post=False,
 ):  # fmt: skip
     """``qk_norm.dqk_norm_rope_heads_split_z`` in one pass: z's q and k columns as their even
     and odd columns (the training F1's stores, at least (n_q + n_k) hd / 2 wide) or whole
     (``z_odd`` None), its v columns as ``z_v`` (M, n_k hd: the stored v, unit stride). Returns
     (dz~0 (M, Nqkv) in z's dtype, corr0 (M,), dq_norm (hd,), dk_norm (hd,)), the last two
-    fp32 (float64 for float64 inputs). ``shape``: as ``drope_heads_triton``'s."""
+    fp32 (float64 for float64 inputs). ``shape``: as ``drope_heads_triton``'s. ``post``: the
+    gains after the rotation (Hunyuan's)."""
     B, _, S, hd = dq.shape
     assert hd == head_dim and dq.shape[1] == n_q and dk.shape[1] == n_k
     M = z_even.shape[0]
@@ -336,7 +345,7 @@ def dqk_norm_rope_heads_triton(
     kernel(_dqk_norm_kernel)[(n_heads, blocks)](
         dq, dk, dv, z_even, z_odd, z_v, s, rstd, cos, sin, q_norm, k_norm, out, s_part,
         dw_part, M, S, n_q, n_k, z_row, z_col, z_v.stride(0), s.stride(0), *strides,
-        HD=hd, HP=next_power_of_2(hd), BM=bm, ACC=acc_type(z_even), num_warps=warps,
+        HD=hd, HP=next_power_of_2(hd), BM=bm, ACC=acc_type(z_even), POST=post, num_warps=warps,
     )  # fmt: skip
     dw = dw_part.sum(0)
     return out, _row_statistic(s_part, rstd, d), dw[:n_q].sum(0), dw[n_q:].sum(0)
@@ -369,10 +378,13 @@ POINTERS.update({n: "*fp32" for n in ("rstd", "cos", "sin", "s_part", "dw_part",
 POINTERS["db_part"] = "*fp32"
 
 
-def compile_row_passes(head_dim: int, arch: int = 90, shape=None, head_w="bf16") -> list[int]:
+def compile_row_passes(
+    head_dim: int, arch: int = 90, shape=None, head_w="bf16", post=False
+) -> list[int]:
     """The three kernels (bf16 tensors) at their launch shapes (``launch_shape``) compiled for
     ``sm_{arch}`` on the CPU: cubin sizes. ``head_w``: the QK-norm weights' Triton type
-    ("fp32": Gemma 3's 1 + w, formed in fp32)."""
+    ("fp32": Gemma 3's 1 + w, formed in fp32); ``post``: the QK-norm pass's gains after the
+    rotation (Hunyuan's)."""
     pointers = {**POINTERS, "q_norm": f"*{head_w}", "k_norm": f"*{head_w}"}
     sizes = []
     kernels = (("drope", _drope_kernel), ("dqk_norm", _dqk_norm_kernel))
@@ -380,5 +392,7 @@ def compile_row_passes(head_dim: int, arch: int = 90, shape=None, head_w="bf16")
         bm, warps = launch_shape(name, head_dim, shape)
         hp = next_power_of_2(head_dim)
         consts = {"HD": head_dim, "HP": hp, "BM": bm, "ACC": tl.float32}
+        if post and fn is _dqk_norm_kernel:
+            consts["POST"] = True
         sizes.append(compile_sm90(fn, pointers, consts, warps, arch))
     return sizes
