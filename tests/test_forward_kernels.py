@@ -66,20 +66,27 @@ def test_rope_program(seed, config):
     assert rel_err(got, want) < 1e-10
 
 
+def qk_norm_case(seed: int, hd: int, spread: float):
+    """A QK-norm F1 case: (dims, H, Hkv, a, w, r, q_norm, k_norm, positions, freq, eps), the
+    gains 1 + ``spread`` N(0, 1)."""
+    d = random_dims(seed, M=(1, 150), K=(1, 40), H=(1, 4), Hkv=(1, 2))
+    g = gen(seed)
+    H, Hkv = d["H"] * d["Hkv"], d["Hkv"]
+    a, w = randn(g, d["M"], d["K"]), randn(g, d["K"], (H + 2 * Hkv) * hd)
+    r = 0.5 + torch.rand(d["M"], dtype=F64, generator=g)
+    qn, kn = 1 + spread * randn(g, hd), 1 + spread * randn(g, hd)
+    pos = torch.randint(0, 4096, (d["M"],), generator=g)
+    freq = rp.rope_freq_table(hd, H + Hkv, Hkv)
+    return d, H, Hkv, a, w, r, qn, kn, pos, freq, [1e-6, 1e-2][seed % 2]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_qk_norm_rope_program(seed):
     """F1 with Qwen3's QK-norm in the epilogue (a GroupRstd prepass statistic per head): the
     interpreted program equals the reference, for tile widths holding 1, 2 or 4 heads."""
-    d = random_dims(seed, M=(1, 150), K=(1, 40), H=(1, 4), Hkv=(1, 2))
-    g, hd = gen(seed), [32, 64, 32, 64][seed]  # tile_n holds whole heads of whole subtiles
-    H, Hkv = d["H"] * d["Hkv"], d["Hkv"]
-    a, w = randn(g, d["M"], d["K"]), randn(g, d["K"], (H + 2 * Hkv) * hd)
-    r = 0.5 + torch.rand(d["M"], dtype=F64, generator=g)
-    qn, kn = 1 + 0.1 * randn(g, hd), 1 + 0.1 * randn(g, hd)
-    pos = torch.randint(0, 4096, (d["M"],), generator=g)
-    freq = rp.rope_freq_table(hd, H + Hkv, Hkv)
+    hd = [32, 64, 32, 64][seed]  # tile_n holds whole heads of whole subtiles
+    d, H, Hkv, a, w, r, qn, kn, pos, freq, eps = qk_norm_case(seed, hd, 0.1)
     head_w, plain = qkn.column_rows(qn, kn, H, Hkv, Hkv, F64)
-    eps = [1e-6, 1e-2][seed % 2]
     config = GemmConfig(tile_m=64, tile_n=hd * [1, 2, 4][seed % 3])
     got = qkn.gemm_qk_norm_rope_kernel(a, w, r, pos.double(), freq, head_w, plain, hd, eps, config)
     cs = rope_ref.rope_table(pos, hd)
@@ -106,16 +113,9 @@ def test_qk_norm_rope_program_gains_after_rope(seed):
     before the rotation, the gains after it): the interpreted program equals the canonical
     math, RoPE(z s) times each head's gain per column, v untouched; the training variant
     keeps the same z and statistic."""
-    d = random_dims(seed, M=(1, 150), K=(1, 40), H=(1, 4), Hkv=(1, 2))
-    g, hd = gen(seed + 10), [32, 64, 64, 32][seed]
-    H, Hkv = d["H"] * d["Hkv"], d["Hkv"]
-    a, w = randn(g, d["M"], d["K"]), randn(g, d["K"], (H + 2 * Hkv) * hd)
-    r = 0.5 + torch.rand(d["M"], dtype=F64, generator=g)
-    qn, kn = 1 + 0.5 * randn(g, hd), 1 + 0.5 * randn(g, hd)
-    pos = torch.randint(0, 4096, (d["M"],), generator=g)
-    freq = rp.rope_freq_table(hd, H + Hkv, Hkv)
+    hd = [32, 64, 64, 32][seed]
+    d, H, Hkv, a, w, r, qn, kn, pos, freq, eps = qk_norm_case(seed + 10, hd, 0.5)
     head_w, plain, post_w = qkn.post_rows(qn, kn, H, Hkv, Hkv, F64)
-    eps = [1e-6, 1e-2][seed % 2]
     config = GemmConfig(tile_m=64, tile_n=hd * [1, 2, 4][seed % 3])
     args = (a, w, r, pos.double(), freq, head_w, plain, hd, eps, config)
     got = qkn.gemm_qk_norm_rope_kernel(*args, post_w=post_w)
