@@ -40,7 +40,8 @@ one row pass: these torch functions on the CPU (and as the oracle), one Triton k
 GPU (``row_passes.dqk_norm_rope_heads_triton``; OLMo's, and its forward row pass:
 ``qk_norm_passes``). Oracles:
 ``coda.reference.rope.gemm_qk_norm_rope_ref`` (the epilogue) and ``decoder_layer_ref`` in
-``coda.reference.layer`` with q_norm / k_norm (the float64 layer tests).
+``coda.reference.layer`` with q_norm / k_norm (the float64 layer tests). Tests:
+tests/test_qk_norm_epilogue.py (the epilogue), tests/test_row_passes.py (B11's pass).
 """
 
 from __future__ import annotations
