@@ -83,6 +83,14 @@ def _groups(t, q_norm, k_norm, n_q: int, n_k: int, head_dim: int):
     return [t[:, :nq].view(M, -1, q_norm.shape[0]), t[:, nq:].view(M, -1, k_norm.shape[0])]
 
 
+def _gains(q_norm, k_norm, post: bool, acc):
+    """(before, after): each group's gains before the rotation and after it, (q's, k's); the
+    gains sit before it (Qwen3's, OLMo's) or after it (``post``: Hunyuan's), 1 at the other."""
+    gains = [w.to(acc) for w in (q_norm, k_norm)]
+    ones = [w.new_ones(()) for w in gains]
+    return (ones, gains) if post else (gains, ones)
+
+
 def qk_norm_rope_rows(
     z, q_norm, k_norm, cos, sin, n_q: int, n_k: int, head_dim: int, eps, post: bool = False
 ):
@@ -92,23 +100,20 @@ def qk_norm_rope_rows(
     (adjacent pairs). ``post``: the gains after the rotation (Hunyuan's)."""
     acc = acc_dtype(z)
     n_rot = (n_q + n_k) * head_dim
+    before, after = _gains(q_norm, k_norm, post, acc)
     parts = _groups(z[:, :n_rot].to(acc), q_norm, k_norm, n_q, n_k, head_dim)
     s = [torch.rsqrt(p.pow(2).mean(-1) + eps) for p in parts]
-    gains = [w.to(acc) for w in (q_norm, k_norm)]
-    pre = [g.new_ones(()) for g in gains] if post else gains
-    qn = [(p * r[..., None] * w).flatten(1) for p, r, w in zip(parts, s, pre)]
+    qn = [(p * r[..., None] * w).flatten(1) for p, r, w in zip(parts, s, before)]
     y = _rotate(torch.cat(qn, 1), cos, sin, n_q + n_k, head_dim)
-    if post:
-        y = _scaled_groups(y, gains, n_q, n_k, head_dim)
     out = torch.empty_like(z)
-    out[:, :n_rot] = y
+    out[:, :n_rot] = _scaled_groups(y, after, q_norm, k_norm, n_q, n_k, head_dim)
     out[:, n_rot:] = z[:, n_rot:]
     return out, torch.cat(s, 1)
 
 
-def _scaled_groups(t, gains, n_q: int, n_k: int, head_dim: int):
+def _scaled_groups(t, gains, q_norm, k_norm, n_q: int, n_k: int, head_dim: int):
     """t (M, (n_q + n_k) hd) with each QK-norm group's columns times its gain (q's, k's)."""
-    parts = _groups(t, *gains, n_q, n_k, head_dim)
+    parts = _groups(t, q_norm, k_norm, n_q, n_k, head_dim)
     return torch.cat([(p * w).flatten(1) for p, w in zip(parts, gains)], 1)
 
 
@@ -130,26 +135,24 @@ def dqk_norm_rope_rows(
     acc = acc_dtype(z)
     n_rot = (n_q + n_k) * head_dim
     groups = (q_norm, k_norm, n_q, n_k, head_dim)
-    dr = dout[:, :n_rot].to(acc)
-    if post:  # the gradient of the rotated heads before their gains
-        dr = _scaled_groups(dr, [w.to(acc) for w in (q_norm, k_norm)], n_q, n_k, head_dim)
-    dqn = _rotate(dr, cos, sin, n_q + n_k, head_dim, inverse=True)  # RoPE^T
-    z_parts, dqn_parts = _groups(z[:, :n_rot].to(acc), *groups), _groups(dqn, *groups)
-    n_gq = z_parts[0].shape[1]
-    g, dw = [], []
-    s_parts = (s[:, :n_gq], s[:, n_gq:])
-    for zp, dp, sp, w in zip(z_parts, dqn_parts, s_parts, (q_norm, k_norm)):
-        sp = sp[..., None].to(acc)
-        q_hat = zp * sp
-        dq_hat = dp if post else dp * w.to(acc)
-        g.append((sp * (dq_hat - q_hat * (dq_hat * q_hat).mean(-1, keepdim=True))).flatten(1))
-        if not post:
-            dw.append((dp * q_hat).sum((0, 1)))  # (summed over rows and groups)
-    if post:  # dw_h = sum_m dout * RoPE(q_hat)
-        q_hat = [(zp * sp[..., None].to(acc)).flatten(1) for zp, sp in zip(z_parts, s_parts)]
-        u = _groups(_rotate(torch.cat(q_hat, 1), cos, sin, n_q + n_k, head_dim), *groups)
-        d_parts = _groups(dout[:, :n_rot].to(acc), *groups)
-        dw = [(dp * up).sum((0, 1)) for dp, up in zip(d_parts, u)]
+    before, after = _gains(q_norm, k_norm, post, acc)
+    d_out = dout[:, :n_rot].to(acc)
+    dqn = _rotate(_scaled_groups(d_out, after, *groups), cos, sin, n_q + n_k, head_dim, True)
+    n_gq = n_q * head_dim // q_norm.shape[0]
+    s_parts = (s[:, :n_gq, None].to(acc), s[:, n_gq:, None].to(acc))
+    q_hat = [zp * sp for zp, sp in zip(_groups(z[:, :n_rot].to(acc), *groups), s_parts)]
+    g = []
+    for qh, dp, sp, w in zip(q_hat, _groups(dqn, *groups), s_parts, before):
+        dq_hat = dp * w
+        g.append((sp * (dq_hat - qh * (dq_hat * qh).mean(-1, keepdim=True))).flatten(1))
+    if post:  # out = RoPE(q_hat) w: dw = sum_m dout * RoPE(q_hat)
+        rotated = _rotate(
+            torch.cat([qh.flatten(1) for qh in q_hat], 1), cos, sin, n_q + n_k, head_dim
+        )
+        pairs = zip(_groups(d_out, *groups), _groups(rotated, *groups))
+    else:  # out = RoPE(q_hat w): dw = sum_m RoPE^T(dout) * q_hat
+        pairs = zip(_groups(dqn, *groups), q_hat)
+    dw = [(a * b).sum((0, 1)) for a, b in pairs]  # (summed over rows and groups)
     gz = torch.cat([*g, dout[:, n_rot:].to(acc)], dim=1)
     S0 = (gz * z.to(acc)).sum(-1) / rstd
     dz0 = (gz * rstd[:, None]).to(z.dtype)
