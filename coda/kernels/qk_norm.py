@@ -271,16 +271,20 @@ def post_rows(q_norm, k_norm, n_q: int, n_k: int, n_v: int, dtype=torch.float32)
     """(head_w, plain, post_w): ``qk_norm_rope_program``'s rows for the gains after RoPE
     (``post``): head_w 1 on the q and k columns (0 on v), post_w the gains there (1 on v)."""
     gains, plain = column_rows(q_norm, k_norm, n_q, n_k, n_v, dtype)
-    unit = torch.ones_like(q_norm, dtype=dtype)
-    return column_rows(unit, unit, n_q, n_k, n_v, dtype)[0], plain, gains + plain
+    n_rot = (n_q + n_k) * q_norm.shape[0]
+    unit = _plain_row(n_rot, n_v * q_norm.shape[0], dtype, q_norm.device, rotated=True)
+    return unit, plain, gains + plain
 
 
 @host_cache(maxsize=16, device_tensors=True)  # (a device tensor: kept beyond no capture)
-def _plain_row(n_rot_cols: int, n_v_cols: int, dtype, device):
+def _plain_row(n_rot_cols: int, n_v_cols: int, dtype, device, rotated: bool = False):
+    """1 on the v columns, 0 on the rotated q and k columns (the other way round with
+    ``rotated``): built once per shape."""
+    on_rot, on_v = (1.0, 0.0) if rotated else (0.0, 1.0)
     return torch.cat(
         [
-            torch.zeros(n_rot_cols, dtype=dtype, device=device),
-            torch.ones(n_v_cols, dtype=dtype, device=device),
+            torch.full((n_rot_cols,), on_rot, dtype=dtype, device=device),
+            torch.full((n_v_cols,), on_v, dtype=dtype, device=device),
         ]
     )
 
