@@ -49,7 +49,7 @@ from coda.kernels.gemm_rope import (
 from coda.kernels.gemm_swiglu import ACTIVATIONS as GLU_ACTIVATIONS
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
 from coda.kernels.norm_rows import row_stat
-from coda.kernels.qk_norm import column_rows, epilogue_head_rule, qk_norm_config
+from coda.kernels.qk_norm import column_rows, epilogue_head_rule, post_rows, qk_norm_config
 from coda.kernels.target_check import checked_targets
 from coda.kernels.tuned import config_for
 from coda.reference.cross_entropy import linear_cross_entropy_ref
@@ -370,6 +370,7 @@ def gemm_rope(
     bias=None,
     backend: str = "auto",
     config: Optional[GemmConfig] = None,
+    qk_norm_after_rope: bool = False,
 ) -> torch.Tensor:
     """qkv = RoPE(rstd * (x @ w_qkv)) on the q and k heads; v unrotated. Returns (M, Nqkv).
 
@@ -384,6 +385,8 @@ def gemm_rope(
     converts Qwen3's): each q and k head is RMS-normalized over its head_dim values (eps) and
     scaled by them before RoPE, Qwen3's QK-norm, inside the GEMM's epilogue on the kernel
     path (the default tile config then holds whole heads: ``qk_norm.qk_norm_config``).
+    ``qk_norm_after_rope``: the norm of the rotated heads instead (Hunyuan's order), its gains
+    after the rotation in the same epilogue.
 
     ``bias`` (Nqkv,) in x's dtype, w_qkv's column order (``coda.layouts.qkv_bias_from_hf``
     converts Qwen2's q, k, v biases): RoPE(rstd * (x @ w_qkv) + bias), added in the epilogue
@@ -410,6 +413,12 @@ def gemm_rope(
         _check_rstd(rstd, x)
         if (q_norm is None) != (k_norm is None):
             raise v.CodaInputError("q_norm, k_norm: give both (Qwen3's QK-norm) or neither")
+        if not isinstance(qk_norm_after_rope, bool):
+            raise v.CodaInputError(
+                f"qk_norm_after_rope: must be a bool, got {qk_norm_after_rope!r}"
+            )
+        if qk_norm_after_rope and q_norm is None:
+            raise v.CodaInputError("qk_norm_after_rope: needs q_norm and k_norm")
         if q_norm is not None:
             v.check_vector("q_norm", q_norm, ("head_dim", head_dim))
             v.check_vector("k_norm", k_norm, ("head_dim", head_dim))
@@ -441,7 +450,7 @@ def gemm_rope(
         heads = (n_heads + n_kv_heads, n_kv_heads)
         return cfg, cached_freq_table(head_dim, *heads, rope_base, x.device)
 
-    args = (backend, head_dim, n_heads, n_kv_heads, rope_base, eps, config)
+    args = (backend, head_dim, n_heads, n_kv_heads, rope_base, eps, config, qk_norm_after_rope)
     path, tape, kept = _checked("gemm_rope", check, args, named, ("x", "w_qkv"), configs)
     r = _rstd(rstd, x)
     if path == "kernel":
@@ -458,14 +467,21 @@ def gemm_rope(
         if q_norm is None:
             with tape:
                 return lib.gemm_rope(x, w_qkv, r, pos, freq, cfg)
-        head_w, plain = column_rows(q_norm, k_norm, n_heads, n_kv_heads, n_kv_heads)
+        heads = (q_norm, k_norm, n_heads, n_kv_heads, n_kv_heads)
+        post_w = None
+        if qk_norm_after_rope:
+            head_w, plain, post_w = post_rows(*heads)
+        else:
+            head_w, plain = column_rows(*heads)
         with tape:
-            return lib.gemm_qk_norm_rope(x, w_qkv, r, pos, freq, head_w, plain, head_dim, eps, cfg)
+            return lib.gemm_qk_norm_rope(
+                x, w_qkv, r, pos, freq, head_w, plain, head_dim, eps, cfg, post_w=post_w
+            )
     cs = rope_table(positions, head_dim, rope_base)
     if q_norm is None:
         z = gemm_rope_ref(x, w_qkv, r, cs, n_heads, n_kv_heads, head_dim, bias)
     else:
-        args = (n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps)
+        args = (n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, qk_norm_after_rope)
         z = gemm_qk_norm_rope_ref(x, w_qkv, r, cs, *args)
     return z.to(x.dtype)
 

@@ -127,11 +127,13 @@ def test_heads_narrower_than_an_epilogue_subtile_are_refused(hd, monkeypatch):
         )
 
 
+@pytest.mark.parametrize("after_rope", [False, True], ids=["qwen3", "hunyuan"])
 @pytest.mark.parametrize("seed", range(3))
-def test_gemm_rope_with_qk_norm_is_qwen3_attention_input(seed):
+def test_gemm_rope_with_qk_norm_is_qwen3_attention_input(seed, after_rope):
     """``coda.gemm_rope(..., q_norm=, k_norm=)`` on HF weights converted with coda.layouts
     equals Qwen3's q/k/v in HF's own conventions (q_norm on HF-ordered heads, rotate_half
-    RoPE), float64: the op, its reference and the layouts agree."""
+    RoPE), float64: the op, its reference and the layouts agree; with
+    ``qk_norm_after_rope=True``, Hunyuan's (RoPE, then the norm)."""
     d = random_dims(seed, M=(1, 40), K=(1, 30), H=(1, 3), Hkv=(1, 2), half=(1, 6))
     g, hd = gen(seed), 2 * d["half"]
     M, K, Hkv = d["M"], d["K"], d["Hkv"]
@@ -152,13 +154,18 @@ def test_gemm_rope_with_qk_norm_is_qwen3_attention_input(seed):
         q_norm=layouts.head_weight_from_hf(qn_hf),
         k_norm=layouts.head_weight_from_hf(kn_hf),
         eps=eps,
+        qk_norm_after_rope=after_rope,
     )
     y = r[:, None] * x
     theta = rope_ref.rope_angles(pos, hd)  # exact float64 angles (HF's own are fp32)
     cos, sin = torch.cat([theta.cos()] * 2, -1), torch.cat([theta.sin()] * 2, -1)
 
     def head(w, n, norm):
-        t = rn_ref.head_rmsnorm_ref((y @ w.T).view(M, n, hd), norm, eps)
+        t = (y @ w.T).view(M, n, hd)
+        if after_rope:  # Hunyuan's: the norm of the rotated head
+            t = rope_ref.apply_rope_hf(t, cos[:, None], sin[:, None])
+            return rn_ref.head_rmsnorm_ref(t, norm, eps).flatten(1)
+        t = rn_ref.head_rmsnorm_ref(t, norm, eps)
         return rope_ref.apply_rope_hf(t, cos[:, None], sin[:, None]).flatten(1)
 
     nq, nk = H * hd, Hkv * hd
@@ -168,6 +175,30 @@ def test_gemm_rope_with_qk_norm_is_qwen3_attention_input(seed):
     assert rel_err(qkv[:, nq + nk :], y @ wv.T) < 1e-12
     with pytest.raises(coda.CodaInputError, match="give both"):
         coda.gemm_rope(x, w_qkv, pos, head_dim=hd, n_heads=H, n_kv_heads=Hkv, q_norm=qn_hf)
+    shape = dict(head_dim=hd, n_heads=H, n_kv_heads=Hkv)
+    with pytest.raises(coda.CodaInputError, match="qk_norm_after_rope: needs q_norm"):
+        coda.gemm_rope(x, w_qkv, pos, **shape, qk_norm_after_rope=True)
+    with pytest.raises(coda.CodaInputError, match="qk_norm_after_rope: must be a bool"):
+        coda.gemm_rope(x, w_qkv, pos, **shape, q_norm=qn_hf, k_norm=kn_hf, qk_norm_after_rope=1)
+
+
+@pytest.mark.parametrize("after_rope", [False, True], ids=["qwen3", "hunyuan"])
+def test_gemm_rope_kernel_path_runs_the_epilogue_program(after_rope, monkeypatch):
+    """The public op's kernel path (bf16, the epilogue programs run by the tile interpreter on
+    the CPU: the GPU's operands, ``column_rows`` or ``post_rows``) equals its reference path
+    to one bf16 rounding, for Qwen3's order and Hunyuan's; the two orders differ."""
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    g = gen(7)
+    M, K, H, Hkv, hd = 40, 24, 4, 2, 32
+    x, w = randn(g, M, K).bfloat16(), randn(g, K, (H + 2 * Hkv) * hd).bfloat16()
+    qn, kn = (1 + 0.5 * randn(g, 2, hd)).bfloat16()
+    kw = dict(head_dim=hd, n_heads=H, n_kv_heads=Hkv, q_norm=qn, k_norm=kn)
+    pos = torch.arange(M) * 37
+    got = coda.gemm_rope(x, w, pos, backend="kernel", qk_norm_after_rope=after_rope, **kw)
+    want = coda.gemm_rope(x, w, pos, backend="reference", qk_norm_after_rope=after_rope, **kw)
+    assert got.dtype == torch.bfloat16 and rel_err(got.double(), want.double()) < 2**-8
+    other = coda.gemm_rope(x, w, pos, backend="reference", qk_norm_after_rope=not after_rope, **kw)
+    assert rel_err(other.double(), want.double()) > 2**-4
 
 
 # -- level 2: sm_90a ---------------------------------------------------------------------------
@@ -239,6 +270,11 @@ def test_gpu_qk_norm_rope_gains_after_rope(M, K, H, Hkv, hd):
     peer = torch.cat([q.flatten(1), k.flatten(1), z[:, nq + nk :]], 1)
     assert_no_worse("qkv", got, want, peer)
     assert torch.equal(trained, got)
+    op = coda.gemm_rope(
+        x, w, pos, head_dim=hd, n_heads=H, n_kv_heads=Hkv, rstd=r, q_norm=qn, k_norm=kn,
+        eps=1e-6, backend="kernel", qk_norm_after_rope=True,
+    )  # fmt: skip
+    assert torch.equal(op, got)  # (the public op runs this kernel)
 
 
 @pytest.mark.gpu

@@ -123,14 +123,22 @@ def gemm_rope_torch(a, w_qkv, r, positions, n_q: int, n_kv: int, hd: int, base=1
     return torch.cat([qk.flatten(1), z[:, (n_q + n_kv) * hd :]], 1)
 
 
-def gemm_qk_norm_rope_ref(a, w_qkv, r, cs, n_q: int, n_kv: int, hd: int, q_norm, k_norm, eps):
+def gemm_qk_norm_rope_ref(
+    a, w_qkv, r, cs, n_q: int, n_kv: int, hd: int, q_norm, k_norm, eps, after_rope=False
+):
     """F1 with Qwen3's QK-norm: z = r * (a @ w_qkv); each q and k head RMS-normalized over its
     hd values with weight q_norm / k_norm ((hd,), adjacent order), then adjacent RoPE with
-    table rows cs; v unchanged. Returns (M x (n_q + 2 n_kv) hd)."""
+    table rows cs; v unchanged. ``after_rope``: Hunyuan's order, RoPE first, then the norm
+    with its weights. Returns (M x (n_q + 2 n_kv) hd)."""
     dt = ref_dtype(a, w_qkv)
     z = r.to(dt)[:, None] * (a.to(dt) @ w_qkv.to(dt))
-    M, nq = z.shape[0], n_q * hd
-    q = head_rmsnorm_ref(z[:, :nq].view(M, n_q, hd), q_norm.to(dt), eps)
-    k = head_rmsnorm_ref(z[:, nq : nq + n_kv * hd].view(M, n_kv, hd), k_norm.to(dt), eps)
-    qk = rope_adjacent_ref(torch.cat([q, k], 1), cs.to(dt)).flatten(1)
-    return torch.cat([qk, z[:, (n_q + n_kv) * hd :]], 1)
+    M, n_rot = z.shape[0], (n_q + n_kv) * hd
+    qk = z[:, :n_rot].view(M, n_q + n_kv, hd)
+    if after_rope:
+        qk = rope_adjacent_ref(qk, cs.to(dt))
+    q = head_rmsnorm_ref(qk[:, :n_q], q_norm.to(dt), eps)
+    k = head_rmsnorm_ref(qk[:, n_q:], k_norm.to(dt), eps)
+    qk = torch.cat([q, k], 1)
+    if not after_rope:
+        qk = rope_adjacent_ref(qk, cs.to(dt))
+    return torch.cat([qk.flatten(1), z[:, n_rot:]], 1)
