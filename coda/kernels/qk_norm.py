@@ -1,5 +1,5 @@
-"""QK-norm with RoPE on the kernel path, and its backward: Qwen3's per-head norm, and OLMo's
-over the whole q and k projections.
+"""QK-norm with RoPE on the kernel path, and its backward: Qwen3's per-head norm, OLMo's over
+the whole q and k projections, and Hunyuan's per-head norm of the rotated heads.
 
 Forward, with z = rstd0 * acc (the QKV GEMM's output, the entry norm's deferred row scale
 applied):
