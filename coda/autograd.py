@@ -247,10 +247,11 @@ class AttentionInputQKNorm(torch.autograd.Function):
         n_rot = (n_q + n_k) * hd
         post = dims.qk_norm_after_rope  # (Hunyuan's: the gains after RoPE)
         if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue
+            heads = (q_norm, k_norm, n_q, n_k, n_k, r0.dtype)
             if post:
-                head_w, plain, post_w = post_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype)
+                head_w, plain, post_w = post_rows(*heads)
             else:
-                (head_w, plain), post_w = column_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype), None
+                (head_w, plain), post_w = column_rows(*heads), None
             # z kept on the q and k columns only (on v columns it is the stored v, which
             # attention keeps anyway), unless that width breaks the TMA store's 16-byte rows
             z_cols = n_rot if n_rot % 16 == 0 else w_qkv.shape[1]

@@ -468,11 +468,10 @@ def gemm_rope(
             with tape:
                 return lib.gemm_rope(x, w_qkv, r, pos, freq, cfg)
         heads = (q_norm, k_norm, n_heads, n_kv_heads, n_kv_heads)
-        post_w = None
         if qk_norm_after_rope:
             head_w, plain, post_w = post_rows(*heads)
         else:
-            head_w, plain = column_rows(*heads)
+            (head_w, plain), post_w = column_rows(*heads), None
         with tape:
             return lib.gemm_qk_norm_rope(
                 x, w_qkv, r, pos, freq, head_w, plain, head_dim, eps, cfg, post_w=post_w

@@ -216,7 +216,7 @@ def _qk_norm_mrope_keep_z(acc, rstd, pos, pos_h, pos_w, freq, sect, head_w, plai
 
 
 @functools.lru_cache(maxsize=None)
-def qk_norm_rope_program(eps: float, keep_z: bool = False, mrope: bool = False, post=False):
+def qk_norm_rope_program(eps: float, keep_z: bool = False, mrope: bool = False, post: bool = False):
     """F1 with QK-norm (one program per eps: it is a compile-time constant of the statistic).
     ``mrope``: multimodal RoPE's height and width rows and section flags too.
     Per output column: ``head_w`` = the q or k norm weight (0 on v columns), ``plain`` = 1 on
@@ -249,7 +249,7 @@ def qk_norm_rope_program(eps: float, keep_z: bool = False, mrope: bool = False, 
     }
     stores = [TileStore("z_even"), TileStore("z_odd")] if keep_z else []
     return epilogue_program(inputs=inputs, stores=stores, mode="pair", prepass=_z_squared)(
-        fns[keep_z, mrope, bool(post)]
+        fns[keep_z, mrope, post]
     )
 
 
