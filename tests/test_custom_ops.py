@@ -265,6 +265,20 @@ def test_opcheck_with_multimodal_rope(name):
     torch.library.opcheck(library.OPS[name], args, test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("name", ["gemm_qk_norm_rope", "gemm_qk_norm_rope_keep_z"])
+def test_opcheck_with_gains_after_rope(name):
+    """The QK-norm F1 ops with Hunyuan's gains after the rotation (``post_w``), and the two
+    row passes with them (``post``)."""
+    args = (*op_samples()[name], torch.randn(op_samples()[name][1].shape[1]))
+    torch.library.opcheck(library.OPS[name], args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("name", ["dqk_norm_rows", "qk_norm_rows"])
+def test_opcheck_row_passes_with_gains_after_rope(name):
+    args = (*op_samples()[name], True)
+    torch.library.opcheck(library.OPS[name], args, test_utils=("test_schema", "test_faketensor"))
+
+
 def test_opcheck_gemm_rope_bias_with_z_clipped():
     """The bias op where no backward follows: z's store clipped to 16 columns."""
     args = (*op_samples()["gemm_rope_bias"][:-3], 16, None, None)
