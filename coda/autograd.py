@@ -75,7 +75,7 @@ from coda.kernels.linear_cross_entropy_bwd import (
 )
 from coda.kernels.linear_cross_entropy_chunked import chunk_rows
 from coda.kernels.loss_rows import ce_loss_from_stats, ce_row_weights
-from coda.kernels.qk_norm import column_rows, is_per_head, post_rows, qk_norm_config
+from coda.kernels.qk_norm import epilogue_rows, is_per_head, qk_norm_config
 from coda.kernels.rmsnorm_bwd import norm_corr
 from coda.kernels.tuned import config_for
 from coda.kernels.wgrad import wgrad
@@ -247,11 +247,7 @@ class AttentionInputQKNorm(torch.autograd.Function):
         n_rot = (n_q + n_k) * hd
         post = dims.qk_norm_after_rope  # (Hunyuan's: the gains after RoPE)
         if cfg is not None:  # F1 with QK-norm and RoPE in the epilogue
-            heads = (q_norm, k_norm, n_q, n_k, n_k, r0.dtype)
-            if post:
-                head_w, plain, post_w = post_rows(*heads)
-            else:
-                (head_w, plain), post_w = column_rows(*heads), None
+            head_w, plain, post_w = epilogue_rows(q_norm, k_norm, n_q, n_k, n_k, r0.dtype, post)
             # z kept on the q and k columns only (on v columns it is the stored v, which
             # attention keeps anyway), unless that width breaks the TMA store's 16-byte rows
             z_cols = n_rot if n_rot % 16 == 0 else w_qkv.shape[1]

@@ -49,7 +49,7 @@ from coda.kernels.gemm_rope import (
 from coda.kernels.gemm_swiglu import ACTIVATIONS as GLU_ACTIVATIONS
 from coda.kernels.linear_cross_entropy import linear_cross_entropy_kernel
 from coda.kernels.norm_rows import row_stat
-from coda.kernels.qk_norm import column_rows, epilogue_head_rule, post_rows, qk_norm_config
+from coda.kernels.qk_norm import epilogue_head_rule, epilogue_rows, qk_norm_config
 from coda.kernels.target_check import checked_targets
 from coda.kernels.tuned import config_for
 from coda.reference.cross_entropy import linear_cross_entropy_ref
@@ -468,10 +468,7 @@ def gemm_rope(
             with tape:
                 return lib.gemm_rope(x, w_qkv, r, pos, freq, cfg)
         heads = (q_norm, k_norm, n_heads, n_kv_heads, n_kv_heads)
-        if qk_norm_after_rope:
-            head_w, plain, post_w = post_rows(*heads)
-        else:
-            (head_w, plain), post_w = column_rows(*heads), None
+        head_w, plain, post_w = epilogue_rows(*heads, torch.float32, qk_norm_after_rope)
         with tape:
             return lib.gemm_qk_norm_rope(
                 x, w_qkv, r, pos, freq, head_w, plain, head_dim, eps, cfg, post_w=post_w

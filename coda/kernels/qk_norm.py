@@ -194,14 +194,13 @@ def _qk_norm_rope_keep_z(acc, rstd, pos, freq, head_w, plain, head_rstd):
 # Hunyuan's: the gains after the rotation (``post_w``: the q or k gain, 1 on v columns; head_w
 # is 1 on q and k columns there)
 def _qk_norm_rope_post(acc, rstd, pos, freq, head_w, plain, post_w, head_rstd):
-    return {"D": _normed_rotated(acc * rstd, pos, freq, head_w, plain, head_rstd) * post_w}
+    out = _qk_norm_rope(acc, rstd, pos, freq, head_w, plain, head_rstd)
+    return {**out, "D": out["D"] * post_w}
 
 
 def _qk_norm_rope_post_keep_z(acc, rstd, pos, freq, head_w, plain, post_w, head_rstd):
-    z = acc * rstd
-    z_even, z_odd = unpack(z)
-    out = _normed_rotated(z, pos, freq, head_w, plain, head_rstd) * post_w
-    return {"D": out, "z_even": z_even, "z_odd": z_odd}
+    out = _qk_norm_rope_keep_z(acc, rstd, pos, freq, head_w, plain, head_rstd)
+    return {**out, "D": out["D"] * post_w}
 
 
 # with multimodal RoPE (Qwen3-VL's): each pair's position by its section (``mrope_position``)
@@ -265,6 +264,13 @@ def column_rows(q_norm, k_norm, n_q: int, n_k: int, n_v: int, dtype=torch.float3
         ]
     )
     return head_w, _plain_row((n_q + n_k) * hd, n_v * hd, dtype, q_norm.device)
+
+
+def epilogue_rows(q_norm, k_norm, n_q: int, n_k: int, n_v: int, dtype, post: bool):
+    """(head_w, plain, post_w): the per-column rows F1's QK-norm epilogue takes, the gains
+    before the rotation (``column_rows``; post_w None) or after it (``post_rows``)."""
+    heads = (q_norm, k_norm, n_q, n_k, n_v, dtype)
+    return post_rows(*heads) if post else (*column_rows(*heads), None)
 
 
 def post_rows(q_norm, k_norm, n_q: int, n_k: int, n_v: int, dtype=torch.float32):
