@@ -55,7 +55,9 @@ from benchmarks.hf_models import (
     build,
 )
 
-ON_REQUEST_PEERS = ("hf_coda_flex", "hf_liger_flex")  # (run only when CODA_HF_PEERS names them)
+# (run only when CODA_HF_PEERS names them; ``hf_coda_loss_alone``: ``layers=False``, the
+# mixture-of-experts models' patch before session 81)
+ON_REQUEST_PEERS = ("hf_coda_flex", "hf_liger_flex", "hf_coda_loss_alone")
 LIGER_PEERS = ("hf_liger", "hf_liger_no_cache", "hf_liger_flex")  # (Liger's patch, three ways)
 # the variants whose per-kernel tables pass 1 takes
 PROFILED = ("hf_coda", "hf_coda_compiled", "hf_liger", "hf_liger_no_cache", *ON_REQUEST_PEERS)
@@ -155,6 +157,7 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
         ("hf_coda_checkpointed_storing", checkpointed),
         # the embedding's backward left as torch's (before session 29)
         ("hf_coda_torch_embedding", lambda: coda_patch(copy.deepcopy(base), embedding=False)),
+        ("hf_coda_loss_alone", lambda: ct.apply_coda(copy.deepcopy(base), layers=False)),
     ]
     if liger is not None:
         out.append(("hf_liger", lambda: liger.patch(copy.deepcopy(base))))

@@ -248,6 +248,25 @@ SHAPES = {
             pad_token_id=0,
         ),
     ),
+    # Qwen3-30B-A3B's dimensions at 8 of its 48 layers (``Qwen3MoeForCausalLM``: Qwen3's
+    # attention, QK-norm per head, 128 experts of 768, 8 a token; HF's grouped-GEMM experts):
+    # coda's attention sublayers since session 81, the experts HF's
+    "qwen3-30B-A3B-8L": (
+        "qwen3_moe",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            num_hidden_layers=8,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            tie_word_embeddings=False,
+        ),
+    ),
     # Qwen2.5-VL-3B's text model (``Qwen2_5_VLForConditionalGeneration``, a 1-block vision
     # encoder that text-only batches leave idle): coda's layers (multimodal RoPE in the QKV
     # epilogue) and loss through the vision-language forward, V = 151936
@@ -283,6 +302,7 @@ SHAPES = {
 ON_REQUEST = ("llama-3.2-1B-bias", "phi-3-mini", "gemma-3-1B", "gemma-2-2B", "qwen2.5-vl-3B")
 ON_REQUEST += ("qwen3-vl-2B", "gemma-2B", "glm-4-9B-12L", "olmo-2-1B", "phi-4-mini")
 ON_REQUEST += ("granite-3-2B", "hunyuan-7B-12L", "arcee-1B-shape", "apertus-8B-8L")
+ON_REQUEST += ("qwen3-30B-A3B-8L",)
 BATCH, SEQ = 4, 4096
 # shapes stepped at fewer tokens: Gemma 2's eager attention keeps (B, H, S, S) scores, capped
 # scores and probabilities for 26 layers, which at 4 x 4096 ran every variant out of an 80 GB
@@ -347,6 +367,7 @@ def build(family: str, shape: dict, device, dtype):
         "hunyuan_v1_dense": "HunYuanDenseV1",
         "arcee": "Arcee",
         "apertus": "Apertus",
+        "qwen3_moe": "Qwen3Moe",
     }
     name = {**names, "gemma3": "Gemma3Text"}[family]
     cfg_cls = getattr(transformers, f"{name}Config")

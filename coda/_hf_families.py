@@ -115,6 +115,16 @@ SUPPORTED = (
     "NanoChatForCausalLM",
     "NanoChatModel",
 )
+# mixture-of-experts families whose decoder layers are coda's up to the attention's residual
+# add (``DecoderLayer(mlp=)``: ``coda.autograd_sublayer``), the norm before the experts and the
+# experts themselves (router, shared expert) staying the model's own modules, called as its
+# layer calls them: the decoder-layer classes whose forward is Llama's with a mixture of experts
+# for ``mlp`` (a dense layer among them, Llama's MLP, is coda's whole; session 81)
+_MOE_FAMILIES = ("Mixtral", "Qwen2Moe", "Qwen3Moe", "Olmoe", "Ernie4_5_Moe", "MiniMaxM2")
+_MOE_FAMILIES += ("Mellum", "Glm4Moe", "HunYuanMoEV1", "SolarOpen")
+MOE_LAYERS = tuple(f"{family}DecoderLayer" for family in _MOE_FAMILIES)
+_CLASSES = ("ForCausalLM", "Model")
+SUPPORTED += tuple(f"{family}{kind}" for family in _MOE_FAMILIES for kind in _CLASSES)
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
 # stack: the stack is patched as its ``...Model`` is; the task head and its loss stay HF's
 TASK_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
@@ -128,9 +138,6 @@ TASK_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestio
 # 3's, which also norm each sublayer's output before its residual add, since session 72)
 _MOE = "a mixture of experts"
 LOSS_ONLY = {
-    "MixtralForCausalLM": _MOE,
-    "Qwen2MoeForCausalLM": _MOE,
-    "Qwen3MoeForCausalLM": _MOE,
     # Granite-MoE's logits are divided by ``logits_scaling``, folded into the final norm's
     # gain (Granite's dense layers are coda's since session 75)
     "GraniteMoeForCausalLM": _MOE,
@@ -140,20 +147,13 @@ LOSS_ONLY = {
     # rounded once, ``_hf_forward.FP32_SCALED_NORMS``); Qwen3-Next's and
     # Qwen3.5's scale by 1 + w in fp32 as Gemma's (``_hf_forward.check_final_norm`` holds
     # each form against the norm itself)
-    "OlmoeForCausalLM": _MOE,
     "GptOssForCausalLM": _MOE + " with attention sinks",
-    "MiniMaxM2ForCausalLM": _MOE,
-    "Ernie4_5_MoeForCausalLM": _MOE,
     "Qwen3NextForCausalLM": _MOE + " and linear-attention layers",
     "Qwen3_5MoeForCausalLM": _MOE + " and linear-attention layers",
     "DeepseekV3ForCausalLM": _MOE + " and multi-head latent attention",
-    "Glm4MoeForCausalLM": _MOE,
     "Llama4ForCausalLM": _MOE,
+    "LagunaForCausalLM": _MOE + " and a gated attention output",
     "Qwen3_5ForCausalLM": "linear-attention layers",
-    "HunYuanMoEV1ForCausalLM": _MOE,  # (Hunyuan's dense layers are coda's since session 75)
-    "MellumForCausalLM": _MOE,  # (session 77)
-    "LagunaForCausalLM": _MOE,
-    "SolarOpenForCausalLM": _MOE,
     # Gemma 4's text model: its layers take per-layer inputs (a second embedding), share KV
     # across layers and norm v; its final norm rounds as OLMo's, its logits soft-capped
     "Gemma4ForCausalLM": "per-layer inputs, KV shared across layers and a value norm",
@@ -241,6 +241,12 @@ LAYER_NORMS = tuple(
 )
 
 
+def experts_module(hf_layer) -> bool:
+    """Whether the HF layer's MLP stays its own module: a mixture of experts in a layer of
+    ``MOE_LAYERS`` (no ``down_proj`` of its own: not Llama's MLP)."""
+    return type(hf_layer).__name__ in MOE_LAYERS and not hasattr(hf_layer.mlp, "down_proj")
+
+
 def has_norm(hf_layer, name: str) -> bool:
     """Whether the HF layer has a norm (a module with an epsilon, with or without a weight:
     not an identity in its place) under ``name``."""
@@ -290,8 +296,9 @@ def layer_options(hf_layer, config) -> dict:
             f"apply_coda: layers.{hf_layer.self_attn.layer_idx}: residual_multiplier "
             f"{residual} with an O-projection bias (attention_bias=True) is not supported"
         )
+    experts = experts_module(hf_layer)  # (then no MLP of coda's: no activation of its own)
     return {
-        "activation": ACTIVATIONS[activation_name(config)],
+        "activation": "silu" if experts else ACTIVATIONS[activation_name(config)],
         "norm_offset": 1.0 if "gemma" in forms else 0.0,
         "fp32_gains": "fp32" in forms,
         "qk_norm": qk_norm_span(hf_layer.self_attn),
@@ -384,8 +391,11 @@ def layer_type(hf_layer, config):
 
 def check_linears(hf_layer, where: str) -> None:
     """Every projection (``*_proj``) of an HF layer is a plain ``nn.Linear`` (what coda
-    fuses)."""
+    fuses; a mixture of experts stays the model's, adapters and all: its attention's alone)."""
+    experts = experts_module(hf_layer)
     for name, module in hf_layer.named_modules():
+        if experts and not name.startswith("self_attn."):
+            continue
         projection = name.endswith("_proj") or name in ("mlp.fc1", "mlp.fc2")  # (``FC_MLP``)
         if projection and type(module) is not torch.nn.Linear:
             cls = type(module)  # (PEFT's LoRA linear is also called Linear: say whose)
@@ -403,7 +413,8 @@ def fused_projections(hf_layer, where: str) -> tuple:
     ``qkv_proj`` and ``gate_up_proj``, GLM's ``gate_up_proj`` alone, none (Llama's), each
     without a bias."""
     fused = []
-    for owner, name in ((hf_layer.self_attn, "qkv_proj"), (hf_layer.mlp, "gate_up_proj")):
+    mlp = () if experts_module(hf_layer) else ((hf_layer.mlp, "gate_up_proj"),)
+    for owner, name in ((hf_layer.self_attn, "qkv_proj"), *mlp):
         module = getattr(owner, name, None)
         if module is None:
             continue
@@ -417,7 +428,10 @@ def fused_projections(hf_layer, where: str) -> tuple:
 
 def check_mlp_biases(hf_layer, where: str) -> None:
     """The MLP's projections have no biases, whatever the config calls them (ERNIE 4.5's
-    ``use_bias``; Llama's ``mlp_bias`` is refused with the config)."""
+    ``use_bias``; Llama's ``mlp_bias`` is refused with the config); a mixture of experts (the
+    model's module) may have them."""
+    if experts_module(hf_layer):
+        return
     biased = [n for n, m in hf_layer.mlp.named_children() if getattr(m, "bias", None) is not None]
     if biased:
         raise v.CodaInputError(
@@ -438,6 +452,22 @@ def attention_biases(attention, where: str) -> tuple[bool, bool]:
             "all three (Qwen2's; with o_proj's too, Llama's attention_bias=True) or none"
         )
     return has[0], attention.o_proj.bias is not None
+
+
+def attention_weights(attention, fused: tuple, qk_norm: tuple, where: str) -> tuple:
+    """The HF attention module's weight modules a patched layer takes over (its projections,
+    split or fused (``fused_projections``), and its QK-norm's ``qk_norm`` modules), checked to
+    be all its parameters: a weight it has beyond them (Laguna's output gate ``g_proj``,
+    GPT-OSS's attention sinks) would be lost, so it is refused, named."""
+    fused_qkv = "self_attn.qkv_proj.weight" in fused
+    names = (*(("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj")), "o_proj", *qk_norm)
+    left = [n for n, _ in attention.named_parameters() if n.split(".")[0] not in names]
+    if left:
+        raise v.CodaInputError(
+            f"apply_coda: {where}.self_attn has weights coda's layer would not apply "
+            f"({', '.join(left)}): not supported"
+        )
+    return names
 
 
 def global_nope(attention) -> bool:

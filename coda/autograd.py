@@ -328,11 +328,16 @@ class AttentionOutput(torch.autograd.Function):
             return (None,) * 7
         o, w_o = ctx.saved_tensors
         dx1 = dx1.contiguous()
-        dy = dx1 if ctx.scale == 1.0 else dx1 * ctx.scale  # the projection's output gradient
-        do = dy @ w_o.t()  # B8
-        dw_o = wgrad(o, dy) if ctx.needs_input_grad[1] else None  # B9 (W_o frozen: none)
+        dy, do, dw_o = o_projection_grads(o, w_o, dx1, ctx.scale, ctx.needs_input_grad[1])
         db_o = dy.sum(0) if ctx.needs_input_grad[5] else None  # (fp32 accumulation)
         return do, dw_o, dx1, None, None, db_o, None  # dx1: the residual's gradient (to x0)
+
+
+def o_projection_grads(o, w_o, dx1, scale: float, want_dw: bool):
+    """B8 + B9 from the residual stream's gradient dx1 (M, d) of x1 = x0 + c (o @ W_o):
+    (dy = c dx1, the projection's output gradient; do; dW_o, or None where W_o is frozen)."""
+    dy = dx1 if scale == 1.0 else dx1 * scale
+    return dy, dy @ w_o.t(), wgrad(o, dy) if want_dw else None
 
 
 class MLP(torch.autograd.Function):

@@ -96,8 +96,10 @@ from coda._hf_families import (
     VISION_LANGUAGE,
     attention_biases,
     attention_temperature,
+    attention_weights,
     check_linears,
     check_mlp_biases,
+    experts_module,
     fused_projections,
     global_nope,
     hf_renames,
@@ -137,6 +139,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         check_linears(hf_layer, where)
         qk_norm = qk_norm_names(attn)  # (Qwen3's names, or Hunyuan's)
         fused = fused_projections(hf_layer, where)
+        attention_weights(attn, fused, qk_norm, where)  # (checked before any change)
         check_mlp_biases(hf_layer, where)
         qkv_bias, o_bias = attention_biases(attn, where)
         if qk_norm and qkv_bias:
@@ -144,7 +147,8 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
                 f"apply_coda: {where}: q, k, v biases with Qwen3's QK-norm (attention_bias=True)"
                 " are not supported (qk_norm and qkv_bias together)"
             )
-        p = next(hf_layer.parameters())
+        experts = experts_module(hf_layer)  # (a mixture of experts: the model's own, after
+        p = next(hf_layer.parameters())  # its own norm; ``ffn_sublayer``)
         # SmolLM3's NoPE layers (``use_rope`` 0) and EXAONE 4's global ones: RoPE at angle 0,
         # the identity, exactly
         use_rope = bool(getattr(attn, "use_rope", True)) and not global_nope(attn)
@@ -158,7 +162,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             config.hidden_size,
             config.num_attention_heads,
             config.num_key_value_heads,
-            config.intermediate_size,
+            0 if experts else config.intermediate_size,
             head_dim=attn.head_dim,
             eps=config.rms_norm_eps,
             device=p.device,
@@ -169,8 +173,11 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             long_inv_freq=long_inv_freq,
             long_after=long_after,
             mrope_sections=mrope,
+            mlp=hf_layer.mlp if experts else None,
             **layer_options(hf_layer, config),  # (GeGLU, the norms' forms, QK-norm's span)
         )
+        if experts:
+            self.post_attention_layernorm = hf_layer.post_attention_layernorm
         # its state dict's form beyond Llama's keys (``coda._hf_fused``): Phi-3's and GLM's
         # fused projections, GLM-4's norm names, GLM's q and k rows in adjacent-pair order,
         # Phi-4-mini's rotate-half pairs of part of each head
@@ -192,9 +199,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         self._keep_frozen(hf_layer, where)
         if self.activation == "xielu":  # (Apertus's learned numbers: HF's module's, copied)
             self.mlp["act_fn"] = XIELU.adopt(hf_layer.mlp.act_fn)
-        split = ("q_proj", "k_proj", "v_proj")
-        names = (("qkv_proj",) if "self_attn.qkv_proj.weight" in fused else split) + ("o_proj",)
-        for name in names + qk_norm:
+        for name in attention_weights(attn, fused, qk_norm, where):
             delattr(attn, name)  # the weights live in w_qkv / w_o / q_norm / k_norm now
         self.self_attn = attn
         self.mask_hint = mask_hint  # the model's one ``MaskHint``, shared by its layers
@@ -206,6 +211,9 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
 
     def extra_repr(self) -> str:  # (printed under HF's class name: say whose layer it is)
         return f"coda, {super().extra_repr()}"
+
+    def ffn_sublayer(self, x1):  # (a mixture of experts: the model's norm, then its experts)
+        return self.mlp(self.post_attention_layernorm(x1))
 
     # HF's keys are Llama's but for the layer's form (``hf_form``), converted exactly
     def _form(self) -> _hf_fused.Form:
@@ -559,6 +567,11 @@ def _patch_layers(base, config) -> None:
     if mrope is not None and not getattr(base.rotary_emb, "coda_tags_rows", False):
         base.rotary_emb.register_forward_hook(_tag_mrope_rows, with_kwargs=True)
         base.rotary_emb.coda_tags_rows = True
+    for layer in base.layers:  # (what a layer's patch would refuse, before any layer changes)
+        if not isinstance(layer, CodaLlamaDecoderLayer):
+            where, attn = f"layers.{layer.self_attn.layer_idx}", layer.self_attn
+            check_linears(layer, where)
+            attention_weights(attn, fused_projections(layer, where), qk_norm_names(attn), where)
     replaced = False
     for i, layer in enumerate(base.layers):
         if not isinstance(layer, CodaLlamaDecoderLayer):

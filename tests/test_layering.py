@@ -2,8 +2,8 @@
 memos (``functools.cache`` / ``lru_cache``) are the listed host-only ones.
 
     reference, primitives  ->  kernels  ->  ops, layouts, autograd  ->  nn  ->  transformers
-                        (_autograd_support, autograd_post_norm)   (_hf_families, _hf_forward,
-                                                                   _hf_fused, _hf_rope)
+                        (_autograd_support, autograd_post_norm,   (_hf_families, _hf_forward,
+                         autograd_sublayer)                        _hf_fused, _hf_rope)
 (``env``, ``_validate`` and ``_metadata`` are leaves any layer may use; ``_quack`` is the only
 module that imports quack.)"""
 
@@ -18,9 +18,11 @@ RANK = {
     "ops": 2,
     "layouts": 2,
     "autograd": 2,
-    # (what every autograd Function shares; the post-norm layer's Functions)
+    # (what every autograd Function shares; the post-norm layer's Functions; the attention
+    # sublayer's, before a module of its own)
     "_autograd_support": 2,
     "autograd_post_norm": 2,
+    "autograd_sublayer": 2,
     "nn": 3,
     "transformers": 4,
     # (the HF patch's parts: the families it takes, its wrapped forwards, Phi-3's fused keys,

@@ -58,6 +58,7 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     extra["exaone4"] = {"head_dim": 64, "sliding_window": 128, "layer_types": types}
     extra["olmo3"] = extra["exaone4"]  # (OLMo 3: a sliding layer, then a full one with RoPE)
     extra["gpt_oss"] = extra["hunyuan_dense"] = extra["ministral3"] = {"head_dim": 64}
+    extra["qwen3_moe"] = {"head_dim": 64}  # (coda's attention sublayers, HF's experts)
     # (and its linear attention at the config's defaults, as run 316 ran it: the CPU tests'
     # tiny one, ``hf_tiny.LINEAR_ATTENTION``, is smaller)
     import transformers
@@ -143,6 +144,7 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
     ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
     + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4", "ernie4_5", "olmo3", "phi4-mini"]
     + ["hunyuan_dense", "arcee", "ministral3", "helium", "hyperclovax", "vaultgemma", "nanochat"]
+    + ["mixtral", "qwen2_moe", "qwen3_moe"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):
@@ -156,7 +158,8 @@ def test_gpu_patched_model_protocol(family):
     without a gate, relu^2) / Ministral 3 (Llama 4's attention temperature) / Granite (residual
     multipliers in F3's and F5's epilogues: coda's layers
     since session 75; its logits_scaling in the loss's final-norm gain), GPT-OSS and Qwen3-Next
-    (the loss alone: the final norm's fp32 gain), and Llama with
+    (the loss alone: the final norm's fp32 gain), Mixtral, Qwen2-MoE and Qwen3-MoE (coda's
+    attention sublayers, HF's experts: since session 81), and Llama with
     Llama 3's, linear, YaRN and LongRoPE scaling (coda's kernels, HF's sdpa) against the
     unpatched bf16 model, both against a float64 copy: loss and every gradient no worse than the
     unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask.

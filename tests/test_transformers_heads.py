@@ -89,14 +89,29 @@ def test_a_task_model_trains_as_unpatched(family, head, kernel, monkeypatch):
 
 
 def test_a_task_model_of_an_unsupported_family_is_named():
+    from transformers import GptOssConfig, GptOssForSequenceClassification
+
+    cfg = GptOssConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, pad_token_id=0,
+        num_local_experts=2, num_experts_per_tok=1,
+    )  # fmt: skip
+    with pytest.raises(coda.CodaInputError, match="GptOssForSequenceClassification"):
+        ct.apply_coda(GptOssForSequenceClassification(cfg))
+
+
+def test_a_mixtral_reward_model_takes_codas_attention_sublayers():
+    """A mixture-of-experts family's task model (``MOE_LAYERS``): its stack's attention
+    sublayers coda's, the experts the model's."""
     from transformers import MixtralConfig, MixtralForSequenceClassification
 
     cfg = MixtralConfig(
         vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, num_local_experts=2,
     )  # fmt: skip
-    with pytest.raises(coda.CodaInputError, match="MixtralForSequenceClassification"):
-        ct.apply_coda(MixtralForSequenceClassification(cfg))
+    model = ct.apply_coda(MixtralForSequenceClassification(cfg))
+    (layer,) = model.model.layers
+    assert isinstance(layer, ct.CodaLlamaDecoderLayer) and layer.mlp_module
 
 
 def test_a_gemma2_reward_model_takes_codas_layers():

@@ -1,11 +1,15 @@
-"""``apply_coda(model, layers=False)`` on tiny random Hugging Face mixture-of-experts models
-(Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE and Granite-MoE-Shared, whose logits are
-divided by ``logits_scaling``): their decoder layers stay HF's, and the training call's loss
-is coda's LM-head loss plus the router's load-balancing term, added as HF's forward adds it
-(``coda._hf_forward._router_loss``). CPU, float64, coda's loss on its reference path and on
-its kernel path through the tile interpreter: the loss, ``aux_loss`` and every gradient (the
-routers' included) equal the unpatched model's, with the router term on or off, a padding
-mask (the term's own mask) and ``num_items_in_batch``. The whole patch names what it lacks."""
+"""``apply_coda`` on tiny random Hugging Face mixture-of-experts models. With
+``layers=False`` (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE and Granite-MoE-Shared, whose
+logits are divided by ``logits_scaling``, ...) their decoder layers stay HF's, and the
+training call's loss is coda's LM-head loss plus the router's load-balancing term, added as
+HF's forward adds it (``coda._hf_forward._router_loss``). CPU, float64, coda's loss on its
+reference path and on its kernel path through the tile interpreter: the loss, ``aux_loss``
+and every gradient (the routers' included) equal the unpatched model's, with the router term
+on or off, a padding mask (the term's own mask) and ``num_items_in_batch``. The whole patch
+(``_hf_families.MOE_LAYERS``: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...) makes each layer's
+attention sublayer coda's, the norm before the experts and the experts the model's own
+modules (``DecoderLayer(mlp=)``): logits, steps padded and packed, generation, the router
+term and the state dict as the unpatched model's; the families it does not take name why."""
 
 from __future__ import annotations
 
@@ -17,7 +21,14 @@ import torch
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
 from conftest import rel_err  # noqa: E402
 from hf_tiny import MOE, padded_batch  # noqa: E402
-from test_transformers import TOL, assert_same_step, model_class, tiny_config  # noqa: E402
+from test_transformers import (  # noqa: E402
+    TOL,
+    assert_behaves_as_unpatched,
+    assert_same_step,
+    model_class,
+    pair,
+    tiny_config,
+)
 
 import coda  # noqa: E402
 import coda.env  # noqa: E402
@@ -68,9 +79,55 @@ def test_the_loss_alone_with_the_router_term_equals_unpatched(family, kernel, mo
     assert_same_step(ref, patched, input_ids=ids, labels=ids, num_items_in_batch=n, **kw)
 
 
-def test_the_whole_patch_of_a_moe_model_says_what_works():
-    model = moe_model("mixtral")
+@pytest.mark.parametrize("family", ["granitemoe", "gpt_oss", "laguna"])
+def test_the_whole_patch_of_a_moe_model_it_lacks_says_what_works(family):
+    """Granite-MoE (its experts under ``block_sparse_moe``), GPT-OSS (attention sinks) and
+    Laguna (a gated attention output): the loss alone."""
+    model = moe_model(family)
     with pytest.raises(coda.CodaInputError, match=r"mixture of experts.*layers=False"):
         ct.apply_coda(model)
     ct.apply_coda(model, layers=False)  # (and then the loss alone is patched)
     assert model.coda_method == "auto"
+
+
+# the families of ``MOE_LAYERS`` whose layers the whole patch takes (by ``tiny_config`` name):
+# Mixtral's, Qwen2-MoE's (a shared expert beside the routed ones; q, k, v biases), Qwen3-MoE's
+# (QK-norm) each through every check; the others (OLMoE's QK-norm over the whole q and k,
+# GLM-4.5's partial RoPE and first dense layer, Hunyuan's QK-norm after RoPE, ...) a padded step
+WHOLE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+STEP = ["olmoe", "ernie4_5_moe", "minimax_m2", "mellum", "glm4_moe", "hunyuan_moe", "solar_open"]
+
+
+@pytest.mark.parametrize("family", WHOLE)
+def test_moe_layers_behave_as_unpatched_float64(family, coda_path):
+    cfg = tiny_config(family, **coda_path)
+    ref, patched = pair(cfg)
+    layers = patched.model.layers
+    assert all(isinstance(la, ct.CodaLlamaDecoderLayer) and la.mlp_module for la in layers)
+    assert all(type(la.mlp) is type(r.mlp) for la, r in zip(layers, ref.model.layers))
+    assert_behaves_as_unpatched(ref, patched, torch.randint(0, cfg.vocab_size, (2, 13)))
+    out_r, out_p = ref(**padded_batch(cfg.vocab_size)), patched(**padded_batch(cfg.vocab_size))
+    assert rel_err(out_p.aux_loss, out_r.aux_loss) < TOL  # (the routers saw the same inputs)
+
+
+@pytest.mark.parametrize("family", STEP)
+def test_moe_layers_take_a_padded_step_as_unpatched_float64(family, coda_path):
+    cfg = tiny_config(family, **coda_path)
+    ref, patched = pair(cfg)
+    # a layer of experts keeps them; a dense one (GLM-4.5's and ERNIE 4.5's first) is coda's
+    layers = [
+        (la.mlp_module, hasattr(r.mlp, "down_proj"))
+        for la, r in zip(patched.model.layers, ref.model.layers)
+    ]
+    assert (True, False) in layers and all(experts != dense for experts, dense in layers)
+    assert_same_step(ref, patched, **padded_batch(cfg.vocab_size))
+
+
+def test_attention_weights_the_layer_would_not_apply_are_refused_named():
+    """A weight in an attention module beyond its projections and QK-norm (Laguna's output
+    gate, GPT-OSS's sinks) is refused before anything changes: it would be lost."""
+    model = moe_model("mixtral")
+    model.model.layers[1].self_attn.g_proj = torch.nn.Linear(4, 4)
+    with pytest.raises(coda.CodaInputError, match=r"layers\.1\.self_attn has weights .*g_proj"):
+        ct.apply_coda(model)
+    assert not any(isinstance(la, ct.CodaLlamaDecoderLayer) for la in model.model.layers)

@@ -17,6 +17,7 @@ from coda.autograd import (
     decoder_layer,
 )
 from coda.autograd_post_norm import post_norm_decoder_layer
+from coda.autograd_sublayer import attention_sublayer
 from coda.env import (
     BACKENDS,
     autocast_off,
@@ -56,6 +57,22 @@ def _long_rope(long_inv_freq, long_after, head_dim: int):
     return long_inv_freq.detach().to("cpu", torch.float64), v.check_positive_int(
         "long_after", long_after
     )
+
+
+def _check_mlp_module(mlp, ffn, activation, post_norms: bool, o_bias: bool) -> None:
+    """``DecoderLayer(mlp=)``: a module (or None), with ``ffn`` 0 and none of the options of
+    coda's own MLP or of a residual add it does not do (a bias, a norm before it)."""
+    if mlp is None:
+        return
+    if not isinstance(mlp, nn.Module):
+        raise v.CodaInputError(f"mlp: expected an nn.Module (x1 -> y) or None, got {mlp!r}")
+    if ffn != 0:
+        raise v.CodaInputError(f"ffn: must be 0 with mlp (the MLP is the module's), got {ffn}")
+    if activation != "silu" or post_norms or o_bias:
+        raise v.CodaInputError(
+            "DecoderLayer: mlp (a module of its own) with activation, post_norms or o_bias is "
+            "not supported"
+        )
 
 
 def _mrope(sections, head_dim: int, with_bias: bool, long_inv_freq):  # (bias: or QK-norm)
@@ -114,7 +131,14 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
     ``o_bias``). ``qk_norm_after_rope``: the per-head QK-norm
     norms the rotated q and k (Hunyuan's; with ``qk_norm`` "head"). ``norm_gains`` False:
     weightless norms (NanoChat's), every norm's gain (QK-norm's too) a constant 1, kept as a
-    buffer (``GAINS``: no parameter, no gradient, not in the state dict).
+    buffer (``GAINS``: no parameter, no gradient, not in the state dict). ``mlp``: the second
+    sublayer as a module of its own (a mixture of experts), its norm included: it takes x1
+    (batch, seq, d), the attention sublayer's output after its residual add, and returns its
+    output y, x2 = x1 + c y (``residual_scale`` c); the layer then holds no ``ffn_norm``,
+    ``w_il`` or ``w_d`` (``ffn`` 0) and its kernel path ends at x1
+    (``coda.autograd_sublayer``), the module differentiated by autograd (a subclass may
+    override ``ffn_sublayer`` to call modules of its own around it: HF's layers); not with
+    ``activation``, ``post_norms`` or ``o_bias``.
 
     Parameters: ``attention_norm`` and ``ffn_norm`` (the two RMSNorm gains, (d,)), ``w_qkv``,
     ``w_o``, ``w_il``, ``w_d`` (the projections, (in, out), in coda's paired layouts). The
@@ -157,8 +181,10 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         residual_scale: float = 1.0,
         qk_norm_after_rope: bool = False,
         norm_gains: bool = True,
+        mlp: nn.Module | None = None,
     ):
         super().__init__()
+        _check_mlp_module(mlp, ffn, activation, post_norms, o_bias)
         self.activation = v.check_choice("activation", activation, MLP_ACTIVATIONS)
         self.residual_scale = v.check_positive_number("residual_scale", residual_scale)
         if activation == "xielu" and post_norms:
@@ -206,7 +232,8 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
                 f"attention: must be a callable (q, k, v) -> o, got {attention!r}"
             )
         self.attention = attention
-        v.check_positive_int("ffn", ffn)
+        if mlp is None:
+            v.check_positive_int("ffn", ffn)
         v.check_eps(eps)
         v.check_choice("backend", backend, BACKENDS)
         self._kernel_rule = tma_rule(
@@ -231,12 +258,13 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         self.attention_norm = nn.Parameter(torch.ones(d, **kw)) if pre_norms else None
         self.w_qkv = nn.Parameter(torch.empty(d, nqkv, **kw))
         self.w_o = nn.Parameter(torch.empty(n_heads * hd, d, **kw))
-        self.ffn_norm = nn.Parameter(torch.ones(d, **kw)) if pre_norms else None
+        own_mlp = mlp is None  # (else the module's, its norm included)
+        self.ffn_norm = nn.Parameter(torch.ones(d, **kw)) if pre_norms and own_mlp else None
         # the MLP's input projection: gate and up interleaved (d, 2 ffn), or up alone (d, ffn)
         # for an activation without a gate (Arcee's relu2)
         n_il = ffn if self._ungated() else 2 * ffn
-        self.w_il = nn.Parameter(torch.empty(d, n_il, **kw))
-        self.w_d = nn.Parameter(torch.empty(ffn, d, **kw))
+        self.w_il = nn.Parameter(torch.empty(d, n_il, **kw)) if own_mlp else None
+        self.w_d = nn.Parameter(torch.empty(ffn, d, **kw)) if own_mlp else None
         # QK-norm weights, in the adjacent-pair order of w_qkv's heads: Qwen3's per head (hd,),
         # OLMo's over the whole q and k projections (n_heads hd,), (n_kv_heads hd,)
         whole = qk_norm == "whole"
@@ -252,6 +280,8 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         self.post_ffn_norm = nn.Parameter(torch.ones(d, **kw)) if post_norms else None
         if activation == "xielu":  # its numbers, where HF's layer keeps them
             self.mlp = nn.ModuleDict({"act_fn": XIELU(**kw)})
+        if mlp is not None:
+            self.mlp = mlp
         self.reset_parameters()
         self.norm_gains = bool(norm_gains)
         if not norm_gains:  # weightless norms: every gain a constant, an effective gain of 1
@@ -291,6 +321,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         qk += ", fp32_gains=True" if self.fp32_gains else ""
         qk += f", residual_scale={self.residual_scale}" if self.residual_scale != 1.0 else ""
         qk += ", qk_norm_after_rope=True" if self.qk_norm_after_rope else ""
+        qk += ", mlp=<module>" if self.mlp_module else ""
         return (
             f"d={self.d}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
             f"head_dim={self.head_dim}, ffn={self.ffn}{qk}"
@@ -328,13 +359,30 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         return self.attention_norm is not None
 
     @property
+    def mlp_module(self) -> bool:
+        """Whether the second sublayer is a module of its own (``mlp``; then ``ffn_sublayer``)."""
+        return self.w_d is None
+
+    def ffn_sublayer(self, x1: torch.Tensor) -> torch.Tensor:
+        """The second sublayer's output y for x1 (batch, seq, d) where it is a module of its
+        own (``mlp``): the module's, its norm included."""
+        return self.mlp(x1)
+
+    def _after_attention(self, x1: torch.Tensor) -> torch.Tensor:
+        """x2 = x1 + c y, y the second sublayer's (``ffn_sublayer``) output, c as HF's layers
+        round it (a multiplier of the output, then the add)."""
+        y = self.ffn_sublayer(x1)
+        return x1 + (y if self.residual_scale == 1.0 else y * self.residual_scale)
+
+    @property
     def o_bias(self) -> bool:
         """Whether the O projection has a bias (``bias_o``: Llama's ``attention_bias=True``)."""
         return self.bias_o is not None
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w_qkv, self.w_o, self.w_il, self.w_d):
-            nn.init.normal_(w, std=std)
+            if w is not None:  # (no MLP weights: ``mlp``, a module of its own)
+                nn.init.normal_(w, std=std)
         for g in self._norm_gains():
             nn.init.constant_(g, 1.0 - self.norm_offset)  # an effective gain of 1
         for g in (self.q_norm, self.k_norm):
@@ -386,14 +434,9 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
                 raise v.CodaInputError(f"DecoderLayer (kernel path): {self._kernel_rule}")
             return self._kernel_forward(x, pos, attention)
         g1, g2 = self._gains(compute_dtype(x), cast=False)
-        w = {
-            "g1": g1,
-            "wqkv": self.w_qkv,
-            "wo": self.w_o,
-            "g2": g2,
-            "w_il": self.w_il,
-            "wd": self.w_d,
-        }
+        w = {"g1": g1, "wqkv": self.w_qkv, "wo": self.w_o}
+        if not self.mlp_module:  # (else the reference ends at x1: ``_after_attention``)
+            w.update(g2=g2, w_il=self.w_il, wd=self.w_d)
         if self.qk_norm:
             w["q_norm"], w["k_norm"] = self._gains(compute_dtype(x), False, "qk")
         if self.qkv_bias:
@@ -418,9 +461,10 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
             inv = self._inverse_frequencies(pos.device, pos)
             ang = pos.to(torch.float64)[:, None] * inv[None, :]
             cs = torch.stack([ang.cos(), ang.sin()], dim=-1).flatten(1)
-        return decoder_layer_ref(
+        out = decoder_layer_ref(
             x.reshape(B * S, d), w, self._shape(B, S), None, attention, cs, rows=(B, S)
         )
+        return self._after_attention(out) if self.mlp_module else out
 
     def _norm_gains(self) -> tuple:
         """Every norm's gain: the two pre-norms', then the post-norms', those the layer has."""
@@ -537,6 +581,17 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         )
         dtype = compute_dtype(x)
         x, w_qkv, w_o, w_il, w_d = in_dtype(dtype, x, self.w_qkv, self.w_o, self.w_il, self.w_d)
+        if self.mlp_module:  # coda's up to x1, then the module of its own
+            rows = (tma_aligned(x.reshape(B * S, d).contiguous()), self._gains(dtype)[0])
+            qk = self._gains(dtype, which="qk") if self.qk_norm else None
+            bias = in_dtype(dtype, self.bias_qkv)[0] if self.qkv_bias else None
+            with autocast_off(x.device):
+                mrope = None if self._mrope is None else self._mrope_table(x.device)
+                x1 = attention_sublayer(
+                    *rows, w_qkv, w_o, pos, dims, attention or self.attention,
+                    self._freq_table(x.device, pos), qk, bias, mrope,
+                )  # fmt: skip
+            return self._after_attention(x1)
         g1, g2 = self._gains(dtype)
         qk = self._gains(dtype, which="qk") if self.qk_norm else None
         bias = in_dtype(dtype, self.bias_qkv)[0] if self.qkv_bias else None

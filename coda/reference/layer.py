@@ -137,7 +137,9 @@ def decoder_layer_ref(
     ``llama_layer_ref`` on the converted weights ([I3.4-I3.7]); each sublayer's output times
     ``s.residual_scale`` before its add; ``attention`` as in ``attention_ref``; ``cs``
     (M, hd), the RoPE table of every row (default from positions).
-    Returns x2 (M, d), or (*rows, d) with ``rows`` (a tensor of its own, not a view)."""
+    Returns x2 (M, d), or (*rows, d) with ``rows`` (a tensor of its own, not a view); without
+    the MLP's weights (no "w_il": ``DecoderLayer(mlp=)``'s) x1, the attention sublayer's
+    output after its residual add."""
     M, hd = x0.shape[0], s.head_dim
     nq, nkv = s.heads * hd, s.kv_heads * hd
     if cs is None:
@@ -163,6 +165,8 @@ def decoder_layer_ref(
     if s.residual_scale != 1.0:  # Granite's residual multiplier, rounded as HF's layer rounds
         o = o * s.residual_scale
     x1 = x0 + o
+    if "w_il" not in w:  # the attention sublayer alone (the MLP a module of its own)
+        return x1.view(*rows, x1.shape[1]) if rows else x1
     gu = _pre_norm_ref(x1, w["g2"], s.eps) @ w["w_il"]
     act = w["act"].to(gu.dtype) if "act" in w else None  # (xIELU's, in the MLP's dtype as HF's)
     y = mlp_activation_ref(gu, s.activation, act) @ w["wd"]
