@@ -31,6 +31,7 @@ around Liger's own steps only.
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
@@ -56,8 +57,9 @@ from benchmarks.hf_models import (
 )
 
 # (run only when CODA_HF_PEERS names them; ``hf_coda_loss_alone``: ``layers=False``, the
-# mixture-of-experts models' patch before session 81)
-ON_REQUEST_PEERS = ("hf_coda_flex", "hf_liger_flex", "hf_coda_loss_alone")
+# mixture-of-experts models' patch before session 81; ``hf_coda_liger_experts``: coda's patch
+# over a model whose experts Liger's fused-MoE kernel runs, the two composed)
+ON_REQUEST_PEERS = ("hf_coda_flex", "hf_liger_flex", "hf_coda_loss_alone", "hf_coda_liger_experts")
 LIGER_PEERS = ("hf_liger", "hf_liger_no_cache", "hf_liger_flex")  # (Liger's patch, three ways)
 # the variants whose per-kernel tables pass 1 takes
 PROFILED = ("hf_coda", "hf_coda_compiled", "hf_liger", "hf_liger_no_cache", *ON_REQUEST_PEERS)
@@ -90,6 +92,12 @@ class LigerSwitch:
         module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
         patch = {"gemma3": "gemma3_text"}.get(family, family)  # (its text-only model's patch)
         return cls(module, getattr(lk, f"apply_liger_kernel_to_{patch}"))
+
+    def experts_only(self) -> "LigerSwitch":
+        """The same patch reduced to Liger's MLP kernels (its fused experts, in an MoE model):
+        no RoPE, norms or loss of its own."""
+        kw = dict(rope=False, rms_norm=False, fused_linear_cross_entropy=False, swiglu=True)
+        return LigerSwitch(self.module, functools.partial(self.apply, **kw))
 
     def patch(self, model):
         before = _module_state(self.module)
@@ -161,6 +169,9 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
     ]
     if liger is not None:
         out.append(("hf_liger", lambda: liger.patch(copy.deepcopy(base))))
+        experts = liger.experts_only()  # (what it rebinds is put back, as ``patch`` does)
+        composed = lambda: coda_patch(experts.patch(copy.deepcopy(base)))  # noqa: E731
+        out.append(("hf_coda_liger_experts", composed))
         # the same, called with ``use_cache=False`` (README's tip), as coda's training call
         # runs by default: the like-for-like row
         out.append(("hf_liger_no_cache", lambda: liger.patch(copy.deepcopy(base))))

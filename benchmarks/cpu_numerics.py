@@ -137,10 +137,10 @@ def hf(seeds=4, families=("llama", "qwen3")):
 
 
 def hf_pooled(seeds=16, families=("glm4",)):
-    """``test_gpu_patched_biased_protocol_pooled``'s check on the CPU (k biases of standard
-    deviation 1): each gradient's error pooled over ``seeds`` seeds (``conftest.pooled_ratio``,
-    Bonferroni over the gradients); the largest pooled ratios and how many are over their
-    bands."""
+    """``test_gpu_patched_biased_protocol_pooled``'s and ``test_gpu_patched_moe_protocol_pooled``'s
+    check on the CPU (k biases of standard deviation 1): each gradient's error and the loss's
+    pooled over ``seeds`` seeds (``conftest.pooled_ratio``, Bonferroni over them); the largest
+    pooled ratios, how many are over their bands, and the loss's."""
     from conftest import family_z, pooled_ratio, seed_errors
     from test_transformers_gpu import protocol_run
 
@@ -148,14 +148,19 @@ def hf_pooled(seeds=16, families=("glm4",)):
     for family in families:
         errors: dict = {}
         for seed in range(seeds):
-            _, (g64, g16, gc), _ = protocol_run(family, "cpu", seed)
+            (l64, l16, lc), (g64, g16, gc), _ = protocol_run(family, "cpu", seed)
+            errors.setdefault("loss", []).append(seed_errors(lc, l64, l16))
             for n, g in g64.items():
                 errors.setdefault(n, []).append(seed_errors(gc[n], g, g16[n]))
         z = family_z(len(errors))
         pooled = sorted(((*pooled_ratio(e, z), n) for n, e in errors.items()), reverse=True)
         over = [n for r, b, n in pooled if r > 1 + b]
         top = "; ".join(f"{n} {r:.3f} (band 1 + {b:.3f})" for r, b, n in pooled[:4])
-        print(f"hf {family} pooled over {seeds} seeds: largest {top}; over its band {len(over)}")
+        loss = next(f"{r:.3f} (band 1 + {b:.3f})" for r, b, n in pooled if n == "loss")
+        print(
+            f"hf {family} pooled over {seeds} seeds: largest {top}; over its band {len(over)};"
+            f" the loss {loss}"
+        )
 
 
 def vlm(seeds=2, kinds=("qwen2_5_vl", "qwen3_vl")):

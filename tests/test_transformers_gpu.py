@@ -144,7 +144,6 @@ def protocol_run(family: str, device: str, seed: int = 0, k_bias: float = 1.0, o
     ["llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "ministral"]
     + ["cwm", "gpt_oss", "qwen3_next", "gemma", "exaone4", "ernie4_5", "olmo3", "phi4-mini"]
     + ["hunyuan_dense", "arcee", "ministral3", "helium", "hyperclovax", "vaultgemma", "nanochat"]
-    + ["mixtral", "qwen2_moe", "qwen3_moe"]
     + list(SCALED_ROPES),
 )
 def test_gpu_patched_model_protocol(family):
@@ -158,8 +157,7 @@ def test_gpu_patched_model_protocol(family):
     without a gate, relu^2) / Ministral 3 (Llama 4's attention temperature) / Granite (residual
     multipliers in F3's and F5's epilogues: coda's layers
     since session 75; its logits_scaling in the loss's final-norm gain), GPT-OSS and Qwen3-Next
-    (the loss alone: the final norm's fp32 gain), Mixtral, Qwen2-MoE and Qwen3-MoE (coda's
-    attention sublayers, HF's experts: since session 81), and Llama with
+    (the loss alone: the final norm's fp32 gain), and Llama with
     Llama 3's, linear, YaRN and LongRoPE scaling (coda's kernels, HF's sdpa) against the
     unpatched bf16 model, both against a float64 copy: loss and every gradient no worse than the
     unpatched bf16 model's (CODA's protocol, ties within ``tie_band``), with a padding mask.
@@ -217,6 +215,34 @@ def test_gpu_patched_biased_protocol_pooled(family, k_bias):
         _, (g64, g16, gc), _ = protocol_run(family, "cuda", seed, k_bias)
         for n, g in g64.items():
             errors.setdefault(n, []).append(seed_errors(gc[n], g, g16[n]))
+    z = family_z(len(errors))
+    pooled = {n: pooled_ratio(e, z) for n, e in errors.items()}
+    worse = {n: (round(r, 4), round(1 + b, 4)) for n, (r, b) in pooled.items() if r > 1 + b}
+    assert not worse, worse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_gpu_patched_moe_protocol_pooled(family):
+    """H200: CODA's protocol for a patched bf16 mixture-of-experts model (coda's attention
+    sublayers and loss, HF's experts: since session 81), the loss and every gradient pooled
+    over ``POOLED_SEEDS`` seeds as ``test_gpu_patched_biased_protocol_pooled``'s gradients are,
+    the loss too (Bonferroni over all of them). One seed cannot decide it: a router's top-k
+    choice is discontinuous in its input, so either bf16 path's roundings move some tokens to
+    other experts than the float64 model's, and those tokens decide a seed's errors; the
+    CPU model of the one-seed test read worst gradient ratios of 0.78-3.9 from seed to seed
+    (the routers' and experts' gradients), and the loss's error coda's above or below
+    PyTorch's by seed (``cpu_numerics.py hf``, session 81). Pooled, a path whose roundings move
+    fewer tokens reads under 1."""
+    from conftest import family_z, pooled_ratio, seed_errors
+
+    errors: dict = {}
+    for seed in range(POOLED_SEEDS):
+        (l64, l16, lc), (g64, g16, gc), _ = protocol_run(family, "cuda", seed)
+        errors.setdefault("loss", []).append(seed_errors(lc, l64, l16))
+        for n, g in g64.items():
+            errors.setdefault(n, []).append(seed_errors(gc[n], g, g16[n]))
+    assert coda.last_path("DecoderLayer")[0] == "kernel"
     z = family_z(len(errors))
     pooled = {n: pooled_ratio(e, z) for n, e in errors.items()}
     worse = {n: (round(r, 4), round(1 + b, 4)) for n, (r, b) in pooled.items() if r > 1 + b}
