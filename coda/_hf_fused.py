@@ -14,7 +14,8 @@ map to Llama's so that coda's order puts those pairs first, then the unrotated d
 (the layer rotates them at frequency 0). So each form converts to and from Llama's keys
 exactly (splitting or concatenating rows, renaming, permuting rows), and
 ``coda.nn.DecoderLayer``'s Llama conversions (``coda.layouts``) do the rest. Used by
-``coda.transformers`` for the layers of those forms (``Form``).
+``coda.transformers`` for the layers of those forms (``Form``), whose state-dict hooks
+(``to_hf_keys``, ``from_hf_keys``) are here too.
 """
 
 from __future__ import annotations
@@ -166,3 +167,23 @@ def split(tensors: dict, shapes: dict, prefix: str = "", which=tuple(FUSED)) -> 
             pieces = out.pop(prefix + fused).split(rows)
             out.update({prefix + p: t for p, t in zip(parts, pieces)})
     return out
+
+
+def to_hf_keys(module, state_dict, prefix, local_metadata):
+    """A patched layer's state-dict post-hook: its own parameters under HF's keys and layouts
+    (``hf_state_dict``), unless ``hf_keys`` is off (``coda.transformers.coda_keys``); its
+    submodules' keys (an MoE layer's experts) are the model's already."""
+    if not module.hf_keys:
+        return
+    for name in module._parameters:  # coda's own parameters, under HF's keys instead
+        state_dict.pop(prefix + name, None)
+    state_dict.update(module.hf_state_dict(prefix))
+
+
+def from_hf_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    """Its load pre-hook: HF's keys for its own parameters, where all are given, converted."""
+    keys = [prefix + k for k in module.hf_shapes()]
+    if not all(k in state_dict for k in keys):
+        return  # already coda keys, or missing ones: load_state_dict reports them
+    hf = {k: state_dict.pop(k) for k in keys}
+    state_dict.update({prefix + n: t for n, t in module.params_from_hf(hf, prefix).items()})

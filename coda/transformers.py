@@ -53,19 +53,18 @@ weight names (GLM-4's, Apertus's, HyperCLOVAX's and VaultGemma's norms, Hunyuan'
 exactly (``coda._hf_fused``); residual dropout must be 0 (Phi-3's and Seed-OSS's); sliding windows
 keep the model's own masks and window; and those families' ``...ForSequenceClassification`` (reward
 models), ``...ForTokenClassification`` and ``...ForQuestionAnswering`` (``TASK_HEADS``: the decoder
-stack patched, the task head and its loss HF's). ``apply_coda(model, layers=False)`` makes only the
-training call's loss coda's: for layers with adapters, and for the models of ``LOSS_ONLY``: Mixtral,
-Qwen2-MoE and Qwen3-MoE, whose router term it adds as their forward does (Gemma's final norm's gain
-1 + w it keeps in fp32, Gemma 2's logit soft-capping in coda's loss too, with or without the
-layers); Granite-MoE and Granite-MoE-Shared, whose ``logits_scaling`` divides that gain (Granite's
-too, with or without its layers); OLMoE, GPT-OSS (its final norm rounding as OLMo's, once, after its
-weight in fp32), MiniMax-M2, ERNIE 4.5 MoE, Qwen3-Next and Qwen3.5 MoE (their router terms as
-Mixtral's; Qwen3-Next's and Qwen3.5's final norm scaling by 1 + w in fp32 as Gemma's), DeepSeek-V3,
-GLM-4.5, Llama 4 (text), GLM-4, Apertus, EXAONE 4, Qwen3.5, ERNIE 4.5 and Hunyuan (dense, MoE). Each
-final norm's form is held against the norm itself before patching
-(``_hf_forward.check_final_norm``). Vision-language models (``VISION_LANGUAGE``: Llava, Llava-NeXT,
-Llava-OneVision, Mistral 3, InternVL, Idefics3, SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4.5V, Mllama, Qwen3.5, Qwen3.5 MoE): the training call's loss
+stack patched, the task head and its loss HF's). The mixture-of-experts families of ``MOE_LAYERS``
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ERNIE 4.5 MoE, MiniMax-M2, Mellum, GLM-4.5, Hunyuan MoE,
+Solar Open): each layer's attention sublayer coda's up to its residual add, the norm before the
+experts and the experts the model's own modules (``ffn_sublayer``), the router's term added to
+coda's loss as their forward adds it. ``apply_coda(model, layers=False)`` makes only the training
+call's loss coda's: for layers with adapters, and for the models of ``LOSS_ONLY`` (each with why),
+their final norms' forms kept (Gemma's 1 + w and OLMo's and GPT-OSS's weight in fp32, Granite's
+``logits_scaling`` folded into the gain, Gemma 2's soft-capped logits). Each final norm's form is
+held against the norm itself before patching (``_hf_forward.check_final_norm``). Vision-language
+models (``VISION_LANGUAGE``: Llava, Llava-NeXT, Llava-OneVision, Mistral 3, InternVL, Idefics3,
+SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4.5V,
+Mllama, Qwen3.5, Qwen3.5 MoE): the training call's loss
 through coda's (the model's own forward runs, its images, masks and multimodal positions its own,
 with its final norm and LM head skipped and its loss function coda's:
 ``_hf_forward.vision_language_forward``), and the text model's decoder layers where that text model
@@ -109,6 +108,8 @@ from coda._hf_families import (
     sliding_window,
 )
 from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_forward
+from coda._hf_fused import from_hf_keys as _from_hf_keys  # (the names the hooks of layers
+from coda._hf_fused import to_hf_keys as _to_hf_keys  # pickled before session 81 refer to)
 from coda._hf_rope import mrope_sections, rope_arguments, rope_pairs, typed_rotary
 from coda.autograd import LM_HEAD_METHODS
 from coda.env import host_cache
@@ -409,22 +410,6 @@ def coda_keys(model):
     finally:
         for m, flag in before.items():
             m.hf_keys = flag
-
-
-def _to_hf_keys(module, state_dict, prefix, local_metadata):
-    if not module.hf_keys:
-        return
-    for name in module._parameters:  # coda's own parameters, under HF's keys instead
-        state_dict.pop(prefix + name, None)
-    state_dict.update(module.hf_state_dict(prefix))
-
-
-def _from_hf_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-    keys = [prefix + k for k in module.hf_shapes()]
-    if not all(k in state_dict for k in keys):
-        return  # already coda keys, or missing ones: load_state_dict reports them
-    hf = {k: state_dict.pop(k) for k in keys}
-    state_dict.update({prefix + n: t for n, t in module.params_from_hf(hf, prefix).items()})
 
 
 # the names a patched model pickled before session 64 (``torch.save(model)``) refers to, from
