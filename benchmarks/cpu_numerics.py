@@ -141,17 +141,12 @@ def hf_pooled(seeds=16, families=("glm4",)):
     check on the CPU (k biases of standard deviation 1): each gradient's error and the loss's
     pooled over ``seeds`` seeds (``conftest.pooled_ratio``, Bonferroni over them); the largest
     pooled ratios, how many are over their bands, and the loss's."""
-    from conftest import family_z, pooled_ratio, seed_errors
-    from test_transformers_gpu import protocol_run
+    from conftest import family_z, pooled_ratio
+    from test_transformers_gpu import seed_pooled_errors
 
     _kernel_path_on_cpu()
     for family in families:
-        errors: dict = {}
-        for seed in range(seeds):
-            (l64, l16, lc), (g64, g16, gc), _ = protocol_run(family, "cpu", seed)
-            errors.setdefault("loss", []).append(seed_errors(lc, l64, l16))
-            for n, g in g64.items():
-                errors.setdefault(n, []).append(seed_errors(gc[n], g, g16[n]))
+        errors = seed_pooled_errors(family, "cpu", seeds)
         z = family_z(len(errors))
         pooled = sorted(((*pooled_ratio(e, z), n) for n, e in errors.items()), reverse=True)
         over = [n for r, b, n in pooled if r > 1 + b]

@@ -177,6 +177,23 @@ def test_gpu_patched_model_protocol(family):
 POOLED_SEEDS = 128
 
 
+def seed_pooled_errors(family: str, device: str, seeds: int, k_bias=1.0, loss=True) -> dict:
+    """{name: each seed's (coda's error, PyTorch's)} of ``protocol_run``'s step over ``seeds``
+    seeds, for ``conftest.pooled_ratio``: every gradient's and, with ``loss``, the loss's
+    (``conftest.seed_errors``). The pooled GPU tests and ``cpu_numerics.py hf-pooled`` (their
+    CPU model) share it."""
+    from conftest import seed_errors
+
+    errors: dict = {}
+    for seed in range(seeds):
+        (l64, l16, lc), (g64, g16, gc), _ = protocol_run(family, device, seed, k_bias)
+        if loss:
+            errors.setdefault("loss", []).append(seed_errors(lc, l64, l16))
+        for n, g in g64.items():
+            errors.setdefault(n, []).append(seed_errors(gc[n], g, g16[n]))
+    return errors
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "family,k_bias",
@@ -206,15 +223,11 @@ def test_gpu_patched_biased_protocol_pooled(family, k_bias):
     it: under the biases' saturated softmax the q and k projections' gradients (through
     attention's score gradient) read 0.55-2.1x from seed to seed on either path's roundings
     (runs 280-284, benchmarks/NOTES.md sessions 62-63). The loss as the other families'."""
-    from conftest import family_z, pooled_ratio, seed_errors
+    from conftest import family_z, pooled_ratio
 
     e_c, e_t, floor = loss_error_rms(family, "cuda", 64)
     assert max(e_c, floor) <= max(e_t, floor), (e_c, e_t, floor)
-    errors: dict = {}
-    for seed in range(POOLED_SEEDS):
-        _, (g64, g16, gc), _ = protocol_run(family, "cuda", seed, k_bias)
-        for n, g in g64.items():
-            errors.setdefault(n, []).append(seed_errors(gc[n], g, g16[n]))
+    errors = seed_pooled_errors(family, "cuda", POOLED_SEEDS, k_bias, loss=False)
     z = family_z(len(errors))
     pooled = {n: pooled_ratio(e, z) for n, e in errors.items()}
     worse = {n: (round(r, 4), round(1 + b, 4)) for n, (r, b) in pooled.items() if r > 1 + b}
@@ -234,14 +247,9 @@ def test_gpu_patched_moe_protocol_pooled(family):
     (the routers' and experts' gradients), and the loss's error coda's above or below
     PyTorch's by seed (``cpu_numerics.py hf``, session 81). Pooled, a path whose roundings move
     fewer tokens reads under 1."""
-    from conftest import family_z, pooled_ratio, seed_errors
+    from conftest import family_z, pooled_ratio
 
-    errors: dict = {}
-    for seed in range(POOLED_SEEDS):
-        (l64, l16, lc), (g64, g16, gc), _ = protocol_run(family, "cuda", seed)
-        errors.setdefault("loss", []).append(seed_errors(lc, l64, l16))
-        for n, g in g64.items():
-            errors.setdefault(n, []).append(seed_errors(gc[n], g, g16[n]))
+    errors = seed_pooled_errors(family, "cuda", POOLED_SEEDS)
     assert coda.last_path("DecoderLayer")[0] == "kernel"
     z = family_z(len(errors))
     pooled = {n: pooled_ratio(e, z) for n, e in errors.items()}
