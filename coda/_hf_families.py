@@ -123,6 +123,7 @@ SUPPORTED = (
 _MOE_FAMILIES = ("Mixtral", "Qwen2Moe", "Qwen3Moe", "Olmoe", "Ernie4_5_Moe", "MiniMaxM2")
 _MOE_FAMILIES += ("Mellum", "Glm4Moe", "HunYuanMoEV1", "SolarOpen")
 MOE_LAYERS = tuple(f"{family}DecoderLayer" for family in _MOE_FAMILIES)
+MOE_LAYERS += ("Qwen3VLMoeTextDecoderLayer", "Glm4vMoeTextDecoderLayer")  # (their VLMs' text)
 _CLASSES = ("ForCausalLM", "Model")
 SUPPORTED += tuple(f"{family}{kind}" for family in _MOE_FAMILIES for kind in _CLASSES)
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
@@ -186,14 +187,14 @@ VISION_LANGUAGE = (
 )
 TEXT_LOSS_ONLY = {
     "MllamaTextModel": "cross-attention layers to the image",
-    "Qwen3VLMoeTextModel": _MOE,
-    "Glm4vMoeTextModel": _MOE,
     "Qwen3_5TextModel": LOSS_ONLY["Qwen3_5ForCausalLM"],
     "Qwen3_5MoeTextModel": LOSS_ONLY["Qwen3_5MoeForCausalLM"],
 }
 # text models whose layers are Qwen2's (Qwen2-VL, Qwen2.5-VL) or Qwen3's (Qwen3-VL) with
 # multimodal RoPE: coda's layer with ``mrope_sections``
 MROPE_TEXT = ("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel", "Glm4vTextModel")
+# (and their mixture-of-experts text models', ``MOE_LAYERS``: Qwen3-VL-MoE's, GLM-4.5V's)
+MROPE_TEXT += ("Qwen3VLMoeTextModel", "Glm4vMoeTextModel")
 # an HF attention module's QK-norm modules (q's, k's): Qwen3's (before RoPE); Hunyuan's (after)
 QK_NORMS = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"))
 # HF attention modules that norm the rotated q and k under Qwen3's names: NanoChat's

@@ -30,9 +30,9 @@ KINDS = {
     "qwen2_5_vl": True,
     "qwen3_vl": True,
     "mllama": False,
-    "qwen3_vl_moe": False,
+    "qwen3_vl_moe": True,
     "glm4v": True,
-    "glm4v_moe": False,
+    "glm4v_moe": True,
     "qwen3_5": False,
     "qwen3_5_moe": False,
 }
