@@ -531,27 +531,21 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         )
         dtype = compute_dtype(x)
         x, w_qkv, w_o, w_il, w_d = in_dtype(dtype, x, self.w_qkv, self.w_o, self.w_il, self.w_d)
-        if self.mlp_module:  # coda's up to x1, then the module of its own
-            rows = (tma_aligned(x.reshape(B * S, d).contiguous()), self._gains(dtype)[0])
-            qk = self._gains(dtype, which="qk") if self.qk_norm else None
-            bias = in_dtype(dtype, self.bias_qkv)[0] if self.qkv_bias else None
-            with autocast_off(x.device):
-                mrope = None if self._mrope is None else self._mrope_table(x.device)
-                x1 = attention_sublayer(
-                    *rows, w_qkv, w_o, pos, dims, attention or self.attention,
-                    self._freq_table(x.device, pos), qk, bias, mrope,
-                )  # fmt: skip
-            return self._after_attention(x1)
         g1, g2 = self._gains(dtype)
         qk = self._gains(dtype, which="qk") if self.qk_norm else None
         bias = in_dtype(dtype, self.bias_qkv)[0] if self.qkv_bias else None
         o_bias = in_dtype(dtype, self.bias_o)[0] if self.o_bias else None
-        rows = (tma_aligned(x.reshape(B * S, d).contiguous()), g1, w_qkv, w_o, g2, w_il, w_d)
+        x_rows = tma_aligned(x.reshape(B * S, d).contiguous())
+        rows = (x_rows, g1, w_qkv, w_o, g2, w_il, w_d)
         rope = (pos, dims, attention or self.attention, self._freq_table(x.device, pos))
         with autocast_off(x.device):
             mrope = None if self._mrope is None else self._mrope_table(x.device)
-            if self.post_norms:
+            if self.mlp_module:  # coda's up to x1; the module of its own after (under autocast)
+                x1 = attention_sublayer(x_rows, g1, w_qkv, w_o, *rope, qk, bias, mrope)
+            elif self.post_norms:
                 post = self._gains(dtype, which="post")  # (c: into them, ``dims``)
                 return post_norm_decoder_layer(*rows, post, *rope, qk, mrope, qkv_bias=bias)
-            act = self.mlp.act_fn.numbers() if self.activation == "xielu" else None
-            return decoder_layer(*rows, *rope, qk, bias, o_bias, mrope, act)
+            else:
+                act = self.mlp.act_fn.numbers() if self.activation == "xielu" else None
+                return decoder_layer(*rows, *rope, qk, bias, o_bias, mrope, act)
+        return self._after_attention(x1)
