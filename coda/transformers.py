@@ -70,8 +70,8 @@ with its final norm and LM head skipped and its loss function coda's:
 ``_hf_forward.vision_language_forward``), and the text model's decoder layers where that text model
 is a supported family's (Llama, Mistral, Ministral 3, Qwen2, Gemma) or a Qwen-VL model's or GLM-4V's
 (Qwen2's, Qwen3's or GLM-4's layer with multimodal RoPE: ``mrope_sections``, the position rows
-tagged on the rotary module's output, ``_tag_mrope_rows``; Qwen3-VL-MoE's and GLM-4.5V's their
-attention sublayers, as ``MOE_LAYERS``'); the others take ``layers=False``; the
+tagged on the rotary module's output, ``_tag_mrope_rows``; of Qwen3-VL-MoE's and GLM-4.5V's the
+attention sublayers, as in ``MOE_LAYERS``); the others take ``layers=False``; the
 vision encoder stays HF's."""
 
 from __future__ import annotations
