@@ -9,11 +9,14 @@ patch itself so that adding a family is a change to these tables and their tests
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from coda import _validate as v
 from coda._hf_forward import check_final_norm, norm_epsilon, norm_form
 from coda._hf_fused import GLM4_NORMS
+from coda.env import host_cache
 
 SUPPORTED = (
     "LlamaForCausalLM",
@@ -124,6 +127,16 @@ _MOE_FAMILIES = ("Mixtral", "Qwen2Moe", "Qwen3Moe", "Olmoe", "Ernie4_5_Moe", "Mi
 _MOE_FAMILIES += ("Mellum", "Glm4Moe", "HunYuanMoEV1", "SolarOpen")
 MOE_LAYERS = tuple(f"{family}DecoderLayer" for family in _MOE_FAMILIES)
 MOE_LAYERS += ("Qwen3VLMoeTextDecoderLayer", "Glm4vMoeTextDecoderLayer")  # (their VLMs' text)
+# the MoE layers whose modules after the norm go by other names than ``mlp``, their outputs
+# summed: Granite-MoE's experts (``block_sparse_moe``), Granite-MoE-Shared's with a shared MLP
+# beside them (None in a config without one); each sublayer's output times Granite's
+# residual multiplier before its add
+EXPERTS = {
+    "GraniteMoeDecoderLayer": ("block_sparse_moe",),
+    "GraniteMoeSharedDecoderLayer": ("block_sparse_moe", "shared_mlp"),
+}
+MOE_LAYERS += tuple(EXPERTS)
+_MOE_FAMILIES += ("GraniteMoe", "GraniteMoeShared")
 _CLASSES = ("ForCausalLM", "Model")
 SUPPORTED += tuple(f"{family}{kind}" for family in _MOE_FAMILIES for kind in _CLASSES)
 # task models (reward models, classifiers, extractive QA) over a supported family's decoder
@@ -139,10 +152,6 @@ TASK_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestio
 # 3's, which also norm each sublayer's output before its residual add, since session 72)
 _MOE = "a mixture of experts"
 LOSS_ONLY = {
-    # Granite-MoE's logits are divided by ``logits_scaling``, folded into the final norm's
-    # gain (Granite's dense layers are coda's since session 75)
-    "GraniteMoeForCausalLM": _MOE,
-    "GraniteMoeSharedForCausalLM": _MOE,
     # (OLMo 2's and 3's layers are coda's since session 74)
     # later families (session 69): GPT-OSS's final norm rounds as OLMo's (its weight in fp32,
     # rounded once, ``_hf_forward.FP32_SCALED_NORMS``); Qwen3-Next's and
@@ -242,10 +251,19 @@ LAYER_NORMS = tuple(
 )
 
 
+def experts_modules(hf_layer) -> tuple:
+    """The names of the HF layer's modules that stay its own after its norm, their outputs
+    summed: a mixture of experts in a layer of ``MOE_LAYERS`` (``mlp``, or ``EXPERTS``' names);
+    () where coda's MLP replaces them (Llama's MLP: a ``down_proj`` of its own)."""
+    kind = type(hf_layer).__name__
+    if kind not in MOE_LAYERS:
+        return ()
+    return EXPERTS.get(kind) or (() if hasattr(hf_layer.mlp, "down_proj") else ("mlp",))
+
+
 def experts_module(hf_layer) -> bool:
-    """Whether the HF layer's MLP stays its own module: a mixture of experts in a layer of
-    ``MOE_LAYERS`` (no ``down_proj`` of its own: not Llama's MLP)."""
-    return type(hf_layer).__name__ in MOE_LAYERS and not hasattr(hf_layer.mlp, "down_proj")
+    """Whether the HF layer's MLP stays its own module (``experts_modules``)."""
+    return bool(experts_modules(hf_layer))
 
 
 def has_norm(hf_layer, name: str) -> bool:
@@ -355,7 +373,7 @@ def hf_renames(hf_layer) -> dict:
         hf_layer, "post_feedforward_layernorm"
     )
     out.update(VAULTGEMMA_NORMS if vault else {})
-    out.update(FC_MLP if hasattr(hf_layer.mlp, "fc1") else {})
+    out.update(FC_MLP if hasattr(getattr(hf_layer, "mlp", None), "fc1") else {})
     names = qk_norm_names(hf_layer.self_attn)
     if names and names != QK_NORMS[0]:
         out.update({f"self_attn.{a}.weight": f"self_attn.{b}.weight" for a, b in zip(*QK_NORMS)})
@@ -493,3 +511,15 @@ def sliding_window(attention) -> dict:
     if hasattr(attention.config, "sliding_window"):
         return {"sliding_window": attention.config.sliding_window}
     return {}
+
+
+@host_cache()
+def hf_attention_functions(attention_class: type):
+    """transformers' attention functions and the eager one ``attention_class``'s forward
+    falls back on: its own modeling module's (Gemma 2's soft-caps the logits), else Llama's
+    (``host_cache``: cached per class in eager calls, run as it is inside a trace)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    own = getattr(sys.modules.get(attention_class.__module__), "eager_attention_forward", None)
+    return ALL_ATTENTION_FUNCTIONS, own or eager_attention_forward

@@ -55,13 +55,14 @@ keep the model's own masks and window; and those families' ``...ForSequenceClass
 models), ``...ForTokenClassification`` and ``...ForQuestionAnswering`` (``TASK_HEADS``: the decoder
 stack patched, the task head and its loss HF's). The mixture-of-experts families of ``MOE_LAYERS``
 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ERNIE 4.5 MoE, MiniMax-M2, Mellum, GLM-4.5, Hunyuan MoE,
-Solar Open): each layer's attention sublayer coda's up to its residual add, the norm before the
-experts and the experts the model's own modules (``ffn_sublayer``), the router's term added to
-coda's loss as their forward adds it. ``apply_coda(model, layers=False)`` makes only the training
-call's loss coda's: for layers with adapters, and for the models of ``LOSS_ONLY`` (each with why),
-their final norms' forms kept (Gemma's 1 + w and OLMo's and GPT-OSS's weight in fp32, Granite's
-``logits_scaling`` folded into the gain, Gemma 2's soft-capped logits). Each final norm's form is
-held against the norm itself before patching (``_hf_forward.check_final_norm``). Vision-language
+Solar Open, Granite-MoE and Granite-MoE-Shared): each layer's attention sublayer coda's up to its
+residual add, the norm before the experts and the experts the model's own modules
+(``ffn_sublayer``), the router's term added to coda's loss as their forward adds it.
+``apply_coda(model, layers=False)`` makes only the training call's loss coda's: for layers with
+adapters, and for the models of ``LOSS_ONLY`` (each with why), their final norms' forms kept
+(Gemma's 1 + w and OLMo's and GPT-OSS's weight in fp32, Granite's ``logits_scaling`` folded into
+the gain, Gemma 2's soft-capped logits). Each final norm's form is held against the norm itself
+before patching (``_hf_forward.check_final_norm``). Vision-language
 models (``VISION_LANGUAGE``: Llava, Llava-NeXT, Llava-OneVision, Mistral 3, InternVL, Idefics3,
 SmolVLM, Gemma 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4.5V,
 Mllama, Qwen3.5, Qwen3.5 MoE): the training call's loss
@@ -78,7 +79,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -99,9 +99,10 @@ from coda._hf_families import (
     attention_weights,
     check_linears,
     check_mlp_biases,
-    experts_module,
+    experts_modules,
     fused_projections,
     global_nope,
+    hf_attention_functions,
     hf_renames,
     layer_options,
     layer_type,
@@ -113,7 +114,6 @@ from coda._hf_fused import from_hf_keys as _from_hf_keys  # (the names the hooks
 from coda._hf_fused import to_hf_keys as _to_hf_keys  # pickled before session 81 refer to)
 from coda._hf_rope import mrope_sections, rope_arguments, rope_pairs, typed_rotary
 from coda.autograd import LM_HEAD_METHODS
-from coda.env import host_cache
 from coda.nn import DecoderLayer, Embedding
 from coda.nn.activation import XIELU
 
@@ -149,7 +149,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
                 f"apply_coda: {where}: q, k, v biases with Qwen3's QK-norm (attention_bias=True)"
                 " are not supported (qk_norm and qkv_bias together)"
             )
-        experts = experts_module(hf_layer)  # (a mixture of experts: the model's own, after
+        experts = experts_modules(hf_layer)  # (a mixture of experts: the model's own, after
         p = next(hf_layer.parameters())  # its own norm; ``ffn_sublayer``)
         # SmolLM3's NoPE layers (``use_rope`` 0) and EXAONE 4's global ones: RoPE at angle 0,
         # the identity, exactly
@@ -175,11 +175,16 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
             long_inv_freq=long_inv_freq,
             long_after=long_after,
             mrope_sections=mrope,
-            mlp=hf_layer.mlp if experts else None,
+            mlp=getattr(hf_layer, experts[0]) if experts else None,
             **layer_options(hf_layer, config),  # (GeGLU, the norms' forms, QK-norm's span)
         )
-        if experts:
+        if experts:  # (under the model's names: its state-dict keys)
             self.post_attention_layernorm = hf_layer.post_attention_layernorm
+            self.hf_experts = experts
+            if experts != ("mlp",):
+                del self.mlp
+                for name in experts:
+                    setattr(self, name, getattr(hf_layer, name))
         # its state dict's form beyond Llama's keys (``coda._hf_fused``): Phi-3's and GLM's
         # fused projections, GLM-4's norm names, GLM's q and k rows in adjacent-pair order,
         # Phi-4-mini's rotate-half pairs of part of each head
@@ -214,8 +219,12 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
     def extra_repr(self) -> str:  # (printed under HF's class name: say whose layer it is)
         return f"coda, {super().extra_repr()}"
 
+    hf_experts = ("mlp",)
+
     def ffn_sublayer(self, x1):  # (a mixture of experts: the model's norm, then its experts)
-        return self.mlp(self.post_attention_layernorm(x1))
+        h = self.post_attention_layernorm(x1)
+        y = [m(h) for m in (getattr(self, n) for n in self.hf_experts) if m is not None]
+        return y[0] if len(y) == 1 else y[0] + y[1]  # (Granite-MoE-Shared's: then its shared MLP)
 
     # HF's keys are Llama's but for the layer's form (``hf_form``), converted exactly
     def _form(self) -> _hf_fused.Form:
@@ -273,7 +282,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         """The model's configured attention function (read from its config on every call, so
         ``set_attn_implementation`` after patching is honored) as coda's attention callable."""
         module = self.self_attn
-        functions, eager = _hf_attention_functions(type(module))
+        functions, eager = hf_attention_functions(type(module))
         implementation = module.config._attn_implementation
         iface = functions.get_interface(implementation, eager)
         window = sliding_window(module)
@@ -380,18 +389,6 @@ def _reduce_patched_layer(layer, protocol):
 
 def _new_patched_layer(hf_class: type):
     return object.__new__(patched_class(hf_class))
-
-
-@host_cache()
-def _hf_attention_functions(attention_class: type):
-    """transformers' attention functions and the eager one ``attention_class``'s forward
-    falls back on: its own modeling module's (Gemma 2's soft-caps the logits), else Llama's
-    (``host_cache``: cached per class in eager calls, run as it is inside a trace)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
-    own = getattr(sys.modules.get(attention_class.__module__), "eager_attention_forward", None)
-    return ALL_ATTENTION_FUNCTIONS, own or eager_attention_forward
 
 
 @contextlib.contextmanager

@@ -80,10 +80,10 @@ def test_the_loss_alone_with_the_router_term_equals_unpatched(family, kernel, mo
     assert_same_step(ref, patched, input_ids=ids, labels=ids, num_items_in_batch=n, **kw)
 
 
-@pytest.mark.parametrize("family", ["granitemoe", "gpt_oss", "laguna"])
+@pytest.mark.parametrize("family", ["gpt_oss", "laguna", "qwen3_next"])
 def test_the_whole_patch_of_a_moe_model_it_lacks_says_what_works(family):
-    """Granite-MoE (its experts under ``block_sparse_moe``), GPT-OSS (attention sinks) and
-    Laguna (a gated attention output): the loss alone."""
+    """GPT-OSS (attention sinks), Laguna (a gated attention output) and Qwen3-Next (linear
+    attention): the loss alone."""
     model = moe_model(family)
     with pytest.raises(coda.CodaInputError, match=r"mixture of experts.*layers=False"):
         ct.apply_coda(model)
@@ -97,6 +97,9 @@ def test_the_whole_patch_of_a_moe_model_it_lacks_says_what_works(family):
 # GLM-4.5's partial RoPE and first dense layer, Hunyuan's QK-norm after RoPE, ...) a padded step
 WHOLE = ["mixtral", "qwen2_moe", "qwen3_moe"]
 STEP = ["olmoe", "ernie4_5_moe", "minimax_m2", "mellum", "glm4_moe", "hunyuan_moe", "solar_open"]
+# Granite-MoE's (its experts ``block_sparse_moe``; Granite-MoE-Shared's a shared MLP beside
+# them) with Granite's multipliers away from 1 (``hf_tiny.GRANITE_KW``)
+STEP += ["granitemoe", "granitemoeshared"]
 
 
 @pytest.mark.parametrize("family", WHOLE)
@@ -125,7 +128,7 @@ def test_moe_layers_take_a_padded_step_as_unpatched_float64(family, coda_path):
     ref, patched = pair(cfg)
     # a layer of experts keeps them; a dense one (GLM-4.5's and ERNIE 4.5's first) is coda's
     layers = [
-        (la.mlp_module, hasattr(r.mlp, "down_proj"))
+        (la.mlp_module, hasattr(getattr(r, "mlp", None), "down_proj"))
         for la, r in zip(patched.model.layers, ref.model.layers)
     ]
     assert (True, False) in layers and all(experts != dense for experts, dense in layers)
