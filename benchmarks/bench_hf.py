@@ -170,7 +170,10 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
     if liger is not None:
         out.append(("hf_liger", lambda: liger.patch(copy.deepcopy(base))))
         experts = liger.experts_only()  # (what it rebinds is put back, as ``patch`` does)
-        composed = lambda: coda_patch(experts.patch(copy.deepcopy(base)))  # noqa: E731
+
+        def composed():  # coda's patch over Liger's fused experts
+            return coda_patch(experts.patch(copy.deepcopy(base)))
+
         out.append(("hf_coda_liger_experts", composed))
         # the same, called with ``use_cache=False`` (README's tip), as coda's training call
         # runs by default: the like-for-like row

@@ -141,7 +141,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         check_linears(hf_layer, where)
         qk_norm = qk_norm_names(attn)  # (Qwen3's names, or Hunyuan's)
         fused = fused_projections(hf_layer, where)
-        attention_weights(attn, fused, qk_norm, where)  # (checked before any change)
+        taken = attention_weights(attn, fused, qk_norm, where)  # (checked before any change)
         check_mlp_biases(hf_layer, where)
         qkv_bias, o_bias = attention_biases(attn, where)
         if qk_norm and qkv_bias:
@@ -206,7 +206,7 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
         self._keep_frozen(hf_layer, where)
         if self.activation == "xielu":  # (Apertus's learned numbers: HF's module's, copied)
             self.mlp["act_fn"] = XIELU.adopt(hf_layer.mlp.act_fn)
-        for name in attention_weights(attn, fused, qk_norm, where):
+        for name in taken:
             delattr(attn, name)  # the weights live in w_qkv / w_o / q_norm / k_norm now
         self.self_attn = attn
         self.mask_hint = mask_hint  # the model's one ``MaskHint``, shared by its layers
@@ -223,8 +223,10 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
 
     def ffn_sublayer(self, x1):  # (a mixture of experts: the model's norm, then its experts)
         h = self.post_attention_layernorm(x1)
-        y = [m(h) for m in (getattr(self, n) for n in self.hf_experts) if m is not None]
-        return y[0] if len(y) == 1 else y[0] + y[1]  # (Granite-MoE-Shared's: then its shared MLP)
+        y, *more = [m(h) for m in (getattr(self, n) for n in self.hf_experts) if m is not None]
+        for extra in more:  # (Granite-MoE-Shared's shared MLP, added as its layer adds it)
+            y = y + extra
+        return y
 
     # HF's keys are Llama's but for the layer's form (``hf_form``), converted exactly
     def _form(self) -> _hf_fused.Form:
