@@ -60,6 +60,7 @@ from benchmarks.hf_models import (
 # mixture-of-experts models' patch before session 81; ``hf_coda_liger_experts``: coda's patch
 # over a model whose experts Liger's fused-MoE kernel runs, the two composed)
 ON_REQUEST_PEERS = ("hf_coda_flex", "hf_liger_flex", "hf_coda_loss_alone", "hf_coda_liger_experts")
+ON_REQUEST_PEERS += ("hf_coda_eager_experts_norm",)
 LIGER_PEERS = ("hf_liger", "hf_liger_no_cache", "hf_liger_flex")  # (Liger's patch, three ways)
 # the variants whose per-kernel tables pass 1 takes
 PROFILED = ("hf_coda", "hf_coda_compiled", "hf_liger", "hf_liger_no_cache", *ON_REQUEST_PEERS)
@@ -145,6 +146,13 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
         m.set_attn_implementation("flex_attention")
         return m
 
+    def eager_experts_norm(m):  # (each MoE layer's ``rows_norm`` HF's module again)
+        for layer in m.model.layers:
+            norm = getattr(layer, "post_attention_layernorm", None)
+            if getattr(layer, "mlp_module", False):
+                layer.rows_norm = lambda x1, weight, norm=norm: norm(x1)
+        return m
+
     def checkpointed():  # HF's activation checkpointing over the patched layers
         m = coda_patch(copy.deepcopy(base)).train()
         enable = getattr(m, "activation_checkpointing_enable", None)  # (5.24's name)
@@ -166,6 +174,8 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
         # the embedding's backward left as torch's (before session 29)
         ("hf_coda_torch_embedding", lambda: coda_patch(copy.deepcopy(base), embedding=False)),
         ("hf_coda_loss_alone", lambda: ct.apply_coda(copy.deepcopy(base), layers=False)),
+        # an MoE model's norm before the experts HF's eager module, as before session 82
+        ("hf_coda_eager_experts_norm", lambda: eager_experts_norm(coda_patch(copy.deepcopy(base)))),
     ]
     if liger is not None:
         out.append(("hf_liger", lambda: liger.patch(copy.deepcopy(base))))

@@ -8,8 +8,17 @@ of experts: HF's Mixtral and Qwen-MoE layers), coda's up to the attention's resi
     autograd), dx1 handed on as the residual's gradient into B12's epilogue, B10-B13.
 
 A pre-norm layer's F3 also forms the MLP's norm statistic and x1 * gamma2 for F4's deferred
-row scale; here the module after it reads x1 through its own norm (whatever it computes, as
-the model computes it), so F3'' stores x1 alone: one (M, d) write, no statistic.
+row scale; here the module after it reads x1 through its own norm, so F3'' stores x1 alone:
+one (M, d) write, no statistic. Where that norm is an RMSNorm of a form coda's kernels take
+(HF's MoE layers: ``DecoderLayer.rows_norm``), it runs as one row pass each way:
+
+    N   h = x1 r gamma, rounded once; r = (mean_n x1^2 + eps)^-1/2   (``norm_rows``' final form)
+    N'  dx1 += r gamma dh - x1 r^3 mean_n(gamma dh x1); dgamma = sum_m r x1 dh  (``post_norm``'s P2)
+
+No epilogue can finish it: the experts' GEMMs are the model's, so none takes a deferred row
+scale, and F3's statistic would only move r's reduction into the epilogue while adding a
+write and a read of x1 * gamma; one pass reading x1 and writing h is the least traffic (the
+eager norm's fp32 intermediates cost ~7 passes forward, more backward).
 """
 
 from __future__ import annotations
@@ -58,3 +67,27 @@ def attention_sublayer(
     c = dims.residual_scale
     root_float_use(c)  # (a float the Function reads: see ``root_float_use``)
     return AttentionResidual.apply(o, w_o, x0_residual, (dims.batch, dims.seq), c)
+
+
+class NormRows(torch.autograd.Function):
+    """N / N' (the module docstring): RMSNorm of token rows x (M, d) by ``gain`` (x's dtype,
+    or fp32 for a gain applied in fp32), h in x's dtype. Saved: x, r and the gain."""
+
+    @staticmethod
+    def forward(ctx, x, gain, eps: float):
+        h, r = lib.norm_rows(x, gain, eps, True)
+        ctx.save_for_backward(x, r, gain)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        differentiable_once("NormRows")
+        x, r, gain = ctx.saved_tensors
+        dx, dgain = lib.post_norm_bwd_rows(dh.contiguous(), x, r, gain)
+        return dx, dgain, None
+
+
+def norm_rows(x, gain, eps: float):
+    """RMSNorm of x (..., d) as ``NormRows``, shaped as x."""
+    d = x.shape[-1]
+    return NormRows.apply(x.reshape(-1, d), gain, eps).view(x.shape)

@@ -56,8 +56,8 @@ models), ``...ForTokenClassification`` and ``...ForQuestionAnswering`` (``TASK_H
 stack patched, the task head and its loss HF's). The mixture-of-experts families of ``MOE_LAYERS``
 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ERNIE 4.5 MoE, MiniMax-M2, Mellum, GLM-4.5, Hunyuan MoE,
 Solar Open, Granite-MoE and Granite-MoE-Shared): each layer's attention sublayer coda's up to its
-residual add, the norm before the experts and the experts the model's own modules
-(``ffn_sublayer``), the router's term added to coda's loss as their forward adds it.
+residual add, the norm before the experts the model's (on the kernel path coda's row passes of its
+weight) and the experts its own modules (``ffn_sublayer``), the router's term added to coda's loss.
 ``apply_coda(model, layers=False)`` makes only the training call's loss coda's: for layers with
 adapters, and for the models of ``LOSS_ONLY`` (each with why), their final norms' forms kept
 (Gemma's 1 + w and OLMo's and GPT-OSS's weight in fp32, Granite's ``logits_scaling`` folded into
@@ -221,8 +221,9 @@ class CodaLlamaDecoderLayer(DecoderLayer, GradientCheckpointingLayer):
 
     hf_experts = ("mlp",)
 
-    def ffn_sublayer(self, x1):  # (a mixture of experts: the model's norm, then its experts)
-        h = self.post_attention_layernorm(x1)
+    def ffn_sublayer(self, x1, kernel_path=False):  # (the norm, then the model's experts)
+        norm = self.post_attention_layernorm  # (its form and eps the layer's: ``layer_options``)
+        h = self.rows_norm(x1, norm.weight) if kernel_path and norm.weight is not None else norm(x1)
         y, *more = [m(h) for m in (getattr(self, n) for n in self.hf_experts) if m is not None]
         for extra in more:  # (Granite-MoE-Shared's shared MLP, added as its layer adds it)
             y = y + extra

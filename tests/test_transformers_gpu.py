@@ -76,6 +76,8 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     extra["vaultgemma"] |= {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
     base = "llama" if family in SCALED_ROPES or family == "llama-bias" else family
     base = "gemma2" if family == "gemma2-capped" else base
+    base, _, over = base.partition("+")  # (with Liger's experts: "qwen3_moe+liger_experts")
+    extra.setdefault(family, extra.get(base, {}))
     cfg = tiny_config(base, **{**shape, **extra.get(family, {})})
     torch.manual_seed(seed)
     ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
@@ -87,8 +89,21 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
                 p.normal_(0.0, k_bias if "k_proj" in n else 1.0)
             if gemma and n.endswith("norm.weight"):
                 p.normal_(0.0, 0.02)
+    ref64 = copy.deepcopy(ref).double()
+    if over == "liger_experts":  # both bf16 models on Liger's fused experts, coda's over them
+        ref = liger_experts(ref)
     patched = ct.apply_coda(copy.deepcopy(ref), layers=not loss_only)
-    return cfg, copy.deepcopy(ref).double(), ref, patched
+    return cfg, ref64, ref, patched
+
+
+def liger_experts(model):
+    """``model`` with Liger's fused experts (its patch reduced to its MLP kernels), the names
+    that patch rebinds in the modeling module put back (``bench_hf.LigerSwitch``): the
+    composition docs/HUGGINGFACE.md describes, coda's patch applied after it."""
+    pytest.importorskip("liger_kernel")  # (the GPU bundle's; the bench extra's)
+    from benchmarks.bench_hf import LigerSwitch
+
+    return LigerSwitch.of(model.config.model_type).experts_only().patch(model)
 
 
 def loss_error_rms(family: str, device: str, batches: int = 64):
@@ -175,6 +190,7 @@ def test_gpu_patched_model_protocol(family):
 
 
 POOLED_SEEDS = 128
+COMPOSED = ["qwen3_moe+liger_experts"]  # (coda's patch over Liger's fused experts)
 
 
 def seed_pooled_errors(family: str, device: str, seeds: int, k_bias=1.0, loss=True) -> dict:
@@ -235,7 +251,9 @@ def test_gpu_patched_biased_protocol_pooled(family, k_bias):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"] + COMPOSED
+)
 def test_gpu_patched_moe_protocol_pooled(family):
     """H200: CODA's protocol for a patched bf16 mixture-of-experts model (coda's attention
     sublayers and loss, HF's experts: since session 81), the loss and every gradient pooled
@@ -246,7 +264,9 @@ def test_gpu_patched_moe_protocol_pooled(family):
     CPU model of the one-seed test read worst gradient ratios of 0.78-3.9 from seed to seed
     (the routers' and experts' gradients), and the loss's error coda's above or below
     PyTorch's by seed (``cpu_numerics.py hf``, session 81). Pooled, a path whose roundings move
-    fewer tokens reads under 1."""
+    fewer tokens reads under 1. ``COMPOSED``: coda's patch over Liger's fused experts against
+    the model with Liger's experts alone (session 82; both against the float64 model with
+    HF's experts), so that what is held is the composition's own error."""
     from conftest import family_z, pooled_ratio
 
     errors = seed_pooled_errors(family, "cuda", POOLED_SEEDS)

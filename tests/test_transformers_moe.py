@@ -143,3 +143,32 @@ def test_attention_weights_the_layer_would_not_apply_are_refused_named():
     with pytest.raises(coda.CodaInputError, match=r"layers\.1\.self_attn has weights .*g_proj"):
         ct.apply_coda(model)
     assert not any(isinstance(la, ct.CodaLlamaDecoderLayer) for la in model.model.layers)
+
+
+def test_the_norm_before_the_experts_is_coda_s_row_passes_on_the_kernel_path(monkeypatch):
+    """On the kernel path each MoE layer's norm before the experts runs as coda's row passes
+    of its weight (``DecoderLayer.rows_norm``: HF's module is not called; its gradient is the
+    row passes', the float64 step as the unpatched model's: the parity tests above), on the
+    reference path as HF's module; and the bench's ``hf_coda_eager_experts_norm`` row (the
+    form before session 82) calls HF's module again on the kernel path, to the same step."""
+    from benchmarks import bench_hf
+
+    cfg = tiny_config("qwen3_moe", vocab_size=128)
+    ref, patched = pair(cfg)
+    calls = []
+    for layer in patched.model.layers:
+        layer.post_attention_layernorm.register_forward_hook(lambda *a: calls.append(1))
+    batch = padded_batch(cfg.vocab_size)
+    patched(**batch)  # the reference path (the CPU's default): HF's module, once a layer
+    assert len(calls) == cfg.num_hidden_layers
+    monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
+    calls.clear()
+    assert_same_step(ref, patched, **batch)
+    assert coda.last_path("DecoderLayer")[0] == "kernel" and not calls
+    monkeypatch.setenv("CODA_HF_PEERS", "hf_coda_eager_experts_norm")
+    [(_, make)] = bench_hf.variants("qwen3_moe", ref, None)
+    eager = make()
+    for layer in eager.model.layers:
+        layer.post_attention_layernorm.register_forward_hook(lambda *a: calls.append(1))
+    assert_same_step(ref, eager, **batch)
+    assert coda.last_path("DecoderLayer")[0] == "kernel" and calls

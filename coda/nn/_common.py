@@ -13,6 +13,17 @@ def in_dtype(dtype, *tensors):
     return tuple(t if t is None or t.dtype == dtype else t.to(dtype) for t in tensors)
 
 
+def norm_gains(gains: tuple, dtype, offset: float = 0.0, fp32: bool = False, cast: bool = True):
+    """RMSNorm ``gains`` as coda's kernels apply them (``cast``: in the compute ``dtype``; else
+    as they are, as HF's norms take their weights) or, for a norm whose gain is applied in
+    fp32 (``offset`` 1: Gemma's 1 + w; ``fp32``: OLMo's w), the fp32 (float64 for float64
+    compute) sum ``offset + gain``, differentiable (the gain's gradient is the sum's)."""
+    if not (offset or fp32):
+        return in_dtype(dtype, *gains) if cast else gains
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    return tuple(None if g is None else g.to(acc) + offset for g in gains)
+
+
 def tma_rule(**dims) -> str | None:
     """The kernel path's GEMMs read and write rows through the TMA: 16-byte rows, so every
     K and N is a multiple of 8 bf16 elements. Returns the first broken rule, or None."""

@@ -17,7 +17,7 @@ from coda.autograd import (
     decoder_layer,
 )
 from coda.autograd_post_norm import post_norm_decoder_layer
-from coda.autograd_sublayer import attention_sublayer
+from coda.autograd_sublayer import attention_sublayer, norm_rows
 from coda.env import (
     BACKENDS,
     autocast_off,
@@ -36,7 +36,7 @@ from coda.kernels.gemm_rope import (
 )
 from coda.kernels.gemm_swiglu import MLP_ACTIVATIONS
 from coda.kernels.qk_norm import is_per_head
-from coda.nn._common import FormerNames, in_dtype, tma_aligned, tma_rule
+from coda.nn._common import FormerNames, in_dtype, norm_gains, tma_aligned, tma_rule
 from coda.nn._hf_weights import GAINS, HFWeights
 from coda.nn._layer_options import check_mlp_module, long_rope, mrope_flags
 from coda.nn.activation import XIELU
@@ -313,15 +313,24 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
         """Whether the second sublayer is a module of its own (``mlp``; then ``ffn_sublayer``)."""
         return self.w_d is None
 
-    def ffn_sublayer(self, x1: torch.Tensor) -> torch.Tensor:
+    def ffn_sublayer(self, x1: torch.Tensor, kernel_path: bool = False) -> torch.Tensor:
         """The second sublayer's output y for x1 (batch, seq, d) where it is a module of its
-        own (``mlp``): the module's, its norm included."""
+        own (``mlp``): the module's, its norm included. ``kernel_path``: whether the layer's
+        kernel sequence formed x1 (a subclass may run coda's row passes there: HF's MoE
+        layers' norm before the experts)."""
         return self.mlp(x1)
 
-    def _after_attention(self, x1: torch.Tensor) -> torch.Tensor:
+    def rows_norm(self, x1: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x1 by ``weight`` in the layer's norm form and eps as coda's row passes
+        (``autograd_sublayer.norm_rows``): for an ``mlp`` module's own norm on the kernel path
+        (HF's MoE layers' norm before the experts, whose GEMMs take no deferred row scale)."""
+        gain = norm_gains((weight,), x1.dtype, self.norm_offset, self.fp32_gains)[0]
+        return norm_rows(x1, gain, self.eps)
+
+    def _after_attention(self, x1: torch.Tensor, kernel_path: bool = False) -> torch.Tensor:
         """x2 = x1 + c y, y the second sublayer's (``ffn_sublayer``) output, c as HF's layers
         round it (a multiplier of the output, then the add)."""
-        y = self.ffn_sublayer(x1)
+        y = self.ffn_sublayer(x1, kernel_path)
         return x1 + (y if self.residual_scale == 1.0 else y * self.residual_scale)
 
     @property
@@ -432,10 +441,7 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
             "post": (self.post_attention_norm, self.post_ffn_norm),
             "qk": (self.q_norm, self.k_norm),
         }[which]
-        if not (self.norm_offset or self.fp32_gains):
-            return in_dtype(dtype, *gains) if cast else gains
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        return tuple(None if g is None else g.to(acc) + self.norm_offset for g in gains)
+        return norm_gains(gains, dtype, self.norm_offset, self.fp32_gains, cast)
 
     def _positions(self, positions, B, S, device):
         if self._mrope is not None:
@@ -548,4 +554,4 @@ class DecoderLayer(FormerNames, HFWeights, nn.Module):
             else:
                 act = self.mlp.act_fn.numbers() if self.activation == "xielu" else None
                 return decoder_layer(*rows, *rope, qk, bias, o_bias, mrope, act)
-        return self._after_attention(x1)
+        return self._after_attention(x1, kernel_path=True)
