@@ -8,8 +8,9 @@ and every gradient (the routers' included) equal the unpatched model's, with the
 on or off, a padding mask (the term's own mask) and ``num_items_in_batch``. The whole patch
 (``_hf_families.MOE_LAYERS``: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...) makes each layer's
 attention sublayer coda's, the norm before the experts and the experts the model's own
-modules (``DecoderLayer(mlp=)``): logits, steps padded and packed, generation, the router
-term and the state dict as the unpatched model's; the families it does not take name why."""
+modules (``DecoderLayer(mlp=)``; that norm on the kernel path coda's row passes of its
+weight): logits, steps padded and packed, generation, the router term and the state dict as
+the unpatched model's; the families it does not take name why."""
 
 from __future__ import annotations
 
