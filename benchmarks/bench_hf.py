@@ -148,8 +148,8 @@ def variants(family: str, base, liger: "LigerSwitch | None"):
 
     def eager_experts_norm(m):  # (each MoE layer's ``rows_norm`` HF's module again)
         for layer in m.model.layers:
-            norm = getattr(layer, "post_attention_layernorm", None)
             if getattr(layer, "mlp_module", False):
+                norm = layer.post_attention_layernorm
                 layer.rows_norm = lambda x1, weight, norm=norm: norm(x1)
         return m
 

@@ -80,8 +80,7 @@ def _protocol_models(family: str, device: str, seed: int = 0, k_bias: float = 1.
     base = "llama" if family in SCALED_ROPES or family == "llama-bias" else family
     base = "gemma2" if family == "gemma2-capped" else base
     base, _, over = base.partition("+")  # (with Liger's experts: "qwen3_moe+liger_experts")
-    extra.setdefault(family, extra.get(base, {}))
-    cfg = tiny_config(base, **{**shape, **extra.get(family, {})})
+    cfg = tiny_config(base, **{**shape, **extra.get(family, extra.get(base, {}))})
     torch.manual_seed(seed)
     ref = model_class(cfg)(cfg).to(device, torch.bfloat16)
     loss_only = type(ref).__name__ in ct.LOSS_ONLY  # (coda's loss, HF's layers: GPT-OSS's...)
@@ -207,7 +206,7 @@ def skip_unless_in_transformers(family: str) -> None:
     import transformers
 
     base = family.partition("+")[0]
-    for table in (hf_tiny.MOE, hf_tiny.LOSS_ALONE, hf_tiny.DENSE):
+    for table in (hf_tiny.MOE, hf_tiny.LOSS_ALONE):  # (the MoE families' config names)
         if base in table and not hasattr(transformers, f"{table[base]}Config"):
             pytest.skip(f"transformers {transformers.__version__} has no {table[base]}Config")
 
