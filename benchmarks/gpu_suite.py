@@ -146,6 +146,7 @@ SELECTIONS = (  # environment variables that change what runs: named in the reco
     "CODA_HF_SHAPES",
     "CODA_HF_PEERS",
     "CODA_HF_AMP",
+    "CODA_HF_TOKENS",
     "CODA_LAYER_SHAPES",
     "CODA_LAYER_POST_NORMS",
     "CODA_LM_HEAD_SHAPES",

@@ -7,6 +7,8 @@ import them from either."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 LLAMA_1B = dict(
@@ -313,7 +315,14 @@ TOKENS["qwen3-30B-A3B-8L"] = (2, 4096)  # (the unpatched model's logits: out of 
 
 
 def batch_of(shape_name: str) -> tuple[int, int]:
-    """(batch, sequence) of a shape's step."""
+    """(batch, sequence) of a shape's step: ``CODA_HF_TOKENS`` ("BxS", e.g. "4x4096") where
+    set, for every shape of the run, else the shape's own."""
+    given = os.environ.get("CODA_HF_TOKENS", "")
+    if given:
+        batch, _, seq = given.partition("x")
+        if not (batch.isdigit() and seq.isdigit() and int(batch) > 0 and int(seq) > 0):
+            raise ValueError(f"CODA_HF_TOKENS: {given!r} is not BATCHxSEQ (e.g. 4x4096)")
+        return int(batch), int(seq)
     return TOKENS.get(shape_name, (BATCH, SEQ))
 
 

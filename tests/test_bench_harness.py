@@ -72,6 +72,20 @@ def test_selected_names_are_checked(monkeypatch):
         _common.selected("CODA_X", ["a", "b"])
 
 
+def test_the_hf_step_takes_its_shape_s_tokens_unless_the_run_names_them(monkeypatch):
+    from benchmarks import hf_models
+
+    monkeypatch.delenv("CODA_HF_TOKENS", raising=False)
+    assert hf_models.batch_of("llama-3.2-1B") == (4, 4096)
+    assert hf_models.batch_of("qwen3-30B-A3B-8L") == (2, 4096)  # its own, fewer
+    monkeypatch.setenv("CODA_HF_TOKENS", "4x4096")
+    assert hf_models.batch_of("qwen3-30B-A3B-8L") == (4, 4096)
+    for wrong in ("4096", "4x", "0x4096", "4x-1"):
+        monkeypatch.setenv("CODA_HF_TOKENS", wrong)
+        with pytest.raises(ValueError, match="CODA_HF_TOKENS: .* is not BATCHxSEQ"):
+            hf_models.batch_of("llama-3.2-1B")
+
+
 def test_the_model_step_runs_the_default_peers_unless_some_are_named(monkeypatch):
     from benchmarks import bench_step
 
