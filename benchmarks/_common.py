@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import shutil
 import statistics
@@ -240,13 +241,24 @@ def clocked(timer):
 ROUNDS = int(os.environ.get("CODA_BENCH_ROUNDS", "3"))
 
 
+def round_orders(n: int, rounds: int) -> list[list[int]]:
+    """The order of ``n`` entries in each of ``rounds`` rounds: round r starts at entry
+    r mod n and walks the list in steps of s_r, the r-th step coprime to n (1, then the next
+    ones: for n = 5, steps 1, 2, 3, 4), so every entry has another predecessor in each round
+    while steps last. A rotation alone (step 1 every round) kept each entry's neighbour: the
+    LM head's ``coda`` always ran right after ``floor_as_one_step`` and read slower than
+    ``coda_e2g``, the same code at d = 2048, timed right after it, in runs 239, 250, 272, 322
+    and 336 (by 0.5 to 2.8 %; faster in the first interleaved run, session 10)."""
+    steps = [s for s in range(1, n) if math.gcd(s, n) == 1] or [1]
+    return [[(r + i * steps[r % len(steps)]) % n for i in range(n)] for r in range(rounds)]
+
+
 def interleaved(fns: dict, rounds: int = ROUNDS, timer=None) -> dict:
-    """Every function of ``fns`` timed ``rounds`` times, round-robin (each round starts one
-    name later, so no function always follows the same neighbour or runs first): a clock or
-    power state of the GPU that drifts during a run then touches every variant alike instead
-    of whichever was timed at the time. Why: the LM head's ``coda`` and ``coda_e2g`` run one code
-    path at d = 2048 (one token chunk either way) and, timed one after the other, read
-    further apart than their spread (benchmarks/NOTES.md, sessions 9-10).
+    """Every function of ``fns`` timed ``rounds`` times, each round in ``round_orders``'
+    order (each round starts one name later and steps through the names by another stride, so
+    no function always follows the same neighbour or runs first): a clock or power state of
+    the GPU that drifts during a run, or a heavy predecessor's, then touches every variant
+    alike instead of whichever was timed at the time.
 
     Returns, per name, the median of its round medians (``ms``), those medians
     (``rounds_ms``), their spread ((max - min) / median) and the p20/p80 of the round nearest
@@ -255,9 +267,9 @@ def interleaved(fns: dict, rounds: int = ROUNDS, timer=None) -> dict:
     timer = timer or clocked(bench)
     names = list(fns)
     got: dict = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names) :] + names[: r % len(names)]:
-            got[n].append(timer(fns[n]))
+    for order in round_orders(len(names), rounds):
+        for i in order:
+            got[names[i]].append(timer(fns[names[i]]))
     out = {}
     for n, ts in got.items():
         ms = [t["ms"] for t in ts]

@@ -5,6 +5,7 @@ need the GPU; these rules do not."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -296,12 +297,27 @@ def test_interleaved_rounds_rotate_and_take_the_median():
         return {"ms": next(clock), "p20_ms": 0.0, "p80_ms": 0.0}
 
     out = _common.interleaved({"a": "a", "b": "b", "c": "c"}, rounds=3, timer=timer)
-    # each round starts one name later: a b c | b c a | c a b
-    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-    assert out["a"]["rounds_ms"] == [5.0, 3.0, 4.0] and out["a"]["ms"] == 4.0
+    # each round starts one name later, stepping by 1, 2, 1: a b c | b a c | c a b
+    assert order == ["a", "b", "c", "b", "a", "c", "c", "a", "b"]
+    assert out["a"]["rounds_ms"] == [5.0, 6.0, 4.0] and out["a"]["ms"] == 5.0
     assert out["b"]["rounds_ms"] == [1.0, 2.0, 8.0] and out["b"]["ms"] == 2.0
-    assert out["c"]["rounds_ms"] == [9.0, 6.0, 7.0] and out["c"]["ms"] == 7.0
+    assert out["c"]["rounds_ms"] == [9.0, 3.0, 7.0] and out["c"]["ms"] == 7.0
     assert out["b"]["spread"] == pytest.approx((8.0 - 1.0) / 2.0)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 9, 15, 16])
+def test_every_round_times_every_entry_once_each_after_another_neighbour(n):
+    """``round_orders``: each round a permutation starting one entry later; an entry's
+    predecessor differs between any two rounds while there are steps coprime to n (the LM
+    head's 15 entries: 8 steps, so its 3 to 7 rounds give every entry 3 to 7 predecessors)."""
+    rounds = 7
+    orders = _common.round_orders(n, rounds)
+    assert [o[0] for o in orders] == [r % n for r in range(rounds)]
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    distinct = min(sum(1 for s in range(1, n) if math.gcd(s, n) == 1), rounds)
+    for j in range(n):  # (the round's first entry has none)
+        before = [o[o.index(j) - 1] for o in orders[:distinct] if o.index(j) > 0]
+        assert len(set(before)) == len(before), (n, j, before)
 
 
 def test_probe_rows_keep_each_variants_rounds_clock_and_its_own_kernels(monkeypatch):
