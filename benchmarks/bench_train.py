@@ -4,8 +4,9 @@ forward+backward (M = 16384 tokens = 4 x 4096), against their floors and peers, 
 Layer floor: its 12 GEMMs in the layouts autograd uses (forward Y = X W, dgrad dY W^T, wgrad
 X^T dY; cuBLAS) plus SDPA flash attention forward+backward. LM-head floor: its three GEMMs
 (logits, dX, dW). Peers: torch eager (HF-style modules), torch.compile, Liger. Memory: the
-activation memory a layer's forward keeps for backward, and the LM head's extra peak memory
-during forward+backward beyond inputs, weights and their gradients. The LM head's variants and
+activation memory a layer's forward keeps for backward, and the LM head's extra memory
+(``extra_gib``: the peak during forward+backward over what was allocated before it, every
+gradient already allocated). The LM head's variants and
 its floor's GEMMs are timed in interleaved rounds (``_common.interleaved``), each row with its
 round medians and their spread. ``CODA_LM_HEAD_SOFTCAP=c``: every LM-head variant's logits
 soft-capped, c tanh(l / c) (Gemma 2's, c = 30), those that take a cap only
@@ -290,6 +291,24 @@ def _graphed_ms(step):
         return repr(e)[:200]
 
 
+def extra_gib(step, fn) -> float:
+    """The LM head's extra memory as issue 9 defines it: the peak allocated during one
+    forward+backward minus what was allocated before it, with every ``.grad`` (the input's,
+    the weights') already allocated and accumulated into, as from a training run's second
+    step on: the step's transient tensors (activations, chunks, accumulators and the new
+    gradients before they are added). ``step`` (clearing the gradients first) allocates them;
+    ``fn`` is the loss call. Before session 83 the figure (``extra_peak_gib``) was taken over a
+    step that cleared the gradients and then less their size, so it read the gradients' size
+    twice too low (Liger's -0.86 GiB at d = 4096, V = 128256: 1.35 by this reading, the
+    issue's own figure)."""
+    step()
+    base = settled_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn().backward()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
 def lm_head_rows(liger) -> list[dict]:
     rows = []
     quack_lce = _quack.chunked_linear_cross_entropy()
@@ -387,19 +406,12 @@ def lm_head_rows(liger) -> list[dict]:
         # each variant once for its extra memory (and to surface an error), then every
         # variant and the floor's three GEMMs timed in interleaved rounds (``interleaved``)
         extra = {}
-        for name, (_, params) in variants.items():
+        for name, (fn, _) in variants.items():
             if out_of_time():
                 rows.append({"name": f"lm_head_train/{name}", **shape, **SKIPPED})
                 continue
-            step = steps[name]
             try:
-                step()
-                base = settled_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                step()
-                torch.cuda.synchronize()
-                grads = sum(p.numel() * p.element_size() for p in (*params, x))
-                extra[name] = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
+                extra[name] = extra_gib(steps[name], fn)
             except Exception as e:
                 rows.append({"name": f"lm_head_train/{name}", **shape, "error": repr(e)[:300]})
 
@@ -428,7 +440,7 @@ def lm_head_rows(liger) -> list[dict]:
                     tm,
                     0.0,
                     ratio_vs_floor=tm["ms"] / floor,
-                    extra_peak_gib=extra[name],
+                    extra_gib=extra[name],
                 )
             )
         for name in ("coda", "coda_dv_weight", "coda_e2g", "coda_recompute"):

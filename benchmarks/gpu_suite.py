@@ -508,7 +508,7 @@ def print_table(record):
         "peak_gib",
         "speedup_vs_torch_compile",
         "speedup_vs_best_peer",
-        "extra_peak_gib",
+        "extra_gib",
         "activation_gib",
         "returncode",
         "err_dq",

@@ -113,6 +113,47 @@ def test_the_lm_head_runs_every_variant_unless_some_are_named(monkeypatch):
         bench_train.lm_head_variants()
 
 
+def test_the_lm_head_s_extra_memory_is_the_peak_over_a_start_with_its_gradients_resident(
+    monkeypatch,
+):
+    """``bench_train.extra_gib`` on a fake allocator: a training step that clears the
+    gradients (G bytes), peaks at T transient bytes and leaves new gradients; the loss call
+    measured after it accumulates into the resident gradients, so the figure is T + G (its
+    new gradients are transient until added), issue 9's metric, not T - G (the figure before
+    session 83, which cleared the gradients inside the measured step and then subtracted
+    them)."""
+    from benchmarks import bench_train
+
+    G, T = 3 * 2**30, 5 * 2**30
+    mem = {"now": 7 * 2**30, "peak": 0, "grads": False}
+
+    def alloc(n):
+        mem["now"] += n
+        mem["peak"] = max(mem["peak"], mem["now"])
+
+    class Loss:
+        def backward(self):
+            alloc(T)  # activations, chunks, accumulators
+            alloc(G)  # the new gradients
+            mem["now"] -= T
+            if mem["grads"]:  # accumulated into the resident ones, then freed
+                mem["now"] -= G
+            mem["grads"] = True
+
+    def step():
+        if mem["grads"]:
+            mem["now"] -= G
+            mem["grads"] = False
+        Loss().backward()
+
+    monkeypatch.setattr(bench_train, "settled_allocated", lambda: mem["now"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: mem.update(peak=mem["now"]))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: mem["peak"])
+    assert bench_train.extra_gib(step, Loss) == (T + G) / 2**30
+    assert mem["grads"] and mem["now"] == 7 * 2**30 + G  # the gradients stay resident
+
+
 def test_suite_and_layer_selections_are_checked(monkeypatch, capsys):
     """``gpu_suite --only`` refuses an unknown suite before any test or benchmark runs (the old
     "train" suite among them: it is "layer_train" now, the LM head its own suite), and
