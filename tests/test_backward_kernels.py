@@ -109,6 +109,32 @@ def test_cross_entropy_backward_loop(seed, reduction):
     assert rel_err(dw, w.grad) < 1e-12
 
 
+def test_the_backward_loop_frees_each_chunk_s_logit_gradients_before_the_next(monkeypatch):
+    """CE-A's backward keeps one vocabulary chunk's dz~ (M x chunk bf16, 0.5 GiB at its
+    default) alive at a time: when B1 makes a chunk's, no earlier chunk's is referenced."""
+    import weakref
+
+    made = []
+    b1 = ceb.grad_logits_interpreted
+
+    def recording(*args, **kwargs):
+        assert all(ref() is None for ref in made), "an earlier chunk's dz is still alive"
+        dz, s = b1(*args, **kwargs)
+        made.append(weakref.ref(dz))
+        return dz, s
+
+    monkeypatch.setattr(ceb, "grad_logits_interpreted", recording)
+    h, gamma, w, t, loss = _final_norm_ce_case(0, 20, 8, 100, "mean")
+    hd, gd, wd = h.detach(), gamma.detach(), w.detach()
+    a, r = hd * gd, rn_ref.rstd_ref(hd, 1e-5)
+    logits = r[:, None] * (a @ wd)
+    lse = torch.logsumexp(logits, -1)
+    tl = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
+    scale = ceb.row_scale(t, -100, "mean", torch.ones(())).double()
+    ceb.linear_cross_entropy_bwd_kernel(a, wd, r, lse, tl, t, scale, 24, SMALL, interpreted=True)
+    assert len(made) == 5  # V = 100 in chunks of 24
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_cross_entropy_chunked_loop(seed, reduction):

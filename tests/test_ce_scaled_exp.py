@@ -150,6 +150,30 @@ def test_three_gemm_method_equals_autograd(seed, M, d, V, rows, smoothing, z_los
     assert rel_err(S, (G_r * a).sum(-1) / rstd) < 1e-11
 
 
+def test_each_token_chunk_s_numerators_are_freed_before_the_next_chunk_s(monkeypatch):
+    """CE-S keeps one chunk's E (rows x V bf16, 1 GiB at its default) alive at a time: when the
+    logits GEMM makes a chunk's E, no earlier chunk's is still referenced (the loop's name held
+    the last one until rebound, 1 GiB more at d = 4096, V = 128256 before session 83)."""
+    import weakref
+
+    made = []
+    kernel = cse.scaled_exp_logits_kernel
+
+    def recording(*args, **kwargs):
+        assert all(ref() is None for ref in made), "an earlier chunk's E is still alive"
+        out = kernel(*args, **kwargs)
+        made.append(weakref.ref(out[0]))
+        return out
+
+    monkeypatch.setattr(cse, "scaled_exp_logits_kernel", recording)
+    a, w, rstd, t = _case(0, 300, 16, 256)
+    from coda.primitives.aux import ce_row_weights
+
+    weight = ce_row_weights(t, -100, "mean", F64)
+    cse.linear_cross_entropy_scaled(a, w, rstd, t, weight, rows=128, interpreted=True)
+    assert len(made) == 3  # three chunks
+
+
 @pytest.mark.parametrize("config", cse.LOGITS_CANDIDATES, ids=str)
 def test_three_gemm_method_is_the_same_at_every_logits_tile(config):
     """The strips u follow GEMM1's tile (one tile maximum per tile_n columns, read by the

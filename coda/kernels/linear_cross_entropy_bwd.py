@@ -208,6 +208,7 @@ def linear_cross_entropy_bwd_kernel(
             G += dz @ wc.t()
         else:  # B2: G += dz~ @ W_c^T, reduce-added by the TMA store into the fp32 G
             launch(passthrough, dz, wc.t(), config=config, d=G, add_to_output=True)
+        del dz  # (before the next chunk's is made: M x chunk bf16, 0.5 GiB at M = 16384)
     return G, S, (dw.t() if rows else dw)
 
 
