@@ -354,11 +354,10 @@ def linear_cross_entropy_scaled(
         scaled_grad_dx_kernel(e, w_lm, u, c, a_c, G_c, dot_c)
         if want_dw:  # then the target entries' share, exact in fp32 (G's: in the backward)
             scaled_grad_dw_kernel(e, xs, u, dw_t, accumulate=r0 > 0)
+            add_target_terms(dw_t, a_c, t_c, coef)
         # the chunk's E (1 GiB) let go before the next chunk's is made: held by the name until
         # rebound, two were alive at once (1 GiB more at d = 4096, V = 128256: session 83)
         del e, xs
-        if want_dw:
-            add_target_terms(dw_t, a_c, t_c, coef)
         if whole:
             lse, y_logit, coefs = lse_c, tl_c, coef
         else:
