@@ -385,3 +385,20 @@ def test_a_swept_kernels_row_keeps_its_rounds_spread_and_clock():
     }  # fmt: skip
     assert tc.kernel_timing(timed["b"])["rounds_ms"] == [1.0, 2.0, 1.5]
     assert tc.kernel_timing(timed["b"])["sm_mhz"] is None
+
+
+@pytest.mark.compile
+def test_the_expert_gemms_compile_on_quack_s_varlen_mainloop():
+    """``probe_experts_varlen``: F4's SwiGLU program over gathered slot rows, ``scale_rows``
+    with a routing weight per slot and B4's dSwiGLU program (the pre-activations as C)
+    compile for sm_90a on quack's varlen GEMM (the groundwork of NOTES.md's experts design;
+    the probe raises where quack's compile step is not reached)."""
+    from benchmarks import probe_experts_varlen
+
+    compiles = probe_experts_varlen.compile_expert_gemms()
+    assert set(compiles) == {
+        "gate/up + SwiGLU, gathered varlen",
+        "down + routing-weight row scale, varlen",
+        "down dgrad + dSwiGLU, gathered varlen",
+    }
+    assert all(n in (0, 1) for n in compiles.values())
