@@ -386,15 +386,9 @@ def compile_only(
     mod, A, B, D, C, epi_args, config, add_to_output=False, a_scale=None, clipped=None
 ) -> int:
     """Compile ``mod`` for sm_90a on a machine with no GPU; returns the number of kernel
-    compiles this call performed (0 when the jit cache already held it).
-
-    quack compiles inside plan building and then asks the CUDA driver for occupancy, which
-    fails without a driver. That failure is accepted only when the compile step ran and
-    returned (the jit cache counted the lookup); any compile error propagates."""
-    compile_fn = _modules()["host"]._compile_gemm_epi
-    before = compile_fn.cache_info()
-    try:
-        run_epi_gemm(
+    compiles this call performed (0 when the jit cache already held it; ``count_compiles``)."""
+    return count_compiles(
+        lambda: run_epi_gemm(
             mod,
             A,
             B,
@@ -407,6 +401,21 @@ def compile_only(
             a_scale=a_scale,
             clipped=clipped,
         )
+    )
+
+
+def count_compiles(plan) -> int:
+    """Run ``plan`` (a call that only plans a quack GEMM: ``launch=False``, or an EpiMod's
+    ``gemm(..., _launch=False)``) and return the kernel compiles it did.
+
+    quack compiles inside plan building and then asks the CUDA driver for occupancy, which
+    fails without a driver. That failure is accepted only when the compile step ran and
+    returned (the jit cache counted the lookup); any compile error propagates, and a call that
+    never reached the compile step raises."""
+    compile_fn = _modules()["host"]._compile_gemm_epi
+    before = compile_fn.cache_info()
+    try:
+        plan()
     except Exception as e:
         after = compile_fn.cache_info()
         looked_up = (after.hits + after.misses) > (before.hits + before.misses)
@@ -414,5 +423,5 @@ def compile_only(
             raise
     after = compile_fn.cache_info()
     if after.hits + after.misses == before.hits + before.misses:
-        raise RuntimeError("compile_only: quack's compile step was not reached")
+        raise RuntimeError("count_compiles: quack's compile step was not reached")
     return after.misses - before.misses

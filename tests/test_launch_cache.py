@@ -196,3 +196,23 @@ def test_a_tape_serves_only_the_thread_that_made_it(replays):
     assert tape.state == "replay" and [p for _, _, p in tape.plans] == [("plan", 0)]
     with tape:  # still the owner's, intact
         assert _quack.run_epi_gemm(mod, *_args()[:3], None, _args()[3], DEFAULT) == ("plan", 0)
+
+
+def test_a_compile_count_needs_quack_s_compile_step():
+    """``_quack.count_compiles`` (the sm_90a compile tests' count, on a GPU-less machine)
+    accepts only the driver's refusal after quack's compile step: a call that never reaches it
+    raises, and any other error propagates."""
+    with pytest.raises(RuntimeError, match="compile step was not reached"):
+        _quack.count_compiles(lambda: None)
+
+    def refused():
+        raise ValueError("tile_N must divide N")
+
+    with pytest.raises(ValueError, match="tile_N"):
+        _quack.count_compiles(refused)
+
+    def driverless():  # (the driver's error, but before any compile lookup)
+        raise RuntimeError("cuda driver not found")
+
+    with pytest.raises(RuntimeError, match="cuda driver"):
+        _quack.count_compiles(driverless)
