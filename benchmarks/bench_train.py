@@ -258,7 +258,8 @@ def lm_head_targets() -> str:
 # every LM-head variant, coda's first (its default program, then its other programs and
 # weight layouts), then the peers
 LM_HEAD_VARIANTS = (
-    "coda", "coda_e2g", "coda_hf_layout", "coda_dv_weight", "coda_recompute", "coda_chunked",
+    "coda", "coda_e2g", "coda_e512m", "coda_hf_layout", "coda_dv_weight", "coda_recompute",
+    "coda_chunked",
     "torch_eager", "torch_compile", "quack_chunked_lce", "liger",
 )  # fmt: skip
 
@@ -343,6 +344,11 @@ def lm_head_rows(liger) -> list[dict]:
             # CE-S storing 2 GiB of E per token chunk (fewer fp32 dW reduce-adds)
             "coda_e2g": (
                 mock.patch.object(ce_scaled_exp, "E_CHUNK_BYTES", 2**31)(lambda: head(x, t)),
+                [head.final_norm, head.weight],
+            ),
+            # 512 MiB of E per token chunk: half a chunk's memory for more dW reduce-adds
+            "coda_e512m": (
+                mock.patch.object(ce_scaled_exp, "E_CHUNK_BYTES", 2**29)(lambda: head(x, t)),
                 [head.final_norm, head.weight],
             ),
             # the weight as HF holds it, lm_head.weight (V, d): what apply_coda passes (and,
