@@ -21,14 +21,18 @@ from coda.reference.rmsnorm import final_norm_ref
 
 
 class MaskHint:
-    """Shared by a patched model's layers: ``causal`` is True while a call whose attention
-    mask is the plain causal one runs under a CUDA-graph capture or a torch.compile trace
-    (``_plain_causal``)."""
+    """What a patched decoder stack's call tells its layers and its final norm (one per
+    stack, ``coda_mask_hint``): ``causal`` is True while a call whose attention mask is the
+    plain causal one runs under a CUDA-graph capture or a torch.compile trace
+    (``_plain_causal``); ``norm_skip`` counts the final norm's calls down to the one that
+    passes its input through (``final_norm_forward``: a training call whose loss applies that
+    norm); ``layers`` is True where the stack's layers are coda's. Set by ``base_forward`` for
+    the call's length. Defaults at class level: a hint pickled before a field existed loads
+    with it."""
 
-    __slots__ = ("causal",)
-
-    def __init__(self):
-        self.causal = False
+    causal = False
+    norm_skip = 0
+    layers = False
 
 
 MASK_ARGUMENTS = ("attention_mask", "position_ids", "past_key_values", "cache", "cache_position")
@@ -92,22 +96,62 @@ def wrap_forward(module, make) -> None:
     module.forward = _PatchedForward(module, make, module.__dict__.get("forward"))
 
 
-def base_forward(original):
-    """The decoder stack's (``LlamaModel``'s) ``forward``, with its layers' ``MaskHint`` set
-    for the call."""
+def wrap_stack(base, layers: bool = False) -> MaskHint:
+    """Wraps a decoder stack's ``forward`` (``base_forward``) and its final norm's
+    (``final_norm_forward``) once, sharing one ``MaskHint``; ``layers``: its layers are (being
+    made) coda's. Returns the hint."""
+    hint = getattr(base, "coda_mask_hint", None)
+    if hint is None:
+        hint = base.coda_mask_hint = MaskHint()
+        wrap_forward(base, base_forward)
+    if getattr(base.norm, "coda_mask_hint", None) is None:
+        base.norm.coda_mask_hint = hint
+        wrap_forward(base.norm, final_norm_forward)
+    hint.layers = hint.layers or layers
+    return hint
 
-    def forward(self, *args, **kwargs):
-        if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
+
+def base_forward(original):
+    """The decoder stack's (``LlamaModel``'s) ``forward``, with its ``MaskHint`` set for the
+    call. ``coda_final_norm=False`` (the causal LM's training call, whose loss applies the
+    final norm): the stack's last call of that norm passes its input through, NanoChat's
+    second (its first norms the token embeddings: ``EMBEDDINGS_NORMED``). A flag for the
+    call's length rather than a module swapped in and out: the module tree never changes, and
+    a graph break inside the stack (a mixture of experts' data-dependent shapes) does not meet
+    a ``try`` block in the caller's frame, which Dynamo cannot resume in."""
+
+    def forward(self, *args, coda_final_norm=True, **kwargs):
+        hint = self.coda_mask_hint
+        attentions = getattr(self.config, "output_attentions", False)
+        if hint.layers and kwargs.get("output_attentions", attentions):
             raise v.CodaInputError(
                 "apply_coda: output_attentions is not supported (patched layers call the "
                 "attention function directly and keep no attention weights)"
             )
-        hint = self.coda_mask_hint
         hint.causal = _plain_causal(args, kwargs)
+        normed = type(self).__name__ in EMBEDDINGS_NORMED
+        hint.norm_skip = 0 if coda_final_norm else 2 if normed else 1
         try:
             return original(self, *args, **kwargs)
         finally:
-            hint.causal = False
+            hint.causal, hint.norm_skip = False, 0
+
+    return forward
+
+
+def final_norm_forward(original):
+    """The final norm's ``forward``: the call ``MaskHint.norm_skip`` counts down to passes
+    its input through; every other call (outside a training call, the loss's own, a user's)
+    is the norm's."""
+
+    def forward(self, x, *args, **kwargs):
+        hint = self.coda_mask_hint
+        n = hint.norm_skip
+        if n:
+            hint.norm_skip = n - 1
+            if n == 1:
+                return x
+        return original(self, x, *args, **kwargs)
 
     return forward
 
@@ -168,14 +212,10 @@ def causal_lm_forward(original):
             )
         _check_head(self.lm_head)
         norm = self.model.norm
-        # the final norm runs inside coda's loss (a stack that norms its embeddings with the
-        # same module keeps that first call)
-        normed = type(self.model).__name__ in EMBEDDINGS_NORMED
-        self.model.norm = _EmbeddingsNormed(norm) if normed else torch.nn.Identity()
-        try:
-            out = self.model(*args, return_dict=True, **kwargs)
-        finally:
-            self.model.norm = norm
+        if getattr(norm, "coda_mask_hint", None) is None:  # (a model pickled before session 84)
+            wrap_stack(self.model)
+        # the final norm runs inside coda's loss (``base_forward``)
+        out = self.model(*args, return_dict=True, coda_final_norm=False, **kwargs)
         hidden = out.hidden_states
         if hidden and hidden[-1] is out.last_hidden_state:  # HF's last one is after the norm
             hidden = (*hidden[:-1], norm(out.last_hidden_state))
@@ -239,20 +279,6 @@ def _coda_loss(
         softcap=softcap,
     )
     return loss if n_items is None else loss / n_items
-
-
-class _EmbeddingsNormed(torch.nn.Module):
-    """Stands in for the final norm of an ``EMBEDDINGS_NORMED`` stack in a training call: its
-    first call, the token embeddings', is the norm's; the next, the layers' output, passes
-    through (the final norm then inside coda's loss)."""
-
-    def __init__(self, norm):
-        super().__init__()
-        self.norm, self.calls = norm, 0
-
-    def forward(self, x):
-        self.calls += 1
-        return self.norm(x) if self.calls == 1 else x
 
 
 class _Rows(torch.nn.Module):
@@ -352,7 +378,7 @@ def logits_divisor(config, name: str) -> float:
 LOGITS_SOFTCAPPED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM")
 LOGITS_SOFTCAPPED += ("NanoChatForCausalLM", "Gemma4ForCausalLM")
 # decoder stacks that norm their token embeddings with their final norm's module, one module
-# called twice a forward, before the layers and after them: NanoChat's (``_EmbeddingsNormed``)
+# called twice a forward, before the layers and after them: NanoChat's (``base_forward``)
 EMBEDDINGS_NORMED = ("NanoChatModel",)
 
 

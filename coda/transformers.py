@@ -109,7 +109,7 @@ from coda._hf_families import (
     qk_norm_names,
     sliding_window,
 )
-from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_forward
+from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_forward, wrap_stack
 from coda._hf_fused import from_hf_keys as _from_hf_keys  # (the names the hooks of layers
 from coda._hf_fused import to_hf_keys as _to_hf_keys  # pickled before session 81 refer to)
 from coda._hf_rope import mrope_sections, rope_arguments, rope_pairs, typed_rotary
@@ -485,6 +485,8 @@ def _patch_stack(model, base, config, forward, method, embedding, layers) -> Non
         hf_forward.check_final_norm(base.norm)
     if layers:
         _patch_layers(base, config)
+    if forward is not None:  # (the training call's loss applies the final norm: ``base_forward``)
+        wrap_stack(base)
     if embedding:
         Embedding.adopt(base.embed_tokens)
     if forward is not None and not getattr(model, "coda_method", None):
@@ -546,9 +548,7 @@ def _patch_layers(base, config) -> None:
     kinds = set(config.layer_types) if per_type else {None}
     # layer type (None: the model's one RoPE) -> its RoPE's arguments, checked before any change
     ropes = {k: rope_arguments(typed_rotary(base.rotary_emb, config, k), config) for k in kinds}
-    if getattr(base, "coda_mask_hint", None) is None:  # (not patched before)
-        base.coda_mask_hint = MaskHint()
-        wrap_forward(base, base_forward)
+    wrap_stack(base, layers=True)
     mrope = mrope_sections(base.rotary_emb)
     if mrope is not None and not getattr(base.rotary_emb, "coda_tags_rows", False):
         base.rotary_emb.register_forward_hook(_tag_mrope_rows, with_kwargs=True)

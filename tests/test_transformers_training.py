@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("transformers")  # installed by the dev extra: never skipped in CI
-from conftest import assert_compiled_graphs_train_as_eager  # noqa: E402
+from conftest import assert_compiled_graphs_train_as_eager, rel_err  # noqa: E402
 from test_transformers import (  # noqa: E402
     SCALED_ROPES,
+    TOL,
     _step,
     assert_same_step,
     model_class,
@@ -518,3 +519,39 @@ def test_gpu_patched_model_trains_under_torch_compiles_cuda_graphs(family):
         return run(input_ids=ids, labels=ids).loss
 
     assert_compiled_graphs_train_as_eager(eager, batches, loss_of)
+
+
+@pytest.mark.parametrize("layers", [True, False], ids=["whole", "loss-alone"])
+def test_a_training_call_that_raises_leaves_the_final_norm_applied(layers):
+    """The training call's loss applies the final norm, so the stack's own call of it passes
+    through for that call only (``_hf_forward.base_forward``): the module stays in the model
+    throughout (its state-dict key with it), and a call that raises inside the stack leaves
+    no pass-through behind. After one, the stack's output, generation's logits and the next
+    training step are the unpatched model's."""
+    ref = model_class(tiny_config())(tiny_config()).double()
+    with torch.no_grad():
+        ref.model.norm.weight.add_(0.3)  # (a skipped norm would show)
+    patched = ct.apply_coda(copy.deepcopy(ref), layers=layers)
+    norm = patched.model.norm
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(6))
+    seen = []
+
+    def check_then_raise(module, args, output):
+        seen.append(patched.model.norm is norm and "model.norm.weight" in patched.state_dict())
+        raise RuntimeError("out of memory (a test's)")
+
+    hook = patched.model.layers[-1].register_forward_hook(check_then_raise)
+    with pytest.raises(RuntimeError, match="a test's"):
+        patched(input_ids=ids, labels=ids)
+    hook.remove()
+    assert seen == [True]
+    x = torch.randn(2, 9, ref.config.hidden_size, dtype=torch.float64)
+    assert torch.equal(patched.model.norm(x), ref.model.norm(x))  # (called alone)
+    want = ref.model(input_ids=ids).last_hidden_state
+    assert rel_err(patched.model(input_ids=ids).last_hidden_state, want) < TOL
+    with torch.no_grad():
+        assert rel_err(patched(input_ids=ids).logits, ref(input_ids=ids).logits) < TOL
+    assert (
+        rel_err(_step(patched, input_ids=ids, labels=ids), _step(ref, input_ids=ids, labels=ids))
+        < TOL
+    )
