@@ -46,8 +46,8 @@ R266, R267, R271, R273 = (
 R272, R276 = "2026-12-04_h200_run272.json", "2026-12-04_h200_run276.json"
 R293 = "2026-12-05_h200_run293.json"  # the soft-capped LM head (CE-S as "coda_scaled_exp")
 R296 = "2026-12-05_h200_run296.json"  # Gemma-3-1B's loss alone, beside Liger's patch
-# on an H100: Gemma-3-1B's loss alone with the stack compiled; Llama-3.2-1B patched
-R297, R298 = "2026-12-05_h100_run297.json", "2026-12-05_h100_run298.json"
+R297 = "2026-12-05_h100_run297.json"  # on an H100: Gemma-3-1B's loss alone, the stack compiled
+R340 = "2026-12-06_h100_run340.json"  # on an H100: Llama-3.2-1B and Qwen3-0.6B patched
 R306 = "2026-12-05_h100_run306.json"  # on an H100: Gemma-3-1B with coda's layers
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
 LAYER = {"coda": "coda", "torch.compile": "torch_compile", "Liger": "liger", "eager": "torch_eager"}
@@ -102,6 +102,17 @@ def expected() -> dict:
         liger = max(tps(n) for n in ("hf_liger", "hf_liger_no_cache"))
         cols = {"coda": "hf_coda", "torch.compile": "hf_torch_compile", "eager": "hf"}
         return {**{c: _k(tps(n)) for c, n in cols.items()}, "Liger": _k(liger)}
+
+    def h100(shape):  # run 340: no unpatched row; Liger's faster row
+        def tps(n):
+            return _entry(R340, "hf", f"hf/{shape}/{n}")["tokens_per_s"]
+
+        liger = max(tps(n) for n in ("hf_liger", "hf_liger_no_cache"))
+        return {
+            "coda": _k(tps("hf_coda")),
+            "torch.compile": _k(tps("hf_torch_compile")),
+            "Liger": _k(liger),
+        }
 
     def demo(record, names, kind="step+adamw", key="tokens_per_s", fmt=lambda v: f"{v / 1e3:.0f}k"):
         names = {c: f"model/demo-d1024/{n}/{kind}" for c, n in names.items()}
@@ -180,14 +191,8 @@ def expected() -> dict:
             c: _k(_entry(R306, "hf", f"hf/gemma-3-1B/{n}")["tokens_per_s"])
             for c, n in {"coda": "hf_coda", "Liger": "hf_liger"}.items()
         },
-        "... HF Llama-3.2-1B on an H100": {
-            c: _k(_entry(R298, "hf", f"hf/llama-3.2-1B/{n}")["tokens_per_s"])
-            for c, n in {
-                "coda": "hf_coda",
-                "torch.compile": "hf_torch_compile",
-                "Liger": "hf_liger",
-            }.items()
-        },
+        "... HF Llama-3.2-1B on an H100": h100("llama-3.2-1B"),
+        "... HF Qwen3-0.6B on an H100": h100("qwen3-0.6B"),
         "FSDP2, 2 H200s": {c: _k(fsdp[n]["tokens_per_s_per_rank"]) for c, n in fsdp_cols.items()},
     }
 

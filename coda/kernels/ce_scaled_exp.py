@@ -264,7 +264,9 @@ def scaled_grad_dw_kernel(e, xs, u, out, accumulate: bool, dry=False, config=Non
 # Bytes of E (bf16, rows x V) stored per token chunk: the memory / time trade of CE-S. Each
 # chunk after the first reduce-adds its dW into the fp32 V x d accumulator (8 V d bytes of
 # traffic: 8.4 GB at d = 8192, V = 128256); a larger budget means fewer chunks. Measured at
-# 1 GiB (benchmarks/NOTES.md: "CE-S on the H200"); lm_head_train also times 2 GiB.
+# 1 GiB (benchmarks/NOTES.md: "CE-S on the H200"); lm_head_train also times 2 GiB and 512
+# MiB, which saved only 0.08 GiB at d = 4096 (the backward's dW cast, the fp32 accumulator and
+# its bf16 copy at once, holds nearly the same peak) for 3.4 % more time (run 338, session 84).
 E_CHUNK_BYTES = 2**30
 
 
