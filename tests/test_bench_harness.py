@@ -100,14 +100,16 @@ def test_the_model_step_runs_the_default_peers_unless_some_are_named(monkeypatch
         bench_step.model_peers()
 
 
-def test_the_lm_head_runs_every_variant_unless_some_are_named(monkeypatch):
+def test_the_lm_head_runs_every_default_variant_unless_some_are_named(monkeypatch):
     from benchmarks import bench_train
 
     monkeypatch.delenv("CODA_LM_HEAD_PEERS", raising=False)
-    assert bench_train.lm_head_variants() == list(bench_train.LM_HEAD_VARIANTS)
-    monkeypatch.setenv("CODA_LM_HEAD_PEERS", "torch_compile,quack_chunked_lce")
-    # coda's default always, in the table's order
-    assert bench_train.lm_head_variants() == ["coda", "torch_compile", "quack_chunked_lce"]
+    every = [n for n in bench_train.LM_HEAD_VARIANTS if n not in bench_train.LM_HEAD_ON_REQUEST]
+    assert bench_train.lm_head_variants() == every and "coda_e512m" not in every
+    monkeypatch.setenv("CODA_LM_HEAD_PEERS", "torch_compile,quack_chunked_lce,coda_e512m")
+    # coda's default always, in the table's order; one on request when named
+    want = ["coda", "coda_e512m", "torch_compile", "quack_chunked_lce"]
+    assert bench_train.lm_head_variants() == want
     monkeypatch.setenv("CODA_LM_HEAD_PEERS", "coda,flce")
     with pytest.raises(ValueError, match="flce"):
         bench_train.lm_head_variants()
