@@ -99,7 +99,8 @@ def wrap_forward(module, make) -> None:
 def wrap_stack(base, layers: bool = False) -> MaskHint:
     """Wraps a decoder stack's ``forward`` (``base_forward``) and its final norm's
     (``final_norm_forward``) once, sharing one ``MaskHint``; ``layers``: its layers are (being
-    made) coda's. Returns the hint."""
+    made) coda's, as are those that share the hint already (a model pickled before the hint
+    had ``layers``). Returns the hint."""
     hint = getattr(base, "coda_mask_hint", None)
     if hint is None:
         hint = base.coda_mask_hint = MaskHint()
@@ -107,7 +108,8 @@ def wrap_stack(base, layers: bool = False) -> MaskHint:
     if getattr(base.norm, "coda_mask_hint", None) is None:
         base.norm.coda_mask_hint = hint
         wrap_forward(base.norm, final_norm_forward)
-    hint.layers = hint.layers or layers
+    if layers or any(getattr(m, "mask_hint", None) is hint for m in base.layers):
+        hint.layers = True
     return hint
 
 

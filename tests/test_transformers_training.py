@@ -103,6 +103,23 @@ def test_a_patched_model_pickles(family, tmp_path):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_a_model_pickled_before_its_final_norm_was_wrapped_still_trains(tmp_path):
+    """A patched model pickled before session 84 has no wrapped final norm and a mask hint
+    without ``layers``: its first training call wraps the norm (the loss applies it once),
+    and its coda layers still refuse ``output_attentions``, as a model patched now does."""
+    ref, a = pair(tiny_config())
+    norm = a.model.norm
+    del norm.forward, norm.coda_mask_hint, a.model.coda_mask_hint.layers  # (the old form)
+    torch.save(a, tmp_path / "model.pt")
+    b = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert "forward" not in b.model.norm.__dict__ and not b.model.coda_mask_hint.layers
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(8))
+    assert rel_err(_step(b, input_ids=ids, labels=ids), _step(ref, input_ids=ids, labels=ids)) < TOL
+    assert b.model.coda_mask_hint.layers and b.model.norm.coda_mask_hint is b.model.coda_mask_hint
+    with pytest.raises(v.CodaInputError, match="output_attentions"):
+        b(input_ids=ids, output_attentions=True)
+
+
 def _cache(out):
     """The KV cache an HF output carries (``cache`` from transformers 5.3, else
     ``past_key_values``)."""
