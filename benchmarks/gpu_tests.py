@@ -24,6 +24,10 @@ RESULT_LINE = re.compile(
 )
 
 
+# a -v line's outcome -> the record's count it adds to
+OUTCOME = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped"}
+
+
 def _finished(text: str):
     """(test id, outcome) for each finished test in a -v log, with or without xdist."""
     for m in RESULT_LINE.finditer(text):
@@ -72,9 +76,8 @@ def run_tests(
     failures = []
     test_seconds = {}  # from the junit report: what each test cost the call
     if timed_out or not os.path.exists(xml):  # what finished before the cut
-        key = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped"}
         for test, outcome in _finished(text.replace("\r", "")):
-            counts[key[outcome]] += 1
+            counts[OUTCOME[outcome]] += 1
             if outcome in ("FAILED", "ERROR"):
                 failures.append(test)
     else:
@@ -188,7 +191,6 @@ def rerun_alone(nodes: list[str], out_dir: str, env: dict, budget_s: float | Non
     cmd += ["-p", "no:cacheprovider"]
     _, timed_out, text = _pytest(cmd, xml, log, env, budget_s)
     outcomes = {n: "not run" for n in nodes}
-    key = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped"}
     for test, outcome in _finished(text.replace("\r", "")):
-        outcomes[test] = key[outcome]
+        outcomes[test] = OUTCOME[outcome]
     return {"command": _shown(cmd, out_dir), "timed_out": timed_out, "outcomes": outcomes}
