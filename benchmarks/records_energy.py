@@ -1,5 +1,5 @@
 """Time, clock and energy of each timed row of the H200 records against the floor run as one
-step, read from the committed records (no GPU).
+step, read from the committed records, loose and archived (no GPU).
 
 At the H200's 700 W cap a step's speed is its energy: a step that does more work per
 microsecond runs at a lower SM clock. Each floor-relative suite (``layer_train``,
@@ -27,10 +27,12 @@ its kernels' cycles.
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import records  # noqa: E402
 
 SUITES = ("layer_train", "layer_forward", "lm_head_train")
 FLOOR = "floor_as_one_step"
@@ -75,23 +77,23 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("first_run", nargs="?", type=int, default=160)
     ap.add_argument("--rows", default="coda,torch_compile,quack_chunked_lce,liger")
-    ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
     wanted = tuple(args.rows.split(","))
-    paths = sorted(glob.glob(os.path.join(args.results, "*_run*.json")), key=run_number)
+    kept = sorted(
+        ((run_number(name), name, record) for name, record in records.every() if "_run" in name),
+        key=lambda r: r[:2],
+    )
     print(
         "| run | commit | suite | d | row | time | MHz (row / floor) | cycles | energy "
         "| time / parts | cycles / parts |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for path in paths:
-        if run_number(path) < args.first_run:
+    for run, _, record in kept:
+        if run < args.first_run:
             continue
-        with open(path) as f:
-            record = json.load(f)
         for suite, d, name, r in table(record, wanted):
             print(
-                f"| {run_number(path)} | {record.get('commit', '?')} | {suite} | {d} | {name} "
+                f"| {run} | {record.get('commit', '?')} | {suite} | {d} | {name} "
                 f"| {r['time']:.3f} | {r['mhz'][0]:.0f} / {r['mhz'][1]:.0f} "
                 f"| {r['cycles']:.3f} | {r['energy']:.3f} "
                 f"| {r['time'] * r['parts']:.3f} | {r['cycles'] * r['parts']:.3f} |"

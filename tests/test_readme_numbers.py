@@ -5,19 +5,19 @@ a figure typed by hand that no record holds fails."""
 
 from __future__ import annotations
 
-import json
 import pathlib
 import re
 
 import pytest
 
+from benchmarks import records
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 COLUMNS = ("coda", "torch.compile", "Liger", "quack", "eager")
 
 
 def _entry(record: str, suite: str, name: str, d: int | None = None) -> dict:
-    rows = json.loads((RESULTS / record).read_text())["benchmarks"][suite]
+    rows = records.load(record)["benchmarks"][suite]
     rows = rows["rows_so_far"] if isinstance(rows, dict) else rows  # (a suite cut at its limit)
     hits = [r for r in rows if r["name"] == name and (d is None or r.get("d") == d)]
     assert len(hits) == 1, (record, name, d, len(hits))
@@ -120,7 +120,7 @@ def expected() -> dict:
 
     tc = {"torch.compile": "torch_compile"}
     tcb = {"torch.compile": B1.format("torch_compile")}
-    fsdp = json.loads((RESULTS / R29).read_text())["result"]
+    fsdp = records.load(R29)["result"]
     fsdp_cols = {"coda": "coda", "torch.compile": "torch_compile", "eager": "torch_eager"}
     return {
         "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R251),

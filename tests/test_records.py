@@ -8,17 +8,16 @@ that each still reads as explained, so the list cannot go stale."""
 from __future__ import annotations
 
 import functools
+import io
 import json
-import pathlib
 import re
 import subprocess
 import tarfile
 
 import pytest
 
-from benchmarks import provenance
+from benchmarks import provenance, records
 
-RESULTS = pathlib.Path(provenance.ROOT) / "benchmarks" / "results"
 HASH = re.compile(r"\b[0-9a-f]{7,40}\b")
 
 # record -> the commit whose tree it ran (None: a tree no commit holds), and why
@@ -29,17 +28,6 @@ KNOWN = {
     # the before side of an A/B: b7f0289's coda/ and benchmarks/ beside HEAD's tests (its note)
     "2026-12-03_h200_run190.json": None,
 }
-
-
-def _records():
-    """(file name, record) for every record, loose and archived."""
-    for path in sorted(RESULTS.glob("*.json")):
-        yield path.name, json.loads(path.read_text())
-    for archive in sorted(RESULTS.glob("*.tar.xz")):
-        with tarfile.open(archive) as tar:
-            for member in tar.getmembers():
-                if member.name.endswith(".json"):
-                    yield pathlib.Path(member.name).name, json.load(tar.extractfile(member))
 
 
 def _history_or_skip():
@@ -68,7 +56,7 @@ def _digest(commit: str) -> str | None:
 def test_every_record_names_the_tree_that_ran():
     _history_or_skip()
     checked, wrong = 0, []
-    for name, record in _records():
+    for name, record in records.every():
         commit = str(record.get("commit", ""))
         unknown = [h for h in HASH.findall(commit) if _digest(h) is None]
         if not HASH.findall(commit) or unknown:
@@ -119,3 +107,32 @@ def test_commit_digest_is_the_walk_of_the_same_tree(tmp_path):
     assert provenance.source_digest(str(tmp_path)) != walked
     with pytest.raises(subprocess.CalledProcessError):
         provenance.commit_digest("0000000", str(tmp_path))
+
+
+def _results_folder(tmp_path, loose: dict, archived: dict):
+    """A results folder with ``loose`` records as files and ``archived`` ones in one archive."""
+    for name, record in loose.items():
+        (tmp_path / name).write_text(json.dumps(record))
+    with tarfile.open(tmp_path / "archive_a.tar.xz", "w:xz") as tar:
+        for name, record in archived.items():
+            data = json.dumps(record).encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return tmp_path
+
+
+def test_records_are_read_loose_or_archived_alike(tmp_path):
+    """``records.load`` finds a record by its file name wherever it lies, ``records.every``
+    yields each once (loose, then archived); a name in both places, or in none, is an error."""
+    folder = _results_folder(tmp_path, {"x_run2.json": {"n": 2}}, {"x_run1.json": {"n": 1}})
+    records._archived.cache_clear()
+    assert records.load("x_run1.json", folder) == {"n": 1}
+    assert records.load("x_run2.json", folder) == {"n": 2}
+    assert list(records.every(folder)) == [("x_run2.json", {"n": 2}), ("x_run1.json", {"n": 1})]
+    with pytest.raises(FileNotFoundError, match="x_run3.json"):
+        records.load("x_run3.json", folder)
+    (folder / "x_run1.json").write_text('{"n": 0}')
+    with pytest.raises(ValueError, match="both loose and archived"):
+        list(records.every(folder))
+    records._archived.cache_clear()
