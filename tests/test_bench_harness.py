@@ -426,6 +426,24 @@ def test_host_timing_keeps_every_round_and_takes_the_median(monkeypatch):
     assert len(got["slow"]["rounds_us"]) == rounds
 
 
+def test_a_step_part_that_raises_is_recorded_under_its_name(monkeypatch):
+    """``bench_step.run``: a part that raises becomes one error row named for the part
+    (``step/model``: run 342's read ``step/<lambda>``), with its traceback, and the parts after
+    it still run."""
+    from benchmarks import bench_step
+
+    def out_of_memory(*_):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(bench_step, "liger_functional", lambda: None)
+    monkeypatch.setattr(bench_step, "model_rows", out_of_memory)
+    monkeypatch.setattr(bench_step, "host_rows", out_of_memory)
+    monkeypatch.setattr(bench_step, "graph_rows", lambda: [{"name": "graph/x", "ms": 1.0}])
+    got = bench_step.run(("model", "host", "graph"))
+    assert [r["name"] for r in got] == ["step/model", "step/host", "graph/x"]
+    assert "out of memory" in got[0]["error"] and "out_of_memory" in got[0]["trace"]
+
+
 def test_records_energy_reads_each_row_against_its_floor():
     """``records_energy``'s three ratios, on a made-up record: a row twice the floor's time at
     half its clock did the floor's cycles; the forward suite's ``coda`` is the module's row."""
