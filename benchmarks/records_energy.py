@@ -1,5 +1,6 @@
-"""Time, clock and energy of each timed row of the H200 records against the floor run as one
-step, read from the committed records, loose and archived (no GPU).
+"""Time, clock and energy of each timed row of the device records (the H200's, and the H100's
+where no H200 was lent: the table names the card) against the floor run as one step, read
+from the committed records, loose and archived (no GPU).
 
 At the H200's 700 W cap a step's speed is its energy: a step that does more work per
 microsecond runs at a lower SM clock. Each floor-relative suite (``layer_train``,
@@ -84,16 +85,17 @@ def main(argv=None) -> None:
         key=lambda r: r[:2],
     )
     print(
-        "| run | commit | suite | d | row | time | MHz (row / floor) | cycles | energy "
+        "| run | card | commit | suite | d | row | time | MHz (row / floor) | cycles | energy "
         "| time / parts | cycles / parts |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for run, _, record in kept:
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for run, name, record in kept:
         if run < args.first_run:
             continue
-        for suite, d, name, r in table(record, wanted):
+        card = name.split("_")[1]  # (the file name's: h200, h100, ...)
+        for suite, d, row, r in table(record, wanted):
             print(
-                f"| {run} | {record.get('commit', '?')} | {suite} | {d} | {name} "
+                f"| {run} | {card} | {record.get('commit', '?')} | {suite} | {d} | {row} "
                 f"| {r['time']:.3f} | {r['mhz'][0]:.0f} / {r['mhz'][1]:.0f} "
                 f"| {r['cycles']:.3f} | {r['energy']:.3f} "
                 f"| {r['time'] * r['parts']:.3f} | {r['cycles'] * r['parts']:.3f} |"

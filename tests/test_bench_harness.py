@@ -512,3 +512,27 @@ def test_the_layer_benchmarks_hf_form_is_codas_layer(monkeypatch, post_norms):
     got = bench_train._hf_layer(x.view(B * S, d), bench_train._hf_params(layer), cos, sin, H, Hkv)
     want = layer(x, rope_cos_sin=(cos[None], sin[None])).view(B * S, d)  # (the same tables)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-12
+
+
+def test_records_energy_lists_every_record_with_its_card(monkeypatch, capsys):
+    """``records_energy``'s table: every record ``benchmarks.records`` yields (loose or
+    archived), in run order from ``first_run``, each row naming its card; a record of no
+    floor-relative suite gives no row."""
+    from benchmarks import records_energy as re_
+
+    def row(name, ms):
+        return {"name": f"s/{name}", "d": 2048, "ms": ms, "sm_mhz": 1500, "power_w": 700}
+
+    timed = {"benchmarks": {"layer_train": [row("floor_as_one_step", 10.0), row("coda", 11.0)]}}
+    kept = [
+        ("2026-12-06_h100_run12.json", {**timed, "commit": "b"}),
+        ("2026-12-01_h200x2_fsdp2_run3.json", {"result": {}}),
+        ("2026-12-04_h200_run5.json", {**timed, "commit": "a"}),
+        ("2026-12-04_h200_run1.json", {**timed, "commit": "old"}),
+    ]
+    monkeypatch.setattr(re_.records, "every", lambda: iter(kept))
+    re_.main(["2", "--rows", "coda"])
+    out = capsys.readouterr().out.splitlines()
+    rows = [ln.split(" | ") for ln in out[2:]]
+    assert [r[:3] for r in rows] == [["| 5", "h200", "a"], ["| 12", "h100", "b"]]
+    assert rows[0][6:10] == ["1.100", "1500 / 1500", "1.100", "1.100"]
