@@ -10,6 +10,7 @@ Layers, bottom up (imports only go down; ``tests/test_layering.py``): ``coda.ref
 -> ``coda.nn`` (the training modules) -> ``coda.transformers`` (``apply_coda`` for HF models).
 """
 
+from coda._quack import UnpinnedStackError  # noqa: F401
 from coda._validate import CodaInputError  # noqa: F401
 from coda.env import CodaReferencePathWarning, UnsupportedDeviceError, last_path  # noqa: F401
 from coda.ops import (  # noqa: F401

@@ -32,8 +32,43 @@ from coda._metadata import matcher
 # packages only; coda's own warnings and everyone else's are untouched.
 THIRD_PARTY_DEPRECATIONS = r"(quack|cutlass)(\..*)?$"
 
+# The versions coda's kernels are built and tested on (pyproject.toml pins the same). coda
+# reaches quack internals (its host runtime's jit cache, its EpiOps' signatures) that another
+# release need not keep, so ``_modules`` refuses any other version by name, before a kernel
+# meets it deep in the DSL; ``CODA_ALLOW_UNPINNED_QUACK=1`` runs them anyway, with a warning
+# (for trying an upgrade, which then edits the pins here and in pyproject.toml).
 QUACK_VERSION = "0.6.5"
 CUTLASS_DSL_VERSION = "4.8.1"
+ALLOW_UNPINNED = "CODA_ALLOW_UNPINNED_QUACK"
+
+
+class UnpinnedStackError(ImportError):
+    """quack-kernels or nvidia-cutlass-dsl is not the version coda's kernels are pinned to."""
+
+
+class UnpinnedStackWarning(UserWarning):
+    """The kernels run on an unpinned quack-kernels or nvidia-cutlass-dsl, as asked."""
+
+
+def check_pins(quack_version: str, cutlass_version: str) -> None:
+    """Raise ``UnpinnedStackError`` naming each installed version that is not coda's pin (a
+    warning instead under ``CODA_ALLOW_UNPINNED_QUACK=1``)."""
+    found = (
+        ("quack-kernels", quack_version, QUACK_VERSION),
+        ("nvidia-cutlass-dsl", cutlass_version, CUTLASS_DSL_VERSION),
+    )
+    wrong = [f"{name} {have} (coda pins {name}=={pin})" for name, have, pin in found if have != pin]
+    if not wrong:
+        return
+    message = (
+        f"coda's kernels need the versions they are built and tested on; installed: "
+        f"{'; '.join(wrong)}. `pip install -e .` installs the pins; {ALLOW_UNPINNED}=1 runs "
+        f"the kernels on these anyway"
+    )
+    if os.environ.get(ALLOW_UNPINNED) == "1":
+        warnings.warn(message, UnpinnedStackWarning, stacklevel=3)
+    else:
+        raise UnpinnedStackError(message)
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,7 +76,11 @@ def _modules():
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=THIRD_PARTY_DEPRECATIONS)
     with warnings.catch_warnings():  # import time: torch.jit deprecations raised by cutlass too
         warnings.simplefilter("ignore", DeprecationWarning)
+        import cutlass
         import quack
+
+        # (before quack's submodules: another release may have moved them)
+        check_pins(quack.__version__, getattr(cutlass, "__version__", "unknown"))
         import quack.activation as activation
         import quack.cache as cache
         import quack.epilogue.head_rmsnorm as head_rmsnorm
@@ -72,7 +111,7 @@ def _modules():
 
 
 def versions() -> dict:
-    """Versions of the GPU-side stack, for result records and ``python -m coda.env``."""
+    """Versions of the GPU-side stack, for result records and ``python -m coda``."""
     out = {}
     for mod, key in (("quack", "quack"), ("cutlass", "cutlass_dsl")):
         try:

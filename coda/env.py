@@ -6,7 +6,7 @@ reference-path call of each op emits a ``CodaReferencePathWarning`` naming the r
 ``last_path(op)`` tells what the latest call of an op ran. ``backend="kernel"`` forces the
 kernel path and raises ``UnsupportedDeviceError`` where it cannot run.
 
-``python -m coda.env`` prints the stack (torch, cutlass-dsl, quack, GPU, SM).
+``python -m coda`` prints the stack (torch, cutlass-dsl, quack, GPU, SM).
 """
 
 from __future__ import annotations
@@ -231,9 +231,16 @@ def last_path(op: str) -> tuple[str, str] | None:
 
 
 def describe() -> dict:
+    """The stack as ``python -m coda`` prints it and a result record keeps it."""
     from coda import _quack
 
-    info = {"torch": torch.__version__, **_quack.versions(), "cuda": torch.cuda.is_available()}
+    info = {"torch": torch.__version__, **_quack.versions()}
+    # (the kernels' pins: another version is refused at the first kernel call, ``_quack``)
+    info["pinned"] = (info["quack"], info["cutlass_dsl"]) == (
+        _quack.QUACK_VERSION,
+        _quack.CUTLASS_DSL_VERSION,
+    )
+    info["cuda"] = torch.cuda.is_available()
     if torch.cuda.is_available():
         dev = torch.device("cuda")
         info["gpu"] = torch.cuda.get_device_name(dev)
@@ -242,8 +249,3 @@ def describe() -> dict:
     else:
         info["kernel_path"] = False
     return info
-
-
-if __name__ == "__main__":
-    for k, v in describe().items():
-        print(f"{k:12s} {v}")
