@@ -50,14 +50,19 @@ class UnpinnedStackWarning(UserWarning):
     """The kernels run on an unpinned quack-kernels or nvidia-cutlass-dsl, as asked."""
 
 
-def check_pins(quack_version: str, cutlass_version: str) -> None:
-    """Raise ``UnpinnedStackError`` naming each installed version that is not coda's pin (a
-    warning instead under ``CODA_ALLOW_UNPINNED_QUACK=1``)."""
+def unpinned(quack_version: str, cutlass_version: str) -> list[str]:
+    """Each of the two versions that is not coda's pin, as "name version (coda pins ...)"."""
     found = (
         ("quack-kernels", quack_version, QUACK_VERSION),
         ("nvidia-cutlass-dsl", cutlass_version, CUTLASS_DSL_VERSION),
     )
-    wrong = [f"{name} {have} (coda pins {name}=={pin})" for name, have, pin in found if have != pin]
+    return [f"{name} {have} (coda pins {name}=={pin})" for name, have, pin in found if have != pin]
+
+
+def check_pins(quack_version: str, cutlass_version: str) -> None:
+    """Raise ``UnpinnedStackError`` naming each installed version that is not coda's pin (a
+    warning instead under ``CODA_ALLOW_UNPINNED_QUACK=1``)."""
+    wrong = unpinned(quack_version, cutlass_version)
     if not wrong:
         return
     message = (
