@@ -242,7 +242,9 @@ def describe() -> dict:
         dev = torch.device("cuda")
         info["gpu"] = torch.cuda.get_device_name(dev)
         info["sm"] = "sm_%d%d" % torch.cuda.get_device_capability(dev)
-        info["kernel_path"] = kernel_support(dev)[0]
+        info["kernel_path"], why = kernel_support(dev)
     else:
-        info["kernel_path"] = False
+        info["kernel_path"], why = False, "torch sees no CUDA device"
+    if why:  # (what every op then runs instead: its reference)
+        info["why_not"] = why
     return info

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import quack
+import torch
 
 from coda import _quack
 
@@ -91,3 +92,6 @@ def test_python_m_coda_prints_the_stack():
     rows = dict(line.split(None, 1) for line in run.stdout.splitlines())
     assert rows["quack"] == _quack.QUACK_VERSION and rows["pinned"] == "True"
     assert "RuntimeWarning" not in run.stderr
+    if not torch.cuda.is_available():  # the reference path, and why
+        assert rows["kernel_path"] == "False"
+        assert rows["why_not"] == "torch sees no CUDA device"
