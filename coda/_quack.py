@@ -50,19 +50,20 @@ class UnpinnedStackWarning(UserWarning):
     """The kernels run on an unpinned quack-kernels or nvidia-cutlass-dsl, as asked."""
 
 
-def unpinned(quack_version: str, cutlass_version: str) -> list[str]:
-    """Each of the two versions that is not coda's pin, as "name version (coda pins ...)"."""
-    found = (
-        ("quack-kernels", quack_version, QUACK_VERSION),
-        ("nvidia-cutlass-dsl", cutlass_version, CUTLASS_DSL_VERSION),
+def unpinned(found: dict) -> list[str]:
+    """Each version of ``found`` (``versions()``'s form) that is not coda's pin, as "name
+    version (coda pins name==pin)"."""
+    pins = (
+        ("quack-kernels", found["quack"], QUACK_VERSION),
+        ("nvidia-cutlass-dsl", found["cutlass_dsl"], CUTLASS_DSL_VERSION),
     )
-    return [f"{name} {have} (coda pins {name}=={pin})" for name, have, pin in found if have != pin]
+    return [f"{name} {have} (coda pins {name}=={pin})" for name, have, pin in pins if have != pin]
 
 
-def check_pins(quack_version: str, cutlass_version: str) -> None:
-    """Raise ``UnpinnedStackError`` naming each installed version that is not coda's pin (a
-    warning instead under ``CODA_ALLOW_UNPINNED_QUACK=1``)."""
-    wrong = unpinned(quack_version, cutlass_version)
+def check_pins(found: dict) -> None:
+    """Raise ``UnpinnedStackError`` naming each installed version (``versions()``'s form) that
+    is not coda's pin (a warning instead under ``CODA_ALLOW_UNPINNED_QUACK=1``)."""
+    wrong = unpinned(found)
     if not wrong:
         return
     message = (
@@ -81,11 +82,10 @@ def _modules():
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=THIRD_PARTY_DEPRECATIONS)
     with warnings.catch_warnings():  # import time: torch.jit deprecations raised by cutlass too
         warnings.simplefilter("ignore", DeprecationWarning)
-        import cutlass
         import quack
 
         # (before quack's submodules: another release may have moved them)
-        check_pins(quack.__version__, getattr(cutlass, "__version__", "unknown"))
+        check_pins(versions())
         import quack.activation as activation
         import quack.cache as cache
         import quack.epilogue.head_rmsnorm as head_rmsnorm

@@ -236,7 +236,7 @@ def describe() -> dict:
 
     info = {"torch": torch.__version__, **_quack.versions()}
     # (another version than the pins is refused at the first kernel call: ``_quack``)
-    info["pinned"] = not _quack.unpinned(info["quack"], info["cutlass_dsl"])
+    info["pinned"] = not _quack.unpinned(info)
     info["cuda"] = torch.cuda.is_available()
     if torch.cuda.is_available():
         dev = torch.device("cuda")

@@ -18,6 +18,11 @@ PINS = (_quack.QUACK_VERSION, _quack.CUTLASS_DSL_VERSION)
 OTHER = ("0.0.1", "0.0.2")  # versions no pin will be
 
 
+def _stack(quack_version, cutlass_version):
+    """Installed versions in ``_quack.versions()``'s form."""
+    return {"quack": quack_version, "cutlass_dsl": cutlass_version}
+
+
 def test_the_pins_are_pyproject_toml_s():
     text = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
     assert re.search(r'"quack-kernels==([^"]+)"', text).group(1) == _quack.QUACK_VERSION
@@ -28,7 +33,7 @@ def test_the_pinned_versions_pass(monkeypatch):
     monkeypatch.delenv(_quack.ALLOW_UNPINNED, raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", _quack.UnpinnedStackWarning)
-        _quack.check_pins(*PINS)
+        _quack.check_pins(_stack(*PINS))
 
 
 @pytest.mark.parametrize("which", ["quack", "cutlass", "both"])
@@ -37,7 +42,7 @@ def test_another_version_is_refused_by_name(monkeypatch, which):
     q = OTHER[0] if which in ("quack", "both") else PINS[0]
     c = OTHER[1] if which in ("cutlass", "both") else PINS[1]
     with pytest.raises(_quack.UnpinnedStackError) as err:
-        _quack.check_pins(q, c)
+        _quack.check_pins(_stack(q, c))
     message = str(err.value)
     named_q = f"quack-kernels {OTHER[0]} (coda pins quack-kernels=={PINS[0]})"
     named_c = f"nvidia-cutlass-dsl {OTHER[1]} (coda pins nvidia-cutlass-dsl=={PINS[1]})"
@@ -50,7 +55,7 @@ def test_another_version_is_refused_by_name(monkeypatch, which):
 def test_the_override_warns_instead(monkeypatch):
     monkeypatch.setenv(_quack.ALLOW_UNPINNED, "1")
     with pytest.warns(_quack.UnpinnedStackWarning, match=f"quack-kernels {OTHER[0]} "):
-        _quack.check_pins(OTHER[0], PINS[1])
+        _quack.check_pins(_stack(OTHER[0], PINS[1]))
 
 
 @pytest.fixture
@@ -78,7 +83,7 @@ def test_the_stack_description_says_whether_it_is_pinned(monkeypatch):
     from coda import env
 
     assert env.describe()["pinned"] is True
-    monkeypatch.setattr(_quack, "versions", lambda: {"quack": OTHER[0], "cutlass_dsl": PINS[1]})
+    monkeypatch.setattr(_quack, "versions", lambda: _stack(OTHER[0], PINS[1]))
     assert env.describe()["pinned"] is False
 
 
