@@ -25,6 +25,9 @@ import os
 import threading
 import warnings
 
+import torch
+
+from coda._device import foreign
 from coda._metadata import matcher
 
 # quack 0.6.5 calls cutlass-dsl 4.8.1 APIs that 4.8 deprecates (LayoutEnum, SmemAllocator, ...):
@@ -367,7 +370,15 @@ def run_epi_gemm(
     narrower buffer, called only where a plan is built (a replay never needs it): the
     frontend, which checks every output's full shape, plans with empty stand-ins of that
     shape, and the plan launches with the narrow buffers (the compiled TMA store clips at
-    their bound)."""
+    their bound). The launch runs on A's device, made current for it where it is not
+    (``coda._device``)."""
+    device = A.get_device() if launch else -1
+    if foreign(device):  # launched on its tensors' device (``coda._device``)
+        with torch.cuda.device(device):
+            return run_epi_gemm(
+                mod, A, B, D, C, epi_args, config, launch=launch, add_to_output=add_to_output,
+                replay=replay, a_scale=a_scale, clipped=clipped,
+            )  # fmt: skip
     transform = {}
     if a_scale is not None:
         kind, strip, tile_k = a_scale

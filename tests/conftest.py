@@ -276,6 +276,37 @@ def _fresh_op_checks():
     yield
 
 
+class OnDevice1(torch.Tensor):
+    """A CPU tensor that reports CUDA device 1 (``get_device``): what the launch sites read
+    to pick a launch's device (``coda._device``), for the CPU tests of that choice."""
+
+    def get_device(self) -> int:
+        return 1
+
+
+@pytest.fixture
+def fake_devices(monkeypatch):
+    """A stand-in for the current CUDA device: ``coda._device`` reads ``state["current"]``,
+    and ``torch.cuda.device(i)`` makes ``i`` current within its block (``state["entered"]``
+    lists each ``i``)."""
+    import coda._device
+
+    state = {"current": 0, "entered": []}
+    monkeypatch.setattr(coda._device, "_current", lambda: state["current"])
+
+    @contextlib.contextmanager
+    def device(index):
+        before, state["current"] = state["current"], index
+        state["entered"].append(index)
+        try:
+            yield
+        finally:
+            state["current"] = before
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    return state
+
+
 def assert_compiled_graphs_train_as_eager(eager, batches, loss_of) -> None:
     """``torch.compile(mode="reduce-overhead")`` over a copy of the CUDA model ``eager``: one
     AdamW step per batch, replays among them, gives the eager model's losses and gradients

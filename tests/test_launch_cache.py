@@ -8,6 +8,7 @@ keying, on the CPU."""
 
 import pytest
 import torch
+from conftest import OnDevice1
 
 from coda import _quack
 from coda.kernels.config import DEFAULT, GemmConfig
@@ -99,6 +100,37 @@ def test_cache_is_bounded(replays, monkeypatch):
         a, b, d, e = _args(m=m)
         _quack.run_epi_gemm(mod, a, b, d, None, e, DEFAULT)
     assert len(_quack._PLANS) <= 3
+
+
+def test_a_launch_runs_on_its_tensors_device(replays, fake_devices, monkeypatch):
+    """A on device 1 while device 0 is current: the frontend's first launch and the replay
+    after it each run with device 1 current (``coda._device``), device 0 current again
+    after; a compile-only call switches nothing, nor does A on the current device."""
+    seen = []
+
+    class Mod(FakeMod):
+        def gemm(self, *args, **kw):
+            seen.append(("gemm", fake_devices["current"]))
+            return super().gemm(*args, **kw)
+
+    class Host:
+        @staticmethod
+        def run_gemm_epi_plan(plan, *args):
+            seen.append(("replay", fake_devices["current"]))
+
+    modules = {**_quack._modules(), "host": Host}
+    monkeypatch.setattr(_quack, "_modules", lambda: modules)
+    mod = Mod()
+    a, b, d, e = _args()
+    a = a.as_subclass(OnDevice1)
+    _quack.run_epi_gemm(mod, a, b, d, None, e, DEFAULT)
+    _quack.run_epi_gemm(mod, a, b, d, None, e, DEFAULT)
+    assert seen == [("gemm", 1), ("replay", 1)] and fake_devices["entered"] == [1, 1]
+    assert fake_devices["current"] == 0
+    _quack.run_epi_gemm(mod, a, b, d, None, e, DEFAULT, launch=False)
+    fake_devices["current"] = 1
+    _quack.run_epi_gemm(mod, a, b, d, None, e, DEFAULT)
+    assert seen[2:] == [("gemm", 0), ("replay", 1)] and fake_devices["entered"] == [1, 1]
 
 
 # -- an op's plan tape (``_quack.PlanTape``): plans taken in launch order, no key built ---------

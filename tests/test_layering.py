@@ -4,7 +4,7 @@ memos (``functools.cache`` / ``lru_cache``) are the listed host-only ones.
     reference, primitives  ->  kernels  ->  ops, layouts, autograd  ->  nn  ->  transformers
                         (_autograd_support, autograd_post_norm,   (_hf_families, _hf_forward,
                          autograd_sublayer)                        _hf_fused, _hf_rope)
-(``env``, ``_validate`` and ``_metadata`` are leaves any layer may use; ``_quack`` is the only
+(``env``, ``_validate``, ``_metadata`` and ``_device`` are leaves any layer may use; ``_quack`` is the only
 module that imports quack.)"""
 
 import ast
@@ -32,13 +32,14 @@ RANK = {
     "_hf_fused": 4,
     "_hf_rope": 4,
 }
-LEAVES = {"env", "_validate", "_quack", "_metadata", "__init__"}
+LEAVES = {"env", "_validate", "_quack", "_metadata", "_device", "__init__"}
 # What each leaf may import from coda (``__init__`` is the package face: it re-exports).
 LEAF_IMPORTS = {
     "env": {"_quack", "_validate"},
     "_validate": set(),
-    "_quack": {"_metadata"},
+    "_quack": {"_metadata", "_device"},
     "_metadata": set(),
+    "_device": set(),
 }
 
 

@@ -8,6 +8,7 @@ end launches every coda Triton kernel both ways on the H200 and compares the bit
 
 import pytest
 import torch
+from conftest import OnDevice1
 
 from coda.kernels import _triton
 
@@ -138,6 +139,39 @@ def test_the_cache_is_bounded(launcher, monkeypatch):
     for n in (16, 32, 48):
         _call(k, x, y, n=n)
     assert len(k.compiled) == 1  # emptied when full, then the newest kept
+
+
+class DeviceLog(list):
+    """A launch log that also notes the (fake) current device at each launch."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state, self.devices = state, []
+
+    def append(self, entry):
+        self.devices.append(self.state["current"])
+        super().append(entry)
+
+
+def test_a_launch_runs_on_its_tensors_device(launcher, fake_devices):
+    """Tensors on device 1 while device 0 is current: Triton's own first launch and the
+    direct one after it each run with device 1 current, and device 0 is current again after;
+    tensors on the current device launch without a switch."""
+    k, _ = launcher
+    log = k.jit.log = DeviceLog(fake_devices)
+    x, y = (torch.zeros(64).as_subclass(OnDevice1) for _ in range(2))
+    _call(k, x, y)
+    _call(k, x, y)
+    assert [e[0] for e in log] == ["jit", "direct"]
+    assert log.devices == [1, 1] and fake_devices["entered"] == [1, 1]
+    assert fake_devices["current"] == 0
+    fake_devices["current"] = 1  # the tensors' device current: no switch
+    _call(k, x, y)
+    assert log.devices[-1] == 1 and fake_devices["entered"] == [1, 1]
+    fake_devices["current"] = 0  # CPU tensors (Triton's interpreter): no device to switch to
+    _call(k, torch.zeros(64), torch.zeros(64))
+    _call(k, torch.zeros(64), torch.zeros(64))
+    assert log.devices[-2:] == [0, 0] and fake_devices["entered"] == [1, 1]
 
 
 @pytest.mark.gpu

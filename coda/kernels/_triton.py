@@ -12,7 +12,8 @@ a key that determines everything Triton specializes on (each tensor's dtype, dev
 16-byte alignment; every other argument's exact value; the options), and later calls with
 that key launch it directly, on the current stream read in one C call: ~6 us less host time
 per launch on the H200's host (run 58, benchmarks/NOTES.md session 16; a layer step makes
-seven), ~1.2-1.5 us less again since session 37 (runs 163-164).
+seven), ~1.2-1.5 us less again since session 37 (runs 163-164). Every launch runs on its
+tensors' device, current or not (``coda._device``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from coda._device import foreign
 
 
 @functools.cache
@@ -127,25 +130,42 @@ class Kernel:
 
     def launch(self, grid, args, named):
         if not FAST_LAUNCH or interpreted():
-            return self.jit[grid](*args, **named)
+            return self._triton_launch(grid, args, named)
         try:
             key = self.key(args, named)
             hit = self.compiled.get(key)
         except TypeError:  # an unhashable argument: Triton's own call
-            return self.jit[grid](*args, **named)
-        if hit is not None:
-            compiled, tail = hit
-            grid = (*grid, 1, 1)[:3]  # the compiled kernel's launcher takes all three dimensions
-            if _current_stream is None:
-                return compiled[grid](*args, *[named[p] for p in tail])
-            return compiled[grid](*args, *[named[p] for p in tail], stream=_current_stream())
-        compiled = self.jit[grid](*args, **named)
-        tail = self.params[len(args) :]
-        if callable(getattr(compiled, "__getitem__", None)) and set(tail) <= set(named):
-            if len(self.compiled) >= MAX_COMPILED:
-                self.compiled.clear()
-            self.compiled[key] = (compiled, tail)
-        return compiled
+            return self._triton_launch(grid, args, named)
+        if hit is None:
+            compiled = self._triton_launch(grid, args, named)
+            tail = self.params[len(args) :]
+            if callable(getattr(compiled, "__getitem__", None)) and set(tail) <= set(named):
+                if len(self.compiled) >= MAX_COMPILED:
+                    self.compiled.clear()
+                self.compiled[key] = (compiled, tail, _device_of(args))
+            return compiled
+        compiled, tail, device = hit  # (the key holds every tensor's device)
+        if foreign(device):  # launched on its tensors' device (``coda._device``)
+            with torch.cuda.device(device):
+                return self.launch(grid, args, named)
+        grid = (*grid, 1, 1)[:3]  # the compiled kernel's launcher takes all three dimensions
+        if _current_stream is None:
+            return compiled[grid](*args, *[named[p] for p in tail])
+        return compiled[grid](*args, *[named[p] for p in tail], stream=_current_stream())
+
+    def _triton_launch(self, grid, args, named):
+        """Triton's own launch (binding, specialization, its cache), on the device of the
+        tensor arguments (Triton's launcher takes the current device's)."""
+        device = _device_of(args)
+        if foreign(device):
+            with torch.cuda.device(device):
+                return self.jit[grid](*args, **named)
+        return self.jit[grid](*args, **named)
+
+
+def _device_of(args) -> int:
+    """The CUDA device index of a launch's first tensor argument (-1: a CPU tensor, or none)."""
+    return next((a.get_device() for a in args if isinstance(a, torch.Tensor)), -1)
 
 
 @functools.cache
