@@ -4,8 +4,8 @@ memos (``functools.cache`` / ``lru_cache``) are the listed host-only ones.
     reference, primitives  ->  kernels  ->  ops, layouts, autograd  ->  nn  ->  transformers
                         (_autograd_support, autograd_post_norm,   (_hf_families, _hf_forward,
                          autograd_sublayer)                        _hf_fused, _hf_rope)
-(``env``, ``_validate``, ``_metadata`` and ``_device`` are leaves any layer may use; ``_quack`` is the only
-module that imports quack.)"""
+(``env``, ``_validate``, ``_metadata`` and ``_device`` are leaves any layer may use;
+``_quack`` is the only module that imports quack.)"""
 
 import ast
 import os

@@ -227,7 +227,11 @@ def test_multimodal_rows_survive_checkpointing_and_pickling(monkeypatch):
     monkeypatch.setattr(coda.env, "kernel_support", lambda device, dtype=None: (True, ""))
     ref, batch = tiny_vlm("qwen2_5_vl", seed=6)
     patched = _patched("qwen2_5_vl", ref)
-    patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(patched, "activation_checkpointing_enable"):  # (5.23's name; 5.17 has the old)
+        patched.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     patched.train()
     assert_same_step(ref, patched, **batch)
     buffer = io.BytesIO()
