@@ -476,3 +476,27 @@ def _check_head(head) -> None:
             f"apply_coda: lm_head is a {what}, not a plain torch.nn.Linear without bias "
             "(coda's loss reads its weight alone; an adapter on it would be left out)"
         )
+
+
+def accelerate_hook(layer, where: str):
+    """accelerate's hook on an HF layer (``_hf_hook``: what ``device_map`` dispatch installs,
+    moving the layer's inputs to its device), or None. Refused where it offloads the layer's
+    weights ("cpu" or "disk" in the device map): it reloads them by HF's parameter names,
+    which a patched layer's weights, in coda's layouts, do not have."""
+    hook = getattr(layer, "_hf_hook", None)
+    if any(getattr(h, "offload", False) for h in getattr(hook, "hooks", (hook,))):
+        raise v.CodaInputError(
+            f"{where}: its weights are offloaded by accelerate (a device_map placing it on "
+            f"'cpu' or 'disk'); a coda layer keeps its weights, in coda's layouts, on its GPU"
+        )
+    return hook
+
+
+def rehook(patched, hook) -> None:
+    """accelerate's ``hook`` (or None) installed on ``patched``, the coda layer that replaces
+    the module it was on: with a model placed on several GPUs (``device_map``) the layer's
+    inputs still move to its device."""
+    if hook is not None:
+        from accelerate.hooks import add_hook_to_module
+
+        add_hook_to_module(patched, hook)

@@ -162,3 +162,12 @@ def rope_pairs(hf_layer) -> str:
         f"apply_coda: {type(hf_layer.self_attn).__module__}.rotate_half takes (1, 2, 3, 4) to "
         f"{got}: neither Llama's rotation of halves nor GLM's of adjacent pairs"
     )
+
+
+def tag_mrope_rows(rotary, args, kwargs, output) -> None:
+    """A multimodal rotary module's forward hook: its cos table carries the (3, batch, seq)
+    position rows it was computed from (``coda_mrope_positions``), which the patched layers'
+    kernel path reads; on the tensor the layers are handed, so a checkpoint's recompute
+    reads the same rows."""
+    position_ids = args[1] if len(args) > 1 else kwargs["position_ids"]
+    output[0].coda_mrope_positions = position_ids.expand(3, -1, -1)

@@ -20,7 +20,9 @@ logits as before (generation works). A patched layer is an instance of the HF la
 replaced, under its name (``patched_class``), so ``output_hidden_states`` and whatever finds
 layers by class or name (the Trainer's FSDP auto-wrap) see it. HF's activation checkpointing
 and frozen weights (``requires_grad=False``) behave as on the unpatched model; a model made on
-the meta device can be patched before it is loaded. Anything not supported (another
+the meta device can be patched before it is loaded, and one placed over several GPUs by
+accelerate (``device_map``) keeps each layer's hook on the coda layer that replaces it (its
+weights offloaded: refused). Anything not supported (another
 architecture, a config feature, an adapter or quantized linear in place of a projection,
 ``output_attentions``) raises ``CodaInputError`` naming it: nothing is silently left out.
 
@@ -113,6 +115,7 @@ from coda._hf_forward import MaskHint, base_forward, causal_lm_forward, wrap_for
 from coda._hf_fused import from_hf_keys as _from_hf_keys  # (the names the hooks of layers
 from coda._hf_fused import to_hf_keys as _to_hf_keys  # pickled before session 81 refer to)
 from coda._hf_rope import mrope_sections, rope_arguments, rope_pairs, typed_rotary
+from coda._hf_rope import tag_mrope_rows as _tag_mrope_rows  # (pickled models' name for it)
 from coda.autograd import LM_HEAD_METHODS
 from coda.nn import DecoderLayer, Embedding
 from coda.nn.activation import XIELU
@@ -557,6 +560,7 @@ def _patch_layers(base, config) -> None:
         if not isinstance(layer, CodaLlamaDecoderLayer):
             where, attn = f"layers.{layer.self_attn.layer_idx}", layer.self_attn
             check_linears(layer, where)
+            hf_forward.accelerate_hook(layer, where)  # (refuses a layer accelerate offloads)
             attention_weights(attn, fused_projections(layer, where), qk_norm_names(attn), where)
     replaced = False
     for i, layer in enumerate(base.layers):
@@ -568,19 +572,11 @@ def _patch_layers(base, config) -> None:
             )
             ours.__class__ = patched_class(type(layer))  # (made first: HF's __init__ not run)
             base.layers[i] = ours
+            hf_forward.rehook(ours, getattr(layer, "_hf_hook", None))
             replaced = True
     if replaced:  # transformers hooks the layers for ``output_hidden_states`` once, at the
         # first call asking for them: the patched layers are new modules, to be hooked anew
         base.__dict__.pop("_output_capturing_hooks_installed", None)
-
-
-def _tag_mrope_rows(rotary, args, kwargs, output) -> None:
-    """A multimodal rotary module's forward hook: its cos table carries the (3, batch, seq)
-    position rows it was computed from (``coda_mrope_positions``), which the patched layers'
-    kernel path reads; on the tensor the layers are handed, so a checkpoint's recompute
-    reads the same rows."""
-    position_ids = args[1] if len(args) > 1 else kwargs["position_ids"]
-    output[0].coda_mrope_positions = position_ids.expand(3, -1, -1)
 
 
 def hf_gradients(model) -> dict:

@@ -219,6 +219,42 @@ def test_layers_found_by_hf_class_and_name():
         assert rel_err(out[1], ref(input_ids=ids, output_hidden_states=True).hidden_states[1]) < TOL
 
 
+def test_accelerates_layer_hooks_move_to_the_patched_layers():
+    """A model dispatched by accelerate (``device_map``: a hook per layer, moving its inputs
+    to its device) keeps each layer's hook through the patch, on the coda layer that replaces
+    it, and steps as the unpatched model; a layer whose weights accelerate offloads is
+    refused by name, before any layer changes."""
+    from accelerate.hooks import AlignDevicesHook, ModelHook, add_hook_to_module
+
+    class Seen(ModelHook):  # notes each call's module, passes its inputs on
+        def __init__(self, log):
+            self.log = log
+
+        def pre_forward(self, module, *args, **kwargs):
+            self.log.append(module)
+            return args, kwargs
+
+    cfg, log = tiny_config(), []
+    ref = model_class(cfg)(cfg).double()
+    seen = [Seen(log) for _ in range(cfg.num_hidden_layers - 1)]  # (2 layers or more)
+    hooks = [AlignDevicesHook(execution_device="cpu"), *seen]
+    hooked = copy.deepcopy(ref)
+    for layer, hook in zip(hooked.model.layers, hooks):
+        add_hook_to_module(layer, hook)
+    patched = ct.apply_coda(hooked)
+    layers = patched.model.layers
+    assert seen and [layer._hf_hook for layer in layers] == hooks
+    assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+    ids = torch.randint(0, cfg.vocab_size, (2, 7))
+    assert_same_step(ref, patched, input_ids=ids, labels=ids)
+    assert log == list(layers[1:])  # each hooked layer's call went through its hook
+    offloaded = copy.deepcopy(ref)
+    add_hook_to_module(offloaded.model.layers[1], AlignDevicesHook("cpu", offload=True))
+    with pytest.raises(coda.CodaInputError, match=r"layers\.1: its weights are offloaded"):
+        ct.apply_coda(offloaded)
+    assert not any(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in offloaded.model.layers)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_embedding_becomes_codas_in_place(tied):
     """``apply_coda`` makes the token embedding a ``coda.nn.Embedding`` in place: the same
