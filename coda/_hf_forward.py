@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from coda import _validate as v
-from coda.nn import lm_head_loss
+from coda.nn import Embedding, lm_head_loss
 from coda.reference.rmsnorm import final_norm_ref
 
 
@@ -500,3 +500,13 @@ def rehook(patched, hook) -> None:
         from accelerate.hooks import add_hook_to_module
 
         add_hook_to_module(patched, hook)
+
+
+def adopt_embedding(embed) -> None:
+    """``coda.nn.Embedding.adopt`` of a model's token embedding (in place). Where accelerate
+    hooked it first (``_hf_hook``), the hook's saved forward is the former class's, bound:
+    it becomes coda's, so that a hooked call runs coda's forward."""
+    former = type(embed)
+    saved = embed.__dict__.get("_old_forward")
+    if Embedding.adopt(embed) and getattr(saved, "__func__", None) is former.forward:
+        embed._old_forward = type(embed).forward.__get__(embed)

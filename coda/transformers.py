@@ -117,7 +117,7 @@ from coda._hf_fused import to_hf_keys as _to_hf_keys  # pickled before session 8
 from coda._hf_rope import mrope_sections, rope_arguments, rope_pairs, typed_rotary
 from coda._hf_rope import tag_mrope_rows as _tag_mrope_rows  # (pickled models' name for it)
 from coda.autograd import LM_HEAD_METHODS
-from coda.nn import DecoderLayer, Embedding
+from coda.nn import DecoderLayer
 from coda.nn.activation import XIELU
 
 
@@ -491,7 +491,7 @@ def _patch_stack(model, base, config, forward, method, embedding, layers) -> Non
     if forward is not None:  # (the training call's loss applies the final norm: ``base_forward``)
         wrap_stack(base)
     if embedding:
-        Embedding.adopt(base.embed_tokens)
+        hf_forward.adopt_embedding(base.embed_tokens)
     if forward is not None and not getattr(model, "coda_method", None):
         wrap_forward(model, forward)
     model.coda_method = method

@@ -220,10 +220,11 @@ def test_layers_found_by_hf_class_and_name():
 
 
 def test_accelerates_layer_hooks_move_to_the_patched_layers():
-    """A model dispatched by accelerate (``device_map``: a hook per layer, moving its inputs
+    """A model dispatched by accelerate (``device_map``: a hook per module, moving its inputs
     to its device) keeps each layer's hook through the patch, on the coda layer that replaces
-    it, and steps as the unpatched model; a layer whose weights accelerate offloads is
-    refused by name, before any layer changes."""
+    it, and the embedding's, whose hooked call runs coda's embedding; it steps as the
+    unpatched model; a layer whose weights accelerate offloads is refused by name, before
+    any layer changes."""
     from accelerate.hooks import AlignDevicesHook, ModelHook, add_hook_to_module
 
     class Seen(ModelHook):  # notes each call's module, passes its inputs on
@@ -241,13 +242,17 @@ def test_accelerates_layer_hooks_move_to_the_patched_layers():
     hooked = copy.deepcopy(ref)
     for layer, hook in zip(hooked.model.layers, hooks):
         add_hook_to_module(layer, hook)
+    add_hook_to_module(hooked.model.embed_tokens, Seen(log))
     patched = ct.apply_coda(hooked)
-    layers = patched.model.layers
+    layers, embed = patched.model.layers, patched.model.embed_tokens
     assert seen and [layer._hf_hook for layer in layers] == hooks
     assert all(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in layers)
+    assert isinstance(embed, coda.nn.Embedding)
     ids = torch.randint(0, cfg.vocab_size, (2, 7))
+    coda.env._LAST.pop("Embedding", None)
     assert_same_step(ref, patched, input_ids=ids, labels=ids)
-    assert log == list(layers[1:])  # each hooked layer's call went through its hook
+    assert log == [embed, *layers[1:]]  # each hooked module's call went through its hook
+    assert coda.last_path("Embedding") is not None  # ... into coda's embedding forward
     offloaded = copy.deepcopy(ref)
     add_hook_to_module(offloaded.model.layers[1], AlignDevicesHook("cpu", offload=True))
     with pytest.raises(coda.CodaInputError, match=r"layers\.1: its weights are offloaded"):
