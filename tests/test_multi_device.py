@@ -1,11 +1,14 @@
 """One process, two GPUs, no ``torch.cuda.set_device``: a model on ``cuda:1`` while ``cuda:0``
-is current (an HF model placed with ``device_map="auto"``). coda's kernels launch on their
-tensors' device (``coda._device``): the model's training step and an op give the bits they
-give with ``cuda:1`` current, and ``cuda:0`` is current after. Needs two SM90 GPUs and is
-skipped on one; the CPU tests of the launch sites' choice are in tests/test_triton_launch.py
-and tests/test_launch_cache.py."""
+is current. coda's kernels launch on their tensors' device (``coda._device``): the model's
+training step and an op give the bits they give with ``cuda:1`` current, and ``cuda:0`` is
+current after; a patched HF model placed over both GPUs by accelerate (``device_map``) steps
+bit for bit as on one. Needs two SM90 GPUs and is skipped on one; the CPU tests of the
+launch sites' choice are in tests/test_triton_launch.py and tests/test_launch_cache.py, of
+the patch's hooks in tests/test_transformers.py."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -47,3 +50,33 @@ def test_gpu_kernels_launch_on_their_tensors_device():
         assert coda.last_path(op)[0] == "kernel", op
     for a, b in zip(results[1], results[0]):
         assert a.device == one and torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_gpu_a_patched_hf_model_over_two_gpus_steps_as_on_one():
+    from accelerate import dispatch_model
+    from test_transformers import _step, model_class, tiny_config
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import coda.transformers as ct
+
+    shape = dict(hidden_size=256, intermediate_size=512, vocab_size=1024)
+    cfg = tiny_config(**shape, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    torch.manual_seed(0)
+    base = model_class(cfg)(cfg).to(torch.bfloat16)
+    on_one = ct.apply_coda(copy.deepcopy(base).to("cuda:0"))
+    places = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0}
+    places.update({"model.layers.1": 1, "model.norm": 1, "lm_head": 1})
+    on_two = ct.apply_coda(dispatch_model(copy.deepcopy(base), device_map=places))
+    assert on_two.model.layers[1].w_qkv.device == torch.device("cuda", 1)
+    ids = torch.randint(0, 1024, (2, 128), device="cuda:0")
+    torch.cuda.set_device(0)
+    with sdpa_kernel(SDPBackend.MATH):
+        losses = [_step(m, input_ids=ids, labels=ids) for m in (on_one, on_two)]
+    assert coda.last_path("DecoderLayer")[0] == "kernel"
+    assert torch.equal(losses[0], losses[1].to(losses[0].device))
+    grads = ct.hf_gradients(on_one), ct.hf_gradients(on_two)
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name].to(g.device)), name

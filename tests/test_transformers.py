@@ -260,6 +260,30 @@ def test_accelerates_layer_hooks_move_to_the_patched_layers():
     assert not any(isinstance(layer, ct.CodaLlamaDecoderLayer) for layer in offloaded.model.layers)
 
 
+def test_a_model_dispatched_by_accelerate_steps_as_undispatched():
+    """``accelerate.dispatch_model`` (what ``from_pretrained(device_map=...)`` runs), on the
+    CPU with its hooks forced, then the patch: each coda layer holds its ``AlignDevicesHook``
+    and the step equals the patched undispatched model's, bit for bit (tests/test_multi_device.py
+    places the layers on two GPUs)."""
+    from accelerate import dispatch_model
+
+    cfg = tiny_config()
+    ref = model_class(cfg)(cfg).double()
+    places = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu"}
+    places.update({f"model.layers.{i}": "cpu" for i in range(cfg.num_hidden_layers)})
+    places["lm_head"] = "cpu"
+    dispatched = dispatch_model(copy.deepcopy(ref), device_map=places, force_hooks=True)
+    patched, alone = ct.apply_coda(dispatched), ct.apply_coda(copy.deepcopy(ref))
+    assert all(type(m._hf_hook).__name__ == "AlignDevicesHook" for m in patched.model.layers)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    assert torch.equal(
+        _step(patched, input_ids=ids, labels=ids), _step(alone, input_ids=ids, labels=ids)
+    )
+    grads = ct.hf_gradients(patched)
+    for name, g in ct.hf_gradients(alone).items():
+        assert torch.equal(grads[name], g), name
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_embedding_becomes_codas_in_place(tied):
     """``apply_coda`` makes the token embedding a ``coda.nn.Embedding`` in place: the same
