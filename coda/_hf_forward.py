@@ -267,11 +267,15 @@ def _coda_loss(
     """coda's LM-head loss of the pre-norm ``rows`` (the final ``norm`` and the LM ``head``
     inside it, by ``model.coda_method``; the logits soft-capped by ``softcap`` where it is
     given), reduced as HF's ForCausalLMLoss reduces it: the mean over the counted targets,
-    or the sum over ``n_items`` (``num_items_in_batch``) where that is given."""
+    or the sum over ``n_items`` (``num_items_in_batch``) where that is given. On the head's
+    device: a model placed over several GPUs (``device_map``) may hold the last layer's rows
+    and the final norm elsewhere, and accelerate's hooks would move them there."""
+    device = head.weight.device
+    rows = rows.to(device)
     gain, eps = final_norm(norm, rows, scaling)
     loss = lm_head_loss(
         rows,
-        gain,
+        gain.to(device),
         head.weight.t(),
         shift.to(rows.device),
         eps=eps,

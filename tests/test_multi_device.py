@@ -52,9 +52,14 @@ def test_gpu_kernels_launch_on_their_tensors_device():
         assert a.device == one and torch.equal(a, b)
 
 
+# where each part sits: the layers split, the head with the last; the head alone on another
+PLACES = {"layers split": (0, 0, 1, 1, 1), "head apart": (0, 0, 0, 1, 1)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_gpu_a_patched_hf_model_over_two_gpus_steps_as_on_one():
+@pytest.mark.parametrize("where", PLACES)
+def test_gpu_a_patched_hf_model_over_two_gpus_steps_as_on_one(where):
     from accelerate import dispatch_model
     from test_transformers import _step, model_class, tiny_config
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -66,10 +71,10 @@ def test_gpu_a_patched_hf_model_over_two_gpus_steps_as_on_one():
     torch.manual_seed(0)
     base = model_class(cfg)(cfg).to(torch.bfloat16)
     on_one = ct.apply_coda(copy.deepcopy(base).to("cuda:0"))
-    places = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0}
-    places.update({"model.layers.1": 1, "model.norm": 1, "lm_head": 1})
+    parts = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head")
+    places = {"model.rotary_emb": 0, **dict(zip(parts, PLACES[where]))}
     on_two = ct.apply_coda(dispatch_model(copy.deepcopy(base), device_map=places))
-    assert on_two.model.layers[1].w_qkv.device == torch.device("cuda", 1)
+    assert on_two.lm_head.weight.device == torch.device("cuda", 1)
     ids = torch.randint(0, 1024, (2, 128), device="cuda:0")
     torch.cuda.set_device(0)
     with sdpa_kernel(SDPBackend.MATH):
