@@ -4,7 +4,7 @@ training step and an op give the bits they give with ``cuda:1`` current, and ``c
 current after; a patched HF model placed over both GPUs by accelerate (``device_map``) steps
 bit for bit as on one. Needs two SM90 GPUs and is skipped on one; the CPU tests of the
 launch sites' choice are in tests/test_triton_launch.py and tests/test_launch_cache.py, of
-the patch's hooks in tests/test_transformers.py."""
+the patch's hooks in tests/test_transformers_accelerate.py."""
 
 from __future__ import annotations
 
