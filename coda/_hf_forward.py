@@ -482,18 +482,17 @@ def _check_head(head) -> None:
         )
 
 
-def accelerate_hook(layer, where: str):
+def check_accelerate_hook(layer, where: str) -> None:
     """accelerate's hook on an HF layer (``_hf_hook``: what ``device_map`` dispatch installs,
-    moving the layer's inputs to its device), or None. Refused where it offloads the layer's
-    weights ("cpu" or "disk" in the device map): it reloads them by HF's parameter names,
-    which a patched layer's weights, in coda's layouts, do not have."""
+    moving the layer's inputs to its device; ``rehook`` keeps it) refused where it offloads
+    the layer's weights ("cpu" or "disk" in the device map): it reloads them by HF's
+    parameter names, which a patched layer's weights, in coda's layouts, do not have."""
     hook = getattr(layer, "_hf_hook", None)
     if any(getattr(h, "offload", False) for h in getattr(hook, "hooks", (hook,))):
         raise v.CodaInputError(
             f"{where}: its weights are offloaded by accelerate (a device_map placing it on "
             f"'cpu' or 'disk'); a coda layer keeps its weights, in coda's layouts, on its GPU"
         )
-    return hook
 
 
 def rehook(patched, hook) -> None:

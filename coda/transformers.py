@@ -560,7 +560,7 @@ def _patch_layers(base, config) -> None:
         if not isinstance(layer, CodaLlamaDecoderLayer):
             where, attn = f"layers.{layer.self_attn.layer_idx}", layer.self_attn
             check_linears(layer, where)
-            hf_forward.accelerate_hook(layer, where)  # (refuses a layer accelerate offloads)
+            hf_forward.check_accelerate_hook(layer, where)  # (an offloaded layer: refused)
             attention_weights(attn, fused_projections(layer, where), qk_norm_names(attn), where)
     replaced = False
     for i, layer in enumerate(base.layers):

@@ -130,19 +130,20 @@ class Kernel:
 
     def launch(self, grid, args, named):
         if not FAST_LAUNCH or interpreted():
-            return self._triton_launch(grid, args, named)
+            return self._triton_launch(grid, args, named, _device_of(args))
         try:
             key = self.key(args, named)
             hit = self.compiled.get(key)
         except TypeError:  # an unhashable argument: Triton's own call
-            return self._triton_launch(grid, args, named)
+            return self._triton_launch(grid, args, named, _device_of(args))
         if hit is None:
-            compiled = self._triton_launch(grid, args, named)
+            device = _device_of(args)
+            compiled = self._triton_launch(grid, args, named, device)
             tail = self.params[len(args) :]
             if callable(getattr(compiled, "__getitem__", None)) and set(tail) <= set(named):
                 if len(self.compiled) >= MAX_COMPILED:
                     self.compiled.clear()
-                self.compiled[key] = (compiled, tail, _device_of(args))
+                self.compiled[key] = (compiled, tail, device)
             return compiled
         compiled, tail, device = hit  # (the key holds every tensor's device)
         if foreign(device):  # launched on its tensors' device (``coda._device``)
@@ -153,10 +154,9 @@ class Kernel:
             return compiled[grid](*args, *[named[p] for p in tail])
         return compiled[grid](*args, *[named[p] for p in tail], stream=_current_stream())
 
-    def _triton_launch(self, grid, args, named):
-        """Triton's own launch (binding, specialization, its cache), on the device of the
-        tensor arguments (Triton's launcher takes the current device's)."""
-        device = _device_of(args)
+    def _triton_launch(self, grid, args, named, device: int):
+        """Triton's own launch (binding, specialization, its cache), on ``device``, the
+        tensor arguments' (Triton's launcher takes the current device's)."""
         if foreign(device):
             with torch.cuda.device(device):
                 return self.jit[grid](*args, **named)
