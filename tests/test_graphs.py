@@ -216,6 +216,67 @@ def test_graphed_step_keeps_nothing_of_a_failed_capture(stand_in_graphs):
     assert torch.equal(step._args[0], batches[3][0])
 
 
+class OnGPU(torch.nn.Parameter):
+    """A CPU parameter that reports CUDA device ``index``: what ``GraphedStep`` reads of a
+    model's placement."""
+
+    index = 1
+
+    @property
+    def device(self):
+        return torch.device("cuda", self.index)
+
+    @property
+    def is_cuda(self):
+        return True
+
+    def get_device(self):
+        return self.index
+
+
+class Capturable:
+    """An optimizer as ``GraphedStep`` needs one on a GPU (capturable, a tensor lr), whose
+    step does nothing."""
+
+    def __init__(self):
+        self.param_groups = [{"capturable": True, "lr": torch.tensor(1e-2)}]
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+    def step(self):
+        pass
+
+
+def test_graphed_step_runs_on_its_models_device(stand_in_graphs, fake_devices):
+    """A model on GPU 1 while GPU 0 is current: every call (warm-up, capture, replay) runs
+    with GPU 1 current, where its side stream and its graph are made, and GPU 0 is current
+    again after; a model whose parameters span two GPUs is refused by name."""
+    import coda._device
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = OnGPU(torch.ones(3))
+            self.seen = []
+
+        def forward(self, x):
+            self.seen.append(coda._device._current())
+            return (self.w * x).sum()
+
+    model = Model()
+    step = cnn.GraphedStep(model, Capturable(), warmup=1)
+    for _ in range(3):  # a warm-up call, the capture, a replay
+        step(torch.ones(3))
+        assert fake_devices["current"] == 0
+    assert step.graphed and model.seen == [1, 1] and fake_devices["entered"] == [1, 1, 1]
+    other = Model()
+    other.v = OnGPU(torch.ones(3))
+    other.v.index = 0
+    with pytest.raises(coda.CodaInputError, match=r"model: its parameters are on cuda:0, cuda:1"):
+        cnn.GraphedStep(other, Capturable())
+
+
 @pytest.mark.gpu
 def test_gpu_graphed_step_trains_as_the_eager_step():
     """Six steps of a coda CausalLM on six batches: eager and through ``GraphedStep`` (two

@@ -1,10 +1,11 @@
 """One process, two GPUs, no ``torch.cuda.set_device``: a model on ``cuda:1`` while ``cuda:0``
 is current. coda's kernels launch on their tensors' device (``coda._device``): the model's
 training step and an op give the bits they give with ``cuda:1`` current, and ``cuda:0`` is
-current after; a patched HF model placed over both GPUs by accelerate (``device_map``) steps
-bit for bit as on one. Needs two SM90 GPUs and is skipped on one; the CPU tests of the
-launch sites' choice are in tests/test_triton_launch.py and tests/test_launch_cache.py, of
-the patch's hooks in tests/test_transformers_accelerate.py."""
+current after; a ``GraphedStep`` warms up, captures and replays on its model's device; a
+patched HF model placed over both GPUs by accelerate (``device_map``) steps bit for bit as
+on one. Needs two SM90 GPUs and is skipped on one; the CPU tests of the launch sites' choice
+are in tests/test_triton_launch.py and tests/test_launch_cache.py, of ``GraphedStep``'s in
+tests/test_graphs.py, of the patch's hooks in tests/test_transformers_accelerate.py."""
 
 from __future__ import annotations
 
@@ -50,6 +51,39 @@ def test_gpu_kernels_launch_on_their_tensors_device():
         assert coda.last_path(op)[0] == "kernel", op
     for a, b in zip(results[1], results[0]):
         assert a.device == one and torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_gpu_a_graphed_step_on_another_device_trains_as_its_eager_step():
+    """``GraphedStep`` of a model on ``cuda:1`` with ``cuda:0`` current: two eager calls, a
+    capture, two replays, the same losses and weights as the eager steps run with ``cuda:1``
+    current, bitwise."""
+    from test_graphs import _batches, _eager_steps
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    one = torch.device("cuda", 1)
+
+    def lm_and_adamw():
+        torch.manual_seed(0)
+        model = cnn.CausalLM(4096, 512, 2, 8, 4, 1408, device=one)
+        lr = torch.tensor(1e-3, device=one)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=True)
+
+    batches = _batches(5, 4096, (2, 256), one)
+    (a, opt_a), (b, opt_b) = lm_and_adamw(), lm_and_adamw()
+    with sdpa_kernel(SDPBackend.MATH):  # (a deterministic backward)
+        torch.cuda.set_device(1)
+        want = _eager_steps(a, opt_a, batches)
+        torch.cuda.set_device(0)
+        step = cnn.GraphedStep(b, opt_b, warmup=2)
+        got = [step(tok, tgt) for tok, tgt in batches]
+    torch.cuda.synchronize(one)
+    assert step.graphed and torch.cuda.current_device() == 0
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert x.device == one and torch.equal(x, y), f"step {i}"
+    for (name, p), q in zip(b.named_parameters(), a.parameters()):
+        assert torch.equal(p, q), name
 
 
 # where each part sits: the layers split, the head with the last; the head alone on another

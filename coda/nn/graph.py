@@ -35,7 +35,10 @@ tensor learning rate (a float lr would be frozen into the graph, and a scheduler
 changes ignored without a word; a tensor one is read by every replay, and torch's schedulers
 update it in place); every call after the first passes the first call's arguments (by
 position and by name) as tensors of its shapes, dtypes and devices, and any other argument
-equal to it (the graph holds one shape). On the CPU, where CUDA graphs do not exist, every
+equal to it (the graph holds one shape); the model's parameters sit on one GPU (a CUDA graph
+records one device's work), on whose streams the step warms up, is captured and replays
+whichever device is current (as coda's kernels launch on their tensors': ``coda._device``).
+On the CPU, where CUDA graphs do not exist, every
 call runs eagerly and nothing is checked beyond what the eager step checks.
 """
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 import torch
 
 from coda import _validate as v
+from coda._device import foreign
 from coda.env import capture_memo
 
 
@@ -61,6 +65,17 @@ def check_capturable(optimizer: torch.optim.Optimizer) -> None:
                 f"capture (a scheduler's changes would be ignored); pass "
                 f"lr=torch.tensor(lr, device='cuda')"
             )
+
+
+def check_one_device(params) -> None:
+    """A CUDA graph records one device's work: every trained parameter on one GPU."""
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise v.CodaInputError(
+            f"model: its parameters are on {', '.join(devices)}; a CUDA graph records one "
+            f"device's step: place the model on one GPU (one GraphedStep per rank), or train "
+            f"without GraphedStep"
+        )
 
 
 def _signature(args: tuple, kwargs: dict) -> dict:
@@ -106,7 +121,9 @@ class GraphedStep:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.cuda = bool(self.params) and self.params[0].is_cuda
         if self.cuda:
+            check_one_device(self.params)
             check_capturable(optimizer)
+        self.index = self.params[0].get_device() if self.cuda else -1
         self.grad_norm = None
         self._calls, self._signature, self._graph = 0, None, None
         self._args = self._kwargs = self._loss = None
@@ -161,6 +178,9 @@ class GraphedStep:
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         if not self.cuda:
             return self._step(args, kwargs)
+        if foreign(self.index):  # the model's GPU current for the step, its streams used
+            with torch.cuda.device(self.index):
+                return self(*args, **kwargs)
         self._check(args, kwargs)
         if self._graph is None and self._calls < self.warmup:
             self._calls += 1
