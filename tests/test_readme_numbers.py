@@ -47,6 +47,7 @@ R272, R276 = "2026-12-04_h200_run272.json", "2026-12-04_h200_run276.json"
 R293 = "2026-12-05_h200_run293.json"  # the soft-capped LM head (CE-S as "coda_scaled_exp")
 R296 = "2026-12-05_h200_run296.json"  # Gemma-3-1B's loss alone, beside Liger's patch
 R297 = "2026-12-05_h100_run297.json"  # on an H100: Gemma-3-1B's loss alone, the stack compiled
+R350 = "2026-12-06_h200_run350.json"  # session 88: the layer, the LM head at d=2048
 R340 = "2026-12-06_h100_run340.json"  # on an H100: Llama-3.2-1B and Qwen3-0.6B patched
 R306 = "2026-12-05_h100_run306.json"  # on an H100: Gemma-3-1B with coda's layers
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
@@ -123,11 +124,11 @@ def expected() -> dict:
     fsdp = records.load(R29)["result"]
     fsdp_cols = {"coda": "coda", "torch.compile": "torch_compile", "eager": "torch_eager"}
     return {
-        "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R251),
-        "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096, R251),
-        "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R276),
-        "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R276),
-        "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048, R272),
+        "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R350),
+        "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096, R350),
+        "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R350),
+        "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R350),
+        "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048, R350),
         "... the same with Zipf-distributed targets": head(2048, R257),
         "LM head + CE fwd+bwd, d=4096": head(4096, R242),
         "LM head + CE fwd+bwd, d=8192": head(8192, R256),
