@@ -38,8 +38,8 @@ position and by name) as tensors of its shapes, dtypes and devices, and any othe
 equal to it (the graph holds one shape); the model's parameters sit on one GPU (a CUDA graph
 records one device's work), on whose streams the step warms up, is captured and replays
 whichever device is current (as coda's kernels launch on their tensors': ``coda._device``).
-On the CPU, where CUDA graphs do not exist, every
-call runs eagerly and nothing is checked beyond what the eager step checks.
+On the CPU, where CUDA graphs do not exist, every call runs eagerly and nothing is checked
+beyond what the eager step checks.
 """
 
 from __future__ import annotations
