@@ -123,7 +123,7 @@ class GraphedStep:
         if self.cuda:
             check_one_device(self.params)
             check_capturable(optimizer)
-        self.index = self.params[0].get_device() if self.cuda else -1
+        self.device_index = self.params[0].get_device() if self.cuda else -1
         self.grad_norm = None
         self._calls, self._signature, self._graph = 0, None, None
         self._args = self._kwargs = self._loss = None
@@ -178,8 +178,8 @@ class GraphedStep:
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         if not self.cuda:
             return self._step(args, kwargs)
-        if foreign(self.index):  # the model's GPU current for the step, its streams used
-            with torch.cuda.device(self.index):
+        if foreign(self.device_index):  # the model's GPU current for the step, its streams used
+            with torch.cuda.device(self.device_index):
                 return self(*args, **kwargs)
         self._check(args, kwargs)
         if self._graph is None and self._calls < self.warmup:
