@@ -225,6 +225,45 @@ class GpuClock:
         }
 
 
+CARD_FIELDS = ("uuid", "power.limit", "clocks.max.sm", "temperature.gpu")
+
+
+def card() -> dict:
+    """Which GPU ran a record and its power limit, maximum SM clock and temperature at the
+    start, read once from ``nvidia-smi`` (read only); {} where it is missing or gave nothing.
+    Why: two records of one commit on one GPU model may differ by a card's power and
+    thermals, and without its identity a record cannot say whether two runs shared a card."""
+    index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    if not shutil.which("nvidia-smi"):
+        return {}
+    query = f"--query-gpu={','.join(CARD_FIELDS)}"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--id={index}", query, "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return card_fields(out)
+
+
+def card_fields(line: str) -> dict:
+    """``nvidia-smi``'s one CSV line for ``CARD_FIELDS`` -> {field: value}; numbers as
+    floats, "[N/A]" entries left out."""
+    values = [v.strip() for v in line.strip().split(",")]
+    if len(values) != len(CARD_FIELDS):
+        return {}
+    fields = {}
+    for name, value in zip(CARD_FIELDS, values):
+        if value.startswith("["):  # "[N/A]", "[Not Supported]"
+            continue
+        try:
+            fields[name] = float(value)
+        except ValueError:
+            fields[name] = value
+    return fields
+
+
 def clocked(timer):
     """``timer`` with the GPU clock and power sampled while it runs (``GpuClock``): their
     medians join its timing."""

@@ -199,6 +199,7 @@ def main():
 
     import torch
 
+    from benchmarks._common import card
     from coda.env import describe
 
     record = {
@@ -211,6 +212,7 @@ def main():
         ),
         "env": describe(),
         "torch_cuda": torch.version.cuda,
+        "card": card(),  # which card ran it: runs of one commit differ by a card's power
     }
     running = {"part": "setup" if args.skip_tests else "gpu tests", "since": time.time()}
     signal.signal(signal.SIGTERM, lambda signum, _: _cut(record, args.out, running, signum))

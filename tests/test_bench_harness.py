@@ -382,6 +382,37 @@ def test_gpu_clock_medians_skip_unreadable_samples():
     assert clock.medians() == {}
 
 
+def test_card_names_the_gpu_that_ran_a_record(monkeypatch):
+    """``card()``: the record's card from nvidia-smi's one line, numbers as numbers and
+    unsupported fields left out; {} without nvidia-smi, on a failed call or a line of
+    another shape (it never stops a record from being written)."""
+    import subprocess
+
+    line = "GPU-1234abcd-0000, 700.00, 1980, [N/A]\n"
+    want = {"uuid": "GPU-1234abcd-0000", "power.limit": 700.0, "clocks.max.sm": 1980.0}
+    assert _common.card_fields(line) == want
+    assert _common.card_fields("GPU-1, 700.00") == {}
+    calls = []
+
+    def smi(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout=line)
+
+    monkeypatch.setattr(_common.shutil, "which", lambda name: "/bin/" + name)
+    monkeypatch.setattr(_common.subprocess, "run", smi)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert _common.card() == want
+    assert calls[0][1] == "--id=3" and "uuid,power.limit" in calls[0][2]
+
+    def fails(cmd, **kw):
+        raise subprocess.CalledProcessError(9, cmd)
+
+    monkeypatch.setattr(_common.subprocess, "run", fails)
+    assert _common.card() == {}
+    monkeypatch.setattr(_common.shutil, "which", lambda name: None)
+    assert _common.card() == {}
+
+
 def test_source_digest_names_the_tree_by_its_content(tmp_path):
     """A record's ``source_sha256``: the same files give the same digest wherever they lie; a
     changed byte, a renamed file or a new source file changes it; caches and non-source

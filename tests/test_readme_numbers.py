@@ -37,8 +37,8 @@ def _suite_row(record, suite, d, names, key="ratio_vs_floor", fmt=_ratio):
     return {col: fmt(_entry(record, suite, n, d)[key]) for col, n in names.items()}
 
 
-R242, R251, R252, R254, R255, R256, R257, R258, R259, R260, R261 = (
-    f"2026-12-04_h200_run{n}.json" for n in (242, 251, 252, 254, 255, 256, 257, 258, 259, 260, 261)
+R252, R254, R255, R256, R257, R258, R259, R260, R261 = (
+    f"2026-12-04_h200_run{n}.json" for n in (252, 254, 255, 256, 257, 258, 259, 260, 261)
 )
 R266, R267, R271, R273 = (
     f"2026-12-04_h200_run{n}.json" for n in (266, 267, 271, 273)
@@ -47,7 +47,9 @@ R272, R276 = "2026-12-04_h200_run272.json", "2026-12-04_h200_run276.json"
 R293 = "2026-12-05_h200_run293.json"  # the soft-capped LM head (CE-S as "coda_scaled_exp")
 R296 = "2026-12-05_h200_run296.json"  # Gemma-3-1B's loss alone, beside Liger's patch
 R297 = "2026-12-05_h100_run297.json"  # on an H100: Gemma-3-1B's loss alone, the stack compiled
-R350 = "2026-12-06_h200_run350.json"  # session 88: the layer, the LM head at d=2048
+R353, R354, R355 = (  # session 89: the layer at d=2048 (355), d=4096 (354); the LM head
+    f"2026-12-06_h200_run{n}.json" for n in (353, 354, 355)
+)  # at d=4096 (353), d=2048 (354)
 R340 = "2026-12-06_h100_run340.json"  # on an H100: Llama-3.2-1B and Qwen3-0.6B patched
 R306 = "2026-12-05_h100_run306.json"  # on an H100: Gemma-3-1B with coda's layers
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
@@ -124,15 +126,15 @@ def expected() -> dict:
     fsdp = records.load(R29)["result"]
     fsdp_cols = {"coda": "coda", "torch.compile": "torch_compile", "eager": "torch_eager"}
     return {
-        "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R350),
-        "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096, R350),
-        "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R350),
-        "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R350),
-        "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048, R350),
+        "layer fwd+bwd, d=2048": layer("layer_train", "layer_train", LAYER, 2048, R355),
+        "layer fwd+bwd, d=4096": layer("layer_train", "layer_train", LAYER, 4096, R354),
+        "layer forward (`DecoderLayer`": layer("layer_forward", "layer_fwd", FWD, 2048, R355),
+        "layer forward, d=4096": layer("layer_forward", "layer_fwd", FWD, 4096, R354),
+        "LM head + CE fwd+bwd (`LMHeadLoss`), d=2048": head(2048, R354),
         "... the same with Zipf-distributed targets": head(2048, R257),
-        "LM head + CE fwd+bwd, d=4096": head(4096, R242),
+        "LM head + CE fwd+bwd, d=4096": head(4096, R353),
         "LM head + CE fwd+bwd, d=8192": head(8192, R256),
-        "... LM head extra GiB at d=4096": extra(4096, R242),
+        "... LM head extra GiB at d=4096": extra(4096, R353),
         "Gemma 2's soft-capped LM head + CE fwd+bwd": capped(2048),
         "... d=4096, V=128256 (run 293)": capped(4096),
         "... extra GiB at d=4096": extra(4096, R293, {**LAYER, "coda": "coda_scaled_exp"}),
