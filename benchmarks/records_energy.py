@@ -1,6 +1,7 @@
 """Time, clock and energy of each timed row of the device records (the H200's, and the H100's
-where no H200 was lent: the table names the card) against the floor run as one step, read
-from the committed records, loose and archived (no GPU).
+where no H200 was lent: the table names the card, and by its UUID's end where the record
+keeps one) against the floor run as one step, read from the committed records, loose and
+archived (no GPU).
 
 At the H200's 700 W cap a step's speed is its energy: a step that does more work per
 microsecond runs at a lower SM clock. Each floor-relative suite (``layer_train``,
@@ -93,6 +94,8 @@ def main(argv=None) -> None:
         if run < args.first_run:
             continue
         card = name.split("_")[1]  # (the file name's: h200, h100, ...)
+        uuid = record.get("card", {}).get("uuid")  # (recorded since session 89)
+        card += f" {uuid[-8:]}" if uuid else ""  # which card: runs on one model differ by it
         for suite, d, row, r in table(record, wanted):
             print(
                 f"| {run} | {card} | {record.get('commit', '?')} | {suite} | {d} | {row} "

@@ -547,8 +547,8 @@ def test_the_layer_benchmarks_hf_form_is_codas_layer(monkeypatch, post_norms):
 
 def test_records_energy_lists_every_record_with_its_card(monkeypatch, capsys):
     """``records_energy``'s table: every record ``benchmarks.records`` yields (loose or
-    archived), in run order from ``first_run``, each row naming its card; a record of no
-    floor-relative suite gives no row."""
+    archived), in run order from ``first_run``, each row naming its card (by its UUID's end
+    where the record keeps one); a record of no floor-relative suite gives no row."""
     from benchmarks import records_energy as re_
 
     def row(name, ms):
@@ -558,12 +558,15 @@ def test_records_energy_lists_every_record_with_its_card(monkeypatch, capsys):
     kept = [
         ("2026-12-06_h100_run12.json", {**timed, "commit": "b"}),
         ("2026-12-01_h200x2_fsdp2_run3.json", {"result": {}}),
-        ("2026-12-04_h200_run5.json", {**timed, "commit": "a"}),
+        (
+            "2026-12-04_h200_run5.json",
+            {**timed, "commit": "a", "card": {"uuid": "GPU-0123456789ab"}},
+        ),
         ("2026-12-04_h200_run1.json", {**timed, "commit": "old"}),
     ]
     monkeypatch.setattr(re_.records, "every", lambda: iter(kept))
     re_.main(["2", "--rows", "coda"])
     out = capsys.readouterr().out.splitlines()
     rows = [ln.split(" | ") for ln in out[2:]]
-    assert [r[:3] for r in rows] == [["| 5", "h200", "a"], ["| 12", "h100", "b"]]
+    assert [r[:3] for r in rows] == [["| 5", "h200 456789ab", "a"], ["| 12", "h100", "b"]]
     assert rows[0][6:10] == ["1.100", "1500 / 1500", "1.100", "1.100"]
