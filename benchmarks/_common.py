@@ -183,6 +183,12 @@ def bench_long(fn) -> dict:
     return bench(fn, warmup_ms=100, rep_ms=1500)
 
 
+def smi_id() -> str:
+    """The GPU torch calls device 0, as ``nvidia-smi --id`` names it: the first of
+    ``CUDA_VISIBLE_DEVICES`` (an index or a UUID), else 0."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+
+
 class GpuClock:
     """The GPU's SM clock (MHz) and power draw (W) sampled by ``nvidia-smi`` every 20 ms while
     the block runs (read only: the card's settings are never touched); ``medians()`` after
@@ -193,10 +199,9 @@ class GpuClock:
     def __enter__(self):
         self.proc, self.lines = None, []
         if shutil.which("nvidia-smi") and torch.cuda.is_available():
-            index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
             query = ["--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
             self.proc = subprocess.Popen(
-                ["nvidia-smi", f"--id={index}", *query, "-lms", "20"],
+                ["nvidia-smi", f"--id={smi_id()}", *query, "-lms", "20"],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 text=True,
@@ -233,13 +238,12 @@ def card() -> dict:
     start, read once from ``nvidia-smi`` (read only); {} where it is missing or gave nothing.
     Why: two records of one commit on one GPU model may differ by a card's power and
     thermals, and without its identity a record cannot say whether two runs shared a card."""
-    index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
     if not shutil.which("nvidia-smi"):
         return {}
     query = f"--query-gpu={','.join(CARD_FIELDS)}"
     try:
         out = subprocess.run(
-            ["nvidia-smi", f"--id={index}", query, "--format=csv,noheader,nounits"],
+            ["nvidia-smi", f"--id={smi_id()}", query, "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=20, check=True,
         ).stdout  # fmt: skip
     except (OSError, subprocess.SubprocessError):
