@@ -43,13 +43,11 @@ R252, R254, R255, R256, R257, R258, R259, R260, R261 = (
 R266, R267, R271, R273 = (
     f"2026-12-04_h200_run{n}.json" for n in (266, 267, 271, 273)
 )  # mixed precision
-R272, R276 = "2026-12-04_h200_run272.json", "2026-12-04_h200_run276.json"
 R293 = "2026-12-05_h200_run293.json"  # the soft-capped LM head (CE-S as "coda_scaled_exp")
 R296 = "2026-12-05_h200_run296.json"  # Gemma-3-1B's loss alone, beside Liger's patch
 R297 = "2026-12-05_h100_run297.json"  # on an H100: Gemma-3-1B's loss alone, the stack compiled
-R353, R354, R355 = (  # session 89: the layer at d=2048 (355), d=4096 (354); the LM head
-    f"2026-12-06_h200_run{n}.json" for n in (353, 354, 355)
-)  # at d=4096 (353), d=2048 (354)
+# session 89: the layer at d=2048 (355) and d=4096 (354), the LM head at d=4096 (353) and 2048 (354)
+R353, R354, R355 = (f"2026-12-06_h200_run{n}.json" for n in (353, 354, 355))
 R340 = "2026-12-06_h100_run340.json"  # on an H100: Llama-3.2-1B and Qwen3-0.6B patched
 R306 = "2026-12-05_h100_run306.json"  # on an H100: Gemma-3-1B with coda's layers
 R29 = "2026-12-01_h200x2_fsdp2_run29.json"  # FSDP2 on two H200s: fsdp_step.py's own record
